@@ -1,0 +1,135 @@
+// ns_bench: direct vs Gram Newton-Schulz, per shape, in one run.
+//
+// Prints, per shape: the median time of direct and Gram NS (5 steps, Polar Express x1.05, Gram
+// restarts {2}), their ratio, the effective GFLOP/s of each (plain-GEMM FLOP counts of
+// NEWTON_SCHULZ.md §5) next to ATen's own matmul rate measured in the same run on the same shape
+// (X X^T), and the accuracy of both against a float64 reference.
+//
+//   usage: ns_bench [--reps N] [--dtype f32|bf16|f16] [--device cpu|cuda] [--shapes 512x512,...]
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dmuon/newton_schulz.h"
+
+#if DMUON_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
+namespace {
+
+struct Shape {
+  int64_t m, n;
+};
+
+void sync(const at::Device& d) {
+#if DMUON_WITH_CUDA
+  if (d.is_cuda()) at::cuda::getCurrentCUDAStream().synchronize();
+#else
+  (void)d;
+#endif
+}
+
+double median_seconds(const std::function<void()>& fn, int reps, const at::Device& dev) {
+  fn();  // warm-up
+  sync(dev);
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    fn();
+    sync(dev);
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+double rel(const at::Tensor& a, const at::Tensor& b) {
+  at::Tensor A = a.to(at::kDouble).cpu(), B = b.to(at::kDouble).cpu();
+  return (A - B).norm().item<double>() / B.norm().item<double>();
+}
+
+std::vector<Shape> parse_shapes(const std::string& s) {
+  std::vector<Shape> out;
+  size_t pos = 0;
+  while (pos < s.size()) {
+    size_t comma = s.find(',', pos);
+    std::string item = s.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    size_t x = item.find('x');
+    if (x == std::string::npos) {
+      std::fprintf(stderr, "error: bad shape '%s' (expected MxN)\n", item.c_str());
+      std::exit(2);
+    }
+    out.push_back({std::stoll(item.substr(0, x)), std::stoll(item.substr(x + 1))});
+    if (comma == std::string::npos) break;
+    pos = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 5;
+  std::string dtype = "f32", device = "cpu";
+  std::vector<Shape> shapes = {{512, 512}, {512, 2048}, {1024, 4096}, {2048, 2048}, {4096, 1024}};
+  for (int i = 1; i < argc; ++i) {
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "error: %s needs a value\n", argv[i]);
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (!std::strcmp(argv[i], "--reps")) reps = std::stoi(next());
+    else if (!std::strcmp(argv[i], "--dtype")) dtype = next();
+    else if (!std::strcmp(argv[i], "--device")) device = next();
+    else if (!std::strcmp(argv[i], "--shapes")) shapes = parse_shapes(next());
+    else {
+      std::fprintf(stderr, "usage: ns_bench [--reps N] [--dtype f32|bf16|f16] [--device cpu|cuda] [--shapes MxN,...]\n");
+      return 2;
+    }
+  }
+  const at::ScalarType dt = dtype == "bf16" ? at::kBFloat16 : dtype == "f16" ? at::kHalf : at::kFloat;
+  const at::Device dev(device == "cuda" ? at::kCUDA : at::kCPU);
+  std::printf("# ns_bench: %s, device %s, input %s, %d reps (median), PE x1.05 coefficients, Gram restarts {2}\n",
+              dmuon::get_ns_backend().c_str(), device.c_str(), dtype.c_str(), reps);
+  std::printf("%-11s %10s %10s %7s %7s %9s %9s %9s %8s %8s %9s %9s\n", "shape", "direct_ms", "gram_ms", "g/d", "theory",
+              "mm_GF/s", "dir_GF/s", "gram_GF/s", "dir/mm", "gram/mm", "err_dir", "err_gram");
+  at::manual_seed(0);
+  for (const auto& s : shapes) {
+    const double m = std::min(s.m, s.n), n = std::max(s.m, s.n);
+    at::Tensor G = at::randn({s.m, s.n}, at::TensorOptions().dtype(at::kFloat).device(dev)).to(dt);
+    // matmul rate on the shape's own Gram product, in the NS compute dtype
+    // default compute dtypes: fp32 on CPU; on CUDA bf16 (direct) / fp16 (Gram) -- rate taken in bf16
+    const at::ScalarType cdt = dev.is_cuda() ? at::kBFloat16 : at::kFloat;
+    at::Tensor X = (s.m > s.n ? G.t() : G).to(cdt).contiguous();
+    const double t_mm = median_seconds([&] { at::mm(X, X.t()); }, reps, dev);
+    const double mm_rate = 2.0 * m * m * n / t_mm / 1e9;
+
+    at::Tensor out_d, out_g;
+    dmuon::NsOptions forced;
+    forced.force_gram = true;
+    const double t_d = median_seconds([&] { out_d = dmuon::direct_newton_schulz(G); }, reps, dev);
+    const double t_g = median_seconds([&] { out_g = dmuon::gram_newton_schulz(G, forced); }, reps, dev);
+    const double flops_d = 20 * m * m * n + 10 * m * m * m;  // plain GEMMs, T = 5
+    const double flops_g = 8 * m * m * n + 28 * m * m * m;   // Gram, restart {2}, T = 5
+    const at::Tensor ref = dmuon::direct_newton_schulz(G.to(at::kDouble).cpu());
+    std::printf("%-11s %10.2f %10.2f %7.3f %7.3f %9.1f %9.1f %9.1f %8.2f %8.2f %9.2e %9.2e\n",
+                (std::to_string(s.m) + "x" + std::to_string(s.n)).c_str(), t_d * 1e3, t_g * 1e3, t_g / t_d,
+                flops_g / flops_d, mm_rate, flops_d / t_d / 1e9, flops_g / t_g / 1e9, flops_d / t_d / 1e9 / mm_rate,
+                flops_g / t_g / 1e9 / mm_rate, rel(out_d, ref), rel(out_g, ref));
+    std::fflush(stdout);
+  }
+  std::printf("# g/d: Gram time / direct time (square shapes: the library dispatches Gram to direct; the row\n"
+              "# times the Gram algorithm itself). theory: plain-GEMM FLOP ratio. dir/mm, gram/mm: effective\n"
+              "# NS rate over the matmul rate measured above. err_*: relative Frobenius error vs float64 direct NS.\n");
+  return 0;
+}

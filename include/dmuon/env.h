@@ -1,0 +1,26 @@
+// env.h -- the one place dmuon reads its environment variables (the seed's names and meanings).
+//
+// Each getter reads the variable on every call (cheap; lets tests set and unset them) and returns
+// "" / nullopt when unset. Values are validated by the code that uses them, which names the
+// variable in its error message.
+#pragma once
+
+#include <optional>
+#include <string>
+
+namespace dmuon::env {
+
+std::string owner_strategy();               // DMUON_OWNER_STRATEGY: "lpt" | "round_robin" | "rank0"
+std::string owner_cost_model();             // DMUON_OWNER_COST_MODEL: "optimizer" | "numel"
+std::optional<bool> hsdp_column_balance();  // DMUON_HSDP_COLUMN_BALANCE: 0/1, true/false
+std::optional<bool> pack_small_params();    // DMUON_OWNER_PACK_SMALL_PARAMS: 0/1, true/false
+std::string ns_kernel();                    // DMUON_NS_KERNEL: "auto" | "cublas" | "syrk"
+std::string process_group_policy();         // DMUON_PROCESS_GROUP_POLICY: "isolated" | "shared"
+bool isolated_pg_barrier();                 // DMUON_ISOLATED_PG_BARRIER=1: strict post-step fence
+bool record_forward_profile();              // DMUON_RECORD_FORWARD_PROFILE=1
+
+// Parses a boolean flag value ("1", "0", "true", "false", "on", "off", "yes", "no", any case).
+// Throws std::invalid_argument naming `var` and the value when it is none of those.
+bool parse_bool(const std::string& var, const std::string& value);
+
+}  // namespace dmuon::env

@@ -1,0 +1,166 @@
+// GEMM building blocks, SYRK paths and the NS backend status.
+#include "ns/kernels.h"
+
+#include <c10/util/Exception.h>
+
+#include <sstream>
+
+#include "dmuon/env.h"
+
+#if DMUON_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/Exceptions.h>
+#endif
+
+#if DMUON_HAVE_CPU_BLAS
+extern "C" {
+void ssyrk_(const char* uplo, const char* trans, const int* n, const int* k, const float* alpha, const float* a,
+            const int* lda, const float* beta, float* c, const int* ldc);
+void dsyrk_(const char* uplo, const char* trans, const int* n, const int* k, const double* alpha, const double* a,
+            const int* lda, const double* beta, double* c, const int* ldc);
+}
+#endif
+
+namespace dmuon::detail::kernels {
+
+at::Tensor mm(const at::Tensor& A, const at::Tensor& B) { return A.dim() == 2 ? at::mm(A, B) : at::bmm(A, B); }
+
+at::Tensor addmm(const at::Tensor& C, const at::Tensor& A, const at::Tensor& B, double beta, double alpha) {
+  return A.dim() == 2 ? at::addmm(C, A, B, beta, alpha) : at::baddbmm(C, A, B, beta, alpha);
+}
+
+namespace {
+
+// The SYRK kernels fill one triangle; mirror it so the result is exactly symmetric.
+// Row-major lower triangle valid on entry.
+at::Tensor mirror_lower(const at::Tensor& C) { return C.tril().add_(C.tril(-1).transpose(0, 1)); }
+
+#if DMUON_HAVE_CPU_BLAS
+template <typename T, typename Fn>
+at::Tensor cpu_syrk_impl(const at::Tensor& X, Fn fn) {
+  const at::Tensor Xc = X.contiguous();
+  const int m = static_cast<int>(Xc.size(0)), k = static_cast<int>(Xc.size(1));
+  at::Tensor C = at::empty({m, m}, Xc.options());
+  const T one = 1, zero = 0;
+  const char uplo = 'U', trans = 'T';
+  // Row-major X[m,k] is the column-major k x m matrix Xt (ld k); X X^T = Xt^T Xt. The column-major
+  // upper triangle is the row-major lower triangle.
+  fn(&uplo, &trans, &m, &k, &one, Xc.data_ptr<T>(), &k, &zero, C.data_ptr<T>(), &m);
+  return mirror_lower(C);
+}
+#endif
+
+#if DMUON_WITH_CUDA
+at::Tensor cuda_syrk(const at::Tensor& X) {
+  const at::Tensor Xc = X.contiguous();
+  const int m = static_cast<int>(Xc.size(0)), k = static_cast<int>(Xc.size(1));
+  at::Tensor C = at::empty({m, m}, Xc.options());
+  cublasHandle_t h = at::cuda::getCurrentCUDABlasHandle();  // bound to the current stream
+  if (Xc.scalar_type() == at::kFloat) {
+    const float one = 1, zero = 0;
+    TORCH_CUDABLAS_CHECK(cublasSsyrk(h, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_T, m, k, &one, Xc.data_ptr<float>(), k,
+                                     &zero, C.data_ptr<float>(), m));
+  } else {
+    const double one = 1, zero = 0;
+    TORCH_CUDABLAS_CHECK(cublasDsyrk(h, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_T, m, k, &one, Xc.data_ptr<double>(), k,
+                                     &zero, C.data_ptr<double>(), m));
+  }
+  return mirror_lower(C);
+}
+#endif
+
+bool syrk_supports(const at::Tensor& X) {
+  const bool f = X.scalar_type() == at::kFloat || X.scalar_type() == at::kDouble;
+  if (!f || X.dim() != 2) return false;
+  if (X.is_cuda()) return cuda_syrk_available();
+  return X.device().is_cpu() && cpu_blas_syrk_available();
+}
+
+}  // namespace
+
+bool cpu_blas_syrk_available() { return DMUON_HAVE_CPU_BLAS != 0; }
+
+bool cuda_syrk_available() {
+#if DMUON_WITH_CUDA
+  return at::cuda::is_available();
+#else
+  return false;
+#endif
+}
+
+at::Tensor gram(const at::Tensor& X, const std::string& kernel) {
+  if (kernel == "syrk" && syrk_supports(X)) {
+#if DMUON_WITH_CUDA
+    if (X.is_cuda()) return cuda_syrk(X);
+#endif
+#if DMUON_HAVE_CPU_BLAS
+    if (X.scalar_type() == at::kFloat) return cpu_syrk_impl<float>(X, ssyrk_);
+    return cpu_syrk_impl<double>(X, dsyrk_);
+#endif
+  }
+  return kernels::mm(X, X.transpose(-2, -1));
+}
+
+void validate_kernel_name(const std::string& kernel, const char* who) {
+  TORCH_CHECK(kernel == "auto" || kernel == "cublas" || kernel == "syrk", who, ": unknown kernel '", kernel,
+              "'. Use \"auto\" (platform choice, overridable by DMUON_NS_KERNEL), \"cublas\" (plain GEMMs, "
+              "bit-exact across runs) or \"syrk\" (symmetric rank-k update for X X^T).");
+}
+
+std::string resolve_kernel_for(const std::string& requested, c10::DeviceType device) {
+  validate_kernel_name(requested, "newton_schulz");
+  if (requested != "auto") return requested;
+  const std::string env = env::ns_kernel();
+  if (!env.empty() && env != "auto") {
+    validate_kernel_name(env, "DMUON_NS_KERNEL");
+    return env;
+  }
+  // Measured (docs/PERF.md): the plain GEMM path is at least as fast as SYRK + mirror on the
+  // CPU BLAS this project builds with, and on CUDA the default compute dtype (fp16) has no cuBLAS
+  // SYRK. So "auto" is the plain path everywhere; "syrk" is opt-in.
+  (void)device;
+  return "cublas";
+}
+
+std::string resolve_kernel(const std::string& requested, const at::Tensor& X) {
+  std::string k = resolve_kernel_for(requested, X.device().type());
+  if (k == "syrk" && !syrk_supports(X)) k = "cublas";
+  return k;
+}
+
+}  // namespace dmuon::detail::kernels
+
+namespace dmuon {
+
+BackendStatus get_backend_status() {
+  BackendStatus s;
+#if DMUON_WITH_CUDA
+  s.cuda_available = at::cuda::is_available();
+  if (s.cuda_available) {
+    const auto* prop = at::cuda::getCurrentDeviceProperties();
+    s.sm_version = prop->major * 10 + prop->minor;
+    s.device = "cuda:" + std::to_string(at::cuda::current_device());
+  }
+#endif
+  if (s.device.empty()) s.device = "cpu";
+  s.cublas_syrk_available = detail::kernels::cuda_syrk_available();
+  s.cpu_blas_syrk_available = detail::kernels::cpu_blas_syrk_available();
+  s.env_override = env::ns_kernel();
+  s.auto_choice = detail::kernels::resolve_kernel_for(
+      "auto", s.cuda_available ? c10::DeviceType::CUDA : c10::DeviceType::CPU);
+  return s;
+}
+
+std::string get_ns_backend() {
+  const BackendStatus s = get_backend_status();
+  std::ostringstream o;
+  o << "Gram NS · kernel=" << s.auto_choice << " (";
+  if (s.sm_version > 0)
+    o << "SM" << s.sm_version;
+  else
+    o << "CPU";
+  o << ", " << (s.auto_choice == "syrk" ? "symmetric rank-k Gram products" : "universal plain-GEMM path") << ")";
+  return o.str();
+}
+
+}  // namespace dmuon

@@ -1,0 +1,40 @@
+// The one place dmuon reads environment variables. LibTorch-free (part of dmuon_plan, the lowest
+// target) so the planner, the NS kernels and the runtime all read through it.
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <stdexcept>
+
+#include "dmuon/env.h"
+
+namespace dmuon::env {
+namespace {
+std::string get(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::string(v) : std::string();
+}
+std::optional<bool> get_bool(const char* name) {
+  const std::string v = get(name);
+  if (v.empty()) return std::nullopt;
+  return parse_bool(name, v);
+}
+}  // namespace
+
+bool parse_bool(const std::string& var, const std::string& value) {
+  std::string v = value;
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
+  if (v == "0" || v == "false" || v == "off" || v == "no") return false;
+  throw std::invalid_argument(var + "='" + value + "' is not a boolean; use 1/0, true/false, on/off or yes/no");
+}
+
+std::string owner_strategy() { return get("DMUON_OWNER_STRATEGY"); }
+std::string owner_cost_model() { return get("DMUON_OWNER_COST_MODEL"); }
+std::optional<bool> hsdp_column_balance() { return get_bool("DMUON_HSDP_COLUMN_BALANCE"); }
+std::optional<bool> pack_small_params() { return get_bool("DMUON_OWNER_PACK_SMALL_PARAMS"); }
+std::string ns_kernel() { return get("DMUON_NS_KERNEL"); }
+std::string process_group_policy() { return get("DMUON_PROCESS_GROUP_POLICY"); }
+bool isolated_pg_barrier() { return get_bool("DMUON_ISOLATED_PG_BARRIER").value_or(false); }
+bool record_forward_profile() { return get_bool("DMUON_RECORD_FORWARD_PROFILE").value_or(false); }
+
+}  // namespace dmuon::env

@@ -1,0 +1,397 @@
+// Newton-Schulz kernels against a float64 SVD reference U f(S) V^T (shared/docs/NEWTON_SCHULZ.md §8).
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "dmuon/newton_schulz.h"
+#include "support/multirank.h"
+
+namespace dmuon {
+namespace {
+
+// ---- float64 reference -----------------------------------------------------------------------
+at::Tensor reference_ns(const at::Tensor& G, const Coefficients& coeffs, double eps = kDefaultNsEps) {
+  at::Tensor g = G.to(at::kDouble);
+  auto [U, S, Vh] = at::linalg_svd(g, /*full_matrices=*/false);
+  at::Tensor x = S / (g.norm().item<double>() + eps);
+  for (const auto& [a, b, c] : coeffs) {
+    at::Tensor x2 = x * x;
+    x = x * (a + b * x2 + c * x2 * x2);
+  }
+  return at::matmul(U * x.unsqueeze(-2), Vh);
+}
+
+double rel(const at::Tensor& a, const at::Tensor& b) {
+  at::Tensor A = a.to(at::kDouble), B = b.to(at::kDouble);
+  const double nb = B.norm().item<double>();
+  return (A - B).norm().item<double>() / (nb > 0 ? nb : 1.0);
+}
+
+// Random orthogonal factor via QR.
+at::Tensor orthogonal(int64_t n, int64_t k) {
+  auto [q, r] = at::linalg_qr(at::randn({n, k}, at::kDouble));
+  return q;
+}
+
+enum class Spectrum { Gauss, IllCond, RankDeficient };
+
+at::Tensor make_input(int64_t m, int64_t n, Spectrum s) {
+  if (s == Spectrum::Gauss) return at::randn({m, n}, at::kDouble);
+  const int64_t k = std::min(m, n);
+  at::Tensor U = orthogonal(m, k), V = orthogonal(n, k);
+  at::Tensor sv;
+  if (s == Spectrum::IllCond) {
+    sv = at::logspace(0, -6, k, 10.0, at::kDouble);  // 1 ... 1e-6
+  } else {
+    sv = at::zeros({k}, at::kDouble);
+    const int64_t r = std::max<int64_t>(1, k / 8);
+    sv.narrow(0, 0, r).copy_(at::rand({r}, at::kDouble) + 0.5);
+  }
+  return at::matmul(U * sv.unsqueeze(0), V.transpose(0, 1));
+}
+
+const char* spectrum_name(Spectrum s) {
+  return s == Spectrum::Gauss ? "gauss" : s == Spectrum::IllCond ? "illcond" : "rankdef";
+}
+
+struct Shape {
+  int64_t m, n;
+};
+const std::vector<Shape> kShapes = {{64, 64}, {128, 512}, {512, 128}, {96, 200}, {200, 96}, {3, 7}, {1, 5}, {33, 33}};
+
+NsOptions forced(NsOptions o) {
+  o.force_gram = true;
+  return o;
+}
+
+NsOptions steps_opts(int steps) {
+  NsOptions o;
+  o.steps = steps;
+  return o;
+}
+
+// ---- coefficients ------------------------------------------------------------------------------
+TEST(NewtonSchulzTest, PolarExpressCoefficientsAreExactWithSafetyFactorOnAllFive) {
+  const Coefficients expected = {
+      {7.892582874424408, -20.38301394587957, 13.555306149406924},
+      {3.911484868135431, -2.5464635929060884, 0.4268988319673074},
+      {3.760657955697423, -2.512819018216563, 0.4323647349070073},
+      {3.160399673686287, -2.149649518898498, 0.3996366907664389},
+      {2.1910971618617303, -1.441662010214663, 0.328146487623155},
+  };
+  ASSERT_EQ(POLAR_EXPRESS_COEFFICIENTS.size(), 5u);
+  for (size_t i = 0; i < 5; ++i)
+    for (int j = 0; j < 3; ++j) EXPECT_EQ(POLAR_EXPRESS_COEFFICIENTS[i][j], expected[i][j]) << "step " << i << " " << j;
+  EXPECT_EQ(POLAR_EXPRESS_UNMODIFIED_COEFFICIENTS[0][0], 8.28721201814563);
+  EXPECT_EQ(POLAR_EXPRESS_UNMODIFIED_COEFFICIENTS[4][2], 0.4188073119525673);
+}
+
+TEST(NewtonSchulzTest, YouCoefficientsAreExact) {
+  const Coefficients expected = {{4.0848, -6.8946, 2.9270}, {3.9505, -6.3029, 2.6377}, {3.7418, -5.5913, 2.3037},
+                                 {2.8769, -3.1427, 1.2046}, {2.8366, -3.0525, 1.2012}};
+  EXPECT_EQ(YOU_COEFFICIENTS, expected);
+}
+
+TEST(NewtonSchulzTest, StepsSelectPrefixOfDefaultsAndRepeatLast) {
+  NsOptions o;
+  o.steps = 3;
+  auto c = resolve_coefficients(o);
+  ASSERT_EQ(c.size(), 3u);
+  EXPECT_EQ(c[2], POLAR_EXPRESS_COEFFICIENTS[2]);
+  o.steps = 7;
+  c = resolve_coefficients(o);
+  ASSERT_EQ(c.size(), 7u);
+  EXPECT_EQ(c[6], POLAR_EXPRESS_COEFFICIENTS[4]);
+  o.coefficients = YOU_COEFFICIENTS;  // explicit list: its length wins
+  EXPECT_EQ(resolve_coefficients(o).size(), 5u);
+}
+
+// ---- float64 accuracy ------------------------------------------------------------------------
+TEST(NewtonSchulzTest, Float64BothFormsMatchSvdReferenceForAnyRestartSet) {
+  at::manual_seed(1);
+  const std::vector<std::vector<int>> restart_sets = {{}, {2}, {1, 3}, {1, 2, 3, 4}};
+  for (const auto& shape : kShapes) {
+    for (Spectrum s : {Spectrum::Gauss, Spectrum::IllCond, Spectrum::RankDeficient}) {
+      at::Tensor G = make_input(shape.m, shape.n, s);
+      for (const Coefficients* coeffs : {&POLAR_EXPRESS_COEFFICIENTS, &YOU_COEFFICIENTS}) {
+        const at::Tensor ref = reference_ns(G, *coeffs);
+        NsOptions o;
+        o.coefficients = *coeffs;
+        const at::Tensor d = direct_newton_schulz(G, o);
+        EXPECT_LE(rel(d, ref), 1e-10) << "direct " << shape.m << "x" << shape.n << " " << spectrum_name(s);
+        for (const auto& rs : restart_sets) {
+          o.restart_iterations = rs;
+          const at::Tensor g = gram_newton_schulz(G, forced(o));
+          EXPECT_LE(rel(g, ref), 1e-10) << "gram " << shape.m << "x" << shape.n << " " << spectrum_name(s)
+                                        << " restarts=" << rs.size();
+          EXPECT_LE(rel(g, d), 1e-10) << "direct vs gram " << shape.m << "x" << shape.n;
+        }
+      }
+    }
+  }
+}
+
+TEST(NewtonSchulzTest, OutputSingularValuesStayBelowSupOfComposedPolynomial) {
+  at::manual_seed(2);
+  for (auto s : {Spectrum::Gauss, Spectrum::IllCond}) {
+    at::Tensor G = make_input(128, 512, s).to(at::kFloat);
+    at::Tensor W = newton_schulz(G);
+    const double smax = at::linalg_svdvals(W.to(at::kDouble)).max().item<double>();
+    EXPECT_LE(smax, 1.123559 + 1e-4) << spectrum_name(s);
+    EXPECT_GT(smax, 1.0);
+  }
+}
+
+// ---- float32 accuracy (§8) -------------------------------------------------------------------------
+TEST(NewtonSchulzTest, Float32WithinDocumentedBounds) {
+  at::manual_seed(3);
+  for (const auto& shape : std::vector<Shape>{{128, 512}, {512, 128}, {64, 64}, {256, 300}}) {
+    for (Spectrum s : {Spectrum::Gauss, Spectrum::IllCond, Spectrum::RankDeficient}) {
+      at::Tensor G64 = make_input(shape.m, shape.n, s);
+      at::Tensor G = G64.to(at::kFloat);
+      const at::Tensor ref = reference_ns(G.to(at::kDouble), POLAR_EXPRESS_COEFFICIENTS);
+      const double bound = s == Spectrum::Gauss ? 1e-4 : 2e-3;
+      const at::Tensor d = direct_newton_schulz(G);
+      const at::Tensor g = gram_newton_schulz(G);
+      EXPECT_EQ(d.scalar_type(), at::kFloat);
+      EXPECT_EQ(g.scalar_type(), at::kFloat);
+      EXPECT_LE(rel(d, ref), bound) << "direct " << shape.m << "x" << shape.n << " " << spectrum_name(s);
+      EXPECT_LE(rel(g, ref), bound) << "gram " << shape.m << "x" << shape.n << " " << spectrum_name(s);
+      EXPECT_LE(rel(g, d), bound) << "direct vs gram " << shape.m << "x" << shape.n << " " << spectrum_name(s);
+    }
+  }
+}
+
+TEST(NewtonSchulzTest, BFloat16DirectWithinHalfPrecisionBound) {
+  at::manual_seed(4);
+  at::Tensor G = at::randn({64, 256});
+  const at::Tensor ref = reference_ns(G.to(at::kDouble), POLAR_EXPRESS_COEFFICIENTS);
+  NsOptions o;
+  o.compute_dtype = at::kBFloat16;
+  at::Tensor d = direct_newton_schulz(G.to(at::kBFloat16), o);
+  EXPECT_EQ(d.scalar_type(), at::kBFloat16);
+  EXPECT_LE(rel(d, ref), 5e-2);
+  // nuclear-gap criterion: |gap(W) - gap(ref)| <= 5e-3 with gap(W) = 1 - <G, W> / |G|_*
+  const double nuc = at::linalg_svdvals(G.to(at::kDouble)).sum().item<double>();
+  auto gap = [&](const at::Tensor& W) { return 1.0 - (G.to(at::kDouble) * W.to(at::kDouble)).sum().item<double>() / nuc; };
+  EXPECT_LE(std::abs(gap(d) - gap(ref)), 5e-3);
+}
+
+// ---- invariants ---------------------------------------------------------------------------------
+TEST(NewtonSchulzTest, ZeroInputGivesExactZero) {
+  for (const auto& shape : kShapes) {
+    at::Tensor Z = at::zeros({shape.m, shape.n});
+    EXPECT_TRUE(at::equal(newton_schulz(Z), Z));
+    EXPECT_TRUE(at::equal(direct_newton_schulz(Z), Z));
+  }
+}
+
+TEST(NewtonSchulzTest, TransposeCommutes) {
+  at::manual_seed(5);
+  for (const auto& shape : kShapes) {
+    at::Tensor G = at::randn({shape.m, shape.n}, at::kDouble);
+    EXPECT_LE(rel(gram_newton_schulz(G.t()), gram_newton_schulz(G).t()), 1e-12) << shape.m << "x" << shape.n;
+    EXPECT_LE(rel(direct_newton_schulz(G.t()), direct_newton_schulz(G).t()), 1e-12);
+  }
+}
+
+TEST(NewtonSchulzTest, PositiveScaleInvariantUpToEps) {
+  at::manual_seed(6);
+  at::Tensor G = at::randn({70, 70}, at::kDouble);  // |G|_F ~ 70
+  for (double s : {0.5, 3.0, 1000.0}) EXPECT_LE(rel(newton_schulz(G * s), newton_schulz(G)), 1e-7) << s;
+}
+
+TEST(NewtonSchulzTest, ShapeAndDtypePreserved) {
+  for (auto dt : {at::kFloat, at::kDouble, at::kBFloat16}) {
+    at::Tensor G = at::randn({12, 20}).to(dt);
+    at::Tensor W = newton_schulz(G);
+    EXPECT_EQ(W.sizes(), G.sizes());
+    EXPECT_EQ(W.scalar_type(), dt);
+    EXPECT_TRUE(W.is_contiguous());
+  }
+}
+
+TEST(NewtonSchulzTest, BatchEqualsPerMatrix) {
+  at::manual_seed(7);
+  for (auto shape : std::vector<Shape>{{16, 40}, {40, 16}, {24, 24}}) {
+    at::Tensor B = at::randn({2, 3, shape.m, shape.n}, at::kDouble);
+    at::Tensor out_g = gram_newton_schulz(B), out_d = direct_newton_schulz(B);
+    ASSERT_EQ(out_g.sizes(), B.sizes());
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 3; ++j) {
+        EXPECT_LE(rel(out_g[i][j], gram_newton_schulz(B[i][j])), 1e-13);
+        EXPECT_LE(rel(out_d[i][j], direct_newton_schulz(B[i][j])), 1e-13);
+        EXPECT_LE(rel(out_g[i][j], reference_ns(B[i][j], POLAR_EXPRESS_COEFFICIENTS)), 1e-10);
+      }
+  }
+}
+
+TEST(NewtonSchulzTest, SquareInputUsesDirectForm) {
+  at::manual_seed(8);
+  at::Tensor G = at::randn({48, 48});
+  EXPECT_TRUE(at::equal(gram_newton_schulz(G), direct_newton_schulz(G)));
+  EXPECT_TRUE(at::equal(newton_schulz(G), direct_newton_schulz(G)));
+}
+
+// ---- factors -------------------------------------------------------------------------------------
+TEST(NewtonSchulzTest, FactorSegmentsReproduceGramBitForBit) {
+  at::manual_seed(9);
+  for (auto shape : std::vector<Shape>{{32, 96}, {96, 32}, {20, 21}}) {
+    for (const auto& rs : std::vector<std::vector<int>>{{}, {2}, {1, 3}, {1, 2, 3, 4}}) {
+      for (auto dt : {at::kFloat, at::kDouble}) {
+        at::Tensor G = at::randn({shape.m, shape.n}).to(dt);
+        NsOptions o;
+        o.restart_iterations = rs;
+        GramFactors f = gram_newton_schulz_factors(G, o);
+        EXPECT_EQ(f.segments.size(), rs.size() + 1);
+        EXPECT_EQ(f.transposed, shape.m > shape.n);
+        const int64_t k = std::min(shape.m, shape.n);
+        for (const auto& seg : f.segments) EXPECT_EQ(seg.sizes(), (std::vector<int64_t>{k, k}));
+        EXPECT_NEAR(f.normalizer.item<double>(), G.to(at::kDouble).norm().item<double>() + 1e-7,
+                    dt == at::kDouble ? 1e-12 : 1e-4);
+        EXPECT_TRUE(at::equal(apply_gram_factors(G, f, o), gram_newton_schulz(G, forced(o))));
+      }
+    }
+  }
+  EXPECT_TRUE(at::equal(gram_newton_schulz_q(at::ones({3, 5})).segments[0],
+                        gram_newton_schulz_factors(at::ones({3, 5})).segments[0]));
+}
+
+// ---- kernels -------------------------------------------------------------------------------------
+TEST(NewtonSchulzTest, SyrkKernelMatchesPlainGemm) {
+  at::manual_seed(10);
+  for (auto dt : {at::kFloat, at::kDouble}) {
+    at::Tensor G = at::randn({64, 300}).to(dt);
+    NsOptions plain, syrk;
+    plain.kernel = "cublas";
+    syrk.kernel = "syrk";
+    const double tol = dt == at::kDouble ? 1e-12 : 1e-5;
+    EXPECT_LE(rel(gram_newton_schulz(G, syrk), gram_newton_schulz(G, plain)), tol);
+    EXPECT_LE(rel(direct_newton_schulz(G, syrk), direct_newton_schulz(G, plain)), tol);
+  }
+}
+
+TEST(NewtonSchulzTest, NewtonSchulzObjectAndBackendStatus) {
+  at::manual_seed(11);
+  at::Tensor G = at::randn({16, 48}, at::kDouble);
+  NewtonSchulz gram;
+  NewtonSchulz direct("direct");
+  EXPECT_LE(rel(gram.local(G), reference_ns(G, POLAR_EXPRESS_COEFFICIENTS)), 1e-10);
+  EXPECT_LE(rel(direct.local(G, 3), reference_ns(G, resolve_coefficients(steps_opts(3)))), 1e-10);
+  NewtonSchulz you("gram", "auto", YOU_COEFFICIENTS);
+  EXPECT_LE(rel(you.local(G), reference_ns(G, YOU_COEFFICIENTS)), 1e-10);
+  EXPECT_EQ(NewtonSchulz("gram", "auto", std::nullopt, std::nullopt, /*deterministic=*/true).options().kernel,
+            "cublas");
+  EXPECT_EQ(gram.describe().rfind("Gram NS · kernel=", 0), 0u);
+
+  const BackendStatus s = get_backend_status();
+  EXPECT_EQ(s.sm_version, 0);
+  EXPECT_EQ(s.device, "cpu");
+  EXPECT_TRUE(s.cublas_always_available);
+  EXPECT_EQ(s.auto_choice, "cublas");
+  EXPECT_NE(get_ns_backend().find("CPU"), std::string::npos);
+
+  setenv("DMUON_NS_KERNEL", "syrk", 1);
+  EXPECT_EQ(get_backend_status().auto_choice, "syrk");
+  EXPECT_EQ(NewtonSchulz().resolved_kernel(), "syrk");
+  EXPECT_EQ(NewtonSchulz("gram", "cublas").resolved_kernel(), "cublas");  // explicit kernel wins over env
+  setenv("DMUON_NS_KERNEL", "bogus", 1);
+  EXPECT_THROW(NewtonSchulz().resolved_kernel(), c10::Error);
+  unsetenv("DMUON_NS_KERNEL");
+}
+
+// ---- bad input -------------------------------------------------------------------------------------
+template <typename Fn>
+std::string error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+TEST(NewtonSchulzTest, BadInputGivesClearErrors) {
+  EXPECT_NE(error_of([] { newton_schulz(at::randn({5})); }).find("got a 1-D tensor"), std::string::npos);
+  EXPECT_NE(error_of([] { newton_schulz(at::randn({0, 5})); }).find("empty dimension"), std::string::npos);
+  EXPECT_NE(error_of([] { newton_schulz(at::ones({2, 3}, at::kInt)); }).find("unsupported dtype"), std::string::npos);
+  NsOptions empty;
+  empty.coefficients = Coefficients{};
+  EXPECT_NE(error_of([&] { newton_schulz(at::randn({4, 6}), empty); }).find("coefficient list is empty"),
+            std::string::npos);
+  NsOptions bad_restart;
+  bad_restart.restart_iterations = std::vector<int>{5};
+  EXPECT_NE(error_of([&] { gram_newton_schulz(at::randn({4, 6}), bad_restart); }).find("restart iteration 5 is out of range"),
+            std::string::npos);
+  bad_restart.restart_iterations = std::vector<int>{-1};
+  EXPECT_NE(error_of([&] { gram_newton_schulz(at::randn({4, 6}), bad_restart); }).find("out of range"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { NewtonSchulz("fast"); }).find("unknown backend 'fast'"), std::string::npos);
+  EXPECT_NE(error_of([] { NewtonSchulz("gram", "quack"); }).find("unknown kernel 'quack'"), std::string::npos);
+  NsOptions zero_steps;
+  zero_steps.steps = 0;
+  EXPECT_NE(error_of([&] { newton_schulz(at::randn({4, 6}), zero_steps); }).find("invalid steps"), std::string::npos);
+}
+
+TEST(NewtonSchulzTest, NonFiniteInputIsAnErrorUnlessCheckDisabled) {
+  at::Tensor G = at::randn({8, 12});
+  G[3][4] = std::nan("");
+  EXPECT_NE(error_of([&] { newton_schulz(G); }).find("NaN or Inf"), std::string::npos);
+  at::Tensor H = at::randn({8, 12});
+  H[0][0] = INFINITY;
+  EXPECT_NE(error_of([&] { direct_newton_schulz(H); }).find("NaN or Inf"), std::string::npos);
+  NsOptions o;
+  o.check_finite = false;
+  EXPECT_TRUE(at::isnan(newton_schulz(G, o)).all().item<bool>());
+}
+
+// ---- column-sharded Gram NS on Gloo ranks -------------------------------------------------------
+// Shards the oriented global matrix by columns across `world` ranks (uneven split allowed) and
+// checks every rank's output shard against the unsharded Gram result.
+void check_sharded(int world, int64_t rows, int64_t cols, std::vector<int> restarts, bool batched) {
+  at::manual_seed(100 + world);
+  const int64_t B = batched ? 3 : 1;
+  at::Tensor G = at::randn({B, rows, cols}, at::kDouble);
+  NsOptions o;
+  o.restart_iterations = restarts;
+  const at::Tensor full = gram_newton_schulz(G, forced(o));
+  const bool transposed = rows > cols;  // from the GLOBAL shape
+  const int64_t long_dim = transposed ? rows : cols;
+  std::vector<int64_t> starts(world + 1, 0);
+  for (int r = 0; r < world; ++r) starts[r + 1] = starts[r] + long_dim / world + (r < long_dim % world ? 1 : 0);
+  testing::run_ranks(world, [&](testing::RankContext& ctx) {
+    const int64_t s = starts[ctx.rank], len = starts[ctx.rank + 1] - starts[ctx.rank];
+    const int dim = transposed ? 1 : 2;  // tall: shard rows of G (= columns of G^T)
+    at::Tensor local = G.narrow(dim, s, len);
+    at::Tensor out = batched ? gram_newton_schulz_distributed_local_batched(local, ctx.pg, transposed, o)
+                             : gram_newton_schulz_distributed_local(local.squeeze(0), ctx.pg, transposed, o);
+    at::Tensor expect = full.narrow(dim, s, len);
+    if (!batched) expect = expect.squeeze(0);
+    const double err = rel(out, expect);
+    if (!(err <= 1e-11))
+      throw std::runtime_error("sharded mismatch " + std::to_string(err) + " on shard of " + std::to_string(len));
+  });
+}
+
+TEST(NewtonSchulzTest, ColumnShardedGramEqualsUnshardedOn2Ranks) {
+  check_sharded(2, 24, 80, {2}, false);
+  check_sharded(2, 80, 24, {1, 3}, false);
+}
+TEST(NewtonSchulzTest, ColumnShardedGramEqualsUnshardedOn3RanksUneven) {
+  check_sharded(3, 20, 61, {2}, false);
+  check_sharded(3, 61, 20, {}, false);
+}
+TEST(NewtonSchulzTest, ColumnShardedGramEqualsUnshardedOn4RanksOrientationFromGlobalShape) {
+  // 30 x 40 is wide globally, but each local shard 30 x 10 is tall: orientation must not flip.
+  check_sharded(4, 30, 40, {2}, false);
+  check_sharded(4, 40, 30, {2}, false);
+  check_sharded(4, 16, 64, {1, 2, 3, 4}, true);
+}
+
+}  // namespace
+}  // namespace dmuon
