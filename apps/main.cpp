@@ -5,8 +5,9 @@
 #include <vector>
 
 #include "plan_cmd.h"
-#ifndef DMUON_CLI_PLAN_ONLY
+#if !defined(DMUON_CLI_PLAN_ONLY) && __has_include("cli_commands.h")
 #include "cli_commands.h"
+#define DMUON_CLI_FULL 1
 #endif
 
 namespace {
@@ -14,7 +15,7 @@ void usage(std::ostream& o) {
   o << "usage: dmuon <command> [options]\n\n"
        "commands:\n"
        "  plan    plan Muon matrix owners for a model and cluster, offline (dmuon plan --help)\n"
-#ifndef DMUON_CLI_PLAN_ONLY
+#ifdef DMUON_CLI_FULL
        "  train   train a small GPT on N local ranks with dedicated-ownership Muon (dmuon train --help)\n"
        "  bench   measurement programs: `dmuon bench step` (dmuon bench --help)\n"
 #endif
@@ -30,7 +31,7 @@ int main(int argc, char** argv) {
   const std::string cmd = argv[1];
   std::vector<std::string> rest(argv + 2, argv + argc);
   if (cmd == "plan") return dmuon::cli::run_plan_command(rest, std::cout, std::cerr);
-#ifndef DMUON_CLI_PLAN_ONLY
+#ifdef DMUON_CLI_FULL
   if (cmd == "train") return dmuon::cli::run_train_command(rest, std::cout, std::cerr);
   if (cmd == "bench") return dmuon::cli::run_bench_command(rest, std::cout, std::cerr);
 #endif

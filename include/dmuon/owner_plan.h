@@ -63,10 +63,14 @@ struct PlanOptions {
 // distinct slots (layer concurrency) -- and a group that already uses `cap` distinct slots only
 // gets one of those. HSDP (R > 1) with hsdp_column_balance: first the shard column with the least
 // column cost among columns holding fewer than ceil(u / min(G, cap)) units of the group (if any),
-// then the least loaded eligible replicate in it. A deterministic refinement pass then moves or
-// swaps units off the most loaded slot while that strictly lowers it, keeping every constraint
-// (and, with column balance, staying inside a column). Greedy LPT alone guarantees
-// makespan <= 4/3 * optimum (Graham); the report compares with lower_bound / granularity_bound.
+// then the least loaded eligible replicate in it. A deterministic refinement pass then lowers the
+// most loaded slot while it can: moves, one-for-one and one-for-many swaps with another slot, and
+// (when those fail) chains that shed a unit to a third, lightly loaded slot -- always keeping every
+// constraint, and with column balance never raising the column makespan. It stops at the
+// granularity floor (within 5e-4), when nothing improves, or after a fixed count of candidate
+// evaluations (a count, not a clock, so the plan never depends on the machine). Without layer
+// constraints greedy LPT alone is within 4/3 of the optimum (Graham); measured results against
+// lower_bound / granularity_bound are in docs/PERF.md ("Owner planner").
 // "round_robin": units in model order to slots 0,1,2,... (a capped group reuses its slots).
 // "rank0": every unit on slot (0, 0). Both are ablations; their broken constraints are listed
 // in OwnerPlan::violations.
@@ -157,7 +161,9 @@ std::string default_boundary_of(const std::string& param_name);
 std::string format_fingerprint(uint64_t fingerprint);
 
 // Plan owners for `params` on a G x R slot grid. Throws std::invalid_argument for G or R < 1, an
-// empty or non-positive shape, or a bad option (message names the parameter/value).
+// empty or non-positive shape, or a bad option (message names the parameter/value); also for an
+// empty or repeated parameter name, elem_bytes < 1, or G*R above 2^24 slots. An empty `params`
+// gives a plan with G*R empty slots.
 OwnerPlan plan_owners(const std::vector<ParamSpec>& params, int shard_size, int replicate_size,
                       const PlanOptions& opts = {});
 

@@ -1,0 +1,105 @@
+#include "model/gpt.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+
+#include "dmuon/dedicate.h"
+
+namespace dmuon::models {
+
+int64_t GPTConfig::ffn_dim() const {
+  if (d_ff > 0) return d_ff;
+  const int64_t f = static_cast<int64_t>(std::llround(8.0 * d_model / 3.0));
+  return (f + 7) / 8 * 8;
+}
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight = register_parameter("weight", at::ones({dim}));
+}
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  return x * at::rsqrt(x.pow(2).mean({-1}, /*keepdim=*/true) + eps_) * weight;
+}
+
+namespace {
+torch::nn::Linear linear(int64_t in, int64_t out) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+}
+}  // namespace
+
+BlockImpl::BlockImpl(const GPTConfig& cfg) : n_heads_(cfg.n_heads) {
+  TORCH_CHECK(cfg.d_model % cfg.n_heads == 0, "GPT: d_model ", cfg.d_model, " is not divisible by n_heads ",
+              cfg.n_heads);
+  const int64_t d = cfg.d_model, f = cfg.ffn_dim();
+  attn_norm = register_module("attn_norm", RMSNorm(d, cfg.norm_eps));
+  q_proj = register_module("q_proj", linear(d, d));
+  k_proj = register_module("k_proj", linear(d, d));
+  v_proj = register_module("v_proj", linear(d, d));
+  o_proj = register_module("o_proj", linear(d, d));
+  mlp_norm = register_module("mlp_norm", RMSNorm(d, cfg.norm_eps));
+  gate_proj = register_module("gate_proj", linear(d, f));
+  up_proj = register_module("up_proj", linear(d, f));
+  down_proj = register_module("down_proj", linear(f, d));
+}
+
+at::Tensor BlockImpl::forward(const at::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2), H = n_heads_, Dh = D / H;
+  at::Tensor h = attn_norm(x);
+  auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, Dh}).transpose(1, 2); };
+  at::Tensor q = heads(q_proj(h)), k = heads(k_proj(h)), v = heads(v_proj(h));
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(Dh));
+  at::Tensor mask = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
+  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  at::Tensor attn = at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({B, T, D});
+  at::Tensor y = x + o_proj(attn);
+  at::Tensor m = mlp_norm(y);
+  return y + down_proj(at::silu(gate_proj(m)) * up_proj(m));
+}
+
+GPTImpl::GPTImpl(const GPTConfig& cfg) : cfg_(cfg) {
+  tok_emb = register_module("tok_emb", torch::nn::Embedding(cfg.vocab_size, cfg.d_model));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < cfg.n_layers; ++i) {
+    blocks.push_back(Block(cfg));
+    layers->push_back(blocks.back());
+  }
+  final_norm = register_module("final_norm", RMSNorm(cfg.d_model, cfg.norm_eps));
+  head = register_module("head", linear(cfg.d_model, cfg.vocab_size));
+  // GPT-2 style init: small normal weights.
+  at::NoGradGuard ng;
+  for (auto& p : named_parameters(true)) {
+    if (p.key().find("norm") != std::string::npos) continue;
+    p.value().normal_(0.0, 0.02);
+  }
+  frozen_blocks.assign(static_cast<size_t>(cfg.n_layers), false);
+}
+
+at::Tensor GPTImpl::forward(const at::Tensor& tokens) {
+  TORCH_CHECK(tokens.dim() == 2, "GPT: expected tokens [batch, seq], got shape ", tokens.sizes());
+  at::Tensor x = tok_emb(tokens);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (i < frozen_blocks.size() && frozen_blocks[i]) {
+      at::NoGradGuard ng;
+      x = dmuon::forward(blocks[i], x);
+    } else {
+      x = dmuon::forward(blocks[i], x);
+    }
+  }
+  return head(final_norm(x));
+}
+
+at::Tensor GPTImpl::loss(const at::Tensor& tokens) {
+  const int64_t T = tokens.size(1);
+  at::Tensor input = tokens.narrow(1, 0, T - 1), target = tokens.narrow(1, 1, T - 1);
+  at::Tensor logits = forward(input);
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}));
+}
+
+bool is_muon_matrix(const std::string& name, const at::Tensor& p) {
+  return p.dim() == 2 && name.rfind("layers.", 0) == 0;
+}
+
+}  // namespace dmuon::models

@@ -1,0 +1,441 @@
+// plan_cmd.cpp -- `dmuon plan`: load a model's parameter list, select the Muon targets, plan their
+// owners on a G x R grid and print a report or the whole plan as JSON (docs/PLAN_TOOL.md).
+#include "plan_cmd.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "dmuon/model_specs.h"
+#include "dmuon/owner_plan.h"
+
+namespace dmuon::cli {
+namespace {
+
+using nlohmann::json;
+
+// A usage error (exit code 2), as opposed to bad input data (exit code 1).
+struct UsageError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+std::string one_line(std::string s) {
+  for (char& c : s)
+    if (c == '\n' || c == '\r') c = ' ';
+  while (!s.empty() && s.back() == ' ') s.pop_back();
+  return s;
+}
+
+std::optional<bool> parse_flag_bool(const std::string& flag, const std::string& value) {
+  if (value.empty()) return std::nullopt;
+  std::string v = value;
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
+  if (v == "0" || v == "false" || v == "no" || v == "off") return false;
+  throw UsageError(flag + " expects true/false (or 1/0, yes/no, on/off), got '" + value + "'");
+}
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  while (std::fabs(b) >= 1024.0 && u < 5) {
+    b /= 1024.0;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", b, units[u]);
+  return buf;
+}
+
+std::string sci(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4e", v);
+  return buf;
+}
+
+std::string fixed(double v, int digits = 3) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+std::string coord(OwnerCoord c) {
+  return "(" + std::to_string(c.shard) + "," + std::to_string(c.replicate) + ")";
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string pad(std::string s, size_t w) {
+  if (s.size() < w) s.append(w - s.size(), ' ');
+  return s;
+}
+std::string lpad(std::string s, size_t w) {
+  if (s.size() < w) s.insert(0, w - s.size(), ' ');
+  return s;
+}
+
+struct Args {
+  std::string model_pos, model, hf_config, params_file;
+  bool list_models = false;
+  int shard = 8, replicate = 1;
+  std::string strategy, cost_model, column_balance, pack;
+  int max_owners = 0;
+  bool max_owners_set = false;
+  int64_t pack_threshold = 5'000'000;
+  int ns_steps = 5;
+  std::string dtype;
+  std::vector<std::string> include, exclude;
+  bool as_json = false;
+  int show_slots = 16;
+  int show_boundaries = 2;
+};
+
+json options_json(const ResolvedPlanOptions& o) {
+  return json{{"owner_strategy", o.owner_strategy},
+              {"owner_cost_model", o.owner_cost_model},
+              {"hsdp_column_balance", o.hsdp_column_balance},
+              {"pack_small_params", o.pack_small_params},
+              {"max_owners_per_group",
+               o.max_owners_per_group ? json(*o.max_owners_per_group) : json(nullptr)},
+              {"pack_threshold_numel", o.pack_threshold_numel},
+              {"ns_steps", o.ns_steps}};
+}
+
+json owner_json(OwnerCoord c) { return json::array({c.shard, c.replicate}); }
+
+json plan_json(const ModelSpec& model, const std::vector<ParamSpec>& params, const OwnerPlan& plan,
+               const CommPlan& comm) {
+  json j;
+  j["model"] = model.name;
+  j["shard_size"] = plan.shard_size;
+  j["replicate_size"] = plan.replicate_size;
+  j["num_slots"] = plan.num_slots();
+  j["options"] = options_json(plan.options);
+  json jp = json::array();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamSpec& p = params[i];
+    jp.push_back(json{{"name", p.name},
+                      {"shape", p.shape},
+                      {"elem_bytes", p.elem_bytes},
+                      {"bytes", p.bytes()},
+                      {"cost", param_cost(p, plan.options)},
+                      {"group", plan.groups[i]},
+                      {"boundary", default_boundary_of(p.name)},
+                      {"unit", plan.unit_of_param[i]},
+                      {"owner", owner_json(plan.owners[i])}});
+  }
+  j["params"] = std::move(jp);
+  std::vector<std::string> others;
+  for (const ParamSpec& p : model.params)
+    if (std::none_of(params.begin(), params.end(),
+                     [&](const ParamSpec& q) { return q.name == p.name; }))
+      others.push_back(p.name);
+  j["non_muon_params"] = others;
+  json ju = json::array();
+  for (size_t u = 0; u < plan.units.size(); ++u) {
+    const AllocationUnit& unit = plan.units[u];
+    ju.push_back(json{{"index", u},
+                      {"group", unit.group},
+                      {"params", unit.params},
+                      {"cost", unit.cost},
+                      {"bytes", unit.bytes},
+                      {"owner", owner_json(unit.owner)}});
+  }
+  j["units"] = std::move(ju);
+  json js = json::array();
+  for (size_t s = 0; s < plan.slots.size(); ++s) {
+    const SlotLoad& sl = plan.slots[s];
+    js.push_back(json{{"index", s},
+                      {"owner", owner_json(sl.owner)},
+                      {"cost", sl.cost},
+                      {"bytes", sl.bytes},
+                      {"units", sl.units},
+                      {"params", sl.params}});
+  }
+  j["slots"] = std::move(js);
+  j["column_cost"] = plan.column_cost;
+  j["column_bytes"] = plan.column_bytes;
+  j["total_cost"] = plan.total_cost;
+  j["total_bytes"] = plan.total_bytes;
+  j["makespan"] = plan.makespan;
+  j["lower_bound"] = plan.lower_bound;
+  j["granularity_bound"] = plan.granularity_bound;
+  j["imbalance"] = plan.imbalance();
+  j["violations"] = plan.violations;
+  j["fingerprint"] = format_fingerprint(plan.fingerprint);
+
+  json jc;
+  jc["muon_bytes"] = comm.muon_bytes;
+  jc["per_rank"] = json{
+      {"z2", {{"mean", comm.mean_z2()}, {"max", comm.max_z2()}, {"formula", comm.formula_z2},
+              {"bytes", comm.per_rank_bytes_z2}}},
+      {"z3", {{"mean", comm.mean_z3()}, {"max", comm.max_z3()}, {"formula", comm.formula_z3},
+              {"bytes", comm.per_rank_bytes_z3}}},
+      {"replicate",
+       {{"mean", comm.mean_replicate()}, {"max", comm.max_replicate()},
+        {"formula", comm.formula_replicate}, {"bytes", comm.per_rank_replicate_bytes}}}};
+  jc["fsdp_equivalent"] = json{{"z2", comm.formula_z2},
+                               {"z3", comm.formula_z3},
+                               {"replicate", comm.formula_replicate}};
+  json jb = json::array();
+  for (const BoundaryComm& b : comm.boundaries) {
+    json roots = json::array();
+    for (const RootPayload& r : b.roots)
+      roots.push_back(json{{"owner", owner_json(r.root)}, {"bytes", r.bytes}, {"params", r.params}});
+    jb.push_back(json{{"boundary", b.boundary},
+                      {"payload_bytes", b.payload_bytes},
+                      {"fwd_broadcast_bytes", b.fwd_broadcast_bytes},
+                      {"bwd_broadcast_bytes_z3", b.bwd_broadcast_bytes_z3},
+                      {"bwd_reduce_bytes", b.bwd_reduce_bytes},
+                      {"roots", std::move(roots)}});
+  }
+  jc["boundaries"] = std::move(jb);
+  j["comm"] = std::move(jc);
+  return j;
+}
+
+void print_report(std::ostream& out, const ModelSpec& model, const std::vector<ParamSpec>& params,
+                  const OwnerPlan& plan, const CommPlan& comm, const Args& a, double plan_ms) {
+  const ResolvedPlanOptions& o = plan.options;
+  const int G = plan.shard_size, R = plan.replicate_size, S = plan.num_slots();
+  out << "dmuon plan: " << model.name << "\n";
+  out << "  parameters " << model.params.size() << ", Muon targets " << params.size()
+      << ", allocation units " << plan.units.size() << ", P_M = " << human_bytes(plan.total_bytes)
+      << " (" << plan.total_bytes << " bytes)\n";
+  out << "  grid G=" << G << " shard x R=" << R << " replicate = " << S << " owner slots\n";
+  out << "  options owner_strategy=" << o.owner_strategy << " owner_cost_model=" << o.owner_cost_model
+      << " hsdp_column_balance=" << (o.hsdp_column_balance ? "true" : "false")
+      << " pack_small_params=" << (o.pack_small_params ? "true" : "false")
+      << " max_owners_per_group="
+      << (o.max_owners_per_group ? std::to_string(*o.max_owners_per_group) : "none")
+      << " pack_threshold=" << o.pack_threshold_numel << " ns_steps=" << o.ns_steps << "\n\n";
+
+  out << "balance (cost = " << (o.owner_cost_model == "numel" ? "elements" : "NS multiply-adds + bytes")
+      << ")\n";
+  out << "  makespan " << sci(plan.makespan) << ", lower bound " << sci(plan.lower_bound)
+      << " = max(total/slots, largest unit)\n";
+  out << "  imbalance = makespan / lower bound = " << fixed(plan.imbalance()) << "\n";
+  out << "  granularity floor " << fixed(plan.granularity_bound / std::max(plan.lower_bound, 1e-300))
+      << " (no assignment of these units can do better; this plan is at "
+      << fixed(plan.granularity_imbalance()) << "x of it)\n";
+  out << "  violations: " << (plan.violations.empty() ? "none" : "") << "\n";
+  for (const std::string& v : plan.violations) out << "    - " << v << "\n";
+  out << "  fingerprint " << format_fingerprint(plan.fingerprint) << "\n\n";
+
+  // Per-slot load: all slots when few, else the most and least loaded.
+  std::vector<int> order(S);
+  for (int s = 0; s < S; ++s) order[s] = s;
+  std::vector<int> shown = order;
+  const bool all = a.show_slots <= 0 || S <= a.show_slots;
+  if (!all) {
+    std::stable_sort(order.begin(), order.end(), [&](int x, int y) {
+      return plan.slots[x].cost > plan.slots[y].cost;
+    });
+    const int half = std::max(1, a.show_slots / 2);
+    shown.assign(order.begin(), order.begin() + half);
+    shown.insert(shown.end(), order.end() - half, order.end());
+  }
+  out << "per-slot load" << (all ? "" : " (most and least loaded; --show-slots 0 for all)") << "\n";
+  out << "  " << pad("slot", 7) << pad("owner", 12) << lpad("cost", 12) << lpad("/ mean", 9)
+      << lpad("bytes", 14) << lpad("units", 7) << lpad("params", 8) << "\n";
+  const double mean = S ? plan.total_cost / S : 0.0;
+  for (size_t i = 0; i < shown.size(); ++i) {
+    if (!all && i == shown.size() / 2) out << "  ...\n";
+    const SlotLoad& sl = plan.slots[shown[i]];
+    out << "  " << pad(std::to_string(shown[i]), 7) << pad(coord(sl.owner), 12)
+        << lpad(sci(sl.cost), 12) << lpad(fixed(mean > 0 ? sl.cost / mean : 0.0), 9)
+        << lpad(human_bytes(static_cast<double>(sl.bytes)), 14) << lpad(std::to_string(sl.units), 7)
+        << lpad(std::to_string(sl.params), 8) << "\n";
+  }
+  int empty = 0;
+  for (const SlotLoad& sl : plan.slots) empty += sl.units == 0;
+  if (empty) out << "  " << empty << " of " << S << " slots own nothing\n";
+  out << "\n";
+
+  out << "communication per step per rank (N = G = " << G << ", P_M = " << human_bytes(comm.muon_bytes)
+      << ")\n";
+  out << "  " << pad("", 22) << lpad("DMuon mean", 14) << lpad("DMuon max", 14)
+      << lpad("FSDP-equiv.", 14) << "  formula\n";
+  out << "  " << pad("Z2 (shard axis)", 22) << lpad(human_bytes(comm.mean_z2()), 14)
+      << lpad(human_bytes(static_cast<double>(comm.max_z2())), 14)
+      << lpad(human_bytes(comm.formula_z2), 14) << "  2(N-1)/N*P_M\n";
+  out << "  " << pad("Z3 (shard axis)", 22) << lpad(human_bytes(comm.mean_z3()), 14)
+      << lpad(human_bytes(static_cast<double>(comm.max_z3())), 14)
+      << lpad(human_bytes(comm.formula_z3), 14) << "  3(N-1)/N*P_M\n";
+  if (R > 1)
+    out << "  " << pad("replicate (HSDP)", 22) << lpad(human_bytes(comm.mean_replicate()), 14)
+        << lpad(human_bytes(static_cast<double>(comm.max_replicate())), 14)
+        << lpad(human_bytes(comm.formula_replicate), 14) << "  2(R-1)/R*P_M/G\n";
+  size_t min_roots = comm.boundaries.empty() ? 0 : SIZE_MAX, max_roots = 0;
+  for (const BoundaryComm& b : comm.boundaries) {
+    min_roots = std::min(min_roots, b.roots.size());
+    max_roots = std::max(max_roots, b.roots.size());
+  }
+  out << "  hook boundaries " << comm.boundaries.size() << ", concurrent roots per boundary "
+      << min_roots << ".." << max_roots << "\n";
+  const size_t nb = std::min<size_t>(comm.boundaries.size(), std::max(0, a.show_boundaries));
+  for (size_t i = 0; i < nb; ++i) {
+    const BoundaryComm& b = comm.boundaries[i];
+    out << "  " << b.boundary << ": payload " << human_bytes(static_cast<double>(b.payload_bytes))
+        << ", fwd broadcast " << human_bytes(static_cast<double>(b.fwd_broadcast_bytes))
+        << " over the shard group\n";
+    for (const RootPayload& r : b.roots) {
+      out << "    root " << pad(coord(r.root), 10) << lpad(human_bytes(static_cast<double>(r.bytes)), 12)
+          << "  ";
+      for (size_t k = 0; k < r.params.size(); ++k) {
+        const std::string& n = params[r.params[k]].name;
+        const std::string shortn = n.rfind(b.boundary + ".", 0) == 0 ? n.substr(b.boundary.size() + 1) : n;
+        out << (k ? ", " : "") << shortn << " " << shape_str(params[r.params[k]].shape);
+      }
+      out << "\n";
+    }
+  }
+  if (comm.boundaries.size() > nb)
+    out << "  ... (" << comm.boundaries.size() - nb << " more; --show-boundaries N, or --json)\n";
+  out << "\nplanned in " << fixed(plan_ms, 2) << " ms\n";
+}
+
+int run(const std::vector<std::string>& argv, std::ostream& out) {
+  Args a;
+  CLI::App app{"Plan which rank owns each Muon matrix, offline, for any model and cluster size.\n"
+               "Model: a preset (--model), a Hugging Face config.json (--hf-config) or a parameter\n"
+               "list (--params). Unset planner options fall back to DMUON_OWNER_STRATEGY,\n"
+               "DMUON_OWNER_COST_MODEL, DMUON_HSDP_COLUMN_BALANCE, DMUON_OWNER_PACK_SMALL_PARAMS.",
+               "dmuon plan"};
+  app.add_option("model", a.model_pos, "Preset name (same as --model)");
+  app.add_option("-m,--model", a.model, "Built-in preset (see --list-models)");
+  app.add_option("--hf-config", a.hf_config, "Hugging Face config.json (llama, mistral, qwen2, mixtral, gpt2)");
+  app.add_option("--params", a.params_file,
+                 "JSON parameter list: [{\"name\": ..., \"shape\": [...], \"dtype\": \"bf16\"}]");
+  app.add_flag("--list-models", a.list_models, "List the presets and exit");
+  app.add_option("-G,--shard", a.shard, "Shard ranks G (default 8)");
+  app.add_option("-R,--replicate", a.replicate, "Replicate groups R (HSDP; default 1)");
+  app.add_option("--owner-strategy", a.strategy, "lpt (default) | round_robin | rank0");
+  app.add_option("--owner-cost-model", a.cost_model, "optimizer (default) | numel");
+  app.add_option("--hsdp-column-balance", a.column_balance, "true (default) | false");
+  app.add_option("--pack-small-params", a.pack, "true (default) | false");
+  auto* mo = app.add_option("--max-owners-per-group", a.max_owners,
+                            "Cap on distinct owner slots per assignment group");
+  app.add_option("--pack-threshold", a.pack_threshold,
+                 "Parameters with fewer elements are packed per layer (default 5000000)");
+  app.add_option("--ns-steps", a.ns_steps, "Newton-Schulz steps in the optimizer cost (default 5)");
+  app.add_option("--dtype", a.dtype,
+                 "Element type of the parameters: bf16 (default), fp16, fp32 (--hf-config: "
+                 "torch_dtype unless given)");
+  app.add_option("--include", a.include,
+                 "Muon targets = >=2-D params whose name matches (substring, or glob with * ?); "
+                 "replaces the default rule; repeatable")
+      ->allow_extra_args(false);
+  app.add_option("--exclude", a.exclude, "Drop matching params from the Muon targets; repeatable")
+      ->allow_extra_args(false);
+  app.add_flag("--json", a.as_json, "Print the whole plan as JSON (schema: docs/PLAN_TOOL.md)");
+  app.add_option("--show-slots", a.show_slots, "Slots listed in the report (default 16; 0 = all)");
+  app.add_option("--show-boundaries", a.show_boundaries,
+                 "Hook boundaries listed with their roots (default 2)");
+
+  std::vector<std::string> rev(argv.rbegin(), argv.rend());
+  try {
+    app.parse(rev);
+  } catch (const CLI::CallForHelp&) {
+    out << app.help();
+    return 0;
+  }
+  a.max_owners_set = mo->count() > 0;
+
+  if (a.list_models) {
+    for (const ModelPresetInfo& p : model_preset_infos())
+      out << pad(p.name, 16) << p.description << "\n";
+    return 0;
+  }
+  if (!a.model_pos.empty()) {
+    if (!a.model.empty() && a.model != a.model_pos)
+      throw UsageError("two models given: '" + a.model_pos + "' and --model '" + a.model + "'");
+    a.model = a.model_pos;
+  }
+  const int sources = !a.model.empty() + !a.hf_config.empty() + !a.params_file.empty();
+  if (sources != 1)
+    throw UsageError(std::string(sources ? "more than one model given" : "no model given") +
+                     ": choose exactly one of --model NAME, --hf-config FILE, --params FILE "
+                     "(--list-models lists the presets)");
+  if (a.shard < 1) throw UsageError("--shard must be >= 1, got " + std::to_string(a.shard));
+  if (a.replicate < 1)
+    throw UsageError("--replicate must be >= 1, got " + std::to_string(a.replicate));
+  if (static_cast<int64_t>(a.shard) * a.replicate > (1 << 24))
+    throw UsageError("--shard x --replicate = " +
+                     std::to_string(static_cast<int64_t>(a.shard) * a.replicate) +
+                     " slots is more than the supported 16777216");
+  if (a.max_owners_set && a.max_owners < 1)
+    throw UsageError("--max-owners-per-group must be >= 1, got " + std::to_string(a.max_owners));
+  if (a.pack_threshold < 0)
+    throw UsageError("--pack-threshold must be >= 0, got " + std::to_string(a.pack_threshold));
+  if (a.ns_steps < 1) throw UsageError("--ns-steps must be >= 1, got " + std::to_string(a.ns_steps));
+  if (a.show_slots < 0)
+    throw UsageError("--show-slots must be >= 0, got " + std::to_string(a.show_slots));
+  if (a.show_boundaries < 0)
+    throw UsageError("--show-boundaries must be >= 0, got " + std::to_string(a.show_boundaries));
+
+  PlanOptions opts;
+  if (!a.strategy.empty()) opts.owner_strategy = a.strategy;
+  if (!a.cost_model.empty()) opts.owner_cost_model = a.cost_model;
+  opts.hsdp_column_balance = parse_flag_bool("--hsdp-column-balance", a.column_balance);
+  opts.pack_small_params = parse_flag_bool("--pack-small-params", a.pack);
+  if (a.max_owners_set) opts.max_owners_per_group = a.max_owners;
+  opts.pack_threshold_numel = a.pack_threshold;
+  opts.ns_steps = a.ns_steps;
+
+  ModelSpec model;
+  if (!a.model.empty()) model = model_preset(a.model, a.dtype.empty() ? "bf16" : a.dtype);
+  else if (!a.hf_config.empty()) model = load_hf_config(a.hf_config, a.dtype);
+  else model = load_params_json(a.params_file, a.dtype.empty() ? "bf16" : a.dtype);
+
+  MuonTargetSelector selector;
+  selector.include = a.include;
+  selector.exclude = a.exclude;
+  const std::vector<ParamSpec> params = select_muon_params(model, selector);
+
+  const auto t0 = std::chrono::steady_clock::now();
+  const OwnerPlan plan = plan_owners(params, a.shard, a.replicate, opts);
+  const auto t1 = std::chrono::steady_clock::now();
+  const CommPlan comm = plan_comm(params, plan);
+  const double ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+
+  if (a.as_json) out << plan_json(model, params, plan, comm).dump(2) << "\n";
+  else print_report(out, model, params, plan, comm, a, ms);
+  return 0;
+}
+
+}  // namespace
+
+int run_plan_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+  try {
+    return run(args, out);
+  } catch (const CLI::ParseError& e) {
+    err << "error: " << one_line(e.what()) << " (dmuon plan --help lists the options)\n";
+    return 2;
+  } catch (const UsageError& e) {
+    err << "error: " << one_line(e.what()) << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    err << "error: " << one_line(e.what()) << "\n";
+    return 1;
+  } catch (...) {
+    err << "error: unknown failure in dmuon plan\n";
+    return 1;
+  }
+}
+
+}  // namespace dmuon::cli

@@ -1,0 +1,118 @@
+// communicator.h -- the one place dmuon issues collectives.
+//
+// A Communicator wraps one c10d group. Every collective goes through it, so it can
+//   * count payload bytes per op kind (the numbers bench programs compare with the formulas),
+//   * emulate ReduceOp AVG where the backend lacks it (Gloo in LibTorch 1.13: SUM, then divide),
+//   * fall back to portable forms of all-gather / reduce-scatter on Gloo 1.13,
+//   * give every collective a timeout and turn a failure into an error that names the group, the
+//     op, what it carried and the rank (a lost peer is an error, never a hang),
+//   * hand out async handles (Pending) that the runtime waits on later.
+//
+// Byte convention (per rank, what crosses this rank's link): broadcast and reduce of S bytes cost S
+// on every rank except the root; all-reduce 2(N-1)/N*S; all-gather and reduce-scatter of a total S
+// (N-1)/N*S. A group of one costs nothing and issues nothing.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "dmuon/process_group.h"
+
+namespace dmuon {
+
+enum class CommOp : int { Broadcast = 0, Reduce, AllReduce, AllGather, ReduceScatter, Barrier, kCount };
+const char* comm_op_name(CommOp op);
+
+enum class Reduction { Sum, Avg };
+
+// Byte and call counters. Thread-safe. Shared by all communicators of one mesh.
+class CommCounters {
+ public:
+  void add(CommOp op, int64_t bytes);
+  int64_t bytes(CommOp op) const;
+  int64_t calls(CommOp op) const;
+  int64_t total_bytes() const;
+  void reset();
+  struct Snapshot {
+    std::array<int64_t, static_cast<int>(CommOp::kCount)> bytes{};
+    std::array<int64_t, static_cast<int>(CommOp::kCount)> calls{};
+    int64_t total_bytes() const;
+  };
+  Snapshot snapshot() const;
+
+ private:
+  mutable std::mutex mu_;
+  Snapshot s_;
+};
+
+// An in-flight collective. wait() blocks at most the communicator's timeout, then runs the
+// completion step (e.g. the AVG division on the root) once. Destroying an unwaited Pending does
+// not wait: call wait() (or drain the runtime) before reading its tensors.
+class Pending {
+ public:
+  Pending() = default;
+  void wait();
+  bool defined() const { return static_cast<bool>(state_); }
+  bool completed() const;  // wait() already returned (or nothing was issued)
+
+ private:
+  friend class Communicator;
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+class Communicator {
+ public:
+  // `global_ranks[i]` is the global rank of group rank i (for messages and root mapping).
+  Communicator(CommPtr pg, std::string name, std::vector<int> global_ranks, std::chrono::milliseconds timeout,
+               std::shared_ptr<CommCounters> counters);
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& name() const { return name_; }
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  int global_rank() const { return global_ranks_[rank_]; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  const CommPtr& process_group() const { return pg_; }
+  CommCounters& counters() { return *counters_; }
+  // Whether the backend supports ReduceOp::AVG natively (NCCL; Gloo from LibTorch 2.8).
+  bool native_avg() const { return native_avg_; }
+
+  // collective: all ranks of this group, same order. Each returns at once; `what` names the
+  // payload in error messages (e.g. "forward broadcast of model.layers.3 from rank 2").
+  Pending broadcast(at::Tensor tensor, int root, std::string what);
+  // Only `root` holds a valid result (the average for Avg); other ranks' tensors are scratch.
+  Pending reduce(at::Tensor tensor, int root, Reduction op, std::string what);
+  Pending allreduce(at::Tensor tensor, Reduction op, std::string what);
+  // out: a flat tensor of size() * in.numel() elements; rank i's `in` lands at offset i*in.numel().
+  Pending allgather_flat(at::Tensor out, at::Tensor in, std::string what);
+  // in: size() * out.numel() elements; out <- reduction over ranks of chunk rank() of `in`.
+  // Gloo 1.13 has no reduce-scatter: all-reduce of a copy + narrow (counted as an all-reduce).
+  Pending reduce_scatter_flat(at::Tensor out, at::Tensor in, Reduction op, std::string what);
+  // collective: blocking barrier with this group's timeout.
+  void barrier(const std::string& what);
+
+ private:
+  Pending issue(CommOp op, const std::string& what, const std::function<WorkPtr()>& launch,
+                std::function<void()> on_complete);
+  [[noreturn]] void rethrow(const std::string& op_what, const std::exception& e) const;
+
+  CommPtr pg_;
+  std::string name_;
+  std::vector<int> global_ranks_;
+  int rank_ = 0;
+  int size_ = 1;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<CommCounters> counters_;
+  bool native_avg_ = false;
+  bool is_gloo_ = true;
+};
+
+}  // namespace dmuon

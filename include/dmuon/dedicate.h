@@ -1,0 +1,208 @@
+// dedicate.h -- dedicated ownership of Muon matrices at run time.
+//
+//   rank:            0            1            2            3
+//   q_proj (owner 0) [full]       [0-byte]     [0-byte]     [0-byte]     <- between steps (Z3)
+//   forward pre:     broadcast from 0 ---------> every rank holds the full matrix
+//   forward post:    Z3: non-owners free it again; Z2: keep it until after backward
+//   backward pre:    Z3: broadcast from 0 again (the saved activations point into the same buffer)
+//   backward post:   reduce(grad, AVG) -> 0; non-owners drop their gradient
+//   optimizer.step:  rank 0 alone: momentum, Newton-Schulz on the full matrix, update; no collective
+//
+// Each matrix has one owner (the planner's LPT plan, identical on every rank and checked by a
+// fingerprint exchange at setup). A hook boundary (a `layers.N` / `blocks.N` module by default) is
+// where its matrices are broadcast and reduced, one collective per distinct owner inside the
+// boundary, all in flight at once. LibTorch modules have no forward hooks, so model code runs each
+// boundary through one line:
+//
+//     for (auto& layer : *layers) x = dmuon::forward(layer, x);
+//
+// Backward hooks come from autograd (identity functions around the boundary, AccumulateGrad
+// post-hooks, an end-of-backward callback that fires any boundary whose hooks did not run).
+// Optionally wrap the top-level call as well (`dmuon::forward(model, tokens)`): errors thrown inside
+// then name a boundary that was bypassed.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dmuon/mesh.h"
+#include "dmuon/owner_plan.h"
+
+namespace dmuon {
+
+using ParamPredicate = std::function<bool(const std::string& name, const at::Tensor& param)>;
+using ModulePredicate = std::function<bool(const std::string& module_name, const torch::nn::Module& module)>;
+// Returns the name (as in named_modules(), "" = the root) of the module whose boundary runs the
+// parameter's hooks. Takes precedence over hook_boundary_predicate.
+using HookBoundaryResolver = std::function<std::string(const std::string& param_name, const at::Tensor& param)>;
+using AssignmentGroupKeyFn = std::function<std::string(const std::string& param_name, const at::Tensor& param)>;
+
+// Per-parameter policy (the seed's param_policy). Only `route` is honoured by the 1-D runtime:
+// "muon" (dedicated ownership + Newton-Schulz) or "adamw" (replicated, trained by AdamW).
+struct ParamPolicy {
+  std::string route = "muon";
+};
+// An ordered override: applies when every token of `match` (split on spaces) is a substring of the
+// parameter's full name. Later overrides win.
+struct ParamPolicyOverride {
+  std::string match;
+  ParamPolicy policy;
+};
+using ParamPolicyFn = std::function<std::optional<ParamPolicy>(const std::string& param_name, const at::Tensor& param)>;
+
+struct DedicateOptions {
+  std::optional<at::ScalarType> compute_dtype;  // dtype of broadcast/reduce payloads; default: param dtype
+  bool reshard_after_forward = true;            // true: DMuon-Z3, false: DMuon-Z2
+  ModulePredicate hook_boundary_predicate;      // lowest matching ancestor is the boundary
+  bool hook_boundary_strict = true;             // error when a dedicated param has no boundary
+  HookBoundaryResolver hook_boundary_resolver;
+  AssignmentGroupKeyFn assignment_group_key_fn;
+  std::optional<int> max_owners_per_group;
+  std::optional<std::string> owner_strategy;    // "lpt" | "round_robin" | "rank0"
+  std::optional<std::string> owner_cost_model;  // "optimizer" | "numel"
+  std::optional<bool> hsdp_column_balance;
+  std::optional<bool> pack_small_params;
+  std::vector<ParamPolicyOverride> param_policy;  // mutually exclusive with param_policy_fn
+  ParamPolicyFn param_policy_fn;
+  int forward_prefetch_depth = 1;               // boundaries broadcast ahead in forward (0 = none)
+};
+
+// One dedicated matrix, as seen from this rank.
+struct DedicatedParam {
+  std::string name;                 // full name in the model
+  at::Tensor param;                 // the module's parameter (placeholder data on non-owners)
+  std::vector<int64_t> shape;       // full logical shape
+  OwnerCoord owner;                 // (shard, replicate)
+  int owner_rank = 0;               // global rank of the owner
+  std::string boundary;             // hook boundary module name
+  bool is_owner = false;            // this rank owns it
+};
+
+class DedicatedState;  // runtime state attached to a model (see src/runtime/)
+
+// Marks the parameters selected by `predicate` (and routed "muon" by the policy) for dedicated
+// ownership, plans owners, installs placeholders on non-owners and registers the boundaries.
+// Returns param name -> owner coordinate.
+// collective: all ranks of the mesh, same order (exchanges plan fingerprints, broadcasts the
+// owners' initial values so every rank starts from the owner's copy).
+std::map<std::string, OwnerCoord> dedicate_params(const std::shared_ptr<torch::nn::Module>& model,
+                                                  const std::shared_ptr<Mesh>& mesh, const ParamPredicate& predicate,
+                                                  const DedicateOptions& options = {});
+
+// DDP-style replication of every trainable parameter that is not dedicated: gradients are averaged
+// over the mesh at the end of backward, coalesced into few all-reduces (buckets of
+// `bucket_mb` MiB). Call after dedicate_params.
+// collective: all ranks (broadcasts rank 0's initial values so replicas start identical).
+void replicate(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh,
+               double bucket_mb = 25.0);
+
+// Runs `module` as a hook boundary when dmuon registered it as one (otherwise a plain call).
+// The first argument after the module may be an at::Tensor (the activation the backward hooks
+// attach to); all arguments are forwarded to module->forward.
+template <typename ModuleHolderOrPtr, typename... Args>
+auto forward(ModuleHolderOrPtr& module, Args&&... args);
+
+// After backward: waits for this rank's pending gradient reduces and makes the averaged gradient
+// of every owned matrix available in param.grad(). Muon::step calls it; call it yourself only to
+// read gradients between backward and step.
+void prepare_muon_grads(torch::nn::Module& model);
+inline void wait_all_reduces(torch::nn::Module& model) { prepare_muon_grads(model); }
+
+std::vector<DedicatedParam> get_dedicated_params(const torch::nn::Module& model);
+// Dedicated params owned by `shard` (1-D) or by (shard, replicate).
+std::vector<DedicatedParam> get_owned_params(const torch::nn::Module& model, int shard);
+std::vector<DedicatedParam> get_owned_params(const torch::nn::Module& model, OwnerCoord owner);
+// The runtime state of a dedicated model (nullptr when dedicate_params was not called on it).
+std::shared_ptr<DedicatedState> get_comm_ctx(const torch::nn::Module& model);
+// The plan dedicate_params computed for this model.
+const OwnerPlan* get_owner_plan(const torch::nn::Module& model);
+// The mesh the model was dedicated on.
+std::shared_ptr<Mesh> get_mesh(const torch::nn::Module& model);
+
+// Parameters trained by AdamW (everything trainable that is not dedicated), in model order.
+std::vector<std::pair<std::string, at::Tensor>> get_base_params(const torch::nn::Module& model);
+
+namespace detail {
+// Boundary scope used by dmuon::forward. enter() runs the pre-forward work and returns the input
+// wrapped for the post-backward hook; exit() runs the post-forward work and wraps the output for
+// the pre-backward hook. Both are no-ops for modules that are not boundaries.
+class BoundaryScope {
+ public:
+  explicit BoundaryScope(const torch::nn::Module* module);
+  ~BoundaryScope();
+  BoundaryScope(const BoundaryScope&) = delete;
+  BoundaryScope& operator=(const BoundaryScope&) = delete;
+  at::Tensor enter(const at::Tensor& input);  // returns the input to pass on
+  void enter();                               // boundary without a tensor first argument
+  at::Tensor exit(const at::Tensor& output);  // returns the output to pass on
+  void exit();                                // non-tensor output: post-forward work only
+  [[noreturn]] void rethrow(const std::exception& e);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+template <typename M>
+torch::nn::Module* module_ptr(M& m) {
+  if constexpr (requires { m.ptr(); }) {
+    return m.ptr().get();
+  } else if constexpr (requires { m.get(); }) {
+    return m.get();
+  } else {
+    return &m;
+  }
+}
+template <typename M>
+decltype(auto) module_ref(M& m) {
+  if constexpr (requires { m.ptr(); } || requires { m.get(); }) {
+    return *m;
+  } else {
+    return (m);
+  }
+}
+template <typename R>
+R finish_boundary(BoundaryScope& scope, R&& out) {
+  if constexpr (std::is_same_v<std::decay_t<R>, at::Tensor>) {
+    return scope.exit(out);
+  } else {
+    scope.exit();
+    return std::forward<R>(out);
+  }
+}
+}  // namespace detail
+
+template <typename ModuleHolderOrPtr, typename... Args>
+auto forward(ModuleHolderOrPtr& module, Args&&... args) {
+  detail::BoundaryScope scope(detail::module_ptr(module));
+  auto&& m = detail::module_ref(module);
+  try {
+    if constexpr (sizeof...(Args) >= 1) {
+      return [&](auto&& first, auto&&... rest) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(first)>, at::Tensor>) {
+          at::Tensor in = scope.enter(first);
+          return detail::finish_boundary(scope, m.forward(in, std::forward<decltype(rest)>(rest)...));
+        } else {
+          scope.enter();
+          return detail::finish_boundary(
+              scope, m.forward(std::forward<decltype(first)>(first), std::forward<decltype(rest)>(rest)...));
+        }
+      }(std::forward<Args>(args)...);
+    } else {
+      scope.enter();
+      return detail::finish_boundary(scope, m.forward());
+    }
+  } catch (const std::exception& e) {
+    scope.rethrow(e);
+  }
+}
+
+}  // namespace dmuon

@@ -1,0 +1,71 @@
+// mesh.h -- the device mesh dmuon runs on: a shard axis of G ranks, optionally a replicate axis of
+// R groups (HSDP), built from one world group.
+//
+//   global rank = replicate_rank * G + shard_rank
+//   shard group r     = { r*G + s : s in [0, G) }     (broadcasts, reduces, sharded AdamW)
+//   replicate group s = { r*G + s : r in [0, R) }     (HSDP stage-2 reduce, post-step publish)
+//
+// Process-group policy: "isolated" (default; env DMUON_PROCESS_GROUP_POLICY) builds dmuon's own
+// groups over a PrefixStore so the trainer's own collectives on the world group can never interleave
+// with dmuon's asynchronous ones; "shared" uses the caller's world group directly (1-D only, or
+// for the world axis). Every rank must create its meshes in the same order.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "dmuon/communicator.h"
+#include "dmuon/process_group.h"
+
+namespace dmuon {
+
+// Creates a concrete group of `size` ranks over `store` (see bootstrap.h for Gloo/NCCL ones).
+using ProcessGroupFactory =
+    std::function<CommPtr(const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout)>;
+
+struct MeshOptions {
+  std::string process_group_policy;  // "" = DMUON_PROCESS_GROUP_POLICY, else "isolated"
+  StorePtr store;                    // required for "isolated" and for R > 1
+  ProcessGroupFactory factory;       // required for "isolated" and for R > 1
+  int replicate_size = 1;            // R; world size must be a multiple of it
+  std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
+  std::string tag = "dmuon";         // PrefixStore namespace of dmuon's groups
+};
+
+class Mesh {
+ public:
+  // collective: all ranks of `world`, same order (builds and connects dmuon's groups).
+  static std::shared_ptr<Mesh> create(const CommPtr& world, const MeshOptions& opts = {});
+
+  int global_rank() const { return global_rank_; }
+  int world_size() const { return world_size_; }
+  int shard_rank() const { return shard_->rank(); }
+  int shard_size() const { return shard_->size(); }
+  int replicate_rank() const { return replicate_ ? replicate_->rank() : 0; }
+  int replicate_size() const { return replicate_ ? replicate_->size() : 1; }
+  bool is_2d() const { return replicate_size() > 1; }
+  const std::string& policy() const { return policy_; }
+
+  Communicator& shard() { return *shard_; }
+  Communicator* replicate() { return replicate_.get(); }  // null on a 1-D mesh
+  Communicator& world() { return *world_; }
+  CommCounters& counters() { return *counters_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // Global rank of slot (shard, replicate).
+  int global_rank_of(int shard, int replicate) const { return replicate * shard_size() + shard; }
+
+ private:
+  Mesh() = default;
+  int global_rank_ = 0;
+  int world_size_ = 1;
+  std::string policy_;
+  std::chrono::milliseconds timeout_{kDefaultCollectiveTimeout};
+  std::shared_ptr<CommCounters> counters_;
+  std::unique_ptr<Communicator> world_, shard_, replicate_;
+};
+
+}  // namespace dmuon

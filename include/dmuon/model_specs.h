@@ -1,0 +1,76 @@
+// model_specs.h -- parameter lists of whole models, without building them (pure C++, no LibTorch).
+//
+// What `dmuon plan` and bench/plan_bench feed the owner planner: built-in presets with the real
+// parameter names and shapes of well-known models, loaders for Hugging Face config.json files and
+// for a plain parameter-list JSON, and the Muon-target predicate (which of those parameters get a
+// dedicated owner). Every function either returns a complete ModelSpec or throws
+// std::invalid_argument with a one-line message naming the source, the offending value and the fix.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dmuon/owner_plan.h"
+
+namespace dmuon {
+
+// Every parameter of a model in model order (embeddings, norms, biases and head included), as
+// named by the framework's state dict; ParamSpec::elem_bytes from the chosen dtype.
+struct ModelSpec {
+  std::string name;              // preset name, or the file it was loaded from
+  std::vector<ParamSpec> params;
+};
+
+// Bytes per element of a dtype name: bf16/bfloat16, fp16/float16/half = 2; fp32/float32/float = 4;
+// fp64/float64/double = 8; fp8/float8*/int8/uint8 = 1 (case-insensitive). Throws for others.
+int64_t dtype_bytes(const std::string& dtype);
+
+// ---- presets --------------------------------------------------------------------------------
+// Canonical names: gpt2-small, gpt2-xl, llama3-8b, llama3-70b, llama3-405b, qwen2.5-7b,
+// mixtral-8x7b (per-expert w1/w2/w3 matrices), vit-l16 (timm naming, `blocks.N`).
+std::vector<std::string> model_preset_names();
+struct ModelPresetInfo {
+  std::string name;
+  std::string description;  // one line: size, layer naming, the dimensions used
+};
+std::vector<ModelPresetInfo> model_preset_infos();
+// Lookup ignores case and the characters '-', '_', '/', ' ' (so "Llama-3-8B", "llama3_8b" and
+// "ViT-L/16" work; "gpt2" means gpt2-small). Throws naming the value and the known presets.
+ModelSpec model_preset(const std::string& name, const std::string& dtype = "bf16");
+
+// ---- Hugging Face config.json ---------------------------------------------------------------
+// model_type llama / mistral / qwen2 / mixtral / gpt2 -> the parameter names and shapes that
+// transformers' implementation creates (tied embeddings drop lm_head.weight). `dtype` empty means
+// the config's torch_dtype, else bf16. `source` names the input in error messages.
+ModelSpec model_from_hf_config(const std::string& json_text, const std::string& source,
+                               const std::string& dtype = "");
+ModelSpec load_hf_config(const std::string& path, const std::string& dtype = "");
+
+// ---- parameter-list JSON --------------------------------------------------------------------
+// [{"name": "...", "shape": [m, n], "dtype": "bf16", "group": "optional key"}, ...] or
+// {"params": [...]}; "dtype" defaults to default_dtype, "group" (or "group_key") to none.
+// Shapes may be [] (a scalar); every dimension must be >= 1; names must be unique.
+ModelSpec model_from_params_json(const std::string& json_text, const std::string& source,
+                                 const std::string& default_dtype = "bf16");
+ModelSpec load_params_json(const std::string& path, const std::string& default_dtype = "bf16");
+
+// ---- Muon-target predicate ------------------------------------------------------------------
+// Default: a parameter with exactly 2 dimensions that is not an embedding, head or norm. By name
+// component (the name split at '.'): a component that contains "embed" or "norm", starts with
+// "ln", is "head" / "lm_head" / "wte" / "wpe", or ends in "_head" excludes it.
+// `include` patterns replace the default rule: a parameter with >= 2 dimensions is selected iff
+// its name matches one of them. `exclude` patterns then remove parameters. A pattern with '*' or
+// '?' is a glob over the whole name ('*' also crosses dots); otherwise it matches as a substring.
+struct MuonTargetSelector {
+  std::vector<std::string> include;
+  std::vector<std::string> exclude;
+};
+bool name_matches(const std::string& name, const std::string& pattern);
+bool is_default_muon_target(const ParamSpec& p);
+bool is_muon_target(const ParamSpec& p, const MuonTargetSelector& selector = {});
+// The selected parameters in model order, with route = "muon".
+std::vector<ParamSpec> select_muon_params(const ModelSpec& model,
+                                          const MuonTargetSelector& selector = {});
+
+}  // namespace dmuon

@@ -1,0 +1,138 @@
+// muon.h -- the Muon optimizer over a dedicated model: Newton-Schulz on owned matrices, AdamW on
+// everything else. A torch::optim::Optimizer, so LibTorch's LR schedulers drive it.
+//
+// Per owned matrix W with averaged gradient g (Moonlight / Gram-NS convention):
+//   buf <- mu * buf + g
+//   u    = g + mu * buf   (Nesterov, default)   |   u = buf
+//   W   <- W * (1 - lr * wd)
+//   W   <- W - lr * 0.2 * sqrt(max(rows, cols)) * NS(u)
+// Only the owner runs this; step() issues no collective on a 1-D mesh (the next forward publishes
+// the new value). AdamW (decoupled weight decay, bias-corrected, PyTorch's formula) updates every
+// other trainable parameter identically on every rank.
+//
+// Parameter groups: each user group (MuonParamGroup) is lowered into a Muon subgroup (its dedicated
+// matrices) and an AdamW subgroup (its other parameters), so schedulers and checkpoints keep
+// per-group hyperparameters. Parameters in no user group form a default group.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dmuon/newton_schulz.h"
+
+namespace dmuon {
+
+// Options of one lowered parameter group.
+struct MuonGroupOptions : torch::optim::OptimizerCloneableOptions<MuonGroupOptions> {
+  MuonGroupOptions(double lr = 0.02) : lr_(lr) {}  // ctor(double) is required by torch's serializers
+  TORCH_ARG(double, lr);
+  TORCH_ARG(bool, is_muon) = true;     // true: Muon subgroup; false: AdamW subgroup
+  TORCH_ARG(double, momentum) = 0.95;
+  TORCH_ARG(bool, nesterov) = true;
+  TORCH_ARG(double, weight_decay) = 0.0;
+  TORCH_ARG(int64_t, ns_steps) = 5;
+  TORCH_ARG(double, beta1) = 0.9;
+  TORCH_ARG(double, beta2) = 0.999;
+  TORCH_ARG(double, eps) = 1e-8;
+  TORCH_ARG(std::string, group_name) = "default";
+
+ public:
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  void serialize(torch::serialize::InputArchive& archive) override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double v) override { lr(v); }
+};
+
+struct MuonParamState : torch::optim::OptimizerCloneableParamState<MuonParamState> {
+  TORCH_ARG(int64_t, step) = 0;
+  TORCH_ARG(at::Tensor, momentum_buffer);  // Muon
+  TORCH_ARG(at::Tensor, exp_avg);          // AdamW
+  TORCH_ARG(at::Tensor, exp_avg_sq);       // AdamW
+
+ public:
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  void serialize(torch::serialize::InputArchive& archive) override;
+};
+
+// A user parameter group (PyTorch style): its parameters and the hyperparameters it overrides.
+struct MuonParamGroup {
+  std::string name;
+  std::vector<at::Tensor> params;
+  std::optional<double> lr, momentum, weight_decay;
+  std::optional<double> adamw_lr, adamw_weight_decay;
+};
+
+struct MuonOptions {
+  double lr = 0.02;
+  double momentum = 0.95;
+  double weight_decay = 0.0;
+  int ns_steps = 5;
+  double adamw_lr = 1e-3;
+  std::pair<double, double> adamw_betas{0.9, 0.999};
+  double adamw_weight_decay = 0.01;
+  double adamw_eps = 1e-8;
+  std::vector<MuonParamGroup> param_groups;
+  std::string ns_backend = "gram";          // "gram" | "direct" (ignored when `ns` is set)
+  std::optional<NewtonSchulz> ns;           // a fully configured backend (custom coefficients...)
+  bool nesterov = true;
+  bool replicate_async = true;              // HSDP publish mode (no effect on a 1-D mesh)
+  bool record_step_profile = false;
+  bool first_step_progress_log = true;
+  int first_step_progress_log_limit = 8;
+};
+
+// Wall-clock split of the last step (milliseconds), when record_step_profile is on.
+struct StepProfile {
+  double prepare_ms = 0;   // waiting for gradient reduces / all-reduces
+  double muon_ms = 0;      // momentum + Newton-Schulz + update on owned matrices
+  double ns_ms = 0;        // of which Newton-Schulz
+  double adamw_ms = 0;
+  double total_ms = 0;
+  int owned_updates = 0;   // matrices this rank updated
+  double ns_flops = 0;     // plain-GEMM FLOP estimate of this rank's NS work
+  bool valid = false;
+};
+
+class Muon : public torch::optim::Optimizer {
+ public:
+  // `model` must have gone through dedicate_params (a 1-rank mesh works for single-process use).
+  explicit Muon(const std::shared_ptr<torch::nn::Module>& model, MuonOptions options = {});
+
+  at::Tensor step(LossClosure closure = nullptr) override;
+  // Clears gradients; set_to_none=true (default) leaves them undefined, as PyTorch 2.x does.
+  void zero_grad(bool set_to_none = true);
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  const MuonOptions& muon_options() const { return options_; }
+  const NewtonSchulz& ns() const { return ns_; }
+  // The last step's profile; resets it.
+  StepProfile consume_last_step_profile();
+  // Number of optimizer steps taken.
+  int64_t steps_taken() const { return steps_; }
+  // Per-parameter state of `p` (nullptr when none yet / not on this rank).
+  const MuonParamState* state_of(const at::Tensor& p) const;
+
+ private:
+  void muon_update(at::Tensor& p, const MuonGroupOptions& o, StepProfile& prof);
+  void adamw_update(at::Tensor& p, const MuonGroupOptions& o);
+  MuonParamState& state_for(const at::Tensor& p);
+
+  std::weak_ptr<torch::nn::Module> model_;
+  MuonOptions options_;
+  NewtonSchulz ns_;
+  std::map<const c10::TensorImpl*, bool> owned_;  // dedicated params -> owned by this rank
+  StepProfile last_profile_;
+  int64_t steps_ = 0;
+  int progress_logged_ = 0;
+};
+
+}  // namespace dmuon

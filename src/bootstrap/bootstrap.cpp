@@ -1,0 +1,155 @@
+// The only code that names a concrete backend: Gloo (CPU tensors) and NCCL (CUDA tensors).
+#include "dmuon/bootstrap.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <stdexcept>
+
+#include <unistd.h>
+
+#if __has_include(<gloo/algorithm.h>)
+#define DMUON_HAVE_GLOO 1
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#else
+#define DMUON_HAVE_GLOO 0
+#endif
+
+#if DMUON_WITH_CUDA && defined(USE_C10D_NCCL)
+#define DMUON_HAVE_NCCL 1
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#else
+#define DMUON_HAVE_NCCL 0
+#endif
+
+namespace dmuon {
+
+namespace {
+int parse_int(const char* var, const std::string& v) {
+  try {
+    size_t pos = 0;
+    const int x = std::stoi(v, &pos);
+    if (pos != v.size()) throw std::invalid_argument("trailing characters");
+    return x;
+  } catch (const std::exception&) {
+    throw std::invalid_argument(std::string(var) + "='" + v + "' is not an integer");
+  }
+}
+std::string getenv_str(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "";
+}
+}  // namespace
+
+std::optional<LaunchEnv> LaunchEnv::from_environment() {
+  const std::string rank = getenv_str("RANK"), world = getenv_str("WORLD_SIZE");
+  if (rank.empty() && world.empty()) return std::nullopt;
+  if (rank.empty() || world.empty())
+    throw std::invalid_argument("RANK and WORLD_SIZE must be set together (got RANK='" + rank + "', WORLD_SIZE='" +
+                                world + "'); a launcher such as torchrun sets both");
+  LaunchEnv e;
+  e.rank = parse_int("RANK", rank);
+  e.world_size = parse_int("WORLD_SIZE", world);
+  if (e.world_size < 1) throw std::invalid_argument("WORLD_SIZE=" + world + " must be >= 1");
+  if (e.rank < 0 || e.rank >= e.world_size)
+    throw std::invalid_argument("RANK=" + rank + " is outside [0, WORLD_SIZE=" + world + ")");
+  const std::string lr = getenv_str("LOCAL_RANK");
+  e.local_rank = lr.empty() ? e.rank : parse_int("LOCAL_RANK", lr);
+  const std::string addr = getenv_str("MASTER_ADDR");
+  if (!addr.empty()) e.master_addr = addr;
+  const std::string port = getenv_str("MASTER_PORT");
+  if (!port.empty()) e.master_port = parse_int("MASTER_PORT", port);
+  if (e.master_port < 1 || e.master_port > 65535)
+    throw std::invalid_argument("MASTER_PORT=" + port + " is outside [1, 65535]");
+  return e;
+}
+
+StorePtr make_tcp_store(const std::string& host, int port, int rank, int world_size,
+                        std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions o;  // set field by field: the struct grew fields in 2.x
+  o.port = static_cast<uint16_t>(port);
+  o.isServer = (rank == 0);
+  o.numWorkers = static_cast<size_t>(world_size);
+  o.waitWorkers = true;
+  o.timeout = timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(host, o);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rank ", rank, ": could not ", (rank == 0 ? "serve" : "reach"), " the TCPStore at ", host,
+                ":", port, " (", e.what(), "). ",
+                (rank == 0 ? "Is the port already in use? Pick another MASTER_PORT."
+                           : "Is rank 0 running and MASTER_ADDR/MASTER_PORT the same on every rank?"));
+  }
+}
+
+StorePtr make_file_store(const std::string& path, int world_size) {
+  return c10::make_intrusive<c10d::FileStore>(path, world_size);
+}
+
+bool process_group_available(c10::DeviceType device) {
+  if (device == c10::DeviceType::CPU) return DMUON_HAVE_GLOO != 0;
+  if (device == c10::DeviceType::CUDA) return DMUON_HAVE_NCCL != 0;
+  return false;
+}
+
+CommPtr make_process_group(const StorePtr& store, int rank, int size, c10::DeviceType device,
+                           std::chrono::milliseconds timeout, const std::string& hostname) {
+  if (device == c10::DeviceType::CPU) {
+#if DMUON_HAVE_GLOO
+    auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+    opts->threads = 2;
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+#else
+    (void)store, (void)rank, (void)size, (void)timeout, (void)hostname;
+    TORCH_CHECK(false, "rank ", rank, ": this dmuon build has no Gloo (its headers were not found at build time), so "
+                "CPU tensors cannot be communicated. Build against a LibTorch with Gloo headers (Debian: "
+                "libgloo-dev) or keep tensors on CUDA (NCCL).");
+#endif
+  }
+  if (device == c10::DeviceType::CUDA) {
+#if DMUON_HAVE_NCCL
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = timeout;
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
+#else
+    TORCH_CHECK(false, "rank ", rank, ": this dmuon build has no NCCL; CUDA tensors cannot be communicated. Build "
+                "against a CUDA LibTorch with NCCL headers on the include path.");
+#endif
+  }
+  TORCH_CHECK(false, "rank ", rank, ": no process group for device type ", device, "; dmuon supports CPU (Gloo) "
+              "and CUDA (NCCL).");
+}
+
+ProcessGroupFactory process_group_factory(c10::DeviceType device, const std::string& hostname) {
+  return [device, hostname](const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout) {
+    return make_process_group(store, rank, size, device, timeout, hostname);
+  };
+}
+
+Bootstrap bootstrap_from_environment(c10::DeviceType device, std::chrono::milliseconds timeout) {
+  Bootstrap b;
+  const auto env = LaunchEnv::from_environment();
+  if (env) {
+    b.rank = env->rank;
+    b.world_size = env->world_size;
+    b.local_rank = env->local_rank;
+#if DMUON_HAVE_NCCL
+    if (device == c10::DeviceType::CUDA) c10::cuda::set_device(static_cast<c10::DeviceIndex>(b.local_rank));
+#endif
+    b.store = make_tcp_store(env->master_addr, env->master_port, b.rank, b.world_size, timeout);
+  } else {
+    const auto dir = std::filesystem::temp_directory_path() /
+                     ("dmuon-single-" + std::to_string(::getpid()) + "-" + std::to_string(std::rand()));
+    std::filesystem::create_directories(dir);
+    b.store = make_file_store((dir / "store").string(), 1);
+  }
+  b.world = make_process_group(b.store, b.rank, b.world_size, device, timeout);
+  return b;
+}
+
+}  // namespace dmuon

@@ -1,0 +1,263 @@
+// The one place dmuon issues collectives (see include/dmuon/communicator.h).
+#include "dmuon/communicator.h"
+
+#include <c10/util/Exception.h>
+
+#include <sstream>
+
+namespace dmuon {
+
+const char* comm_op_name(CommOp op) {
+  switch (op) {
+    case CommOp::Broadcast: return "broadcast";
+    case CommOp::Reduce: return "reduce";
+    case CommOp::AllReduce: return "all_reduce";
+    case CommOp::AllGather: return "all_gather";
+    case CommOp::ReduceScatter: return "reduce_scatter";
+    case CommOp::Barrier: return "barrier";
+    default: return "?";
+  }
+}
+
+// ---- counters ------------------------------------------------------------------------------------
+void CommCounters::add(CommOp op, int64_t bytes) {
+  std::lock_guard<std::mutex> g(mu_);
+  s_.bytes[static_cast<int>(op)] += bytes;
+  s_.calls[static_cast<int>(op)] += 1;
+}
+int64_t CommCounters::bytes(CommOp op) const {
+  std::lock_guard<std::mutex> g(mu_);
+  return s_.bytes[static_cast<int>(op)];
+}
+int64_t CommCounters::calls(CommOp op) const {
+  std::lock_guard<std::mutex> g(mu_);
+  return s_.calls[static_cast<int>(op)];
+}
+int64_t CommCounters::Snapshot::total_bytes() const {
+  int64_t t = 0;
+  for (auto b : bytes) t += b;
+  return t;
+}
+int64_t CommCounters::total_bytes() const { return snapshot().total_bytes(); }
+void CommCounters::reset() {
+  std::lock_guard<std::mutex> g(mu_);
+  s_ = Snapshot{};
+}
+CommCounters::Snapshot CommCounters::snapshot() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return s_;
+}
+
+// ---- pending -------------------------------------------------------------------------------------
+struct Pending::State {
+  WorkPtr work;
+  std::function<void()> on_complete;
+  std::function<void(const std::exception&)> on_error;
+  std::chrono::milliseconds timeout{0};
+  bool done = false;
+  std::mutex mu;
+};
+
+void Pending::wait() {
+  if (!state_) return;
+  std::lock_guard<std::mutex> g(state_->mu);
+  if (state_->done) return;
+  try {
+    if (state_->work) state_->work->wait(state_->timeout);
+  } catch (const std::exception& e) {
+    state_->done = true;  // a failed collective is not retried; the error says what happened
+    state_->on_error(e);
+  }
+  state_->done = true;
+  if (state_->on_complete) state_->on_complete();
+}
+
+bool Pending::completed() const {
+  if (!state_) return true;
+  std::lock_guard<std::mutex> g(state_->mu);
+  return state_->done;
+}
+
+// ---- communicator --------------------------------------------------------------------------------
+Communicator::Communicator(CommPtr pg, std::string name, std::vector<int> global_ranks,
+                           std::chrono::milliseconds timeout, std::shared_ptr<CommCounters> counters)
+    : pg_(std::move(pg)),
+      name_(std::move(name)),
+      global_ranks_(std::move(global_ranks)),
+      timeout_(timeout),
+      counters_(counters ? std::move(counters) : std::make_shared<CommCounters>()) {
+  TORCH_CHECK(pg_, "Communicator '", name_, "': the process group is null");
+  rank_ = pg_->getRank();
+  size_ = pg_->getSize();
+  TORCH_CHECK(static_cast<int>(global_ranks_.size()) == size_, "Communicator '", name_, "': ", global_ranks_.size(),
+              " global ranks given for a group of ", size_);
+#if DMUON_TORCH_AT_LEAST(2, 0)
+  const std::string backend = pg_->getBackendName();
+#else
+  const std::string backend = pg_->getBackendName();
+#endif
+  is_gloo_ = backend == "gloo";
+  native_avg_ = !is_gloo_ || DMUON_TORCH_AT_LEAST(2, 8);
+}
+
+void Communicator::rethrow(const std::string& op_what, const std::exception& e) const {
+  TORCH_CHECK(false, "rank ", global_rank(), ": collective failed on dmuon group '", name_, "' (", size_,
+              " ranks): ", op_what, ": ", e.what(),
+              ". A peer probably died, hung or issued a different collective (all ranks must run the same "
+              "model code in the same order); the wait limit is ",
+              timeout_.count(), " ms.");
+}
+
+Pending Communicator::issue(CommOp op, const std::string& what, const std::function<WorkPtr()>& launch,
+                            std::function<void()> on_complete) {
+  Pending p;
+  p.state_ = std::make_shared<Pending::State>();
+  p.state_->timeout = timeout_;
+  p.state_->on_complete = std::move(on_complete);
+  const std::string op_what = std::string(comm_op_name(op)) + " (" + what + ")";
+  const Communicator* self = this;
+  // Copy what the error path needs: the Pending may outlive nothing, but keep it self-contained.
+  const std::string name = name_;
+  const int grank = global_rank(), size = size_;
+  const auto timeout = timeout_;
+  (void)self;
+  p.state_->on_error = [name, grank, size, timeout, op_what](const std::exception& e) {
+    TORCH_CHECK(false, "rank ", grank, ": collective failed on dmuon group '", name, "' (", size, " ranks): ",
+                op_what, ": ", e.what(),
+                ". A peer probably died, hung or issued a different collective (all ranks must run the same "
+                "model code in the same order); the wait limit is ",
+                timeout.count(), " ms.");
+  };
+  try {
+    p.state_->work = launch();
+  } catch (const std::exception& e) {
+    rethrow(op_what, e);
+  }
+  return p;
+}
+
+Pending Communicator::broadcast(at::Tensor tensor, int root, std::string what) {
+  if (size_ == 1) return Pending();
+  const int64_t bytes = static_cast<int64_t>(tensor.numel()) * tensor.element_size();
+  counters_->add(CommOp::Broadcast, rank_ == root ? 0 : bytes);
+  return issue(CommOp::Broadcast, what, [&] {
+    std::vector<at::Tensor> v{tensor};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    o.rootTensor = 0;
+    o.timeout = timeout_;
+    return pg_->broadcast(v, o);
+  }, nullptr);
+}
+
+Pending Communicator::reduce(at::Tensor tensor, int root, Reduction op, std::string what) {
+  if (size_ == 1) return Pending();
+  const int64_t bytes = static_cast<int64_t>(tensor.numel()) * tensor.element_size();
+  counters_->add(CommOp::Reduce, rank_ == root ? 0 : bytes);
+  const bool emulate_avg = op == Reduction::Avg && (is_gloo_ || !native_avg_);
+  std::function<void()> done;
+  if (emulate_avg && rank_ == root) {
+    const double n = size_;
+    done = [tensor, n]() mutable { tensor.div_(n); };
+  }
+  return issue(CommOp::Reduce, what, [&] {
+    std::vector<at::Tensor> v{tensor};
+    c10d::ReduceOptions o;
+    o.rootRank = root;
+    o.rootTensor = 0;
+    // NCCL's reduce supports AVG; Gloo's does not (any version): SUM then divide on the root.
+    o.reduceOp = (op == Reduction::Avg && !emulate_avg) ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+    o.timeout = timeout_;
+    return pg_->reduce(v, o);
+  }, std::move(done));
+}
+
+Pending Communicator::allreduce(at::Tensor tensor, Reduction op, std::string what) {
+  if (size_ == 1) return Pending();
+  const int64_t bytes = static_cast<int64_t>(tensor.numel()) * tensor.element_size();
+  counters_->add(CommOp::AllReduce, 2 * (size_ - 1) * bytes / size_);
+  const bool emulate_avg = op == Reduction::Avg && !native_avg_;
+  std::function<void()> done;
+  if (emulate_avg) {
+    const double n = size_;
+    done = [tensor, n]() mutable { tensor.div_(n); };
+  }
+  return issue(CommOp::AllReduce, what, [&] {
+    std::vector<at::Tensor> v{tensor};
+    c10d::AllreduceOptions o;
+    o.reduceOp = (op == Reduction::Avg && !emulate_avg) ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+    o.timeout = timeout_;
+    return pg_->allreduce(v, o);
+  }, std::move(done));
+}
+
+Pending Communicator::allgather_flat(at::Tensor out, at::Tensor in, std::string what) {
+  TORCH_CHECK(out.numel() == in.numel() * size_, "allgather_flat (", what, "): output has ", out.numel(),
+              " elements, expected ", in.numel() * size_, " = ", size_, " ranks x ", in.numel());
+  if (size_ == 1) {
+    out.view(-1).copy_(in.reshape(-1));
+    return Pending();
+  }
+  const int64_t total = static_cast<int64_t>(out.numel()) * out.element_size();
+  counters_->add(CommOp::AllGather, (size_ - 1) * total / size_);
+  return issue(CommOp::AllGather, what, [&] {
+    // allgather into views of one buffer (Gloo 1.13 has no _allgather_base).
+    std::vector<at::Tensor> outs;
+    const int64_t n = in.numel();
+    for (int r = 0; r < size_; ++r) outs.push_back(out.view(-1).narrow(0, r * n, n));
+    std::vector<std::vector<at::Tensor>> o{outs};
+    std::vector<at::Tensor> i{in.reshape(-1)};
+    c10d::AllgatherOptions opts;
+    opts.timeout = timeout_;
+    return pg_->allgather(o, i, opts);
+  }, nullptr);
+}
+
+Pending Communicator::reduce_scatter_flat(at::Tensor out, at::Tensor in, Reduction op, std::string what) {
+  TORCH_CHECK(in.numel() == out.numel() * size_, "reduce_scatter_flat (", what, "): input has ", in.numel(),
+              " elements, expected ", out.numel() * size_, " = ", size_, " ranks x ", out.numel());
+  if (size_ == 1) {
+    out.view(-1).copy_(in.reshape(-1));
+    return Pending();
+  }
+  const int64_t total = static_cast<int64_t>(in.numel()) * in.element_size();
+  const int64_t n = out.numel();
+  const int r = rank_;
+  const double div = size_;
+  const bool avg = op == Reduction::Avg;
+  if (is_gloo_) {
+    // Gloo 1.13 has no reduce-scatter: all-reduce a copy and keep this rank's chunk.
+    counters_->add(CommOp::AllReduce, 2 * (size_ - 1) * total / size_);
+    at::Tensor tmp = in.reshape(-1).clone();
+    return issue(CommOp::AllReduce, what + " [reduce-scatter fallback]", [&] {
+      std::vector<at::Tensor> v{tmp};
+      c10d::AllreduceOptions o;
+      o.reduceOp = c10d::ReduceOp::SUM;
+      o.timeout = timeout_;
+      return pg_->allreduce(v, o);
+    }, [out, tmp, n, r, div, avg]() mutable {
+      out.view(-1).copy_(tmp.narrow(0, r * n, n));
+      if (avg) out.div_(div);
+    });
+  }
+  counters_->add(CommOp::ReduceScatter, (size_ - 1) * total / size_);
+  return issue(CommOp::ReduceScatter, what, [&] {
+    at::Tensor o_flat = out.view(-1), i_flat = in.reshape(-1);
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = avg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+    o.timeout = timeout_;
+    return pg_->_reduce_scatter_base(o_flat, i_flat, o);
+  }, nullptr);
+}
+
+void Communicator::barrier(const std::string& what) {
+  if (size_ == 1) return;
+  counters_->add(CommOp::Barrier, 0);
+  issue(CommOp::Barrier, what, [&] {
+    c10d::BarrierOptions o;
+    o.timeout = timeout_;
+    return pg_->barrier(o);
+  }, nullptr).wait();
+}
+
+}  // namespace dmuon

@@ -1,0 +1,79 @@
+// Mesh construction: dmuon's own groups over a PrefixStore (isolated) or the caller's (shared).
+#include "dmuon/mesh.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <numeric>
+
+#include "dmuon/env.h"
+
+namespace dmuon {
+
+namespace {
+std::vector<int> iota_ranks(int n, int start, int stride) {
+  std::vector<int> v(n);
+  for (int i = 0; i < n; ++i) v[i] = start + i * stride;
+  return v;
+}
+}  // namespace
+
+std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts) {
+  TORCH_CHECK(world, "Mesh::create: the world process group is null. Create one with "
+              "dmuon::make_process_group or dmuon::bootstrap_from_environment first.");
+  const int rank = world->getRank(), n = world->getSize();
+  std::string policy = opts.process_group_policy;
+  if (policy.empty()) policy = env::process_group_policy();
+  if (policy.empty()) policy = "isolated";
+  TORCH_CHECK(policy == "isolated" || policy == "shared", "rank ", rank, ": unknown process_group_policy '", policy,
+              "' (from ", opts.process_group_policy.empty() ? "DMUON_PROCESS_GROUP_POLICY" : "MeshOptions",
+              "). Use \"isolated\" (dmuon's own groups, the default) or \"shared\" (the caller's group).");
+  const int R = opts.replicate_size;
+  TORCH_CHECK(R >= 1 && n % R == 0, "rank ", rank, ": replicate size ", R, " does not divide the world size ", n,
+              ". An HSDP mesh needs world = R x G; pick R among the divisors of ", n, ".");
+  const int G = n / R;
+  const bool need_groups = policy == "isolated" || R > 1;
+  TORCH_CHECK(!need_groups || (opts.store && opts.factory), "rank ", rank, ": ",
+              (R > 1 ? "a 2-D (replicate x shard) mesh" : "process_group_policy=\"isolated\""),
+              " builds dmuon's own process groups and needs MeshOptions::store and MeshOptions::factory (see "
+              "dmuon::process_group_factory in bootstrap.h), or use process_group_policy=\"shared\" on a 1-D mesh.");
+
+  auto mesh = std::shared_ptr<Mesh>(new Mesh());
+  mesh->global_rank_ = rank;
+  mesh->world_size_ = n;
+  mesh->policy_ = policy;
+  mesh->timeout_ = opts.timeout;
+  mesh->counters_ = std::make_shared<CommCounters>();
+
+  if (!need_groups) {
+    mesh->world_ = std::make_unique<Communicator>(world, opts.tag + "/world", iota_ranks(n, 0, 1), opts.timeout,
+                                                  mesh->counters_);
+    mesh->shard_ = std::make_unique<Communicator>(world, opts.tag + "/shard", iota_ranks(n, 0, 1), opts.timeout,
+                                                  mesh->counters_);
+    return mesh;
+  }
+  // A generation number per rank and tag keeps the PrefixStore keys of a second mesh (another
+  // model) apart from the first; ranks create meshes in the same order, so they agree on it.
+  const int64_t gen = opts.store->add(opts.tag + "/mesh_generation/rank" + std::to_string(rank), 1);
+  const std::string base = opts.tag + "/g" + std::to_string(gen);
+  auto make = [&](const std::string& name, const std::vector<int>& ranks) {
+    const int sub = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
+    auto store = c10::make_intrusive<c10d::PrefixStore>(base + "/" + name, opts.store);
+    CommPtr pg = opts.factory(store, sub, static_cast<int>(ranks.size()), opts.timeout);
+    return std::make_unique<Communicator>(pg, opts.tag + "/" + name, ranks, opts.timeout, mesh->counters_);
+  };
+  // Same global order on every rank: world, then all shard groups, then all replicate groups
+  // (each rank builds only the groups it belongs to).
+  mesh->world_ = make("world", iota_ranks(n, 0, 1));
+  const int r = rank / G, s = rank % G;
+  if (R == 1) {
+    mesh->shard_ = std::make_unique<Communicator>(mesh->world_->process_group(), opts.tag + "/shard",
+                                                  iota_ranks(n, 0, 1), opts.timeout, mesh->counters_);
+  } else {
+    mesh->shard_ = make("shard" + std::to_string(r), iota_ranks(G, r * G, 1));
+    mesh->replicate_ = make("replicate" + std::to_string(s), iota_ranks(R, s, G));
+  }
+  return mesh;
+}
+
+}  // namespace dmuon

@@ -1,0 +1,273 @@
+// Muon optimizer: Newton-Schulz on owned matrices, AdamW on the rest (see include/dmuon/muon.h).
+#include "dmuon/muon.h"
+
+#include <c10/util/Exception.h>
+#include <torch/optim/serialize.h>
+#include <torch/serialize/archive.h>
+
+#include <chrono>
+#include <cmath>
+#include <iostream>
+#include <set>
+#include <sstream>
+#include <type_traits>
+
+#include "runtime/state.h"
+
+namespace dmuon {
+
+// ---- options / state serialization ---------------------------------------------------------------
+void MuonGroupOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(is_muon);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(nesterov);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(ns_steps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(beta1);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(beta2);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+}
+void MuonGroupOptions::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, is_muon);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, momentum);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, nesterov);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, ns_steps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, beta1);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, beta2);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+}
+void MuonParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(step);
+  if (momentum_buffer().defined()) _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum_buffer);
+  if (exp_avg().defined()) _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
+  if (exp_avg_sq().defined()) _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
+}
+void MuonParamState::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, step);
+  // Buffers are written only when defined (a Muon matrix has no AdamW moments and vice versa).
+  for (const char* key : {"momentum_buffer", "exp_avg", "exp_avg_sq"}) {
+    c10::IValue iv;
+    if (!archive.try_read(key, iv)) continue;
+    const at::Tensor t = iv.toTensor();
+    if (std::string(key) == "momentum_buffer") momentum_buffer(t);
+    else if (std::string(key) == "exp_avg") exp_avg(t);
+    else exp_avg_sq(t);
+  }
+}
+
+namespace {
+
+// The optimizer state map is keyed by std::string ("0x..." of the TensorImpl) in LibTorch <= 2.1 and
+// by the TensorImpl* in 2.2+.
+using StateMap = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
+using StateKey = StateMap::key_type;
+template <class K = StateKey>
+K state_key(const at::Tensor& p) {
+  if constexpr (std::is_same_v<K, std::string>) {
+    std::ostringstream ss;
+    ss << static_cast<void*>(p.unsafeGetTensorImpl());
+    return ss.str();
+  } else {
+    return p.unsafeGetTensorImpl();
+  }
+}
+
+void check_hparam(bool ok, const char* field, double v, const char* range) {
+  TORCH_CHECK(ok, "Muon: invalid ", field, ": ", v, ". Must be ", range, ".");
+}
+
+std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_ptr<torch::nn::Module>& model,
+                                                            const MuonOptions& o) {
+  check_hparam(o.lr >= 0, "lr", o.lr, ">= 0");
+  check_hparam(o.momentum >= 0 && o.momentum < 1, "momentum", o.momentum, "in [0, 1)");
+  check_hparam(o.weight_decay >= 0, "weight_decay", o.weight_decay, ">= 0");
+  check_hparam(o.ns_steps >= 1, "ns_steps", o.ns_steps, ">= 1");
+  check_hparam(o.adamw_lr >= 0, "adamw_lr", o.adamw_lr, ">= 0");
+  check_hparam(o.adamw_betas.first >= 0 && o.adamw_betas.first < 1, "adamw_betas.first", o.adamw_betas.first,
+               "in [0, 1)");
+  check_hparam(o.adamw_betas.second >= 0 && o.adamw_betas.second < 1, "adamw_betas.second", o.adamw_betas.second,
+               "in [0, 1)");
+  check_hparam(o.adamw_weight_decay >= 0, "adamw_weight_decay", o.adamw_weight_decay, ">= 0");
+  check_hparam(o.adamw_eps > 0, "adamw_eps", o.adamw_eps, "> 0");
+  TORCH_CHECK(model, "Muon: the model is null.");
+  auto state = detail::state_of_model(model.get());
+  TORCH_CHECK(state, "Muon: the model was not dedicated. Call dmuon::dedicate_params(model, mesh, predicate) (and "
+              "dmuon::replicate for the other parameters) before constructing Muon; a mesh of one rank works for "
+              "single-process training.");
+  std::set<const c10::TensorImpl*> dedicated;
+  for (const auto& e : state->params) dedicated.insert(e.param.unsafeGetTensorImpl());
+
+  std::vector<at::Tensor> all;
+  for (const auto& item : model->named_parameters(true))
+    if (item.value().requires_grad()) all.push_back(item.value());
+
+  std::vector<MuonParamGroup> user = o.param_groups;
+  std::set<const c10::TensorImpl*> grouped;
+  for (const auto& g : user)
+    for (const auto& p : g.params) {
+      TORCH_CHECK(grouped.insert(p.unsafeGetTensorImpl()).second, "Muon: a parameter appears in more than one "
+                  "param group (group '", g.name, "'). Each parameter may be in at most one group.");
+    }
+  MuonParamGroup rest;
+  rest.name = "default";
+  for (const auto& p : all)
+    if (!grouped.count(p.unsafeGetTensorImpl())) rest.params.push_back(p);
+  if (!rest.params.empty() || user.empty()) user.push_back(rest);
+
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  for (const auto& g : user) {
+    std::vector<at::Tensor> muon_ps, adamw_ps;
+    for (const auto& p : g.params) (dedicated.count(p.unsafeGetTensorImpl()) ? muon_ps : adamw_ps).push_back(p);
+    auto mo = std::make_unique<MuonGroupOptions>(g.lr.value_or(o.lr));
+    mo->is_muon(true).momentum(g.momentum.value_or(o.momentum)).nesterov(o.nesterov)
+        .weight_decay(g.weight_decay.value_or(o.weight_decay)).ns_steps(o.ns_steps).group_name(g.name);
+    auto ao = std::make_unique<MuonGroupOptions>(g.adamw_lr.value_or(o.adamw_lr));
+    ao->is_muon(false).beta1(o.adamw_betas.first).beta2(o.adamw_betas.second).eps(o.adamw_eps)
+        .weight_decay(g.adamw_weight_decay.value_or(o.adamw_weight_decay)).group_name(g.name);
+    groups.emplace_back(muon_ps, std::move(mo));
+    groups.emplace_back(adamw_ps, std::move(ao));
+  }
+  return groups;
+}
+
+double elapsed_ms(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+Muon::Muon(const std::shared_ptr<torch::nn::Module>& model, MuonOptions options)
+    : Optimizer(lower_groups(model, options), std::make_unique<MuonGroupOptions>(options.lr)),
+      model_(model),
+      options_(std::move(options)),
+      ns_(options_.ns ? *options_.ns : NewtonSchulz(options_.ns_backend)) {
+  auto state = detail::state_of_model(model.get());
+  for (const auto& e : state->params) owned_[e.param.unsafeGetTensorImpl()] = e.is_owner;
+}
+
+MuonParamState& Muon::state_for(const at::Tensor& p) {
+  auto key = state_key(p);
+  auto it = state_.find(key);
+  if (it == state_.end()) it = state_.emplace(key, std::make_unique<MuonParamState>()).first;
+  return static_cast<MuonParamState&>(*it->second);
+}
+
+const MuonParamState* Muon::state_of(const at::Tensor& p) const {
+  auto it = state_.find(state_key(p));
+  return it == state_.end() ? nullptr : static_cast<const MuonParamState*>(it->second.get());
+}
+
+void Muon::muon_update(at::Tensor& p, const MuonGroupOptions& o, StepProfile& prof) {
+  const at::Tensor g = p.grad();
+  MuonParamState& st = state_for(p);
+  if (!st.momentum_buffer().defined()) st.momentum_buffer(at::zeros_like(g));
+  at::Tensor& buf = st.momentum_buffer();
+  buf.mul_(o.momentum()).add_(g);
+  const at::Tensor u = o.nesterov() ? g.add(buf, o.momentum()) : buf;
+  st.step(st.step() + 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  const at::Tensor update = ns_.local(u, static_cast<int>(o.ns_steps()));
+  prof.ns_ms += elapsed_ms(t0);
+  const double m = static_cast<double>(std::min(p.size(0), p.size(1)));
+  const double n = static_cast<double>(std::max(p.size(0), p.size(1)));
+  prof.ns_flops += 20 * m * m * n + 10 * m * m * m;
+  const double scale = 0.2 * std::sqrt(n);
+  if (o.weight_decay() != 0) p.mul_(1.0 - o.lr() * o.weight_decay());
+  p.add_(update.to(p.scalar_type()), -o.lr() * scale);
+  ++prof.owned_updates;
+}
+
+void Muon::adamw_update(at::Tensor& p, const MuonGroupOptions& o) {
+  const at::Tensor g = p.grad();
+  MuonParamState& st = state_for(p);
+  if (!st.exp_avg().defined()) {
+    st.exp_avg(at::zeros_like(p));
+    st.exp_avg_sq(at::zeros_like(p));
+  }
+  st.step(st.step() + 1);
+  const double b1 = o.beta1(), b2 = o.beta2();
+  if (o.weight_decay() != 0) p.mul_(1.0 - o.lr() * o.weight_decay());
+  st.exp_avg().mul_(b1).add_(g, 1.0 - b1);
+  st.exp_avg_sq().mul_(b2).addcmul_(g, g, 1.0 - b2);
+  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(st.step()));
+  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(st.step()));
+  const at::Tensor denom = (st.exp_avg_sq().sqrt() / std::sqrt(bc2)).add_(o.eps());
+  p.addcdiv_(st.exp_avg(), denom, -o.lr() / bc1);
+}
+
+at::Tensor Muon::step(LossClosure closure) {
+  at::NoGradGuard no_grad;
+  at::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable(true);
+    loss = closure();
+  }
+  auto model = model_.lock();
+  TORCH_CHECK(model, "Muon::step: the model was destroyed.");
+  auto state = detail::state_of_model(model.get());
+  TORCH_CHECK(state, "Muon::step: the model is no longer dedicated.");
+  StepProfile prof;
+  const auto t_start = std::chrono::steady_clock::now();
+  state->prepare_grads();
+  prof.prepare_ms = elapsed_ms(t_start);
+  const bool log_first = options_.first_step_progress_log && steps_ == 0;
+  for (auto& group : param_groups_) {
+    const auto& o = static_cast<const MuonGroupOptions&>(group.options());
+    const auto t0 = std::chrono::steady_clock::now();
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      if (o.is_muon()) {
+        auto it = owned_.find(p.unsafeGetTensorImpl());
+        if (it == owned_.end() || !it->second) continue;  // not ours: the owner updates it
+        const auto tp = std::chrono::steady_clock::now();
+        muon_update(p, o, prof);
+        if (log_first && progress_logged_ < options_.first_step_progress_log_limit) {
+          ++progress_logged_;
+          std::cerr << "[dmuon] rank " << state->mesh->global_rank() << ": first step: " << ns_.describe() << " on "
+                    << p.size(0) << "x" << p.size(1) << " took " << elapsed_ms(tp) << " ms\n";
+        }
+      } else {
+        adamw_update(p, o);
+      }
+    }
+    (o.is_muon() ? prof.muon_ms : prof.adamw_ms) += elapsed_ms(t0);
+  }
+  state->mark_params_updated();
+  prof.total_ms = elapsed_ms(t_start);
+  prof.valid = true;
+  if (options_.record_step_profile) last_profile_ = prof;
+  ++steps_;
+  return loss;
+}
+
+void Muon::zero_grad(bool set_to_none) {
+  for (auto& group : param_groups_)
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      if (set_to_none) {
+        p.mutable_grad() = at::Tensor();
+      } else {
+        p.mutable_grad().detach_();
+        p.mutable_grad().zero_();
+      }
+    }
+}
+
+StepProfile Muon::consume_last_step_profile() {
+  StepProfile p = last_profile_;
+  last_profile_ = StepProfile{};
+  return p;
+}
+
+void Muon::save(torch::serialize::OutputArchive& archive) const {
+  torch::optim::serialize<MuonParamState, MuonGroupOptions>(archive, *this);
+}
+
+void Muon::load(torch::serialize::InputArchive& archive) {
+  torch::optim::serialize<MuonParamState, MuonGroupOptions>(archive, *this);
+}
+
+}  // namespace dmuon

@@ -1,0 +1,381 @@
+// Hook boundaries: forward/backward broadcasts, Z2/Z3 lifetimes, ordered gradient reduces.
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <algorithm>
+#include <sstream>
+
+#include "runtime/state.h"
+
+namespace dmuon {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+DedicatedState* state_from(AutogradContext* ctx) {
+  return reinterpret_cast<DedicatedState*>(ctx->saved_data["s"].toInt());
+}
+
+// Identity on a boundary's output: its backward runs before the boundary's own backward.
+struct PreBackwardFn : torch::autograd::Function<PreBackwardFn> {
+  static variable_list forward(AutogradContext* ctx, at::Tensor x, int64_t state, int64_t b) {
+    ctx->saved_data["s"] = state;
+    ctx->saved_data["b"] = b;
+    return {x.view_as(x)};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    state_from(ctx)->pre_backward(static_cast<int>(ctx->saved_data["b"].toInt()));
+    return {g[0], at::Tensor(), at::Tensor()};
+  }
+};
+
+// Identity on a boundary's input: its backward runs after the boundary's own backward.
+struct PostBackwardFn : torch::autograd::Function<PostBackwardFn> {
+  static variable_list forward(AutogradContext* ctx, at::Tensor x, int64_t state, int64_t b) {
+    ctx->saved_data["s"] = state;
+    ctx->saved_data["b"] = b;
+    return {x.view_as(x)};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    state_from(ctx)->post_backward(static_cast<int>(ctx->saved_data["b"].toInt()));
+    return {g[0], at::Tensor(), at::Tensor()};
+  }
+};
+
+std::string boundary_what(const char* phase, const Boundary& B, const PackedBuffer& buf) {
+  std::ostringstream o;
+  o << phase << " of '" << B.name << "' from rank " << buf.root_global << " (" << buf.params.size() << " params, "
+    << buf.bytes() << " bytes)";
+  return o.str();
+}
+
+}  // namespace
+
+// ---- broadcasts ------------------------------------------------------------------------------------
+void DedicatedState::issue_broadcasts(int b, const char* phase) {
+  Boundary& B = boundaries[b];
+  Communicator& comm = mesh->shard();
+  for (auto& buf : B.buffers) {
+    if (buf.state != PackedBuffer::State::Released && buf.ready_pass == pass) continue;  // already published
+    if (!buf.is_root && buf.state == PackedBuffer::State::Released)
+      detail::resize_storage_bytes(buf.flat, static_cast<size_t>(buf.bytes()));
+    at::Tensor payload = buf.flat;
+    if (opts.compute_dtype && *opts.compute_dtype != buf.flat.scalar_type()) {
+      buf.bcast_payload = buf.is_root ? buf.flat.to(*opts.compute_dtype)
+                                      : at::empty({buf.numel}, buf.flat.options().dtype(*opts.compute_dtype));
+      payload = buf.bcast_payload;
+    }
+    buf.bcast = comm.broadcast(payload, buf.root, boundary_what(phase, B, buf));
+    buf.state = PackedBuffer::State::Pending;
+    buf.ready_pass = pass;
+  }
+}
+
+void DedicatedState::wait_broadcasts(int b) {
+  Boundary& B = boundaries[b];
+  at::NoGradGuard ng;
+  for (auto& buf : B.buffers) {
+    if (buf.state != PackedBuffer::State::Pending) continue;
+    buf.bcast.wait();
+    buf.bcast = Pending();
+    if (buf.bcast_payload.defined()) {
+      if (!buf.is_root) buf.flat.copy_(buf.bcast_payload);
+      buf.bcast_payload = at::Tensor();
+    }
+    if (!buf.is_root)
+      for (size_t k = 0; k < buf.params.size(); ++k) params[buf.params[k]].param.set_data(buf.views[k]);
+    buf.state = PackedBuffer::State::Ready;
+  }
+}
+
+void DedicatedState::release(int b) {
+  Boundary& B = boundaries[b];
+  at::NoGradGuard ng;
+  for (auto& buf : B.buffers) {
+    if (buf.state == PackedBuffer::State::Pending) buf.bcast.wait();  // never free a buffer in flight
+    buf.bcast = Pending();
+    buf.bcast_payload = at::Tensor();
+    if (buf.is_root) {
+      buf.state = PackedBuffer::State::Released;  // logical: the root's data stay
+      continue;
+    }
+    if (buf.state == PackedBuffer::State::Released) continue;
+    for (int p : buf.params) params[p].param.set_data(params[p].placeholder);
+    detail::resize_storage_bytes(buf.flat, 0);
+    buf.state = PackedBuffer::State::Released;
+  }
+}
+
+void DedicatedState::prefetch_after(int b, bool backward) {
+  const int depth = backward ? 1 : opts.forward_prefetch_depth;
+  if (depth <= 0) return;
+  std::vector<int> order;
+  if (backward) {
+    order.assign(current_order.rbegin(), current_order.rend());
+  } else if (!recorded_order.empty()) {
+    order = recorded_order;
+  } else {
+    for (const auto& B : boundaries) order.push_back(B.index);  // first pass: model order
+  }
+  auto it = std::find(order.begin(), order.end(), b);
+  if (it == order.end()) return;
+  for (int k = 1; k <= depth && it + k < order.end(); ++k) {
+    const int nb = *(it + k);
+    if (!backward && boundaries[nb].ran_forward) continue;
+    issue_broadcasts(nb, backward ? "backward prefetch broadcast" : "forward prefetch broadcast");
+  }
+}
+
+// ---- forward ---------------------------------------------------------------------------------------
+void DedicatedState::begin_forward_pass() {
+  if (!current_order.empty()) recorded_order = current_order;
+  current_order.clear();
+  ++pass;
+  for (auto& B : boundaries) B.ran_forward = false;
+  backward_since_forward = false;
+}
+
+void DedicatedState::begin_root_forward() {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  begin_forward_pass();
+}
+
+void DedicatedState::pre_forward(int b) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  Boundary& B = boundaries[b];
+  if (backward_since_forward || B.ran_forward) begin_forward_pass();
+  B.ran_forward = true;
+  B.in_forward = true;
+  current_order.push_back(b);
+  issue_broadcasts(b, "forward broadcast");
+  prefetch_after(b, /*backward=*/false);
+  wait_broadcasts(b);
+}
+
+void DedicatedState::post_forward(int b) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  boundaries[b].in_forward = false;
+  if (z3()) release(b);  // Z3: free after forward, re-broadcast in backward; Z2: keep until after backward
+}
+
+// ---- backward --------------------------------------------------------------------------------------
+void DedicatedState::ensure_backward_callback() {
+  if (callback_queued) return;
+  callback_queued = true;
+  if (!reduce_order_fixed) {
+    reduce_order.assign(current_order.rbegin(), current_order.rend());
+    next_reduce = 0;
+    reduce_order_fixed = true;
+  }
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
+}
+
+void DedicatedState::pre_backward(int b) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  ensure_backward_callback();
+  if (z3()) {
+    issue_broadcasts(b, "backward broadcast");
+    prefetch_after(b, /*backward=*/true);
+  }
+  wait_broadcasts(b);
+}
+
+void DedicatedState::post_backward(int b) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  ensure_backward_callback();
+  boundaries[b].grads_ready = true;
+  try_issue_reduces();
+}
+
+void DedicatedState::on_param_accumulated(int p) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  ensure_backward_callback();
+  ParamEntry& e = params[p];
+  if (e.accumulated) return;
+  e.accumulated = true;
+  Boundary& B = boundaries[e.boundary];
+  if (++B.accumulated == static_cast<int>(B.params.size())) B.grads_ready = true;
+  try_issue_reduces();
+}
+
+void DedicatedState::try_issue_reduces() {
+  // Reduces go out in the reverse forward order on every rank; a boundary that is ready early waits
+  // for the ones before it, so all ranks issue the same collectives in the same order.
+  while (next_reduce < reduce_order.size() && boundaries[reduce_order[next_reduce]].grads_ready) {
+    issue_reduce(reduce_order[next_reduce]);
+    ++next_reduce;
+  }
+}
+
+void DedicatedState::issue_reduce(int b) {
+  Boundary& B = boundaries[b];
+  if (B.reduced) return;
+  B.reduced = true;
+  Communicator& comm = mesh->shard();
+  at::NoGradGuard ng;
+  for (auto& buf : B.buffers) {
+    // payload = [grads of the buffer's params..., one has-grad flag per param], summed on the root
+    const auto dtype = opts.compute_dtype ? *opts.compute_dtype : buf.flat.scalar_type();
+    const int64_t np = static_cast<int64_t>(buf.params.size());
+    buf.grad_payload = at::zeros({buf.numel + np}, buf.flat.options().dtype(dtype));
+    for (int64_t k = 0; k < np; ++k) {
+      auto& e = params[buf.params[k]];
+      const at::Tensor& gr = e.param.grad();
+      if (gr.defined()) {
+        buf.grad_payload.narrow(0, buf.offsets[k], e.param.numel()).copy_(gr.reshape(-1));
+        buf.grad_payload[buf.numel + k] = 1;
+      }
+      if (!buf.is_root) e.param.mutable_grad() = at::Tensor();  // non-owners drop their gradient
+    }
+    buf.reduce = comm.reduce(buf.grad_payload, buf.root, Reduction::Sum, boundary_what("gradient reduce", B, buf));
+    buf.reduce_issued = true;
+  }
+  release(b);  // the parameters are not needed again before the next forward
+}
+
+void DedicatedState::end_of_backward() {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  // Fire every boundary whose backward hooks did not run (no input needed grad, unused outputs...).
+  for (; next_reduce < reduce_order.size(); ++next_reduce) issue_reduce(reduce_order[next_reduce]);
+  for (auto& B : boundaries) {
+    release(B.index);
+    B.grads_ready = false;
+    B.accumulated = 0;
+    B.reduced = false;
+  }
+  for (auto& e : params) e.accumulated = false;
+  flush_replicated();
+  callback_queued = false;
+  reduce_order_fixed = false;
+  reduce_order.clear();
+  next_reduce = 0;
+  backward_since_forward = true;
+}
+
+// ---- optimizer interface -------------------------------------------------------------------------
+void DedicatedState::prepare_grads() {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  at::NoGradGuard ng;
+  const double n = mesh->shard_size();
+  for (auto& B : boundaries)
+    for (auto& buf : B.buffers) {
+      if (!buf.reduce_issued) continue;
+      buf.reduce.wait();
+      buf.reduce = Pending();
+      buf.reduce_issued = false;
+      if (buf.is_root) {
+        for (size_t k = 0; k < buf.params.size(); ++k) {
+          auto& e = params[buf.params[k]];
+          const double flag = buf.grad_payload[buf.numel + static_cast<int64_t>(k)].item<double>();
+          if (flag > 0) {
+            e.param.mutable_grad() = buf.grad_payload.narrow(0, buf.offsets[k], e.param.numel())
+                                         .view(e.param.sizes())
+                                         .to(e.param.scalar_type())
+                                         .div(n);
+          } else {
+            e.param.mutable_grad() = at::Tensor();  // no rank produced a gradient
+          }
+        }
+      }
+      buf.grad_payload = at::Tensor();
+    }
+  wait_replicated();
+}
+
+void DedicatedState::drain_all() {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  for (auto& B : boundaries)
+    for (auto& buf : B.buffers)
+      if (buf.state == PackedBuffer::State::Pending) wait_broadcasts(B.index);
+  prepare_grads();
+}
+
+void DedicatedState::mark_params_updated() {}
+
+std::string DedicatedState::bypass_hint() const {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  for (const auto& B : boundaries) {
+    if (B.ran_forward && !backward_since_forward) continue;
+    for (const auto& buf : B.buffers) {
+      if (buf.is_root || buf.state != PackedBuffer::State::Released) continue;
+      const auto& e = params[buf.params.front()];
+      std::ostringstream o;
+      o << "dmuon: hook boundary '" << B.name << "' was not run through dmuon::forward in this forward pass, and its "
+        << "dedicated parameters are 0-element placeholders on rank " << mesh->global_rank() << " (e.g. '" << e.name
+        << "', shape " << at::IntArrayRef(e.shape) << ", owned by rank " << e.owner_rank << "). Call "
+        << "`x = dmuon::forward(module, x)` for '" << B.name << "' instead of calling its forward directly.";
+      return o.str();
+    }
+  }
+  return "";
+}
+
+// ---- BoundaryScope ---------------------------------------------------------------------------------
+namespace detail {
+
+struct BoundaryScope::Impl {
+  std::shared_ptr<DedicatedState> state;  // set when the module is a boundary
+  int boundary = -1;
+  std::shared_ptr<DedicatedState> root;   // set when the module is a dedicated model
+  bool entered = false;
+  bool exited = false;
+};
+
+BoundaryScope::BoundaryScope(const torch::nn::Module* module) : impl_(std::make_unique<Impl>()) {
+  auto [st, b] = boundary_of_module(module);
+  impl_->state = st;
+  impl_->boundary = b;
+  impl_->root = state_of_model(module);
+}
+
+BoundaryScope::~BoundaryScope() = default;
+
+void BoundaryScope::enter() {
+  if (impl_->root) impl_->root->begin_root_forward();  // the model's own forward: a new pass
+  if (impl_->state) impl_->state->pre_forward(impl_->boundary);
+  impl_->entered = true;
+}
+
+at::Tensor BoundaryScope::enter(const at::Tensor& input) {
+  enter();
+  if (!impl_->state || !at::GradMode::is_enabled() || !input.defined() || !input.requires_grad()) return input;
+  return PostBackwardFn::apply(input, reinterpret_cast<int64_t>(impl_->state.get()),
+                               static_cast<int64_t>(impl_->boundary))[0];
+}
+
+void BoundaryScope::exit() {
+  if (impl_->state && impl_->entered && !impl_->exited) impl_->state->post_forward(impl_->boundary);
+  impl_->exited = true;
+}
+
+at::Tensor BoundaryScope::exit(const at::Tensor& output) {
+  exit();
+  if (!impl_->state || !at::GradMode::is_enabled() || !output.defined() || !output.requires_grad()) return output;
+  return PreBackwardFn::apply(output, reinterpret_cast<int64_t>(impl_->state.get()),
+                              static_cast<int64_t>(impl_->boundary))[0];
+}
+
+void BoundaryScope::rethrow(const std::exception& e) {
+  if (impl_->state && impl_->entered && !impl_->exited) {
+    impl_->exited = true;
+    try {
+      impl_->state->post_forward(impl_->boundary);
+    } catch (...) {
+    }
+  }
+  const std::string what = e.what();
+  std::shared_ptr<DedicatedState> st = impl_->root ? impl_->root : impl_->state;
+  if (st && what.find("dmuon: hook boundary") == std::string::npos) {
+    const std::string hint = st->bypass_hint();
+    if (!hint.empty()) TORCH_CHECK(false, what, "\n", hint);
+  }
+  throw;
+}
+
+}  // namespace detail
+
+}  // namespace dmuon

@@ -1,0 +1,453 @@
+// dedicate_params: plan owners, install placeholders, register boundaries and hooks.
+#include <ATen/native/Resize.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <mutex>
+#include <set>
+#include <sstream>
+
+#include "runtime/state.h"
+
+#if DMUON_WITH_CUDA
+#include <ATen/native/cuda/Resize.h>
+#endif
+
+namespace dmuon {
+
+// ---- registry --------------------------------------------------------------------------------------
+namespace detail {
+namespace {
+struct ModelEntry {
+  std::weak_ptr<torch::nn::Module> model;
+  std::shared_ptr<DedicatedState> state;
+};
+struct BoundaryEntry {
+  std::weak_ptr<torch::nn::Module> module;
+  std::weak_ptr<DedicatedState> state;
+  int boundary = 0;
+};
+std::mutex g_registry_mu;
+std::map<const torch::nn::Module*, ModelEntry>& models() {
+  static std::map<const torch::nn::Module*, ModelEntry> m;
+  return m;
+}
+std::map<const torch::nn::Module*, BoundaryEntry>& boundary_map() {
+  static std::map<const torch::nn::Module*, BoundaryEntry> m;
+  return m;
+}
+void prune_locked() {
+  for (auto it = models().begin(); it != models().end();) it = it->second.model.expired() ? models().erase(it) : ++it;
+  for (auto it = boundary_map().begin(); it != boundary_map().end();)
+    it = (it->second.module.expired() || it->second.state.expired()) ? boundary_map().erase(it) : ++it;
+}
+}  // namespace
+
+std::shared_ptr<DedicatedState> state_of_model(const torch::nn::Module* model) {
+  std::lock_guard<std::mutex> g(g_registry_mu);
+  auto it = models().find(model);
+  if (it == models().end()) return nullptr;
+  auto live = it->second.model.lock();
+  if (!live || live.get() != model) return nullptr;
+  return it->second.state;
+}
+
+std::pair<std::shared_ptr<DedicatedState>, int> boundary_of_module(const torch::nn::Module* module) {
+  std::lock_guard<std::mutex> g(g_registry_mu);
+  auto it = boundary_map().find(module);
+  if (it == boundary_map().end()) return {nullptr, -1};
+  auto live = it->second.module.lock();
+  auto st = it->second.state.lock();
+  if (!live || !st || live.get() != module) return {nullptr, -1};
+  return {st, it->second.boundary};
+}
+
+void register_state(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<DedicatedState>& state) {
+  std::lock_guard<std::mutex> g(g_registry_mu);
+  prune_locked();
+  models()[model.get()] = ModelEntry{model, state};
+}
+
+void register_boundary(const std::shared_ptr<torch::nn::Module>& module, const std::shared_ptr<DedicatedState>& s,
+                       int b) {
+  std::lock_guard<std::mutex> g(g_registry_mu);
+  boundary_map()[module.get()] = BoundaryEntry{module, s, b};
+}
+
+void resize_storage_bytes(const at::Tensor& t, size_t bytes) {
+  c10::StorageImpl* si = t.storage().unsafeGetStorageImpl();
+  if (si->nbytes() == bytes) return;
+#if DMUON_WITH_CUDA
+  if (t.is_cuda()) {
+    at::native::resize_bytes_cuda(si, bytes);
+    return;
+  }
+#endif
+  at::native::resize_bytes_cpu(si, bytes);
+}
+}  // namespace detail
+
+// ---- state ---------------------------------------------------------------------------------------
+DedicatedState::DedicatedState(std::shared_ptr<torch::nn::Module> m, std::shared_ptr<Mesh> me, DedicateOptions o)
+    : model(m), mesh(std::move(me)), opts(std::move(o)) {}
+
+namespace {
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream o;
+  o << s;
+  return o.str();
+}
+
+ParamPolicy policy_for(const DedicateOptions& opts, const std::string& name, const at::Tensor& p, int rank) {
+  TORCH_CHECK(opts.param_policy.empty() || !opts.param_policy_fn, "rank ", rank,
+              ": dedicate_params: param_policy and param_policy_fn are mutually exclusive; pass one of them.");
+  ParamPolicy pol;
+  if (opts.param_policy_fn) {
+    if (auto r = opts.param_policy_fn(name, p)) pol = *r;
+  }
+  for (const auto& ov : opts.param_policy) {
+    std::istringstream tokens(ov.match);
+    std::string tok;
+    bool all = true;
+    while (tokens >> tok) all = all && name.find(tok) != std::string::npos;
+    if (all) pol = ov.policy;
+  }
+  TORCH_CHECK(pol.route == "muon" || pol.route == "adamw", "rank ", rank, ": dedicate_params: parameter '", name,
+              "' has route '", pol.route, "', which does not exist. Routes: \"muon\" (dedicated ownership + "
+              "Newton-Schulz) and \"adamw\" (replicated, trained by AdamW).");
+  return pol;
+}
+
+// Ancestors of "a.b.c.weight", lowest first: "a.b.c", "a.b", "a", "".
+std::vector<std::string> ancestors_of(const std::string& param_name) {
+  std::vector<std::string> out;
+  std::string s = param_name;
+  for (;;) {
+    const auto dot = s.rfind('.');
+    if (dot == std::string::npos) {
+      out.push_back("");
+      return out;
+    }
+    s = s.substr(0, dot);
+    out.push_back(s);
+  }
+}
+
+}  // namespace
+
+void DedicatedState::build(const ParamPredicate& predicate) {
+  auto m = model.lock();
+  const int rank = mesh->global_rank();
+  TORCH_CHECK(static_cast<bool>(predicate), "rank ", rank, ": dedicate_params: the predicate is empty. Pass a "
+              "function (name, param) -> bool that selects the Muon matrices, e.g. 2-D weights of layers.");
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
+  for (const auto& item : m->named_modules("", /*include_self=*/true)) modules[item.key()] = item.value();
+
+  // 1. select
+  std::vector<ParamSpec> specs;
+  std::vector<std::string> boundary_names;
+  for (const auto& item : m->named_parameters(/*recurse=*/true)) {
+    const std::string& name = item.key();
+    const at::Tensor& p = item.value();
+    if (!p.requires_grad()) continue;
+    if (!predicate(name, p)) continue;
+    if (policy_for(opts, name, p, rank).route != "muon") continue;
+    TORCH_CHECK(p.dim() == 2, "rank ", rank, ": dedicate_params: the predicate selected '", name, "' with shape ",
+                shape_str(p.sizes()), " (", p.dim(), "-D). Dedicated ownership runs Newton-Schulz, which needs a 2-D "
+                "matrix; make the predicate return false for it (it will be trained by AdamW), or reshape it "
+                "into a 2-D parameter in the model.");
+    TORCH_CHECK(p.numel() > 0, "rank ", rank, ": dedicate_params: parameter '", name, "' has no elements (shape ",
+                shape_str(p.sizes()), ").");
+    TORCH_CHECK(p.is_contiguous(), "rank ", rank, ": dedicate_params: parameter '", name,
+                "' is not contiguous; dedicated parameters must be plain dense tensors.");
+
+    // 2. boundary
+    std::string boundary;
+    bool found = false;
+    if (opts.hook_boundary_resolver) {
+      boundary = opts.hook_boundary_resolver(name, p);
+      TORCH_CHECK(modules.count(boundary), "rank ", rank, ": dedicate_params: hook_boundary_resolver returned '",
+                  boundary, "' for parameter '", name, "', which is not a module of the model (named_modules()).");
+      found = true;
+    } else if (opts.hook_boundary_predicate) {
+      for (const auto& a : ancestors_of(name)) {
+        auto it = modules.find(a);
+        if (it != modules.end() && opts.hook_boundary_predicate(a, *it->second)) {
+          boundary = a;
+          found = true;
+          break;
+        }
+      }
+      TORCH_CHECK(found || !opts.hook_boundary_strict, "rank ", rank, ": dedicate_params: no ancestor module of '",
+                  name, "' matches hook_boundary_predicate (strict mode). Widen the predicate so it selects the "
+                  "block that contains this parameter, or set hook_boundary_strict=false to fall back to its "
+                  "direct parent module.");
+    } else {
+      const std::string key = layer_key_of(name);
+      if (!key.empty() && modules.count(key)) {
+        boundary = key;
+        found = true;
+      }
+    }
+    if (!found) boundary = ancestors_of(name).front();  // the direct parent
+
+    ParamSpec s;
+    s.name = name;
+    s.shape = p.sizes().vec();
+    s.elem_bytes = static_cast<int64_t>(
+        c10::elementSize(opts.compute_dtype ? *opts.compute_dtype : p.scalar_type()));
+    s.group_key = opts.assignment_group_key_fn ? opts.assignment_group_key_fn(name, p) : boundary;
+    s.route = "muon";
+    specs.push_back(s);
+    boundary_names.push_back(boundary);
+
+    ParamEntry e;
+    e.name = name;
+    e.param = p;
+    e.shape = s.shape;
+    params.push_back(std::move(e));
+  }
+
+  // 3. plan (every rank, no communication), then check that all ranks agree
+  PlanOptions po;
+  po.owner_strategy = opts.owner_strategy;
+  po.owner_cost_model = opts.owner_cost_model;
+  po.hsdp_column_balance = opts.hsdp_column_balance;
+  po.pack_small_params = opts.pack_small_params;
+  po.max_owners_per_group = opts.max_owners_per_group;
+  try {
+    plan = plan_owners(specs, mesh->shard_size(), mesh->replicate_size(), po);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rank ", rank, ": dedicate_params: owner planning failed: ", e.what());
+  }
+  {
+    // [fingerprint, count] from every rank; a mismatch names the first differing parameter.
+    auto opt = at::TensorOptions().dtype(at::kLong);
+    at::Tensor mine = at::tensor({static_cast<int64_t>(plan.fingerprint), static_cast<int64_t>(specs.size())}, opt);
+    const int n = mesh->world_size();
+    at::Tensor all = at::empty({2 * n}, opt);
+    mesh->world().allgather_flat(all, mine, "plan fingerprint check").wait();
+    bool same = true;
+    for (int r = 0; r < n; ++r) same = same && all[2 * r].item<int64_t>() == all[0].item<int64_t>();
+    if (!same) {
+      int64_t max_count = 0, min_count = INT64_MAX;
+      for (int r = 0; r < n; ++r) {
+        max_count = std::max(max_count, all[2 * r + 1].item<int64_t>());
+        min_count = std::min(min_count, all[2 * r + 1].item<int64_t>());
+      }
+      std::string detail;
+      if (max_count != min_count) {
+        std::ostringstream o;
+        o << "ranks select different numbers of dedicated parameters (this rank " << specs.size() << ", others between "
+          << min_count << " and " << max_count << ")";
+        detail = o.str();
+      } else {
+        // per-parameter digests: find the first parameter whose spec differs from rank 0's
+        at::Tensor d = at::empty({static_cast<int64_t>(specs.size())}, opt);
+        for (size_t i = 0; i < specs.size(); ++i) {
+          OwnerPlan one = plan_owners({specs[i]}, 1, 1, po);
+          d[static_cast<int64_t>(i)] = static_cast<int64_t>(one.fingerprint);
+        }
+        at::Tensor alld = at::empty({static_cast<int64_t>(specs.size()) * n}, opt);
+        mesh->world().allgather_flat(alld, d, "plan fingerprint diagnosis").wait();
+        for (size_t i = 0; i < specs.size() && detail.empty(); ++i)
+          for (int r = 1; r < n; ++r)
+            if (alld[r * static_cast<int64_t>(specs.size()) + i].item<int64_t>() !=
+                alld[static_cast<int64_t>(i)].item<int64_t>()) {
+              detail = "parameter #" + std::to_string(i) + " ('" + specs[i].name + "' on this rank, shape " +
+                       shape_str(specs[i].shape) + ") differs between rank 0 and rank " + std::to_string(r);
+              break;
+            }
+        if (detail.empty()) detail = "the planner options or environment (DMUON_OWNER_*) differ between ranks";
+      }
+      TORCH_CHECK(false, "rank ", rank, ": dedicate_params: the owner plan differs between ranks: ", detail,
+                  ". Every rank must build the same model and pass the same options before dedicate_params.");
+    }
+  }
+
+  // 4. boundaries and packed buffers, in model order of first appearance
+  std::map<std::string, int> bindex;
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto& e = params[i];
+    e.owner = plan.owners[i];
+    e.owner_rank = mesh->global_rank_of(e.owner.shard, e.owner.replicate);
+    e.is_owner = (e.owner.shard == mesh->shard_rank() && e.owner.replicate == mesh->replicate_rank());
+    param_index[e.name] = static_cast<int>(i);
+    auto it = bindex.find(boundary_names[i]);
+    if (it == bindex.end()) {
+      Boundary b;
+      b.name = boundary_names[i];
+      b.module = modules.at(boundary_names[i]);
+      b.index = static_cast<int>(boundaries.size());
+      it = bindex.emplace(b.name, b.index).first;
+      boundaries.push_back(std::move(b));
+    }
+    e.boundary = it->second;
+    boundaries[it->second].params.push_back(static_cast<int>(i));
+  }
+  for (auto& b : boundaries) {
+    // one buffer per distinct owner slot, ordered by slot index (same on every rank)
+    std::map<int, std::vector<int>> by_slot;
+    for (int p : b.params) by_slot[OwnerPlan::slot_index(params[p].owner, plan.shard_size)].push_back(p);
+    for (auto& [slot, ps] : by_slot) {
+      PackedBuffer buf;
+      buf.owner = params[ps.front()].owner;
+      buf.root = buf.owner.shard;
+      buf.root_global = mesh->global_rank_of(buf.owner.shard, buf.owner.replicate);
+      buf.params = ps;
+      buf.is_root = params[ps.front()].is_owner;
+      const at::Tensor& first = params[ps.front()].param;
+      for (int p : ps) {
+        TORCH_CHECK(params[p].param.scalar_type() == first.scalar_type() &&
+                        params[p].param.device() == first.device(),
+                    "rank ", rank, ": dedicate_params: parameters '", params[p].name, "' and '", params[ps.front()].name,
+                    "' share an owner in boundary '", b.name, "' but differ in dtype or device; give them the same "
+                    "dtype/device or separate assignment groups.");
+        buf.offsets.push_back(buf.numel);
+        buf.numel += params[p].param.numel();
+      }
+      buf.flat = at::empty({buf.numel}, first.options().requires_grad(false));
+      for (size_t k = 0; k < ps.size(); ++k) {
+        auto& e = params[ps[k]];
+        e.buffer = static_cast<int>(b.buffers.size());
+        e.slot_in_buffer = static_cast<int>(k);
+        buf.views.push_back(buf.flat.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes()));
+      }
+      b.buffers.push_back(std::move(buf));
+    }
+  }
+
+  // 5. hooks (while every parameter is still full-size: the accumulator caches the shape)
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto& e = params[i];
+    e.grad_acc = torch::autograd::impl::grad_accumulator(e.param);
+    TORCH_CHECK(e.grad_acc, "rank ", rank, ": dedicate_params: could not get the gradient accumulator of '", e.name,
+                "' (is it a leaf that requires grad?).");
+    const int idx = static_cast<int>(i);
+    e.grad_acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, idx](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          on_param_accumulated(idx);
+          return outputs;
+        }));
+  }
+
+  // 6. data: owners keep their value in the packed buffer; the others release theirs.
+  {
+    at::NoGradGuard ng;
+    for (auto& b : boundaries)
+      for (auto& buf : b.buffers) {
+        for (size_t k = 0; k < buf.params.size(); ++k) {
+          auto& e = params[buf.params[k]];
+          e.placeholder = at::empty({0}, e.param.options().requires_grad(false));
+          if (buf.is_root) {
+            buf.views[k].copy_(e.param.detach());
+            e.param.set_data(buf.views[k]);
+          } else {
+            e.param.set_data(e.placeholder);
+          }
+        }
+        if (buf.is_root) {
+          buf.state = PackedBuffer::State::Ready;
+        } else {
+          detail::resize_storage_bytes(buf.flat, 0);
+          buf.state = PackedBuffer::State::Released;
+        }
+      }
+  }
+}
+
+// ---- public API ------------------------------------------------------------------------------------
+std::map<std::string, OwnerCoord> dedicate_params(const std::shared_ptr<torch::nn::Module>& model,
+                                                  const std::shared_ptr<Mesh>& mesh, const ParamPredicate& predicate,
+                                                  const DedicateOptions& options) {
+  TORCH_CHECK(model, "dedicate_params: the model is null.");
+  TORCH_CHECK(mesh, "dedicate_params: the mesh is null; create one with dmuon::Mesh::create.");
+  TORCH_CHECK(!detail::state_of_model(model.get()), "rank ", mesh->global_rank(),
+              ": dedicate_params was already called on this model. Dedicate a model once; to change options, "
+              "build a fresh model.");
+  for (const auto& item : model->named_modules("", true))
+    TORCH_CHECK(!detail::boundary_of_module(item.value().get()).first, "rank ", mesh->global_rank(),
+                ": dedicate_params: submodule '", item.key(), "' already belongs to a dedicated model.");
+  auto state = std::make_shared<DedicatedState>(model, mesh, options);
+  state->build(predicate);
+  detail::register_state(model, state);
+  for (auto& b : state->boundaries)
+    if (auto mod = b.module.lock()) detail::register_boundary(mod, state, b.index);
+  std::map<std::string, OwnerCoord> out;
+  for (const auto& e : state->params) out[e.name] = e.owner;
+  return out;
+}
+
+namespace {
+std::shared_ptr<DedicatedState> require_state(const torch::nn::Module& model, const char* fn) {
+  auto s = detail::state_of_model(&model);
+  TORCH_CHECK(s, fn, ": this model was not dedicated; call dmuon::dedicate_params(model, mesh, predicate) first.");
+  return s;
+}
+DedicatedParam to_public(const ParamEntry& e, const DedicatedState& s) {
+  DedicatedParam d;
+  d.name = e.name;
+  d.param = e.param;
+  d.shape = e.shape;
+  d.owner = e.owner;
+  d.owner_rank = e.owner_rank;
+  d.boundary = s.boundaries[e.boundary].name;
+  d.is_owner = e.is_owner;
+  return d;
+}
+}  // namespace
+
+void prepare_muon_grads(torch::nn::Module& model) { require_state(model, "prepare_muon_grads")->prepare_grads(); }
+
+std::vector<DedicatedParam> get_dedicated_params(const torch::nn::Module& model) {
+  auto s = detail::state_of_model(&model);
+  std::vector<DedicatedParam> out;
+  if (!s) return out;
+  for (const auto& e : s->params) out.push_back(to_public(e, *s));
+  return out;
+}
+
+std::vector<DedicatedParam> get_owned_params(const torch::nn::Module& model, int shard) {
+  std::vector<DedicatedParam> out;
+  for (auto& d : get_dedicated_params(model))
+    if (d.owner.shard == shard) out.push_back(d);
+  return out;
+}
+
+std::vector<DedicatedParam> get_owned_params(const torch::nn::Module& model, OwnerCoord owner) {
+  std::vector<DedicatedParam> out;
+  for (auto& d : get_dedicated_params(model))
+    if (d.owner == owner) out.push_back(d);
+  return out;
+}
+
+std::shared_ptr<DedicatedState> get_comm_ctx(const torch::nn::Module& model) {
+  return detail::state_of_model(&model);
+}
+
+const OwnerPlan* get_owner_plan(const torch::nn::Module& model) {
+  auto s = detail::state_of_model(&model);
+  return s ? &s->plan : nullptr;
+}
+
+std::shared_ptr<Mesh> get_mesh(const torch::nn::Module& model) {
+  auto s = detail::state_of_model(&model);
+  return s ? s->mesh : nullptr;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> get_base_params(const torch::nn::Module& model) {
+  auto s = detail::state_of_model(&model);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : model.named_parameters(true)) {
+    if (!item.value().requires_grad()) continue;
+    if (s && s->param_index.count(item.key())) continue;
+    out.emplace_back(item.key(), item.value());
+  }
+  return out;
+}
+
+}  // namespace dmuon

@@ -1,0 +1,134 @@
+// DDP-style replication of the non-dedicated (AdamW) parameters.
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "runtime/state.h"
+
+namespace dmuon {
+
+void DedicatedState::setup_replicate(double bucket_mb) {
+  TORCH_CHECK(!replicated, "rank ", mesh->global_rank(), ": replicate was already called on this model.");
+  TORCH_CHECK(bucket_mb > 0, "rank ", mesh->global_rank(), ": replicate: invalid bucket_mb: ", bucket_mb,
+              ". Must be > 0 (MiB per coalesced all-reduce).");
+  auto m = model.lock();
+  auto rep = std::make_unique<ReplicatedParams>();
+  for (const auto& [name, p] : get_base_params(*m)) {
+    rep->names.push_back(name);
+    rep->params.push_back(p);
+  }
+  // Replicas start identical: rank 0's values (one broadcast per bucket below).
+  const int64_t cap = static_cast<int64_t>(bucket_mb * 1024 * 1024);
+  int64_t cur = 0;
+  for (size_t i = 0; i < rep->params.size(); ++i) {
+    const at::Tensor& p = rep->params[i];
+    const int64_t bytes = p.numel() * p.element_size();
+    const bool new_bucket = rep->buckets.empty() || cur + bytes > cap ||
+                            rep->params[rep->buckets.back().front()].scalar_type() != p.scalar_type() ||
+                            rep->params[rep->buckets.back().front()].device() != p.device();
+    if (new_bucket) {
+      rep->buckets.emplace_back();
+      cur = 0;
+    }
+    rep->buckets.back().push_back(static_cast<int>(i));
+    cur += bytes;
+  }
+  Communicator& comm = mesh->world();
+  {
+    at::NoGradGuard ng;
+    for (const auto& bucket : rep->buckets) {
+      std::vector<at::Tensor> flat;
+      for (int i : bucket) flat.push_back(rep->params[i].detach().reshape(-1));
+      at::Tensor buf = at::cat(flat);
+      comm.broadcast(buf, 0, "replicate: initial values from rank 0").wait();
+      int64_t off = 0;
+      for (int i : bucket) {
+        auto& p = rep->params[i];
+        p.detach().copy_(buf.narrow(0, off, p.numel()).view(p.sizes()));
+        off += p.numel();
+      }
+    }
+  }
+  // The end-of-backward callback must run even in models without dedicated boundaries.
+  for (size_t i = 0; i < rep->params.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(rep->params[i]);
+    acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          std::lock_guard<std::recursive_mutex> g(mu);
+          ensure_backward_callback();
+          return outputs;
+        }));
+    rep->grad_accs.push_back(acc);
+  }
+  replicated = std::move(rep);
+}
+
+void DedicatedState::flush_replicated() {
+  if (!replicated || replicated->issued) return;
+  auto& rep = *replicated;
+  Communicator& comm = mesh->world();
+  at::NoGradGuard ng;
+  rep.payloads.clear();
+  rep.pending.clear();
+  for (size_t bi = 0; bi < rep.buckets.size(); ++bi) {
+    const auto& bucket = rep.buckets[bi];
+    int64_t n = 0;
+    for (int i : bucket) n += rep.params[i].numel();
+    at::Tensor payload = at::zeros({n + static_cast<int64_t>(bucket.size())}, rep.params[bucket.front()].options()
+                                                                                  .requires_grad(false));
+    int64_t off = 0;
+    for (size_t k = 0; k < bucket.size(); ++k) {
+      const auto& p = rep.params[bucket[k]];
+      if (p.grad().defined()) {
+        payload.narrow(0, off, p.numel()).copy_(p.grad().reshape(-1));
+        payload[n + static_cast<int64_t>(k)] = 1;
+      }
+      off += p.numel();
+    }
+    rep.pending.push_back(comm.allreduce(payload, Reduction::Sum,
+                                         "replicated gradient bucket " + std::to_string(bi) + " (" +
+                                             std::to_string(bucket.size()) + " params)"));
+    rep.payloads.push_back(payload);
+  }
+  rep.issued = true;
+}
+
+void DedicatedState::wait_replicated() {
+  if (!replicated || !replicated->issued) return;
+  auto& rep = *replicated;
+  at::NoGradGuard ng;
+  const double world = mesh->world_size();
+  for (size_t bi = 0; bi < rep.buckets.size(); ++bi) {
+    rep.pending[bi].wait();
+    const auto& bucket = rep.buckets[bi];
+    const at::Tensor& payload = rep.payloads[bi];
+    const int64_t n = payload.numel() - static_cast<int64_t>(bucket.size());
+    int64_t off = 0;
+    for (size_t k = 0; k < bucket.size(); ++k) {
+      auto& p = rep.params[bucket[k]];
+      if (payload[n + static_cast<int64_t>(k)].item<double>() > 0)
+        p.mutable_grad() = payload.narrow(0, off, p.numel()).view(p.sizes()).div(world);
+      else
+        p.mutable_grad() = at::Tensor();
+      off += p.numel();
+    }
+  }
+  rep.payloads.clear();
+  rep.pending.clear();
+  rep.issued = false;
+}
+
+void replicate(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh, double bucket_mb) {
+  TORCH_CHECK(model && mesh, "replicate: model and mesh must not be null.");
+  auto s = detail::state_of_model(model.get());
+  if (!s) {
+    // A model with no dedicated parameters: an empty dedicated state carries the hooks.
+    dedicate_params(model, mesh, [](const std::string&, const at::Tensor&) { return false; });
+    s = detail::state_of_model(model.get());
+  }
+  TORCH_CHECK(s->mesh.get() == mesh.get(), "rank ", mesh->global_rank(),
+              ": replicate: the model was dedicated on another mesh; pass the same mesh to both.");
+  s->setup_replicate(bucket_mb);
+}
+
+}  // namespace dmuon

@@ -1,0 +1,159 @@
+// Internal: the runtime state dedicate_params attaches to a model.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/nn/module.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "dmuon/communicator.h"
+#include "dmuon/dedicate.h"
+#include "dmuon/mesh.h"
+#include "dmuon/owner_plan.h"
+
+namespace dmuon {
+
+// One (boundary, owner) pair: the params of one boundary that one owner publishes, packed into one
+// flat buffer so each owner issues one broadcast and receives one reduce per boundary and step.
+// Param data on every rank are views into `flat`. On the owner `flat` is the master copy and never
+// released; on other ranks its storage is resized to 0 bytes while released, so every view and
+// every tensor autograd saved sees the memory come and go (FSDP-style).
+struct PackedBuffer {
+  enum class State { Released, Pending, Ready };
+  int root = 0;                     // owner's rank in the shard group
+  int root_global = 0;              // owner's global rank
+  OwnerCoord owner;
+  std::vector<int> params;          // indices into DedicatedState::params
+  std::vector<int64_t> offsets;     // element offset of each param in flat
+  int64_t numel = 0;
+  bool is_root = false;
+  at::Tensor flat;                  // [numel], param dtype
+  std::vector<at::Tensor> views;    // per param: flat.narrow(...).view(shape)
+  State state = State::Released;
+  int64_t ready_pass = -1;          // forward pass the data was broadcast for
+  Pending bcast;
+  at::Tensor bcast_payload;         // compute-dtype payload when it differs from the param dtype
+  // backward
+  at::Tensor grad_payload;          // [numel + params.size()] grads then has-grad flags
+  Pending reduce;
+  bool reduce_issued = false;
+  int64_t bytes() const { return numel * flat.element_size(); }
+};
+
+struct Boundary {
+  std::string name;
+  std::weak_ptr<torch::nn::Module> module;
+  int index = 0;                    // model order
+  std::vector<int> params;          // dedicated params in this boundary
+  std::vector<PackedBuffer> buffers;
+  // per backward pass
+  bool ran_forward = false;         // entered in the current forward pass
+  bool grads_ready = false;         // post-backward fired or all params accumulated
+  int accumulated = 0;
+  bool reduced = false;
+  bool in_forward = false;
+};
+
+struct ParamEntry {
+  std::string name;
+  at::Tensor param;
+  std::vector<int64_t> shape;
+  OwnerCoord owner;
+  int owner_rank = 0;
+  int boundary = 0;
+  int buffer = 0;
+  int slot_in_buffer = 0;
+  bool is_owner = false;
+  bool accumulated = false;
+  at::Tensor placeholder;           // 0-element tensor of the param's dtype/device
+  std::shared_ptr<torch::autograd::Node> grad_acc;  // keep alive: autograd holds it weakly
+};
+
+// Replicated (DDP-style) base parameters.
+struct ReplicatedParams {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  std::vector<std::vector<int>> buckets;  // indices into params
+  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accs;
+  std::vector<at::Tensor> payloads;  // per bucket: grads then has-grad flags
+  std::vector<Pending> pending;
+  bool issued = false;
+};
+
+class DedicatedState {
+ public:
+  DedicatedState(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<Mesh> mesh, DedicateOptions opts);
+
+  // ---- setup (dedicate.cpp) ----
+  void build(const ParamPredicate& predicate);
+
+  // ---- boundary hooks (boundary.cpp) ----
+  void begin_root_forward();  // the dedicated model itself runs through dmuon::forward
+  void pre_forward(int b);
+  void post_forward(int b);
+  void pre_backward(int b);
+  void post_backward(int b);
+  void on_param_accumulated(int p);
+  void end_of_backward();
+  void ensure_backward_callback();
+  std::string bypass_hint() const;  // names a boundary not entered in the current forward pass
+
+  // ---- optimizer interface ----
+  void prepare_grads();             // wait reduces; owners get averaged grads
+  void mark_params_updated();       // the owners changed their data (next forward re-broadcasts)
+  void drain_all();                 // waits every in-flight collective of this model
+
+  // ---- replicated params (replicate.cpp) ----
+  void setup_replicate(double bucket_mb);
+  void flush_replicated();  // end of backward: issue the coalesced all-reduces (async)
+  void wait_replicated();   // before step: wait them and install the averaged gradients
+
+  std::weak_ptr<torch::nn::Module> model;
+  std::shared_ptr<Mesh> mesh;
+  DedicateOptions opts;
+  OwnerPlan plan;
+  std::vector<ParamEntry> params;
+  std::vector<Boundary> boundaries;
+  std::map<std::string, int> param_index;
+  std::unique_ptr<ReplicatedParams> replicated;
+  bool z3() const { return opts.reshard_after_forward; }
+
+  mutable std::recursive_mutex mu;
+  // iteration bookkeeping
+  int64_t pass = 0;                       // forward pass counter
+  std::vector<int> current_order;         // boundaries entered in the current forward pass
+  std::vector<int> recorded_order;        // the previous pass's order (prefetch schedule)
+  bool backward_since_forward = true;
+  bool callback_queued = false;
+  size_t next_reduce = 0;                 // position in reduce_order
+  std::vector<int> reduce_order;          // reverse of current_order, fixed at first backward hook
+  bool reduce_order_fixed = false;
+
+ private:
+  // shared helpers (boundary.cpp)
+  void issue_broadcasts(int b, const char* phase);
+  void wait_broadcasts(int b);
+  void release(int b);
+  void issue_reduce(int b);
+  void try_issue_reduces();
+  void begin_forward_pass();
+  void prefetch_after(int b, bool backward);
+};
+
+namespace detail {
+// registry lookups
+std::shared_ptr<DedicatedState> state_of_model(const torch::nn::Module* model);
+std::pair<std::shared_ptr<DedicatedState>, int> boundary_of_module(const torch::nn::Module* module);
+void register_state(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<DedicatedState>& state);
+void register_boundary(const std::shared_ptr<torch::nn::Module>& module, const std::shared_ptr<DedicatedState>& s,
+                       int b);
+// resize a tensor's StorageImpl in place (every view and saved tensor sees it)
+void resize_storage_bytes(const at::Tensor& t, size_t bytes);
+}  // namespace detail
+
+}  // namespace dmuon

@@ -1,0 +1,262 @@
+// plan_tool_test -- `dmuon plan` in process: reports, --json, and every bad-input path.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "dmuon/model_specs.h"
+#include "dmuon/owner_plan.h"
+#include "plan_cmd.h"
+
+namespace dmuon {
+namespace {
+
+using nlohmann::json;
+
+struct Result {
+  int rc;
+  std::string out, err;
+};
+
+Result run(const std::vector<std::string>& args) {
+  std::ostringstream out, err;
+  const int rc = cli::run_plan_command(args, out, err);
+  return {rc, out.str(), err.str()};
+}
+
+// A failure prints exactly one line "error: ..." to err, nothing to out, and exits non-zero.
+void ExpectOneLineError(const Result& r, const std::string& needle) {
+  EXPECT_NE(r.rc, 0);
+  EXPECT_TRUE(r.out.empty()) << r.out;
+  ASSERT_FALSE(r.err.empty());
+  EXPECT_EQ(r.err.rfind("error: ", 0), 0u) << r.err;
+  EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << "missing '" << needle << "' in: " << r.err;
+}
+
+class PlanToolTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/dmuon_plan_tool_XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    for (const char* v : {"DMUON_OWNER_STRATEGY", "DMUON_OWNER_COST_MODEL",
+                          "DMUON_HSDP_COLUMN_BALANCE", "DMUON_OWNER_PACK_SMALL_PARAMS"}) {
+      const char* cur = std::getenv(v);
+      saved_.emplace_back(v, cur ? std::optional<std::string>(cur) : std::nullopt);
+      ::unsetenv(v);
+    }
+  }
+  void TearDown() override {
+    std::filesystem::remove_all(dir_);
+    for (const auto& [k, v] : saved_) {
+      if (v) ::setenv(k.c_str(), v->c_str(), 1);
+      else ::unsetenv(k.c_str());
+    }
+  }
+  std::string write(const std::string& name, const std::string& text) {
+    const std::string path = dir_ + "/" + name;
+    std::ofstream(path) << text;
+    return path;
+  }
+  std::string dir_;
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+TEST_F(PlanToolTest, HelpAndListModels) {
+  const Result h = run({"--help"});
+  EXPECT_EQ(h.rc, 0);
+  for (const char* flag : {"--shard", "--replicate", "--owner-strategy", "--owner-cost-model",
+                           "--hsdp-column-balance", "--pack-small-params",
+                           "--max-owners-per-group", "--hf-config", "--params", "--json",
+                           "--include", "--exclude"})
+    EXPECT_NE(h.out.find(flag), std::string::npos) << flag;
+  const Result l = run({"--list-models"});
+  EXPECT_EQ(l.rc, 0);
+  for (const std::string& name : model_preset_names())
+    EXPECT_NE(l.out.find(name), std::string::npos) << name;
+}
+
+TEST_F(PlanToolTest, TextReportHasLoadBoundsViolationsAndBytes) {
+  const Result r = run({"llama3-8b", "--shard", "8"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_TRUE(r.err.empty());
+  for (const char* s : {"Muon targets 224", "allocation units 192", "G=8 shard x R=1",
+                        "imbalance = makespan / lower bound = 1.000", "violations: none",
+                        "per-slot load", "Z2 (shard axis)", "Z3 (shard axis)", "FSDP-equiv.",
+                        "hook boundaries 32, concurrent roots per boundary 6..6",
+                        "model.layers.0: payload 416.00 MiB"})
+    EXPECT_NE(r.out.find(s), std::string::npos) << "missing '" << s << "' in:\n" << r.out;
+  const OwnerPlan plan = plan_owners(select_muon_params(model_preset("llama3-8b")), 8, 1);
+  EXPECT_NE(r.out.find("fingerprint " + format_fingerprint(plan.fingerprint)), std::string::npos);
+  // HSDP adds the replicate axis.
+  const Result h = run({"--model", "llama3-8b", "-G", "8", "-R", "4", "--show-slots", "0"});
+  ASSERT_EQ(h.rc, 0) << h.err;
+  EXPECT_NE(h.out.find("replicate (HSDP)"), std::string::npos);
+  EXPECT_NE(h.out.find("(7,3)"), std::string::npos);  // all 32 slots listed
+}
+
+TEST_F(PlanToolTest, JsonHasTheDocumentedFieldsAndMatchesTheLibrary) {
+  const Result r = run({"--model", "mixtral-8x7b", "--shard", "16", "--replicate", "2", "--json"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const json j = json::parse(r.out);
+  const auto params = select_muon_params(model_preset("mixtral-8x7b"));
+  const OwnerPlan plan = plan_owners(params, 16, 2);
+  EXPECT_EQ(j["shard_size"], 16);
+  EXPECT_EQ(j["replicate_size"], 2);
+  ASSERT_EQ(j["params"].size(), params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const json& p = j["params"][i];
+    EXPECT_EQ(p["name"], params[i].name);
+    EXPECT_EQ(p["shape"].get<std::vector<int64_t>>(), params[i].shape);
+    EXPECT_EQ(p["owner"], json::array({plan.owners[i].shard, plan.owners[i].replicate}));
+  }
+  ASSERT_EQ(j["slots"].size(), 32u);
+  for (size_t s = 0; s < 32; ++s) {
+    EXPECT_EQ(j["slots"][s]["owner"],
+              json::array({plan.slots[s].owner.shard, plan.slots[s].owner.replicate}));
+    EXPECT_DOUBLE_EQ(j["slots"][s]["cost"].get<double>(), plan.slots[s].cost);
+    EXPECT_EQ(j["slots"][s]["bytes"].get<int64_t>(), plan.slots[s].bytes);
+  }
+  EXPECT_DOUBLE_EQ(j["makespan"].get<double>(), plan.makespan);
+  EXPECT_DOUBLE_EQ(j["lower_bound"].get<double>(), plan.lower_bound);
+  EXPECT_TRUE(j["violations"].is_array());
+  EXPECT_TRUE(j["violations"].empty());
+  EXPECT_EQ(j["fingerprint"], format_fingerprint(plan.fingerprint));
+  EXPECT_EQ(j["options"]["owner_strategy"], "lpt");
+  EXPECT_EQ(j["units"].size(), plan.units.size());
+  EXPECT_EQ(j["comm"]["boundaries"].size(), 32u);
+  EXPECT_EQ(j["comm"]["muon_bytes"].get<int64_t>(), plan.total_bytes);
+  EXPECT_NEAR(j["comm"]["per_rank"]["z3"]["mean"].get<double>() /
+                  j["comm"]["fsdp_equivalent"]["z3"].get<double>(), 1.0, 1e-12);
+  EXPECT_EQ(j["non_muon_params"].size(), model_preset("mixtral-8x7b").params.size() - params.size());
+  // Same input, same bytes out.
+  EXPECT_EQ(run({"--model", "mixtral-8x7b", "--shard", "16", "--replicate", "2", "--json"}).out,
+            r.out);
+}
+
+TEST_F(PlanToolTest, OptionsFlagsAndEnvironment) {
+  json j = json::parse(run({"gpt2-xl", "-G", "4", "--owner-strategy", "round_robin",
+                            "--owner-cost-model", "numel", "--pack-small-params", "false",
+                            "--max-owners-per-group", "3", "--json"}).out);
+  EXPECT_EQ(j["options"]["owner_strategy"], "round_robin");
+  EXPECT_EQ(j["options"]["owner_cost_model"], "numel");
+  EXPECT_EQ(j["options"]["pack_small_params"], false);
+  EXPECT_EQ(j["options"]["max_owners_per_group"], 3);
+  EXPECT_EQ(j["units"].size(), 192u);
+  // The seed's environment overrides apply when a flag is not given; a flag wins.
+  ::setenv("DMUON_OWNER_STRATEGY", "rank0", 1);
+  ::setenv("DMUON_HSDP_COLUMN_BALANCE", "0", 1);
+  j = json::parse(run({"gpt2-small", "-G", "4", "-R", "2", "--pack-small-params", "0", "--json"}).out);
+  EXPECT_EQ(j["options"]["owner_strategy"], "rank0");
+  EXPECT_EQ(j["options"]["hsdp_column_balance"], false);
+  ASSERT_EQ(j["violations"].size(), 1u);  // rank0 serializes all 4 matrices of every layer
+  EXPECT_NE(j["violations"][0].get<std::string>().find("layer concurrency: 12 of 12 groups"),
+            std::string::npos);
+  for (const auto& p : j["params"]) EXPECT_EQ(p["owner"], json::array({0, 0}));
+  j = json::parse(run({"gpt2-small", "-G", "4", "--owner-strategy", "lpt", "--json"}).out);
+  EXPECT_EQ(j["options"]["owner_strategy"], "lpt");
+  ::setenv("DMUON_OWNER_STRATEGY", "fastest", 1);
+  ExpectOneLineError(run({"gpt2-small"}), "DMUON_OWNER_STRATEGY: 'fastest'");
+}
+
+TEST_F(PlanToolTest, HfConfigAndParamsFiles) {
+  const std::string cfg = write("config.json", R"({
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+    "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": false,
+    "torch_dtype": "bfloat16"})");
+  const Result a = run({"--hf-config", cfg, "-G", "8", "--json"});
+  ASSERT_EQ(a.rc, 0) << a.err;
+  const Result b = run({"--model", "qwen2.5-7b", "-G", "8", "--json"});
+  EXPECT_EQ(json::parse(a.out)["fingerprint"], json::parse(b.out)["fingerprint"]);
+  EXPECT_EQ(json::parse(a.out)["params"][0]["name"], "model.layers.0.self_attn.q_proj.weight");
+
+  const std::string params = write("params.json", R"([
+    {"name": "enc.layers.0.attn.weight", "shape": [1024, 1024], "dtype": "bf16"},
+    {"name": "enc.layers.0.mlp.weight", "shape": [4096, 1024], "dtype": "fp32"},
+    {"name": "enc.layers.1.attn.weight", "shape": [1024, 1024]},
+    {"name": "enc.norm.weight", "shape": [1024]},
+    {"name": "out_proj.weight", "shape": [1024, 8192]}])");
+  const Result p = run({"--params", params, "--shard", "2", "--json"});
+  ASSERT_EQ(p.rc, 0) << p.err;
+  const json j = json::parse(p.out);
+  ASSERT_EQ(j["params"].size(), 4u);
+  EXPECT_EQ(j["params"][1]["elem_bytes"], 4);
+  EXPECT_EQ(j["params"][3]["group"], "out_proj.weight");
+  EXPECT_EQ(j["non_muon_params"], json::array({"enc.norm.weight"}));
+  // Name patterns replace the default predicate.
+  const Result inc = run({"--params", params, "--include", "attn", "--json"});
+  EXPECT_EQ(json::parse(inc.out)["params"].size(), 2u);
+  const Result exc = run({"--params", params, "--exclude", "out_*", "--json"});
+  EXPECT_EQ(json::parse(exc.out)["params"].size(), 3u);
+  // Each --include takes one pattern, so a positional model may follow it.
+  const Result pos = run({"--include", "experts", "--include", "q_proj", "mixtral-8x7b", "--json"});
+  ASSERT_EQ(pos.rc, 0) << pos.err;
+  EXPECT_EQ(json::parse(pos.out)["params"].size(), 32u * 25u);
+}
+
+TEST_F(PlanToolTest, BadInputIsOneLineErrorNeverACrash) {
+  ExpectOneLineError(run({"--model", "llama9"}), "unknown preset 'llama9'");
+  ExpectOneLineError(run({"llama9"}), "unknown preset 'llama9'");
+  ExpectOneLineError(run({"llama3-8b", "--shard", "0"}), "--shard must be >= 1, got 0");
+  ExpectOneLineError(run({"llama3-8b", "--shard=-4"}), "got -4");
+  ExpectOneLineError(run({"llama3-8b", "--shard", "-4"}), "-4");
+  ExpectOneLineError(run({"llama3-8b", "--replicate", "0"}), "--replicate must be >= 1, got 0");
+  ExpectOneLineError(run({"llama3-8b", "-R", "-1"}), "-1");
+  ExpectOneLineError(run({"llama3-8b", "--shard", "eight"}), "eight");
+  ExpectOneLineError(run({"llama3-8b", "--shard", "99999999999"}), "99999999999");
+  ExpectOneLineError(run({"llama3-8b", "--shard", "65536", "--replicate", "65536"}),
+                     "4294967296");
+  ExpectOneLineError(run({"llama3-8b", "--owner-strategy", "greedy"}),
+                     "Invalid owner_strategy: 'greedy'");
+  ExpectOneLineError(run({"llama3-8b", "--owner-cost-model", "flops"}), "'flops'");
+  ExpectOneLineError(run({"llama3-8b", "--pack-small-params", "maybe"}), "'maybe'");
+  ExpectOneLineError(run({"llama3-8b", "--max-owners-per-group", "0"}), "got 0");
+  ExpectOneLineError(run({"llama3-8b", "--dtype", "int3"}), "unknown dtype 'int3'");
+  ExpectOneLineError(run({"llama3-8b", "--no-such-flag"}), "--no-such-flag");
+  ExpectOneLineError(run({}), "no model given");
+  ExpectOneLineError(run({"llama3-8b", "--params", "x.json"}), "more than one model");
+  ExpectOneLineError(run({"--params", dir_ + "/missing.json"}), "cannot open");
+  ExpectOneLineError(run({"--hf-config", dir_ + "/missing.json"}), "missing.json");
+
+  const std::string bad = write("bad.json", "[{\"name\": \"a\", \"shape\": [2, 2]},\n{oops}]");
+  ExpectOneLineError(run({"--params", bad}), "malformed JSON");
+  ExpectOneLineError(run({"--hf-config", bad}), "malformed JSON");
+  ExpectOneLineError(run({"--params", write("empty.json", "")}), "malformed JSON");
+  ExpectOneLineError(run({"--params", write("zero.json",
+                                            R"([{"name": "w", "shape": [4096, 0]}])")}),
+                     "'w' has shape [4096,0]: dimension 0 is not >= 1");
+  ExpectOneLineError(run({"--params", write("neg.json",
+                                            R"([{"name": "w", "shape": [-5, 3]}])")}),
+                     "dimension -5");
+  ExpectOneLineError(run({"--params", write("obj.json", R"({"name": "w"})")}),
+                     "expected a JSON array");
+  ExpectOneLineError(run({"--hf-config", write("t5.json", R"({"model_type": "t5"})")}),
+                     "unsupported model_type 't5'");
+  ExpectOneLineError(run({"--hf-config", write("neg_cfg.json",
+                                               R"({"model_type": "llama", "hidden_size": 0})")}),
+                     "'hidden_size' must be a positive integer, got 0");
+}
+
+TEST_F(PlanToolTest, EmptySelectionStillPlans) {
+  const std::string params = write("vec.json", R"([{"name": "bias", "shape": [16]}])");
+  const Result r = run({"--params", params, "--json"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const json j = json::parse(r.out);
+  EXPECT_TRUE(j["params"].empty());
+  EXPECT_EQ(j["slots"].size(), 8u);
+  EXPECT_EQ(j["makespan"], 0.0);
+}
+
+}  // namespace
+}  // namespace dmuon

@@ -1,0 +1,51 @@
+#include "support/multirank.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "dmuon/bootstrap.h"
+
+namespace dmuon::testing {
+
+std::string fresh_temp_dir(const std::string& prefix) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  if (!mkdtemp(buf.data())) throw std::runtime_error("mkdtemp failed for " + tmpl);
+  return std::string(buf.data());
+}
+
+void run_ranks(int world, const std::function<void(RankContext&)>& fn, std::chrono::milliseconds timeout) {
+  const std::string dir = fresh_temp_dir("dmuon-store");
+  const std::string path = dir + "/store";
+  std::vector<std::thread> threads;
+  std::mutex mu;
+  std::string first_error;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        RankContext ctx;
+        ctx.rank = r;
+        ctx.world = world;
+        ctx.store = make_file_store(path, world);
+        ctx.pg = make_process_group(ctx.store, r, world, c10::DeviceType::CPU, timeout);
+        fn(ctx);
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> g(mu);
+        if (first_error.empty()) first_error = "rank " + std::to_string(r) + ": " + e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  if (!first_error.empty()) throw std::runtime_error(first_error);
+}
+
+}  // namespace dmuon::testing

@@ -1,0 +1,28 @@
+// Test support: N ranks as threads of one process, Gloo on 127.0.0.1 over a fresh FileStore.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <string>
+
+#include "dmuon/process_group.h"
+
+namespace dmuon::testing {
+
+// A fresh, empty directory under $TMPDIR (unique per call).
+std::string fresh_temp_dir(const std::string& prefix = "dmuon-test");
+
+struct RankContext {
+  int rank = 0;
+  int world = 1;
+  StorePtr store;     // the FileStore all ranks share
+  CommPtr pg;         // a Gloo world group
+};
+
+// Runs fn on `world` threads, one per rank, each with its own Gloo group over one fresh FileStore.
+// Rethrows the first failure as a std::runtime_error prefixed with the rank. Collective timeouts
+// are `timeout` so a broken test fails instead of hanging.
+void run_ranks(int world, const std::function<void(RankContext&)>& fn,
+               std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+}  // namespace dmuon::testing
