@@ -78,6 +78,7 @@ struct TrainConfig {
   bool nesterov = true;
   bool scheduler = false;  // StepLR(step_size 3, gamma 0.5) on every group
   std::vector<bool> frozen;  // blocks run under no_grad
+  int accum = 1;             // micro-batches per optimizer step (each rank splits its slice)
 };
 
 // ---- the independent single-process reference ------------------------------------------------------
@@ -201,8 +202,12 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
     const int64_t per = global_batch / ctx.world;
     for (const auto& tokens : batches) {
       opt.zero_grad();
-      at::Tensor loss = m->loss(tokens.narrow(0, ctx.rank * per, per));
-      loss.backward();
+      const at::Tensor mine = tokens.narrow(0, ctx.rank * per, per);
+      const int64_t micro = per / tc.accum;
+      for (int a = 0; a < tc.accum; ++a) {
+        at::Tensor loss = m->loss(mine.narrow(0, a * micro, micro)) / tc.accum;
+        loss.backward();
+      }
       opt.step();
       if (sched) sched->step();
     }
@@ -268,6 +273,21 @@ TEST(RuntimeTest, EquivalenceWithLrSchedulerAndPackedUnits) {
   DistConfig dc;
   dc.world = 2;
   check_equivalence(small_config(), tc, dc);  // packed: one unit per layer
+}
+
+TEST(RuntimeTest, GradientAccumulationEqualsOneBigBatch) {
+  for (int accum : {2, 3}) {
+    for (bool z3 : {true, false}) {
+      TrainConfig tc;
+      tc.steps = 4;
+      tc.accum = accum;
+      DistConfig dc;
+      dc.world = 2;
+      dc.z3 = z3;
+      dc.pack_small_params = false;
+      check_equivalence(small_config(2), tc, dc);
+    }
+  }
 }
 
 TEST(RuntimeTest, RankThatOwnsNothingStillTrains) {

@@ -218,6 +218,7 @@ void DedicatedState::issue_reduce(int b) {
   Communicator& comm = mesh->shard();
   at::NoGradGuard ng;
   for (auto& buf : B.buffers) {
+    if (buf.reduce_issued) finish_reduce(buf);  // an earlier backward pass (gradient accumulation)
     // payload = [grads of the buffer's params..., one has-grad flag per param], summed on the root
     const auto dtype = opts.compute_dtype ? *opts.compute_dtype : buf.flat.scalar_type();
     const int64_t np = static_cast<int64_t>(buf.params.size());
@@ -229,12 +230,35 @@ void DedicatedState::issue_reduce(int b) {
         buf.grad_payload.narrow(0, buf.offsets[k], e.param.numel()).copy_(gr.reshape(-1));
         buf.grad_payload[buf.numel + k] = 1;
       }
-      if (!buf.is_root) e.param.mutable_grad() = at::Tensor();  // non-owners drop their gradient
+      // Every rank hands its local gradient to the reduce; the owner gets the average back in
+      // prepare_grads, non-owners keep nothing.
+      e.param.mutable_grad() = at::Tensor();
     }
     buf.reduce = comm.reduce(buf.grad_payload, buf.root, Reduction::Sum, boundary_what("gradient reduce", B, buf));
     buf.reduce_issued = true;
   }
   release(b);  // the parameters are not needed again before the next forward
+}
+
+void DedicatedState::finish_reduce(PackedBuffer& buf) {
+  if (!buf.reduce_issued) return;
+  buf.reduce.wait();
+  buf.reduce = Pending();
+  buf.reduce_issued = false;
+  if (buf.is_root) {
+    at::NoGradGuard ng;
+    const double n = mesh->shard_size();
+    const at::Tensor avg = buf.grad_payload.narrow(0, 0, buf.numel).to(buf.flat.scalar_type()).div(n);
+    if (!buf.reduced_sum.defined()) {
+      buf.reduced_sum = avg;
+      buf.reduced_has.assign(buf.params.size(), false);
+    } else {
+      buf.reduced_sum.add_(avg);
+    }
+    for (size_t k = 0; k < buf.params.size(); ++k)
+      if (buf.grad_payload[buf.numel + static_cast<int64_t>(k)].item<double>() > 0) buf.reduced_has[k] = true;
+  }
+  buf.grad_payload = at::Tensor();
 }
 
 void DedicatedState::end_of_backward() {
@@ -260,28 +284,19 @@ void DedicatedState::end_of_backward() {
 void DedicatedState::prepare_grads() {
   std::lock_guard<std::recursive_mutex> g(mu);
   at::NoGradGuard ng;
-  const double n = mesh->shard_size();
   for (auto& B : boundaries)
     for (auto& buf : B.buffers) {
-      if (!buf.reduce_issued) continue;
-      buf.reduce.wait();
-      buf.reduce = Pending();
-      buf.reduce_issued = false;
-      if (buf.is_root) {
-        for (size_t k = 0; k < buf.params.size(); ++k) {
-          auto& e = params[buf.params[k]];
-          const double flag = buf.grad_payload[buf.numel + static_cast<int64_t>(k)].item<double>();
-          if (flag > 0) {
-            e.param.mutable_grad() = buf.grad_payload.narrow(0, buf.offsets[k], e.param.numel())
-                                         .view(e.param.sizes())
-                                         .to(e.param.scalar_type())
-                                         .div(n);
-          } else {
-            e.param.mutable_grad() = at::Tensor();  // no rank produced a gradient
-          }
-        }
+      finish_reduce(buf);
+      if (!buf.is_root || !buf.reduced_sum.defined()) continue;
+      for (size_t k = 0; k < buf.params.size(); ++k) {
+        auto& e = params[buf.params[k]];
+        if (buf.reduced_has[k])
+          e.param.mutable_grad() = buf.reduced_sum.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes());
+        else
+          e.param.mutable_grad() = at::Tensor();  // no rank produced a gradient
       }
-      buf.grad_payload = at::Tensor();
+      buf.reduced_sum = at::Tensor();
+      buf.reduced_has.clear();
     }
   wait_replicated();
 }

@@ -212,6 +212,8 @@ void DedicatedState::build(const ParamPredicate& predicate) {
     params.push_back(std::move(e));
   }
 
+  this->specs = specs;
+  this->boundary_of_param = boundary_names;
   // 3. plan (every rank, no communication), then check that all ranks agree
   PlanOptions po;
   po.owner_strategy = opts.owner_strategy;

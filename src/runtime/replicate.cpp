@@ -64,8 +64,9 @@ void DedicatedState::setup_replicate(double bucket_mb) {
 }
 
 void DedicatedState::flush_replicated() {
-  if (!replicated || replicated->issued) return;
+  if (!replicated) return;
   auto& rep = *replicated;
+  if (rep.issued) fold_replicated();  // an earlier backward pass (gradient accumulation)
   Communicator& comm = mesh->world();
   at::NoGradGuard ng;
   rep.payloads.clear();
@@ -74,15 +75,16 @@ void DedicatedState::flush_replicated() {
     const auto& bucket = rep.buckets[bi];
     int64_t n = 0;
     for (int i : bucket) n += rep.params[i].numel();
-    at::Tensor payload = at::zeros({n + static_cast<int64_t>(bucket.size())}, rep.params[bucket.front()].options()
-                                                                                  .requires_grad(false));
+    at::Tensor payload = at::zeros({n + static_cast<int64_t>(bucket.size())},
+                                   rep.params[bucket.front()].options().requires_grad(false));
     int64_t off = 0;
     for (size_t k = 0; k < bucket.size(); ++k) {
-      const auto& p = rep.params[bucket[k]];
+      auto& p = rep.params[bucket[k]];
       if (p.grad().defined()) {
         payload.narrow(0, off, p.numel()).copy_(p.grad().reshape(-1));
         payload[n + static_cast<int64_t>(k)] = 1;
       }
+      p.mutable_grad() = at::Tensor();  // the average comes back in prepare_grads
       off += p.numel();
     }
     rep.pending.push_back(comm.allreduce(payload, Reduction::Sum,
@@ -93,29 +95,54 @@ void DedicatedState::flush_replicated() {
   rep.issued = true;
 }
 
-void DedicatedState::wait_replicated() {
+void DedicatedState::fold_replicated() {
   if (!replicated || !replicated->issued) return;
   auto& rep = *replicated;
   at::NoGradGuard ng;
   const double world = mesh->world_size();
+  if (rep.sums.empty()) {
+    rep.sums.resize(rep.buckets.size());
+    rep.has.resize(rep.buckets.size());
+  }
   for (size_t bi = 0; bi < rep.buckets.size(); ++bi) {
     rep.pending[bi].wait();
-    const auto& bucket = rep.buckets[bi];
+    const int64_t np = static_cast<int64_t>(rep.buckets[bi].size());
     const at::Tensor& payload = rep.payloads[bi];
-    const int64_t n = payload.numel() - static_cast<int64_t>(bucket.size());
+    const int64_t n = payload.numel() - np;
+    const at::Tensor avg = payload.narrow(0, 0, n).div(world);
+    if (!rep.sums[bi].defined()) {
+      rep.sums[bi] = avg;
+      rep.has[bi].assign(static_cast<size_t>(np), false);
+    } else {
+      rep.sums[bi].add_(avg);
+    }
+    for (int64_t k = 0; k < np; ++k)
+      if (payload[n + k].item<double>() > 0) rep.has[bi][static_cast<size_t>(k)] = true;
+  }
+  rep.payloads.clear();
+  rep.pending.clear();
+  rep.issued = false;
+}
+
+void DedicatedState::wait_replicated() {
+  if (!replicated) return;
+  auto& rep = *replicated;
+  fold_replicated();
+  if (rep.sums.empty()) return;
+  for (size_t bi = 0; bi < rep.buckets.size(); ++bi) {
+    if (!rep.sums[bi].defined()) continue;
     int64_t off = 0;
-    for (size_t k = 0; k < bucket.size(); ++k) {
-      auto& p = rep.params[bucket[k]];
-      if (payload[n + static_cast<int64_t>(k)].item<double>() > 0)
-        p.mutable_grad() = payload.narrow(0, off, p.numel()).view(p.sizes()).div(world);
+    for (size_t k = 0; k < rep.buckets[bi].size(); ++k) {
+      auto& p = rep.params[rep.buckets[bi][k]];
+      if (rep.has[bi][k])
+        p.mutable_grad() = rep.sums[bi].narrow(0, off, p.numel()).view(p.sizes());
       else
         p.mutable_grad() = at::Tensor();
       off += p.numel();
     }
   }
-  rep.payloads.clear();
-  rep.pending.clear();
-  rep.issued = false;
+  rep.sums.clear();
+  rep.has.clear();
 }
 
 void replicate(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh, double bucket_mb) {

@@ -42,6 +42,9 @@ struct PackedBuffer {
   at::Tensor grad_payload;          // [numel + params.size()] grads then has-grad flags
   Pending reduce;
   bool reduce_issued = false;
+  // root: sum over backward passes (gradient accumulation) of the averaged gradients
+  at::Tensor reduced_sum;
+  std::vector<bool> reduced_has;
   int64_t bytes() const { return numel * flat.element_size(); }
 };
 
@@ -83,6 +86,8 @@ struct ReplicatedParams {
   std::vector<at::Tensor> payloads;  // per bucket: grads then has-grad flags
   std::vector<Pending> pending;
   bool issued = false;
+  std::vector<at::Tensor> sums;      // per bucket: sum over backward passes of averaged grads
+  std::vector<std::vector<bool>> has;
 };
 
 class DedicatedState {
@@ -117,6 +122,8 @@ class DedicatedState {
   std::shared_ptr<Mesh> mesh;
   DedicateOptions opts;
   OwnerPlan plan;
+  std::vector<ParamSpec> specs;               // planner input, per dedicated param
+  std::vector<std::string> boundary_of_param;  // hook boundary name, per dedicated param
   std::vector<ParamEntry> params;
   std::vector<Boundary> boundaries;
   std::map<std::string, int> param_index;
@@ -140,6 +147,8 @@ class DedicatedState {
   void wait_broadcasts(int b);
   void release(int b);
   void issue_reduce(int b);
+  void finish_reduce(PackedBuffer& buf);  // wait one reduce; the root folds it into reduced_sum
+  void fold_replicated();                 // wait the replicated all-reduces; fold into sums
   void try_issue_reduces();
   void begin_forward_pass();
   void prefetch_after(int b, bool backward);

@@ -1,0 +1,149 @@
+// JSON summaries (no collectives).
+#include "dmuon/diagnostics.h"
+
+#include <c10/util/Exception.h>
+
+#include "runtime/state.h"
+
+namespace dmuon {
+
+namespace {
+nlohmann::json coord(const OwnerCoord& c) { return nlohmann::json::array({c.shard, c.replicate}); }
+}  // namespace
+
+nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon& optimizer, int max_rows) {
+  auto state = detail::state_of_model(&model);
+  TORCH_CHECK(state, "summarize_param_groups: the model was not dedicated (call dmuon::dedicate_params first).");
+  nlohmann::json out;
+  out["rank"] = state->mesh->global_rank();
+  out["world_size"] = state->mesh->world_size();
+  out["mode"] = state->z3() ? "z3" : "z2";
+  out["ns_backend"] = optimizer.ns().describe();
+  std::map<const c10::TensorImpl*, const ParamEntry*> ded;
+  for (const auto& e : state->params) ded[e.param.unsafeGetTensorImpl()] = &e;
+  std::map<const c10::TensorImpl*, std::string> names;
+  for (const auto& item : model.named_parameters(true)) names[item.value().unsafeGetTensorImpl()] = item.key();
+  nlohmann::json groups = nlohmann::json::array();
+  int64_t muon_params = 0, adamw_params = 0, owned = 0, owned_numel = 0, adamw_numel = 0;
+  for (const auto& g : optimizer.param_groups()) {
+    const auto& o = static_cast<const MuonGroupOptions&>(g.options());
+    nlohmann::json j;
+    j["name"] = o.group_name();
+    j["route"] = o.is_muon() ? "muon" : "adamw";
+    j["lr"] = o.lr();
+    j["weight_decay"] = o.weight_decay();
+    if (o.is_muon()) {
+      j["momentum"] = o.momentum();
+      j["nesterov"] = o.nesterov();
+      j["ns_steps"] = o.ns_steps();
+    } else {
+      j["betas"] = {o.beta1(), o.beta2()};
+      j["eps"] = o.eps();
+    }
+    int64_t n_owned = 0;
+    int64_t numel = 0;
+    nlohmann::json rows = nlohmann::json::array();
+    for (const auto& p : g.params()) {
+      auto it = ded.find(p.unsafeGetTensorImpl());
+      if (it != ded.end()) {
+        const ParamEntry& e = *it->second;
+        n_owned += e.is_owner ? 1 : 0;
+        if (e.is_owner) owned_numel += static_cast<int64_t>(e.shape[0] * e.shape[1]);
+        numel += static_cast<int64_t>(e.shape[0] * e.shape[1]);
+        if (static_cast<int>(rows.size()) < max_rows)
+          rows.push_back({{"name", e.name},
+                          {"shape", e.shape},
+                          {"owner", coord(e.owner)},
+                          {"owner_rank", e.owner_rank},
+                          {"boundary", state->boundaries[e.boundary].name},
+                          {"owned", e.is_owner},
+                          {"dtype", std::string(c10::toString(p.scalar_type()))}});
+      } else {
+        numel += p.numel();
+        if (static_cast<int>(rows.size()) < max_rows)
+          rows.push_back({{"name", names.count(p.unsafeGetTensorImpl()) ? names[p.unsafeGetTensorImpl()] : "?"},
+                          {"shape", p.sizes().vec()},
+                          {"dtype", std::string(c10::toString(p.scalar_type()))},
+                          {"grad_dtype", p.grad().defined() ? std::string(c10::toString(p.grad().scalar_type()))
+                                                            : std::string("none")}});
+      }
+    }
+    j["num_params"] = g.params().size();
+    j["numel_all"] = numel;
+    if (o.is_muon()) {
+      j["owned_here"] = n_owned;
+      muon_params += static_cast<int64_t>(g.params().size());
+      owned += n_owned;
+    } else {
+      adamw_params += static_cast<int64_t>(g.params().size());
+      adamw_numel += numel;
+    }
+    j["params"] = rows;
+    groups.push_back(j);
+  }
+  out["groups"] = groups;
+  out["totals"] = {{"muon_params_all", muon_params},
+                   {"muon_params_owned_here", owned},
+                   {"muon_numel_owned_here", owned_numel},
+                   {"adamw_params", adamw_params},
+                   {"adamw_numel", adamw_numel},
+                   {"replicated", static_cast<bool>(state->replicated)}};
+  return out;
+}
+
+nlohmann::json summarize_comm_plan(const torch::nn::Module& model, int max_groups, int max_params_per_group) {
+  auto state = detail::state_of_model(&model);
+  TORCH_CHECK(state, "summarize_comm_plan: the model was not dedicated (call dmuon::dedicate_params first).");
+  const Mesh& mesh = *state->mesh;
+  const CommPlan cp = plan_comm(state->specs, state->plan, state->boundary_of_param);
+  nlohmann::json out;
+  out["mesh"] = {{"shard", mesh.shard_size()},
+                 {"replicate", mesh.replicate_size()},
+                 {"world", mesh.world_size()},
+                 {"policy", mesh.policy()}};
+  out["mode"] = state->z3() ? "z3" : "z2";
+  out["fingerprint"] = format_fingerprint(state->plan.fingerprint);
+  out["owner_strategy"] = state->plan.options.owner_strategy;
+  out["owner_cost_model"] = state->plan.options.owner_cost_model;
+  out["makespan"] = state->plan.makespan;
+  out["lower_bound"] = state->plan.lower_bound;
+  out["imbalance"] = state->plan.imbalance();
+  out["violations"] = state->plan.violations;
+  out["muon_bytes"] = cp.muon_bytes;
+  nlohmann::json groups = nlohmann::json::array();
+  for (const auto& b : cp.boundaries) {
+    if (static_cast<int>(groups.size()) >= max_groups) break;
+    nlohmann::json roots = nlohmann::json::array();
+    for (const auto& r : b.roots) {
+      nlohmann::json names = nlohmann::json::array();
+      for (int i : r.params)
+        if (static_cast<int>(names.size()) < max_params_per_group) names.push_back(state->specs[i].name);
+      roots.push_back({{"owner", coord(r.root)},
+                       {"root_rank", mesh.global_rank_of(r.root.shard, r.root.replicate)},
+                       {"bytes", r.bytes},
+                       {"params", names}});
+    }
+    groups.push_back({{"boundary", b.boundary},
+                      {"route", "muon"},
+                      {"roots", roots},
+                      {"payload_bytes", b.payload_bytes},
+                      {"fwd_broadcast_bytes", b.fwd_broadcast_bytes},
+                      {"bwd_broadcast_bytes_z3", b.bwd_broadcast_bytes_z3},
+                      {"bwd_reduce_bytes", b.bwd_reduce_bytes}});
+  }
+  out["boundaries"] = groups;
+  out["per_rank_bytes"] = {{"z2", cp.per_rank_bytes_z2},
+                           {"z3", cp.per_rank_bytes_z3},
+                           {"replicate", cp.per_rank_replicate_bytes},
+                           {"mean_z2", cp.mean_z2()},
+                           {"mean_z3", cp.mean_z3()},
+                           {"formula_z2", cp.formula_z2},
+                           {"formula_z3", cp.formula_z3},
+                           {"formula_replicate", cp.formula_replicate}};
+  out["this_rank"] = {{"rank", mesh.global_rank()},
+                      {"z2", cp.per_rank_bytes_z2.empty() ? 0 : cp.per_rank_bytes_z2[mesh.global_rank()]},
+                      {"z3", cp.per_rank_bytes_z3.empty() ? 0 : cp.per_rank_bytes_z3[mesh.global_rank()]}};
+  return out;
+}
+
+}  // namespace dmuon

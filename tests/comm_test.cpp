@@ -1,0 +1,914 @@
+// Communicator, Mesh and bootstrap: closed-form results of every collective on 1..6 Gloo ranks
+// (threads of this process, Gloo on 127.0.0.1, a fresh FileStore per test), the byte/call counters
+// against the convention in communicator.h, timeouts of a collective a peer never joins, mesh
+// layouts and policies, and the launch-environment parser.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dmuon/bootstrap.h"
+#include "dmuon/communicator.h"
+#include "dmuon/mesh.h"
+#include "support/multirank.h"
+
+namespace dmuon {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// ---- helpers ----------------------------------------------------------------------------------------
+
+std::vector<int> iota_vec(int n, int start = 0, int stride = 1) {
+  std::vector<int> v(n);
+  for (int i = 0; i < n; ++i) v[i] = start + i * stride;
+  return v;
+}
+
+std::unique_ptr<Communicator> make_comm(testing::RankContext& ctx, std::shared_ptr<CommCounters> counters = nullptr,
+                                        std::chrono::milliseconds timeout = 60s, const std::string& name = "test") {
+  return std::make_unique<Communicator>(ctx.pg, name, iota_vec(ctx.world), timeout, std::move(counters));
+}
+
+std::shared_ptr<Mesh> make_isolated_mesh(testing::RankContext& ctx, int replicate_size = 1,
+                                         std::chrono::milliseconds timeout = 60s) {
+  MeshOptions mo;
+  mo.process_group_policy = "isolated";
+  mo.store = ctx.store;
+  mo.factory = process_group_factory(c10::DeviceType::CPU);
+  mo.replicate_size = replicate_size;
+  mo.timeout = timeout;
+  return Mesh::create(ctx.pg, mo);
+}
+
+// Exact equality of two float tensors, with both printed on failure.
+void expect_tensor_eq(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
+  EXPECT_TRUE(actual.sizes() == expected.sizes()) << what << ": shape " << actual.sizes() << " vs " << expected.sizes();
+  EXPECT_TRUE(at::equal(actual, expected.to(actual.scalar_type()))) << what << ":\n actual   " << actual
+                                                                    << "\n expected " << expected;
+}
+
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+int64_t allreduce_bytes(int n, int64_t s) { return n > 1 ? 2 * (n - 1) * s / n : 0; }
+int64_t gather_bytes(int n, int64_t s) { return n > 1 ? (n - 1) * s / n : 0; }
+
+// Sets (or unsets, with nullopt) an environment variable for the lifetime of the guard; restores the
+// previous value. Use in the main thread only, before starting rank threads.
+class EnvGuard {
+ public:
+  EnvGuard(std::string name, const std::optional<std::string>& value) : name_(std::move(name)) {
+    if (const char* old = std::getenv(name_.c_str())) old_ = std::string(old);
+    set(value);
+  }
+  ~EnvGuard() { set(old_); }
+  EnvGuard(const EnvGuard&) = delete;
+  EnvGuard& operator=(const EnvGuard&) = delete;
+  void set(const std::optional<std::string>& value) {
+    if (value) ::setenv(name_.c_str(), value->c_str(), 1);
+    else ::unsetenv(name_.c_str());
+  }
+
+ private:
+  std::string name_;
+  std::optional<std::string> old_;
+};
+
+// ============================== Communicator ==========================================================
+
+TEST(CommunicatorTest, BroadcastFromEveryRoot) {
+  for (int n = 1; n <= 4; ++n) {
+    SCOPED_TRACE("world " + std::to_string(n));
+    testing::run_ranks(n, [&](testing::RankContext& ctx) {
+      auto comm = make_comm(ctx);
+      EXPECT_EQ(comm->rank(), ctx.rank);
+      EXPECT_EQ(comm->size(), n);
+      EXPECT_EQ(comm->global_rank(), ctx.rank);
+      EXPECT_FALSE(comm->native_avg());  // Gloo in LibTorch 1.13
+      for (int root = 0; root < n; ++root) {
+        const at::Tensor expected = at::arange(6, at::kFloat) + 10.0 * root;
+        at::Tensor t = ctx.rank == root ? expected.clone() : at::full({6}, -1.0f);
+        comm->broadcast(t, root, "bcast from " + std::to_string(root)).wait();
+        expect_tensor_eq(t, expected, "rank " + std::to_string(ctx.rank) + " root " + std::to_string(root));
+      }
+      // 24 bytes per broadcast on every non-root: each rank was root exactly once.
+      EXPECT_EQ(comm->counters().bytes(CommOp::Broadcast), 24 * (n - 1));
+      EXPECT_EQ(comm->counters().calls(CommOp::Broadcast), n > 1 ? n : 0);
+      EXPECT_EQ(comm->counters().total_bytes(), 24 * (n - 1));
+    });
+  }
+}
+
+TEST(CommunicatorTest, BroadcastByteCountIsZeroOnRootOnly) {
+  testing::run_ranks(3, [&](testing::RankContext& ctx) {
+    auto comm = make_comm(ctx);
+    at::Tensor t = at::full({10}, static_cast<double>(ctx.rank), at::kDouble);  // 80 bytes
+    comm->broadcast(t, 2, "root 2").wait();
+    expect_tensor_eq(t, at::full({10}, 2.0, at::kDouble), "broadcast from 2");
+    EXPECT_EQ(comm->counters().bytes(CommOp::Broadcast), ctx.rank == 2 ? 0 : 80);
+    EXPECT_EQ(comm->counters().calls(CommOp::Broadcast), 1);
+  });
+}
+
+TEST(CommunicatorTest, ReduceSumAndAvgToEveryRoot) {
+  for (int n = 1; n <= 4; ++n) {
+    SCOPED_TRACE("world " + std::to_string(n));
+    testing::run_ranks(n, [&](testing::RankContext& ctx) {
+      auto comm = make_comm(ctx);
+      const at::Tensor base = at::arange(4, at::kFloat);
+      for (int root = 0; root < n; ++root) {
+        // rank r contributes base + 100 r
+        at::Tensor s = base + 100.0 * ctx.rank;
+        comm->reduce(s, root, Reduction::Sum, "reduce sum").wait();
+        at::Tensor a = base + 100.0 * ctx.rank;
+        comm->reduce(a, root, Reduction::Avg, "reduce avg").wait();
+        if (ctx.rank == root) {
+          // sum: n*base + 100 * n(n-1)/2 ; avg: base + 50 (n-1)
+          expect_tensor_eq(s, base * n + 100.0 * n * (n - 1) / 2, "sum on root " + std::to_string(root));
+          expect_tensor_eq(a, base + 50.0 * (n - 1), "avg on root " + std::to_string(root));
+        }
+      }
+      // 2 reduces per root, 16 bytes each on non-roots.
+      EXPECT_EQ(comm->counters().bytes(CommOp::Reduce), 2 * 16 * (n - 1));
+      EXPECT_EQ(comm->counters().calls(CommOp::Reduce), n > 1 ? 2 * n : 0);
+    });
+  }
+}
+
+TEST(CommunicatorTest, ReduceAvgOfSumOfRankIndices) {
+  // The root's value is the exact mean of the rank indices (0+1+2+3)/4 = 1.5.
+  testing::run_ranks(4, [&](testing::RankContext& ctx) {
+    auto comm = make_comm(ctx);
+    at::Tensor t = at::full({3}, static_cast<float>(ctx.rank));
+    comm->reduce(t, 3, Reduction::Avg, "avg of ranks").wait();
+    if (ctx.rank == 3) expect_tensor_eq(t, at::full({3}, 1.5f), "avg on root 3");
+    at::Tensor s = at::full({3}, static_cast<float>(ctx.rank));
+    comm->reduce(s, 1, Reduction::Sum, "sum of ranks").wait();
+    if (ctx.rank == 1) expect_tensor_eq(s, at::full({3}, 6.0f), "sum on root 1");
+  });
+}
+
+TEST(CommunicatorTest, AllReduceSumAndAvg) {
+  for (int n = 1; n <= 4; ++n) {
+    SCOPED_TRACE("world " + std::to_string(n));
+    testing::run_ranks(n, [&](testing::RankContext& ctx) {
+      auto comm = make_comm(ctx);
+      const at::Tensor base = at::arange(6, at::kFloat);
+      at::Tensor s = base + 10.0 * ctx.rank;  // 24 bytes
+      comm->allreduce(s, Reduction::Sum, "allreduce sum").wait();
+      expect_tensor_eq(s, base * n + 10.0 * n * (n - 1) / 2, "allreduce sum");
+      at::Tensor a = (base + 10.0 * ctx.rank).to(at::kDouble);  // 48 bytes
+      comm->allreduce(a, Reduction::Avg, "allreduce avg").wait();
+      expect_tensor_eq(a, (base + 5.0 * (n - 1)).to(at::kDouble), "allreduce avg");
+      EXPECT_EQ(comm->counters().bytes(CommOp::AllReduce), allreduce_bytes(n, 24) + allreduce_bytes(n, 48));
+      EXPECT_EQ(comm->counters().calls(CommOp::AllReduce), n > 1 ? 2 : 0);
+    });
+  }
+  // spot-check the formula's values: 2(N-1)/N * S
+  EXPECT_EQ(allreduce_bytes(2, 24), 24);
+  EXPECT_EQ(allreduce_bytes(3, 24), 32);
+  EXPECT_EQ(allreduce_bytes(4, 48), 72);
+}
+
+TEST(CommunicatorTest, AllGatherFlatPlacesEachRanksContentAtItsOffset) {
+  for (int n = 1; n <= 4; ++n) {
+    SCOPED_TRACE("world " + std::to_string(n));
+    testing::run_ranks(n, [&](testing::RankContext& ctx) {
+      auto comm = make_comm(ctx);
+      // rank r contributes a 2x3 block r*r, r*r+1, ..., (distinct contents per rank)
+      at::Tensor in = (at::arange(6, at::kFloat) * (ctx.rank + 1) + ctx.rank * ctx.rank).view({2, 3});
+      at::Tensor out = at::full({6 * n}, -7.0f);
+      comm->allgather_flat(out, in, "allgather").wait();
+      std::vector<at::Tensor> parts;
+      for (int r = 0; r < n; ++r) parts.push_back(at::arange(6, at::kFloat) * (r + 1) + r * r);
+      expect_tensor_eq(out, at::cat(parts), "allgather on rank " + std::to_string(ctx.rank));
+      // total S = 24 n bytes; (N-1)/N * S = 24 (N-1)
+      EXPECT_EQ(comm->counters().bytes(CommOp::AllGather), 24 * (n - 1));
+      EXPECT_EQ(comm->counters().calls(CommOp::AllGather), n > 1 ? 1 : 0);
+      // a wrong output size is an error (before anything is issued)
+      at::Tensor bad = at::empty({6 * n + 1});
+      const std::string err = error_of([&] { comm->allgather_flat(bad, in, "bad gather"); });
+      EXPECT_NE(err.find("allgather_flat (bad gather): output has " + std::to_string(6 * n + 1) +
+                         " elements, expected " + std::to_string(6 * n)),
+                std::string::npos)
+          << err;
+      EXPECT_EQ(comm->counters().calls(CommOp::AllGather), n > 1 ? 1 : 0);
+    });
+  }
+}
+
+TEST(CommunicatorTest, ReduceScatterFlatSumAndAvgViaAllReduceFallback) {
+  for (int n = 1; n <= 4; ++n) {
+    SCOPED_TRACE("world " + std::to_string(n));
+    testing::run_ranks(n, [&](testing::RankContext& ctx) {
+      auto comm = make_comm(ctx);
+      const int64_t chunk = 3;
+      const int r = ctx.rank;
+      const at::Tensor in = at::arange(n * chunk, at::kFloat) + 1000.0 * r;  // S = 12 n bytes
+      const at::Tensor in_copy = in.clone();
+      at::Tensor out_s = at::full({chunk}, -1.0f), out_a = at::full({chunk}, -1.0f);
+      comm->reduce_scatter_flat(out_s, in, Reduction::Sum, "rs sum").wait();
+      comm->reduce_scatter_flat(out_a, in, Reduction::Avg, "rs avg").wait();
+      // out[j] on rank r: sum over ranks q of (r*chunk + j + 1000 q)
+      const at::Tensor mine = at::arange(r * chunk, (r + 1) * chunk, at::kFloat);
+      if (n == 1) {
+        expect_tensor_eq(out_s, mine, "rs sum, world 1");
+        expect_tensor_eq(out_a, mine, "rs avg, world 1");
+      } else {
+        expect_tensor_eq(out_s, mine * n + 1000.0 * n * (n - 1) / 2, "rs sum");
+        expect_tensor_eq(out_a, mine + 500.0 * (n - 1), "rs avg");
+      }
+      expect_tensor_eq(in, in_copy, "reduce_scatter input must be left alone");
+      // counted as two all-reduces of S = 12 n bytes (the Gloo fallback), never as reduce-scatter
+      EXPECT_EQ(comm->counters().bytes(CommOp::ReduceScatter), 0);
+      EXPECT_EQ(comm->counters().calls(CommOp::ReduceScatter), 0);
+      EXPECT_EQ(comm->counters().bytes(CommOp::AllReduce), 2 * allreduce_bytes(n, 12 * n));
+      EXPECT_EQ(comm->counters().calls(CommOp::AllReduce), n > 1 ? 2 : 0);
+      if (n == 4) {
+        EXPECT_EQ(comm->counters().bytes(CommOp::AllReduce), 2 * 72);
+      }
+    });
+  }
+}
+
+TEST(CommunicatorTest, BarrierSynchronisesAllRanks) {
+  for (int n = 2; n <= 4; ++n) {
+    SCOPED_TRACE("world " + std::to_string(n));
+    std::atomic<int> arrived{0};
+    testing::run_ranks(n, [&](testing::RankContext& ctx) {
+      auto comm = make_comm(ctx);
+      if (ctx.rank == 0) std::this_thread::sleep_for(200ms);  // rank 0 arrives last
+      arrived.fetch_add(1);
+      comm->barrier("test barrier");
+      EXPECT_EQ(arrived.load(), n) << "rank " << ctx.rank << " left the barrier before everyone arrived";
+      EXPECT_EQ(comm->counters().calls(CommOp::Barrier), 1);
+      EXPECT_EQ(comm->counters().bytes(CommOp::Barrier), 0);
+      EXPECT_EQ(comm->counters().total_bytes(), 0);
+    });
+  }
+}
+
+TEST(CommunicatorTest, CountersAccumulateAcrossOpsAndReset) {
+  testing::run_ranks(4, [&](testing::RankContext& ctx) {
+    auto counters = std::make_shared<CommCounters>();
+    auto comm = make_comm(ctx, counters);
+    auto comm2 = make_comm(ctx, counters, 60s, "second");  // shares the counters
+    at::Tensor t = at::ones({8});                          // 32 bytes
+    comm->broadcast(t, 1, "b").wait();                     // 32 on non-root, 0 on rank 1
+    comm2->reduce(t, 0, Reduction::Sum, "r").wait();       // 32 on non-root, 0 on rank 0
+    comm->allreduce(t, Reduction::Sum, "a").wait();        // 2*3/4*32 = 48
+    at::Tensor out = at::empty({32});
+    comm2->allgather_flat(out, t, "g").wait();             // 3/4*128 = 96
+    at::Tensor rs = at::empty({2});
+    comm->reduce_scatter_flat(rs, t, Reduction::Sum, "rs").wait();  // all-reduce of 32: 48
+    comm->barrier("x");
+    const auto snap = counters->snapshot();
+    const int64_t bcast = ctx.rank == 1 ? 0 : 32, red = ctx.rank == 0 ? 0 : 32;
+    EXPECT_EQ(snap.bytes[static_cast<int>(CommOp::Broadcast)], bcast);
+    EXPECT_EQ(snap.bytes[static_cast<int>(CommOp::Reduce)], red);
+    EXPECT_EQ(snap.bytes[static_cast<int>(CommOp::AllReduce)], 48 + 48);
+    EXPECT_EQ(snap.bytes[static_cast<int>(CommOp::AllGather)], 96);
+    EXPECT_EQ(snap.bytes[static_cast<int>(CommOp::ReduceScatter)], 0);
+    EXPECT_EQ(snap.calls[static_cast<int>(CommOp::Broadcast)], 1);
+    EXPECT_EQ(snap.calls[static_cast<int>(CommOp::Reduce)], 1);
+    EXPECT_EQ(snap.calls[static_cast<int>(CommOp::AllReduce)], 2);
+    EXPECT_EQ(snap.calls[static_cast<int>(CommOp::AllGather)], 1);
+    EXPECT_EQ(snap.calls[static_cast<int>(CommOp::Barrier)], 1);
+    EXPECT_EQ(snap.total_bytes(), bcast + red + 96 + 96);
+    EXPECT_EQ(counters->total_bytes(), bcast + red + 96 + 96);
+    EXPECT_EQ(&comm->counters(), &comm2->counters());
+    counters->reset();
+    EXPECT_EQ(counters->total_bytes(), 0);
+    for (int op = 0; op < static_cast<int>(CommOp::kCount); ++op) {
+      EXPECT_EQ(counters->bytes(static_cast<CommOp>(op)), 0);
+      EXPECT_EQ(counters->calls(static_cast<CommOp>(op)), 0);
+    }
+    // counting continues after a reset
+    comm->allreduce(t, Reduction::Avg, "after reset").wait();
+    EXPECT_EQ(counters->bytes(CommOp::AllReduce), 48);
+    EXPECT_EQ(counters->calls(CommOp::AllReduce), 1);
+  });
+}
+
+TEST(CommunicatorTest, CountersOnTheirOwn) {
+  CommCounters c;
+  c.add(CommOp::Broadcast, 10);
+  c.add(CommOp::Broadcast, 5);
+  c.add(CommOp::Barrier, 0);
+  EXPECT_EQ(c.bytes(CommOp::Broadcast), 15);
+  EXPECT_EQ(c.calls(CommOp::Broadcast), 2);
+  EXPECT_EQ(c.calls(CommOp::Barrier), 1);
+  EXPECT_EQ(c.total_bytes(), 15);
+  c.reset();
+  EXPECT_EQ(c.calls(CommOp::Broadcast), 0);
+  EXPECT_EQ(c.snapshot().total_bytes(), 0);
+  EXPECT_STREQ(comm_op_name(CommOp::Broadcast), "broadcast");
+  EXPECT_STREQ(comm_op_name(CommOp::Reduce), "reduce");
+  EXPECT_STREQ(comm_op_name(CommOp::AllReduce), "all_reduce");
+  EXPECT_STREQ(comm_op_name(CommOp::AllGather), "all_gather");
+  EXPECT_STREQ(comm_op_name(CommOp::ReduceScatter), "reduce_scatter");
+  EXPECT_STREQ(comm_op_name(CommOp::Barrier), "barrier");
+}
+
+TEST(CommunicatorTest, WorldSizeOneIssuesNothingAndCountsNothing) {
+  testing::run_ranks(1, [&](testing::RankContext& ctx) {
+    auto comm = make_comm(ctx);
+    at::Tensor t = at::arange(5, at::kFloat) + 3;
+    const at::Tensor orig = t.clone();
+    Pending p = comm->broadcast(t, 0, "b");
+    EXPECT_FALSE(p.defined());
+    EXPECT_TRUE(p.completed());
+    p.wait();
+    Pending r = comm->reduce(t, 0, Reduction::Avg, "r");
+    EXPECT_FALSE(r.defined());
+    r.wait();
+    Pending a = comm->allreduce(t, Reduction::Avg, "a");
+    EXPECT_FALSE(a.defined());
+    a.wait();
+    expect_tensor_eq(t, orig, "world 1 leaves the tensor unchanged");
+    at::Tensor out = at::zeros({5});
+    Pending g = comm->allgather_flat(out, t, "g");
+    EXPECT_FALSE(g.defined());
+    expect_tensor_eq(out, orig, "world-1 all-gather copies");
+    at::Tensor rs = at::zeros({5});
+    Pending s = comm->reduce_scatter_flat(rs, t, Reduction::Avg, "rs");
+    EXPECT_FALSE(s.defined());
+    expect_tensor_eq(rs, orig, "world-1 reduce-scatter copies");
+    comm->barrier("b");
+    EXPECT_EQ(comm->counters().total_bytes(), 0);
+    for (int op = 0; op < static_cast<int>(CommOp::kCount); ++op)
+      EXPECT_EQ(comm->counters().calls(static_cast<CommOp>(op)), 0) << comm_op_name(static_cast<CommOp>(op));
+  });
+  Pending none;
+  EXPECT_FALSE(none.defined());
+  EXPECT_TRUE(none.completed());
+  none.wait();
+}
+
+TEST(CommunicatorTest, GlobalRanksMustMatchGroupSize) {
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    const std::string err = error_of([&] { Communicator c(ctx.pg, "mismatch", {0, 1, 2}, 60s, nullptr); });
+    EXPECT_NE(err.find("Communicator 'mismatch': 3 global ranks given for a group of 2"), std::string::npos) << err;
+    const std::string null_err = error_of([&] { Communicator c(CommPtr(), "nullpg", {0}, 60s, nullptr); });
+    EXPECT_NE(null_err.find("Communicator 'nullpg': the process group is null"), std::string::npos) << null_err;
+  });
+}
+
+TEST(CommunicatorTest, GlobalRankMapping) {
+  // A communicator over a 2-rank group whose members are global ranks 5 and 9.
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    Communicator c(ctx.pg, "mapped", {5, 9}, 60s, nullptr);
+    EXPECT_EQ(c.global_rank(), ctx.rank == 0 ? 5 : 9);
+    EXPECT_EQ(c.global_ranks(), (std::vector<int>{5, 9}));
+    EXPECT_EQ(c.name(), "mapped");
+    EXPECT_EQ(c.timeout(), std::chrono::milliseconds(60000));
+    EXPECT_EQ(c.process_group().get(), ctx.pg.get());
+  });
+}
+
+// Rank 0 all-reduces, rank 1 never joins. Rank 0 must fail within the timeout, naming the group, the
+// op, the payload and its rank; rank 1 waits until rank 0 is done, so no thread is left hanging.
+TEST(CommunicatorTest, CollectiveAPeerNeverJoinsFailsWithinTimeout) {
+  std::atomic<bool> rank0_done{false};
+  std::string err;
+  double elapsed_s = -1;
+  bool completed_after_error = false;
+  const auto t_test = Clock::now();
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    auto comm = make_comm(ctx, nullptr, 2000ms, "probe");
+    if (ctx.rank == 0) {
+      at::Tensor t = at::ones({4});
+      const auto t0 = Clock::now();
+      Pending p = comm->allreduce(t, Reduction::Sum, "lonely sum");
+      try {
+        p.wait();
+      } catch (const c10::Error& e) {
+        err = e.what();
+      }
+      elapsed_s = std::chrono::duration<double>(Clock::now() - t0).count();
+      completed_after_error = p.completed();
+      rank0_done = true;
+    } else {
+      // skip the collective; stay alive until rank 0 has its error (bounded)
+      const auto t0 = Clock::now();
+      while (!rank0_done && Clock::now() - t0 < 60s) std::this_thread::sleep_for(10ms);
+    }
+  }, /*timeout=*/2000ms);
+  EXPECT_TRUE(rank0_done.load());
+  EXPECT_NE(err.find("rank 0: collective failed on dmuon group 'probe' (2 ranks): all_reduce (lonely sum)"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("the wait limit is 2000 ms"), std::string::npos) << err;
+  EXPECT_GE(elapsed_s, 1.5) << "failed before the timeout: " << err;
+  EXPECT_LT(elapsed_s, 15.0) << "took far longer than the 2 s timeout";
+  EXPECT_TRUE(completed_after_error);
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t_test).count(), 60.0);
+}
+
+// ============================== Mesh ==================================================================
+
+TEST(MeshTest, OneDIsolatedIsTheDefault) {
+  EnvGuard env("DMUON_PROCESS_GROUP_POLICY", std::nullopt);
+  testing::run_ranks(3, [&](testing::RankContext& ctx) {
+    MeshOptions mo;  // policy "" -> env (unset) -> isolated
+    mo.store = ctx.store;
+    mo.factory = process_group_factory(c10::DeviceType::CPU);
+    auto mesh = Mesh::create(ctx.pg, mo);
+    EXPECT_EQ(mesh->policy(), "isolated");
+    EXPECT_EQ(mesh->global_rank(), ctx.rank);
+    EXPECT_EQ(mesh->world_size(), 3);
+    EXPECT_EQ(mesh->shard_rank(), ctx.rank);
+    EXPECT_EQ(mesh->shard_size(), 3);
+    EXPECT_EQ(mesh->replicate_rank(), 0);
+    EXPECT_EQ(mesh->replicate_size(), 1);
+    EXPECT_FALSE(mesh->is_2d());
+    EXPECT_EQ(mesh->replicate(), nullptr);
+    EXPECT_EQ(mesh->timeout(), kDefaultCollectiveTimeout);
+    EXPECT_EQ(mesh->shard().name(), "dmuon/shard");
+    EXPECT_EQ(mesh->world().name(), "dmuon/world");
+    EXPECT_EQ(mesh->shard().global_ranks(), (std::vector<int>{0, 1, 2}));
+    // dmuon's own group: not the caller's
+    EXPECT_NE(mesh->shard().process_group().get(), ctx.pg.get());
+    EXPECT_NE(mesh->world().process_group().get(), ctx.pg.get());
+    EXPECT_EQ(mesh->global_rank_of(2, 0), 2);
+    EXPECT_EQ(mesh->counters().total_bytes(), 0);
+
+    at::Tensor t = at::full({3}, static_cast<float>(ctx.rank));  // 12 bytes
+    mesh->shard().allreduce(t, Reduction::Sum, "sum of ranks").wait();
+    expect_tensor_eq(t, at::full({3}, 3.0f), "shard sum of ranks");
+    at::Tensor w = at::full({3}, static_cast<float>(ctx.rank + 1));
+    mesh->world().allreduce(w, Reduction::Avg, "avg").wait();
+    expect_tensor_eq(w, at::full({3}, 2.0f), "world avg of rank+1");
+    // the mesh's counters see both communicators: 2 * (2*2/3*12) = 32
+    EXPECT_EQ(mesh->counters().bytes(CommOp::AllReduce), 32);
+    EXPECT_EQ(mesh->counters().calls(CommOp::AllReduce), 2);
+    EXPECT_EQ(&mesh->shard().counters(), &mesh->counters());
+    EXPECT_EQ(&mesh->world().counters(), &mesh->counters());
+    // the caller's group stays usable next to dmuon's
+    auto caller = make_comm(ctx);
+    at::Tensor c = at::full({2}, 1.0f);
+    caller->allreduce(c, Reduction::Sum, "caller").wait();
+    expect_tensor_eq(c, at::full({2}, 3.0f), "caller's world group");
+  });
+}
+
+TEST(MeshTest, SharedPolicyUsesTheCallersGroup) {
+  EnvGuard env("DMUON_PROCESS_GROUP_POLICY", std::nullopt);
+  testing::run_ranks(4, [&](testing::RankContext& ctx) {
+    MeshOptions mo;
+    mo.process_group_policy = "shared";  // no store, no factory needed
+    mo.timeout = 30s;
+    mo.tag = "mytag";
+    auto mesh = Mesh::create(ctx.pg, mo);
+    EXPECT_EQ(mesh->policy(), "shared");
+    EXPECT_EQ(mesh->shard().process_group().get(), ctx.pg.get());
+    EXPECT_EQ(mesh->world().process_group().get(), ctx.pg.get());
+    EXPECT_EQ(mesh->shard().name(), "mytag/shard");
+    EXPECT_EQ(mesh->shard().timeout(), std::chrono::milliseconds(30000));
+    EXPECT_EQ(mesh->timeout(), std::chrono::milliseconds(30000));
+    EXPECT_EQ(mesh->shard_size(), 4);
+    EXPECT_EQ(mesh->shard_rank(), ctx.rank);
+    at::Tensor t = at::full({2}, static_cast<float>(ctx.rank));
+    mesh->shard().allreduce(t, Reduction::Sum, "sum").wait();
+    expect_tensor_eq(t, at::full({2}, 6.0f), "shared shard sum 0+1+2+3");
+    at::Tensor b = at::full({2}, static_cast<float>(ctx.rank));
+    mesh->shard().broadcast(b, 3, "from 3").wait();
+    expect_tensor_eq(b, at::full({2}, 3.0f), "shared broadcast from 3");
+  });
+}
+
+TEST(MeshTest, PolicyFromEnvironment) {
+  {
+    EnvGuard env("DMUON_PROCESS_GROUP_POLICY", std::string("shared"));
+    testing::run_ranks(2, [&](testing::RankContext& ctx) {
+      auto mesh = Mesh::create(ctx.pg);  // no store: only "shared" can work
+      EXPECT_EQ(mesh->policy(), "shared");
+      EXPECT_EQ(mesh->shard().process_group().get(), ctx.pg.get());
+      at::Tensor t = at::full({1}, static_cast<float>(ctx.rank + 1));
+      mesh->shard().allreduce(t, Reduction::Sum, "sum").wait();
+      expect_tensor_eq(t, at::full({1}, 3.0f), "env-shared sum");
+    });
+  }
+  {
+    EnvGuard env("DMUON_PROCESS_GROUP_POLICY", std::string("isolated"));
+    testing::run_ranks(2, [&](testing::RankContext& ctx) {
+      MeshOptions mo;
+      mo.store = ctx.store;
+      mo.factory = process_group_factory(c10::DeviceType::CPU);
+      auto mesh = Mesh::create(ctx.pg, mo);
+      EXPECT_EQ(mesh->policy(), "isolated");
+      EXPECT_NE(mesh->shard().process_group().get(), ctx.pg.get());
+      // explicit option beats the environment
+      MeshOptions shared;
+      shared.process_group_policy = "shared";
+      auto mesh2 = Mesh::create(ctx.pg, shared);
+      EXPECT_EQ(mesh2->policy(), "shared");
+    });
+  }
+  {
+    // isolated from the environment without a store is the clear store/factory error
+    EnvGuard env("DMUON_PROCESS_GROUP_POLICY", std::string("isolated"));
+    testing::run_ranks(2, [&](testing::RankContext& ctx) {
+      const std::string err = error_of([&] { Mesh::create(ctx.pg); });
+      EXPECT_NE(err.find("process_group_policy=\"isolated\" builds dmuon's own process groups and needs "
+                         "MeshOptions::store and MeshOptions::factory"),
+                std::string::npos)
+          << err;
+    });
+  }
+  EXPECT_EQ(std::getenv("DMUON_PROCESS_GROUP_POLICY"), nullptr);
+}
+
+TEST(MeshTest, UnknownPolicyIsAnError) {
+  {
+    EnvGuard env("DMUON_PROCESS_GROUP_POLICY", std::nullopt);
+    testing::run_ranks(2, [&](testing::RankContext& ctx) {
+      MeshOptions mo;
+      mo.process_group_policy = "bogus";
+      mo.store = ctx.store;
+      mo.factory = process_group_factory(c10::DeviceType::CPU);
+      const std::string err = error_of([&] { Mesh::create(ctx.pg, mo); });
+      EXPECT_NE(err.find("rank " + std::to_string(ctx.rank) + ": unknown process_group_policy 'bogus' (from "
+                                                               "MeshOptions)"),
+                std::string::npos)
+          << err;
+      EXPECT_NE(err.find("\"isolated\""), std::string::npos) << err;
+    });
+  }
+  {
+    EnvGuard env("DMUON_PROCESS_GROUP_POLICY", std::string("Shared "));
+    testing::run_ranks(2, [&](testing::RankContext& ctx) {
+      const std::string err = error_of([&] { Mesh::create(ctx.pg); });
+      EXPECT_NE(err.find("unknown process_group_policy 'Shared ' (from DMUON_PROCESS_GROUP_POLICY)"),
+                std::string::npos)
+          << err;
+    });
+  }
+}
+
+TEST(MeshTest, NullWorldIsAnError) {
+  const std::string err = error_of([] { Mesh::create(CommPtr()); });
+  EXPECT_NE(err.find("Mesh::create: the world process group is null"), std::string::npos) << err;
+}
+
+TEST(MeshTest, IsolatedWithoutStoreOrFactoryIsAnError) {
+  EnvGuard env("DMUON_PROCESS_GROUP_POLICY", std::nullopt);
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    const std::string want = "needs MeshOptions::store and MeshOptions::factory";
+    MeshOptions no_store;
+    no_store.process_group_policy = "isolated";
+    no_store.factory = process_group_factory(c10::DeviceType::CPU);
+    std::string err = error_of([&] { Mesh::create(ctx.pg, no_store); });
+    EXPECT_NE(err.find(want), std::string::npos) << err;
+    EXPECT_NE(err.find("rank " + std::to_string(ctx.rank)), std::string::npos) << err;
+    MeshOptions no_factory;
+    no_factory.store = ctx.store;  // default policy: isolated
+    err = error_of([&] { Mesh::create(ctx.pg, no_factory); });
+    EXPECT_NE(err.find(want), std::string::npos) << err;
+    // a 2-D mesh needs its own groups even with the shared policy
+    MeshOptions two_d;
+    two_d.process_group_policy = "shared";
+    two_d.replicate_size = 2;
+    err = error_of([&] { Mesh::create(ctx.pg, two_d); });
+    EXPECT_NE(err.find("a 2-D (replicate x shard) mesh builds dmuon's own process groups"), std::string::npos) << err;
+  });
+}
+
+TEST(MeshTest, ReplicateSizeMustDivideWorld) {
+  testing::run_ranks(3, [&](testing::RankContext& ctx) {
+    for (int R : {2, 0, -1, 6}) {
+      MeshOptions mo;
+      mo.store = ctx.store;
+      mo.factory = process_group_factory(c10::DeviceType::CPU);
+      mo.replicate_size = R;
+      const std::string err = error_of([&] { Mesh::create(ctx.pg, mo); });
+      EXPECT_NE(err.find("rank " + std::to_string(ctx.rank) + ": replicate size " + std::to_string(R) +
+                         " does not divide the world size 3"),
+                std::string::npos)
+          << "R=" << R << ": " << err;
+    }
+  });
+}
+
+// world = R x G; global = replicate * G + shard.
+void check_2d_mesh(int R, int G) {
+  const int n = R * G;
+  SCOPED_TRACE("R=" + std::to_string(R) + " G=" + std::to_string(G));
+  testing::run_ranks(n, [&](testing::RankContext& ctx) {
+    auto mesh = make_isolated_mesh(ctx, R);
+    const int g = ctx.rank, r = g / G, s = g % G;
+    EXPECT_EQ(mesh->world_size(), n);
+    EXPECT_EQ(mesh->global_rank(), g);
+    EXPECT_EQ(mesh->shard_size(), G);
+    EXPECT_EQ(mesh->replicate_size(), R);
+    EXPECT_EQ(mesh->is_2d(), R > 1);
+    EXPECT_EQ(mesh->shard_rank(), s) << "global " << g;
+    EXPECT_EQ(mesh->replicate_rank(), r) << "global " << g;
+    EXPECT_EQ(mesh->global_rank_of(s, r), g);
+    for (int rr = 0; rr < R; ++rr)
+      for (int ss = 0; ss < G; ++ss) EXPECT_EQ(mesh->global_rank_of(ss, rr), rr * G + ss);
+    ASSERT_NE(mesh->replicate(), nullptr);
+    Communicator& shard = mesh->shard();
+    Communicator& rep = *mesh->replicate();
+    EXPECT_EQ(shard.global_ranks(), iota_vec(G, r * G, 1));
+    EXPECT_EQ(rep.global_ranks(), iota_vec(R, s, G));
+    EXPECT_EQ(shard.global_rank(), g);
+    EXPECT_EQ(rep.global_rank(), g);
+    EXPECT_EQ(shard.name(), "dmuon/shard" + std::to_string(r));
+    EXPECT_EQ(rep.name(), "dmuon/replicate" + std::to_string(s));
+    EXPECT_EQ(mesh->world().size(), n);
+    EXPECT_EQ(mesh->counters().total_bytes(), 0);
+
+    const float gf = static_cast<float>(g);
+    // shard group r = {r*G + s'}: sum = G*r*G + G(G-1)/2
+    at::Tensor ts = at::full({6}, gf);  // 24 bytes
+    mesh->shard().allreduce(ts, Reduction::Sum, "shard sum").wait();
+    expect_tensor_eq(ts, at::full({6}, static_cast<float>(G * r * G + G * (G - 1) / 2)), "shard sum");
+    // replicate group s = {r'*G + s}: sum = G R(R-1)/2 + R s
+    at::Tensor tr = at::full({6}, gf);
+    rep.allreduce(tr, Reduction::Sum, "replicate sum").wait();
+    expect_tensor_eq(tr, at::full({6}, static_cast<float>(G * R * (R - 1) / 2 + R * s)), "replicate sum");
+    // world: n(n-1)/2
+    at::Tensor tw = at::full({6}, gf);
+    mesh->world().allreduce(tw, Reduction::Sum, "world sum").wait();
+    expect_tensor_eq(tw, at::full({6}, static_cast<float>(n * (n - 1) / 2)), "world sum");
+    // broadcast on the replicate group from group rank R-1 (global (R-1)*G + s)
+    at::Tensor tb = at::full({6}, gf);
+    rep.broadcast(tb, R - 1, "replicate bcast").wait();
+    expect_tensor_eq(tb, at::full({6}, static_cast<float>((R - 1) * G + s)), "replicate broadcast");
+    // reduce (avg) on the shard group to group rank G-1: mean of r*G + s' = r*G + (G-1)/2
+    at::Tensor tv = at::full({6}, gf);
+    shard.reduce(tv, G - 1, Reduction::Avg, "shard reduce").wait();
+    if (s == G - 1) expect_tensor_eq(tv, at::full({6}, static_cast<float>(r * G + (G - 1) / 2.0)), "shard avg");
+
+    // counters: one mesh-wide set
+    EXPECT_EQ(mesh->counters().bytes(CommOp::AllReduce),
+              allreduce_bytes(G, 24) + allreduce_bytes(R, 24) + allreduce_bytes(n, 24));
+    EXPECT_EQ(mesh->counters().calls(CommOp::AllReduce), (G > 1) + (R > 1) + (n > 1));
+    EXPECT_EQ(mesh->counters().bytes(CommOp::Broadcast), (R > 1 && r != R - 1) ? 24 : 0);
+    EXPECT_EQ(mesh->counters().calls(CommOp::Broadcast), R > 1 ? 1 : 0);
+    EXPECT_EQ(mesh->counters().bytes(CommOp::Reduce), (G > 1 && s != G - 1) ? 24 : 0);
+    EXPECT_EQ(mesh->counters().calls(CommOp::Reduce), G > 1 ? 1 : 0);
+  });
+}
+
+TEST(MeshTest, TwoDMesh2x2) { check_2d_mesh(2, 2); }
+TEST(MeshTest, TwoDMesh3x2) { check_2d_mesh(3, 2); }
+TEST(MeshTest, TwoDMesh2x3) { check_2d_mesh(2, 3); }
+TEST(MeshTest, TwoDMesh4x1) { check_2d_mesh(4, 1); }
+
+TEST(MeshTest, TwoDMeshClosedFormCounters3x2) {
+  // Spot values of the per-rank bytes in check_2d_mesh for R=3, G=2 (n=6), S=24 bytes:
+  // shard all-reduce 2*1/2*24 = 24, replicate 2*2/3*24 = 32, world 2*5/6*24 = 40.
+  EXPECT_EQ(allreduce_bytes(2, 24), 24);
+  EXPECT_EQ(allreduce_bytes(3, 24), 32);
+  EXPECT_EQ(allreduce_bytes(6, 24), 40);
+  EXPECT_EQ(gather_bytes(4, 128), 96);
+}
+
+TEST(MeshTest, TwoMeshesOverOneStore) {
+  testing::run_ranks(4, [&](testing::RankContext& ctx) {
+    auto a = make_isolated_mesh(ctx, 1);
+    auto b = make_isolated_mesh(ctx, 2);
+    // every rank counted two generations for the default tag
+    EXPECT_EQ(ctx.store->add("dmuon/mesh_generation/rank" + std::to_string(ctx.rank), 0), 2);
+    EXPECT_NE(a->shard().process_group().get(), b->shard().process_group().get());
+    EXPECT_NE(a->world().process_group().get(), b->world().process_group().get());
+    EXPECT_NE(&a->counters(), &b->counters());
+    // both in flight at once, waited in the opposite order
+    at::Tensor ta = at::full({4}, static_cast<float>(ctx.rank));
+    at::Tensor tb = at::full({4}, static_cast<float>(10 * ctx.rank));
+    Pending pa = a->shard().allreduce(ta, Reduction::Sum, "mesh a");
+    Pending pb = b->shard().allreduce(tb, Reduction::Sum, "mesh b");
+    pb.wait();
+    pa.wait();
+    expect_tensor_eq(ta, at::full({4}, 6.0f), "mesh a (1-D) sum of 0..3");
+    // mesh b shard group r = {2r, 2r+1}: 10 * (4r + 1)
+    const int r = ctx.rank / 2;
+    expect_tensor_eq(tb, at::full({4}, static_cast<float>(10 * (4 * r + 1))), "mesh b (2x2) shard sum");
+    EXPECT_EQ(a->counters().calls(CommOp::AllReduce), 1);
+    EXPECT_EQ(b->counters().calls(CommOp::AllReduce), 1);
+    EXPECT_EQ(a->counters().bytes(CommOp::AllReduce), 24);  // 2*3/4*16
+    EXPECT_EQ(b->counters().bytes(CommOp::AllReduce), 16);  // 2*1/2*16
+  });
+}
+
+// Ranks 0 and 1 all-reduce on the mesh's shard group, rank 2 never joins: both fail within the
+// 2 s mesh timeout with their own rank in the message.
+TEST(MeshTest, CollectiveAPeerNeverJoinsFailsWithinMeshTimeout) {
+  std::mutex mu;
+  std::map<int, std::string> errors;
+  std::map<int, double> elapsed;
+  std::atomic<int> done{0};
+  testing::run_ranks(3, [&](testing::RankContext& ctx) {
+    auto mesh = make_isolated_mesh(ctx, 1, 2000ms);
+    if (ctx.rank == 2) {
+      const auto t0 = Clock::now();
+      while (done.load() < 2 && Clock::now() - t0 < 60s) std::this_thread::sleep_for(10ms);
+      return;
+    }
+    at::Tensor t = at::ones({16});
+    const auto t0 = Clock::now();
+    std::string err = error_of([&] { mesh->shard().allreduce(t, Reduction::Avg, "grads of layers.0").wait(); });
+    std::lock_guard<std::mutex> g(mu);
+    errors[ctx.rank] = err;
+    elapsed[ctx.rank] = std::chrono::duration<double>(Clock::now() - t0).count();
+    done.fetch_add(1);
+  });
+  ASSERT_EQ(errors.size(), 2u);
+  for (const auto& [rank, err] : errors) {
+    EXPECT_NE(err.find("rank " + std::to_string(rank) +
+                       ": collective failed on dmuon group 'dmuon/shard' (3 ranks): all_reduce (grads of layers.0)"),
+              std::string::npos)
+        << err;
+    EXPECT_NE(err.find("the wait limit is 2000 ms"), std::string::npos) << err;
+    EXPECT_LT(elapsed[rank], 15.0) << "rank " << rank;
+  }
+}
+
+// ============================== Bootstrap =============================================================
+
+class BootstrapTest : public ::testing::Test {
+ protected:
+  // Every launch variable unset for the test; the previous values come back afterwards.
+  EnvGuard rank_{"RANK", std::nullopt};
+  EnvGuard world_{"WORLD_SIZE", std::nullopt};
+  EnvGuard local_{"LOCAL_RANK", std::nullopt};
+  EnvGuard addr_{"MASTER_ADDR", std::nullopt};
+  EnvGuard port_{"MASTER_PORT", std::nullopt};
+
+  std::string invalid_argument_of() {
+    try {
+      LaunchEnv::from_environment();
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    } catch (const std::exception& e) {
+      return std::string("wrong exception type: ") + e.what();
+    }
+    return "no exception";
+  }
+};
+
+TEST_F(BootstrapTest, UnsetEnvironmentIsNullopt) { EXPECT_FALSE(LaunchEnv::from_environment().has_value()); }
+
+TEST_F(BootstrapTest, ValidEnvironment) {
+  rank_.set("2");
+  world_.set("4");
+  auto e = LaunchEnv::from_environment();
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->rank, 2);
+  EXPECT_EQ(e->world_size, 4);
+  EXPECT_EQ(e->local_rank, 2);  // defaults to RANK
+  EXPECT_EQ(e->master_addr, "127.0.0.1");
+  EXPECT_EQ(e->master_port, 29500);
+  local_.set("1");
+  addr_.set("10.1.2.3");
+  port_.set("1234");
+  e = LaunchEnv::from_environment();
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->local_rank, 1);
+  EXPECT_EQ(e->master_addr, "10.1.2.3");
+  EXPECT_EQ(e->master_port, 1234);
+  port_.set("65535");
+  EXPECT_EQ(LaunchEnv::from_environment()->master_port, 65535);
+  port_.set("1");
+  EXPECT_EQ(LaunchEnv::from_environment()->master_port, 1);
+}
+
+TEST_F(BootstrapTest, RankWithoutWorldSize) {
+  rank_.set("0");
+  std::string err = invalid_argument_of();
+  EXPECT_NE(err.find("RANK and WORLD_SIZE must be set together"), std::string::npos) << err;
+  EXPECT_NE(err.find("WORLD_SIZE=''"), std::string::npos) << err;
+  rank_.set(std::nullopt);
+  world_.set("2");
+  err = invalid_argument_of();
+  EXPECT_NE(err.find("RANK and WORLD_SIZE must be set together"), std::string::npos) << err;
+  EXPECT_NE(err.find("RANK=''"), std::string::npos) << err;
+}
+
+TEST_F(BootstrapTest, NonNumericValues) {
+  world_.set("2");
+  rank_.set("abc");
+  std::string err = invalid_argument_of();
+  EXPECT_NE(err.find("RANK='abc' is not an integer"), std::string::npos) << err;
+  rank_.set("1x");
+  err = invalid_argument_of();
+  EXPECT_NE(err.find("RANK='1x' is not an integer"), std::string::npos) << err;
+  rank_.set("0");
+  world_.set("2.5");
+  err = invalid_argument_of();
+  EXPECT_NE(err.find("WORLD_SIZE='2.5' is not an integer"), std::string::npos) << err;
+  world_.set("99999999999999999999");
+  err = invalid_argument_of();
+  EXPECT_NE(err.find("WORLD_SIZE='99999999999999999999' is not an integer"), std::string::npos) << err;
+  world_.set("2");
+  local_.set("zero");
+  err = invalid_argument_of();
+  EXPECT_NE(err.find("LOCAL_RANK='zero' is not an integer"), std::string::npos) << err;
+}
+
+TEST_F(BootstrapTest, RankOutOfRange) {
+  world_.set("2");
+  rank_.set("2");
+  std::string err = invalid_argument_of();
+  EXPECT_NE(err.find("RANK=2 is outside [0, WORLD_SIZE=2)"), std::string::npos) << err;
+  rank_.set("-1");
+  err = invalid_argument_of();
+  EXPECT_NE(err.find("RANK=-1 is outside [0, WORLD_SIZE=2)"), std::string::npos) << err;
+  rank_.set("0");
+  world_.set("0");
+  err = invalid_argument_of();
+  EXPECT_NE(err.find("WORLD_SIZE=0 must be >= 1"), std::string::npos) << err;
+}
+
+TEST_F(BootstrapTest, BadPort) {
+  rank_.set("0");
+  world_.set("1");
+  for (const std::string& p : std::vector<std::string>{"0", "65536", "-5"}) {
+    port_.set(p);
+    const std::string err = invalid_argument_of();
+    EXPECT_NE(err.find("MASTER_PORT=" + p + " is outside [1, 65535]"), std::string::npos) << err;
+  }
+  port_.set("http");
+  const std::string err = invalid_argument_of();
+  EXPECT_NE(err.find("MASTER_PORT='http' is not an integer"), std::string::npos) << err;
+}
+
+TEST_F(BootstrapTest, SingleProcessWorldWhenEnvironmentIsUnset) {
+  // bootstrap_from_environment puts its FileStore under the temp dir: point it at a fresh one.
+  const std::string tmp = testing::fresh_temp_dir("dmuon-boot");
+  {
+    EnvGuard tmpdir("TMPDIR", tmp);
+    Bootstrap b = bootstrap_from_environment(c10::DeviceType::CPU, 30s);
+    EXPECT_EQ(b.rank, 0);
+    EXPECT_EQ(b.world_size, 1);
+    EXPECT_EQ(b.local_rank, 0);
+    ASSERT_TRUE(b.store);
+    ASSERT_TRUE(b.world);
+    EXPECT_EQ(b.world->getSize(), 1);
+    EXPECT_EQ(b.world->getRank(), 0);
+    MeshOptions mo;
+    mo.store = b.store;
+    mo.factory = process_group_factory(c10::DeviceType::CPU);
+    auto mesh = Mesh::create(b.world, mo);
+    EXPECT_EQ(mesh->shard_size(), 1);
+    at::Tensor t = at::full({2}, 5.0f);
+    mesh->shard().allreduce(t, Reduction::Avg, "single").wait();
+    expect_tensor_eq(t, at::full({2}, 5.0f), "world-1 all-reduce");
+    EXPECT_EQ(mesh->counters().total_bytes(), 0);
+    int entries = 0;
+    for (const auto& d : std::filesystem::directory_iterator(tmp)) entries += d.path().filename().string().rfind(
+                                                                                   "dmuon-single-", 0) == 0;
+    EXPECT_EQ(entries, 1);
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(tmp, ec);
+}
+
+TEST_F(BootstrapTest, BackendAvailability) {
+  EXPECT_TRUE(process_group_available(c10::DeviceType::CPU));
+  EXPECT_FALSE(process_group_available(c10::DeviceType::Meta));
+  const std::string dir = testing::fresh_temp_dir("dmuon-boot");
+  auto store = make_file_store(dir + "/store", 1);
+  const std::string err = error_of([&] { make_process_group(store, 0, 1, c10::DeviceType::Meta); });
+  EXPECT_NE(err.find("rank 0: no process group for device type"), std::string::npos) << err;
+  if (!process_group_available(c10::DeviceType::CUDA)) {
+    const std::string cuda_err = error_of([&] { make_process_group(store, 0, 1, c10::DeviceType::CUDA); });
+    EXPECT_NE(cuda_err.find("this dmuon build has no NCCL"), std::string::npos) << cuda_err;
+  }
+  // a factory-built group of one works
+  CommPtr pg = process_group_factory(c10::DeviceType::CPU)(store, 0, 1, 30s);
+  ASSERT_TRUE(pg);
+  EXPECT_EQ(pg->getSize(), 1);
+  EXPECT_EQ(pg->getBackendName(), "gloo");
+  pg.reset();
+  store.reset();
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
+}  // namespace
+}  // namespace dmuon
