@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "plan_cmd.h"
-#if !defined(DMUON_CLI_PLAN_ONLY) && __has_include("cli_commands.h")
+#ifndef DMUON_CLI_PLAN_ONLY
 #include "cli_commands.h"
 #define DMUON_CLI_FULL 1
 #endif

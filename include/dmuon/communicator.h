@@ -40,9 +40,13 @@ class CommCounters {
   int64_t calls(CommOp op) const;
   int64_t total_bytes() const;
   void reset();
+  // Time callers spent blocked in Pending::wait (communication not hidden behind compute).
+  void add_wait_ns(int64_t ns);
+  double wait_ms() const;
   struct Snapshot {
     std::array<int64_t, static_cast<int>(CommOp::kCount)> bytes{};
     std::array<int64_t, static_cast<int>(CommOp::kCount)> calls{};
+    int64_t wait_ns = 0;
     int64_t total_bytes() const;
   };
   Snapshot snapshot() const;

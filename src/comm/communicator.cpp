@@ -33,6 +33,14 @@ int64_t CommCounters::calls(CommOp op) const {
   std::lock_guard<std::mutex> g(mu_);
   return s_.calls[static_cast<int>(op)];
 }
+void CommCounters::add_wait_ns(int64_t ns) {
+  std::lock_guard<std::mutex> g(mu_);
+  s_.wait_ns += ns;
+}
+double CommCounters::wait_ms() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return static_cast<double>(s_.wait_ns) / 1e6;
+}
 int64_t CommCounters::Snapshot::total_bytes() const {
   int64_t t = 0;
   for (auto b : bytes) t += b;
@@ -54,6 +62,7 @@ struct Pending::State {
   std::function<void()> on_complete;
   std::function<void(const std::exception&)> on_error;
   std::chrono::milliseconds timeout{0};
+  std::shared_ptr<CommCounters> counters;
   bool done = false;
   std::mutex mu;
 };
@@ -62,8 +71,12 @@ void Pending::wait() {
   if (!state_) return;
   std::lock_guard<std::mutex> g(state_->mu);
   if (state_->done) return;
+  const auto t0 = std::chrono::steady_clock::now();
   try {
     if (state_->work) state_->work->wait(state_->timeout);
+    if (state_->counters)
+      state_->counters->add_wait_ns(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
   } catch (const std::exception& e) {
     state_->done = true;  // a failed collective is not retried; the error says what happened
     state_->on_error(e);
@@ -113,6 +126,7 @@ Pending Communicator::issue(CommOp op, const std::string& what, const std::funct
   Pending p;
   p.state_ = std::make_shared<Pending::State>();
   p.state_->timeout = timeout_;
+  p.state_->counters = counters_;
   p.state_->on_complete = std::move(on_complete);
   const std::string op_what = std::string(comm_op_name(op)) + " (" + what + ")";
   const Communicator* self = this;

@@ -1,0 +1,317 @@
+// `dmuon bench step`: per-step time and bytes of DMuon Z2/Z3 against the designs users would pick
+// instead, on one model and one global batch, for N in {2, 4} local ranks:
+//   A  naive data-parallel Muon: all-reduce every gradient, every rank runs NS on every matrix
+//   B  round-robin owners (the public Muon reference): all-reduce, each rank NS on its share
+//      (matrix i on rank i mod N), then all-gather of the updates
+//   AdamW only (DDP)
+// Every variant trains the same model from the same init on the same batches; the baselines use
+// the same NS backend and coefficients (tall matrices are transposed inside the NS kernel).
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <numeric>
+#include <sstream>
+
+#include "cli_commands.h"
+#include "cli_launch.h"
+#include "cli_text.h"
+#include "dmuon/bootstrap.h"
+#include "dmuon/dedicate.h"
+#include "dmuon/muon.h"
+#include "model/gpt.h"
+
+namespace dmuon::cli {
+
+namespace {
+
+struct BenchArgs {
+  std::string ranks = "2,4";
+  int steps = 6;
+  int warmup = 2;
+  int64_t batch = 8;
+  int64_t seq_len = 32;
+  int64_t d_model = 256;
+  int64_t layers = 4;
+  int64_t heads = 4;
+  int64_t d_ff = 1024;
+  std::string out = "runs/bench_step";
+  std::string ns_backend = "gram";
+  uint64_t seed = 0;
+};
+
+struct VariantResult {
+  std::string name;
+  double step_ms = 0;      // median over measured steps (max over ranks per step)
+  double ns_ms = 0;        // median NS phase (max over ranks)
+  double bytes = 0;        // mean bytes per step per rank (all collectives)
+  double final_loss = 0;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+double elapsed_ms(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// AdamW (PyTorch's formula) for the baselines' non-matrix parameters.
+struct SimpleAdamW {
+  double lr = 3e-3, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0.01;
+  std::map<const c10::TensorImpl*, std::pair<at::Tensor, at::Tensor>> st;
+  std::map<const c10::TensorImpl*, int64_t> t;
+  void update(at::Tensor& p) {
+    const at::Tensor g = p.grad();
+    auto& [m, v] = st[p.unsafeGetTensorImpl()];
+    if (!m.defined()) {
+      m = at::zeros_like(p);
+      v = at::zeros_like(p);
+    }
+    const int64_t k = ++t[p.unsafeGetTensorImpl()];
+    p.mul_(1 - lr * wd);
+    m.mul_(b1).add_(g, 1 - b1);
+    v.mul_(b2).addcmul_(g, g, 1 - b2);
+    const double bc1 = 1 - std::pow(b1, k), bc2 = 1 - std::pow(b2, k);
+    p.addcdiv_(m, (v.sqrt() / std::sqrt(bc2)).add_(eps), -lr / bc1);
+  }
+};
+
+VariantResult run_variant(const std::string& name, const BenchArgs& a, Bootstrap& b, const std::string& text,
+                          Communicator& trainer) {
+  const int rank = b.rank, world = b.world_size;
+  models::GPTConfig cfg;
+  cfg.vocab_size = 256;
+  cfg.d_model = a.d_model;
+  cfg.n_layers = a.layers;
+  cfg.n_heads = a.heads;
+  cfg.d_ff = a.d_ff;
+  at::manual_seed(a.seed);
+  models::GPT model(cfg);
+  MeshOptions mo;
+  mo.store = b.store;
+  mo.factory = process_group_factory(c10::DeviceType::CPU);
+  mo.tag = "bench-" + name;
+  auto mesh = Mesh::create(b.world, mo);
+  const bool dmuon = name == "dmuon_z2" || name == "dmuon_z3";
+  const bool adamw_only = name == "adamw";
+  DedicateOptions d;
+  d.reshard_after_forward = name == "dmuon_z3";
+  dedicate_params(model.ptr(), mesh,
+                  dmuon ? ParamPredicate(models::is_muon_matrix)
+                        : ParamPredicate([](const std::string&, const at::Tensor&) { return false; }),
+                  d);
+  replicate(model.ptr(), mesh);
+  MuonOptions opts;
+  opts.ns_backend = a.ns_backend;
+  opts.record_step_profile = true;
+  opts.first_step_progress_log = false;
+  std::unique_ptr<Muon> opt;
+  if (dmuon || adamw_only) opt = std::make_unique<Muon>(model.ptr(), opts);
+  // baselines A / B: Muon on the (replicated) matrices by hand, AdamW on the rest
+  NewtonSchulz ns(a.ns_backend);
+  SimpleAdamW adamw;
+  std::vector<std::pair<std::string, at::Tensor>> matrices, others;
+  for (const auto& item : model->named_parameters(true))
+    (models::is_muon_matrix(item.key(), item.value()) ? matrices : others).emplace_back(item.key(), item.value());
+  std::map<std::string, at::Tensor> bufs;
+  // B: rounds of N matrices, largest first (as the public reference groups by size)
+  std::vector<int> order(matrices.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int x, int y) { return matrices[x].second.numel() > matrices[y].second.numel(); });
+
+  const int64_t per = a.batch / world;
+  std::vector<double> step_ms, ns_ms, bytes;
+  double last_loss = 0;
+  for (int step = 1; step <= a.warmup + a.steps; ++step) {
+    const at::Tensor batch = sample_batch(text, a.batch, a.seq_len, a.seed, step);
+    trainer.barrier("bench step start");
+    mesh->counters().reset();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+    at::Tensor loss = model->loss(batch.narrow(0, rank * per, per));
+    loss.backward();
+    double ns_time = 0;
+    if (opt) {
+      opt->step();
+      ns_time = opt->consume_last_step_profile().ns_ms;
+    } else {
+      at::NoGradGuard ng;
+      prepare_muon_grads(*model);  // waits the all-reduces of every gradient
+      const bool round_robin = name == "baseline_b";
+      std::vector<at::Tensor> updates(matrices.size());
+      for (size_t k = 0; k < order.size(); ++k) {
+        const int i = order[k];
+        if (round_robin && static_cast<int>(k % world) != rank) continue;
+        at::Tensor& p = matrices[i].second;
+        const at::Tensor g = p.grad();
+        at::Tensor& buf = bufs[matrices[i].first];
+        if (!buf.defined()) buf = at::zeros_like(g);
+        buf.mul_(opts.momentum).add_(g);
+        const auto tn = std::chrono::steady_clock::now();
+        updates[i] = ns.local(g.add(buf, opts.momentum), opts.ns_steps);
+        ns_time += elapsed_ms(tn);
+      }
+      if (round_robin) {
+        // all-gather the updates, one round of N matrices at a time (padded to the round's largest)
+        for (size_t r0 = 0; r0 < order.size(); r0 += world) {
+          int64_t maxn = 0;
+          for (size_t k = r0; k < std::min(order.size(), r0 + world); ++k)
+            maxn = std::max<int64_t>(maxn, matrices[order[k]].second.numel());
+          at::Tensor mine = at::zeros({maxn});
+          const size_t my = r0 + static_cast<size_t>(rank);
+          if (my < order.size()) mine.narrow(0, 0, updates[order[my]].numel()).copy_(updates[order[my]].reshape(-1));
+          at::Tensor all = at::empty({maxn * world});
+          mesh->world().allgather_flat(all, mine, "baseline B update all-gather").wait();
+          for (size_t k = r0; k < std::min(order.size(), r0 + world); ++k) {
+            const auto& p = matrices[order[k]].second;
+            updates[order[k]] = all.narrow(0, static_cast<int64_t>(k - r0) * maxn, p.numel()).view(p.sizes());
+          }
+        }
+      }
+      for (size_t i = 0; i < matrices.size(); ++i) {
+        at::Tensor& p = matrices[i].second;
+        const double scale = 0.2 * std::sqrt(static_cast<double>(std::max(p.size(0), p.size(1))));
+        p.add_(updates[i], -opts.lr * scale);
+      }
+      for (auto& [n, p] : others)
+        if (p.grad().defined()) adamw.update(p);
+    }
+    const double ms = elapsed_ms(t0);
+    // max over ranks of the step time and the NS phase
+    at::Tensor all = at::zeros({2 * world}, at::kDouble);
+    at::Tensor mine = at::tensor({ms, ns_time}, at::kDouble);
+    trainer.allgather_flat(all, mine, "bench timings").wait();
+    double ms_max = 0, ns_max = 0;
+    for (int r = 0; r < world; ++r) {
+      ms_max = std::max(ms_max, all[2 * r].item<double>());
+      ns_max = std::max(ns_max, all[2 * r + 1].item<double>());
+    }
+    if (step > a.warmup) {
+      step_ms.push_back(ms_max);
+      ns_ms.push_back(ns_max);
+      bytes.push_back(static_cast<double>(mesh->counters().snapshot().total_bytes()));
+    }
+    last_loss = loss.item<double>();
+  }
+  VariantResult r;
+  r.name = name;
+  r.step_ms = median(step_ms);
+  r.ns_ms = median(ns_ms);
+  r.bytes = std::accumulate(bytes.begin(), bytes.end(), 0.0) / static_cast<double>(bytes.size());
+  r.final_loss = last_loss;
+  return r;
+}
+
+int run_bench_rank(const BenchArgs& a, std::ostream& out) {
+  Bootstrap b = bootstrap_from_environment(c10::DeviceType::CPU);
+  const int world = b.world_size;
+  const std::string text = load_text("", static_cast<size_t>(a.seq_len + 2));
+  std::vector<int> ranks(world);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  Communicator trainer(b.world, "bench", ranks, kDefaultCollectiveTimeout, nullptr);
+  nlohmann::json res = nlohmann::json::array();
+  for (const char* v : {"dmuon_z2", "dmuon_z3", "baseline_a", "baseline_b", "adamw"}) {
+    VariantResult r = run_variant(v, a, b, text, trainer);
+    res.push_back({{"variant", r.name}, {"step_ms", r.step_ms}, {"ns_ms", r.ns_ms}, {"bytes", r.bytes},
+                   {"loss", r.final_loss}});
+    if (b.rank == 0) out << "  N=" << world << " " << std::left << std::setw(11) << v << " done\n" << std::flush;
+  }
+  if (b.rank == 0) {
+    std::filesystem::create_directories(a.out);
+    write_file_atomic(a.out + "/bench_step_N" + std::to_string(world) + ".json", res.dump(2));
+  }
+  return 0;
+}
+
+}  // namespace
+
+int run_bench_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+  if (args.empty() || args[0] != "step") {
+    err << "usage: dmuon bench step [--ranks 2,4] [--steps N] [--batch B] [--d-model D] [--layers L] [--out DIR]\n";
+    return 2;
+  }
+  CLI::App app{"dmuon bench step: DMuon Z2/Z3 vs naive DP Muon (A), round-robin owners (B) and AdamW",
+               "dmuon bench step"};
+  BenchArgs a;
+  app.add_option("--ranks", a.ranks, "comma-separated rank counts")->capture_default_str();
+  app.add_option("--steps", a.steps, "measured steps per variant")->capture_default_str();
+  app.add_option("--warmup", a.warmup, "unmeasured steps per variant")->capture_default_str();
+  app.add_option("--batch", a.batch, "global batch (sequences)")->capture_default_str();
+  app.add_option("--seq-len", a.seq_len, "sequence length")->capture_default_str();
+  app.add_option("--d-model", a.d_model, "model width")->capture_default_str();
+  app.add_option("--layers", a.layers, "blocks")->capture_default_str();
+  app.add_option("--heads", a.heads, "heads")->capture_default_str();
+  app.add_option("--d-ff", a.d_ff, "MLP width")->capture_default_str();
+  app.add_option("--ns-backend", a.ns_backend, "gram or direct")->capture_default_str();
+  app.add_option("--out", a.out, "where the per-N JSON results go")->capture_default_str();
+  try {
+    std::vector<std::string> rev(args.rbegin(), args.rend() - 1);
+    app.parse(rev);
+  } catch (const CLI::CallForHelp&) {
+    out << app.help();
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    err << "error: " << e.what() << "\n";
+    return 2;
+  }
+  try {
+    if (launched_as_rank()) return run_bench_rank(a, out);
+    std::vector<int> ns;
+    std::stringstream ss(a.ranks);
+    for (std::string tok; std::getline(ss, tok, ',');) ns.push_back(std::stoi(tok));
+    for (int n : ns)
+      if (n < 1 || a.batch % n != 0)
+        throw std::invalid_argument("--batch " + std::to_string(a.batch) + " must split evenly over " +
+                                    std::to_string(n) + " ranks");
+    out << "dmuon bench step: GPT d=" << a.d_model << " ff=" << a.d_ff << " layers=" << a.layers << ", batch "
+        << a.batch << "x" << a.seq_len << ", " << a.steps << " measured steps (+" << a.warmup << " warm-up), NS "
+        << a.ns_backend << "\n";
+    nlohmann::json all;
+    for (int n : ns) {
+      LaunchOptions lo;
+      lo.ranks = n;
+      lo.args = args;
+      lo.subcommand = "bench";
+      const int rc = launch_local_ranks(lo, err);
+      if (rc != 0) return rc;
+      std::ifstream f(a.out + "/bench_step_N" + std::to_string(n) + ".json");
+      all[std::to_string(n)] = nlohmann::json::parse(f);
+    }
+    out << "\n" << std::left << std::setw(4) << "N" << std::setw(12) << "variant" << std::right << std::setw(10)
+        << "step_ms" << std::setw(10) << "NS_ms" << std::setw(14) << "bytes/rank" << std::setw(9) << "step/A"
+        << std::setw(9) << "NS/A" << std::setw(11) << "step/AdamW" << "\n";
+    for (int n : ns) {
+      const auto& rows = all[std::to_string(n)];
+      double a_step = 0, a_ns = 0, w_step = 0;
+      for (const auto& r : rows) {
+        if (r["variant"] == "baseline_a") a_step = r["step_ms"], a_ns = r["ns_ms"];
+        if (r["variant"] == "adamw") w_step = r["step_ms"];
+      }
+      for (const auto& r : rows) {
+        const double st = r["step_ms"], nsm = r["ns_ms"], by = r["bytes"];
+        out << std::left << std::setw(4) << n << std::setw(12) << r["variant"].get<std::string>() << std::right
+            << std::fixed << std::setprecision(1) << std::setw(10) << st << std::setw(10) << nsm << std::setw(14)
+            << std::setprecision(0) << by << std::setprecision(3) << std::setw(9) << (a_step > 0 ? st / a_step : 0)
+            << std::setw(9) << (a_ns > 0 ? nsm / a_ns : 0) << std::setw(11) << (w_step > 0 ? st / w_step : 0)
+            << "\n";
+      }
+    }
+    write_file_atomic(a.out + "/bench_step.json", all.dump(2));
+    return 0;
+  } catch (const std::exception& e) {
+    err << "error: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+}  // namespace dmuon::cli

@@ -1,0 +1,37 @@
+// cli_launch.h -- starting N local ranks as child processes (or running as one rank under any
+// launcher that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT).
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+namespace dmuon::cli {
+
+// A free TCP port on 127.0.0.1 (bound and released), or throws.
+int pick_free_port();
+// True when `port` can be bound on 127.0.0.1 right now.
+bool port_available(int port);
+
+struct LaunchOptions {
+  int ranks = 4;
+  int port = 0;                 // 0: pick a free one
+  std::vector<std::string> args;  // the subcommand's own arguments (re-passed to every child)
+  std::string subcommand;         // "train" | "bench"
+};
+
+// Parent side: runs `/proc/self/exe <subcommand> <args...>` once per rank with the torchrun
+// variables set. Children die with the parent (PR_SET_PDEATHSIG); if one child fails the others
+// are stopped; SIGINT/SIGTERM stop all children. Returns the exit status for the parent (0 when
+// every rank succeeded).
+int launch_local_ranks(const LaunchOptions& opts, std::ostream& err);
+
+// Child side: whether this process was started by launch_local_ranks (or any launcher).
+bool launched_as_rank();
+
+// Writes `content` to `path` atomically (temporary file in the same directory, then rename).
+void write_file_atomic(const std::string& path, const std::string& content);
+
+}  // namespace dmuon::cli

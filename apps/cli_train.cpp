@@ -1,0 +1,368 @@
+// `dmuon train`: a small GPT on real text, N ranks, dedicated-ownership Muon (or an AdamW baseline).
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <iomanip>
+#include <iostream>
+#include <numeric>
+#include <sstream>
+
+#include "cli_commands.h"
+#include "cli_launch.h"
+#include "cli_text.h"
+#include "dmuon/bootstrap.h"
+#include "dmuon/dedicate.h"
+#include "dmuon/diagnostics.h"
+#include "dmuon/muon.h"
+#include "model/gpt.h"
+
+namespace dmuon::cli {
+
+namespace {
+
+struct TrainArgs {
+  int ranks = 4;
+  int steps = 300;
+  std::string mode = "z3";
+  std::string optimizer = "dmuon";
+  std::string out = "runs/train";
+  std::string data;
+  int64_t batch = 16;
+  int64_t seq_len = 64;
+  int64_t d_model = 128;
+  int64_t layers = 4;
+  int64_t heads = 4;
+  double lr = 0.02;
+  double adamw_lr = 3e-3;
+  double weight_decay = 0.0;
+  int grad_accum = 1;
+  uint64_t seed = 0;
+  int port = 0;
+  int log_every = 10;
+  std::string ns_backend = "gram";
+  double timeout_s = 300;
+};
+
+void add_options(CLI::App& app, TrainArgs& a) {
+  app.add_option("--ranks", a.ranks, "number of local ranks to start (Gloo on CPU)")->capture_default_str();
+  app.add_option("--steps", a.steps, "optimizer steps")->capture_default_str();
+  app.add_option("--mode", a.mode, "DMuon mode: z3 (reshard after forward) or z2")
+      ->check(CLI::IsMember({"z2", "z3"}))
+      ->capture_default_str();
+  app.add_option("--optimizer", a.optimizer, "dmuon (Muon on the layer matrices + AdamW) or adamw (baseline)")
+      ->check(CLI::IsMember({"dmuon", "adamw"}))
+      ->capture_default_str();
+  app.add_option("--out", a.out, "output directory (metrics.csv, summary.json, loss.svg)")->capture_default_str();
+  app.add_option("--data", a.data, "training text file (default: Debian's fortunes text)");
+  app.add_option("--batch", a.batch, "global batch in sequences, split evenly across ranks")->capture_default_str();
+  app.add_option("--seq-len", a.seq_len, "sequence length in bytes")->capture_default_str();
+  app.add_option("--d-model", a.d_model, "model width")->capture_default_str();
+  app.add_option("--layers", a.layers, "number of transformer blocks (layers.N)")->capture_default_str();
+  app.add_option("--heads", a.heads, "attention heads")->capture_default_str();
+  app.add_option("--lr", a.lr, "Muon learning rate")->capture_default_str();
+  app.add_option("--adamw-lr", a.adamw_lr, "AdamW learning rate")->capture_default_str();
+  app.add_option("--weight-decay", a.weight_decay, "Muon weight decay")->capture_default_str();
+  app.add_option("--grad-accum", a.grad_accum, "micro-batches per optimizer step on every rank")->capture_default_str();
+  app.add_option("--seed", a.seed, "seed of the model init and the data order")->capture_default_str();
+  app.add_option("--port", a.port, "rendezvous port on 127.0.0.1 (default: a free one)");
+  app.add_option("--log-every", a.log_every, "progress/metrics interval in steps")->capture_default_str();
+  app.add_option("--ns-backend", a.ns_backend, "Newton-Schulz form: gram or direct")
+      ->check(CLI::IsMember({"gram", "direct"}))
+      ->capture_default_str();
+  app.add_option("--timeout", a.timeout_s, "collective timeout in seconds (a lost peer is an error after this)")
+      ->capture_default_str();
+}
+
+// Checks that need no process group: done once in the parent, again in every rank.
+void validate(const TrainArgs& a, int world) {
+  auto bad = [](const std::string& m) { throw std::invalid_argument(m); };
+  if (world < 1) bad("--ranks must be >= 1 (got " + std::to_string(world) + ")");
+  if (world > 64) bad("--ranks " + std::to_string(world) + " is more than this local launcher supports (64)");
+  if (a.steps < 1) bad("--steps must be >= 1 (got " + std::to_string(a.steps) + ")");
+  if (a.batch < 1) bad("--batch must be >= 1 (got " + std::to_string(a.batch) + ")");
+  if (world > a.batch)
+    bad("--ranks " + std::to_string(world) + " is larger than the global batch --batch " + std::to_string(a.batch) +
+        ": every rank needs at least one sequence");
+  if (a.batch % world != 0)
+    bad("the global batch --batch " + std::to_string(a.batch) + " does not split evenly across " +
+        std::to_string(world) + " ranks; pick a batch that is a multiple of --ranks");
+  const int64_t per = a.batch / world;
+  if (a.grad_accum < 1 || per % a.grad_accum != 0)
+    bad("--grad-accum " + std::to_string(a.grad_accum) + " must divide the per-rank batch " + std::to_string(per));
+  if (a.seq_len < 2) bad("--seq-len must be >= 2");
+  if (a.d_model < 1 || a.layers < 1 || a.heads < 1 || a.d_model % a.heads != 0)
+    bad("--d-model " + std::to_string(a.d_model) + " must be a positive multiple of --heads " + std::to_string(a.heads));
+  if (a.timeout_s <= 0) bad("--timeout must be > 0");
+}
+
+std::string fmt_secs(double s) {
+  const int t = static_cast<int>(s + 0.5);
+  std::ostringstream o;
+  o << t / 60 << ":" << std::setw(2) << std::setfill('0') << t % 60;
+  return o.str();
+}
+
+double mean(const std::vector<double>& v) {
+  return v.empty() ? 0.0 : std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
+}
+
+int run_rank(const TrainArgs& a, std::ostream& out) {
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+  Bootstrap b = bootstrap_from_environment(c10::DeviceType::CPU, timeout);
+  const int rank = b.rank, world = b.world_size;
+  validate(a, world);
+  const bool lead = rank == 0;
+  const std::string text = load_text(a.data, static_cast<size_t>(a.seq_len + 2));
+  const double baseline = unigram_entropy_nats(text);
+
+  models::GPTConfig cfg;
+  cfg.vocab_size = 256;
+  cfg.d_model = a.d_model;
+  cfg.n_layers = a.layers;
+  cfg.n_heads = a.heads;
+  cfg.max_seq_len = a.seq_len;
+  at::manual_seed(static_cast<uint64_t>(a.seed));
+  models::GPT model(cfg);
+
+  MeshOptions mo;
+  mo.store = b.store;
+  mo.factory = process_group_factory(c10::DeviceType::CPU);
+  mo.timeout = timeout;
+  auto mesh = Mesh::create(b.world, mo);
+  Communicator trainer(b.world, "trainer", [&] {
+    std::vector<int> v(world);
+    std::iota(v.begin(), v.end(), 0);
+    return v;
+  }(), timeout, nullptr);
+
+  DedicateOptions dopt;
+  dopt.reshard_after_forward = a.mode == "z3";
+  const bool use_muon = a.optimizer == "dmuon";
+  dedicate_params(model.ptr(), mesh,
+                  use_muon ? ParamPredicate(models::is_muon_matrix)
+                           : ParamPredicate([](const std::string&, const at::Tensor&) { return false; }),
+                  dopt);
+  replicate(model.ptr(), mesh);
+  MuonOptions opts;
+  opts.lr = a.lr;
+  opts.adamw_lr = a.adamw_lr;
+  opts.weight_decay = a.weight_decay;
+  opts.ns_backend = a.ns_backend;
+  opts.record_step_profile = true;
+  opts.first_step_progress_log = false;
+  Muon opt(model.ptr(), opts);
+
+  if (lead) {
+    std::filesystem::create_directories(a.out);
+    out << "dmuon train: " << world << " rank(s), " << (use_muon ? "DMuon-" + std::string(a.mode == "z3" ? "Z3" : "Z2")
+                                                                : std::string("AdamW baseline"))
+        << ", GPT d=" << a.d_model << " layers=" << a.layers << " heads=" << a.heads << ", batch " << a.batch
+        << " x " << a.seq_len << " bytes, " << a.steps << " steps, data "
+        << (a.data.empty() ? std::string("fortunes (default)") : a.data) << " (" << text.size() << " bytes)\n";
+    if (use_muon) out << "  " << opt.ns().describe() << "; unigram baseline " << baseline << " nats/byte\n";
+  }
+
+  const int64_t per = a.batch / world, micro = per / a.grad_accum;
+  std::vector<int64_t> steps_logged;
+  std::vector<double> losses, step_ms, fwd_ms, bwd_ms, ns_ms, adamw_ms, wait_ms, prep_ms;
+  std::vector<double> bytes_per_step, muon_bytes_per_step;
+  std::ostringstream csv;
+  csv << "step,loss,lr,adamw_lr,step_ms,tokens_per_s,bytes\n";
+  const bool tty = ::isatty(STDOUT_FILENO);
+  const auto t_start = std::chrono::steady_clock::now();
+  auto write_outputs = [&](bool final_write) {
+    if (!lead) return;
+    write_file_atomic(a.out + "/metrics.csv", csv.str());
+    if (final_write || steps_logged.size() % 50 == 0)
+      write_file_atomic(a.out + "/loss.svg",
+                        loss_svg(steps_logged, losses, baseline,
+                                 "dmuon train: " + a.optimizer + (use_muon ? " " + a.mode : "") + ", " +
+                                     std::to_string(world) + " ranks"));
+  };
+  for (int step = 1; step <= a.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    mesh->counters().reset();
+    opt.zero_grad();
+    const at::Tensor batch = sample_batch(text, a.batch, a.seq_len, a.seed, step);
+    const at::Tensor mine = batch.narrow(0, rank * per, per);
+    double loss_sum = 0, f_ms = 0, b_ms = 0;
+    for (int m = 0; m < a.grad_accum; ++m) {
+      const auto tf = std::chrono::steady_clock::now();
+      at::Tensor loss = model->loss(mine.narrow(0, m * micro, micro)) / a.grad_accum;
+      const auto tb = std::chrono::steady_clock::now();
+      loss.backward();
+      const auto te = std::chrono::steady_clock::now();
+      f_ms += std::chrono::duration<double, std::milli>(tb - tf).count();
+      b_ms += std::chrono::duration<double, std::milli>(te - tb).count();
+      loss_sum += loss.item<double>();
+    }
+    opt.step();
+    const StepProfile prof = opt.consume_last_step_profile();
+    // global mean loss over the whole batch: the ranks' means averaged (equal slices)
+    at::Tensor l = at::tensor({loss_sum}, at::kDouble);
+    trainer.allreduce(l, Reduction::Avg, "train loss").wait();
+    const double gl = l.item<double>();
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double bytes = static_cast<double>(mesh->counters().snapshot().total_bytes());
+    step_ms.push_back(ms);
+    fwd_ms.push_back(f_ms);
+    bwd_ms.push_back(b_ms);
+    ns_ms.push_back(prof.ns_ms);
+    adamw_ms.push_back(prof.adamw_ms);
+    prep_ms.push_back(prof.prepare_ms);
+    wait_ms.push_back(mesh->counters().wait_ms());
+    bytes_per_step.push_back(bytes);
+    muon_bytes_per_step.push_back(static_cast<double>(mesh->counters().bytes(CommOp::Broadcast) +
+                                                      mesh->counters().bytes(CommOp::Reduce)));
+    if (lead) {
+      steps_logged.push_back(step);
+      losses.push_back(gl);
+      const double tok_s = static_cast<double>(a.batch * a.seq_len) / (ms / 1000.0);
+      csv << step << "," << gl << "," << opt.param_groups()[0].options().get_lr() << ","
+          << opt.param_groups()[1].options().get_lr() << "," << ms << "," << tok_s << "," << bytes << "\n";
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+      const double eta = elapsed / step * (a.steps - step);
+      const int width = 24, fill = static_cast<int>(static_cast<double>(width) * step / a.steps);
+      std::ostringstream bar;
+      bar << "[" << std::string(fill, '#') << std::string(width - fill, '-') << "] step " << step << "/" << a.steps
+          << "  loss " << std::fixed << std::setprecision(3) << gl << "  tok/s " << std::setprecision(0) << tok_s
+          << "  ETA " << fmt_secs(eta);
+      if (tty) {
+        out << "\r" << bar.str() << std::flush;
+        if (step == a.steps) out << "\n";
+      } else if (step % a.log_every == 0 || step == 1 || step == a.steps) {
+        out << bar.str() << "\n" << std::flush;
+      }
+      if (step % a.log_every == 0) write_outputs(false);
+    }
+  }
+  const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+
+  // NS load per rank: every rank's total NS milliseconds
+  at::Tensor ns_all = at::zeros({world}, at::kDouble);
+  at::Tensor mine_ns = at::tensor({std::accumulate(ns_ms.begin(), ns_ms.end(), 0.0)}, at::kDouble);
+  trainer.allgather_flat(ns_all, mine_ns, "NS load").wait();
+  at::Tensor bytes_all = at::zeros({world}, at::kDouble);
+  at::Tensor mine_bytes = at::tensor({mean(bytes_per_step)}, at::kDouble);
+  trainer.allgather_flat(bytes_all, mine_bytes, "bytes per step").wait();
+  at::Tensor muon_all = at::zeros({world}, at::kDouble);
+  at::Tensor mine_muon = at::tensor({mean(muon_bytes_per_step)}, at::kDouble);
+  trainer.allgather_flat(muon_all, mine_muon, "Muon bytes per step").wait();
+  if (!lead) return 0;
+
+  const nlohmann::json plan = summarize_comm_plan(*model);
+  const size_t tail = std::min<size_t>(10, losses.size());
+  const double final_loss = std::accumulate(losses.end() - tail, losses.end(), 0.0) / static_cast<double>(tail);
+  const double ns_max = ns_all.max().item<double>(), ns_mean = ns_all.mean().item<double>();
+  const double measured_bytes = bytes_all.mean().item<double>();
+  const double formula = use_muon ? (a.mode == "z3" ? plan["per_rank_bytes"]["formula_z3"].get<double>()
+                                                    : plan["per_rank_bytes"]["formula_z2"].get<double>())
+                                  : 0.0;
+  nlohmann::json s;
+  s["world_size"] = world;
+  s["optimizer"] = a.optimizer;
+  s["mode"] = a.mode;
+  s["steps"] = a.steps;
+  s["global_batch"] = a.batch;
+  s["seq_len"] = a.seq_len;
+  s["model"] = {{"d_model", a.d_model}, {"layers", a.layers}, {"heads", a.heads},
+                {"params", [&] {
+                   int64_t n = 0;
+                   for (const auto& p : model->parameters()) n += p.numel();
+                   return n;
+                 }()}};
+  s["first_loss"] = losses.front();
+  s["final_loss"] = final_loss;
+  s["unigram_baseline"] = baseline;
+  s["below_baseline"] = final_loss < baseline;
+  s["seconds"] = total_s;
+  s["tokens_per_s"] = static_cast<double>(a.batch * a.seq_len * a.steps) / total_s;
+  s["step_ms"] = {{"mean", mean(step_ms)}, {"forward", mean(fwd_ms)}, {"backward", mean(bwd_ms)},
+                  {"newton_schulz", mean(ns_ms)}, {"comm_wait", mean(wait_ms)}, {"grad_prepare", mean(prep_ms)},
+                  {"adamw", mean(adamw_ms)}};
+  s["bytes_per_step"] = {{"measured_mean_per_rank", measured_bytes},
+                         {"measured_per_rank", std::vector<double>(bytes_all.data_ptr<double>(),
+                                                                   bytes_all.data_ptr<double>() + world)},
+                         {"formula_per_rank", formula},
+                         {"note", "measured: dmuon's Muon broadcasts/reduces plus the AdamW all-reduces; formula: "
+                                  "Muon matrices only, 2(N-1)/N*P_M (Z2) or 3(N-1)/N*P_M (Z3)"}};
+  const double muon_measured = muon_all.mean().item<double>();
+  s["muon_bytes_per_step"] = {{"measured_mean_per_rank", muon_measured},
+                              {"formula", formula},
+                              {"measured_over_formula", formula > 0 ? muon_measured / formula : 0.0}};
+  s["ns_load_ms"] = {{"per_rank", std::vector<double>(ns_all.data_ptr<double>(), ns_all.data_ptr<double>() + world)},
+                     {"max", ns_max},
+                     {"mean", ns_mean},
+                     {"max_over_mean", ns_mean > 0 ? ns_max / ns_mean : 1.0}};
+  s["plan"] = {{"imbalance", plan["imbalance"]}, {"fingerprint", plan["fingerprint"]}};
+  write_outputs(true);
+  write_file_atomic(a.out + "/summary.json", s.dump(2) + "\n");
+
+  out << std::fixed << std::setprecision(3);
+  out << "\nsummary (" << world << " ranks, " << a.steps << " steps, " << std::setprecision(1) << total_s << " s)\n"
+      << std::setprecision(3) << "  loss            " << losses.front() << " -> " << final_loss
+      << " (mean of last " << tail << " steps); unigram baseline " << baseline
+      << (final_loss < baseline ? "  [below baseline]" : "  [NOT below baseline]") << "\n"
+      << std::setprecision(0) << "  tokens/s        " << s["tokens_per_s"].get<double>() << "\n"
+      << std::setprecision(1) << "  step ms         " << mean(step_ms) << " = forward " << mean(fwd_ms)
+      << " + backward " << mean(bwd_ms) << " + optimizer " << mean(prep_ms) + mean(ns_ms) + mean(adamw_ms)
+      << " (NS " << mean(ns_ms) << ", AdamW " << mean(adamw_ms) << ", grad wait " << mean(prep_ms) << ")"
+      << "; blocked on communication " << mean(wait_ms) << "\n";
+  if (use_muon) {
+    out << std::setprecision(0) << "  bytes/step/rank Muon " << muon_measured << " measured vs "
+        << (a.mode == "z3" ? "3" : "2") << "(N-1)/N*P_M = " << formula << " (ratio " << std::setprecision(4)
+        << (formula > 0 ? muon_measured / formula : 0.0) << std::setprecision(0) << "); all collectives "
+        << measured_bytes << "\n"
+        << std::setprecision(2) << "  NS load         max/mean " << (ns_mean > 0 ? ns_max / ns_mean : 1.0)
+        << " over ranks (plan imbalance " << plan["imbalance"].get<double>() << ")\n";
+  }
+  out << "  outputs         " << a.out << "/metrics.csv, " << a.out << "/summary.json, " << a.out << "/loss.svg\n";
+  return 0;
+}
+
+}  // namespace
+
+int run_train_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+  CLI::App app{"dmuon train: a small GPT on real text with dedicated-ownership Muon", "dmuon train"};
+  TrainArgs a;
+  add_options(app, a);
+  try {
+    std::vector<std::string> rev(args.rbegin(), args.rend());
+    app.parse(rev);
+  } catch (const CLI::CallForHelp&) {
+    out << app.help();
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    err << "error: " << e.what() << "\n";
+    return 2;
+  }
+  try {
+    if (!launched_as_rank()) {
+      validate(a, a.ranks);
+      load_text(a.data, static_cast<size_t>(a.seq_len + 2));  // a missing file fails here, before any rank starts
+      std::filesystem::create_directories(a.out);
+      if (a.ranks == 1) return run_rank(a, out);
+      LaunchOptions lo;
+      lo.ranks = a.ranks;
+      lo.port = a.port;
+      lo.args = args;
+      lo.subcommand = "train";
+      return launch_local_ranks(lo, err);
+    }
+    return run_rank(a, out);
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    if (const auto cut = msg.find("\nException raised from"); cut != std::string::npos) msg = msg.substr(0, cut);
+    const char* r = std::getenv("RANK");
+    err << "error" << (r ? std::string(" (rank ") + r + ")" : std::string()) << ": " << msg << "\n";
+    return 1;
+  }
+}
+
+}  // namespace dmuon::cli

@@ -1,0 +1,844 @@
+// Muon optimizer: hyperparameter validation, one/two steps against a hand-computed float64 update
+// (Muon on matrices, AdamW on vectors), parameter groups, LR schedulers, zero_grad, checkpoints,
+// step profiles, and ownership on a 2-rank mesh.
+//
+// Gradients are set by hand (p.mutable_grad() = ...) and step() is called directly: for dedicated
+// parameters no reduce was issued, so Muon::step's prepare_grads leaves them as they are.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/schedulers/step_lr.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize/archive.h>
+
+#include <cmath>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dmuon/bootstrap.h"
+#include "dmuon/dedicate.h"
+#include "dmuon/mesh.h"
+#include "dmuon/muon.h"
+#include "dmuon/newton_schulz.h"
+#include "model/gpt.h"
+#include "support/multirank.h"
+
+namespace dmuon {
+namespace {
+
+using StateDict = std::map<std::string, at::Tensor>;
+
+// layers.0: Linear(5 -> 3) (weight 3x5 wide + bias), layers.1: Linear(3 -> 4, no bias) (weight 4x3 tall),
+// layers.2: Linear(4 -> 4, no bias) (square), and a root-level vector `scale`.
+// Muon matrices: the three weights. AdamW: layers.0.bias and scale.
+struct TinyImpl : torch::nn::Module {
+  TinyImpl() {
+    layers = register_module("layers", torch::nn::ModuleList());
+    layers->push_back(torch::nn::Linear(torch::nn::LinearOptions(5, 3)));
+    layers->push_back(torch::nn::Linear(torch::nn::LinearOptions(3, 4).bias(false)));
+    layers->push_back(torch::nn::Linear(torch::nn::LinearOptions(4, 4).bias(false)));
+    scale = register_parameter("scale", at::ones({4}));
+  }
+  torch::nn::ModuleList layers{nullptr};
+  at::Tensor scale;
+};
+TORCH_MODULE(Tiny);
+
+const std::vector<std::string> kMatrices = {"layers.0.weight", "layers.1.weight", "layers.2.weight"};
+const std::vector<std::string> kVectors = {"layers.0.bias", "scale"};
+
+bool is_matrix(const std::string& name, const at::Tensor& p) { return p.dim() == 2 && name.rfind("layers.", 0) == 0; }
+
+// Deterministic initial values and gradients (made in the main thread, so every rank sees the same).
+StateDict random_like_model(uint64_t seed, double lo, double hi) {
+  at::manual_seed(seed);
+  Tiny m;
+  StateDict sd;
+  for (const auto& p : m->named_parameters(true))
+    sd[p.key()] = at::empty(p.value().sizes(), at::kFloat).uniform_(lo, hi);
+  return sd;
+}
+
+void load_state(Tiny& m, const StateDict& sd) {
+  at::NoGradGuard ng;
+  for (auto& p : m->named_parameters(true)) p.value().copy_(sd.at(p.key()));
+}
+
+at::Tensor param(Tiny& m, const std::string& name) { return m->named_parameters(true)[name]; }
+
+void set_grads(Tiny& m, const StateDict& grads) {
+  for (auto& p : m->named_parameters(true))
+    if (grads.count(p.key()) && p.value().numel() > 0) p.value().mutable_grad() = grads.at(p.key()).clone();
+}
+
+std::shared_ptr<Mesh> shared_mesh(testing::RankContext& ctx) {
+  MeshOptions mo;
+  mo.process_group_policy = "shared";
+  return Mesh::create(ctx.pg, mo);
+}
+
+MuonOptions quiet(MuonOptions o = {}) {
+  o.first_step_progress_log = false;
+  return o;
+}
+
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A 1-rank mesh, a Tiny model with deterministic values dedicated on it; runs fn(model, mesh).
+template <typename Fn>
+void with_tiny(const StateDict& init, Fn&& fn) {
+  testing::run_ranks(1, [&](testing::RankContext& ctx) {
+    Tiny m;
+    load_state(m, init);
+    auto mesh = shared_mesh(ctx);
+    dedicate_params(m.ptr(), mesh, is_matrix);
+    fn(m, mesh);
+  });
+}
+
+// ---- the hand-computed reference (float64) ---------------------------------------------------------
+struct RefMuon {
+  double lr = 0.02, momentum = 0.95, wd = 0.0;
+  bool nesterov = true;
+  at::Tensor w, buf;  // double
+  void step(const at::Tensor& g_in) {
+    const at::Tensor g = g_in.to(at::kDouble);
+    if (!buf.defined()) buf = at::zeros_like(g);
+    buf = buf * momentum + g;
+    const at::Tensor u = nesterov ? g + momentum * buf : buf;
+    const at::Tensor o = newton_schulz(u);  // fp64 in -> fp64 compute
+    EXPECT_EQ(o.scalar_type(), at::kDouble);
+    const double scale = 0.2 * std::sqrt(static_cast<double>(std::max(w.size(0), w.size(1))));
+    w = w * (1.0 - lr * wd) - lr * scale * o;
+  }
+};
+
+struct RefAdamW {
+  double lr = 1e-3, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0.01;
+  int64_t t = 0;
+  at::Tensor p, m, v;  // double
+  void step(const at::Tensor& g_in) {
+    const at::Tensor g = g_in.to(at::kDouble);
+    if (!m.defined()) {
+      m = at::zeros_like(p);
+      v = at::zeros_like(p);
+    }
+    ++t;
+    p = p * (1.0 - lr * wd);
+    m = b1 * m + (1.0 - b1) * g;
+    v = b2 * v + (1.0 - b2) * g * g;
+    const double bc1 = 1.0 - std::pow(b1, static_cast<double>(t));
+    const double bc2 = 1.0 - std::pow(b2, static_cast<double>(t));
+    p = p - (lr / bc1) * m / (v.sqrt() / std::sqrt(bc2) + eps);
+  }
+};
+
+double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+// ============================== validation ============================================================
+
+TEST(MuonTest, InvalidHyperparametersNameFieldAndValue) {
+  const StateDict init = random_like_model(1, -0.5, 0.5);
+  with_tiny(init, [&](Tiny& m, std::shared_ptr<Mesh>&) {
+    auto expect_error = [&](MuonOptions o, const std::string& want) {
+      o.first_step_progress_log = false;
+      bool thrown = false;
+      try {
+        Muon opt(m.ptr(), o);
+      } catch (const c10::Error& e) {
+        thrown = true;
+        EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+      }
+      EXPECT_TRUE(thrown) << "no c10::Error for " << want;
+    };
+    MuonOptions o;
+    o.lr = -0.5;
+    expect_error(o, "Muon: invalid lr: -0.5. Must be >= 0.");
+    o = MuonOptions{};
+    o.momentum = 1.0;
+    expect_error(o, "Muon: invalid momentum: 1. Must be in [0, 1).");
+    o.momentum = 1.5;
+    expect_error(o, "Muon: invalid momentum: 1.5.");
+    o = MuonOptions{};
+    o.adamw_eps = 0.0;
+    expect_error(o, "Muon: invalid adamw_eps: 0. Must be > 0.");
+    o.adamw_eps = -1e-8;
+    expect_error(o, "Muon: invalid adamw_eps: -1e-08.");
+    o = MuonOptions{};
+    o.ns_steps = 0;
+    expect_error(o, "Muon: invalid ns_steps: 0. Must be >= 1.");
+    o = MuonOptions{};
+    o.weight_decay = -0.1;
+    expect_error(o, "Muon: invalid weight_decay: -0.1.");
+    o = MuonOptions{};
+    o.adamw_betas = {0.9, 1.0};
+    expect_error(o, "Muon: invalid adamw_betas.second: 1.");
+    o = MuonOptions{};
+    o.adamw_lr = -1;
+    expect_error(o, "Muon: invalid adamw_lr: -1.");
+    // the defaults are valid
+    EXPECT_NO_THROW(Muon(m.ptr(), quiet()));
+  });
+}
+
+TEST(MuonTest, ModelNotDedicatedIsAClearError) {
+  Tiny m;
+  bool thrown = false;
+  try {
+    Muon opt(m.ptr(), quiet());
+  } catch (const c10::Error& e) {
+    thrown = true;
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("Muon: the model was not dedicated. Call dmuon::dedicate_params(model, mesh, predicate)"),
+              std::string::npos)
+        << msg;
+  }
+  EXPECT_TRUE(thrown);
+  const std::string err = error_of([] { Muon opt(nullptr, quiet()); });
+  EXPECT_NE(err.find("Muon: the model is null."), std::string::npos) << err;
+}
+
+// ============================== the update ============================================================
+
+// Two steps (so the momentum buffer carries over) with lr, momentum and weight decay on every path:
+// a wide (Gram) matrix, a tall (transposed) one, a square (direct) one, and two AdamW vectors.
+void check_two_steps(bool nesterov) {
+  const StateDict init = random_like_model(7, -0.5, 0.5);
+  const StateDict g1 = random_like_model(8, -1.0, 1.0), g2 = random_like_model(9, -1.0, 1.0);
+  with_tiny(init, [&](Tiny& m, std::shared_ptr<Mesh>& mesh) {
+    MuonOptions o = quiet();
+    o.lr = 0.05;
+    o.momentum = 0.9;
+    o.weight_decay = 0.1;
+    o.nesterov = nesterov;
+    o.adamw_lr = 0.01;
+    o.adamw_weight_decay = 0.05;
+    o.adamw_betas = {0.8, 0.95};
+    o.adamw_eps = 1e-6;
+    Muon opt(m.ptr(), o);
+    std::map<std::string, RefMuon> rm;
+    std::map<std::string, RefAdamW> ra;
+    for (const auto& n : kMatrices) {
+      RefMuon& r = rm[n];
+      r.lr = 0.05, r.momentum = 0.9, r.wd = 0.1, r.nesterov = nesterov;
+      r.w = init.at(n).to(at::kDouble);
+      // dedicate_params on one rank keeps the values
+      EXPECT_TRUE(at::equal(param(m, n), init.at(n))) << n;
+    }
+    for (const auto& n : kVectors) {
+      RefAdamW& r = ra[n];
+      r.lr = 0.01, r.wd = 0.05, r.b1 = 0.8, r.b2 = 0.95, r.eps = 1e-6;
+      r.p = init.at(n).to(at::kDouble);
+    }
+    mesh->counters().reset();
+    int step = 0;
+    for (const StateDict* g : {&g1, &g2}) {
+      ++step;
+      opt.zero_grad();
+      set_grads(m, *g);
+      opt.step();
+      for (auto& [n, r] : rm) r.step(g->at(n));
+      for (auto& [n, r] : ra) r.step(g->at(n));
+      for (const auto& n : kMatrices) {
+        const at::Tensor p = param(m, n);
+        EXPECT_EQ(p.scalar_type(), at::kFloat);
+        const double d = max_abs_diff(p, rm[n].w);
+        EXPECT_LT(d, 1e-6) << n << " after step " << step;
+        // the update is far above the tolerance, so the comparison means something
+        EXPECT_GT(max_abs_diff(rm[n].w, init.at(n)), 1e-3) << n;
+        const MuonParamState* st = opt.state_of(p);
+        ASSERT_NE(st, nullptr) << n;
+        EXPECT_EQ(st->step(), step);
+        EXPECT_LT(max_abs_diff(st->momentum_buffer(), rm[n].buf), 1e-6) << n;
+        EXPECT_FALSE(st->exp_avg().defined()) << n;
+      }
+      for (const auto& n : kVectors) {
+        const at::Tensor p = param(m, n);
+        EXPECT_LT(max_abs_diff(p, ra[n].p), 1e-6) << n << " after step " << step;
+        EXPECT_GT(max_abs_diff(ra[n].p, init.at(n)), 1e-3) << n;
+        const MuonParamState* st = opt.state_of(p);
+        ASSERT_NE(st, nullptr) << n;
+        EXPECT_EQ(st->step(), step);
+        EXPECT_LT(max_abs_diff(st->exp_avg(), ra[n].m), 1e-7) << n;
+        EXPECT_LT(max_abs_diff(st->exp_avg_sq(), ra[n].v), 1e-7) << n;
+        EXPECT_FALSE(st->momentum_buffer().defined()) << n;
+      }
+      EXPECT_EQ(opt.steps_taken(), step);
+    }
+    // the momentum buffer after two steps is mu*g1 + g2 exactly as the formula says
+    const std::string n = "layers.1.weight";
+    EXPECT_LT(max_abs_diff(opt.state_of(param(m, n))->momentum_buffer(),
+                           0.9 * g1.at(n).to(at::kDouble) + g2.at(n).to(at::kDouble)),
+              1e-6);
+    // a step on a 1-rank mesh issues no collective
+    EXPECT_EQ(mesh->counters().total_bytes(), 0);
+  });
+}
+
+TEST(MuonTest, TwoStepsMatchHandComputedUpdateNesterov) { check_two_steps(true); }
+TEST(MuonTest, TwoStepsMatchHandComputedUpdateWithoutNesterov) { check_two_steps(false); }
+
+TEST(MuonTest, OneStepClosedFormForOneMatrixAndOneVector) {
+  // The brief's formula spelled out for one step: buf = g, u = g + mu g, and AdamW's first step
+  // moves each entry by -lr * g / (|g| + eps') up to the weight decay (m/bc1 = g, sqrt(v/bc2) = |g|).
+  const StateDict init = random_like_model(11, -0.5, 0.5);
+  const StateDict g = random_like_model(12, -1.0, 1.0);
+  with_tiny(init, [&](Tiny& m, std::shared_ptr<Mesh>&) {
+    MuonOptions o = quiet();
+    o.lr = 0.02;
+    o.momentum = 0.95;
+    o.weight_decay = 0.0;
+    o.adamw_lr = 1e-3;
+    o.adamw_weight_decay = 0.0;
+    Muon opt(m.ptr(), o);
+    set_grads(m, g);
+    opt.step();
+    const std::string wn = "layers.0.weight";  // 3 x 5
+    const at::Tensor g64 = g.at(wn).to(at::kDouble);
+    const at::Tensor expected =
+        init.at(wn).to(at::kDouble) - 0.02 * 0.2 * std::sqrt(5.0) * newton_schulz(g64 + 0.95 * g64);
+    EXPECT_LT(max_abs_diff(param(m, wn), expected), 1e-6);
+    // NS is scale-invariant, so this also equals the update from NS(g)
+    EXPECT_LT(max_abs_diff(param(m, wn), init.at(wn).to(at::kDouble) - 0.02 * 0.2 * std::sqrt(5.0) *
+                                                                           newton_schulz(g64)),
+              1e-6);
+    const std::string vn = "scale";
+    const at::Tensor gv = g.at(vn).to(at::kDouble);
+    // exp_avg_sq/bc2 = g^2 exactly, so denom = |g| + 1e-8
+    const at::Tensor expected_v = init.at(vn).to(at::kDouble) - 1e-3 * gv / (gv.abs() + 1e-8);
+    EXPECT_LT(max_abs_diff(param(m, vn), expected_v), 1e-6);
+  });
+}
+
+TEST(MuonTest, DirectBackendMatchesDirectNewtonSchulz) {
+  const StateDict init = random_like_model(13, -0.5, 0.5);
+  const StateDict g = random_like_model(14, -1.0, 1.0);
+  with_tiny(init, [&](Tiny& m, std::shared_ptr<Mesh>&) {
+    MuonOptions o = quiet();
+    o.ns_backend = "direct";
+    o.ns_steps = 3;
+    Muon opt(m.ptr(), o);
+    EXPECT_EQ(opt.ns().backend(), "direct");
+    set_grads(m, g);
+    opt.step();
+    for (const auto& n : kMatrices) {
+      const at::Tensor g64 = g.at(n).to(at::kDouble);
+      const at::Tensor p = param(m, n);
+      const double scale = 0.2 * std::sqrt(static_cast<double>(std::max(p.size(0), p.size(1))));
+      NsOptions ns;
+      ns.steps = 3;
+      const at::Tensor expected = init.at(n).to(at::kDouble) - 0.02 * scale * direct_newton_schulz(g64 * 1.95, ns);
+      EXPECT_LT(max_abs_diff(p, expected), 1e-6) << n;
+    }
+  });
+}
+
+TEST(MuonTest, ParamsWithoutGradientAreSkipped) {
+  const StateDict init = random_like_model(15, -0.5, 0.5);
+  const StateDict g = random_like_model(16, -1.0, 1.0);
+  with_tiny(init, [&](Tiny& m, std::shared_ptr<Mesh>&) {
+    MuonOptions o = quiet();
+    o.record_step_profile = true;
+    Muon opt(m.ptr(), o);
+    StateDict partial{{"layers.1.weight", g.at("layers.1.weight")}, {"scale", g.at("scale")}};
+    set_grads(m, partial);
+    opt.step();
+    for (const auto& n : {"layers.0.weight", "layers.2.weight", "layers.0.bias"}) {
+      EXPECT_TRUE(at::equal(param(m, n), init.at(n))) << n;
+      EXPECT_EQ(opt.state_of(param(m, n)), nullptr) << n;
+    }
+    EXPECT_FALSE(at::equal(param(m, "layers.1.weight"), init.at("layers.1.weight")));
+    EXPECT_FALSE(at::equal(param(m, "scale"), init.at("scale")));
+    EXPECT_EQ(opt.consume_last_step_profile().owned_updates, 1);
+  });
+}
+
+// ============================== param groups ==========================================================
+
+TEST(MuonTest, ParamGroupOverridesAndLowering) {
+  const StateDict init = random_like_model(21, -0.5, 0.5);
+  const StateDict g = random_like_model(22, -1.0, 1.0);
+  with_tiny(init, [&](Tiny& m, std::shared_ptr<Mesh>&) {
+    MuonOptions o = quiet();
+    o.lr = 0.02;
+    o.weight_decay = 0.01;
+    o.adamw_lr = 1e-3;
+    o.adamw_weight_decay = 0.01;
+    MuonParamGroup fast;
+    fast.name = "fast";
+    fast.params = {param(m, "layers.0.weight"), param(m, "layers.0.bias")};
+    fast.lr = 0.1;
+    fast.weight_decay = 0.2;
+    fast.adamw_lr = 0.01;
+    fast.adamw_weight_decay = 0.0;
+    o.param_groups = {fast};
+    Muon opt(m.ptr(), o);
+
+    // 1 user group + the default group, 2 subgroups each
+    const auto& groups = opt.param_groups();
+    ASSERT_EQ(groups.size(), 4u);
+    auto impls = [](const torch::optim::OptimizerParamGroup& pg) {
+      std::vector<const c10::TensorImpl*> v;
+      for (const auto& p : pg.params()) v.push_back(p.unsafeGetTensorImpl());
+      return v;
+    };
+    auto id = [&](const std::string& n) { return param(m, n).unsafeGetTensorImpl(); };
+    using V = std::vector<const c10::TensorImpl*>;
+    EXPECT_EQ(impls(groups[0]), (V{id("layers.0.weight")}));
+    EXPECT_EQ(impls(groups[1]), (V{id("layers.0.bias")}));
+    EXPECT_EQ(impls(groups[2]), (V{id("layers.1.weight"), id("layers.2.weight")}));
+    EXPECT_EQ(impls(groups[3]), (V{id("scale")}));
+    auto opts = [&](size_t i) { return static_cast<const MuonGroupOptions&>(groups[i].options()); };
+    EXPECT_TRUE(opts(0).is_muon());
+    EXPECT_FALSE(opts(1).is_muon());
+    EXPECT_TRUE(opts(2).is_muon());
+    EXPECT_FALSE(opts(3).is_muon());
+    EXPECT_EQ(opts(0).group_name(), "fast");
+    EXPECT_EQ(opts(1).group_name(), "fast");
+    EXPECT_EQ(opts(2).group_name(), "default");
+    EXPECT_EQ(opts(3).group_name(), "default");
+    EXPECT_DOUBLE_EQ(opts(0).lr(), 0.1);
+    EXPECT_DOUBLE_EQ(opts(0).weight_decay(), 0.2);
+    EXPECT_DOUBLE_EQ(opts(0).momentum(), 0.95);
+    EXPECT_DOUBLE_EQ(opts(1).lr(), 0.01);
+    EXPECT_DOUBLE_EQ(opts(1).weight_decay(), 0.0);
+    EXPECT_DOUBLE_EQ(opts(2).lr(), 0.02);
+    EXPECT_DOUBLE_EQ(opts(2).weight_decay(), 0.01);
+    EXPECT_DOUBLE_EQ(opts(3).lr(), 1e-3);
+    EXPECT_DOUBLE_EQ(opts(3).weight_decay(), 0.01);
+
+    // and the step uses them
+    set_grads(m, g);
+    opt.step();
+    auto muon_expect = [&](const std::string& n, double lr, double wd) {
+      RefMuon r;
+      r.lr = lr, r.wd = wd, r.momentum = 0.95;
+      r.w = init.at(n).to(at::kDouble);
+      r.step(g.at(n));
+      EXPECT_LT(max_abs_diff(param(m, n), r.w), 1e-6) << n;
+    };
+    auto adamw_expect = [&](const std::string& n, double lr, double wd) {
+      RefAdamW r;
+      r.lr = lr, r.wd = wd;
+      r.p = init.at(n).to(at::kDouble);
+      r.step(g.at(n));
+      EXPECT_LT(max_abs_diff(param(m, n), r.p), 1e-6) << n;
+    };
+    muon_expect("layers.0.weight", 0.1, 0.2);
+    muon_expect("layers.1.weight", 0.02, 0.01);
+    muon_expect("layers.2.weight", 0.02, 0.01);
+    adamw_expect("layers.0.bias", 0.01, 0.0);
+    adamw_expect("scale", 1e-3, 0.01);
+  });
+}
+
+TEST(MuonTest, ParamGroupsCoveringEverythingHaveNoDefaultGroup) {
+  const StateDict init = random_like_model(23, -0.5, 0.5);
+  with_tiny(init, [&](Tiny& m, std::shared_ptr<Mesh>&) {
+    MuonParamGroup mats, vecs;
+    mats.name = "matrices";
+    for (const auto& n : kMatrices) mats.params.push_back(param(m, n));
+    mats.momentum = 0.5;
+    vecs.name = "vectors";
+    for (const auto& n : kVectors) vecs.params.push_back(param(m, n));
+    MuonOptions o = quiet();
+    o.param_groups = {mats, vecs};
+    Muon opt(m.ptr(), o);
+    const auto& groups = opt.param_groups();
+    ASSERT_EQ(groups.size(), 4u);
+    EXPECT_EQ(groups[0].params().size(), 3u);  // matrices / Muon
+    EXPECT_EQ(groups[1].params().size(), 0u);  // matrices / AdamW
+    EXPECT_EQ(groups[2].params().size(), 0u);  // vectors / Muon
+    EXPECT_EQ(groups[3].params().size(), 2u);  // vectors / AdamW
+    EXPECT_DOUBLE_EQ(static_cast<const MuonGroupOptions&>(groups[0].options()).momentum(), 0.5);
+    EXPECT_DOUBLE_EQ(static_cast<const MuonGroupOptions&>(groups[2].options()).momentum(), 0.95);
+  });
+  // no user group: one default group, lowered into two
+  with_tiny(init, [&](Tiny& m, std::shared_ptr<Mesh>&) {
+    Muon opt(m.ptr(), quiet());
+    ASSERT_EQ(opt.param_groups().size(), 2u);
+    EXPECT_EQ(opt.param_groups()[0].params().size(), 3u);
+    EXPECT_EQ(opt.param_groups()[1].params().size(), 2u);
+  });
+}
+
+TEST(MuonTest, ParamInTwoGroupsIsAnError) {
+  const StateDict init = random_like_model(24, -0.5, 0.5);
+  with_tiny(init, [&](Tiny& m, std::shared_ptr<Mesh>&) {
+    MuonParamGroup a, b;
+    a.name = "a";
+    a.params = {param(m, "layers.0.weight"), param(m, "scale")};
+    b.name = "b";
+    b.params = {param(m, "layers.1.weight"), param(m, "scale")};
+    MuonOptions o = quiet();
+    o.param_groups = {a, b};
+    const std::string err = error_of([&] { Muon opt(m.ptr(), o); });
+    EXPECT_NE(err.find("Muon: a parameter appears in more than one param group (group 'b')"), std::string::npos)
+        << err;
+    // also within one group
+    MuonParamGroup twice;
+    twice.name = "twice";
+    twice.params = {param(m, "layers.2.weight"), param(m, "layers.2.weight")};
+    o.param_groups = {twice};
+    const std::string err2 = error_of([&] { Muon opt(m.ptr(), o); });
+    EXPECT_NE(err2.find("more than one param group (group 'twice')"), std::string::npos) << err2;
+  });
+}
+
+// ============================== scheduler =============================================================
+
+TEST(MuonTest, StepLRScalesMuonAndAdamWLearningRates) {
+  const StateDict init = random_like_model(31, -0.5, 0.5);
+  with_tiny(init, [&](Tiny& m, std::shared_ptr<Mesh>&) {
+    MuonParamGroup fast;
+    fast.name = "fast";
+    fast.params = {param(m, "layers.0.weight")};
+    fast.lr = 0.1;
+    MuonOptions o = quiet();
+    o.lr = 0.02;
+    o.adamw_lr = 1e-3;
+    o.param_groups = {fast};
+    Muon opt(m.ptr(), o);
+    ASSERT_EQ(opt.param_groups().size(), 4u);
+    const std::vector<double> base = {0.1, 1e-3, 0.02, 1e-3};
+    auto lrs = [&] {
+      std::vector<double> v;
+      for (auto& g : opt.param_groups()) v.push_back(g.options().get_lr());
+      return v;
+    };
+    EXPECT_EQ(lrs(), base);
+    // LibTorch's own StepLR on a plain SGD gives the factor per scheduler step
+    at::Tensor dummy = at::zeros({1}, at::requires_grad());
+    torch::optim::SGD sgd({dummy}, torch::optim::SGDOptions(1.0));
+    torch::optim::StepLR ref(sgd, /*step_size=*/2, /*gamma=*/0.5);
+    torch::optim::StepLR sched(opt, /*step_size=*/2, /*gamma=*/0.5);
+    std::vector<double> factors;
+    for (int i = 0; i < 5; ++i) {
+      opt.step();  // no gradients: a no-op step
+      sched.step();
+      ref.step();
+      const double f = sgd.param_groups()[0].options().get_lr();
+      factors.push_back(f);
+      const auto now = lrs();
+      for (size_t k = 0; k < base.size(); ++k)
+        EXPECT_NEAR(now[k], base[k] * f, 1e-15) << "group " << k << " after " << (i + 1) << " scheduler steps";
+      // the typed options see the same value
+      EXPECT_DOUBLE_EQ(static_cast<const MuonGroupOptions&>(opt.param_groups()[0].options()).lr(), 0.1 * f);
+    }
+    // LibTorch 1.13's StepLR: the first decay happens at the (step_size+1)-th call
+    EXPECT_EQ(factors, (std::vector<double>{1.0, 1.0, 0.5, 0.5, 0.25}));
+    // the scheduled lr is the one the step uses
+    const StateDict g = random_like_model(32, -1.0, 1.0);
+    set_grads(m, g);
+    const at::Tensor before = param(m, "layers.1.weight").clone();
+    opt.step();
+    RefMuon r;
+    r.lr = 0.02 * 0.25;
+    r.w = before.to(at::kDouble);
+    r.step(g.at("layers.1.weight"));
+    EXPECT_LT(max_abs_diff(param(m, "layers.1.weight"), r.w), 1e-6);
+  });
+}
+
+// ============================== zero_grad =============================================================
+
+TEST(MuonTest, ZeroGrad) {
+  const StateDict init = random_like_model(41, -0.5, 0.5);
+  const StateDict g = random_like_model(42, -1.0, 1.0);
+  with_tiny(init, [&](Tiny& m, std::shared_ptr<Mesh>&) {
+    Muon opt(m.ptr(), quiet());
+    set_grads(m, g);
+    opt.zero_grad(false);
+    for (const auto& p : m->named_parameters(true)) {
+      ASSERT_TRUE(p.value().grad().defined()) << p.key();
+      EXPECT_EQ(p.value().grad().sizes(), p.value().sizes()) << p.key();
+      EXPECT_EQ(p.value().grad().abs().sum().item<double>(), 0.0) << p.key();
+    }
+    opt.zero_grad(true);
+    for (const auto& p : m->named_parameters(true)) EXPECT_FALSE(p.value().grad().defined()) << p.key();
+    set_grads(m, g);
+    opt.zero_grad();  // default: set_to_none
+    for (const auto& p : m->named_parameters(true)) EXPECT_FALSE(p.value().grad().defined()) << p.key();
+    // a step after zero_grad(false) with zero grads: matrices keep their values (NS(0) = 0, no wd)
+    set_grads(m, g);
+    opt.zero_grad(false);
+    opt.step();
+    for (const auto& n : kMatrices) EXPECT_TRUE(at::equal(param(m, n), init.at(n))) << n;
+  });
+}
+
+// ============================== checkpoints ===========================================================
+
+std::string save_to_string(const Muon& opt) {
+  torch::serialize::OutputArchive out;
+  opt.save(out);
+  std::ostringstream ss;
+  out.save_to(ss);
+  return ss.str();
+}
+
+void load_from_string(Muon& opt, const std::string& bytes) {
+  std::istringstream ss(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(ss);
+  opt.load(in);
+}
+
+struct SavedState {
+  std::map<std::string, int64_t> step;
+  StateDict buf, m1, m2;
+};
+
+SavedState snapshot_state(const Muon& opt, Tiny& m) {
+  SavedState s;
+  for (const auto& n : kMatrices) {
+    const MuonParamState* st = opt.state_of(param(m, n));
+    EXPECT_NE(st, nullptr) << n;
+    if (!st) continue;
+    s.step[n] = st->step();
+    s.buf[n] = st->momentum_buffer().clone();
+  }
+  for (const auto& n : kVectors) {
+    const MuonParamState* st = opt.state_of(param(m, n));
+    EXPECT_NE(st, nullptr) << n;
+    if (!st) continue;
+    s.step[n] = st->step();
+    s.m1[n] = st->exp_avg().clone();
+    s.m2[n] = st->exp_avg_sq().clone();
+  }
+  return s;
+}
+
+void expect_state_equals(const Muon& opt, Tiny& m, const SavedState& s, const std::string& where) {
+  for (const auto& n : kMatrices) {
+    const MuonParamState* st = opt.state_of(param(m, n));
+    ASSERT_NE(st, nullptr) << where << ": " << n;
+    EXPECT_EQ(st->step(), s.step.at(n)) << where << ": " << n;
+    ASSERT_TRUE(st->momentum_buffer().defined()) << where << ": " << n;
+    EXPECT_TRUE(at::equal(st->momentum_buffer(), s.buf.at(n))) << where << ": " << n;
+    EXPECT_FALSE(st->exp_avg().defined()) << where << ": " << n;
+  }
+  for (const auto& n : kVectors) {
+    const MuonParamState* st = opt.state_of(param(m, n));
+    ASSERT_NE(st, nullptr) << where << ": " << n;
+    EXPECT_EQ(st->step(), s.step.at(n)) << where << ": " << n;
+    ASSERT_TRUE(st->exp_avg().defined()) << where << ": " << n;
+    EXPECT_TRUE(at::equal(st->exp_avg(), s.m1.at(n))) << where << ": " << n;
+    EXPECT_TRUE(at::equal(st->exp_avg_sq(), s.m2.at(n))) << where << ": " << n;
+    EXPECT_FALSE(st->momentum_buffer().defined()) << where << ": " << n;
+  }
+}
+
+TEST(MuonTest, SaveLoadRoundTrip) {
+  const StateDict init = random_like_model(51, -0.5, 0.5);
+  const StateDict g1 = random_like_model(52, -1.0, 1.0), g2 = random_like_model(53, -1.0, 1.0);
+  with_tiny(init, [&](Tiny& m, std::shared_ptr<Mesh>&) {
+    Muon opt(m.ptr(), quiet());
+    for (const StateDict* g : {&g1, &g2}) {
+      opt.zero_grad();
+      set_grads(m, *g);
+      opt.step();
+    }
+    const SavedState saved = snapshot_state(opt, m);
+    EXPECT_EQ(saved.step.at("layers.0.weight"), 2);
+    EXPECT_EQ(saved.step.at("scale"), 2);
+    const std::string bytes = save_to_string(opt);
+    ASSERT_FALSE(bytes.empty());
+
+    // 1. perturb this optimizer's state, load: the saved values come back
+    {
+      at::NoGradGuard ng;
+      for (const auto& n : kMatrices) {
+        auto* st = const_cast<MuonParamState*>(opt.state_of(param(m, n)));
+        st->momentum_buffer().fill_(123.0);
+        st->step(99);
+      }
+      for (const auto& n : kVectors) {
+        auto* st = const_cast<MuonParamState*>(opt.state_of(param(m, n)));
+        st->exp_avg().fill_(-4.0);
+        st->exp_avg_sq().fill_(7.0);
+        st->step(99);
+      }
+    }
+    load_from_string(opt, bytes);
+    expect_state_equals(opt, m, saved, "same optimizer");
+
+    // 2. a new optimizer over the same model
+    Muon fresh(m.ptr(), quiet());
+    EXPECT_EQ(fresh.state_of(param(m, "layers.0.weight")), nullptr);
+    load_from_string(fresh, bytes);
+    expect_state_equals(fresh, m, saved, "new optimizer");
+
+    // 3. resuming gives the same next step as not stopping: continue `opt` and a restored copy on
+    //    two models that start from the same parameters
+    StateDict now;
+    for (const auto& p : m->named_parameters(true)) now[p.key()] = p.value().detach().clone();
+    const StateDict g3 = random_like_model(54, -1.0, 1.0);
+    testing::run_ranks(1, [&](testing::RankContext& ctx) {
+      Tiny m2;
+      load_state(m2, now);
+      dedicate_params(m2.ptr(), shared_mesh(ctx), is_matrix);
+      Muon resumed(m2.ptr(), quiet());
+      load_from_string(resumed, bytes);  // positional: another model with the same structure
+      expect_state_equals(resumed, m2, saved, "other model");
+      set_grads(m2, g3);
+      resumed.step();
+      opt.zero_grad();
+      set_grads(m, g3);
+      opt.step();
+      for (const auto& p : m->named_parameters(true))
+        EXPECT_TRUE(at::equal(p.value(), param(m2, p.key()))) << p.key();
+    });
+  });
+}
+
+// ============================== profile ===============================================================
+
+TEST(MuonTest, StepProfileCountsOwnedUpdates) {
+  const StateDict init = random_like_model(61, -0.5, 0.5);
+  const StateDict g = random_like_model(62, -1.0, 1.0);
+  with_tiny(init, [&](Tiny& m, std::shared_ptr<Mesh>&) {
+    {
+      Muon off(m.ptr(), quiet());  // record_step_profile = false
+      set_grads(m, g);
+      off.step();
+      EXPECT_FALSE(off.consume_last_step_profile().valid);
+    }
+    MuonOptions o = quiet();
+    o.record_step_profile = true;
+    Muon opt(m.ptr(), o);
+    EXPECT_FALSE(opt.consume_last_step_profile().valid);  // nothing yet
+    set_grads(m, g);
+    opt.step();
+    const StepProfile p = opt.consume_last_step_profile();
+    EXPECT_TRUE(p.valid);
+    EXPECT_EQ(p.owned_updates, 3);
+    // 20 m^2 n + 10 m^3 per matrix (m = min side, n = max side): 3x5 -> 1170, 4x3 -> 990, 4x4 -> 1920
+    EXPECT_DOUBLE_EQ(p.ns_flops, 1170.0 + 990.0 + 1920.0);
+    EXPECT_GE(p.total_ms, 0.0);
+    EXPECT_GE(p.muon_ms, p.ns_ms);
+    EXPECT_GE(p.total_ms, p.muon_ms);
+    EXPECT_GE(p.adamw_ms, 0.0);
+    EXPECT_GE(p.prepare_ms, 0.0);
+    const StepProfile again = opt.consume_last_step_profile();
+    EXPECT_FALSE(again.valid);
+    EXPECT_EQ(again.owned_updates, 0);
+    EXPECT_EQ(again.ns_flops, 0.0);
+    EXPECT_EQ(again.total_ms, 0.0);
+  });
+}
+
+// ============================== two ranks =============================================================
+
+// Each matrix has one owner; only the owner updates it (with the hand-computed value) and holds its
+// state; AdamW vectors are updated identically on both ranks; the step issues no collective.
+TEST(MuonTest, TwoRanksOnlyOwnersUpdateTheirMatrices) {
+  const StateDict init = random_like_model(71, -0.5, 0.5);
+  const StateDict g = random_like_model(72, -1.0, 1.0);
+  std::mutex mu;
+  std::map<std::string, std::set<int>> owners_seen;  // matrix -> ranks that updated it
+  std::map<int, int> owned_updates;
+  std::map<int, StateDict> vectors_after;
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    Tiny m;
+    load_state(m, init);
+    MeshOptions mopts;
+    mopts.store = ctx.store;
+    mopts.factory = process_group_factory(c10::DeviceType::CPU);
+    auto mesh = Mesh::create(ctx.pg, mopts);
+    DedicateOptions dopts;
+    dopts.owner_strategy = "round_robin";
+    const auto plan = dedicate_params(m.ptr(), mesh, is_matrix, dopts);
+    EXPECT_EQ(plan.size(), 3u);
+    MuonOptions o = quiet();
+    o.record_step_profile = true;
+    o.weight_decay = 0.1;
+    Muon opt(m.ptr(), o);
+    set_grads(m, g);  // owners get the full gradient; placeholders (0 elements) are skipped
+    mesh->counters().reset();
+    opt.step();
+    EXPECT_EQ(mesh->counters().total_bytes(), 0);
+    for (int op = 0; op < static_cast<int>(CommOp::kCount); ++op)
+      EXPECT_EQ(mesh->counters().calls(static_cast<CommOp>(op)), 0);
+    int mine = 0;
+    for (const auto& d : get_dedicated_params(*m)) {
+      EXPECT_EQ(d.is_owner, d.owner_rank == ctx.rank) << d.name;
+      if (d.is_owner) {
+        ++mine;
+        RefMuon r;
+        r.lr = 0.02, r.wd = 0.1, r.momentum = 0.95;
+        r.w = init.at(d.name).to(at::kDouble);
+        r.step(g.at(d.name));
+        EXPECT_LT(max_abs_diff(param(m, d.name), r.w), 1e-6) << d.name << " on rank " << ctx.rank;
+        ASSERT_NE(opt.state_of(d.param), nullptr) << d.name;
+        std::lock_guard<std::mutex> lk(mu);
+        owners_seen[d.name].insert(ctx.rank);
+      } else {
+        EXPECT_EQ(d.param.numel(), 0) << d.name << ": non-owners hold a placeholder between steps";
+        EXPECT_EQ(opt.state_of(d.param), nullptr) << d.name << ": non-owners keep no Muon state";
+      }
+    }
+    const StepProfile p = opt.consume_last_step_profile();
+    EXPECT_TRUE(p.valid);
+    EXPECT_EQ(p.owned_updates, mine);
+    std::lock_guard<std::mutex> lk(mu);
+    owned_updates[ctx.rank] = p.owned_updates;
+    for (const auto& n : kVectors) vectors_after[ctx.rank][n] = param(m, n).clone();
+  });
+  ASSERT_EQ(owners_seen.size(), 3u);
+  for (const auto& [name, ranks] : owners_seen) EXPECT_EQ(ranks.size(), 1u) << name;
+  EXPECT_EQ(owned_updates[0] + owned_updates[1], 3);
+  EXPECT_GE(owned_updates[0], 1);
+  EXPECT_GE(owned_updates[1], 1);
+  for (const auto& n : kVectors) {
+    EXPECT_TRUE(at::equal(vectors_after[0][n], vectors_after[1][n])) << n;
+    RefAdamW r;
+    r.p = init.at(n).to(at::kDouble);
+    r.step(g.at(n));
+    EXPECT_LT(max_abs_diff(vectors_after[0][n], r.p), 1e-6) << n;
+  }
+}
+
+// The GPT example model on one rank: the optimizer's Muon subgroup is exactly the dedicated matrices.
+TEST(MuonTest, GptMatricesLandInTheMuonSubgroup) {
+  testing::run_ranks(1, [&](testing::RankContext& ctx) {
+    models::GPTConfig c;
+    c.vocab_size = 16;
+    c.d_model = 16;
+    c.n_layers = 2;
+    c.n_heads = 2;
+    c.d_ff = 24;
+    models::GPT m(c);
+    dedicate_params(m.ptr(), shared_mesh(ctx), models::is_muon_matrix);
+    Muon opt(m.ptr(), quiet());
+    ASSERT_EQ(opt.param_groups().size(), 2u);
+    size_t matrices = 0, others = 0;
+    for (const auto& p : m->named_parameters(true)) (models::is_muon_matrix(p.key(), p.value()) ? matrices : others)++;
+    EXPECT_EQ(matrices, 14u);  // 7 per block (q, k, v, o, gate, up, down)
+    EXPECT_EQ(opt.param_groups()[0].params().size(), matrices);
+    EXPECT_EQ(opt.param_groups()[1].params().size(), others);
+    EXPECT_EQ(get_dedicated_params(*m).size(), matrices);
+  });
+}
+
+}  // namespace
+}  // namespace dmuon
