@@ -1,0 +1,200 @@
+// The dmuon command-line tool, run as a user would: `dmuon train` on 2 local ranks, and its
+// bad-input cases (clear message, non-zero exit, never a hang).
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+
+namespace {
+
+struct Result {
+  int status = -1;
+  std::string output;
+};
+
+std::string cli() {
+  const char* p = std::getenv("DMUON_CLI");
+  return p ? p : "dmuon";
+}
+
+// Runs a shell command with a hard time limit (coreutils `timeout`), capturing stdout+stderr.
+Result run(const std::string& args, int limit_s = 240) {
+  const std::string cmd = "timeout -k 5 " + std::to_string(limit_s) + " " + cli() + " " + args + " 2>&1";
+  Result r;
+  FILE* f = popen(cmd.c_str(), "r");
+  if (!f) return r;
+  std::array<char, 4096> buf{};
+  while (size_t n = fread(buf.data(), 1, buf.size(), f)) r.output.append(buf.data(), n);
+  const int st = pclose(f);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+std::string temp_dir() {
+  std::string t = (std::filesystem::temp_directory_path() / "dmuon-cli-XXXXXX").string();
+  if (!mkdtemp(t.data())) throw std::runtime_error("mkdtemp");
+  return t;
+}
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+TEST(CliTest, TrainOnTwoRanksWritesLogPictureAndSummaryAndLossFalls) {
+  const std::string out = temp_dir();
+  const Result r = run("train --ranks 2 --steps 30 --batch 8 --seq-len 32 --d-model 64 --layers 2 --log-every 10 "
+                       "--out " + out);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("step 30/30"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("summary (2 ranks"), std::string::npos) << r.output;
+  // metrics.csv: header + one row per step, loss is the global-batch mean
+  std::ifstream csv(out + "/metrics.csv");
+  ASSERT_TRUE(csv.good());
+  std::string header;
+  std::getline(csv, header);
+  EXPECT_EQ(header.rfind("step,loss,", 0), 0u) << header;
+  int rows = 0;
+  double first = 0, last = 0;
+  for (std::string line; std::getline(csv, line);) {
+    std::stringstream ss(line);
+    std::string step, loss;
+    std::getline(ss, step, ',');
+    std::getline(ss, loss, ',');
+    if (rows == 0) first = std::stod(loss);
+    last = std::stod(loss);
+    ++rows;
+  }
+  EXPECT_EQ(rows, 30);
+  EXPECT_LT(last, first - 1.0) << "the loss did not fall";
+  std::ifstream js(out + "/summary.json");
+  ASSERT_TRUE(js.good());
+  const nlohmann::json s = nlohmann::json::parse(js);
+  EXPECT_EQ(s["world_size"], 2);
+  EXPECT_LT(s["final_loss"].get<double>(), s["first_loss"].get<double>());
+  EXPECT_GT(s["unigram_baseline"].get<double>(), 2.0);
+  EXPECT_NEAR(s["muon_bytes_per_step"]["measured_over_formula"].get<double>(), 1.0, 1e-3);
+  EXPECT_EQ(s["ns_load_ms"]["per_rank"].size(), 2u);
+  std::ifstream svg(out + "/loss.svg");
+  std::stringstream sv;
+  sv << svg.rdbuf();
+  EXPECT_NE(sv.str().find("<polyline"), std::string::npos);
+  EXPECT_NE(sv.str().find("unigram"), std::string::npos);
+  std::filesystem::remove_all(out);
+}
+
+TEST(CliTest, SameDataAcrossRankCountsGivesTheSameLossCurve) {
+  const std::string o1 = temp_dir(), o2 = temp_dir();
+  const std::string common = "train --steps 5 --batch 4 --seq-len 16 --d-model 32 --layers 2 --out ";
+  ASSERT_EQ(run(common + o1 + " --ranks 1").status, 0);
+  ASSERT_EQ(run(common + o2 + " --ranks 2 --mode z2").status, 0);
+  auto losses = [](const std::string& dir) {
+    std::ifstream csv(dir + "/metrics.csv");
+    std::string line;
+    std::getline(csv, line);
+    std::vector<double> v;
+    while (std::getline(csv, line)) v.push_back(std::stod(line.substr(line.find(',') + 1)));
+    return v;
+  };
+  const auto a = losses(o1), b = losses(o2);
+  ASSERT_EQ(a.size(), 5u);
+  ASSERT_EQ(b.size(), 5u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 2e-4 * std::max(1.0, a[i])) << "step " << i + 1;
+  std::filesystem::remove_all(o1);
+  std::filesystem::remove_all(o2);
+}
+
+TEST(CliTest, MissingDataFileIsAClearError) {
+  const Result r = run("train --ranks 2 --steps 2 --data /no/such/file.txt --out " + temp_dir());
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("data file '/no/such/file.txt'"), std::string::npos) << r.output;
+}
+
+TEST(CliTest, UnevenBatchAndTooManyRanksAreClearErrors) {
+  Result r = run("train --ranks 3 --batch 16 --steps 2 --out " + temp_dir());
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("does not split evenly across 3 ranks"), std::string::npos) << r.output;
+  r = run("train --ranks 32 --batch 16 --steps 2 --out " + temp_dir());
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("larger than the global batch"), std::string::npos) << r.output;
+  r = run("train --ranks 0 --steps 2");
+  EXPECT_NE(r.status, 0);
+  r = run("train --mode z5");
+  EXPECT_EQ(r.status, 2);
+}
+
+TEST(CliTest, PortInUseIsAClearError) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(fd, 1), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const int port = ntohs(addr.sin_port);
+  const Result r = run("train --ranks 2 --steps 2 --port " + std::to_string(port) + " --out " + temp_dir(), 60);
+  ::close(fd);
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.output.find("port " + std::to_string(port) + " on 127.0.0.1 is in use"), std::string::npos) << r.output;
+}
+
+TEST(CliTest, InterruptedRunStopsAllRanksAndExitsNonZero) {
+  const std::string out = temp_dir();
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const std::string bin = cli();
+    ::execl(bin.c_str(), bin.c_str(), "train", "--ranks", "2", "--steps", "100000", "--out", out.c_str(),
+            static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(6));
+  ::kill(pid, SIGINT);
+  int st = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  pid_t done = 0;
+  while ((done = ::waitpid(pid, &st, WNOHANG)) == 0 &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30))
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (done == 0) ::kill(pid, SIGKILL);
+  ASSERT_EQ(done, pid) << "dmuon train did not stop within 30 s of SIGINT";
+  ASSERT_TRUE(WIFEXITED(st));
+  EXPECT_EQ(WEXITSTATUS(st), 130);
+  // no rank outlives the parent: nothing named dmuon with our out dir is left
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const Result ps = {0, ""};
+  FILE* f = popen(("pgrep -f -- '--ou[t] " + out + "'").c_str(), "r");
+  std::array<char, 256> buf{};
+  std::string left;
+  while (size_t n = fread(buf.data(), 1, buf.size(), f)) left.append(buf.data(), n);
+  pclose(f);
+  EXPECT_TRUE(left.empty()) << "ranks still running: " << left;
+  (void)ps;
+  std::filesystem::remove_all(out);
+}
+
+TEST(CliTest, PlanToolBadInputExitsNonZeroWithOneLine) {
+  Result r = run("plan --model no-such-model");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(first_line(r.output).find("no-such-model"), std::string::npos) << r.output;
+  r = run("plan --model llama3-8b --shard 0");
+  EXPECT_NE(r.status, 0);
+  r = run("plan --model llama3-8b --shard 8 --json");
+  EXPECT_EQ(r.status, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_TRUE(j.contains("fingerprint"));
+}
+
+}  // namespace
