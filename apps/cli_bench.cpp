@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -45,14 +46,7 @@ struct BenchArgs {
   std::string out = "runs/bench_step";
   std::string ns_backend = "gram";
   uint64_t seed = 0;
-};
-
-struct VariantResult {
-  std::string name;
-  double step_ms = 0;      // median over measured steps (max over ranks per step)
-  double ns_ms = 0;        // median NS phase (max over ranks)
-  double bytes = 0;        // mean bytes per step per rank (all collectives)
-  double final_loss = 0;
+  int pack = -1;  // pack_small_params for DMuon: -1 = library default
 };
 
 double median(std::vector<double> v) {
@@ -85,132 +79,131 @@ struct SimpleAdamW {
   }
 };
 
-VariantResult run_variant(const std::string& name, const BenchArgs& a, Bootstrap& b, const std::string& text,
-                          Communicator& trainer) {
-  const int rank = b.rank, world = b.world_size;
-  models::GPTConfig cfg;
-  cfg.vocab_size = 256;
-  cfg.d_model = a.d_model;
-  cfg.n_layers = a.layers;
-  cfg.n_heads = a.heads;
-  cfg.d_ff = a.d_ff;
-  at::manual_seed(a.seed);
-  models::GPT model(cfg);
-  MeshOptions mo;
-  mo.store = b.store;
-  mo.factory = process_group_factory(c10::DeviceType::CPU);
-  mo.tag = "bench-" + name;
-  auto mesh = Mesh::create(b.world, mo);
-  const bool dmuon = name == "dmuon_z2" || name == "dmuon_z3";
-  const bool adamw_only = name == "adamw";
-  DedicateOptions d;
-  d.reshard_after_forward = name == "dmuon_z3";
-  dedicate_params(model.ptr(), mesh,
-                  dmuon ? ParamPredicate(models::is_muon_matrix)
-                        : ParamPredicate([](const std::string&, const at::Tensor&) { return false; }),
-                  d);
-  replicate(model.ptr(), mesh);
-  MuonOptions opts;
-  opts.ns_backend = a.ns_backend;
-  opts.record_step_profile = true;
-  opts.first_step_progress_log = false;
-  std::unique_ptr<Muon> opt;
-  if (dmuon || adamw_only) opt = std::make_unique<Muon>(model.ptr(), opts);
-  // baselines A / B: Muon on the (replicated) matrices by hand, AdamW on the rest
-  NewtonSchulz ns(a.ns_backend);
-  SimpleAdamW adamw;
-  std::vector<std::pair<std::string, at::Tensor>> matrices, others;
-  for (const auto& item : model->named_parameters(true))
-    (models::is_muon_matrix(item.key(), item.value()) ? matrices : others).emplace_back(item.key(), item.value());
-  std::map<std::string, at::Tensor> bufs;
-  // B: rounds of N matrices, largest first (as the public reference groups by size)
-  std::vector<int> order(matrices.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int x, int y) { return matrices[x].second.numel() > matrices[y].second.numel(); });
+// One training setup; step() runs one optimizer step and reports (step ms, NS ms, bytes).
+class Variant {
+ public:
+  Variant(std::string name, const BenchArgs& a, Bootstrap& b) : name_(std::move(name)), a_(a), b_(b) {
+    models::GPTConfig cfg;
+    cfg.vocab_size = 256;
+    cfg.d_model = a.d_model;
+    cfg.n_layers = a.layers;
+    cfg.n_heads = a.heads;
+    cfg.d_ff = a.d_ff;
+    at::manual_seed(a.seed);
+    model_ = models::GPT(cfg);
+    MeshOptions mo;
+    mo.store = b.store;
+    mo.factory = process_group_factory(c10::DeviceType::CPU);
+    mo.tag = "bench-" + name_;
+    mesh_ = Mesh::create(b.world, mo);
+    dmuon_ = name_ == "dmuon_z2" || name_ == "dmuon_z3";
+    DedicateOptions d;
+    d.reshard_after_forward = name_ == "dmuon_z3";
+    if (a.pack >= 0) d.pack_small_params = a.pack == 1;
+    dedicate_params(model_.ptr(), mesh_,
+                    dmuon_ ? ParamPredicate(models::is_muon_matrix)
+                           : ParamPredicate([](const std::string&, const at::Tensor&) { return false; }),
+                    d);
+    replicate(model_.ptr(), mesh_);
+    opts_.ns_backend = a.ns_backend;
+    ns_ = NewtonSchulz(a.ns_backend);
+    opts_.record_step_profile = true;
+    opts_.first_step_progress_log = false;
+    if (dmuon_ || name_ == "adamw") opt_ = std::make_unique<Muon>(model_.ptr(), opts_);
+    for (const auto& item : model_->named_parameters(true))
+      (models::is_muon_matrix(item.key(), item.value()) ? matrices_ : others_).emplace_back(item.key(), item.value());
+    // B: rounds of N matrices, largest first (as the public reference groups by size)
+    order_.resize(matrices_.size());
+    std::iota(order_.begin(), order_.end(), 0);
+    std::stable_sort(order_.begin(), order_.end(),
+                     [&](int x, int y) { return matrices_[x].second.numel() > matrices_[y].second.numel(); });
+  }
 
-  const int64_t per = a.batch / world;
-  std::vector<double> step_ms, ns_ms, bytes;
-  double last_loss = 0;
-  for (int step = 1; step <= a.warmup + a.steps; ++step) {
-    const at::Tensor batch = sample_batch(text, a.batch, a.seq_len, a.seed, step);
-    trainer.barrier("bench step start");
-    mesh->counters().reset();
+  const std::string& name() const { return name_; }
+
+  // returns {step ms, NS ms, bytes}
+  std::array<double, 3> step(const at::Tensor& batch, double& loss_out) {
+    const int rank = b_.rank, world = b_.world_size;
+    const int64_t per = a_.batch / world;
+    mesh_->counters().reset();
     const auto t0 = std::chrono::steady_clock::now();
-    for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
-    at::Tensor loss = model->loss(batch.narrow(0, rank * per, per));
+    for (auto& p : model_->parameters()) p.mutable_grad() = at::Tensor();
+    at::Tensor loss = model_->loss(batch.narrow(0, rank * per, per));
     loss.backward();
     double ns_time = 0;
-    if (opt) {
-      opt->step();
-      ns_time = opt->consume_last_step_profile().ns_ms;
+    if (opt_) {
+      opt_->step();
+      ns_time = opt_->consume_last_step_profile().ns_ms;
     } else {
-      at::NoGradGuard ng;
-      prepare_muon_grads(*model);  // waits the all-reduces of every gradient
-      const bool round_robin = name == "baseline_b";
-      std::vector<at::Tensor> updates(matrices.size());
-      for (size_t k = 0; k < order.size(); ++k) {
-        const int i = order[k];
-        if (round_robin && static_cast<int>(k % world) != rank) continue;
-        at::Tensor& p = matrices[i].second;
-        const at::Tensor g = p.grad();
-        at::Tensor& buf = bufs[matrices[i].first];
-        if (!buf.defined()) buf = at::zeros_like(g);
-        buf.mul_(opts.momentum).add_(g);
-        const auto tn = std::chrono::steady_clock::now();
-        updates[i] = ns.local(g.add(buf, opts.momentum), opts.ns_steps);
-        ns_time += elapsed_ms(tn);
-      }
-      if (round_robin) {
-        // all-gather the updates, one round of N matrices at a time (padded to the round's largest)
-        for (size_t r0 = 0; r0 < order.size(); r0 += world) {
-          int64_t maxn = 0;
-          for (size_t k = r0; k < std::min(order.size(), r0 + world); ++k)
-            maxn = std::max<int64_t>(maxn, matrices[order[k]].second.numel());
-          at::Tensor mine = at::zeros({maxn});
-          const size_t my = r0 + static_cast<size_t>(rank);
-          if (my < order.size()) mine.narrow(0, 0, updates[order[my]].numel()).copy_(updates[order[my]].reshape(-1));
-          at::Tensor all = at::empty({maxn * world});
-          mesh->world().allgather_flat(all, mine, "baseline B update all-gather").wait();
-          for (size_t k = r0; k < std::min(order.size(), r0 + world); ++k) {
-            const auto& p = matrices[order[k]].second;
-            updates[order[k]] = all.narrow(0, static_cast<int64_t>(k - r0) * maxn, p.numel()).view(p.sizes());
-          }
-        }
-      }
-      for (size_t i = 0; i < matrices.size(); ++i) {
-        at::Tensor& p = matrices[i].second;
-        const double scale = 0.2 * std::sqrt(static_cast<double>(std::max(p.size(0), p.size(1))));
-        p.add_(updates[i], -opts.lr * scale);
-      }
-      for (auto& [n, p] : others)
-        if (p.grad().defined()) adamw.update(p);
+      ns_time = baseline_step();
     }
     const double ms = elapsed_ms(t0);
-    // max over ranks of the step time and the NS phase
-    at::Tensor all = at::zeros({2 * world}, at::kDouble);
-    at::Tensor mine = at::tensor({ms, ns_time}, at::kDouble);
-    trainer.allgather_flat(all, mine, "bench timings").wait();
-    double ms_max = 0, ns_max = 0;
-    for (int r = 0; r < world; ++r) {
-      ms_max = std::max(ms_max, all[2 * r].item<double>());
-      ns_max = std::max(ns_max, all[2 * r + 1].item<double>());
-    }
-    if (step > a.warmup) {
-      step_ms.push_back(ms_max);
-      ns_ms.push_back(ns_max);
-      bytes.push_back(static_cast<double>(mesh->counters().snapshot().total_bytes()));
-    }
-    last_loss = loss.item<double>();
+    loss_out = loss.item<double>();
+    return {ms, ns_time, static_cast<double>(mesh_->counters().snapshot().total_bytes())};
   }
-  VariantResult r;
-  r.name = name;
-  r.step_ms = median(step_ms);
-  r.ns_ms = median(ns_ms);
-  r.bytes = std::accumulate(bytes.begin(), bytes.end(), 0.0) / static_cast<double>(bytes.size());
-  r.final_loss = last_loss;
-  return r;
-}
+
+ private:
+  // Muon on the replicated matrices by hand (A: every rank all matrices; B: round-robin share +
+  // all-gather of the updates), AdamW on the rest. Returns the NS milliseconds.
+  double baseline_step() {
+    at::NoGradGuard ng;
+    const int rank = b_.rank, world = b_.world_size;
+    prepare_muon_grads(*model_);  // waits the all-reduces of every gradient
+    const bool round_robin = name_ == "baseline_b";
+    double ns_time = 0;
+    std::vector<at::Tensor> updates(matrices_.size());
+    for (size_t k = 0; k < order_.size(); ++k) {
+      const int i = order_[k];
+      if (round_robin && static_cast<int>(k % world) != rank) continue;
+      at::Tensor& p = matrices_[i].second;
+      const at::Tensor g = p.grad();
+      at::Tensor& buf = bufs_[matrices_[i].first];
+      if (!buf.defined()) buf = at::zeros_like(g);
+      buf.mul_(opts_.momentum).add_(g);
+      const auto tn = std::chrono::steady_clock::now();
+      updates[i] = ns_.local(g.add(buf, opts_.momentum), opts_.ns_steps);
+      ns_time += elapsed_ms(tn);
+    }
+    if (round_robin) {
+      for (size_t r0 = 0; r0 < order_.size(); r0 += world) {
+        int64_t maxn = 0;
+        for (size_t k = r0; k < std::min(order_.size(), r0 + world); ++k)
+          maxn = std::max<int64_t>(maxn, matrices_[order_[k]].second.numel());
+        at::Tensor mine = at::zeros({maxn});
+        const size_t my = r0 + static_cast<size_t>(rank);
+        if (my < order_.size()) mine.narrow(0, 0, updates[order_[my]].numel()).copy_(updates[order_[my]].reshape(-1));
+        at::Tensor all = at::empty({maxn * world});
+        mesh_->world().allgather_flat(all, mine, "baseline B update all-gather").wait();
+        for (size_t k = r0; k < std::min(order_.size(), r0 + world); ++k) {
+          const auto& p = matrices_[order_[k]].second;
+          updates[order_[k]] = all.narrow(0, static_cast<int64_t>(k - r0) * maxn, p.numel()).view(p.sizes());
+        }
+      }
+    }
+    for (size_t i = 0; i < matrices_.size(); ++i) {
+      at::Tensor& p = matrices_[i].second;
+      const double scale = 0.2 * std::sqrt(static_cast<double>(std::max(p.size(0), p.size(1))));
+      p.add_(updates[i], -opts_.lr * scale);
+    }
+    for (auto& [n, p] : others_)
+      if (p.grad().defined()) adamw_.update(p);
+    return ns_time;
+  }
+
+  std::string name_;
+  const BenchArgs& a_;
+  Bootstrap& b_;
+  models::GPT model_{nullptr};
+  std::shared_ptr<Mesh> mesh_;
+  bool dmuon_ = false;
+  MuonOptions opts_;
+  std::unique_ptr<Muon> opt_;
+  NewtonSchulz ns_{"gram"};
+  SimpleAdamW adamw_;
+  std::vector<std::pair<std::string, at::Tensor>> matrices_, others_;
+  std::vector<int> order_;
+  std::map<std::string, at::Tensor> bufs_;
+};
 
 int run_bench_rank(const BenchArgs& a, std::ostream& out) {
   Bootstrap b = bootstrap_from_environment(c10::DeviceType::CPU);
@@ -219,13 +212,41 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
   std::vector<int> ranks(world);
   std::iota(ranks.begin(), ranks.end(), 0);
   Communicator trainer(b.world, "bench", ranks, kDefaultCollectiveTimeout, nullptr);
-  nlohmann::json res = nlohmann::json::array();
-  for (const char* v : {"dmuon_z2", "dmuon_z3", "baseline_a", "baseline_b", "adamw"}) {
-    VariantResult r = run_variant(v, a, b, text, trainer);
-    res.push_back({{"variant", r.name}, {"step_ms", r.step_ms}, {"ns_ms", r.ns_ms}, {"bytes", r.bytes},
-                   {"loss", r.final_loss}});
-    if (b.rank == 0) out << "  N=" << world << " " << std::left << std::setw(11) << v << " done\n" << std::flush;
+  std::vector<std::unique_ptr<Variant>> vs;
+  for (const char* v : {"dmuon_z2", "dmuon_z3", "baseline_a", "baseline_b", "adamw"})
+    vs.push_back(std::make_unique<Variant>(v, a, b));
+  // Interleaved: every step runs all variants in turn on the same batch, so machine noise hits them
+  // alike; per step and variant the time is the max over ranks.
+  std::vector<std::vector<double>> step_ms(vs.size()), ns_ms(vs.size()), bytes(vs.size());
+  std::vector<double> loss(vs.size());
+  for (int step = 1; step <= a.warmup + a.steps; ++step) {
+    const at::Tensor batch = sample_batch(text, a.batch, a.seq_len, a.seed, step);
+    for (size_t v = 0; v < vs.size(); ++v) {
+      trainer.barrier("bench step start");
+      const auto r = vs[v]->step(batch, loss[v]);
+      at::Tensor all = at::zeros({2 * world}, at::kDouble);
+      at::Tensor mine = at::tensor({r[0], r[1]}, at::kDouble);
+      trainer.allgather_flat(all, mine, "bench timings").wait();
+      double ms_max = 0, ns_max = 0;
+      for (int q = 0; q < world; ++q) {
+        ms_max = std::max(ms_max, all[2 * q].item<double>());
+        ns_max = std::max(ns_max, all[2 * q + 1].item<double>());
+      }
+      if (step > a.warmup) {
+        step_ms[v].push_back(ms_max);
+        ns_ms[v].push_back(ns_max);
+        bytes[v].push_back(r[2]);
+      }
+    }
+    if (b.rank == 0) out << "  N=" << world << " step " << step << "/" << a.warmup + a.steps << "\n" << std::flush;
   }
+  nlohmann::json res = nlohmann::json::array();
+  for (size_t v = 0; v < vs.size(); ++v)
+    res.push_back({{"variant", vs[v]->name()},
+                   {"step_ms", median(step_ms[v])},
+                   {"ns_ms", median(ns_ms[v])},
+                   {"bytes", std::accumulate(bytes[v].begin(), bytes[v].end(), 0.0) / bytes[v].size()},
+                   {"loss", loss[v]}});
   if (b.rank == 0) {
     std::filesystem::create_directories(a.out);
     write_file_atomic(a.out + "/bench_step_N" + std::to_string(world) + ".json", res.dump(2));
@@ -254,6 +275,7 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
   app.add_option("--d-ff", a.d_ff, "MLP width")->capture_default_str();
   app.add_option("--ns-backend", a.ns_backend, "gram or direct")->capture_default_str();
   app.add_option("--out", a.out, "where the per-N JSON results go")->capture_default_str();
+  app.add_option("--pack", a.pack, "DMuon pack_small_params: 1, 0, or -1 for the default (env/planner)");
   try {
     std::vector<std::string> rev(args.rbegin(), args.rend() - 1);
     app.parse(rev);
@@ -275,7 +297,7 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
                                     std::to_string(n) + " ranks");
     out << "dmuon bench step: GPT d=" << a.d_model << " ff=" << a.d_ff << " layers=" << a.layers << ", batch "
         << a.batch << "x" << a.seq_len << ", " << a.steps << " measured steps (+" << a.warmup << " warm-up), NS "
-        << a.ns_backend << "\n";
+        << a.ns_backend << "\n" << std::flush;
     nlohmann::json all;
     for (int n : ns) {
       LaunchOptions lo;

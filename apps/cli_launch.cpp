@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -88,6 +89,11 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
       ::setenv("WORLD_SIZE", std::to_string(opts.ranks).c_str(), 1);
       ::setenv("MASTER_ADDR", "127.0.0.1", 1);
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      // Like torchrun: do not let N ranks oversubscribe the cores with their own thread pools.
+      const long cores = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
+      const std::string threads = std::to_string(std::max(1L, cores / opts.ranks));
+      ::setenv("OMP_NUM_THREADS", threads.c_str(), 0);
+      ::setenv("OPENBLAS_NUM_THREADS", threads.c_str(), 0);
       std::vector<std::string> args{"dmuon", opts.subcommand};
       args.insert(args.end(), opts.args.begin(), opts.args.end());
       std::vector<char*> argv;

@@ -20,6 +20,7 @@
 
 #include "dmuon/bootstrap.h"
 #include "dmuon/dedicate.h"
+#include "dmuon/diagnostics.h"
 #include "dmuon/muon.h"
 #include "dmuon/newton_schulz.h"
 #include "model/gpt.h"
@@ -391,6 +392,51 @@ TEST(RuntimeTest, Z3ReleasesBetweenBoundariesInForward) {
     for (const auto& buf : state->boundaries[0].buffers)
       if (!buf.is_root && buf.flat.storage().nbytes() != 0) throw std::runtime_error("layer 0 not released in Z3");
     (void)y;
+  });
+}
+
+TEST(RuntimeTest, SummariesReportRoutingAndPlannedBytes) {
+  const GPTConfig cfg = small_config(2);
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    GPT m(cfg);
+    auto mesh = make_mesh(ctx);
+    DedicateOptions o;
+    o.pack_small_params = false;
+    dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
+    replicate(m.ptr(), mesh);
+    MuonOptions mo;
+    mo.first_step_progress_log = false;
+    Muon opt(m.ptr(), mo);
+    const auto groups = summarize_param_groups(*m, opt);
+    auto fail = [](const std::string& w) { throw std::runtime_error(w); };
+    if (groups["groups"].size() != 2) fail("expected a Muon and an AdamW subgroup");
+    if (groups["groups"][0]["route"] != "muon" || groups["groups"][1]["route"] != "adamw") fail("routes");
+    if (groups["totals"]["muon_params_all"] != 14) fail("14 Muon matrices expected");
+    int owned = 0;
+    for (const auto& d : get_dedicated_params(*m)) owned += d.is_owner ? 1 : 0;
+    if (groups["totals"]["muon_params_owned_here"] != owned) fail("owned count");
+    // AdamW: embedding, 2x2 norms, final norm, head
+    if (groups["totals"]["adamw_params"] != 7) fail("7 AdamW params expected, got " + groups["totals"].dump());
+    const auto plan = summarize_comm_plan(*m);
+    if (plan["boundaries"].size() != 2) fail("two boundaries expected");
+    if (plan["boundaries"][0]["boundary"] != "layers.0") fail("boundary name");
+    int64_t pm = 0;
+    for (const auto& d : get_dedicated_params(*m)) pm += 4 * d.shape[0] * d.shape[1];
+    if (plan["muon_bytes"] != pm) fail("P_M");
+    const double f3 = plan["per_rank_bytes"]["formula_z3"], f2 = plan["per_rank_bytes"]["formula_z2"];
+    if (std::abs(f3 - 1.5 * pm) > 1e-6 || std::abs(f2 - 1.0 * pm) > 1e-6) fail("formulas for N = 2");
+    // this rank's planned Z3 bytes equal what the comm layer measures over one step (minus flags)
+    mesh->counters().reset();
+    m->loss(at::randint(32, {2, 6}, at::kLong)).backward();
+    opt.step();
+    int64_t flags = 0;
+    for (const auto& d : get_dedicated_params(*m)) flags += d.is_owner ? 0 : 4;
+    const int64_t measured = mesh->counters().bytes(CommOp::Broadcast) + mesh->counters().bytes(CommOp::Reduce);
+    if (measured - flags != plan["this_rank"]["z3"].get<int64_t>())
+      fail("planned " + plan["this_rank"]["z3"].dump() + " vs measured " + std::to_string(measured - flags));
+    for (const auto& b : plan["boundaries"])
+      for (const auto& r : b["roots"])
+        if (r["root_rank"].get<int>() < 0 || r["root_rank"].get<int>() > 1) fail("root rank");
   });
 }
 
