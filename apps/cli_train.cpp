@@ -47,6 +47,7 @@ struct TrainArgs {
   int log_every = 10;
   std::string ns_backend = "gram";
   double timeout_s = 300;
+  std::string device = "cpu";
 };
 
 void add_options(CLI::App& app, TrainArgs& a) {
@@ -75,6 +76,9 @@ void add_options(CLI::App& app, TrainArgs& a) {
   app.add_option("--ns-backend", a.ns_backend, "Newton-Schulz form: gram or direct")
       ->check(CLI::IsMember({"gram", "direct"}))
       ->capture_default_str();
+  app.add_option("--device", a.device, "cpu (Gloo) or cuda (NCCL, one GPU per rank: cuda:LOCAL_RANK)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   app.add_option("--timeout", a.timeout_s, "collective timeout in seconds (a lost peer is an error after this)")
       ->capture_default_str();
 }
@@ -99,6 +103,9 @@ void validate(const TrainArgs& a, int world) {
   if (a.d_model < 1 || a.layers < 1 || a.heads < 1 || a.d_model % a.heads != 0)
     bad("--d-model " + std::to_string(a.d_model) + " must be a positive multiple of --heads " + std::to_string(a.heads));
   if (a.timeout_s <= 0) bad("--timeout must be > 0");
+  if (a.device == "cuda" && !process_group_available(c10::DeviceType::CUDA))
+    bad("--device cuda: this dmuon build has no CUDA/NCCL support (it was built against a CPU LibTorch); use "
+        "--device cpu or rebuild against a CUDA LibTorch");
 }
 
 std::string fmt_secs(double s) {
@@ -114,8 +121,12 @@ double mean(const std::vector<double>& v) {
 
 int run_rank(const TrainArgs& a, std::ostream& out) {
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
-  Bootstrap b = bootstrap_from_environment(c10::DeviceType::CPU, timeout);
+  const c10::DeviceType dev_type = a.device == "cuda" ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+  Bootstrap b = bootstrap_from_environment(dev_type, timeout);
   const int rank = b.rank, world = b.world_size;
+  const at::Device device = dev_type == c10::DeviceType::CUDA
+                                ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(b.local_rank))
+                                : at::Device(at::kCPU);
   validate(a, world);
   const bool lead = rank == 0;
   const std::string text = load_text(a.data, static_cast<size_t>(a.seq_len + 2));
@@ -129,10 +140,11 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
   cfg.max_seq_len = a.seq_len;
   at::manual_seed(static_cast<uint64_t>(a.seed));
   models::GPT model(cfg);
+  model->to(device);
 
   MeshOptions mo;
   mo.store = b.store;
-  mo.factory = process_group_factory(c10::DeviceType::CPU);
+  mo.factory = process_group_factory(dev_type);
   mo.timeout = timeout;
   auto mesh = Mesh::create(b.world, mo);
   Communicator trainer(b.world, "trainer", [&] {
@@ -189,7 +201,7 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
     const auto t0 = std::chrono::steady_clock::now();
     mesh->counters().reset();
     opt.zero_grad();
-    const at::Tensor batch = sample_batch(text, a.batch, a.seq_len, a.seed, step);
+    const at::Tensor batch = sample_batch(text, a.batch, a.seq_len, a.seed, step).to(device);
     const at::Tensor mine = batch.narrow(0, rank * per, per);
     double loss_sum = 0, f_ms = 0, b_ms = 0;
     for (int m = 0; m < a.grad_accum; ++m) {
@@ -205,9 +217,9 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
     opt.step();
     const StepProfile prof = opt.consume_last_step_profile();
     // global mean loss over the whole batch: the ranks' means averaged (equal slices)
-    at::Tensor l = at::tensor({loss_sum}, at::kDouble);
+    at::Tensor l = at::tensor({loss_sum}, at::kDouble).to(device);
     trainer.allreduce(l, Reduction::Avg, "train loss").wait();
-    const double gl = l.item<double>();
+    const double gl = l.cpu().item<double>();
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const double bytes = static_cast<double>(mesh->counters().snapshot().total_bytes());
     step_ms.push_back(ms);
@@ -245,15 +257,15 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
   const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
 
   // NS load per rank: every rank's total NS milliseconds
-  at::Tensor ns_all = at::zeros({world}, at::kDouble);
-  at::Tensor mine_ns = at::tensor({std::accumulate(ns_ms.begin(), ns_ms.end(), 0.0)}, at::kDouble);
-  trainer.allgather_flat(ns_all, mine_ns, "NS load").wait();
-  at::Tensor bytes_all = at::zeros({world}, at::kDouble);
-  at::Tensor mine_bytes = at::tensor({mean(bytes_per_step)}, at::kDouble);
-  trainer.allgather_flat(bytes_all, mine_bytes, "bytes per step").wait();
-  at::Tensor muon_all = at::zeros({world}, at::kDouble);
-  at::Tensor mine_muon = at::tensor({mean(muon_bytes_per_step)}, at::kDouble);
-  trainer.allgather_flat(muon_all, mine_muon, "Muon bytes per step").wait();
+  auto gather = [&](double v, const char* what) {
+    at::Tensor all = at::zeros({world}, at::TensorOptions().dtype(at::kDouble).device(device));
+    at::Tensor mine = at::tensor({v}, at::kDouble).to(device);
+    trainer.allgather_flat(all, mine, what).wait();
+    return all.cpu();
+  };
+  at::Tensor ns_all = gather(std::accumulate(ns_ms.begin(), ns_ms.end(), 0.0), "NS load");
+  at::Tensor bytes_all = gather(mean(bytes_per_step), "bytes per step");
+  at::Tensor muon_all = gather(mean(muon_bytes_per_step), "Muon bytes per step");
   if (!lead) return 0;
 
   const nlohmann::json plan = summarize_comm_plan(*model);
@@ -266,6 +278,7 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
                                   : 0.0;
   nlohmann::json s;
   s["world_size"] = world;
+  s["device"] = a.device;
   s["optimizer"] = a.optimizer;
   s["mode"] = a.mode;
   s["steps"] = a.steps;

@@ -80,6 +80,7 @@ struct TrainConfig {
   bool scheduler = false;  // StepLR(step_size 3, gamma 0.5) on every group
   std::vector<bool> frozen;  // blocks run under no_grad
   int accum = 1;             // micro-batches per optimizer step (each rank splits its slice)
+  bool no_sync = false;      // accumulate inside dmuon::NoSync (reduce once per step)
 };
 
 // ---- the independent single-process reference ------------------------------------------------------
@@ -160,12 +161,24 @@ std::shared_ptr<Mesh> make_mesh(testing::RankContext& ctx, std::chrono::millisec
   return Mesh::create(ctx.pg, mo);
 }
 
+template <typename Fn>
+std::string error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // ---- distributed run ------------------------------------------------------------------------------
 struct DistConfig {
   int world = 2;
   bool z3 = true;
   std::optional<bool> pack_small_params;
   std::string owner_strategy;
+  bool ddp = false;          // dedicate_params_ddp
+  bool replicate_async = true;
 };
 
 // Runs the distributed training and compares every rank's view with the reference.
@@ -187,9 +200,13 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
     dopts.reshard_after_forward = dc.z3;
     dopts.pack_small_params = dc.pack_small_params;
     if (!dc.owner_strategy.empty()) dopts.owner_strategy = dc.owner_strategy;
-    dedicate_params(m.ptr(), mesh, models::is_muon_matrix, dopts);
+    if (dc.ddp)
+      dedicate_params_ddp(m.ptr(), mesh, models::is_muon_matrix, dopts);
+    else
+      dedicate_params(m.ptr(), mesh, models::is_muon_matrix, dopts);
     replicate(m.ptr(), mesh);
     MuonOptions mo;
+    mo.replicate_async = dc.replicate_async;
     mo.lr = tc.lr;
     mo.momentum = tc.momentum;
     mo.weight_decay = tc.wd;
@@ -206,6 +223,8 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
       const at::Tensor mine = tokens.narrow(0, ctx.rank * per, per);
       const int64_t micro = per / tc.accum;
       for (int a = 0; a < tc.accum; ++a) {
+        std::optional<NoSync> ns;
+        if (tc.no_sync && a + 1 < tc.accum) ns.emplace(*m);
         at::Tensor loss = m->loss(mine.narrow(0, a * micro, micro)) / tc.accum;
         loss.backward();
       }
@@ -213,7 +232,14 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
       if (sched) sched->step();
     }
     // compare: owned matrices (param + momentum), replicated params (param + AdamW moment)
+    if (dc.ddp) wait_all_post_step_broadcasts(*m);
     for (const auto& d : get_dedicated_params(*m)) {
+      if (!d.is_owner && dc.ddp) {
+        // the DDP path: every rank holds the owner's published value
+        const double e = max_rel(d.param, ref.params.at(d.name));
+        if (!(e <= 1e-5)) throw std::runtime_error(d.name + " (published copy) differs: " + std::to_string(e));
+        continue;
+      }
       if (!d.is_owner) {
         if (d.param.numel() != 0)
           throw std::runtime_error("non-owner holds data between steps for " + d.name);
@@ -289,6 +315,114 @@ TEST(RuntimeTest, GradientAccumulationEqualsOneBigBatch) {
       check_equivalence(small_config(2), tc, dc);
     }
   }
+}
+
+TEST(RuntimeTest, NoSyncAccumulationEqualsOneBigBatch) {
+  for (int accum : {2, 4}) {
+    for (bool z3 : {true, false}) {
+      TrainConfig tc;
+      tc.steps = 4;
+      tc.accum = accum;
+      tc.no_sync = true;
+      DistConfig dc;
+      dc.world = 3;
+      dc.z3 = z3;
+      dc.pack_small_params = false;
+      check_equivalence(small_config(2), tc, dc, /*global_batch=*/12);
+    }
+  }
+}
+
+TEST(RuntimeTest, NoSyncReducesOnceAndRejectsMisuse) {
+  const GPTConfig cfg = small_config(2);
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    GPT m(cfg);
+    auto fail = [](const std::string& w) { throw std::runtime_error(w); };
+    if (error_of([&] { NoSync ns(*m); }).find("not dedicated") == std::string::npos) fail("no_sync without dedicate");
+    auto mesh = make_mesh(ctx);
+    dedicate_params(m.ptr(), mesh, models::is_muon_matrix);
+    replicate(m.ptr(), mesh);
+    MuonOptions mo;
+    mo.first_step_progress_log = false;
+    Muon opt(m.ptr(), mo);
+    {
+      NoSync outer(*m);
+      if (error_of([&] { NoSync inner(*m); }).find("already active") == std::string::npos) fail("nested no_sync");
+    }
+    mesh->counters().reset();
+    for (int i = 0; i < 3; ++i) {
+      std::optional<NoSync> ns;
+      if (i < 2) ns.emplace(*m);
+      m->loss(at::randint(32, {2, 6}, at::kLong)).backward();
+      if (i < 2 && (mesh->counters().calls(CommOp::Reduce) != 0 || mesh->counters().calls(CommOp::AllReduce) != 0))
+        fail("a reduce happened inside no_sync");
+    }
+    opt.step();
+    // one reduce per (boundary, owner) and one all-reduce bucket, once
+    int64_t buffers = 0;
+    for (const auto& B : get_comm_ctx(*m)->boundaries) buffers += static_cast<int64_t>(B.buffers.size());
+    if (mesh->counters().calls(CommOp::Reduce) != buffers) fail("expected exactly one reduce per packed buffer");
+    if (mesh->counters().calls(CommOp::AllReduce) != 1) fail("expected one replicated all-reduce");
+  });
+}
+
+TEST(RuntimeTest, DdpPathMatchesSingleProcess) {
+  for (int world : {2, 3}) {
+    for (bool async : {true, false}) {
+      TrainConfig tc;
+      tc.steps = 6;
+      DistConfig dc;
+      dc.world = world;
+      dc.ddp = true;
+      dc.replicate_async = async;
+      dc.pack_small_params = false;
+      check_equivalence(small_config(2), tc, dc);
+    }
+  }
+}
+
+TEST(RuntimeTest, DdpPathKeepsFullParamsAndMovesTwoPayloads) {
+  const GPTConfig cfg = small_config(2);
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    GPT m(cfg);
+    auto mesh = make_mesh(ctx);
+    DedicateOptions o;
+    o.pack_small_params = false;
+    dedicate_params_ddp(m.ptr(), mesh, models::is_muon_matrix, o);
+    replicate(m.ptr(), mesh);
+    MuonOptions mo;
+    mo.first_step_progress_log = false;
+    mo.replicate_async = false;
+    Muon opt(m.ptr(), mo);
+    mesh->counters().reset();
+    m->loss(at::randint(32, {2, 6}, at::kLong)).backward();
+    opt.step();
+    int64_t not_owned = 0, flags = 0;
+    for (const auto& d : get_dedicated_params(*m)) {
+      if (d.param.numel() != d.shape[0] * d.shape[1]) throw std::runtime_error("DDP path released " + d.name);
+      if (!d.is_owner) {
+        not_owned += 4 * d.shape[0] * d.shape[1];
+        flags += 4;
+      }
+    }
+    // reduce after backward + publish after step: 2(N-1)/N * P_M on average
+    const int64_t bytes = mesh->counters().bytes(CommOp::Broadcast) + mesh->counters().bytes(CommOp::Reduce);
+    if (bytes != 2 * not_owned + flags) throw std::runtime_error("DDP bytes " + std::to_string(bytes));
+  });
+}
+
+TEST(RuntimeTest, DdpPathRejectsA2DMesh) {
+  testing::run_ranks(4, [&](testing::RankContext& ctx) {
+    GPT m(small_config(2));
+    MeshOptions mo;
+    mo.store = ctx.store;
+    mo.factory = process_group_factory(c10::DeviceType::CPU);
+    mo.replicate_size = 2;
+    auto mesh = Mesh::create(ctx.pg, mo);
+    const std::string err = error_of([&] { dedicate_params_ddp(m.ptr(), mesh, models::is_muon_matrix); });
+    if (err.find("accepts a 1-D mesh only, got a 2 x 2") == std::string::npos)
+      throw std::runtime_error("unexpected message: " + err);
+  });
 }
 
 TEST(RuntimeTest, RankThatOwnsNothingStillTrains) {
@@ -459,15 +593,6 @@ TEST(RuntimeTest, WorldSizeOneHasNoCommunication) {
 }
 
 // ---- bad input ------------------------------------------------------------------------------------
-template <typename Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 TEST(RuntimeTest, PredicateSelectingNonMatrixIsAClearError) {
   testing::run_ranks(2, [&](testing::RankContext& ctx) {

@@ -97,6 +97,47 @@ std::map<std::string, OwnerCoord> dedicate_params(const std::shared_ptr<torch::n
                                                   const std::shared_ptr<Mesh>& mesh, const ParamPredicate& predicate,
                                                   const DedicateOptions& options = {});
 
+// DDP-path variant: every rank keeps the full parameters live; ownership decides only who runs
+// Newton-Schulz, where gradients are reduced after backward, and who broadcasts the new value after
+// step() (Muon publishes automatically: asynchronously when the model runs its boundaries through
+// dmuon::forward, each boundary waiting for its own publish in the next forward; synchronously
+// otherwise). 1-D meshes only. Returns param name -> owner coordinate.
+// collective: all ranks of the mesh, same order.
+std::map<std::string, OwnerCoord> dedicate_params_ddp(const std::shared_ptr<torch::nn::Module>& model,
+                                                      const std::shared_ptr<Mesh>& mesh,
+                                                      const ParamPredicate& predicate,
+                                                      const DedicateOptions& options = {});
+
+// Post-step publish of the owners' updated matrices (DDP path; a no-op for dedicate_params on a
+// 1-D mesh, where the next forward broadcasts). The sync form waits; the async form returns at
+// once and each boundary's next forward waits for its own publish.
+// collective: all ranks, same order.
+void broadcast_all_updates(torch::nn::Module& model);
+void broadcast_all_updates_async(torch::nn::Module& model);
+// Waits every pending post-step publish (read parameters outside the step cycle after this).
+void wait_all_post_step_broadcasts(torch::nn::Module& model);
+inline void wait_all_replicate_broadcasts(torch::nn::Module& model) { wait_all_post_step_broadcasts(model); }
+
+// Gradient accumulation: inside the scope no dmuon reduce and no replicated all-reduce happens;
+// gradients accumulate locally (non-owners keep theirs too). The next backward outside the scope
+// reduces the accumulated gradient once; Newton-Schulz runs once per optimizer step.
+//   for (int i = 0; i < accum; ++i) {
+//     std::optional<dmuon::NoSync> ns;
+//     if (i + 1 < accum) ns.emplace(*model);
+//     (model->loss(micro[i]) / accum).backward();
+//   }
+//   opt.step();
+class NoSync {
+ public:
+  explicit NoSync(torch::nn::Module& model);  // throws when the model is not dedicated or already inside
+  ~NoSync();
+  NoSync(const NoSync&) = delete;
+  NoSync& operator=(const NoSync&) = delete;
+
+ private:
+  std::shared_ptr<DedicatedState> state_;
+};
+
 // DDP-style replication of every trainable parameter that is not dedicated: gradients are averaged
 // over the mesh at the end of backward, coalesced into few all-reduces (buckets of
 // `bucket_mb` MiB). Call after dedicate_params.

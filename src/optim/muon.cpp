@@ -235,7 +235,7 @@ at::Tensor Muon::step(LossClosure closure) {
     }
     (o.is_muon() ? prof.muon_ms : prof.adamw_ms) += elapsed_ms(t0);
   }
-  state->mark_params_updated();
+  state->publish(options_.replicate_async);  // DDP path: owners broadcast the new values
   prof.total_ms = elapsed_ms(t_start);
   prof.valid = true;
   if (options_.record_step_profile) last_profile_ = prof;

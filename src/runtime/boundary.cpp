@@ -99,6 +99,10 @@ void DedicatedState::release(int b) {
     if (buf.state == PackedBuffer::State::Pending) buf.bcast.wait();  // never free a buffer in flight
     buf.bcast = Pending();
     buf.bcast_payload = at::Tensor();
+    if (ddp) {
+      buf.state = PackedBuffer::State::Ready;  // the DDP path keeps full parameters everywhere
+      continue;
+    }
     if (buf.is_root) {
       buf.state = PackedBuffer::State::Released;  // logical: the root's data stay
       continue;
@@ -150,7 +154,12 @@ void DedicatedState::pre_forward(int b) {
   if (backward_since_forward || B.ran_forward) begin_forward_pass();
   B.ran_forward = true;
   B.in_forward = true;
+  boundaries_seen = true;
   current_order.push_back(b);
+  if (ddp) {
+    wait_broadcasts(b);  // this boundary's post-step publish, if still in flight
+    return;
+  }
   issue_broadcasts(b, "forward broadcast");
   prefetch_after(b, /*backward=*/false);
   wait_broadcasts(b);
@@ -177,6 +186,7 @@ void DedicatedState::ensure_backward_callback() {
 void DedicatedState::pre_backward(int b) {
   std::lock_guard<std::recursive_mutex> g(mu);
   ensure_backward_callback();
+  if (ddp) return;
   if (z3()) {
     issue_broadcasts(b, "backward broadcast");
     prefetch_after(b, /*backward=*/true);
@@ -205,6 +215,7 @@ void DedicatedState::on_param_accumulated(int p) {
 void DedicatedState::try_issue_reduces() {
   // Reduces go out in the reverse forward order on every rank; a boundary that is ready early waits
   // for the ones before it, so all ranks issue the same collectives in the same order.
+  if (no_sync) return;  // gradient accumulation: reduce once, after the last micro-batch
   while (next_reduce < reduce_order.size() && boundaries[reduce_order[next_reduce]].grads_ready) {
     issue_reduce(reduce_order[next_reduce]);
     ++next_reduce;
@@ -264,7 +275,8 @@ void DedicatedState::finish_reduce(PackedBuffer& buf) {
 void DedicatedState::end_of_backward() {
   std::lock_guard<std::recursive_mutex> g(mu);
   // Fire every boundary whose backward hooks did not run (no input needed grad, unused outputs...).
-  for (; next_reduce < reduce_order.size(); ++next_reduce) issue_reduce(reduce_order[next_reduce]);
+  if (!no_sync)
+    for (; next_reduce < reduce_order.size(); ++next_reduce) issue_reduce(reduce_order[next_reduce]);
   for (auto& B : boundaries) {
     release(B.index);
     B.grads_ready = false;
@@ -272,7 +284,7 @@ void DedicatedState::end_of_backward() {
     B.reduced = false;
   }
   for (auto& e : params) e.accumulated = false;
-  flush_replicated();
+  if (!no_sync) flush_replicated();
   callback_queued = false;
   reduce_order_fixed = false;
   reduce_order.clear();
@@ -309,7 +321,63 @@ void DedicatedState::drain_all() {
   prepare_grads();
 }
 
-void DedicatedState::mark_params_updated() {}
+namespace {
+std::shared_ptr<DedicatedState> need_state(const torch::nn::Module& model, const char* fn) {
+  auto s = detail::state_of_model(&model);
+  TORCH_CHECK(s, fn, ": this model was not dedicated; call dmuon::dedicate_params or dmuon::dedicate_params_ddp "
+              "first.");
+  return s;
+}
+}  // namespace
+
+void broadcast_all_updates(torch::nn::Module& model) { need_state(model, "broadcast_all_updates")->publish(false); }
+void broadcast_all_updates_async(torch::nn::Module& model) {
+  need_state(model, "broadcast_all_updates_async")->publish(true);
+}
+void wait_all_post_step_broadcasts(torch::nn::Module& model) {
+  need_state(model, "wait_all_post_step_broadcasts")->wait_publishes();
+}
+
+NoSync::NoSync(torch::nn::Module& model) : state_(detail::state_of_model(&model)) {
+  TORCH_CHECK(state_, "no_sync: this model was not dedicated; call dmuon::dedicate_params (and dmuon::replicate) "
+              "first. Without dmuon nothing is reduced, so there is nothing to suspend.");
+  std::lock_guard<std::recursive_mutex> g(state_->mu);
+  TORCH_CHECK(!state_->no_sync, "rank ", state_->mesh->global_rank(), ": no_sync is already active on this model. "
+              "Nested no_sync scopes are a mistake: keep one scope around every micro-batch but the last.");
+  state_->no_sync = true;
+}
+
+NoSync::~NoSync() {
+  std::lock_guard<std::recursive_mutex> g(state_->mu);
+  state_->no_sync = false;
+}
+
+void DedicatedState::wait_publishes() {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  for (const auto& B : boundaries) wait_broadcasts(B.index);
+}
+
+void DedicatedState::publish(bool async) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  if (!ddp) return;  // 1-D dedicate_params: the next forward broadcasts
+  Communicator& comm = mesh->shard();
+  // In the recorded forward order (model order before the first pass), so the next forward finds
+  // its first boundary's publish issued first.
+  std::vector<int> order = recorded_order.empty() ? current_order : recorded_order;
+  for (const auto& B : boundaries)
+    if (std::find(order.begin(), order.end(), B.index) == order.end()) order.push_back(B.index);
+  for (int b : order) {
+    Boundary& B = boundaries[b];
+    for (auto& buf : B.buffers) {
+      if (buf.state == PackedBuffer::State::Pending) buf.bcast.wait();
+      buf.bcast = comm.broadcast(buf.flat, buf.root, boundary_what("post-step publish", B, buf));
+      buf.state = PackedBuffer::State::Pending;
+    }
+  }
+  // Without boundaries nothing would wait before the parameters are read again: drain now.
+  if (!async || !boundaries_seen)
+    for (const auto& B : boundaries) wait_broadcasts(B.index);
+}
 
 std::string DedicatedState::bypass_hint() const {
   std::lock_guard<std::recursive_mutex> g(mu);

@@ -345,14 +345,14 @@ void DedicatedState::build(const ParamPredicate& predicate) {
         for (size_t k = 0; k < buf.params.size(); ++k) {
           auto& e = params[buf.params[k]];
           e.placeholder = at::empty({0}, e.param.options().requires_grad(false));
-          if (buf.is_root) {
+          if (buf.is_root || ddp) {
             buf.views[k].copy_(e.param.detach());
             e.param.set_data(buf.views[k]);
           } else {
             e.param.set_data(e.placeholder);
           }
         }
-        if (buf.is_root) {
+        if (buf.is_root || ddp) {
           buf.state = PackedBuffer::State::Ready;
         } else {
           detail::resize_storage_bytes(buf.flat, 0);
@@ -363,9 +363,33 @@ void DedicatedState::build(const ParamPredicate& predicate) {
 }
 
 // ---- public API ------------------------------------------------------------------------------------
+namespace {
+std::map<std::string, OwnerCoord> dedicate_impl(const std::shared_ptr<torch::nn::Module>& model,
+                                                const std::shared_ptr<Mesh>& mesh, const ParamPredicate& predicate,
+                                                const DedicateOptions& options, bool ddp);
+}  // namespace
+
 std::map<std::string, OwnerCoord> dedicate_params(const std::shared_ptr<torch::nn::Module>& model,
                                                   const std::shared_ptr<Mesh>& mesh, const ParamPredicate& predicate,
                                                   const DedicateOptions& options) {
+  return dedicate_impl(model, mesh, predicate, options, /*ddp=*/false);
+}
+
+std::map<std::string, OwnerCoord> dedicate_params_ddp(const std::shared_ptr<torch::nn::Module>& model,
+                                                      const std::shared_ptr<Mesh>& mesh,
+                                                      const ParamPredicate& predicate,
+                                                      const DedicateOptions& options) {
+  TORCH_CHECK(mesh, "dedicate_params_ddp: the mesh is null; create one with dmuon::Mesh::create.");
+  TORCH_CHECK(!mesh->is_2d(), "rank ", mesh->global_rank(), ": dedicate_params_ddp accepts a 1-D mesh only, got a ",
+              mesh->replicate_size(), " x ", mesh->shard_size(), " (replicate x shard) mesh. For HSDP use "
+              "dedicate_params with a 2-D mesh.");
+  return dedicate_impl(model, mesh, predicate, options, /*ddp=*/true);
+}
+
+namespace {
+std::map<std::string, OwnerCoord> dedicate_impl(const std::shared_ptr<torch::nn::Module>& model,
+                                                const std::shared_ptr<Mesh>& mesh, const ParamPredicate& predicate,
+                                                const DedicateOptions& options, bool ddp) {
   TORCH_CHECK(model, "dedicate_params: the model is null.");
   TORCH_CHECK(mesh, "dedicate_params: the mesh is null; create one with dmuon::Mesh::create.");
   TORCH_CHECK(!detail::state_of_model(model.get()), "rank ", mesh->global_rank(),
@@ -375,6 +399,7 @@ std::map<std::string, OwnerCoord> dedicate_params(const std::shared_ptr<torch::n
     TORCH_CHECK(!detail::boundary_of_module(item.value().get()).first, "rank ", mesh->global_rank(),
                 ": dedicate_params: submodule '", item.key(), "' already belongs to a dedicated model.");
   auto state = std::make_shared<DedicatedState>(model, mesh, options);
+  state->ddp = ddp;
   state->build(predicate);
   detail::register_state(model, state);
   for (auto& b : state->boundaries)
@@ -383,6 +408,7 @@ std::map<std::string, OwnerCoord> dedicate_params(const std::shared_ptr<torch::n
   for (const auto& e : state->params) out[e.name] = e.owner;
   return out;
 }
+}  // namespace
 
 namespace {
 std::shared_ptr<DedicatedState> require_state(const torch::nn::Module& model, const char* fn) {

@@ -110,7 +110,6 @@ class DedicatedState {
 
   // ---- optimizer interface ----
   void prepare_grads();             // wait reduces; owners get averaged grads
-  void mark_params_updated();       // the owners changed their data (next forward re-broadcasts)
   void drain_all();                 // waits every in-flight collective of this model
 
   // ---- replicated params (replicate.cpp) ----
@@ -128,7 +127,12 @@ class DedicatedState {
   std::vector<Boundary> boundaries;
   std::map<std::string, int> param_index;
   std::unique_ptr<ReplicatedParams> replicated;
-  bool z3() const { return opts.reshard_after_forward; }
+  bool z3() const { return opts.reshard_after_forward && !ddp; }
+  bool ddp = false;          // dedicate_params_ddp: full params everywhere, publish after step
+  bool no_sync = false;      // inside a NoSync scope
+  bool boundaries_seen = false;  // the model runs its boundaries through dmuon::forward
+  void publish(bool async);  // DDP path: owners broadcast their updated matrices
+  void wait_publishes();     // waits every in-flight broadcast
 
   mutable std::recursive_mutex mu;
   // iteration bookkeeping
