@@ -27,6 +27,7 @@ int main(int argc, char** argv) {
   int64_t d_model = 256, layers = 4;
   int steps = 3;
   bool pack = false;
+  int replicate = 1;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--ranks") {
@@ -41,25 +42,33 @@ int main(int argc, char** argv) {
       steps = std::stoi(v);
     } else if (k == "--pack") {
       pack = v == "1";
+    } else if (k == "--replicate") {
+      replicate = std::stoi(v);
     } else {
       std::fprintf(stderr, "usage: comm_bytes_bench [--ranks 2,3,4] [--d-model D] [--layers L] [--steps S] [--pack 0|1]\n");
       return 2;
     }
   }
-  std::printf("# comm_bytes_bench: GPT d=%ld layers=%ld, %d steps, pack_small_params=%d; bytes per rank per step\n",
-              static_cast<long>(d_model), static_cast<long>(layers), steps, pack ? 1 : 0);
-  std::printf("%-3s %-4s %12s %14s %14s %14s %14s %9s %9s\n", "N", "mode", "P_M", "formula", "plan_mean",
-              "measured_mean", "measured_max", "meas/form", "max/form");
+  std::printf("# comm_bytes_bench: GPT d=%ld layers=%ld, %d steps, pack_small_params=%d, R=%d; bytes per rank per "
+              "step\n",
+              static_cast<long>(d_model), static_cast<long>(layers), steps, pack ? 1 : 0, replicate);
+  std::printf("%-3s %-4s %12s %14s %14s %14s %14s %9s %9s %14s %14s\n", "N", "mode", "P_M", "formula", "plan_mean",
+              "measured_mean", "measured_max", "meas/form", "max/form", "repl_plan", "repl_measured");
   for (int n : ranks) {
     for (bool z3 : {false, true}) {
       const auto dir = std::filesystem::temp_directory_path() /
                        ("dmuon-bytes-" + std::to_string(::getpid()) + "-" + std::to_string(n) + (z3 ? "z3" : "z2"));
       std::filesystem::create_directories(dir);
       std::mutex mu;
-      std::vector<double> measured(n, 0);
+      std::vector<double> measured(n, 0), rep_measured(n, 0);
+      double rep_plan = 0;
       double formula = 0, plan_mean = 0, pm = 0;
       std::vector<std::thread> th;
       std::string failure;
+      if (n % replicate != 0) {
+        std::fprintf(stderr, "error: --replicate %d does not divide N=%d\n", replicate, n);
+        return 2;
+      }
       for (int r = 0; r < n; ++r) {
         th.emplace_back([&, r] {
           try {
@@ -68,6 +77,7 @@ int main(int argc, char** argv) {
             dmuon::MeshOptions mo;
             mo.store = store;
             mo.factory = dmuon::process_group_factory(c10::DeviceType::CPU);
+            mo.replicate_size = replicate;
             auto mesh = dmuon::Mesh::create(pg, mo);
             dmuon::models::GPTConfig cfg;
             cfg.d_model = d_model;
@@ -80,20 +90,26 @@ int main(int argc, char** argv) {
             dmuon::replicate(model.ptr(), mesh);
             dmuon::MuonOptions opts;
             opts.first_step_progress_log = false;
+            opts.replicate_async = false;  // HSDP: step() drains the publish, so a step's bytes are all in it
             dmuon::Muon opt(model.ptr(), opts);
-            double sum = 0;
+            double sum = 0, rsum = 0;
             for (int s = 0; s < steps; ++s) {
               const at::Tensor tokens = at::randint(256, {2, 17}, at::kLong);
-              mesh->counters().reset();
+              mesh->shard().own_counters().reset();
+              if (mesh->replicate()) mesh->replicate()->own_counters().reset();
               opt.zero_grad();
               model->loss(tokens).backward();
               opt.step();
-              sum += static_cast<double>(mesh->counters().bytes(dmuon::CommOp::Broadcast) +
-                                         mesh->counters().bytes(dmuon::CommOp::Reduce));
+              dmuon::wait_all_replicate_broadcasts(*model);
+              auto& sc = mesh->shard().own_counters();
+              sum += static_cast<double>(sc.bytes(dmuon::CommOp::Broadcast) + sc.bytes(dmuon::CommOp::Reduce));
+              if (mesh->replicate()) rsum += static_cast<double>(mesh->replicate()->own_counters().total_bytes());
             }
             const auto plan = dmuon::summarize_comm_plan(*model);
             std::lock_guard<std::mutex> g(mu);
             measured[r] = sum / steps;
+            rep_measured[r] = rsum / steps;
+            rep_plan = plan["per_rank_bytes"]["formula_replicate"].get<double>();
             const auto& pr = plan["per_rank_bytes"];
             formula = z3 ? pr["formula_z3"].get<double>() : pr["formula_z2"].get<double>();
             plan_mean = z3 ? pr["mean_z3"].get<double>() : pr["mean_z2"].get<double>();
@@ -110,16 +126,20 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "error: %s\n", failure.c_str());
         return 1;
       }
-      double mean = 0, mx = 0;
-      for (double m : measured) {
-        mean += m / n;
-        mx = std::max(mx, m);
+      double mean = 0, mx = 0, rmean = 0;
+      for (int q = 0; q < n; ++q) {
+        mean += measured[q] / n;
+        mx = std::max(mx, measured[q]);
+        rmean += rep_measured[q] / n;
       }
-      std::printf("%-3d %-4s %12.0f %14.0f %14.0f %14.0f %14.0f %9.4f %9.4f\n", n, z3 ? "Z3" : "Z2", pm, formula,
-                  plan_mean, mean, mx, formula > 0 ? mean / formula : 0, formula > 0 ? mx / formula : 0);
+      std::printf("%-3d %-4s %12.0f %14.0f %14.0f %14.0f %14.0f %9.4f %9.4f %14.0f %14.0f\n", n, z3 ? "Z3" : "Z2", pm,
+                  formula, plan_mean, mean, mx, formula > 0 ? mean / formula : 0, formula > 0 ? mx / formula : 0,
+                  rep_plan, rmean);
       std::fflush(stdout);
     }
   }
+  std::printf("# HSDP (R > 1): N is the world (R x G); formula and plan are shard-axis figures over G ranks;\n"
+              "# repl_* are replicate-axis bytes (stage-2 reduce + post-step publish), plan 2(R-1)/(G*R)*P_M.\n");
   std::printf("# measured = broadcast + reduce payload bytes counted by dmuon::Communicator on each rank (the\n"
               "# reduce payload carries one 4-byte has-gradient flag per matrix); plan = the planner's per-rank\n"
               "# figure; formula = 2(N-1)/N*P_M (Z2) or 3(N-1)/N*P_M (Z3). max/form > 1 is owner imbalance.\n");

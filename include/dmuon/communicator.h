@@ -85,7 +85,8 @@ class Communicator {
   int global_rank() const { return global_ranks_[rank_]; }
   std::chrono::milliseconds timeout() const { return timeout_; }
   const CommPtr& process_group() const { return pg_; }
-  CommCounters& counters() { return *counters_; }
+  CommCounters& counters() { return *counters_; }  // shared by every group of the mesh
+  CommCounters& own_counters() { return *own_; }   // this group alone (e.g. one mesh axis)
   // Whether the backend supports ReduceOp::AVG natively (NCCL; Gloo from LibTorch 2.8).
   bool native_avg() const { return native_avg_; }
 
@@ -107,6 +108,7 @@ class Communicator {
   Pending issue(CommOp op, const std::string& what, const std::function<WorkPtr()>& launch,
                 std::function<void()> on_complete);
   [[noreturn]] void rethrow(const std::string& op_what, const std::exception& e) const;
+  void count(CommOp op, int64_t bytes);
 
   CommPtr pg_;
   std::string name_;
@@ -115,6 +117,7 @@ class Communicator {
   int size_ = 1;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<CommCounters> counters_;
+  std::shared_ptr<CommCounters> own_ = std::make_shared<CommCounters>();
   bool native_avg_ = false;
   bool is_gloo_ = true;
 };

@@ -73,6 +73,10 @@ struct DedicateOptions {
   std::vector<ParamPolicyOverride> param_policy;  // mutually exclusive with param_policy_fn
   ParamPolicyFn param_policy_fn;
   int forward_prefetch_depth = 1;               // boundaries broadcast ahead in forward (0 = none)
+  // HSDP (2-D mesh) only:
+  double replicate_broadcast_bucket_mb = 0.0;   // post-step publish chunk size in MiB; 0 = one per packed unit
+  bool delay_stage2_to_optimizer = true;        // replicate-axis reduce waited/issued in step() (true) or
+                                                // at the end of backward (false)
 };
 
 // One dedicated matrix, as seen from this rank.
@@ -91,6 +95,14 @@ class DedicatedState;  // runtime state attached to a model (see src/runtime/)
 // Marks the parameters selected by `predicate` (and routed "muon" by the policy) for dedicated
 // ownership, plans owners, installs placeholders on non-owners and registers the boundaries.
 // Returns param name -> owner coordinate.
+//
+// On a 2-D mesh (HSDP, R replicate groups x G shard ranks; MeshOptions::replicate_size) each matrix
+// has one global owner (shard, replicate) among the G*R slots (column-balanced plan). Between steps
+// the owner's shard column holds it: rank (owner.shard, r) in every replicate group r. Forward and
+// backward broadcast over the shard group from that holder; backward reduces in two stages (shard
+// group to the holder, then replicate group to the global owner; net divisor G*R); only the global
+// owner runs Newton-Schulz; step() publishes the update over the replicate group, asynchronously by
+// default (each boundary's next forward waits for its own publish; MuonOptions::replicate_async).
 // collective: all ranks of the mesh, same order (exchanges plan fingerprints, broadcasts the
 // owners' initial values so every rank starts from the owner's copy).
 std::map<std::string, OwnerCoord> dedicate_params(const std::shared_ptr<torch::nn::Module>& model,

@@ -113,6 +113,11 @@ Communicator::Communicator(CommPtr pg, std::string name, std::vector<int> global
   native_avg_ = !is_gloo_ || DMUON_TORCH_AT_LEAST(2, 8);
 }
 
+void Communicator::count(CommOp op, int64_t bytes) {
+  counters_->add(op, bytes);
+  own_->add(op, bytes);
+}
+
 void Communicator::rethrow(const std::string& op_what, const std::exception& e) const {
   TORCH_CHECK(false, "rank ", global_rank(), ": collective failed on dmuon group '", name_, "' (", size_,
               " ranks): ", op_what, ": ", e.what(),
@@ -153,7 +158,7 @@ Pending Communicator::issue(CommOp op, const std::string& what, const std::funct
 Pending Communicator::broadcast(at::Tensor tensor, int root, std::string what) {
   if (size_ == 1) return Pending();
   const int64_t bytes = static_cast<int64_t>(tensor.numel()) * tensor.element_size();
-  counters_->add(CommOp::Broadcast, rank_ == root ? 0 : bytes);
+  count(CommOp::Broadcast, rank_ == root ? 0 : bytes);
   return issue(CommOp::Broadcast, what, [&] {
     std::vector<at::Tensor> v{tensor};
     c10d::BroadcastOptions o;
@@ -167,7 +172,7 @@ Pending Communicator::broadcast(at::Tensor tensor, int root, std::string what) {
 Pending Communicator::reduce(at::Tensor tensor, int root, Reduction op, std::string what) {
   if (size_ == 1) return Pending();
   const int64_t bytes = static_cast<int64_t>(tensor.numel()) * tensor.element_size();
-  counters_->add(CommOp::Reduce, rank_ == root ? 0 : bytes);
+  count(CommOp::Reduce, rank_ == root ? 0 : bytes);
   const bool emulate_avg = op == Reduction::Avg && (is_gloo_ || !native_avg_);
   std::function<void()> done;
   if (emulate_avg && rank_ == root) {
@@ -189,7 +194,7 @@ Pending Communicator::reduce(at::Tensor tensor, int root, Reduction op, std::str
 Pending Communicator::allreduce(at::Tensor tensor, Reduction op, std::string what) {
   if (size_ == 1) return Pending();
   const int64_t bytes = static_cast<int64_t>(tensor.numel()) * tensor.element_size();
-  counters_->add(CommOp::AllReduce, 2 * (size_ - 1) * bytes / size_);
+  count(CommOp::AllReduce, 2 * (size_ - 1) * bytes / size_);
   const bool emulate_avg = op == Reduction::Avg && !native_avg_;
   std::function<void()> done;
   if (emulate_avg) {
@@ -213,7 +218,7 @@ Pending Communicator::allgather_flat(at::Tensor out, at::Tensor in, std::string 
     return Pending();
   }
   const int64_t total = static_cast<int64_t>(out.numel()) * out.element_size();
-  counters_->add(CommOp::AllGather, (size_ - 1) * total / size_);
+  count(CommOp::AllGather, (size_ - 1) * total / size_);
   return issue(CommOp::AllGather, what, [&] {
     // allgather into views of one buffer (Gloo 1.13 has no _allgather_base).
     std::vector<at::Tensor> outs;
@@ -241,7 +246,7 @@ Pending Communicator::reduce_scatter_flat(at::Tensor out, at::Tensor in, Reducti
   const bool avg = op == Reduction::Avg;
   if (is_gloo_) {
     // Gloo 1.13 has no reduce-scatter: all-reduce a copy and keep this rank's chunk.
-    counters_->add(CommOp::AllReduce, 2 * (size_ - 1) * total / size_);
+    count(CommOp::AllReduce, 2 * (size_ - 1) * total / size_);
     at::Tensor tmp = in.reshape(-1).clone();
     return issue(CommOp::AllReduce, what + " [reduce-scatter fallback]", [&] {
       std::vector<at::Tensor> v{tmp};
@@ -254,7 +259,7 @@ Pending Communicator::reduce_scatter_flat(at::Tensor out, at::Tensor in, Reducti
       if (avg) out.div_(div);
     });
   }
-  counters_->add(CommOp::ReduceScatter, (size_ - 1) * total / size_);
+  count(CommOp::ReduceScatter, (size_ - 1) * total / size_);
   return issue(CommOp::ReduceScatter, what, [&] {
     at::Tensor o_flat = out.view(-1), i_flat = in.reshape(-1);
     c10d::ReduceScatterOptions o;
@@ -266,7 +271,7 @@ Pending Communicator::reduce_scatter_flat(at::Tensor out, at::Tensor in, Reducti
 
 void Communicator::barrier(const std::string& what) {
   if (size_ == 1) return;
-  counters_->add(CommOp::Barrier, 0);
+  count(CommOp::Barrier, 0);
   issue(CommOp::Barrier, what, [&] {
     c10d::BarrierOptions o;
     o.timeout = timeout_;

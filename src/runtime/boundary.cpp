@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "dmuon/env.h"
 #include "runtime/state.h"
 
 namespace dmuon {
@@ -61,6 +62,7 @@ void DedicatedState::issue_broadcasts(int b, const char* phase) {
   Communicator& comm = mesh->shard();
   for (auto& buf : B.buffers) {
     if (buf.state != PackedBuffer::State::Released && buf.ready_pass == pass) continue;  // already published
+    if (buf.is_root) wait_publish(buf);  // HSDP: the holder's copy must be the new value first
     if (!buf.is_root && buf.state == PackedBuffer::State::Released)
       detail::resize_storage_bytes(buf.flat, static_cast<size_t>(buf.bytes()));
     at::Tensor payload = buf.flat;
@@ -229,7 +231,7 @@ void DedicatedState::issue_reduce(int b) {
   Communicator& comm = mesh->shard();
   at::NoGradGuard ng;
   for (auto& buf : B.buffers) {
-    if (buf.reduce_issued) finish_reduce(buf);  // an earlier backward pass (gradient accumulation)
+    if (buf.reduce_issued || buf.stage2_issued) finish_reduce(buf);  // an earlier pass (accumulation)
     // payload = [grads of the buffer's params..., one has-grad flag per param], summed on the root
     const auto dtype = opts.compute_dtype ? *opts.compute_dtype : buf.flat.scalar_type();
     const int64_t np = static_cast<int64_t>(buf.params.size());
@@ -251,25 +253,58 @@ void DedicatedState::issue_reduce(int b) {
   release(b);  // the parameters are not needed again before the next forward
 }
 
-void DedicatedState::finish_reduce(PackedBuffer& buf) {
+void DedicatedState::finish_stage1(PackedBuffer& buf) {
   if (!buf.reduce_issued) return;
   buf.reduce.wait();
   buf.reduce = Pending();
   buf.reduce_issued = false;
-  if (buf.is_root) {
-    at::NoGradGuard ng;
-    const double n = mesh->shard_size();
-    const at::Tensor avg = buf.grad_payload.narrow(0, 0, buf.numel).to(buf.flat.scalar_type()).div(n);
-    if (!buf.reduced_sum.defined()) {
-      buf.reduced_sum = avg;
-      buf.reduced_has.assign(buf.params.size(), false);
-    } else {
-      buf.reduced_sum.add_(avg);
-    }
-    for (size_t k = 0; k < buf.params.size(); ++k)
-      if (buf.grad_payload[buf.numel + static_cast<int64_t>(k)].item<double>() > 0) buf.reduced_has[k] = true;
+  Communicator* rep = mesh->replicate();
+  if (!buf.is_root) {
+    buf.grad_payload = at::Tensor();
+    return;
   }
+  if (!rep) {
+    fold_into_sum(buf, mesh->shard_size());
+    return;
+  }
+  // stage 2: the holders of this unit (one per replicate group) reduce to the global owner
+  std::ostringstream what;
+  what << "stage-2 gradient reduce of a unit owned by (" << buf.owner.shard << ", " << buf.owner.replicate << ")";
+  buf.stage2 = rep->reduce(buf.grad_payload, buf.owner.replicate, Reduction::Sum, what.str());
+  buf.stage2_issued = true;
+}
+
+void DedicatedState::finish_stage2(PackedBuffer& buf) {
+  if (!buf.stage2_issued) return;
+  buf.stage2.wait();
+  buf.stage2 = Pending();
+  buf.stage2_issued = false;
+  if (buf.is_owner) fold_into_sum(buf, static_cast<double>(mesh->world_size()));
   buf.grad_payload = at::Tensor();
+}
+
+void DedicatedState::finish_reduce(PackedBuffer& buf) {
+  finish_stage1(buf);
+  finish_stage2(buf);
+}
+
+void DedicatedState::fold_into_sum(PackedBuffer& buf, double divisor) {
+  at::NoGradGuard ng;
+  const at::Tensor avg = buf.grad_payload.narrow(0, 0, buf.numel).to(buf.flat.scalar_type()).div(divisor);
+  if (!buf.reduced_sum.defined()) {
+    buf.reduced_sum = avg;
+    buf.reduced_has.assign(buf.params.size(), false);
+  } else {
+    buf.reduced_sum.add_(avg);
+  }
+  for (size_t k = 0; k < buf.params.size(); ++k)
+    if (buf.grad_payload[buf.numel + static_cast<int64_t>(k)].item<double>() > 0) buf.reduced_has[k] = true;
+  buf.grad_payload = at::Tensor();
+}
+
+void DedicatedState::wait_publish(PackedBuffer& buf) {
+  for (auto& p : buf.publish) p.wait();
+  buf.publish.clear();
 }
 
 void DedicatedState::end_of_backward() {
@@ -284,6 +319,9 @@ void DedicatedState::end_of_backward() {
     B.reduced = false;
   }
   for (auto& e : params) e.accumulated = false;
+  if (!no_sync && mesh->replicate() && !opts.delay_stage2_to_optimizer)
+    for (auto& B : boundaries)
+      for (auto& buf : B.buffers) finish_stage1(buf);  // waits stage 1, issues stage 2 now
   if (!no_sync) flush_replicated();
   callback_queued = false;
   reduce_order_fixed = false;
@@ -296,10 +334,13 @@ void DedicatedState::end_of_backward() {
 void DedicatedState::prepare_grads() {
   std::lock_guard<std::recursive_mutex> g(mu);
   at::NoGradGuard ng;
+  // stage 1 everywhere first (HSDP holders issue stage 2 as they go), then stage 2
+  for (auto& B : boundaries)
+    for (auto& buf : B.buffers) finish_stage1(buf);
   for (auto& B : boundaries)
     for (auto& buf : B.buffers) {
-      finish_reduce(buf);
-      if (!buf.is_root || !buf.reduced_sum.defined()) continue;
+      finish_stage2(buf);
+      if (!buf.is_owner || !buf.reduced_sum.defined()) continue;
       for (size_t k = 0; k < buf.params.size(); ++k) {
         auto& e = params[buf.params[k]];
         if (buf.reduced_has[k])
@@ -354,12 +395,46 @@ NoSync::~NoSync() {
 
 void DedicatedState::wait_publishes() {
   std::lock_guard<std::recursive_mutex> g(mu);
-  for (const auto& B : boundaries) wait_broadcasts(B.index);
+  for (auto& B : boundaries) {
+    wait_broadcasts(B.index);
+    for (auto& buf : B.buffers) wait_publish(buf);
+  }
 }
 
 void DedicatedState::publish(bool async) {
   std::lock_guard<std::recursive_mutex> g(mu);
-  if (!ddp) return;  // 1-D dedicate_params: the next forward broadcasts
+  if (Communicator* rep = mesh->replicate(); rep && !ddp) {
+    // HSDP: the global owner's update goes to the holders of the other replicate groups, in the
+    // recorded forward order, chunked by replicate_broadcast_bucket_mb.
+    std::vector<int> order = recorded_order.empty() ? current_order : recorded_order;
+    for (const auto& B : boundaries)
+      if (std::find(order.begin(), order.end(), B.index) == order.end()) order.push_back(B.index);
+    const int64_t chunk_bytes = static_cast<int64_t>(opts.replicate_broadcast_bucket_mb * 1024 * 1024);
+    for (int b : order)
+      for (auto& buf : boundaries[b].buffers) {
+        if (!buf.is_root) continue;
+        wait_publish(buf);
+        const int64_t esz = buf.flat.element_size();
+        const int64_t chunk = chunk_bytes > 0 ? std::max<int64_t>(1, chunk_bytes / esz) : buf.numel;
+        for (int64_t off = 0; off < buf.numel; off += chunk) {
+          const int64_t len = std::min(chunk, buf.numel - off);
+          buf.publish.push_back(rep->broadcast(buf.flat.narrow(0, off, len), buf.owner.replicate,
+                                               "post-step publish of '" + boundaries[b].name + "'"));
+        }
+      }
+    if (!async || !boundaries_seen) wait_publishes();
+    if (env::isolated_pg_barrier()) {
+      // strict post-step fence on dmuon's own groups (diagnosis of process-group ordering issues)
+      wait_publishes();
+      mesh->shard().barrier("DMUON_ISOLATED_PG_BARRIER post-step fence (shard)");
+      rep->barrier("DMUON_ISOLATED_PG_BARRIER post-step fence (replicate)");
+    }
+    return;
+  }
+  if (!ddp) {
+    if (env::isolated_pg_barrier()) mesh->shard().barrier("DMUON_ISOLATED_PG_BARRIER post-step fence");
+    return;  // 1-D dedicate_params: the next forward broadcasts
+  }
   Communicator& comm = mesh->shard();
   // In the recorded forward order (model order before the first pass), so the next forward finds
   // its first boundary's publish issued first.

@@ -301,7 +301,8 @@ void DedicatedState::build(const ParamPredicate& predicate) {
       buf.root = buf.owner.shard;
       buf.root_global = mesh->global_rank_of(buf.owner.shard, buf.owner.replicate);
       buf.params = ps;
-      buf.is_root = params[ps.front()].is_owner;
+      buf.is_owner = params[ps.front()].is_owner;
+      buf.is_root = buf.owner.shard == mesh->shard_rank();  // the holder in this replicate group
       const at::Tensor& first = params[ps.front()].param;
       for (int p : ps) {
         TORCH_CHECK(params[p].param.scalar_type() == first.scalar_type() &&
@@ -346,7 +347,7 @@ void DedicatedState::build(const ParamPredicate& predicate) {
           auto& e = params[buf.params[k]];
           e.placeholder = at::empty({0}, e.param.options().requires_grad(false));
           if (buf.is_root || ddp) {
-            buf.views[k].copy_(e.param.detach());
+            buf.views[k].copy_(e.param.detach());  // (HSDP: replaced by the global owner's value below)
             e.param.set_data(buf.views[k]);
           } else {
             e.param.set_data(e.placeholder);
@@ -359,6 +360,16 @@ void DedicatedState::build(const ParamPredicate& predicate) {
           buf.state = PackedBuffer::State::Released;
         }
       }
+    // HSDP: every holder starts from the global owner's value (one broadcast per packed unit over
+    // the replicate group of the owner's column; same order on every member).
+    if (Communicator* rep = mesh->replicate()) {
+      for (auto& b : boundaries)
+        for (auto& buf : b.buffers)
+          if (buf.is_root)
+            rep->broadcast(buf.flat, buf.owner.replicate, "initial value of '" + b.name + "' from replicate " +
+                                                              std::to_string(buf.owner.replicate))
+                .wait();
+    }
   }
 }
 

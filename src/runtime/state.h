@@ -31,7 +31,8 @@ struct PackedBuffer {
   std::vector<int> params;          // indices into DedicatedState::params
   std::vector<int64_t> offsets;     // element offset of each param in flat
   int64_t numel = 0;
-  bool is_root = false;
+  bool is_root = false;              // holds the full matrix between steps: shard rank == owner.shard
+  bool is_owner = false;             // the global owner (== is_root on a 1-D mesh): runs NS
   at::Tensor flat;                  // [numel], param dtype
   std::vector<at::Tensor> views;    // per param: flat.narrow(...).view(shape)
   State state = State::Released;
@@ -40,8 +41,11 @@ struct PackedBuffer {
   at::Tensor bcast_payload;         // compute-dtype payload when it differs from the param dtype
   // backward
   at::Tensor grad_payload;          // [numel + params.size()] grads then has-grad flags
-  Pending reduce;
+  Pending reduce;                    // stage 1: over the shard group to the shard-local holder
   bool reduce_issued = false;
+  Pending stage2;                    // stage 2 (HSDP): over the replicate group to the global owner
+  bool stage2_issued = false;
+  std::vector<Pending> publish;      // HSDP post-step publish over the replicate group (chunks)
   // root: sum over backward passes (gradient accumulation) of the averaged gradients
   at::Tensor reduced_sum;
   std::vector<bool> reduced_has;
@@ -151,7 +155,11 @@ class DedicatedState {
   void wait_broadcasts(int b);
   void release(int b);
   void issue_reduce(int b);
-  void finish_reduce(PackedBuffer& buf);  // wait one reduce; the root folds it into reduced_sum
+  void finish_reduce(PackedBuffer& buf);  // both stages, then the owner folds into reduced_sum
+  void finish_stage1(PackedBuffer& buf);  // wait stage 1; HSDP holders issue stage 2
+  void finish_stage2(PackedBuffer& buf);  // wait stage 2; the global owner folds
+  void fold_into_sum(PackedBuffer& buf, double divisor);
+  void wait_publish(PackedBuffer& buf);
   void fold_replicated();                 // wait the replicated all-reduces; fold into sums
   void try_issue_reduces();
   void begin_forward_pass();
