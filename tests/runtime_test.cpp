@@ -184,6 +184,7 @@ struct DistConfig {
   int replicate = 1;         // HSDP: R replicate groups x (world / R) shard ranks
   bool delay_stage2 = true;
   double bucket_mb = 0.0;
+  bool sharded_adamw = false;  // route every non-matrix parameter to sharded_adamw
 };
 
 // Runs the distributed training and compares every rank's view with the reference.
@@ -206,6 +207,13 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
     dopts.reshard_after_forward = dc.z3;
     dopts.delay_stage2_to_optimizer = dc.delay_stage2;
     dopts.replicate_broadcast_bucket_mb = dc.bucket_mb;
+    if (dc.sharded_adamw)
+      dopts.param_policy_fn = [](const std::string& n, const at::Tensor& p) -> std::optional<ParamPolicy> {
+        if (models::is_muon_matrix(n, p)) return std::nullopt;
+        ParamPolicy pol;
+        pol.route = "sharded_adamw";
+        return pol;
+      };
     dopts.pack_small_params = dc.pack_small_params;
     if (!dc.owner_strategy.empty()) dopts.owner_strategy = dc.owner_strategy;
     if (dc.ddp)
@@ -265,6 +273,27 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
       }
       std::lock_guard<std::mutex> g(mu);
       checked_owned[d.name]++;
+    }
+    if (dc.sharded_adamw) {
+      // every rank holds only its slice (padded to a multiple of G) of the embedding, norms and head
+      auto st = get_comm_ctx(*m);
+      if (st->sharded.empty()) throw std::runtime_error("no sharded_adamw parameters");
+      for (const auto& e : st->sharded) {
+        if (e.param.numel() != 0 || e.full.storage().nbytes() != 0)
+          throw std::runtime_error("sharded parameter " + e.name + " keeps its full tensor between steps");
+        const int64_t G = mesh->shard_size(), L = e.shard_len, start = mesh->shard_rank() * L;
+        if (L != (e.numel + G - 1) / G || e.shard.numel() != L) throw std::runtime_error("shard size of " + e.name);
+        const int64_t len = std::max<int64_t>(0, std::min(L, e.numel - start));
+        if (len == 0) continue;
+        const at::Tensor want = ref.params.at(e.name).reshape(-1).narrow(0, start, len);
+        const double err = max_rel(e.shard.narrow(0, 0, len), want);
+        if (!(err <= 1e-5)) throw std::runtime_error(e.name + " (sharded) differs: " + std::to_string(err));
+        const auto* ost = opt.state_of(e.param);
+        if (!ost || !ost->exp_avg().defined() || ost->exp_avg().numel() != L)
+          throw std::runtime_error("no shard-sized AdamW state for " + e.name);
+        const double em = max_rel(ost->exp_avg().narrow(0, 0, len), ref.exp_avg.at(e.name).reshape(-1).narrow(0, start, len));
+        if (!(em <= 1e-4)) throw std::runtime_error(e.name + " sharded exp_avg differs: " + std::to_string(em));
+      }
     }
     for (const auto& [name, p] : get_base_params(*m)) {
       const double e = max_rel(p, ref.params.at(name));
@@ -550,6 +579,44 @@ TEST(RuntimeTest, HsdpStrictPostStepFence) {
   dc.replicate = 2;
   check_equivalence(small_config(2), tc, dc);
   unsetenv("DMUON_ISOLATED_PG_BARRIER");
+}
+
+TEST(RuntimeTest, ShardedAdamwRouteMatchesSingleProcess) {
+  for (int world : {2, 3, 4}) {
+    for (bool z3 : {true, false}) {
+      TrainConfig tc;
+      tc.steps = 5;
+      DistConfig dc;
+      dc.world = world;
+      dc.z3 = z3;
+      dc.sharded_adamw = true;
+      dc.pack_small_params = false;
+      SCOPED_TRACE("N=" + std::to_string(world) + (z3 ? " Z3" : " Z2"));
+      check_equivalence(small_config(2), tc, dc);
+    }
+  }
+  TrainConfig tc;  // with accumulation, and on an HSDP mesh (sharded over G, replicated over R)
+  tc.steps = 4;
+  tc.accum = 2;
+  DistConfig dc;
+  dc.world = 4;
+  dc.sharded_adamw = true;
+  check_equivalence(small_config(2), tc, dc, 16);
+  dc.replicate = 2;
+  tc.accum = 1;
+  check_equivalence(small_config(2), tc, dc);
+}
+
+TEST(RuntimeTest, UnknownRouteIsAClearError) {
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    GPT m(small_config(2));
+    auto mesh = make_mesh(ctx);
+    DedicateOptions o;
+    o.param_policy.push_back({"tok_emb", ParamPolicy{"zero_adam"}});
+    const std::string err = error_of([&] { dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o); });
+    if (err.find("'tok_emb.weight' has route 'zero_adam', which does not exist") == std::string::npos)
+      throw std::runtime_error("unexpected message: " + err);
+  });
 }
 
 TEST(RuntimeTest, RankThatOwnsNothingStillTrains) {

@@ -79,7 +79,9 @@ GPTImpl::GPTImpl(const GPTConfig& cfg) : cfg_(cfg) {
 
 at::Tensor GPTImpl::forward(const at::Tensor& tokens) {
   TORCH_CHECK(tokens.dim() == 2, "GPT: expected tokens [batch, seq], got shape ", tokens.sizes());
-  at::Tensor x = tok_emb(tokens);
+  // every module with parameters runs through dmuon::forward: a plain call unless dmuon made it a
+  // hook boundary (e.g. the embedding and head on the sharded_adamw route)
+  at::Tensor x = dmuon::forward(tok_emb, tokens);
   for (size_t i = 0; i < blocks.size(); ++i) {
     if (i < frozen_blocks.size() && frozen_blocks[i]) {
       at::NoGradGuard ng;
@@ -88,7 +90,8 @@ at::Tensor GPTImpl::forward(const at::Tensor& tokens) {
       x = dmuon::forward(blocks[i], x);
     }
   }
-  return head(final_norm(x));
+  x = dmuon::forward(final_norm, x);
+  return dmuon::forward(head, x);
 }
 
 at::Tensor GPTImpl::loss(const at::Tensor& tokens) {

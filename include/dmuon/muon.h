@@ -123,13 +123,16 @@ class Muon : public torch::optim::Optimizer {
 
  private:
   void muon_update(at::Tensor& p, const MuonGroupOptions& o, StepProfile& prof);
-  void adamw_update(at::Tensor& p, const MuonGroupOptions& o);
+  // AdamW on `target` with gradient `g`; state keyed by `key` (the module parameter; for sharded_adamw
+  // the target is this rank's shard).
+  void adamw_update(at::Tensor& target, const at::Tensor& g, const at::Tensor& key, const MuonGroupOptions& o);
   MuonParamState& state_for(const at::Tensor& p);
 
   std::weak_ptr<torch::nn::Module> model_;
   MuonOptions options_;
   NewtonSchulz ns_;
   std::map<const c10::TensorImpl*, bool> owned_;  // dedicated params -> owned by this rank
+  std::map<const c10::TensorImpl*, int> sharded_;  // sharded_adamw params -> index in the runtime state
   StepProfile last_profile_;
   int64_t steps_ = 0;
   int progress_logged_ = 0;

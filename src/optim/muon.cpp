@@ -146,6 +146,8 @@ Muon::Muon(const std::shared_ptr<torch::nn::Module>& model, MuonOptions options)
       ns_(options_.ns ? *options_.ns : NewtonSchulz(options_.ns_backend)) {
   auto state = detail::state_of_model(model.get());
   for (const auto& e : state->params) owned_[e.param.unsafeGetTensorImpl()] = e.is_owner;
+  for (size_t i = 0; i < state->sharded.size(); ++i)
+    sharded_[state->sharded[i].param.unsafeGetTensorImpl()] = static_cast<int>(i);
 }
 
 MuonParamState& Muon::state_for(const at::Tensor& p) {
@@ -180,9 +182,8 @@ void Muon::muon_update(at::Tensor& p, const MuonGroupOptions& o, StepProfile& pr
   ++prof.owned_updates;
 }
 
-void Muon::adamw_update(at::Tensor& p, const MuonGroupOptions& o) {
-  const at::Tensor g = p.grad();
-  MuonParamState& st = state_for(p);
+void Muon::adamw_update(at::Tensor& p, const at::Tensor& g, const at::Tensor& key, const MuonGroupOptions& o) {
+  MuonParamState& st = state_for(key);
   if (!st.exp_avg().defined()) {
     st.exp_avg(at::zeros_like(p));
     st.exp_avg_sq(at::zeros_like(p));
@@ -218,6 +219,16 @@ at::Tensor Muon::step(LossClosure closure) {
     const auto& o = static_cast<const MuonGroupOptions&>(group.options());
     const auto t0 = std::chrono::steady_clock::now();
     for (auto& p : group.params()) {
+      if (!o.is_muon()) {
+        auto sh = sharded_.find(p.unsafeGetTensorImpl());
+        if (sh != sharded_.end()) {  // sharded_adamw: AdamW on this rank's shard
+          ShardedEntry& e = state->sharded[sh->second];
+          if (e.has_grad) adamw_update(e.shard, e.grad_sum, p, o);
+          e.grad_sum = at::Tensor();
+          e.has_grad = false;
+          continue;
+        }
+      }
       if (!p.grad().defined()) continue;
       if (o.is_muon()) {
         auto it = owned_.find(p.unsafeGetTensorImpl());
@@ -230,7 +241,7 @@ at::Tensor Muon::step(LossClosure closure) {
                     << p.size(0) << "x" << p.size(1) << " took " << elapsed_ms(tp) << " ms\n";
         }
       } else {
-        adamw_update(p, o);
+        adamw_update(p, p.grad(), p, o);
       }
     }
     (o.is_muon() ? prof.muon_ms : prof.adamw_ms) += elapsed_ms(t0);

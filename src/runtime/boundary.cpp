@@ -75,6 +75,15 @@ void DedicatedState::issue_broadcasts(int b, const char* phase) {
     buf.state = PackedBuffer::State::Pending;
     buf.ready_pass = pass;
   }
+  for (int i : B.sharded) {  // sharded_adamw: all-gather the full tensor from the shards
+    ShardedEntry& e = sharded[i];
+    if (e.state != PackedBuffer::State::Released && e.ready_pass == pass) continue;
+    if (e.state == PackedBuffer::State::Released)
+      detail::resize_storage_bytes(e.full, static_cast<size_t>(e.full.numel() * e.full.element_size()));
+    e.gather = comm.allgather_flat(e.full, e.shard, std::string(phase) + " all-gather of '" + e.name + "'");
+    e.state = PackedBuffer::State::Pending;
+    e.ready_pass = pass;
+  }
 }
 
 void DedicatedState::wait_broadcasts(int b) {
@@ -91,6 +100,14 @@ void DedicatedState::wait_broadcasts(int b) {
     if (!buf.is_root)
       for (size_t k = 0; k < buf.params.size(); ++k) params[buf.params[k]].param.set_data(buf.views[k]);
     buf.state = PackedBuffer::State::Ready;
+  }
+  for (int i : B.sharded) {
+    ShardedEntry& e = sharded[i];
+    if (e.state != PackedBuffer::State::Pending) continue;
+    e.gather.wait();
+    e.gather = Pending();
+    e.param.set_data(e.view);
+    e.state = PackedBuffer::State::Ready;
   }
 }
 
@@ -113,6 +130,15 @@ void DedicatedState::release(int b) {
     for (int p : buf.params) params[p].param.set_data(params[p].placeholder);
     detail::resize_storage_bytes(buf.flat, 0);
     buf.state = PackedBuffer::State::Released;
+  }
+  for (int i : B.sharded) {
+    ShardedEntry& e = sharded[i];
+    if (e.state == PackedBuffer::State::Pending) e.gather.wait();
+    e.gather = Pending();
+    if (e.state == PackedBuffer::State::Released) continue;
+    e.param.set_data(e.placeholder);
+    detail::resize_storage_bytes(e.full, 0);
+    e.state = PackedBuffer::State::Released;
   }
 }
 
@@ -210,8 +236,43 @@ void DedicatedState::on_param_accumulated(int p) {
   if (e.accumulated) return;
   e.accumulated = true;
   Boundary& B = boundaries[e.boundary];
-  if (++B.accumulated == static_cast<int>(B.params.size())) B.grads_ready = true;
+  if (++B.accumulated == static_cast<int>(B.params.size() + B.sharded.size())) B.grads_ready = true;
   try_issue_reduces();
+}
+
+void DedicatedState::on_sharded_accumulated(int i) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  ensure_backward_callback();
+  ShardedEntry& e = sharded[i];
+  if (e.accumulated) return;
+  e.accumulated = true;
+  Boundary& B = boundaries[e.boundary];
+  if (++B.accumulated == static_cast<int>(B.params.size() + B.sharded.size())) B.grads_ready = true;
+  try_issue_reduces();
+}
+
+ShardedEntry* DedicatedState::sharded_of(const at::Tensor& p) {
+  for (auto& e : sharded)
+    if (e.param.unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) return &e;
+  return nullptr;
+}
+
+void DedicatedState::finish_sharded(ShardedEntry& e) {
+  if (!e.rs_issued) return;
+  e.rs.wait();
+  e.rs = Pending();
+  e.rs_issued = false;
+  if (Communicator* rep = mesh->replicate())  // HSDP: replicated over the replicate axis
+    rep->allreduce(e.rs_out, Reduction::Sum, "replicate all-reduce of the shard of '" + e.name + "'").wait();
+  at::NoGradGuard ng;
+  const at::Tensor avg = e.rs_out.narrow(0, 0, e.shard_len).div(static_cast<double>(mesh->world_size()));
+  if (!e.grad_sum.defined())
+    e.grad_sum = avg;
+  else
+    e.grad_sum.add_(avg);
+  if (e.rs_out[e.shard_len].item<double>() > 0) e.has_grad = true;
+  e.rs_in = at::Tensor();
+  e.rs_out = at::Tensor();
 }
 
 void DedicatedState::try_issue_reduces() {
@@ -249,6 +310,24 @@ void DedicatedState::issue_reduce(int b) {
     }
     buf.reduce = comm.reduce(buf.grad_payload, buf.root, Reduction::Sum, boundary_what("gradient reduce", B, buf));
     buf.reduce_issued = true;
+  }
+  for (int i : B.sharded) {  // sharded_adamw: reduce-scatter G chunks of [L grads, has-grad flag]
+    ShardedEntry& e = sharded[i];
+    if (e.rs_issued) finish_sharded(e);  // an earlier backward pass (gradient accumulation)
+    const int64_t G = comm.size(), L = e.shard_len;
+    e.rs_in = at::zeros({G, L + 1}, e.param.options().requires_grad(false));
+    const at::Tensor& gr = e.param.grad();
+    if (gr.defined()) {
+      at::Tensor flat = at::zeros({G * L}, e.rs_in.options());
+      flat.narrow(0, 0, e.numel).copy_(gr.reshape(-1));
+      e.rs_in.narrow(1, 0, L).copy_(flat.view({G, L}));
+      e.rs_in.select(1, L).fill_(1);
+    }
+    e.param.mutable_grad() = at::Tensor();
+    e.rs_out = at::empty({L + 1}, e.rs_in.options());
+    e.rs = comm.reduce_scatter_flat(e.rs_out, e.rs_in.view(-1), Reduction::Sum,
+                                    "gradient reduce-scatter of '" + e.name + "'");
+    e.rs_issued = true;
   }
   release(b);  // the parameters are not needed again before the next forward
 }
@@ -319,6 +398,7 @@ void DedicatedState::end_of_backward() {
     B.reduced = false;
   }
   for (auto& e : params) e.accumulated = false;
+  for (auto& e : sharded) e.accumulated = false;
   if (!no_sync && mesh->replicate() && !opts.delay_stage2_to_optimizer)
     for (auto& B : boundaries)
       for (auto& buf : B.buffers) finish_stage1(buf);  // waits stage 1, issues stage 2 now
@@ -351,6 +431,7 @@ void DedicatedState::prepare_grads() {
       buf.reduced_sum = at::Tensor();
       buf.reduced_has.clear();
     }
+  for (auto& e : sharded) finish_sharded(e);
   wait_replicated();
 }
 

@@ -102,13 +102,13 @@ std::string shape_str(at::IntArrayRef s) {
   return o.str();
 }
 
-ParamPolicy policy_for(const DedicateOptions& opts, const std::string& name, const at::Tensor& p, int rank) {
+// The policy that applies to `name` (nullopt: none matched; the predicate decides).
+std::optional<ParamPolicy> policy_for(const DedicateOptions& opts, const std::string& name, const at::Tensor& p,
+                                      int rank) {
   TORCH_CHECK(opts.param_policy.empty() || !opts.param_policy_fn, "rank ", rank,
               ": dedicate_params: param_policy and param_policy_fn are mutually exclusive; pass one of them.");
-  ParamPolicy pol;
-  if (opts.param_policy_fn) {
-    if (auto r = opts.param_policy_fn(name, p)) pol = *r;
-  }
+  std::optional<ParamPolicy> pol;
+  if (opts.param_policy_fn) pol = opts.param_policy_fn(name, p);
   for (const auto& ov : opts.param_policy) {
     std::istringstream tokens(ov.match);
     std::string tok;
@@ -116,9 +116,11 @@ ParamPolicy policy_for(const DedicateOptions& opts, const std::string& name, con
     while (tokens >> tok) all = all && name.find(tok) != std::string::npos;
     if (all) pol = ov.policy;
   }
-  TORCH_CHECK(pol.route == "muon" || pol.route == "adamw", "rank ", rank, ": dedicate_params: parameter '", name,
-              "' has route '", pol.route, "', which does not exist. Routes: \"muon\" (dedicated ownership + "
-              "Newton-Schulz) and \"adamw\" (replicated, trained by AdamW).");
+  if (pol)
+    TORCH_CHECK(pol->route == "muon" || pol->route == "adamw" || pol->route == "sharded_adamw", "rank ", rank,
+                ": dedicate_params: parameter '", name, "' has route '", pol->route,
+                "', which does not exist. Routes: \"muon\" (dedicated ownership + Newton-Schulz), \"adamw\" "
+                "(replicated, AdamW) and \"sharded_adamw\" (1/N per rank, AdamW on the shard).");
   return pol;
 }
 
@@ -147,25 +149,12 @@ void DedicatedState::build(const ParamPredicate& predicate) {
   std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
   for (const auto& item : m->named_modules("", /*include_self=*/true)) modules[item.key()] = item.value();
 
-  // 1. select
+  // 1. select and route; resolve every routed parameter's hook boundary
   std::vector<ParamSpec> specs;
   std::vector<std::string> boundary_names;
-  for (const auto& item : m->named_parameters(/*recurse=*/true)) {
-    const std::string& name = item.key();
-    const at::Tensor& p = item.value();
-    if (!p.requires_grad()) continue;
-    if (!predicate(name, p)) continue;
-    if (policy_for(opts, name, p, rank).route != "muon") continue;
-    TORCH_CHECK(p.dim() == 2, "rank ", rank, ": dedicate_params: the predicate selected '", name, "' with shape ",
-                shape_str(p.sizes()), " (", p.dim(), "-D). Dedicated ownership runs Newton-Schulz, which needs a 2-D "
-                "matrix; make the predicate return false for it (it will be trained by AdamW), or reshape it "
-                "into a 2-D parameter in the model.");
-    TORCH_CHECK(p.numel() > 0, "rank ", rank, ": dedicate_params: parameter '", name, "' has no elements (shape ",
-                shape_str(p.sizes()), ").");
-    TORCH_CHECK(p.is_contiguous(), "rank ", rank, ": dedicate_params: parameter '", name,
-                "' is not contiguous; dedicated parameters must be plain dense tensors.");
-
-    // 2. boundary
+  std::vector<std::pair<std::string, std::string>> sharded_sel;  // (param name, boundary)
+  std::vector<std::string> boundary_order;                        // first appearance, model order
+  auto resolve_boundary = [&](const std::string& name, const at::Tensor& p) {
     std::string boundary;
     bool found = false;
     if (opts.hook_boundary_resolver) {
@@ -194,6 +183,35 @@ void DedicatedState::build(const ParamPredicate& predicate) {
       }
     }
     if (!found) boundary = ancestors_of(name).front();  // the direct parent
+    if (std::find(boundary_order.begin(), boundary_order.end(), boundary) == boundary_order.end())
+      boundary_order.push_back(boundary);
+    return boundary;
+  };
+  for (const auto& item : m->named_parameters(/*recurse=*/true)) {
+    const std::string& name = item.key();
+    const at::Tensor& p = item.value();
+    if (!p.requires_grad()) continue;
+    const auto pol = policy_for(opts, name, p, rank);
+    const std::string route = pol ? pol->route : (predicate(name, p) ? "muon" : "adamw");
+    if (route == "adamw") continue;
+    if (route == "sharded_adamw") {
+      TORCH_CHECK(!ddp, "rank ", rank, ": dedicate_params_ddp: parameter '", name, "' is routed to sharded_adamw, "
+                  "but the DDP path keeps every parameter whole on every rank. Use dedicate_params for sharding, or "
+                  "route it to \"adamw\".");
+      TORCH_CHECK(p.numel() > 0 && p.is_contiguous(), "rank ", rank, ": dedicate_params: sharded_adamw parameter '",
+                  name, "' must be a non-empty contiguous tensor.");
+      sharded_sel.emplace_back(name, resolve_boundary(name, p));
+      continue;
+    }
+    TORCH_CHECK(p.dim() == 2, "rank ", rank, ": dedicate_params: the predicate selected '", name, "' with shape ",
+                shape_str(p.sizes()), " (", p.dim(), "-D). Dedicated ownership runs Newton-Schulz, which needs a 2-D "
+                "matrix; make the predicate return false for it (it will be trained by AdamW), or reshape it "
+                "into a 2-D parameter in the model.");
+    TORCH_CHECK(p.numel() > 0, "rank ", rank, ": dedicate_params: parameter '", name, "' has no elements (shape ",
+                shape_str(p.sizes()), ").");
+    TORCH_CHECK(p.is_contiguous(), "rank ", rank, ": dedicate_params: parameter '", name,
+                "' is not contiguous; dedicated parameters must be plain dense tensors.");
+    const std::string boundary = resolve_boundary(name, p);
 
     ParamSpec s;
     s.name = name;
@@ -273,6 +291,14 @@ void DedicatedState::build(const ParamPredicate& predicate) {
 
   // 4. boundaries and packed buffers, in model order of first appearance
   std::map<std::string, int> bindex;
+  for (const auto& name : boundary_order) {
+    Boundary b;
+    b.name = name;
+    b.module = modules.at(name);
+    b.index = static_cast<int>(boundaries.size());
+    bindex.emplace(name, b.index);
+    boundaries.push_back(std::move(b));
+  }
   for (size_t i = 0; i < params.size(); ++i) {
     auto& e = params[i];
     e.owner = plan.owners[i];
@@ -324,7 +350,47 @@ void DedicatedState::build(const ParamPredicate& predicate) {
     }
   }
 
+  // 4b. sharded_adamw parameters: slice of rank 0's value (global rank 0 broadcasts over the world)
+  {
+    at::NoGradGuard ng;
+    const int G = mesh->shard_size();
+    std::map<std::string, at::Tensor> by_name;
+    for (const auto& item : m->named_parameters(true)) by_name[item.key()] = item.value();
+    for (const auto& [name, bname] : sharded_sel) {
+      ShardedEntry e;
+      e.name = name;
+      e.param = by_name.at(name);
+      e.shape = e.param.sizes().vec();
+      e.numel = e.param.numel();
+      e.shard_len = (e.numel + G - 1) / G;
+      e.boundary = bindex.at(bname);
+      at::Tensor full = at::zeros({e.shard_len * G}, e.param.options().requires_grad(false));
+      full.narrow(0, 0, e.numel).copy_(e.param.detach().reshape(-1));
+      mesh->world().broadcast(full, 0, "initial value of sharded parameter '" + name + "' from rank 0").wait();
+      e.shard = full.narrow(0, static_cast<int64_t>(mesh->shard_rank()) * e.shard_len, e.shard_len).clone();
+      e.full = at::empty({e.shard_len * G}, e.param.options().requires_grad(false));
+      e.view = e.full.narrow(0, 0, e.numel).view(e.param.sizes());
+      e.placeholder = at::empty({0}, e.param.options().requires_grad(false));
+      sharded_index[name] = static_cast<int>(sharded.size());
+      boundaries[e.boundary].sharded.push_back(static_cast<int>(sharded.size()));
+      sharded.push_back(std::move(e));
+    }
+  }
+
   // 5. hooks (while every parameter is still full-size: the accumulator caches the shape)
+  for (size_t i = 0; i < sharded.size(); ++i) {
+    auto& e = sharded[i];
+    e.grad_acc = torch::autograd::impl::grad_accumulator(e.param);
+    const int idx = static_cast<int>(i);
+    e.grad_acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, idx](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          on_sharded_accumulated(idx);
+          return outputs;
+        }));
+    at::NoGradGuard ng;
+    e.param.set_data(e.placeholder);
+    detail::resize_storage_bytes(e.full, 0);
+  }
   for (size_t i = 0; i < params.size(); ++i) {
     auto& e = params[i];
     e.grad_acc = torch::autograd::impl::grad_accumulator(e.param);
@@ -483,7 +549,7 @@ std::vector<std::pair<std::string, at::Tensor>> get_base_params(const torch::nn:
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& item : model.named_parameters(true)) {
     if (!item.value().requires_grad()) continue;
-    if (s && s->param_index.count(item.key())) continue;
+    if (s && (s->param_index.count(item.key()) || s->sharded_index.count(item.key()))) continue;
     out.emplace_back(item.key(), item.value());
   }
   return out;

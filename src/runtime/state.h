@@ -52,11 +52,39 @@ struct PackedBuffer {
   int64_t bytes() const { return numel * flat.element_size(); }
 };
 
+// A base parameter on the sharded_adamw route (ZeRO-3 style): each shard rank keeps 1/G of it
+// (padded to a multiple of G) and the AdamW state of that slice; a boundary's forward all-gathers
+// the full tensor, backward reduce-scatters the gradient (averaged over all ranks; on HSDP the shard
+// is then all-reduced over the replicate group).
+struct ShardedEntry {
+  std::string name;
+  at::Tensor param;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  int64_t shard_len = 0;            // L: padded numel = L * G
+  int boundary = 0;
+  at::Tensor shard;                 // [L] this rank's slice: the master the optimizer updates
+  at::Tensor full;                  // [L * G] gather target; its storage is 0 bytes while released
+  at::Tensor view;                  // full[:numel] viewed as the parameter's shape
+  at::Tensor placeholder;
+  PackedBuffer::State state = PackedBuffer::State::Released;
+  int64_t ready_pass = -1;
+  Pending gather;
+  at::Tensor rs_in, rs_out;         // reduce-scatter payload: G chunks of [L grads, 1 flag]
+  Pending rs;
+  bool rs_issued = false;
+  at::Tensor grad_sum;              // averaged shard gradient, summed over backward passes
+  bool has_grad = false;
+  bool accumulated = false;
+  std::shared_ptr<torch::autograd::Node> grad_acc;
+};
+
 struct Boundary {
   std::string name;
   std::weak_ptr<torch::nn::Module> module;
   int index = 0;                    // model order
   std::vector<int> params;          // dedicated params in this boundary
+  std::vector<int> sharded;         // sharded_adamw params in this boundary
   std::vector<PackedBuffer> buffers;
   // per backward pass
   bool ran_forward = false;         // entered in the current forward pass
@@ -130,6 +158,10 @@ class DedicatedState {
   std::vector<ParamEntry> params;
   std::vector<Boundary> boundaries;
   std::map<std::string, int> param_index;
+  std::vector<ShardedEntry> sharded;             // sharded_adamw base parameters
+  std::map<std::string, int> sharded_index;
+  ShardedEntry* sharded_of(const at::Tensor& p);
+  void on_sharded_accumulated(int i);
   std::unique_ptr<ReplicatedParams> replicated;
   bool z3() const { return opts.reshard_after_forward && !ddp; }
   bool ddp = false;          // dedicate_params_ddp: full params everywhere, publish after step
@@ -159,6 +191,7 @@ class DedicatedState {
   void finish_stage1(PackedBuffer& buf);  // wait stage 1; HSDP holders issue stage 2
   void finish_stage2(PackedBuffer& buf);  // wait stage 2; the global owner folds
   void fold_into_sum(PackedBuffer& buf, double divisor);
+  void finish_sharded(ShardedEntry& e);
   void wait_publish(PackedBuffer& buf);
   void fold_replicated();                 // wait the replicated all-reduces; fold into sums
   void try_issue_reduces();
