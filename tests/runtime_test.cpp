@@ -81,6 +81,8 @@ struct TrainConfig {
   std::vector<bool> frozen;  // blocks run under no_grad
   int accum = 1;             // micro-batches per optimizer step (each rank splits its slice)
   bool no_sync = false;      // accumulate inside dmuon::NoSync (reduce once per step)
+  std::vector<int> block_order;  // e.g. {0, 1, 0}: block 0 runs twice per forward
+  bool two_forwards = false;     // each rank: two forward passes, one backward of the mean loss
 };
 
 // ---- the independent single-process reference ------------------------------------------------------
@@ -96,6 +98,7 @@ RefResult reference_train(const GPTConfig& cfg, const StateDict& init, const std
   GPT m(cfg);
   load_state(m, init);
   m->frozen_blocks = tc.frozen.empty() ? std::vector<bool>(cfg.n_layers, false) : tc.frozen;
+  m->block_order = tc.block_order;
   // LR schedule from LibTorch's own StepLR on a throwaway optimizer
   at::Tensor dummy = at::zeros({1}, at::requires_grad());
   torch::optim::SGD sgd({dummy}, torch::optim::SGDOptions(1.0));
@@ -202,6 +205,7 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
     GPT m(cfg);
     load_state(m, init);
     if (!tc.frozen.empty()) m->frozen_blocks = tc.frozen;
+    m->block_order = tc.block_order;
     auto mesh = make_mesh(ctx, std::chrono::seconds(60), dc.replicate);
     DedicateOptions dopts;
     dopts.reshard_after_forward = dc.z3;
@@ -241,7 +245,14 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
       for (int a = 0; a < tc.accum; ++a) {
         std::optional<NoSync> ns;
         if (tc.no_sync && a + 1 < tc.accum) ns.emplace(*m);
-        at::Tensor loss = m->loss(mine.narrow(0, a * micro, micro)) / tc.accum;
+        const at::Tensor mb = mine.narrow(0, a * micro, micro);
+        at::Tensor loss;
+        if (tc.two_forwards) {  // two graphs, one backward
+          const int64_t h = micro / 2;
+          loss = (m->loss(mb.narrow(0, 0, h)) + m->loss(mb.narrow(0, h, micro - h))) / (2.0 * tc.accum);
+        } else {
+          loss = m->loss(mb) / tc.accum;
+        }
         loss.backward();
       }
       opt.step();
@@ -617,6 +628,22 @@ TEST(RuntimeTest, UnknownRouteIsAClearError) {
     if (err.find("'tok_emb.weight' has route 'zero_adam', which does not exist") == std::string::npos)
       throw std::runtime_error("unexpected message: " + err);
   });
+}
+
+TEST(RuntimeTest, BlockUsedTwicePerForwardAndTwoForwardsPerBackward) {
+  for (bool z3 : {true, false}) {
+    TrainConfig tc;
+    tc.steps = 4;
+    tc.block_order = {0, 1, 0};  // block 0's weights used at two positions
+    DistConfig dc;
+    dc.world = 2;
+    dc.z3 = z3;
+    dc.pack_small_params = false;
+    check_equivalence(small_config(2), tc, dc);
+    tc.block_order.clear();
+    tc.two_forwards = true;
+    check_equivalence(small_config(2), tc, dc);
+  }
 }
 
 TEST(RuntimeTest, RankThatOwnsNothingStillTrains) {

@@ -82,7 +82,13 @@ at::Tensor GPTImpl::forward(const at::Tensor& tokens) {
   // every module with parameters runs through dmuon::forward: a plain call unless dmuon made it a
   // hook boundary (e.g. the embedding and head on the sharded_adamw route)
   at::Tensor x = dmuon::forward(tok_emb, tokens);
-  for (size_t i = 0; i < blocks.size(); ++i) {
+  std::vector<int> order = block_order;
+  if (order.empty())
+    for (size_t i = 0; i < blocks.size(); ++i) order.push_back(static_cast<int>(i));
+  for (int idx : order) {
+    TORCH_CHECK(idx >= 0 && idx < static_cast<int>(blocks.size()), "GPT: block_order names block ", idx, " of ",
+                blocks.size());
+    const size_t i = static_cast<size_t>(idx);
     if (i < frozen_blocks.size() && frozen_blocks[i]) {
       at::NoGradGuard ng;
       x = dmuon::forward(blocks[i], x);

@@ -62,6 +62,9 @@ class GPTImpl : public torch::nn::Module {
   // Blocks whose forward runs without gradient (for tests of "a block whose parameters get no
   // gradient in a step").
   std::vector<bool> frozen_blocks;
+  // Blocks to run, in order (default: each once, 0..n-1). Repeating an index shares that block's
+  // weights between positions (ALBERT-style), which exercises re-entrant hook boundaries.
+  std::vector<int> block_order;
 
   const GPTConfig& config() const { return cfg_; }
   torch::nn::Embedding tok_emb{nullptr};

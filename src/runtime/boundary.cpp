@@ -181,6 +181,7 @@ void DedicatedState::pre_forward(int b) {
   Boundary& B = boundaries[b];
   if (backward_since_forward || B.ran_forward) begin_forward_pass();
   B.ran_forward = true;
+  B.ran_since_backward = true;
   B.in_forward = true;
   boundaries_seen = true;
   current_order.push_back(b);
@@ -204,7 +205,14 @@ void DedicatedState::ensure_backward_callback() {
   if (callback_queued) return;
   callback_queued = true;
   if (!reduce_order_fixed) {
-    reduce_order.assign(current_order.rbegin(), current_order.rend());
+    // reverse forward order; then every other boundary entered since the last backward (a block
+    // run twice, or forward passes before this backward), in model order — the same on every rank
+    reduce_order.clear();
+    for (auto it = current_order.rbegin(); it != current_order.rend(); ++it)
+      if (std::find(reduce_order.begin(), reduce_order.end(), *it) == reduce_order.end()) reduce_order.push_back(*it);
+    for (const auto& B : boundaries)
+      if (B.ran_since_backward && std::find(reduce_order.begin(), reduce_order.end(), B.index) == reduce_order.end())
+        reduce_order.push_back(B.index);
     next_reduce = 0;
     reduce_order_fixed = true;
   }
@@ -222,10 +230,17 @@ void DedicatedState::pre_backward(int b) {
   wait_broadcasts(b);
 }
 
+void DedicatedState::note_post_hook(int b) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  ++boundaries[b].post_expected;
+}
+
 void DedicatedState::post_backward(int b) {
   std::lock_guard<std::recursive_mutex> g(mu);
   ensure_backward_callback();
-  boundaries[b].grads_ready = true;
+  Boundary& B = boundaries[b];
+  // A block used several times in one graph is done only after the backward of every use.
+  if (++B.post_fired >= B.post_expected) B.grads_ready = true;
   try_issue_reduces();
 }
 
@@ -393,6 +408,9 @@ void DedicatedState::end_of_backward() {
     for (; next_reduce < reduce_order.size(); ++next_reduce) issue_reduce(reduce_order[next_reduce]);
   for (auto& B : boundaries) {
     release(B.index);
+    if (!no_sync) B.ran_since_backward = false;
+    B.post_expected = 0;
+    B.post_fired = 0;
     B.grads_ready = false;
     B.accumulated = 0;
     B.reduced = false;
@@ -582,6 +600,7 @@ void BoundaryScope::enter() {
 at::Tensor BoundaryScope::enter(const at::Tensor& input) {
   enter();
   if (!impl_->state || !at::GradMode::is_enabled() || !input.defined() || !input.requires_grad()) return input;
+  impl_->state->note_post_hook(impl_->boundary);
   return PostBackwardFn::apply(input, reinterpret_cast<int64_t>(impl_->state.get()),
                                static_cast<int64_t>(impl_->boundary))[0];
 }

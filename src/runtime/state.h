@@ -88,6 +88,9 @@ struct Boundary {
   std::vector<PackedBuffer> buffers;
   // per backward pass
   bool ran_forward = false;         // entered in the current forward pass
+  bool ran_since_backward = false;  // entered in any forward since the last backward (reduce set)
+  int post_expected = 0;            // post-backward hooks installed since the last backward (uses)
+  int post_fired = 0;
   bool grads_ready = false;         // post-backward fired or all params accumulated
   int accumulated = 0;
   bool reduced = false;
@@ -135,6 +138,7 @@ class DedicatedState {
   void post_forward(int b);
   void pre_backward(int b);
   void post_backward(int b);
+  void note_post_hook(int b);  // a use of boundary b whose backward will fire post_backward
   void on_param_accumulated(int p);
   void end_of_backward();
   void ensure_backward_callback();
