@@ -188,6 +188,7 @@ struct DistConfig {
   bool delay_stage2 = true;
   double bucket_mb = 0.0;
   bool sharded_adamw = false;  // route every non-matrix parameter to sharded_adamw
+  std::string unshard = "broadcast";
 };
 
 // Runs the distributed training and compares every rank's view with the reference.
@@ -211,6 +212,7 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
     dopts.reshard_after_forward = dc.z3;
     dopts.delay_stage2_to_optimizer = dc.delay_stage2;
     dopts.replicate_broadcast_bucket_mb = dc.bucket_mb;
+    dopts.muon_forward_unshard = dc.unshard;
     if (dc.sharded_adamw)
       dopts.param_policy_fn = [](const std::string& n, const at::Tensor& p) -> std::optional<ParamPolicy> {
         if (models::is_muon_matrix(n, p)) return std::nullopt;
@@ -618,12 +620,73 @@ TEST(RuntimeTest, ShardedAdamwRouteMatchesSingleProcess) {
   check_equivalence(small_config(2), tc, dc);
 }
 
+TEST(RuntimeTest, AllGatherUnshardModeMatchesSingleProcess) {
+  for (int world : {2, 3, 4}) {
+    for (bool z3 : {true, false}) {
+      TrainConfig tc;
+      tc.steps = 5;
+      DistConfig dc;
+      dc.world = world;
+      dc.z3 = z3;
+      dc.unshard = "all_gather";
+      dc.pack_small_params = world != 3;  // packed units and single matrices, sizes not divisible by N
+      SCOPED_TRACE("N=" + std::to_string(world) + (z3 ? " Z3" : " Z2"));
+      check_equivalence(small_config(2), tc, dc);
+    }
+  }
+}
+
+TEST(RuntimeTest, AllGatherModeKeepsShardsAndCountsItsBytes) {
+  const GPTConfig cfg = small_config(2);
+  testing::run_ranks(3, [&](testing::RankContext& ctx) {
+    GPT m(cfg);
+    auto mesh = make_mesh(ctx);
+    DedicateOptions o;
+    o.pack_small_params = false;
+    o.muon_forward_unshard = "all_gather";
+    dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
+    replicate(m.ptr(), mesh);
+    MuonOptions mo;
+    mo.first_step_progress_log = false;
+    mo.replicate_async = false;
+    Muon opt(m.ptr(), mo);
+    auto state = get_comm_ctx(*m);
+    mesh->counters().reset();
+    m->loss(at::randint(32, {2, 6}, at::kLong)).backward();
+    opt.step();
+    // per step and rank, per packed unit of S = G*L padded bytes: all-gather (G-1)/G*S twice (Z3),
+    // reduce S (+flag) on non-owners, scatter S/G on non-owners
+    int64_t gather = 0, reduce = 0, scatter = 0;
+    for (const auto& B : state->boundaries)
+      for (const auto& buf : B.buffers) {
+        const int64_t S = buf.flat.numel() * 4;
+        gather += 2 * 2 * S / 3;
+        if (!buf.is_root) {
+          reduce += buf.numel * 4 + 4 * static_cast<int64_t>(buf.params.size());
+          scatter += S / 3;
+        }
+        if (buf.shard.numel() != buf.shard_len || buf.shard_len != (buf.numel + 2) / 3)
+          throw std::runtime_error("shard of " + B.name);
+        if (!buf.is_root && buf.flat.storage().nbytes() != 0) throw std::runtime_error("not released: " + B.name);
+      }
+    auto& c = mesh->counters();
+    if (c.bytes(CommOp::AllGather) != gather || c.bytes(CommOp::Reduce) != reduce || c.bytes(CommOp::Scatter) != scatter ||
+        c.bytes(CommOp::Broadcast) != 0)
+      throw std::runtime_error("all_gather-mode bytes: gather " + std::to_string(c.bytes(CommOp::AllGather)) + "/" +
+                               std::to_string(gather) + " reduce " + std::to_string(c.bytes(CommOp::Reduce)) + "/" +
+                               std::to_string(reduce) + " scatter " + std::to_string(c.bytes(CommOp::Scatter)) + "/" +
+                               std::to_string(scatter));
+  });
+}
+
 TEST(RuntimeTest, UnknownRouteIsAClearError) {
   testing::run_ranks(2, [&](testing::RankContext& ctx) {
     GPT m(small_config(2));
     auto mesh = make_mesh(ctx);
     DedicateOptions o;
-    o.param_policy.push_back({"tok_emb", ParamPolicy{"zero_adam"}});
+    ParamPolicy bad;
+    bad.route = "zero_adam";
+    o.param_policy.push_back({"tok_emb", bad});
     const std::string err = error_of([&] { dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o); });
     if (err.find("'tok_emb.weight' has route 'zero_adam', which does not exist") == std::string::npos)
       throw std::runtime_error("unexpected message: " + err);

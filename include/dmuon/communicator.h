@@ -10,7 +10,8 @@
 //
 // Byte convention (per rank, what crosses this rank's link): broadcast and reduce of S bytes cost S
 // on every rank except the root; all-reduce 2(N-1)/N*S; all-gather and reduce-scatter of a total S
-// (N-1)/N*S. A group of one costs nothing and issues nothing.
+// (N-1)/N*S; scatter of a total S from the root S/N on every other rank. A group of one costs nothing
+// and issues nothing.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -27,7 +28,7 @@
 
 namespace dmuon {
 
-enum class CommOp : int { Broadcast = 0, Reduce, AllReduce, AllGather, ReduceScatter, Barrier, kCount };
+enum class CommOp : int { Broadcast = 0, Reduce, AllReduce, AllGather, ReduceScatter, Scatter, Barrier, kCount };
 const char* comm_op_name(CommOp op);
 
 enum class Reduction { Sum, Avg };
@@ -101,6 +102,9 @@ class Communicator {
   // in: size() * out.numel() elements; out <- reduction over ranks of chunk rank() of `in`.
   // Gloo 1.13 has no reduce-scatter: all-reduce of a copy + narrow (counted as an all-reduce).
   Pending reduce_scatter_flat(at::Tensor out, at::Tensor in, Reduction op, std::string what);
+  // out: in.numel() / size() elements; rank i receives the root's chunk i of `in` (only the root's
+  // `in` is read). Costs out bytes on every non-root rank.
+  Pending scatter_flat(at::Tensor out, at::Tensor in, int root, std::string what);
   // collective: blocking barrier with this group's timeout.
   void barrier(const std::string& what);
 

@@ -49,6 +49,10 @@ using AssignmentGroupKeyFn = std::function<std::string(const std::string& param_
 // "muon" (dedicated ownership + Newton-Schulz) or "adamw" (replicated, trained by AdamW).
 struct ParamPolicy {
   std::string route = "muon";
+  // Muon-routed only: "broadcast" (the owner broadcasts the full matrix) or "all_gather" (after
+  // step() the owner scatters the update into 1/N shards; forward rebuilds the full matrix with an
+  // all-gather). Empty = DedicateOptions::muon_forward_unshard.
+  std::string muon_forward_unshard;
 };
 // An ordered override: applies when every token of `match` (split on spaces) is a substring of the
 // parameter's full name. Later overrides win.
@@ -73,6 +77,7 @@ struct DedicateOptions {
   std::vector<ParamPolicyOverride> param_policy;  // mutually exclusive with param_policy_fn
   ParamPolicyFn param_policy_fn;
   int forward_prefetch_depth = 1;               // boundaries broadcast ahead in forward (0 = none)
+  std::string muon_forward_unshard = "broadcast";  // or "all_gather" (experimental; 1-D meshes)
   // HSDP (2-D mesh) only:
   double replicate_broadcast_bucket_mb = 0.0;   // post-step publish chunk size in MiB; 0 = one per packed unit
   bool delay_stage2_to_optimizer = true;        // replicate-axis reduce waited/issued in step() (true) or

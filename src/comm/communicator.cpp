@@ -14,6 +14,7 @@ const char* comm_op_name(CommOp op) {
     case CommOp::AllReduce: return "all_reduce";
     case CommOp::AllGather: return "all_gather";
     case CommOp::ReduceScatter: return "reduce_scatter";
+    case CommOp::Scatter: return "scatter";
     case CommOp::Barrier: return "barrier";
     default: return "?";
   }
@@ -266,6 +267,31 @@ Pending Communicator::reduce_scatter_flat(at::Tensor out, at::Tensor in, Reducti
     o.reduceOp = avg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
     o.timeout = timeout_;
     return pg_->_reduce_scatter_base(o_flat, i_flat, o);
+  }, nullptr);
+}
+
+Pending Communicator::scatter_flat(at::Tensor out, at::Tensor in, int root, std::string what) {
+  if (rank_ == root)
+    TORCH_CHECK(in.numel() == out.numel() * size_, "scatter_flat (", what, "): input has ", in.numel(),
+                " elements, expected ", out.numel() * size_, " = ", size_, " ranks x ", out.numel());
+  if (size_ == 1) {
+    out.view(-1).copy_(in.reshape(-1));
+    return Pending();
+  }
+  count(CommOp::Scatter, rank_ == root ? 0 : static_cast<int64_t>(out.numel()) * out.element_size());
+  return issue(CommOp::Scatter, what, [&] {
+    std::vector<at::Tensor> outs{out};
+    std::vector<std::vector<at::Tensor>> ins;
+    if (rank_ == root) {
+      std::vector<at::Tensor> chunks;
+      const int64_t n = out.numel();
+      for (int r = 0; r < size_; ++r) chunks.push_back(in.view(-1).narrow(0, r * n, n));
+      ins.push_back(chunks);
+    }
+    c10d::ScatterOptions o;
+    o.rootRank = root;
+    o.timeout = timeout_;
+    return pg_->scatter(outs, ins, o);
   }, nullptr);
 }
 

@@ -64,7 +64,15 @@ void DedicatedState::issue_broadcasts(int b, const char* phase) {
     if (buf.state != PackedBuffer::State::Released && buf.ready_pass == pass) continue;  // already published
     if (buf.is_root) wait_publish(buf);  // HSDP: the holder's copy must be the new value first
     if (!buf.is_root && buf.state == PackedBuffer::State::Released)
-      detail::resize_storage_bytes(buf.flat, static_cast<size_t>(buf.bytes()));
+      detail::resize_storage_bytes(buf.flat, static_cast<size_t>(buf.flat.numel() * buf.flat.element_size()));
+    if (buf.gather_mode) {  // rebuild the full matrix from every rank's shard
+      buf.scatter.wait();  // the shards of the last update must have arrived
+      buf.scatter = Pending();
+      buf.bcast = comm.allgather_flat(buf.flat, buf.shard, boundary_what(phase, B, buf) + " [all-gather mode]");
+      buf.state = PackedBuffer::State::Pending;
+      buf.ready_pass = pass;
+      continue;
+    }
     at::Tensor payload = buf.flat;
     if (opts.compute_dtype && *opts.compute_dtype != buf.flat.scalar_type()) {
       buf.bcast_payload = buf.is_root ? buf.flat.to(*opts.compute_dtype)
@@ -496,7 +504,10 @@ void DedicatedState::wait_publishes() {
   std::lock_guard<std::recursive_mutex> g(mu);
   for (auto& B : boundaries) {
     wait_broadcasts(B.index);
-    for (auto& buf : B.buffers) wait_publish(buf);
+    for (auto& buf : B.buffers) {
+      wait_publish(buf);
+      buf.scatter.wait();
+    }
   }
 }
 
@@ -531,8 +542,18 @@ void DedicatedState::publish(bool async) {
     return;
   }
   if (!ddp) {
+    // all_gather mode: the owner scatters its update into every rank's shard (waited before the
+    // next all-gather of the same buffer); broadcast mode: the next forward broadcasts
+    for (auto& B : boundaries)
+      for (auto& buf : B.buffers)
+        if (buf.gather_mode) {
+          buf.scatter.wait();
+          at::Tensor src = buf.is_root ? buf.flat : at::empty({0}, buf.flat.options());
+          buf.scatter = mesh->shard().scatter_flat(buf.shard, src, buf.root, boundary_what("post-step scatter", B, buf));
+          if (!async) buf.scatter.wait();
+        }
     if (env::isolated_pg_barrier()) mesh->shard().barrier("DMUON_ISOLATED_PG_BARRIER post-step fence");
-    return;  // 1-D dedicate_params: the next forward broadcasts
+    return;
   }
   Communicator& comm = mesh->shard();
   // In the recorded forward order (model order before the first pass), so the next forward finds

@@ -153,6 +153,7 @@ void DedicatedState::build(const ParamPredicate& predicate) {
   std::vector<ParamSpec> specs;
   std::vector<std::string> boundary_names;
   std::vector<std::pair<std::string, std::string>> sharded_sel;  // (param name, boundary)
+  std::set<std::string> gather_names;                             // Muon params in all_gather mode
   std::vector<std::string> boundary_order;                        // first appearance, model order
   auto resolve_boundary = [&](const std::string& name, const at::Tensor& p) {
     std::string boundary;
@@ -212,6 +213,14 @@ void DedicatedState::build(const ParamPredicate& predicate) {
     TORCH_CHECK(p.is_contiguous(), "rank ", rank, ": dedicate_params: parameter '", name,
                 "' is not contiguous; dedicated parameters must be plain dense tensors.");
     const std::string boundary = resolve_boundary(name, p);
+    std::string unshard = (pol && !pol->muon_forward_unshard.empty()) ? pol->muon_forward_unshard
+                                                                        : opts.muon_forward_unshard;
+    TORCH_CHECK(unshard == "broadcast" || unshard == "all_gather", "rank ", rank, ": dedicate_params: parameter '",
+                name, "' has muon_forward_unshard '", unshard, "'; use \"broadcast\" or \"all_gather\".");
+    TORCH_CHECK(unshard == "broadcast" || (!mesh->is_2d() && !ddp), "rank ", rank, ": dedicate_params: "
+                "muon_forward_unshard=\"all_gather\" (parameter '", name, "') is supported on a 1-D mesh with "
+                "dedicate_params only; use \"broadcast\" for HSDP and the DDP path.");
+    gather_names.insert(unshard == "all_gather" ? name : std::string());
 
     ParamSpec s;
     s.name = name;
@@ -329,6 +338,12 @@ void DedicatedState::build(const ParamPredicate& predicate) {
       buf.params = ps;
       buf.is_owner = params[ps.front()].is_owner;
       buf.is_root = buf.owner.shard == mesh->shard_rank();  // the holder in this replicate group
+      buf.gather_mode = gather_names.count(params[ps.front()].name) > 0;
+      for (int p : ps)
+        TORCH_CHECK((gather_names.count(params[p].name) > 0) == buf.gather_mode, "rank ", rank,
+                    ": dedicate_params: parameters '", params[p].name, "' and '", params[ps.front()].name,
+                    "' share an owner in boundary '", b.name, "' but differ in muon_forward_unshard; use one mode "
+                    "per boundary, or set pack_small_params=false / separate assignment groups.");
       const at::Tensor& first = params[ps.front()].param;
       for (int p : ps) {
         TORCH_CHECK(params[p].param.scalar_type() == first.scalar_type() &&
@@ -339,7 +354,10 @@ void DedicatedState::build(const ParamPredicate& predicate) {
         buf.offsets.push_back(buf.numel);
         buf.numel += params[p].param.numel();
       }
-      buf.flat = at::empty({buf.numel}, first.options().requires_grad(false));
+      if (buf.gather_mode) buf.shard_len = (buf.numel + mesh->shard_size() - 1) / mesh->shard_size();
+      // all_gather mode pads the buffer to G equal shards
+      buf.flat = at::zeros({buf.gather_mode ? buf.shard_len * mesh->shard_size() : buf.numel},
+                           first.options().requires_grad(false));
       for (size_t k = 0; k < ps.size(); ++k) {
         auto& e = params[ps[k]];
         e.buffer = static_cast<int>(b.buffers.size());
@@ -426,6 +444,14 @@ void DedicatedState::build(const ParamPredicate& predicate) {
           buf.state = PackedBuffer::State::Released;
         }
       }
+    // all_gather mode: every rank starts with its shard of the owner's value
+    for (auto& b : boundaries)
+      for (auto& buf : b.buffers)
+        if (buf.gather_mode) {
+          buf.shard = at::empty({buf.shard_len}, buf.flat.options());
+          at::Tensor src = buf.is_root ? buf.flat : at::empty({0}, buf.flat.options());
+          mesh->shard().scatter_flat(buf.shard, src, buf.root, "initial shards of '" + b.name + "'").wait();
+        }
     // HSDP: every holder starts from the global owner's value (one broadcast per packed unit over
     // the replicate group of the owner's column; same order on every member).
     if (Communicator* rep = mesh->replicate()) {

@@ -33,6 +33,10 @@ struct PackedBuffer {
   int64_t numel = 0;
   bool is_root = false;              // holds the full matrix between steps: shard rank == owner.shard
   bool is_owner = false;             // the global owner (== is_root on a 1-D mesh): runs NS
+  bool gather_mode = false;          // muon_forward_unshard = all_gather
+  int64_t shard_len = 0;             // all_gather: every rank keeps flat[r*L, (r+1)*L) of the owner's value
+  at::Tensor shard;
+  Pending scatter;
   at::Tensor flat;                  // [numel], param dtype
   std::vector<at::Tensor> views;    // per param: flat.narrow(...).view(shape)
   State state = State::Released;
