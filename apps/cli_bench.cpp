@@ -276,16 +276,7 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
   app.add_option("--ns-backend", a.ns_backend, "gram or direct")->capture_default_str();
   app.add_option("--out", a.out, "where the per-N JSON results go")->capture_default_str();
   app.add_option("--pack", a.pack, "DMuon pack_small_params: 1, 0, or -1 for the default (env/planner)");
-  try {
-    std::vector<std::string> rev(args.rbegin(), args.rend() - 1);
-    app.parse(rev);
-  } catch (const CLI::CallForHelp&) {
-    out << app.help();
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    err << "error: " << e.what() << "\n";
-    return 2;
-  }
+  if (auto rc = parse_args(app, std::vector<std::string>(args.begin() + 1, args.end()), out, err)) return *rc;
   try {
     if (launched_as_rank()) return run_bench_rank(a, out);
     std::vector<int> ns;

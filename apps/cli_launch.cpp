@@ -1,5 +1,7 @@
 #include "cli_launch.h"
 
+#include <CLI/CLI.hpp>
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -152,6 +154,20 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
   ::sigaction(SIGINT, &old_int, nullptr);
   ::sigaction(SIGTERM, &old_term, nullptr);
   return status_out;
+}
+
+std::optional<int> parse_args(CLI::App& app, std::vector<std::string> args, std::ostream& out, std::ostream& err) {
+  try {
+    std::reverse(args.begin(), args.end());  // CLI11 takes the arguments last-first
+    app.parse(args);
+  } catch (const CLI::CallForHelp&) {
+    out << app.help();
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    err << "error: " << e.what() << "\n";
+    return 2;
+  }
+  return std::nullopt;
 }
 
 void write_file_atomic(const std::string& path, const std::string& content) {

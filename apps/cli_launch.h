@@ -8,6 +8,10 @@
 #include <string>
 #include <vector>
 
+namespace CLI {
+class App;
+}
+
 namespace dmuon::cli {
 
 // A free TCP port on 127.0.0.1 (bound and released), or throws.
@@ -30,6 +34,11 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err);
 
 // Child side: whether this process was started by launch_local_ranks (or any launcher).
 bool launched_as_rank();
+
+// Parses `args` into `app`. Returns an exit code when the command should stop here (0 after --help,
+// 2 after a parse error, with the message on `err`), nullopt to go on.
+std::optional<int> parse_args(CLI::App& app, std::vector<std::string> args, std::ostream& out,
+                              std::ostream& err);
 
 // Writes `content` to `path` atomically (temporary file in the same directory, then rename).
 void write_file_atomic(const std::string& path, const std::string& content);

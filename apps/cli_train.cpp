@@ -345,16 +345,7 @@ int run_train_command(const std::vector<std::string>& args, std::ostream& out, s
   CLI::App app{"dmuon train: a small GPT on real text with dedicated-ownership Muon", "dmuon train"};
   TrainArgs a;
   add_options(app, a);
-  try {
-    std::vector<std::string> rev(args.rbegin(), args.rend());
-    app.parse(rev);
-  } catch (const CLI::CallForHelp&) {
-    out << app.help();
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    err << "error: " << e.what() << "\n";
-    return 2;
-  }
+  if (auto rc = parse_args(app, args, out, err)) return *rc;
   try {
     if (!launched_as_rank()) {
       validate(a, a.ranks);

@@ -62,15 +62,7 @@ void expect_tensor_eq(const at::Tensor& actual, const at::Tensor& expected, cons
                                                                     << "\n expected " << expected;
 }
 
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 int64_t allreduce_bytes(int n, int64_t s) { return n > 1 ? 2 * (n - 1) * s / n : 0; }
 int64_t gather_bytes(int n, int64_t s) { return n > 1 ? (n - 1) * s / n : 0; }

@@ -91,15 +91,7 @@ MuonOptions quiet(MuonOptions o = {}) {
   return o;
 }
 
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 // A 1-rank mesh, a Tiny model with deterministic values dedicated on it; runs fn(model, mesh).
 template <typename Fn>

@@ -166,15 +166,7 @@ std::shared_ptr<Mesh> make_mesh(testing::RankContext& ctx, std::chrono::millisec
   return Mesh::create(ctx.pg, mo);
 }
 
-template <typename Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 // ---- distributed run ------------------------------------------------------------------------------
 struct DistConfig {

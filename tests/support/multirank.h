@@ -3,11 +3,23 @@
 
 #include <chrono>
 #include <functional>
+#include <exception>
 #include <string>
 
 #include "dmuon/process_group.h"
 
 namespace dmuon::testing {
+
+// The message of the std::exception `fn` throws ("" when it throws none).
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
 
 // A fresh, empty directory under $TMPDIR (unique per call).
 std::string fresh_temp_dir(const std::string& prefix = "dmuon-test");
