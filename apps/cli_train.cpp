@@ -48,6 +48,8 @@ struct TrainArgs {
   std::string ns_backend = "gram";
   double timeout_s = 300;
   std::string device = "cpu";
+  int replicate = 1;
+  bool shard_base = false;
 };
 
 void add_options(CLI::App& app, TrainArgs& a) {
@@ -79,6 +81,10 @@ void add_options(CLI::App& app, TrainArgs& a) {
   app.add_option("--device", a.device, "cpu (Gloo) or cuda (NCCL, one GPU per rank: cuda:LOCAL_RANK)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
+  app.add_option("--replicate", a.replicate, "HSDP: replicate groups R (ranks = R x shard size)")
+      ->capture_default_str();
+  app.add_flag("--shard-base", a.shard_base,
+               "route the embedding, norms and head to sharded_adamw (1/N per rank) instead of replicating them");
   app.add_option("--timeout", a.timeout_s, "collective timeout in seconds (a lost peer is an error after this)")
       ->capture_default_str();
 }
@@ -103,6 +109,8 @@ void validate(const TrainArgs& a, int world) {
   if (a.d_model < 1 || a.layers < 1 || a.heads < 1 || a.d_model % a.heads != 0)
     bad("--d-model " + std::to_string(a.d_model) + " must be a positive multiple of --heads " + std::to_string(a.heads));
   if (a.timeout_s <= 0) bad("--timeout must be > 0");
+  if (a.replicate < 1 || world % a.replicate != 0)
+    bad("--replicate " + std::to_string(a.replicate) + " must divide the number of ranks " + std::to_string(world));
   if (a.device == "cuda" && !process_group_available(c10::DeviceType::CUDA))
     bad("--device cuda: this dmuon build has no CUDA/NCCL support (it was built against a CPU LibTorch); use "
         "--device cpu or rebuild against a CUDA LibTorch");
@@ -146,6 +154,7 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
   mo.store = b.store;
   mo.factory = process_group_factory(dev_type);
   mo.timeout = timeout;
+  mo.replicate_size = a.replicate;
   auto mesh = Mesh::create(b.world, mo);
   Communicator trainer(b.world, "trainer", [&] {
     std::vector<int> v(world);
@@ -155,6 +164,13 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
 
   DedicateOptions dopt;
   dopt.reshard_after_forward = a.mode == "z3";
+  if (a.shard_base)
+    dopt.param_policy_fn = [](const std::string& n, const at::Tensor& p) -> std::optional<ParamPolicy> {
+      if (models::is_muon_matrix(n, p)) return std::nullopt;
+      ParamPolicy pol;
+      pol.route = "sharded_adamw";
+      return pol;
+    };
   const bool use_muon = a.optimizer == "dmuon";
   dedicate_params(model.ptr(), mesh,
                   use_muon ? ParamPredicate(models::is_muon_matrix)
@@ -172,7 +188,9 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
 
   if (lead) {
     std::filesystem::create_directories(a.out);
-    out << "dmuon train: " << world << " rank(s), " << (use_muon ? "DMuon-" + std::string(a.mode == "z3" ? "Z3" : "Z2")
+    out << "dmuon train: " << world << " rank(s)" << (a.replicate > 1 ? " (HSDP " + std::to_string(a.replicate) + " x " +
+                                                        std::to_string(world / a.replicate) + ")" : std::string())
+        << ", " << (use_muon ? "DMuon-" + std::string(a.mode == "z3" ? "Z3" : "Z2")
                                                                 : std::string("AdamW baseline"))
         << ", GPT d=" << a.d_model << " layers=" << a.layers << " heads=" << a.heads << ", batch " << a.batch
         << " x " << a.seq_len << " bytes, " << a.steps << " steps, data "
@@ -273,8 +291,10 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
   const double final_loss = std::accumulate(losses.end() - tail, losses.end(), 0.0) / static_cast<double>(tail);
   const double ns_max = ns_all.max().item<double>(), ns_mean = ns_all.mean().item<double>();
   const double measured_bytes = bytes_all.mean().item<double>();
+  // per rank: the shard-axis formula (over G ranks), plus on HSDP the replicate axis 2(R-1)/(G*R)*P_M
   const double formula = use_muon ? (a.mode == "z3" ? plan["per_rank_bytes"]["formula_z3"].get<double>()
-                                                    : plan["per_rank_bytes"]["formula_z2"].get<double>())
+                                                    : plan["per_rank_bytes"]["formula_z2"].get<double>()) +
+                                        plan["per_rank_bytes"]["formula_replicate"].get<double>()
                                   : 0.0;
   nlohmann::json s;
   s["world_size"] = world;
@@ -329,7 +349,8 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
       << "; blocked on communication " << mean(wait_ms) << "\n";
   if (use_muon) {
     out << std::setprecision(0) << "  bytes/step/rank Muon " << muon_measured << " measured vs "
-        << (a.mode == "z3" ? "3" : "2") << "(N-1)/N*P_M = " << formula << " (ratio " << std::setprecision(4)
+        << (a.mode == "z3" ? "3" : "2") << "(G-1)/G*P_M" << (a.replicate > 1 ? " + 2(R-1)/(G*R)*P_M" : "")
+        << " = " << formula << " (ratio " << std::setprecision(4)
         << (formula > 0 ? muon_measured / formula : 0.0) << std::setprecision(0) << "); all collectives "
         << measured_bytes << "\n"
         << std::setprecision(2) << "  NS load         max/mean " << (ns_mean > 0 ? ns_max / ns_mean : 1.0)

@@ -114,6 +114,19 @@ TEST(CliTest, SameDataAcrossRankCountsGivesTheSameLossCurve) {
   std::filesystem::remove_all(o2);
 }
 
+TEST(CliTest, HsdpWithShardedBaseParamsTrains) {
+  const std::string out = temp_dir();
+  const Result r = run("train --ranks 4 --replicate 2 --shard-base --steps 12 --batch 8 --seq-len 16 --d-model 32 "
+                       "--layers 2 --out " + out);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("HSDP 2 x 2"), std::string::npos) << r.output;
+  std::ifstream js(out + "/summary.json");
+  const nlohmann::json s = nlohmann::json::parse(js);
+  EXPECT_LT(s["final_loss"].get<double>(), s["first_loss"].get<double>());
+  EXPECT_NEAR(s["muon_bytes_per_step"]["measured_over_formula"].get<double>(), 1.0, 0.05);
+  std::filesystem::remove_all(out);
+}
+
 TEST(CliTest, MissingDataFileIsAClearError) {
   const Result r = run("train --ranks 2 --steps 2 --data /no/such/file.txt --out " + temp_dir());
   EXPECT_NE(r.status, 0);
