@@ -671,6 +671,53 @@ TEST(RuntimeTest, AllGatherModeKeepsShardsAndCountsItsBytes) {
   });
 }
 
+TEST(RuntimeTest, Bf16CommunicationStaysFiniteAndCloseToFp32) {
+  TrainConfig tc;
+  tc.steps = 5;
+  const GPTConfig cfg = small_config(2);
+  const StateDict init = init_state(cfg, 1234);
+  const auto batches = make_batches(tc.steps, 12, 12, cfg.vocab_size, 99);
+  const RefResult ref = reference_train(cfg, init, batches, tc);
+  for (bool z3 : {true, false}) {
+    testing::run_ranks(3, [&](testing::RankContext& ctx) {
+      GPT m(cfg);
+      load_state(m, init);
+      auto mesh = make_mesh(ctx);
+      DedicateOptions o;
+      o.compute_dtype = at::kBFloat16;  // broadcast and reduce payloads in bf16; fp32 master weights
+      o.reshard_after_forward = z3;
+      o.pack_small_params = false;
+      dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
+      replicate(m.ptr(), mesh);
+      MuonOptions mo;
+      mo.lr = tc.lr;
+      mo.weight_decay = tc.wd;
+      mo.adamw_lr = tc.adamw_lr;
+      mo.first_step_progress_log = false;
+      Muon opt(m.ptr(), mo);
+      mesh->counters().reset();
+      for (const auto& tokens : batches) {
+        opt.zero_grad();
+        m->loss(tokens.narrow(0, ctx.rank * 4, 4)).backward();
+        opt.step();
+      }
+      // bf16 payloads: half the Muon bytes of fp32
+      int64_t not_owned = 0;
+      for (const auto& d : get_dedicated_params(*m))
+        if (!d.is_owner) not_owned += 2 * d.shape[0] * d.shape[1];
+      const int64_t per_step = mesh->counters().bytes(CommOp::Broadcast) / tc.steps;
+      if (per_step != (z3 ? 2 : 1) * not_owned) throw std::runtime_error("bf16 broadcast bytes " + std::to_string(per_step));
+      for (const auto& d : get_dedicated_params(*m)) {
+        if (!d.is_owner) continue;
+        if (d.param.scalar_type() != at::kFloat) throw std::runtime_error("master weights must stay fp32");
+        if (!at::isfinite(d.param).all().item<bool>()) throw std::runtime_error("non-finite " + d.name);
+        const double e = max_rel(d.param, ref.params.at(d.name));
+        if (!(e <= 2e-2)) throw std::runtime_error(d.name + " drifted from the fp32 run: " + std::to_string(e));
+      }
+    });
+  }
+}
+
 TEST(RuntimeTest, UnknownRouteIsAClearError) {
   testing::run_ranks(2, [&](testing::RankContext& ctx) {
     GPT m(small_config(2));

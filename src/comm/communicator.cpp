@@ -156,8 +156,17 @@ Pending Communicator::issue(CommOp op, const std::string& what, const std::funct
   return p;
 }
 
-Pending Communicator::broadcast(at::Tensor tensor, int root, std::string what) {
+namespace {
+// Gloo (1.13) has no bfloat16: data-moving collectives carry the same 16-bit patterns typed as fp16
+// (copied, never computed on); reductions run
+// in float32 (cast up, reduce, cast back) so the sum is still correct.
+bool gloo_bf16(bool is_gloo, const at::Tensor& t) { return is_gloo && t.scalar_type() == at::kBFloat16; }
+at::Tensor wire(bool is_gloo, const at::Tensor& t) { return gloo_bf16(is_gloo, t) ? t.view(at::kHalf) : t; }
+}  // namespace
+
+Pending Communicator::broadcast(at::Tensor tensor_in, int root, std::string what) {
   if (size_ == 1) return Pending();
+  at::Tensor tensor = wire(is_gloo_, tensor_in);
   const int64_t bytes = static_cast<int64_t>(tensor.numel()) * tensor.element_size();
   count(CommOp::Broadcast, rank_ == root ? 0 : bytes);
   return issue(CommOp::Broadcast, what, [&] {
@@ -170,8 +179,19 @@ Pending Communicator::broadcast(at::Tensor tensor, int root, std::string what) {
   }, nullptr);
 }
 
-Pending Communicator::reduce(at::Tensor tensor, int root, Reduction op, std::string what) {
+Pending Communicator::reduce(at::Tensor tensor_in, int root, Reduction op, std::string what) {
   if (size_ == 1) return Pending();
+  if (gloo_bf16(is_gloo_, tensor_in)) {  // reduce in float32, then write the result back on the root
+    at::Tensor up = tensor_in.to(at::kFloat);
+    Pending p = reduce(up, root, op, what + " [bf16 reduced in fp32 on Gloo]");
+    const bool mine = rank_ == root;
+    p.state_->on_complete = [prev = p.state_->on_complete, up, tensor_in, mine]() mutable {
+      if (prev) prev();
+      if (mine) tensor_in.copy_(up);
+    };
+    return p;
+  }
+  at::Tensor tensor = tensor_in;
   const int64_t bytes = static_cast<int64_t>(tensor.numel()) * tensor.element_size();
   count(CommOp::Reduce, rank_ == root ? 0 : bytes);
   const bool emulate_avg = op == Reduction::Avg && (is_gloo_ || !native_avg_);
@@ -192,8 +212,18 @@ Pending Communicator::reduce(at::Tensor tensor, int root, Reduction op, std::str
   }, std::move(done));
 }
 
-Pending Communicator::allreduce(at::Tensor tensor, Reduction op, std::string what) {
+Pending Communicator::allreduce(at::Tensor tensor_in, Reduction op, std::string what) {
   if (size_ == 1) return Pending();
+  if (gloo_bf16(is_gloo_, tensor_in)) {
+    at::Tensor up = tensor_in.to(at::kFloat);
+    Pending p = allreduce(up, op, what + " [bf16 reduced in fp32 on Gloo]");
+    p.state_->on_complete = [prev = p.state_->on_complete, up, tensor_in]() mutable {
+      if (prev) prev();
+      tensor_in.copy_(up);
+    };
+    return p;
+  }
+  at::Tensor tensor = tensor_in;
   const int64_t bytes = static_cast<int64_t>(tensor.numel()) * tensor.element_size();
   count(CommOp::AllReduce, 2 * (size_ - 1) * bytes / size_);
   const bool emulate_avg = op == Reduction::Avg && !native_avg_;
@@ -211,7 +241,8 @@ Pending Communicator::allreduce(at::Tensor tensor, Reduction op, std::string wha
   }, std::move(done));
 }
 
-Pending Communicator::allgather_flat(at::Tensor out, at::Tensor in, std::string what) {
+Pending Communicator::allgather_flat(at::Tensor out_in, at::Tensor in_in, std::string what) {
+  at::Tensor out = wire(is_gloo_, out_in), in = wire(is_gloo_, in_in);
   TORCH_CHECK(out.numel() == in.numel() * size_, "allgather_flat (", what, "): output has ", out.numel(),
               " elements, expected ", in.numel() * size_, " = ", size_, " ranks x ", in.numel());
   if (size_ == 1) {
@@ -270,7 +301,8 @@ Pending Communicator::reduce_scatter_flat(at::Tensor out, at::Tensor in, Reducti
   }, nullptr);
 }
 
-Pending Communicator::scatter_flat(at::Tensor out, at::Tensor in, int root, std::string what) {
+Pending Communicator::scatter_flat(at::Tensor out_in, at::Tensor in_in, int root, std::string what) {
+  at::Tensor out = wire(is_gloo_, out_in), in = in_in.numel() > 0 ? wire(is_gloo_, in_in) : in_in;
   if (rank_ == root)
     TORCH_CHECK(in.numel() == out.numel() * size_, "scatter_flat (", what, "): input has ", in.numel(),
                 " elements, expected ", out.numel() * size_, " = ", size_, " ranks x ", out.numel());
