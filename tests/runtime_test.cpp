@@ -718,6 +718,18 @@ TEST(RuntimeTest, Bf16CommunicationStaysFiniteAndCloseToFp32) {
   }
 }
 
+TEST(RuntimeTest, IntegerComputeDtypeIsAClearError) {
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    GPT m(small_config(2));
+    auto mesh = make_mesh(ctx);
+    DedicateOptions o;
+    o.compute_dtype = at::kInt;
+    const std::string err = error_of([&] { dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o); });
+    if (err.find("compute_dtype Int cannot carry parameters and gradients") == std::string::npos)
+      throw std::runtime_error("unexpected message: " + err);
+  });
+}
+
 TEST(RuntimeTest, UnknownRouteIsAClearError) {
   testing::run_ranks(2, [&](testing::RankContext& ctx) {
     GPT m(small_config(2));

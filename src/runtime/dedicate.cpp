@@ -501,6 +501,17 @@ std::map<std::string, OwnerCoord> dedicate_impl(const std::shared_ptr<torch::nn:
   for (const auto& item : model->named_modules("", true))
     TORCH_CHECK(!detail::boundary_of_module(item.value().get()).first, "rank ", mesh->global_rank(),
                 ": dedicate_params: submodule '", item.key(), "' already belongs to a dedicated model.");
+  if (options.compute_dtype) {
+    const auto t = *options.compute_dtype;
+    TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16, "rank ",
+                mesh->global_rank(), ": dedicate_params: compute_dtype ", t, " cannot carry parameters and "
+                "gradients; use a floating type (bfloat16, float16, float32 or float64).");
+  }
+  TORCH_CHECK(options.replicate_broadcast_bucket_mb >= 0, "rank ", mesh->global_rank(),
+              ": dedicate_params: replicate_broadcast_bucket_mb must be >= 0 (0 = one publish per unit), got ",
+              options.replicate_broadcast_bucket_mb);
+  TORCH_CHECK(options.forward_prefetch_depth >= 0, "rank ", mesh->global_rank(),
+              ": dedicate_params: forward_prefetch_depth must be >= 0, got ", options.forward_prefetch_depth);
   auto state = std::make_shared<DedicatedState>(model, mesh, options);
   state->ddp = ddp;
   state->build(predicate);
