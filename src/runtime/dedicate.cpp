@@ -77,6 +77,19 @@ void register_boundary(const std::shared_ptr<torch::nn::Module>& module, const s
   boundary_map()[module.get()] = BoundaryEntry{module, s, b};
 }
 
+std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const at::Tensor& param, const std::string& name, int rank,
+                                                           std::function<void()> fn) {
+  auto acc = torch::autograd::impl::grad_accumulator(param);
+  TORCH_CHECK(acc, "rank ", rank, ": could not get the gradient accumulator of '", name,
+              "' (is it a leaf that requires grad?).");
+  acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+      [fn = std::move(fn)](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+        fn();
+        return outputs;
+      }));
+  return acc;
+}
+
 void resize_storage_bytes(const at::Tensor& t, size_t bytes) {
   c10::StorageImpl* si = t.storage().unsafeGetStorageImpl();
   if (si->nbytes() == bytes) return;
@@ -398,28 +411,16 @@ void DedicatedState::build(const ParamPredicate& predicate) {
   // 5. hooks (while every parameter is still full-size: the accumulator caches the shape)
   for (size_t i = 0; i < sharded.size(); ++i) {
     auto& e = sharded[i];
-    e.grad_acc = torch::autograd::impl::grad_accumulator(e.param);
     const int idx = static_cast<int>(i);
-    e.grad_acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this, idx](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-          on_sharded_accumulated(idx);
-          return outputs;
-        }));
+    e.grad_acc = detail::on_grad_accumulated(e.param, e.name, rank, [this, idx] { on_sharded_accumulated(idx); });
     at::NoGradGuard ng;
     e.param.set_data(e.placeholder);
     detail::resize_storage_bytes(e.full, 0);
   }
   for (size_t i = 0; i < params.size(); ++i) {
-    auto& e = params[i];
-    e.grad_acc = torch::autograd::impl::grad_accumulator(e.param);
-    TORCH_CHECK(e.grad_acc, "rank ", rank, ": dedicate_params: could not get the gradient accumulator of '", e.name,
-                "' (is it a leaf that requires grad?).");
     const int idx = static_cast<int>(i);
-    e.grad_acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this, idx](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-          on_param_accumulated(idx);
-          return outputs;
-        }));
+    params[i].grad_acc =
+        detail::on_grad_accumulated(params[i].param, params[i].name, rank, [this, idx] { on_param_accumulated(idx); });
   }
 
   // 6. data: owners keep their value in the packed buffer; the others release theirs.

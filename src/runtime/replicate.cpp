@@ -1,6 +1,5 @@
 // DDP-style replication of the non-dedicated (AdamW) parameters.
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include "runtime/state.h"
@@ -50,16 +49,11 @@ void DedicatedState::setup_replicate(double bucket_mb) {
     }
   }
   // The end-of-backward callback must run even in models without dedicated boundaries.
-  for (size_t i = 0; i < rep->params.size(); ++i) {
-    auto acc = torch::autograd::impl::grad_accumulator(rep->params[i]);
-    acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-          std::lock_guard<std::recursive_mutex> g(mu);
-          ensure_backward_callback();
-          return outputs;
-        }));
-    rep->grad_accs.push_back(acc);
-  }
+  for (size_t i = 0; i < rep->params.size(); ++i)
+    rep->grad_accs.push_back(detail::on_grad_accumulated(rep->params[i], rep->names[i], mesh->global_rank(), [this] {
+      std::lock_guard<std::recursive_mutex> g(mu);
+      ensure_backward_callback();
+    }));
   replicated = std::move(rep);
 }
 

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -214,6 +215,11 @@ std::pair<std::shared_ptr<DedicatedState>, int> boundary_of_module(const torch::
 void register_state(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<DedicatedState>& state);
 void register_boundary(const std::shared_ptr<torch::nn::Module>& module, const std::shared_ptr<DedicatedState>& s,
                        int b);
+// Runs `fn` each time autograd has accumulated `param`'s gradient. Returns the accumulator node:
+// keep it alive (autograd holds it only weakly) and create it while `param` has its full shape
+// (the node caches it). Throws naming `name` and `rank` when `param` is not a leaf requiring grad.
+std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const at::Tensor& param, const std::string& name, int rank,
+                                                           std::function<void()> fn);
 // resize a tensor's StorageImpl in place (every view and saved tensor sees it)
 void resize_storage_bytes(const at::Tensor& t, size_t bytes);
 }  // namespace detail
