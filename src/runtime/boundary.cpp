@@ -469,21 +469,13 @@ void DedicatedState::drain_all() {
   prepare_grads();
 }
 
-namespace {
-std::shared_ptr<DedicatedState> need_state(const torch::nn::Module& model, const char* fn) {
-  auto s = detail::state_of_model(&model);
-  TORCH_CHECK(s, fn, ": this model was not dedicated; call dmuon::dedicate_params or dmuon::dedicate_params_ddp "
-              "first.");
-  return s;
-}
-}  // namespace
 
-void broadcast_all_updates(torch::nn::Module& model) { need_state(model, "broadcast_all_updates")->publish(false); }
+void broadcast_all_updates(torch::nn::Module& model) { detail::require_state(model, "broadcast_all_updates")->publish(false); }
 void broadcast_all_updates_async(torch::nn::Module& model) {
-  need_state(model, "broadcast_all_updates_async")->publish(true);
+  detail::require_state(model, "broadcast_all_updates_async")->publish(true);
 }
 void wait_all_post_step_broadcasts(torch::nn::Module& model) {
-  need_state(model, "wait_all_post_step_broadcasts")->wait_publishes();
+  detail::require_state(model, "wait_all_post_step_broadcasts")->wait_publishes();
 }
 
 NoSync::NoSync(torch::nn::Module& model) : state_(detail::state_of_model(&model)) {

@@ -90,6 +90,13 @@ std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const at::Tensor& par
   return acc;
 }
 
+std::shared_ptr<DedicatedState> require_state(const torch::nn::Module& model, const char* fn) {
+  auto s = state_of_model(&model);
+  TORCH_CHECK(s, fn, ": this model was not dedicated; call dmuon::dedicate_params (or dedicate_params_ddp) "
+              "first.");
+  return s;
+}
+
 void resize_storage_bytes(const at::Tensor& t, size_t bytes) {
   c10::StorageImpl* si = t.storage().unsafeGetStorageImpl();
   if (si->nbytes() == bytes) return;
@@ -526,11 +533,6 @@ std::map<std::string, OwnerCoord> dedicate_impl(const std::shared_ptr<torch::nn:
 }  // namespace
 
 namespace {
-std::shared_ptr<DedicatedState> require_state(const torch::nn::Module& model, const char* fn) {
-  auto s = detail::state_of_model(&model);
-  TORCH_CHECK(s, fn, ": this model was not dedicated; call dmuon::dedicate_params(model, mesh, predicate) first.");
-  return s;
-}
 DedicatedParam to_public(const ParamEntry& e, const DedicatedState& s) {
   DedicatedParam d;
   d.name = e.name;
@@ -544,7 +546,7 @@ DedicatedParam to_public(const ParamEntry& e, const DedicatedState& s) {
 }
 }  // namespace
 
-void prepare_muon_grads(torch::nn::Module& model) { require_state(model, "prepare_muon_grads")->prepare_grads(); }
+void prepare_muon_grads(torch::nn::Module& model) { detail::require_state(model, "prepare_muon_grads")->prepare_grads(); }
 
 std::vector<DedicatedParam> get_dedicated_params(const torch::nn::Module& model) {
   auto s = detail::state_of_model(&model);

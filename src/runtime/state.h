@@ -211,6 +211,8 @@ class DedicatedState {
 namespace detail {
 // registry lookups
 std::shared_ptr<DedicatedState> state_of_model(const torch::nn::Module* model);
+// state_of_model, or an error naming `fn` when the model was not dedicated
+std::shared_ptr<DedicatedState> require_state(const torch::nn::Module& model, const char* fn);
 std::pair<std::shared_ptr<DedicatedState>, int> boundary_of_module(const torch::nn::Module* module);
 void register_state(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<DedicatedState>& state);
 void register_boundary(const std::shared_ptr<torch::nn::Module>& module, const std::shared_ptr<DedicatedState>& s,
