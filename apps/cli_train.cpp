@@ -50,6 +50,7 @@ struct TrainArgs {
   std::string device = "cpu";
   int replicate = 1;
   bool shard_base = false;
+  std::string param_dtype = "fp32";
 };
 
 void add_options(CLI::App& app, TrainArgs& a) {
@@ -85,6 +86,11 @@ void add_options(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   app.add_flag("--shard-base", a.shard_base,
                "route the embedding, norms and head to sharded_adamw (1/N per rank) instead of replicating them");
+  app.add_option("--param-dtype", a.param_dtype,
+                 "forward/backward and communication dtype of every parameter; bf16/fp16 keep fp32 master weights "
+                 "and fp32 optimizer state")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+      ->capture_default_str();
   app.add_option("--timeout", a.timeout_s, "collective timeout in seconds (a lost peer is an error after this)")
       ->capture_default_str();
 }
@@ -165,12 +171,16 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
   DedicateOptions dopt;
   dopt.reshard_after_forward = a.mode == "z3";
   if (a.shard_base)
-    dopt.param_policy_fn = [](const std::string& n, const at::Tensor& p) -> std::optional<ParamPolicy> {
-      if (models::is_muon_matrix(n, p)) return std::nullopt;
-      ParamPolicy pol;
-      pol.route = "sharded_adamw";
-      return pol;
+    dopt.route_hint_fn = [](const std::string& n, const at::Tensor& p) -> std::string {
+      return models::is_muon_matrix(n, p) ? "" : "sharded_adamw";
     };
+  if (a.param_dtype != "fp32") {  // mixed precision: every parameter, fp32 masters and optimizer state
+    ParamPolicy mp;
+    mp.param_dtype = a.param_dtype == "bf16" ? at::kBFloat16 : at::kHalf;
+    mp.master_dtype = at::kFloat;
+    mp.optim_dtype = at::kFloat;
+    dopt.param_policy.push_back({"", mp});
+  }
   const bool use_muon = a.optimizer == "dmuon";
   dedicate_params(model.ptr(), mesh,
                   use_muon ? ParamPredicate(models::is_muon_matrix)
@@ -192,6 +202,7 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
                                                         std::to_string(world / a.replicate) + ")" : std::string())
         << ", " << (use_muon ? "DMuon-" + std::string(a.mode == "z3" ? "Z3" : "Z2")
                                                                 : std::string("AdamW baseline"))
+        << (a.param_dtype != "fp32" ? ", " + a.param_dtype + " compute (fp32 masters)" : std::string())
         << ", GPT d=" << a.d_model << " layers=" << a.layers << " heads=" << a.heads << ", batch " << a.batch
         << " x " << a.seq_len << " bytes, " << a.steps << " steps, data "
         << (a.data.empty() ? std::string("fortunes (default)") : a.data) << " (" << text.size() << " bytes)\n";

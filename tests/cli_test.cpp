@@ -1,6 +1,8 @@
 // The dmuon command-line tool, run as a user would: `dmuon train` on 2 local ranks, and its
 // bad-input cases (clear message, non-zero exit, never a hang).
 #include <gtest/gtest.h>
+
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <sys/socket.h>
 #include <netinet/in.h>
@@ -124,6 +126,22 @@ TEST(CliTest, HsdpWithShardedBaseParamsTrains) {
   const nlohmann::json s = nlohmann::json::parse(js);
   EXPECT_LT(s["final_loss"].get<double>(), s["first_loss"].get<double>());
   EXPECT_NEAR(s["muon_bytes_per_step"]["measured_over_formula"].get<double>(), 1.0, 0.05);
+  std::filesystem::remove_all(out);
+}
+
+TEST(CliTest, Bf16ComputeTrains) {
+  const std::string out = temp_dir();
+  const Result r = run("train --ranks 2 --param-dtype bf16 --steps 12 --batch 8 --seq-len 16 --d-model 32 "
+                       "--layers 2 --out " + out);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("bf16 compute (fp32 masters)"), std::string::npos) << r.output;
+  std::ifstream js(out + "/summary.json");
+  const nlohmann::json s = nlohmann::json::parse(js);
+  EXPECT_TRUE(std::isfinite(s["final_loss"].get<double>()));
+  EXPECT_LT(s["final_loss"].get<double>(), s["first_loss"].get<double>());
+  // measured bytes vs. the bf16 plan (Z3: two broadcasts and one reduce per step): the broadcasts
+  // move bf16; Gloo 1.13 cannot sum bf16, so the reduce moves an fp32 copy: (2 + 2 + 4) / (2 + 2 + 2)
+  EXPECT_NEAR(s["muon_bytes_per_step"]["measured_over_formula"].get<double>(), 4.0 / 3.0, 0.05);
   std::filesystem::remove_all(out);
 }
 

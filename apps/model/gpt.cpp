@@ -104,6 +104,7 @@ at::Tensor GPTImpl::loss(const at::Tensor& tokens) {
   const int64_t T = tokens.size(1);
   at::Tensor input = tokens.narrow(1, 0, T - 1), target = tokens.narrow(1, 1, T - 1);
   at::Tensor logits = forward(input);
+  if (logits.element_size() < 4) logits = logits.to(at::kFloat);  // mixed precision: the loss in fp32
   return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}));
 }
 

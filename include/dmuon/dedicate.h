@@ -45,14 +45,34 @@ using ModulePredicate = std::function<bool(const std::string& module_name, const
 using HookBoundaryResolver = std::function<std::string(const std::string& param_name, const at::Tensor& param)>;
 using AssignmentGroupKeyFn = std::function<std::string(const std::string& param_name, const at::Tensor& param)>;
 
-// Per-parameter policy (the seed's param_policy). Only `route` is honoured by the 1-D runtime:
-// "muon" (dedicated ownership + Newton-Schulz) or "adamw" (replicated, trained by AdamW).
+// Per-parameter policy (the seed's param_policy). Every field is optional: a parameter's policy starts
+// empty and each matching override (in order) sets the fields it has; what stays unset takes the
+// default named below.
+//
+// Mixed precision (FSDP2-style): `param_dtype` is the dtype the module's parameter has in forward
+// and backward (e.g. bf16). When it is narrower than the parameter's dtype at dedicate time, the
+// optimizer keeps a master copy (default: that original dtype, e.g. fp32) on the rank that updates
+// it — the owner of a Muon matrix, the shard holder of a sharded_adamw slice, every rank for a
+// replicated parameter — updates the master and writes the rounded value back into the parameter.
+// Gradients are reduced in `grad_dtype` and averaged/accumulated in the master dtype, so p.grad()
+// after prepare_muon_grads (or in step()) is in the master dtype.
 struct ParamPolicy {
-  std::string route = "muon";
+  // "muon" (dedicated ownership + Newton-Schulz), "adamw" (replicated, AdamW) or "sharded_adamw"
+  // (1/N per rank, AdamW on the slice). Unset: route_hint_fn, else the predicate (muon / adamw).
+  std::optional<std::string> route;
   // Muon-routed only: "broadcast" (the owner broadcasts the full matrix) or "all_gather" (after
   // step() the owner scatters the update into 1/N shards; forward rebuilds the full matrix with an
   // all-gather). Empty = DedicateOptions::muon_forward_unshard.
   std::string muon_forward_unshard;
+  std::optional<at::ScalarType> param_dtype;   // forward/backward dtype; unset: keep the parameter's dtype
+  std::optional<at::ScalarType> grad_dtype;    // gradient reduce dtype; unset: compute_dtype, else param_dtype
+  std::optional<at::ScalarType> master_dtype;  // optimizer-updated copy; unset: the dtype at dedicate time
+  std::optional<at::ScalarType> optim_dtype;   // optimizer state (momentum, AdamW moments); unset: master
+  // Boundary-level (all parameters of one hook boundary must agree): cast floating-point tensor
+  // arguments of the boundary's forward to its param_dtype (unset: true when param_dtype narrows the
+  // parameter), and cast its tensor output to output_dtype (unset: no cast).
+  std::optional<bool> cast_forward_inputs;
+  std::optional<at::ScalarType> output_dtype;
 };
 // An ordered override: applies when every token of `match` (split on spaces) is a substring of the
 // parameter's full name. Later overrides win.
@@ -61,6 +81,8 @@ struct ParamPolicyOverride {
   ParamPolicy policy;
 };
 using ParamPolicyFn = std::function<std::optional<ParamPolicy>(const std::string& param_name, const at::Tensor& param)>;
+// Returns "muon", "adamw" or "sharded_adamw" for a parameter, or "" for no hint (the predicate decides).
+using RouteHintFn = std::function<std::string(const std::string& param_name, const at::Tensor& param)>;
 
 struct DedicateOptions {
   std::optional<at::ScalarType> compute_dtype;  // dtype of broadcast/reduce payloads; default: param dtype
@@ -76,6 +98,7 @@ struct DedicateOptions {
   std::optional<bool> pack_small_params;
   std::vector<ParamPolicyOverride> param_policy;  // mutually exclusive with param_policy_fn
   ParamPolicyFn param_policy_fn;
+  RouteHintFn route_hint_fn;                    // a policy's route takes precedence over the hint
   int forward_prefetch_depth = 1;               // boundaries broadcast ahead in forward (0 = none)
   std::string muon_forward_unshard = "broadcast";  // or "all_gather" (experimental; 1-D meshes)
   // HSDP (2-D mesh) only:
@@ -93,6 +116,9 @@ struct DedicatedParam {
   int owner_rank = 0;               // global rank of the owner
   std::string boundary;             // hook boundary module name
   bool is_owner = false;            // this rank owns it
+  // The owner's master copy when param_policy gives the matrix one (e.g. fp32 for a bf16 parameter):
+  // the value the optimizer updates; undefined elsewhere.
+  at::Tensor master;
 };
 
 class DedicatedState;  // runtime state attached to a model (see src/runtime/)
@@ -198,9 +224,10 @@ class BoundaryScope {
   ~BoundaryScope();
   BoundaryScope(const BoundaryScope&) = delete;
   BoundaryScope& operator=(const BoundaryScope&) = delete;
-  at::Tensor enter(const at::Tensor& input);  // returns the input to pass on
+  at::Tensor enter(const at::Tensor& input);  // returns the input to pass on (cast, wrapped)
+  at::Tensor cast_input(const at::Tensor& t) const;  // another tensor argument: the boundary's input cast
   void enter();                               // boundary without a tensor first argument
-  at::Tensor exit(const at::Tensor& output);  // returns the output to pass on
+  at::Tensor exit(const at::Tensor& output);  // returns the output to pass on (cast to output_dtype, wrapped)
   void exit();                                // non-tensor output: post-forward work only
   [[noreturn]] void rethrow(const std::exception& e);
 
@@ -227,6 +254,15 @@ decltype(auto) module_ref(M& m) {
     return (m);
   }
 }
+// Tensor arguments after the first get the boundary's input cast; others pass through.
+template <typename A>
+decltype(auto) cast_arg(const BoundaryScope& scope, A&& a) {
+  if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
+    return scope.cast_input(a);
+  } else {
+    return std::forward<A>(a);
+  }
+}
 template <typename R>
 R finish_boundary(BoundaryScope& scope, R&& out) {
   if constexpr (std::is_same_v<std::decay_t<R>, at::Tensor>) {
@@ -247,11 +283,13 @@ auto forward(ModuleHolderOrPtr& module, Args&&... args) {
       return [&](auto&& first, auto&&... rest) {
         if constexpr (std::is_same_v<std::decay_t<decltype(first)>, at::Tensor>) {
           at::Tensor in = scope.enter(first);
-          return detail::finish_boundary(scope, m.forward(in, std::forward<decltype(rest)>(rest)...));
+          return detail::finish_boundary(
+              scope, m.forward(in, detail::cast_arg(scope, std::forward<decltype(rest)>(rest))...));
         } else {
           scope.enter();
           return detail::finish_boundary(
-              scope, m.forward(std::forward<decltype(first)>(first), std::forward<decltype(rest)>(rest)...));
+              scope, m.forward(std::forward<decltype(first)>(first),
+                               detail::cast_arg(scope, std::forward<decltype(rest)>(rest))...));
         }
       }(std::forward<Args>(args)...);
     } else {

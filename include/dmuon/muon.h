@@ -122,10 +122,14 @@ class Muon : public torch::optim::Optimizer {
   const MuonParamState* state_of(const at::Tensor& p) const;
 
  private:
-  void muon_update(at::Tensor& p, const MuonGroupOptions& o, StepProfile& prof);
-  // AdamW on `target` with gradient `g`; state keyed by `key` (the module parameter; for sharded_adamw
-  // the target is this rank's shard).
-  void adamw_update(at::Tensor& target, const at::Tensor& g, const at::Tensor& key, const MuonGroupOptions& o);
+  // Muon on owned matrix `p`; with a `master` (mixed precision) the master is updated and rounded
+  // into p. Momentum is kept in `state_dtype`.
+  void muon_update(at::Tensor& p, const at::Tensor& master, at::ScalarType state_dtype, const MuonGroupOptions& o,
+                   StepProfile& prof);
+  // AdamW on `target` with gradient `g`; state (in `state_dtype`) keyed by `key` (the module
+  // parameter; the target is its master copy or, for sharded_adamw, this rank's shard).
+  void adamw_update(at::Tensor& target, const at::Tensor& g, const at::Tensor& key, at::ScalarType state_dtype,
+                    const MuonGroupOptions& o);
   MuonParamState& state_for(const at::Tensor& p);
 
   std::weak_ptr<torch::nn::Module> model_;

@@ -277,10 +277,12 @@ Pending Communicator::reduce_scatter_flat(at::Tensor out, at::Tensor in, Reducti
   const double div = size_;
   const bool avg = op == Reduction::Avg;
   if (is_gloo_) {
-    // Gloo 1.13 has no reduce-scatter: all-reduce a copy and keep this rank's chunk.
-    count(CommOp::AllReduce, 2 * (size_ - 1) * total / size_);
-    at::Tensor tmp = in.reshape(-1).clone();
-    return issue(CommOp::AllReduce, what + " [reduce-scatter fallback]", [&] {
+    // Gloo 1.13 has no reduce-scatter: all-reduce a copy and keep this rank's chunk (bf16, which
+    // Gloo cannot reduce, in an fp32 copy).
+    at::Tensor tmp = gloo_bf16(true, in) ? in.reshape(-1).to(at::kFloat) : in.reshape(-1).clone();
+    count(CommOp::AllReduce, 2 * (size_ - 1) * (tmp.numel() * static_cast<int64_t>(tmp.element_size())) / size_);
+    return issue(CommOp::AllReduce, what + (gloo_bf16(true, in) ? " [reduce-scatter fallback, bf16 reduced in fp32]"
+                                                                  : " [reduce-scatter fallback]"), [&] {
       std::vector<at::Tensor> v{tmp};
       c10d::AllreduceOptions o;
       o.reduceOp = c10d::ReduceOp::SUM;

@@ -44,6 +44,14 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
     int64_t numel = 0;
     nlohmann::json rows = nlohmann::json::array();
     for (const auto& p : g.params()) {
+      const Precision pr = state->precision_of(p);  // mixed precision (param_policy)
+      auto dtypes = [&](nlohmann::json row) {
+        row["dtype"] = std::string(c10::toString(p.scalar_type()));
+        row["reduce_dtype"] = std::string(c10::toString(pr.reduce));
+        row["master_dtype"] = std::string(c10::toString(pr.master));
+        row["optim_dtype"] = std::string(c10::toString(pr.optim));
+        return row;
+      };
       auto it = ded.find(p.unsafeGetTensorImpl());
       if (it != ded.end()) {
         const ParamEntry& e = *it->second;
@@ -51,21 +59,19 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
         if (e.is_owner) owned_numel += static_cast<int64_t>(e.shape[0] * e.shape[1]);
         numel += static_cast<int64_t>(e.shape[0] * e.shape[1]);
         if (static_cast<int>(rows.size()) < max_rows)
-          rows.push_back({{"name", e.name},
-                          {"shape", e.shape},
-                          {"owner", coord(e.owner)},
-                          {"owner_rank", e.owner_rank},
-                          {"boundary", state->boundaries[e.boundary].name},
-                          {"owned", e.is_owner},
-                          {"dtype", std::string(c10::toString(p.scalar_type()))}});
+          rows.push_back(dtypes({{"name", e.name},
+                                 {"shape", e.shape},
+                                 {"owner", coord(e.owner)},
+                                 {"owner_rank", e.owner_rank},
+                                 {"boundary", state->boundaries[e.boundary].name},
+                                 {"owned", e.is_owner}}));
       } else {
         numel += p.numel();
         if (static_cast<int>(rows.size()) < max_rows)
-          rows.push_back({{"name", names.count(p.unsafeGetTensorImpl()) ? names[p.unsafeGetTensorImpl()] : "?"},
-                          {"shape", p.sizes().vec()},
-                          {"dtype", std::string(c10::toString(p.scalar_type()))},
-                          {"grad_dtype", p.grad().defined() ? std::string(c10::toString(p.grad().scalar_type()))
-                                                            : std::string("none")}});
+          rows.push_back(dtypes({{"name", names.count(p.unsafeGetTensorImpl()) ? names[p.unsafeGetTensorImpl()] : "?"},
+                                 {"shape", p.sizes().vec()},
+                                 {"grad_dtype", p.grad().defined() ? std::string(c10::toString(p.grad().scalar_type()))
+                                                                   : std::string("none")}}));
       }
     }
     j["num_params"] = g.params().size();

@@ -162,8 +162,9 @@ const MuonParamState* Muon::state_of(const at::Tensor& p) const {
   return it == state_.end() ? nullptr : static_cast<const MuonParamState*>(it->second.get());
 }
 
-void Muon::muon_update(at::Tensor& p, const MuonGroupOptions& o, StepProfile& prof) {
-  const at::Tensor g = p.grad();
+void Muon::muon_update(at::Tensor& p, const at::Tensor& master, at::ScalarType state_dtype, const MuonGroupOptions& o,
+                       StepProfile& prof) {
+  const at::Tensor g = p.grad().to(state_dtype);
   MuonParamState& st = state_for(p);
   if (!st.momentum_buffer().defined()) st.momentum_buffer(at::zeros_like(g));
   at::Tensor& buf = st.momentum_buffer();
@@ -177,17 +178,21 @@ void Muon::muon_update(at::Tensor& p, const MuonGroupOptions& o, StepProfile& pr
   const double n = static_cast<double>(std::max(p.size(0), p.size(1)));
   prof.ns_flops += 20 * m * m * n + 10 * m * m * m;
   const double scale = 0.2 * std::sqrt(n);
-  if (o.weight_decay() != 0) p.mul_(1.0 - o.lr() * o.weight_decay());
-  p.add_(update.to(p.scalar_type()), -o.lr() * scale);
+  at::Tensor target = master.defined() ? master : p;  // mixed precision: update the master, round into p
+  if (o.weight_decay() != 0) target.mul_(1.0 - o.lr() * o.weight_decay());
+  target.add_(update.to(target.scalar_type()), -o.lr() * scale);
+  if (master.defined()) p.copy_(master);
   ++prof.owned_updates;
 }
 
-void Muon::adamw_update(at::Tensor& p, const at::Tensor& g, const at::Tensor& key, const MuonGroupOptions& o) {
+void Muon::adamw_update(at::Tensor& p, const at::Tensor& g_in, const at::Tensor& key, at::ScalarType state_dtype,
+                        const MuonGroupOptions& o) {
   MuonParamState& st = state_for(key);
   if (!st.exp_avg().defined()) {
-    st.exp_avg(at::zeros_like(p));
-    st.exp_avg_sq(at::zeros_like(p));
+    st.exp_avg(at::zeros_like(p, p.options().dtype(state_dtype)));
+    st.exp_avg_sq(at::zeros_like(p, p.options().dtype(state_dtype)));
   }
+  const at::Tensor g = g_in.to(state_dtype);
   st.step(st.step() + 1);
   const double b1 = o.beta1(), b2 = o.beta2();
   if (o.weight_decay() != 0) p.mul_(1.0 - o.lr() * o.weight_decay());
@@ -196,7 +201,10 @@ void Muon::adamw_update(at::Tensor& p, const at::Tensor& g, const at::Tensor& ke
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(st.step()));
   const double bc2 = 1.0 - std::pow(b2, static_cast<double>(st.step()));
   const at::Tensor denom = (st.exp_avg_sq().sqrt() / std::sqrt(bc2)).add_(o.eps());
-  p.addcdiv_(st.exp_avg(), denom, -o.lr() / bc1);
+  if (p.scalar_type() == state_dtype)
+    p.addcdiv_(st.exp_avg(), denom, -o.lr() / bc1);
+  else
+    p.add_((st.exp_avg() / denom).to(p.scalar_type()), -o.lr() / bc1);
 }
 
 at::Tensor Muon::step(LossClosure closure) {
@@ -223,7 +231,7 @@ at::Tensor Muon::step(LossClosure closure) {
         auto sh = sharded_.find(p.unsafeGetTensorImpl());
         if (sh != sharded_.end()) {  // sharded_adamw: AdamW on this rank's shard
           ShardedEntry& e = state->sharded[sh->second];
-          if (e.has_grad) adamw_update(e.shard, e.grad_sum, p, o);
+          if (e.has_grad) adamw_update(e.shard, e.grad_sum, p, e.prec.optim, o);
           e.grad_sum = at::Tensor();
           e.has_grad = false;
           continue;
@@ -234,14 +242,22 @@ at::Tensor Muon::step(LossClosure closure) {
         auto it = owned_.find(p.unsafeGetTensorImpl());
         if (it == owned_.end() || !it->second) continue;  // not ours: the owner updates it
         const auto tp = std::chrono::steady_clock::now();
-        muon_update(p, o, prof);
+        auto m = state->masters.find(p.unsafeGetTensorImpl());
+        muon_update(p, m == state->masters.end() ? at::Tensor() : m->second, state->precision_of(p).optim, o, prof);
         if (log_first && progress_logged_ < options_.first_step_progress_log_limit) {
           ++progress_logged_;
           std::cerr << "[dmuon] rank " << state->mesh->global_rank() << ": first step: " << ns_.describe() << " on "
                     << p.size(0) << "x" << p.size(1) << " took " << elapsed_ms(tp) << " ms\n";
         }
       } else {
-        adamw_update(p, p.grad(), p, o);
+        auto m = state->masters.find(p.unsafeGetTensorImpl());
+        const at::ScalarType sd = state->precision_of(p).optim;
+        if (m == state->masters.end()) {
+          adamw_update(p, p.grad(), p, sd, o);
+        } else {  // mixed precision: AdamW on the master, rounded into the parameter
+          adamw_update(m->second, p.grad(), p, sd, o);
+          p.copy_(m->second);
+        }
       }
     }
     (o.is_muon() ? prof.muon_ms : prof.adamw_ms) += elapsed_ms(t0);

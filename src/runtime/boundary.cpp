@@ -88,7 +88,9 @@ void DedicatedState::issue_broadcasts(int b, const char* phase) {
     if (e.state != PackedBuffer::State::Released && e.ready_pass == pass) continue;
     if (e.state == PackedBuffer::State::Released)
       detail::resize_storage_bytes(e.full, static_cast<size_t>(e.full.numel() * e.full.element_size()));
-    e.gather = comm.allgather_flat(e.full, e.shard, std::string(phase) + " all-gather of '" + e.name + "'");
+    // the shard is the master (master dtype): the all-gather carries its param-dtype rounding
+    e.gather_src = e.shard.scalar_type() == e.full.scalar_type() ? e.shard : e.shard.to(e.full.scalar_type());
+    e.gather = comm.allgather_flat(e.full, e.gather_src, std::string(phase) + " all-gather of '" + e.name + "'");
     e.state = PackedBuffer::State::Pending;
     e.ready_pass = pass;
   }
@@ -114,6 +116,7 @@ void DedicatedState::wait_broadcasts(int b) {
     if (e.state != PackedBuffer::State::Pending) continue;
     e.gather.wait();
     e.gather = Pending();
+    e.gather_src = at::Tensor();
     e.param.set_data(e.view);
     e.state = PackedBuffer::State::Ready;
   }
@@ -143,6 +146,7 @@ void DedicatedState::release(int b) {
     ShardedEntry& e = sharded[i];
     if (e.state == PackedBuffer::State::Pending) e.gather.wait();
     e.gather = Pending();
+    e.gather_src = at::Tensor();
     if (e.state == PackedBuffer::State::Released) continue;
     e.param.set_data(e.placeholder);
     detail::resize_storage_bytes(e.full, 0);
@@ -288,7 +292,8 @@ void DedicatedState::finish_sharded(ShardedEntry& e) {
   if (Communicator* rep = mesh->replicate())  // HSDP: replicated over the replicate axis
     rep->allreduce(e.rs_out, Reduction::Sum, "replicate all-reduce of the shard of '" + e.name + "'").wait();
   at::NoGradGuard ng;
-  const at::Tensor avg = e.rs_out.narrow(0, 0, e.shard_len).div(static_cast<double>(mesh->world_size()));
+  const at::Tensor avg =
+      e.rs_out.narrow(0, 0, e.shard_len).to(e.shard.scalar_type()).div(static_cast<double>(mesh->world_size()));
   if (!e.grad_sum.defined())
     e.grad_sum = avg;
   else
@@ -317,7 +322,7 @@ void DedicatedState::issue_reduce(int b) {
   for (auto& buf : B.buffers) {
     if (buf.reduce_issued || buf.stage2_issued) finish_reduce(buf);  // an earlier pass (accumulation)
     // payload = [grads of the buffer's params..., one has-grad flag per param], summed on the root
-    const auto dtype = opts.compute_dtype ? *opts.compute_dtype : buf.flat.scalar_type();
+    const auto dtype = buf.prec.reduce;
     const int64_t np = static_cast<int64_t>(buf.params.size());
     buf.grad_payload = at::zeros({buf.numel + np}, buf.flat.options().dtype(dtype));
     for (int64_t k = 0; k < np; ++k) {
@@ -338,7 +343,7 @@ void DedicatedState::issue_reduce(int b) {
     ShardedEntry& e = sharded[i];
     if (e.rs_issued) finish_sharded(e);  // an earlier backward pass (gradient accumulation)
     const int64_t G = comm.size(), L = e.shard_len;
-    e.rs_in = at::zeros({G, L + 1}, e.param.options().requires_grad(false));
+    e.rs_in = at::zeros({G, L + 1}, e.param.options().requires_grad(false).dtype(e.prec.reduce));
     const at::Tensor& gr = e.param.grad();
     if (gr.defined()) {
       at::Tensor flat = at::zeros({G * L}, e.rs_in.options());
@@ -392,7 +397,8 @@ void DedicatedState::finish_reduce(PackedBuffer& buf) {
 
 void DedicatedState::fold_into_sum(PackedBuffer& buf, double divisor) {
   at::NoGradGuard ng;
-  const at::Tensor avg = buf.grad_payload.narrow(0, 0, buf.numel).to(buf.flat.scalar_type()).div(divisor);
+  // averaged and accumulated in the master dtype (the optimizer's input)
+  const at::Tensor avg = buf.grad_payload.narrow(0, 0, buf.numel).to(buf.prec.master).div(divisor);
   if (!buf.reduced_sum.defined()) {
     buf.reduced_sum = avg;
     buf.reduced_has.assign(buf.params.size(), false);
@@ -610,11 +616,18 @@ void BoundaryScope::enter() {
   impl_->entered = true;
 }
 
+at::Tensor BoundaryScope::cast_input(const at::Tensor& t) const {
+  if (!impl_->state || !t.defined() || !t.is_floating_point()) return t;
+  const auto& d = impl_->state->boundaries[static_cast<size_t>(impl_->boundary)].input_dtype;
+  return d && t.scalar_type() != *d ? t.to(*d) : t;
+}
+
 at::Tensor BoundaryScope::enter(const at::Tensor& input) {
   enter();
-  if (!impl_->state || !at::GradMode::is_enabled() || !input.defined() || !input.requires_grad()) return input;
+  const at::Tensor x = cast_input(input);
+  if (!impl_->state || !at::GradMode::is_enabled() || !x.defined() || !x.requires_grad()) return x;
   impl_->state->note_post_hook(impl_->boundary);
-  return PostBackwardFn::apply(input, reinterpret_cast<int64_t>(impl_->state.get()),
+  return PostBackwardFn::apply(x, reinterpret_cast<int64_t>(impl_->state.get()),
                                static_cast<int64_t>(impl_->boundary))[0];
 }
 
@@ -625,8 +638,13 @@ void BoundaryScope::exit() {
 
 at::Tensor BoundaryScope::exit(const at::Tensor& output) {
   exit();
-  if (!impl_->state || !at::GradMode::is_enabled() || !output.defined() || !output.requires_grad()) return output;
-  return PreBackwardFn::apply(output, reinterpret_cast<int64_t>(impl_->state.get()),
+  at::Tensor y = output;
+  if (impl_->state && y.defined() && y.is_floating_point())
+    if (const auto& d = impl_->state->boundaries[static_cast<size_t>(impl_->boundary)].output_dtype;
+        d && y.scalar_type() != *d)
+      y = y.to(*d);
+  if (!impl_->state || !at::GradMode::is_enabled() || !y.defined() || !y.requires_grad()) return y;
+  return PreBackwardFn::apply(y, reinterpret_cast<int64_t>(impl_->state.get()),
                               static_cast<int64_t>(impl_->boundary))[0];
 }
 

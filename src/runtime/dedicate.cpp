@@ -122,26 +122,102 @@ std::string shape_str(at::IntArrayRef s) {
   return o.str();
 }
 
-// The policy that applies to `name` (nullopt: none matched; the predicate decides).
-std::optional<ParamPolicy> policy_for(const DedicateOptions& opts, const std::string& name, const at::Tensor& p,
-                                      int rank) {
+const char* route_list() {
+  return "Routes: \"muon\" (dedicated ownership + Newton-Schulz), \"adamw\" (replicated, AdamW) and "
+         "\"sharded_adamw\" (1/N per rank, AdamW on the shard).";
+}
+bool valid_route(const std::string& r) { return r == "muon" || r == "adamw" || r == "sharded_adamw"; }
+
+// Sets in `into` every field `o` has.
+void merge_policy(ParamPolicy& into, const ParamPolicy& o) {
+  if (o.route) into.route = o.route;
+  if (!o.muon_forward_unshard.empty()) into.muon_forward_unshard = o.muon_forward_unshard;
+  if (o.param_dtype) into.param_dtype = o.param_dtype;
+  if (o.grad_dtype) into.grad_dtype = o.grad_dtype;
+  if (o.master_dtype) into.master_dtype = o.master_dtype;
+  if (o.optim_dtype) into.optim_dtype = o.optim_dtype;
+  if (o.cast_forward_inputs) into.cast_forward_inputs = o.cast_forward_inputs;
+  if (o.output_dtype) into.output_dtype = o.output_dtype;
+}
+
+// The policy of `name`: param_policy_fn's answer, or every matching override merged in order
+// (empty when nothing matched).
+ParamPolicy policy_for(const DedicateOptions& opts, const std::string& name, const at::Tensor& p, int rank) {
   TORCH_CHECK(opts.param_policy.empty() || !opts.param_policy_fn, "rank ", rank,
               ": dedicate_params: param_policy and param_policy_fn are mutually exclusive; pass one of them.");
-  std::optional<ParamPolicy> pol;
-  if (opts.param_policy_fn) pol = opts.param_policy_fn(name, p);
+  ParamPolicy pol;
+  if (opts.param_policy_fn)
+    if (auto r = opts.param_policy_fn(name, p)) pol = *r;
   for (const auto& ov : opts.param_policy) {
     std::istringstream tokens(ov.match);
     std::string tok;
     bool all = true;
     while (tokens >> tok) all = all && name.find(tok) != std::string::npos;
-    if (all) pol = ov.policy;
+    if (all) merge_policy(pol, ov.policy);
   }
-  if (pol)
-    TORCH_CHECK(pol->route == "muon" || pol->route == "adamw" || pol->route == "sharded_adamw", "rank ", rank,
-                ": dedicate_params: parameter '", name, "' has route '", pol->route,
-                "', which does not exist. Routes: \"muon\" (dedicated ownership + Newton-Schulz), \"adamw\" "
-                "(replicated, AdamW) and \"sharded_adamw\" (1/N per rank, AdamW on the shard).");
+  if (pol.route)
+    TORCH_CHECK(valid_route(*pol.route), "rank ", rank, ": dedicate_params: parameter '", name, "' has route '",
+                *pol.route, "', which does not exist. ", route_list());
   return pol;
+}
+
+// 1: half/bfloat16, 2: float, 3: double.
+int float_rank(at::ScalarType t) { return t == at::kDouble ? 3 : t == at::kFloat ? 2 : 1; }
+bool is_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+// Applies the defaults to the policy's dtype fields and checks they can work. `muon`: the parameter
+// is a dedicated matrix (compute_dtype is its default reduce dtype).
+Precision resolve_precision(const ParamPolicy& pol, const DedicateOptions& opts, const std::string& name,
+                            const at::Tensor& p, bool muon, int rank) {
+  auto check = [&](const std::optional<at::ScalarType>& t, const char* field) {
+    TORCH_CHECK(!t || is_float(*t), "rank ", rank, ": dedicate_params: param_policy of '", name, "' sets ", field,
+                " = ", *t, ", which cannot hold parameters, gradients or optimizer state; use a floating type "
+                "(bfloat16, float16, float32 or float64).");
+  };
+  check(pol.param_dtype, "param_dtype");
+  check(pol.grad_dtype, "grad_dtype");
+  check(pol.master_dtype, "master_dtype");
+  check(pol.optim_dtype, "optim_dtype");
+  check(pol.output_dtype, "output_dtype");
+  const at::ScalarType own = p.scalar_type();
+  TORCH_CHECK(!(pol.param_dtype || pol.master_dtype || pol.grad_dtype || pol.optim_dtype) || is_float(own), "rank ",
+              rank, ": dedicate_params: param_policy sets dtypes for '", name, "', whose dtype is ", own,
+              "; mixed precision applies to floating-point parameters only.");
+  Precision pr;
+  pr.param = pol.param_dtype.value_or(own);
+  pr.master = pol.master_dtype.value_or(own);
+  pr.reduce = pol.grad_dtype ? *pol.grad_dtype : (muon && opts.compute_dtype) ? *opts.compute_dtype : pr.param;
+  pr.optim = pol.optim_dtype.value_or(pr.master);
+  TORCH_CHECK(pr.master == pr.param || float_rank(pr.master) > float_rank(pr.param), "rank ", rank,
+              ": dedicate_params: param_policy of '", name, "' has master_dtype ", pr.master, " and param_dtype ",
+              pr.param, ": the master copy must be at least as precise as the parameter (every update would be "
+              "rounded away). Use master_dtype float32 (the usual choice) or leave it unset.");
+  return pr;
+}
+
+// Digest of a precision (part of the cross-rank plan check).
+uint64_t precision_digest(const Precision& pr) {
+  uint64_t h = 1469598103934665603ull;
+  for (int v : {static_cast<int>(pr.param), static_cast<int>(pr.reduce), static_cast<int>(pr.master),
+                static_cast<int>(pr.optim)}) {
+    h ^= static_cast<uint64_t>(v) + 1;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// The floating dtype a boundary's forward casts to (input or output): every parameter of the
+// boundary that asks for one must ask for the same.
+void merge_boundary_dtype(std::map<std::string, std::pair<at::ScalarType, std::string>>& by_boundary,
+                          const std::string& boundary, at::ScalarType t, const std::string& param, const char* what,
+                          int rank) {
+  auto [it, fresh] = by_boundary.emplace(boundary, std::make_pair(t, param));
+  TORCH_CHECK(fresh || it->second.first == t, "rank ", rank, ": dedicate_params: parameters '", it->second.second,
+              "' and '", param, "' share hook boundary '", boundary, "' but their param_policy asks for different ",
+              what, " (", it->second.first, " vs ", t, "). A boundary casts its forward once; give its parameters "
+              "the same policy, or set cast_forward_inputs=false / output_dtype on one of them only.");
 }
 
 // Ancestors of "a.b.c.weight", lowest first: "a.b.c", "a.b", "a", "".
@@ -208,20 +284,57 @@ void DedicatedState::build(const ParamPredicate& predicate) {
       boundary_order.push_back(boundary);
     return boundary;
   };
+  std::vector<std::pair<at::Tensor, Precision>> to_cast;  // every parameter whose dtype changes
+  std::vector<std::pair<at::Tensor, Precision>> base_masters;  // replicated parameters with a master copy
+  std::map<std::string, Precision> sharded_prec;           // sharded_adamw parameter -> precision
+  std::map<std::string, std::pair<at::ScalarType, std::string>> input_cast, output_cast;  // per boundary
+  uint64_t base_digest = 0;  // precision of the non-dedicated parameters (cross-rank check)
   for (const auto& item : m->named_parameters(/*recurse=*/true)) {
     const std::string& name = item.key();
     const at::Tensor& p = item.value();
-    if (!p.requires_grad()) continue;
-    const auto pol = policy_for(opts, name, p, rank);
-    const std::string route = pol ? pol->route : (predicate(name, p) ? "muon" : "adamw");
-    if (route == "adamw") continue;
+    const ParamPolicy pol = policy_for(opts, name, p, rank);
+    if (!p.requires_grad()) {  // frozen: only the forward dtype applies
+      if (pol.param_dtype && *pol.param_dtype != p.scalar_type()) {
+        Precision pr = resolve_precision(pol, opts, name, p, false, rank);
+        pr.master = pr.optim = pr.reduce = pr.param;
+        to_cast.emplace_back(p, pr);
+      }
+      continue;
+    }
+    std::string route;
+    if (pol.route) {
+      route = *pol.route;
+    } else if (opts.route_hint_fn && !(route = opts.route_hint_fn(name, p)).empty()) {
+      TORCH_CHECK(valid_route(route), "rank ", rank, ": dedicate_params: route_hint_fn returned '", route,
+                  "' for parameter '", name, "', which is not a route. ", route_list(), " Return \"\" for no hint.");
+    } else {
+      route = predicate(name, p) ? "muon" : "adamw";
+    }
+    const Precision prec = resolve_precision(pol, opts, name, p, route == "muon", rank);
+    if (prec.param != p.scalar_type()) to_cast.emplace_back(p, prec);
+    auto note_boundary_casts = [&](const std::string& boundary) {
+      if (pol.cast_forward_inputs.value_or(pol.param_dtype && *pol.param_dtype != p.scalar_type()))
+        merge_boundary_dtype(input_cast, boundary, prec.param, name, "forward input casts", rank);
+      if (pol.output_dtype) merge_boundary_dtype(output_cast, boundary, *pol.output_dtype, name, "output dtypes", rank);
+    };
+    if (route == "adamw") {
+      precision[p.unsafeGetTensorImpl()] = prec;
+      if (prec.has_master()) base_masters.emplace_back(p, prec);
+      base_digest = base_digest * 31 + precision_digest(prec);
+      continue;
+    }
     if (route == "sharded_adamw") {
       TORCH_CHECK(!ddp, "rank ", rank, ": dedicate_params_ddp: parameter '", name, "' is routed to sharded_adamw, "
                   "but the DDP path keeps every parameter whole on every rank. Use dedicate_params for sharding, or "
                   "route it to \"adamw\".");
       TORCH_CHECK(p.numel() > 0 && p.is_contiguous(), "rank ", rank, ": dedicate_params: sharded_adamw parameter '",
                   name, "' must be a non-empty contiguous tensor.");
-      sharded_sel.emplace_back(name, resolve_boundary(name, p));
+      const std::string boundary = resolve_boundary(name, p);
+      sharded_sel.emplace_back(name, boundary);
+      sharded_prec[name] = prec;
+      precision[p.unsafeGetTensorImpl()] = prec;
+      base_digest = base_digest * 31 + precision_digest(prec) + 7;
+      note_boundary_casts(boundary);
       continue;
     }
     TORCH_CHECK(p.dim() == 2, "rank ", rank, ": dedicate_params: the predicate selected '", name, "' with shape ",
@@ -233,8 +346,8 @@ void DedicatedState::build(const ParamPredicate& predicate) {
     TORCH_CHECK(p.is_contiguous(), "rank ", rank, ": dedicate_params: parameter '", name,
                 "' is not contiguous; dedicated parameters must be plain dense tensors.");
     const std::string boundary = resolve_boundary(name, p);
-    std::string unshard = (pol && !pol->muon_forward_unshard.empty()) ? pol->muon_forward_unshard
-                                                                        : opts.muon_forward_unshard;
+    note_boundary_casts(boundary);
+    std::string unshard = !pol.muon_forward_unshard.empty() ? pol.muon_forward_unshard : opts.muon_forward_unshard;
     TORCH_CHECK(unshard == "broadcast" || unshard == "all_gather", "rank ", rank, ": dedicate_params: parameter '",
                 name, "' has muon_forward_unshard '", unshard, "'; use \"broadcast\" or \"all_gather\".");
     TORCH_CHECK(unshard == "broadcast" || (!mesh->is_2d() && !ddp), "rank ", rank, ": dedicate_params: "
@@ -245,8 +358,7 @@ void DedicatedState::build(const ParamPredicate& predicate) {
     ParamSpec s;
     s.name = name;
     s.shape = p.sizes().vec();
-    s.elem_bytes = static_cast<int64_t>(
-        c10::elementSize(opts.compute_dtype ? *opts.compute_dtype : p.scalar_type()));
+    s.elem_bytes = static_cast<int64_t>(c10::elementSize(opts.compute_dtype ? *opts.compute_dtype : prec.param));
     s.group_key = opts.assignment_group_key_fn ? opts.assignment_group_key_fn(name, p) : boundary;
     s.route = "muon";
     specs.push_back(s);
@@ -256,6 +368,8 @@ void DedicatedState::build(const ParamPredicate& predicate) {
     e.name = name;
     e.param = p;
     e.shape = s.shape;
+    e.prec = prec;
+    precision[p.unsafeGetTensorImpl()] = prec;
     params.push_back(std::move(e));
   }
 
@@ -276,7 +390,9 @@ void DedicatedState::build(const ParamPredicate& predicate) {
   {
     // [fingerprint, count] from every rank; a mismatch names the first differing parameter.
     auto opt = at::TensorOptions().dtype(at::kLong);
-    at::Tensor mine = at::tensor({static_cast<int64_t>(plan.fingerprint), static_cast<int64_t>(specs.size())}, opt);
+    uint64_t fp = plan.fingerprint ^ base_digest;
+    for (const auto& e : params) fp = fp * 1099511628211ull ^ precision_digest(e.prec);
+    at::Tensor mine = at::tensor({static_cast<int64_t>(fp), static_cast<int64_t>(specs.size())}, opt);
     const int n = mesh->world_size();
     at::Tensor all = at::empty({2 * n}, opt);
     mesh->world().allgather_flat(all, mine, "plan fingerprint check").wait();
@@ -299,7 +415,7 @@ void DedicatedState::build(const ParamPredicate& predicate) {
         at::Tensor d = at::empty({static_cast<int64_t>(specs.size())}, opt);
         for (size_t i = 0; i < specs.size(); ++i) {
           OwnerPlan one = plan_owners({specs[i]}, 1, 1, po);
-          d[static_cast<int64_t>(i)] = static_cast<int64_t>(one.fingerprint);
+          d[static_cast<int64_t>(i)] = static_cast<int64_t>(one.fingerprint ^ precision_digest(params[i].prec));
         }
         at::Tensor alld = at::empty({static_cast<int64_t>(specs.size()) * n}, opt);
         mesh->world().allgather_flat(alld, d, "plan fingerprint diagnosis").wait();
@@ -308,10 +424,13 @@ void DedicatedState::build(const ParamPredicate& predicate) {
             if (alld[r * static_cast<int64_t>(specs.size()) + i].item<int64_t>() !=
                 alld[static_cast<int64_t>(i)].item<int64_t>()) {
               detail = "parameter #" + std::to_string(i) + " ('" + specs[i].name + "' on this rank, shape " +
-                       shape_str(specs[i].shape) + ") differs between rank 0 and rank " + std::to_string(r);
+                       shape_str(specs[i].shape) + ") differs between rank 0 and rank " + std::to_string(r) +
+                       " (its shape, name, boundary or mixed-precision policy)";
               break;
             }
-        if (detail.empty()) detail = "the planner options or environment (DMUON_OWNER_*) differ between ranks";
+        if (detail.empty())
+          detail = "the planner options, the environment (DMUON_OWNER_*) or the mixed-precision policy of the "
+                   "non-dedicated parameters differ between ranks";
       }
       TORCH_CHECK(false, "rank ", rank, ": dedicate_params: the owner plan differs between ranks: ", detail,
                   ". Every rank must build the same model and pass the same options before dedicate_params.");
@@ -346,16 +465,20 @@ void DedicatedState::build(const ParamPredicate& predicate) {
     e.boundary = it->second;
     boundaries[it->second].params.push_back(static_cast<int>(i));
   }
+  for (auto& [bname, cast] : input_cast) boundaries[bindex.at(bname)].input_dtype = cast.first;
+  for (auto& [bname, cast] : output_cast) boundaries[bindex.at(bname)].output_dtype = cast.first;
   for (auto& b : boundaries) {
-    // one buffer per distinct owner slot, ordered by slot index (same on every rank)
-    std::map<int, std::vector<int>> by_slot;
-    for (int p : b.params) by_slot[OwnerPlan::slot_index(params[p].owner, plan.shard_size)].push_back(p);
-    for (auto& [slot, ps] : by_slot) {
+    // one buffer per distinct owner slot (and precision), ordered by slot index (same on every rank)
+    std::map<std::pair<int, Precision>, std::vector<int>> by_slot;
+    for (int p : b.params)
+      by_slot[{OwnerPlan::slot_index(params[p].owner, plan.shard_size), params[p].prec}].push_back(p);
+    for (auto& [key, ps] : by_slot) {
       PackedBuffer buf;
       buf.owner = params[ps.front()].owner;
       buf.root = buf.owner.shard;
       buf.root_global = mesh->global_rank_of(buf.owner.shard, buf.owner.replicate);
       buf.params = ps;
+      buf.prec = key.second;
       buf.is_owner = params[ps.front()].is_owner;
       buf.is_root = buf.owner.shard == mesh->shard_rank();  // the holder in this replicate group
       buf.gather_mode = gather_names.count(params[ps.front()].name) > 0;
@@ -366,23 +489,30 @@ void DedicatedState::build(const ParamPredicate& predicate) {
                     "per boundary, or set pack_small_params=false / separate assignment groups.");
       const at::Tensor& first = params[ps.front()].param;
       for (int p : ps) {
-        TORCH_CHECK(params[p].param.scalar_type() == first.scalar_type() &&
-                        params[p].param.device() == first.device(),
-                    "rank ", rank, ": dedicate_params: parameters '", params[p].name, "' and '", params[ps.front()].name,
-                    "' share an owner in boundary '", b.name, "' but differ in dtype or device; give them the same "
-                    "dtype/device or separate assignment groups.");
+        TORCH_CHECK(params[p].param.device() == first.device(), "rank ", rank, ": dedicate_params: parameters '",
+                    params[p].name, "' and '", params[ps.front()].name, "' share an owner in boundary '", b.name,
+                    "' but live on different devices; move the model to one device first.");
         buf.offsets.push_back(buf.numel);
         buf.numel += params[p].param.numel();
       }
       if (buf.gather_mode) buf.shard_len = (buf.numel + mesh->shard_size() - 1) / mesh->shard_size();
       // all_gather mode pads the buffer to G equal shards
+      const auto opts_flat = first.options().requires_grad(false);
       buf.flat = at::zeros({buf.gather_mode ? buf.shard_len * mesh->shard_size() : buf.numel},
-                           first.options().requires_grad(false));
+                           opts_flat.dtype(buf.prec.param));
+      // the global owner keeps the master copy, from the parameters' values before any cast
+      if (buf.is_owner && buf.prec.has_master()) buf.master = at::zeros({buf.flat.numel()}, opts_flat.dtype(buf.prec.master));
       for (size_t k = 0; k < ps.size(); ++k) {
         auto& e = params[ps[k]];
         e.buffer = static_cast<int>(b.buffers.size());
         e.slot_in_buffer = static_cast<int>(k);
         buf.views.push_back(buf.flat.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes()));
+        if (buf.master.defined()) {
+          at::Tensor mv = buf.master.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes());
+          at::NoGradGuard ng;
+          mv.copy_(e.param.detach());
+          masters[e.param.unsafeGetTensorImpl()] = mv;
+        }
       }
       b.buffers.push_back(std::move(buf));
     }
@@ -402,17 +532,31 @@ void DedicatedState::build(const ParamPredicate& predicate) {
       e.numel = e.param.numel();
       e.shard_len = (e.numel + G - 1) / G;
       e.boundary = bindex.at(bname);
-      at::Tensor full = at::zeros({e.shard_len * G}, e.param.options().requires_grad(false));
+      e.prec = sharded_prec.at(name);
+      const auto o = e.param.options().requires_grad(false);
+      at::Tensor full = at::zeros({e.shard_len * G}, o);  // the value before any cast
       full.narrow(0, 0, e.numel).copy_(e.param.detach().reshape(-1));
       mesh->world().broadcast(full, 0, "initial value of sharded parameter '" + name + "' from rank 0").wait();
-      e.shard = full.narrow(0, static_cast<int64_t>(mesh->shard_rank()) * e.shard_len, e.shard_len).clone();
-      e.full = at::empty({e.shard_len * G}, e.param.options().requires_grad(false));
+      e.shard = full.narrow(0, static_cast<int64_t>(mesh->shard_rank()) * e.shard_len, e.shard_len)
+                    .to(e.prec.master, /*non_blocking=*/false, /*copy=*/true);
+      e.full = at::empty({e.shard_len * G}, o.dtype(e.prec.param));
       e.view = e.full.narrow(0, 0, e.numel).view(e.param.sizes());
-      e.placeholder = at::empty({0}, e.param.options().requires_grad(false));
+      e.placeholder = at::empty({0}, o.dtype(e.prec.param));
       sharded_index[name] = static_cast<int>(sharded.size());
       boundaries[e.boundary].sharded.push_back(static_cast<int>(sharded.size()));
       sharded.push_back(std::move(e));
     }
+  }
+
+  // 4c. mixed precision: replicated parameters with a master keep it (replicate() syncs it from rank
+  // 0); then every parameter takes its forward dtype. Before any hook: autograd's accumulator caches
+  // the dtype, and set_data with a new dtype detaches the parameter from an existing one.
+  {
+    at::NoGradGuard ng;
+    for (auto& [p, prec] : base_masters)
+      masters[p.unsafeGetTensorImpl()] = p.detach().to(prec.master, /*non_blocking=*/false, /*copy=*/true);
+    for (auto& [p, prec] : to_cast) p.set_data(p.detach().to(prec.param));
+    for (auto& e : params) e.placeholder = at::empty({0}, e.param.options().requires_grad(false));
   }
 
   // 5. hooks (while every parameter is still full-size: the accumulator caches the shape)
@@ -437,7 +581,6 @@ void DedicatedState::build(const ParamPredicate& predicate) {
       for (auto& buf : b.buffers) {
         for (size_t k = 0; k < buf.params.size(); ++k) {
           auto& e = params[buf.params[k]];
-          e.placeholder = at::empty({0}, e.param.options().requires_grad(false));
           if (buf.is_root || ddp) {
             buf.views[k].copy_(e.param.detach());  // (HSDP: replaced by the global owner's value below)
             e.param.set_data(buf.views[k]);
@@ -460,6 +603,11 @@ void DedicatedState::build(const ParamPredicate& predicate) {
           at::Tensor src = buf.is_root ? buf.flat : at::empty({0}, buf.flat.options());
           mesh->shard().scatter_flat(buf.shard, src, buf.root, "initial shards of '" + b.name + "'").wait();
         }
+    // DDP path: every rank starts from the owner's value (ranks may have initialised differently)
+    if (ddp)
+      for (auto& b : boundaries)
+        for (auto& buf : b.buffers)
+          mesh->shard().broadcast(buf.flat, buf.root, "initial value of '" + b.name + "' from its owner").wait();
     // HSDP: every holder starts from the global owner's value (one broadcast per packed unit over
     // the replicate group of the owner's column; same order on every member).
     if (Communicator* rep = mesh->replicate()) {
@@ -471,6 +619,14 @@ void DedicatedState::build(const ParamPredicate& predicate) {
                 .wait();
     }
   }
+}
+
+Precision DedicatedState::precision_of(const at::Tensor& p) const {
+  auto it = precision.find(p.unsafeGetTensorImpl());
+  if (it != precision.end()) return it->second;
+  Precision pr;
+  pr.param = pr.reduce = pr.master = pr.optim = p.scalar_type();
+  return pr;
 }
 
 // ---- public API ------------------------------------------------------------------------------------
@@ -542,6 +698,7 @@ DedicatedParam to_public(const ParamEntry& e, const DedicatedState& s) {
   d.owner_rank = e.owner_rank;
   d.boundary = s.boundaries[e.boundary].name;
   d.is_owner = e.is_owner;
+  if (auto it = s.masters.find(e.param.unsafeGetTensorImpl()); it != s.masters.end()) d.master = it->second;
   return d;
 }
 }  // namespace

@@ -2,6 +2,9 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <map>
+#include <string>
+
 #include "runtime/state.h"
 
 namespace dmuon {
@@ -16,37 +19,57 @@ void DedicatedState::setup_replicate(double bucket_mb) {
     rep->names.push_back(name);
     rep->params.push_back(p);
   }
-  // Replicas start identical: rank 0's values (one broadcast per bucket below).
+  // Gradient buckets: consecutive parameters with one reduce dtype, master dtype and device.
   const int64_t cap = static_cast<int64_t>(bucket_mb * 1024 * 1024);
   int64_t cur = 0;
   for (size_t i = 0; i < rep->params.size(); ++i) {
     const at::Tensor& p = rep->params[i];
-    const int64_t bytes = p.numel() * p.element_size();
-    const bool new_bucket = rep->buckets.empty() || cur + bytes > cap ||
-                            rep->params[rep->buckets.back().front()].scalar_type() != p.scalar_type() ||
+    const Precision prec = precision_of(p);
+    const int64_t bytes = p.numel() * static_cast<int64_t>(c10::elementSize(prec.reduce));
+    const bool new_bucket = rep->buckets.empty() || cur + bytes > cap || !(rep->bucket_prec.back() == prec) ||
                             rep->params[rep->buckets.back().front()].device() != p.device();
     if (new_bucket) {
       rep->buckets.emplace_back();
+      rep->bucket_prec.push_back(prec);
       cur = 0;
     }
     rep->buckets.back().push_back(static_cast<int>(i));
     cur += bytes;
   }
+  // Replicas start identical: rank 0's values (its master copies where there are some), coalesced
+  // per dtype and device.
   Communicator& comm = mesh->world();
   {
     at::NoGradGuard ng;
-    for (const auto& bucket : rep->buckets) {
-      std::vector<at::Tensor> flat;
-      for (int i : bucket) flat.push_back(rep->params[i].detach().reshape(-1));
-      at::Tensor buf = at::cat(flat);
-      comm.broadcast(buf, 0, "replicate: initial values from rank 0").wait();
-      int64_t off = 0;
-      for (int i : bucket) {
-        auto& p = rep->params[i];
-        p.detach().copy_(buf.narrow(0, off, p.numel()).view(p.sizes()));
-        off += p.numel();
+    std::vector<at::Tensor> src;
+    for (const auto& p : rep->params) {
+      auto it = masters.find(p.unsafeGetTensorImpl());
+      src.push_back(it != masters.end() ? it->second : p.detach());
+    }
+    std::map<std::pair<at::ScalarType, std::string>, std::vector<size_t>> groups;
+    for (size_t i = 0; i < src.size(); ++i) groups[{src[i].scalar_type(), src[i].device().str()}].push_back(i);
+    for (const auto& [key, idx] : groups) {
+      for (size_t lo = 0; lo < idx.size();) {  // chunks of at most bucket_mb
+        size_t hi = lo;
+        int64_t bytes = 0;
+        std::vector<at::Tensor> flat;
+        while (hi < idx.size() && (hi == lo || bytes + src[idx[hi]].nbytes() <= static_cast<size_t>(cap))) {
+          bytes += static_cast<int64_t>(src[idx[hi]].nbytes());
+          flat.push_back(src[idx[hi++]].reshape(-1));
+        }
+        at::Tensor buf = at::cat(flat);
+        comm.broadcast(buf, 0, "replicate: initial values from rank 0").wait();
+        int64_t off = 0;
+        for (size_t k = lo; k < hi; ++k) {
+          at::Tensor& t = src[idx[k]];
+          t.copy_(buf.narrow(0, off, t.numel()).view(t.sizes()));
+          off += t.numel();
+        }
+        lo = hi;
       }
     }
+    for (size_t i = 0; i < src.size(); ++i)
+      if (masters.count(rep->params[i].unsafeGetTensorImpl())) rep->params[i].detach().copy_(src[i]);
   }
   // The end-of-backward callback must run even in models without dedicated boundaries.
   for (size_t i = 0; i < rep->params.size(); ++i)
@@ -70,7 +93,8 @@ void DedicatedState::flush_replicated() {
     int64_t n = 0;
     for (int i : bucket) n += rep.params[i].numel();
     at::Tensor payload = at::zeros({n + static_cast<int64_t>(bucket.size())},
-                                   rep.params[bucket.front()].options().requires_grad(false));
+                                   rep.params[bucket.front()].options().requires_grad(false).dtype(
+                                       rep.bucket_prec[bi].reduce));
     int64_t off = 0;
     for (size_t k = 0; k < bucket.size(); ++k) {
       auto& p = rep.params[bucket[k]];
@@ -103,7 +127,7 @@ void DedicatedState::fold_replicated() {
     const int64_t np = static_cast<int64_t>(rep.buckets[bi].size());
     const at::Tensor& payload = rep.payloads[bi];
     const int64_t n = payload.numel() - np;
-    const at::Tensor avg = payload.narrow(0, 0, n).div(world);
+    const at::Tensor avg = payload.narrow(0, 0, n).to(rep.bucket_prec[bi].master).div(world);
     if (!rep.sums[bi].defined()) {
       rep.sums[bi] = avg;
       rep.has[bi].assign(static_cast<size_t>(np), false);

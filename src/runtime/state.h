@@ -9,7 +9,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "dmuon/communicator.h"
@@ -18,6 +20,19 @@
 #include "dmuon/owner_plan.h"
 
 namespace dmuon {
+
+// A parameter's resolved mixed-precision policy (ParamPolicy's dtype fields with defaults applied).
+struct Precision {
+  at::ScalarType param = at::kFloat;   // dtype of the module parameter in forward/backward
+  at::ScalarType reduce = at::kFloat;  // gradient reduce payload
+  at::ScalarType master = at::kFloat;  // what the optimizer updates and gradients are averaged in
+  at::ScalarType optim = at::kFloat;   // optimizer state
+  bool has_master() const { return master != param; }
+  bool operator==(const Precision&) const = default;
+  bool operator<(const Precision& o) const {
+    return std::tie(param, reduce, master, optim) < std::tie(o.param, o.reduce, o.master, o.optim);
+  }
+};
 
 // One (boundary, owner) pair: the params of one boundary that one owner publishes, packed into one
 // flat buffer so each owner issues one broadcast and receives one reduce per boundary and step.
@@ -39,6 +54,8 @@ struct PackedBuffer {
   at::Tensor shard;
   Pending scatter;
   at::Tensor flat;                  // [numel], param dtype
+  Precision prec;                   // shared by every param of the buffer
+  at::Tensor master;                // global owner, prec.has_master(): [numel] in the master dtype
   std::vector<at::Tensor> views;    // per param: flat.narrow(...).view(shape)
   State state = State::Released;
   int64_t ready_pass = -1;          // forward pass the data was broadcast for
@@ -68,7 +85,9 @@ struct ShardedEntry {
   int64_t numel = 0;
   int64_t shard_len = 0;            // L: padded numel = L * G
   int boundary = 0;
-  at::Tensor shard;                 // [L] this rank's slice: the master the optimizer updates
+  at::Tensor shard;                 // [L] this rank's slice: the master the optimizer updates (master dtype)
+  Precision prec;
+  at::Tensor gather_src;            // the shard cast to the param dtype while an all-gather is in flight
   at::Tensor full;                  // [L * G] gather target; its storage is 0 bytes while released
   at::Tensor view;                  // full[:numel] viewed as the parameter's shape
   at::Tensor placeholder;
@@ -100,12 +119,16 @@ struct Boundary {
   int accumulated = 0;
   bool reduced = false;
   bool in_forward = false;
+  // mixed precision (from the policies of the boundary's parameters)
+  std::optional<at::ScalarType> input_dtype;   // cast floating forward arguments to this
+  std::optional<at::ScalarType> output_dtype;  // cast the tensor output to this
 };
 
 struct ParamEntry {
   std::string name;
   at::Tensor param;
   std::vector<int64_t> shape;
+  Precision prec;
   OwnerCoord owner;
   int owner_rank = 0;
   int boundary = 0;
@@ -121,7 +144,8 @@ struct ParamEntry {
 struct ReplicatedParams {
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
-  std::vector<std::vector<int>> buckets;  // indices into params
+  std::vector<std::vector<int>> buckets;  // indices into params (one reduce dtype and master dtype each)
+  std::vector<Precision> bucket_prec;
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accs;
   std::vector<at::Tensor> payloads;  // per bucket: grads then has-grad flags
   std::vector<Pending> pending;
@@ -172,6 +196,13 @@ class DedicatedState {
   ShardedEntry* sharded_of(const at::Tensor& p);
   void on_sharded_accumulated(int i);
   std::unique_ptr<ReplicatedParams> replicated;
+  // mixed precision: the resolved policy of every parameter dedicate_params cast or gave a master
+  // (absent: plain, the parameter's own dtype everywhere), and the master copies this rank updates
+  // (owned Muon matrices: views into PackedBuffer::master; replicated parameters). A sharded_adamw
+  // parameter's master is its ShardedEntry::shard.
+  std::map<const c10::TensorImpl*, Precision> precision;
+  std::map<const c10::TensorImpl*, at::Tensor> masters;
+  Precision precision_of(const at::Tensor& p) const;  // the default for a parameter without a policy
   bool z3() const { return opts.reshard_after_forward && !ddp; }
   bool ddp = false;          // dedicate_params_ddp: full params everywhere, publish after step
   bool no_sync = false;      // inside a NoSync scope

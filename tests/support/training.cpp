@@ -1,0 +1,150 @@
+#include "support/training.h"
+
+#include <torch/optim/schedulers/step_lr.h>
+#include <torch/optim/sgd.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "dmuon/bootstrap.h"
+#include "dmuon/newton_schulz.h"
+
+namespace dmuon::testing {
+
+using models::GPT;
+using models::GPTConfig;
+
+models::GPTConfig small_config(int64_t layers) {
+  GPTConfig c;
+  c.vocab_size = 32;
+  c.d_model = 32;
+  c.n_layers = layers;
+  c.n_heads = 4;
+  c.d_ff = 48;
+  return c;
+}
+
+StateDict init_state(const GPTConfig& cfg, uint64_t seed) {
+  at::manual_seed(seed);
+  GPT m(cfg);
+  StateDict sd;
+  for (const auto& p : m->named_parameters(true)) sd[p.key()] = p.value().detach().clone();
+  // norms at non-trivial values so their AdamW path is exercised
+  for (auto& [k, v] : sd)
+    if (k.find("norm") != std::string::npos) v.uniform_(0.5, 1.5);
+  return sd;
+}
+
+void load_state(GPT& m, const StateDict& sd) {
+  at::NoGradGuard ng;
+  for (auto& p : m->named_parameters(true)) p.value().copy_(sd.at(p.key()));
+}
+
+std::vector<at::Tensor> make_batches(int steps, int64_t batch, int64_t seq, int64_t vocab, uint64_t seed) {
+  at::manual_seed(seed);
+  std::vector<at::Tensor> out;
+  // learnable sequences: each row counts up from a random start with a random stride in {1, 2}
+  for (int s = 0; s < steps; ++s) {
+    at::Tensor start = at::randint(vocab, {batch, 1}, at::kLong);
+    at::Tensor stride = at::randint(1, 3, {batch, 1}, at::kLong);
+    out.push_back((start + stride * at::arange(seq, at::kLong).unsqueeze(0)).remainder(vocab));
+  }
+  return out;
+}
+
+RefResult reference_train(const GPTConfig& cfg, const StateDict& init, const std::vector<at::Tensor>& batches,
+                          const TrainConfig& tc) {
+  GPT m(cfg);
+  load_state(m, init);
+  m->frozen_blocks = tc.frozen.empty() ? std::vector<bool>(cfg.n_layers, false) : tc.frozen;
+  m->block_order = tc.block_order;
+  // LR schedule from LibTorch's own StepLR on a throwaway optimizer
+  at::Tensor dummy = at::zeros({1}, at::requires_grad());
+  torch::optim::SGD sgd({dummy}, torch::optim::SGDOptions(1.0));
+  torch::optim::StepLR sched(sgd, 3, 0.5);
+  RefResult r;
+  std::map<std::string, at::Tensor> buf, m1, m2;
+  std::map<std::string, int64_t> t;
+  for (const auto& tokens : batches) {
+    const double f = sgd.param_groups()[0].options().get_lr();
+    for (auto& p : m->parameters()) p.mutable_grad() = at::Tensor();
+    at::Tensor loss = m->loss(tokens);
+    loss.backward();
+    r.losses.push_back(loss.item<double>());
+    at::NoGradGuard ng;
+    for (auto& item : m->named_parameters(true)) {
+      at::Tensor p = item.value();
+      const std::string& name = item.key();
+      if (!p.grad().defined()) continue;
+      const at::Tensor g = p.grad();
+      if (models::is_muon_matrix(name, p)) {
+        const double lr = tc.lr * (tc.scheduler ? f : 1.0);
+        if (!buf.count(name)) buf[name] = at::zeros_like(g);
+        buf[name].mul_(tc.momentum).add_(g);
+        at::Tensor u = tc.nesterov ? g.add(buf[name], tc.momentum) : buf[name];
+        at::Tensor o = newton_schulz(u);
+        p.mul_(1 - lr * tc.wd);
+        const double scale = 0.2 * std::sqrt(static_cast<double>(std::max(p.size(0), p.size(1))));
+        p.add_(o, -lr * scale);
+      } else {
+        const double lr = tc.adamw_lr * (tc.scheduler ? f : 1.0);
+        if (!m1.count(name)) {
+          m1[name] = at::zeros_like(p);
+          m2[name] = at::zeros_like(p);
+          t[name] = 0;
+        }
+        const int64_t step = ++t[name];
+        p.mul_(1 - lr * tc.adamw_wd);
+        m1[name].mul_(0.9).add_(g, 1 - 0.9);
+        m2[name].mul_(0.999).addcmul_(g, g, 1 - 0.999);
+        const double bc1 = 1 - std::pow(0.9, step), bc2 = 1 - std::pow(0.999, step);
+        p.addcdiv_(m1[name], (m2[name].sqrt() / std::sqrt(bc2)).add_(1e-8), -lr / bc1);
+      }
+    }
+    if (tc.scheduler) sched.step();
+  }
+  for (const auto& item : m->named_parameters(true)) r.params[item.key()] = item.value().detach().clone();
+  r.momentum = buf;
+  r.exp_avg = m1;
+  return r;
+}
+
+MuonOptions muon_options(const TrainConfig& tc) {
+  MuonOptions mo;
+  mo.lr = tc.lr;
+  mo.momentum = tc.momentum;
+  mo.weight_decay = tc.wd;
+  mo.adamw_lr = tc.adamw_lr;
+  mo.adamw_weight_decay = tc.adamw_wd;
+  mo.nesterov = tc.nesterov;
+  mo.first_step_progress_log = false;
+  return mo;
+}
+
+std::vector<double> train_slices(GPT& m, Muon& opt, const std::vector<at::Tensor>& batches, int rank, int64_t per) {
+  std::vector<double> losses;
+  for (const auto& tokens : batches) {
+    opt.zero_grad();
+    at::Tensor loss = m->loss(tokens.narrow(0, rank * per, per));
+    loss.backward();
+    opt.step();
+    losses.push_back(loss.item<double>());
+  }
+  return losses;
+}
+
+double max_rel(const at::Tensor& a, const at::Tensor& b) {
+  const double scale = std::max(b.to(at::kDouble).norm().item<double>(), 1e-12);
+  return (a.to(at::kDouble) - b.to(at::kDouble)).norm().item<double>() / scale;
+}
+
+std::shared_ptr<Mesh> make_mesh(RankContext& ctx, std::chrono::milliseconds timeout, int replicate) {
+  MeshOptions mo;
+  mo.store = ctx.store;
+  mo.factory = process_group_factory(c10::DeviceType::CPU);
+  mo.timeout = timeout;
+  mo.replicate_size = replicate;
+  return Mesh::create(ctx.pg, mo);
+}
+
+}  // namespace dmuon::testing
