@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   int steps = 3;
   bool pack = false;
   int replicate = 1;
+  std::string param_dtype = "fp32";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--ranks") {
@@ -44,14 +45,18 @@ int main(int argc, char** argv) {
       pack = v == "1";
     } else if (k == "--replicate") {
       replicate = std::stoi(v);
+    } else if (k == "--param-dtype" && (v == "fp32" || v == "bf16")) {
+      param_dtype = v;
     } else {
-      std::fprintf(stderr, "usage: comm_bytes_bench [--ranks 2,3,4] [--d-model D] [--layers L] [--steps S] [--pack 0|1]\n");
+      std::fprintf(stderr, "usage: comm_bytes_bench [--ranks 2,3,4] [--d-model D] [--layers L] [--steps S] [--pack 0|1] "
+                           "[--replicate R] [--param-dtype fp32|bf16]\n");
       return 2;
     }
   }
-  std::printf("# comm_bytes_bench: GPT d=%ld layers=%ld, %d steps, pack_small_params=%d, R=%d; bytes per rank per "
-              "step\n",
-              static_cast<long>(d_model), static_cast<long>(layers), steps, pack ? 1 : 0, replicate);
+  std::printf("# comm_bytes_bench: GPT d=%ld layers=%ld, %d steps, pack_small_params=%d, R=%d, param_dtype %s; bytes "
+              "per rank per step\n",
+              static_cast<long>(d_model), static_cast<long>(layers), steps, pack ? 1 : 0, replicate,
+              param_dtype.c_str());
   std::printf("%-3s %-4s %12s %14s %14s %14s %14s %9s %9s %14s %14s\n", "N", "mode", "P_M", "formula", "plan_mean",
               "measured_mean", "measured_max", "meas/form", "max/form", "repl_plan", "repl_measured");
   for (int n : ranks) {
@@ -86,6 +91,11 @@ int main(int argc, char** argv) {
             dmuon::DedicateOptions o;
             o.reshard_after_forward = z3;
             o.pack_small_params = pack;
+            if (param_dtype == "bf16") {  // mixed precision: bf16 parameters, fp32 masters
+              dmuon::ParamPolicy bf16;
+              bf16.param_dtype = at::kBFloat16;
+              o.param_policy.push_back({"", bf16});
+            }
             dmuon::dedicate_params(model.ptr(), mesh, dmuon::models::is_muon_matrix, o);
             dmuon::replicate(model.ptr(), mesh);
             dmuon::MuonOptions opts;
@@ -142,6 +152,8 @@ int main(int argc, char** argv) {
               "# repl_* are replicate-axis bytes (stage-2 reduce + post-step publish), plan 2(R-1)/(G*R)*P_M.\n");
   std::printf("# measured = broadcast + reduce payload bytes counted by dmuon::Communicator on each rank (the\n"
               "# reduce payload carries one 4-byte has-gradient flag per matrix); plan = the planner's per-rank\n"
-              "# figure; formula = 2(N-1)/N*P_M (Z2) or 3(N-1)/N*P_M (Z3). max/form > 1 is owner imbalance.\n");
+              "# figure; formula = 2(N-1)/N*P_M (Z2) or 3(N-1)/N*P_M (Z3). max/form > 1 is owner imbalance.\n"
+              "# param_dtype bf16: P_M counts 2-byte elements; on Gloo (no bf16 arithmetic) the gradient reduce\n"
+              "# moves an fp32 copy, so measured/formula is (2+4)/(2+2) = 1.5 (Z2) and (2+2+4)/(2+2+2) = 1.33 (Z3).\n");
   return 0;
 }
