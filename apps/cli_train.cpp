@@ -117,6 +117,16 @@ void validate(const TrainArgs& a, int world) {
   if (a.timeout_s <= 0) bad("--timeout must be > 0");
   if (a.replicate < 1 || world % a.replicate != 0)
     bad("--replicate " + std::to_string(a.replicate) + " must divide the number of ranks " + std::to_string(world));
+  if (a.param_dtype != "fp32" && a.device == "cpu") {
+    // LibTorch builds differ in which 16-bit CPU kernels they have (1.13 has no float16 matmul)
+    const auto t = a.param_dtype == "bf16" ? at::kBFloat16 : at::kHalf;
+    try {
+      at::ones({2, 2}, at::TensorOptions().dtype(t)).matmul(at::ones({2, 2}, at::TensorOptions().dtype(t)));
+    } catch (const std::exception&) {
+      bad("--param-dtype " + a.param_dtype + ": this LibTorch has no " + a.param_dtype + " matrix multiply on the "
+          "CPU; use --param-dtype bf16 (or fp32) on --device cpu, or --device cuda");
+    }
+  }
   if (a.device == "cuda" && !process_group_available(c10::DeviceType::CUDA))
     bad("--device cuda: this dmuon build has no CUDA/NCCL support (it was built against a CPU LibTorch); use "
         "--device cpu or rebuild against a CUDA LibTorch");

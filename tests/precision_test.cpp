@@ -111,6 +111,10 @@ void check_bf16_run(const MpConfig& mc) {
         at::Tensor loss = m->loss(tokens.narrow(0, ctx.rank * per + a * micro, micro)) / mc.accum;
         expect(loss.scalar_type() == at::kFloat, "the loss must be computed in fp32");
         loss.backward();
+        if (ns)  // local accumulation inside NoSync runs in the master dtype
+          for (const auto& [name, p] : get_base_params(*m))
+            expect(!p.grad().defined() || p.grad().scalar_type() == at::kFloat,
+                   "NoSync gradient of " + name + " accumulates in " + std::string(c10::toString(p.grad().scalar_type())));
         loss_sum += loss.item<double>();
       }
       expect(std::isfinite(loss_sum), mc.label + ": non-finite loss");
@@ -353,7 +357,22 @@ struct TwoBlocksImpl : torch::nn::Module {
 };
 TORCH_MODULE(TwoBlocks);
 
+// A forward taking a non-const at::Tensor& still compiles through dmuon::forward (that argument is
+// passed as is).
+struct RefArgImpl : torch::nn::Module {
+  at::Tensor forward(const at::Tensor& x, at::Tensor& acc) {
+    acc.add_(1);
+    return x + acc;
+  }
+};
+TORCH_MODULE(RefArg);
+
 TEST(PrecisionTest, EveryTensorArgumentIsCast) {
+  RefArg ref;
+  at::Tensor acc = at::zeros({2});
+  at::Tensor r = dmuon::forward(ref, at::ones({2}), acc);
+  EXPECT_TRUE(acc.equal(at::ones({2})) && r.equal(at::full({2}, 2.0f)));
+
   testing::run_ranks(1, [&](testing::RankContext& ctx) {
     TwoBlocks m;
     auto mesh = make_mesh(ctx);
@@ -411,6 +430,33 @@ TEST(PrecisionTest, ConflictingBoundaryCastsAreAClearError) {
   EXPECT_NE(err.find("share hook boundary 'layers.0' but their param_policy asks for different forward input casts"),
             std::string::npos)
       << err;
+}
+
+TEST(PrecisionTest, WideningAndFrozenParametersNeedNoMaster) {
+  // a bf16 model computed in fp32: the fp32 parameter is its own master (the default master is the
+  // more precise dtype); frozen parameters take param_dtype only
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    GPT m(testing::small_config(2));
+    m->to(kBf16);
+    for (auto& p : m->blocks[1]->parameters()) p.set_requires_grad(false);
+    auto mesh = make_mesh(ctx);
+    DedicateOptions o;
+    ParamPolicy fp32;
+    fp32.param_dtype = at::kFloat;
+    o.param_policy.push_back({"", fp32});
+    dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
+    replicate(m.ptr(), mesh);
+    auto st = get_comm_ctx(*m);
+    expect(st->masters.empty(), "no master expected when the parameter is the widest copy");
+    for (const auto& p : m->parameters()) expect(p.scalar_type() == at::kFloat, "a parameter kept bf16");
+    expect(st->params.size() == 7, "frozen block 1 must not be dedicated");
+    MuonOptions mo;
+    mo.first_step_progress_log = false;
+    Muon opt(m.ptr(), mo);
+    const auto tokens = testing::make_batches(2, 4, 9, 32, 3);
+    testing::train_slices(m, opt, tokens, ctx.rank, 2);
+    for (const auto& p : m->parameters()) expect(finite(p), "non-finite parameter");
+  });
 }
 
 TEST(PrecisionTest, OverridesMergeFieldByField) {

@@ -799,7 +799,8 @@ TEST(RuntimeTest, PredicateSelectingNonMatrixIsAClearError) {
     const std::string err = error_of([&] {
       dedicate_params(m.ptr(), mesh, [](const std::string& n, const at::Tensor&) { return n.find("layers.0") == 0; });
     });
-    if (err.find("'layers.0.attn_norm.weight' with shape [32] (1-D)") == std::string::npos ||
+    if (err.find("the predicate routed 'layers.0.attn_norm.weight' to Muon, but it has shape [32] (1-D)") ==
+            std::string::npos ||
         err.find("rank " + std::to_string(ctx.rank)) == std::string::npos)
       throw std::runtime_error("unexpected message: " + err);
   });

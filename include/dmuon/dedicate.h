@@ -85,7 +85,9 @@ using ParamPolicyFn = std::function<std::optional<ParamPolicy>(const std::string
 using RouteHintFn = std::function<std::string(const std::string& param_name, const at::Tensor& param)>;
 
 struct DedicateOptions {
-  std::optional<at::ScalarType> compute_dtype;  // dtype of broadcast/reduce payloads; default: param dtype
+  // Communication dtype of Muon matrices: broadcast payloads when it narrows the parameter, and the
+  // default gradient reduce payload (ParamPolicy::grad_dtype). Default: the parameter's dtype.
+  std::optional<at::ScalarType> compute_dtype;
   bool reshard_after_forward = true;            // true: DMuon-Z3, false: DMuon-Z2
   ModulePredicate hook_boundary_predicate;      // lowest matching ancestor is the boundary
   bool hook_boundary_strict = true;             // error when a dedicated param has no boundary
@@ -254,7 +256,8 @@ decltype(auto) module_ref(M& m) {
     return (m);
   }
 }
-// Tensor arguments after the first get the boundary's input cast; others pass through.
+// Tensor arguments after the first get the boundary's input cast (when the module's forward accepts
+// the cast copy; a forward taking a non-const at::Tensor& gets the caller's tensor); others pass through.
 template <typename A>
 decltype(auto) cast_arg(const BoundaryScope& scope, A&& a) {
   if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
@@ -283,13 +286,23 @@ auto forward(ModuleHolderOrPtr& module, Args&&... args) {
       return [&](auto&& first, auto&&... rest) {
         if constexpr (std::is_same_v<std::decay_t<decltype(first)>, at::Tensor>) {
           at::Tensor in = scope.enter(first);
-          return detail::finish_boundary(
-              scope, m.forward(in, detail::cast_arg(scope, std::forward<decltype(rest)>(rest))...));
+          if constexpr (requires { m.forward(in, detail::cast_arg(scope, std::forward<decltype(rest)>(rest))...); })
+            return detail::finish_boundary(
+                scope, m.forward(in, detail::cast_arg(scope, std::forward<decltype(rest)>(rest))...));
+          else
+            return detail::finish_boundary(scope, m.forward(in, std::forward<decltype(rest)>(rest)...));
         } else {
           scope.enter();
-          return detail::finish_boundary(
-              scope, m.forward(std::forward<decltype(first)>(first),
-                               detail::cast_arg(scope, std::forward<decltype(rest)>(rest))...));
+          if constexpr (requires {
+                          m.forward(std::forward<decltype(first)>(first),
+                                    detail::cast_arg(scope, std::forward<decltype(rest)>(rest))...);
+                        })
+            return detail::finish_boundary(
+                scope, m.forward(std::forward<decltype(first)>(first),
+                                 detail::cast_arg(scope, std::forward<decltype(rest)>(rest))...));
+          else
+            return detail::finish_boundary(
+                scope, m.forward(std::forward<decltype(first)>(first), std::forward<decltype(rest)>(rest)...));
         }
       }(std::forward<Args>(args)...);
     } else {

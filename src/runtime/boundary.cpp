@@ -62,6 +62,7 @@ void DedicatedState::issue_broadcasts(int b, const char* phase) {
   Communicator& comm = mesh->shard();
   for (auto& buf : B.buffers) {
     if (buf.state != PackedBuffer::State::Released && buf.ready_pass == pass) continue;  // already published
+    if (buf.state == PackedBuffer::State::Pending) buf.bcast.wait();  // an unused one from an earlier pass
     if (buf.is_root) wait_publish(buf);  // HSDP: the holder's copy must be the new value first
     if (!buf.is_root && buf.state == PackedBuffer::State::Released)
       detail::resize_storage_bytes(buf.flat, static_cast<size_t>(buf.flat.numel() * buf.flat.element_size()));
@@ -74,7 +75,8 @@ void DedicatedState::issue_broadcasts(int b, const char* phase) {
       continue;
     }
     at::Tensor payload = buf.flat;
-    if (opts.compute_dtype && *opts.compute_dtype != buf.flat.scalar_type()) {
+    if (opts.compute_dtype &&
+        static_cast<int64_t>(c10::elementSize(*opts.compute_dtype)) < buf.flat.element_size()) {  // narrows only
       buf.bcast_payload = buf.is_root ? buf.flat.to(*opts.compute_dtype)
                                       : at::empty({buf.numel}, buf.flat.options().dtype(*opts.compute_dtype));
       payload = buf.bcast_payload;
@@ -86,6 +88,7 @@ void DedicatedState::issue_broadcasts(int b, const char* phase) {
   for (int i : B.sharded) {  // sharded_adamw: all-gather the full tensor from the shards
     ShardedEntry& e = sharded[i];
     if (e.state != PackedBuffer::State::Released && e.ready_pass == pass) continue;
+    if (e.state == PackedBuffer::State::Pending) e.gather.wait();  // an unused one from an earlier pass
     if (e.state == PackedBuffer::State::Released)
       detail::resize_storage_bytes(e.full, static_cast<size_t>(e.full.numel() * e.full.element_size()));
     // the shard is the master (master dtype): the all-gather carries its param-dtype rounding
@@ -435,11 +438,29 @@ void DedicatedState::end_of_backward() {
     for (auto& B : boundaries)
       for (auto& buf : B.buffers) finish_stage1(buf);  // waits stage 1, issues stage 2 now
   if (!no_sync) flush_replicated();
+  if (no_sync) upcast_local_grads();
   callback_queued = false;
   reduce_order_fixed = false;
   reduce_order.clear();
   next_reduce = 0;
   backward_since_forward = true;
+}
+
+void DedicatedState::upcast_local_grads() {
+  // Inside NoSync gradients stay local for several backward passes; autograd accumulates into
+  // p.grad() in place, so a master-dtype gradient makes the accumulation master-precision.
+  at::NoGradGuard ng;
+  auto up = [&](const at::Tensor& p) {
+    const at::Tensor& g = p.grad();
+    if (!g.defined()) return;
+    auto it = precision.find(p.unsafeGetTensorImpl());
+    if (it == precision.end() || !it->second.has_master() || g.scalar_type() == it->second.master) return;
+    p.mutable_grad() = g.to(it->second.master);
+  };
+  for (auto& e : params) up(e.param);
+  for (auto& e : sharded) up(e.param);
+  if (replicated)
+    for (auto& p : replicated->params) up(p);
 }
 
 // ---- optimizer interface -------------------------------------------------------------------------

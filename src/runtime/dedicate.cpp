@@ -168,9 +168,10 @@ bool is_float(at::ScalarType t) {
 }
 
 // Applies the defaults to the policy's dtype fields and checks they can work. `muon`: the parameter
-// is a dedicated matrix (compute_dtype is its default reduce dtype).
+// is a dedicated matrix (compute_dtype is its default reduce dtype). `frozen`: no gradient, no
+// optimizer: only param_dtype applies.
 Precision resolve_precision(const ParamPolicy& pol, const DedicateOptions& opts, const std::string& name,
-                            const at::Tensor& p, bool muon, int rank) {
+                            const at::Tensor& p, bool muon, bool frozen, int rank) {
   auto check = [&](const std::optional<at::ScalarType>& t, const char* field) {
     TORCH_CHECK(!t || is_float(*t), "rank ", rank, ": dedicate_params: param_policy of '", name, "' sets ", field,
                 " = ", *t, ", which cannot hold parameters, gradients or optimizer state; use a floating type "
@@ -187,7 +188,18 @@ Precision resolve_precision(const ParamPolicy& pol, const DedicateOptions& opts,
               "; mixed precision applies to floating-point parameters only.");
   Precision pr;
   pr.param = pol.param_dtype.value_or(own);
-  pr.master = pol.master_dtype.value_or(own);
+  if (frozen) {
+    pr.master = pr.reduce = pr.optim = pr.param;
+    return pr;
+  }
+  // default master: the more precise of the parameter's own dtype and param_dtype (float32 when
+  // they are the two 16-bit types)
+  at::ScalarType def_master = own;
+  if (pr.param != own)
+    def_master = float_rank(own) > float_rank(pr.param)   ? own
+                 : float_rank(pr.param) > float_rank(own) ? pr.param
+                                                          : at::kFloat;
+  pr.master = pol.master_dtype.value_or(def_master);
   pr.reduce = pol.grad_dtype ? *pol.grad_dtype : (muon && opts.compute_dtype) ? *opts.compute_dtype : pr.param;
   pr.optim = pol.optim_dtype.value_or(pr.master);
   TORCH_CHECK(pr.master == pr.param || float_rank(pr.master) > float_rank(pr.param), "rank ", rank,
@@ -295,22 +307,23 @@ void DedicatedState::build(const ParamPredicate& predicate) {
     const ParamPolicy pol = policy_for(opts, name, p, rank);
     if (!p.requires_grad()) {  // frozen: only the forward dtype applies
       if (pol.param_dtype && *pol.param_dtype != p.scalar_type()) {
-        Precision pr = resolve_precision(pol, opts, name, p, false, rank);
-        pr.master = pr.optim = pr.reduce = pr.param;
-        to_cast.emplace_back(p, pr);
+        to_cast.emplace_back(p, resolve_precision(pol, opts, name, p, false, /*frozen=*/true, rank));
       }
       continue;
     }
     std::string route;
+    const char* route_from = "param_policy";
     if (pol.route) {
       route = *pol.route;
     } else if (opts.route_hint_fn && !(route = opts.route_hint_fn(name, p)).empty()) {
+      route_from = "route_hint_fn";
       TORCH_CHECK(valid_route(route), "rank ", rank, ": dedicate_params: route_hint_fn returned '", route,
                   "' for parameter '", name, "', which is not a route. ", route_list(), " Return \"\" for no hint.");
     } else {
       route = predicate(name, p) ? "muon" : "adamw";
+      route_from = "the predicate";
     }
-    const Precision prec = resolve_precision(pol, opts, name, p, route == "muon", rank);
+    const Precision prec = resolve_precision(pol, opts, name, p, route == "muon", /*frozen=*/false, rank);
     if (prec.param != p.scalar_type()) to_cast.emplace_back(p, prec);
     auto note_boundary_casts = [&](const std::string& boundary) {
       if (pol.cast_forward_inputs.value_or(pol.param_dtype && *pol.param_dtype != p.scalar_type()))
@@ -337,10 +350,10 @@ void DedicatedState::build(const ParamPredicate& predicate) {
       note_boundary_casts(boundary);
       continue;
     }
-    TORCH_CHECK(p.dim() == 2, "rank ", rank, ": dedicate_params: the predicate selected '", name, "' with shape ",
-                shape_str(p.sizes()), " (", p.dim(), "-D). Dedicated ownership runs Newton-Schulz, which needs a 2-D "
-                "matrix; make the predicate return false for it (it will be trained by AdamW), or reshape it "
-                "into a 2-D parameter in the model.");
+    TORCH_CHECK(p.dim() == 2, "rank ", rank, ": dedicate_params: ", route_from, " routed '", name,
+                "' to Muon, but it has shape ", shape_str(p.sizes()), " (", p.dim(), "-D). Dedicated ownership runs "
+                "Newton-Schulz, which needs a 2-D matrix; make ", route_from, " route it elsewhere (\"adamw\": "
+                "replicated AdamW), or reshape it into a 2-D parameter in the model.");
     TORCH_CHECK(p.numel() > 0, "rank ", rank, ": dedicate_params: parameter '", name, "' has no elements (shape ",
                 shape_str(p.sizes()), ").");
     TORCH_CHECK(p.is_contiguous(), "rank ", rank, ": dedicate_params: parameter '", name,
@@ -358,7 +371,9 @@ void DedicatedState::build(const ParamPredicate& predicate) {
     ParamSpec s;
     s.name = name;
     s.shape = p.sizes().vec();
-    s.elem_bytes = static_cast<int64_t>(c10::elementSize(opts.compute_dtype ? *opts.compute_dtype : prec.param));
+    // broadcast payload: compute_dtype when it narrows the parameter
+    s.elem_bytes = static_cast<int64_t>(std::min(c10::elementSize(prec.param),
+                                                 c10::elementSize(opts.compute_dtype.value_or(prec.param))));
     s.group_key = opts.assignment_group_key_fn ? opts.assignment_group_key_fn(name, p) : boundary;
     s.route = "muon";
     specs.push_back(s);
@@ -555,7 +570,10 @@ void DedicatedState::build(const ParamPredicate& predicate) {
     at::NoGradGuard ng;
     for (auto& [p, prec] : base_masters)
       masters[p.unsafeGetTensorImpl()] = p.detach().to(prec.master, /*non_blocking=*/false, /*copy=*/true);
-    for (auto& [p, prec] : to_cast) p.set_data(p.detach().to(prec.param));
+    for (auto& [p, prec] : to_cast) {
+      p.set_data(p.detach().to(prec.param));
+      p.mutable_grad() = at::Tensor();  // a gradient from before would keep the old dtype
+    }
     for (auto& e : params) e.placeholder = at::empty({0}, e.param.options().requires_grad(false));
   }
 

@@ -46,8 +46,9 @@ void DedicatedState::setup_replicate(double bucket_mb) {
       auto it = masters.find(p.unsafeGetTensorImpl());
       src.push_back(it != masters.end() ? it->second : p.detach());
     }
-    std::map<std::pair<at::ScalarType, std::string>, std::vector<size_t>> groups;
-    for (size_t i = 0; i < src.size(); ++i) groups[{src[i].scalar_type(), src[i].device().str()}].push_back(i);
+    // keyed by device type, not index: ranks use different devices (cuda:0, cuda:1) in the same order
+    std::map<std::pair<at::ScalarType, c10::DeviceType>, std::vector<size_t>> groups;
+    for (size_t i = 0; i < src.size(); ++i) groups[{src[i].scalar_type(), src[i].device().type()}].push_back(i);
     for (const auto& [key, idx] : groups) {
       for (size_t lo = 0; lo < idx.size();) {  // chunks of at most bucket_mb
         size_t hi = lo;

@@ -36,9 +36,10 @@ struct Precision {
 
 // One (boundary, owner) pair: the params of one boundary that one owner publishes, packed into one
 // flat buffer so each owner issues one broadcast and receives one reduce per boundary and step.
-// Param data on every rank are views into `flat`. On the owner `flat` is the master copy and never
-// released; on other ranks its storage is resized to 0 bytes while released, so every view and
-// every tensor autograd saved sees the memory come and go (FSDP-style).
+// Param data on every rank are views into `flat`. On the owner `flat` is never released (with mixed
+// precision it is the param-dtype rounding of `master`, which the optimizer updates); on other ranks
+// its storage is resized to 0 bytes while released, so every view and every tensor autograd saved
+// sees the memory come and go (FSDP-style).
 struct PackedBuffer {
   enum class State { Released, Pending, Ready };
   int root = 0;                     // owner's rank in the shard group
@@ -209,6 +210,7 @@ class DedicatedState {
   bool boundaries_seen = false;  // the model runs its boundaries through dmuon::forward
   void publish(bool async);  // DDP path: owners broadcast their updated matrices
   void wait_publishes();     // waits every in-flight broadcast
+  void upcast_local_grads(); // NoSync: local gradients accumulate in the master dtype
 
   mutable std::recursive_mutex mu;
   // iteration bookkeeping
