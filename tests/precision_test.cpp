@@ -228,7 +228,9 @@ INSTANTIATE_TEST_SUITE_P(
                       cfg_of("Hsdp2x2", [](MpConfig& c) { c.world = 4; c.replicate = 2; }),
                       cfg_of("N2_AllGather", [](MpConfig& c) { c.unshard = "all_gather"; }),
                       cfg_of("N2_Accum2", [](MpConfig& c) { c.accum = 2; }),
-                      cfg_of("N2_NoSync2", [](MpConfig& c) { c.accum = 2; c.no_sync = true; })),
+                      cfg_of("N2_NoSync2", [](MpConfig& c) { c.accum = 2; c.no_sync = true; }),
+                      cfg_of("N2_ShardedNoSync2", [](MpConfig& c) { c.sharded = true; c.accum = 2; c.no_sync = true; }),
+                      cfg_of("Hsdp2x2_Sharded", [](MpConfig& c) { c.world = 4; c.replicate = 2; c.sharded = true; })),
     [](const ::testing::TestParamInfo<MpConfig>& i) { return i.param.label; });
 
 // What the master buys: at lr 1e-4 a Muon step moves a weight of magnitude ~0.02 by ~3e-5, below
