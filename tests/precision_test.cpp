@@ -31,6 +31,7 @@ namespace {
 using models::GPT;
 using models::GPTConfig;
 using testing::error_of;
+using testing::expect;
 using testing::make_mesh;
 using testing::max_rel;
 
@@ -45,20 +46,9 @@ ParamPolicy bf16_compute() {
   return p;
 }
 
-void expect(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
-
 bool finite(const at::Tensor& t) { return at::isfinite(t.to(at::kFloat)).all().item<bool>(); }
 
-struct MpConfig {
-  std::string label;
-  int world = 2;
-  int replicate = 1;       // HSDP when > 1
-  bool z3 = true;
-  bool ddp = false;        // dedicate_params_ddp
-  bool sharded = false;    // embedding, norms and head on sharded_adamw (via route_hint_fn)
-  std::string unshard = "broadcast";
+struct MpConfig : testing::Layout {
   int accum = 1;
   bool no_sync = false;
 };
@@ -84,19 +74,8 @@ void check_bf16_run(const MpConfig& mc) {
     testing::load_state(m, init);
     auto mesh = make_mesh(ctx, std::chrono::seconds(60), mc.replicate);
     DedicateOptions o;
-    o.reshard_after_forward = mc.z3;
-    o.pack_small_params = false;
-    o.muon_forward_unshard = mc.unshard;
     o.param_policy.push_back({"", bf16_compute()});
-    if (mc.sharded)
-      o.route_hint_fn = [](const std::string& n, const at::Tensor& p) -> std::string {
-        return models::is_muon_matrix(n, p) ? "" : "sharded_adamw";
-      };
-    if (mc.ddp)
-      dedicate_params_ddp(m.ptr(), mesh, models::is_muon_matrix, o);
-    else
-      dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
-    replicate(m.ptr(), mesh);
+    testing::dedicate_gpt(m, mesh, mc, o);
     Muon opt(m.ptr(), testing::muon_options(tc));
     auto st = get_comm_ctx(*m);
     mesh->counters().reset();

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "dmuon/bootstrap.h"
+#include "dmuon/checkpoint.h"
 #include "dmuon/communicator.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"

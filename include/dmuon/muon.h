@@ -120,6 +120,9 @@ class Muon : public torch::optim::Optimizer {
   int64_t steps_taken() const { return steps_; }
   // Per-parameter state of `p` (nullptr when none yet / not on this rank).
   const MuonParamState* state_of(const at::Tensor& p) const;
+  // The same, created when absent (checkpoint restore).
+  MuonParamState& param_state(const at::Tensor& p) { return state_for(p); }
+  void set_steps_taken(int64_t steps) { steps_ = steps; }
 
  private:
   // Muon on owned matrix `p`; with a `master` (mixed precision) the master is updated and rounded

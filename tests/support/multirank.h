@@ -4,6 +4,7 @@
 #include <chrono>
 #include <functional>
 #include <exception>
+#include <stdexcept>
 #include <string>
 
 #include "dmuon/process_group.h"
@@ -19,6 +20,11 @@ std::string error_of(Fn&& fn) {
     return e.what();
   }
   return "";
+}
+
+// Throws std::runtime_error(what) unless ok (checks inside rank threads, which run_ranks reports).
+inline void expect(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error(what);
 }
 
 // A fresh, empty directory under $TMPDIR (unique per call).

@@ -133,6 +133,21 @@ std::vector<double> train_slices(GPT& m, Muon& opt, const std::vector<at::Tensor
   return losses;
 }
 
+void dedicate_gpt(GPT& m, const std::shared_ptr<Mesh>& mesh, const Layout& l, DedicateOptions o) {
+  o.reshard_after_forward = l.z3;
+  o.pack_small_params = false;
+  o.muon_forward_unshard = l.unshard;
+  if (l.sharded)
+    o.route_hint_fn = [](const std::string& n, const at::Tensor& p) -> std::string {
+      return models::is_muon_matrix(n, p) ? "" : "sharded_adamw";
+    };
+  if (l.ddp)
+    dedicate_params_ddp(m.ptr(), mesh, models::is_muon_matrix, o);
+  else
+    dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
+  replicate(m.ptr(), mesh);
+}
+
 double max_rel(const at::Tensor& a, const at::Tensor& b) {
   const double scale = std::max(b.to(at::kDouble).norm().item<double>(), 1e-12);
   return (a.to(at::kDouble) - b.to(at::kDouble)).norm().item<double>() / scale;

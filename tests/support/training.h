@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "dmuon/dedicate.h"
 #include "dmuon/mesh.h"
 #include "dmuon/muon.h"
 #include "model/gpt.h"
@@ -63,6 +64,20 @@ std::vector<double> train_slices(models::GPT& m, Muon& opt, const std::vector<at
 
 // Relative difference of one tensor: |a - b|_F / |b|_F (the tests take the max over all tensors).
 double max_rel(const at::Tensor& a, const at::Tensor& b);
+
+// How a test dedicates the GPT: mesh shape and runtime path.
+struct Layout {
+  std::string label;
+  int world = 2;
+  int replicate = 1;       // HSDP when > 1
+  bool z3 = true;
+  bool ddp = false;        // dedicate_params_ddp
+  bool sharded = false;    // the non-matrix parameters on sharded_adamw (via route_hint_fn)
+  std::string unshard = "broadcast";
+};
+// dedicate_params (or _ddp) with models::is_muon_matrix as predicate, then replicate; `o` carries
+// any further options (policies).
+void dedicate_gpt(models::GPT& m, const std::shared_ptr<Mesh>& mesh, const Layout& l, DedicateOptions o = {});
 
 // A mesh over the rank's Gloo group (replicate > 1: HSDP).
 std::shared_ptr<Mesh> make_mesh(RankContext& ctx, std::chrono::milliseconds timeout = std::chrono::seconds(60),

@@ -1,0 +1,83 @@
+// checkpoint.h -- full (unsharded) state dicts of a dedicated model and its Muon optimizer, and
+// checkpoint files that resume on any world size and mesh.
+//
+// A state dict holds what a single-process model would hold: every parameter and buffer whole,
+// keyed like named_parameters()/named_buffers(), in full precision (the master copy where mixed
+// precision keeps one). Owners broadcast their matrices, sharded_adamw slices are all-gathered, so a
+// checkpoint taken on 4 ranks loads on 3 (or on one process, or on an HSDP mesh): set_* places
+// every value where the new plan wants it.
+//
+//   auto model_sd = dmuon::get_model_state_dict(*model);              // collective; rank 0 gets it
+//   auto optim_sd = dmuon::get_optimizer_state_dict(*model, opt);      // collective
+//   if (rank == 0) dmuon::save_checkpoint("ckpt.pt", model_sd, &optim_sd);   // atomic
+//   ...
+//   auto ck = dmuon::load_checkpoint("ckpt.pt");                       // every rank
+//   dmuon::set_model_state_dict(*model, ck.model);                     // collective
+//   dmuon::set_optimizer_state_dict(*model, opt, *ck.optim);           // collective
+//
+// All four get/set functions are collectives (every rank, same order) and drain in-flight
+// broadcasts, reduces and publishes first; call them between optimizer steps.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dmuon/muon.h"
+
+namespace dmuon {
+
+using TensorDict = std::map<std::string, at::Tensor>;
+
+struct StateDictOptions {
+  bool cpu_offload = true;  // returned tensors live on the CPU
+  bool rank0_only = true;   // only global rank 0 returns a populated dict (every rank takes part)
+};
+
+// Hyperparameters of one lowered parameter group (a user group's Muon or AdamW half).
+struct OptimizerGroupState {
+  std::string name;
+  bool is_muon = true;
+  double lr = 0, momentum = 0, weight_decay = 0, beta1 = 0, beta2 = 0, eps = 0;
+  bool nesterov = true;
+  int64_t ns_steps = 5;
+};
+
+struct OptimizerStateDict {
+  // Muon matrices: "<name>.momentum_buffer" (full matrix) and "<name>.step" (0-dim int64)
+  TensorDict muon;
+  // AdamW-trained parameters (replicated or sharded_adamw): "<name>.exp_avg", "<name>.exp_avg_sq"
+  // (full tensors) and "<name>.step"
+  TensorDict adamw;
+  std::vector<OptimizerGroupState> param_groups;  // in the optimizer's lowered order
+  int64_t steps_taken = 0;
+};
+
+// collective: every rank, same order.
+TensorDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions& options = {});
+// collective. Every rank passes the full dict (e.g. each read the same checkpoint file). A missing
+// or unexpected key, or a shape that differs from the model's, is an error naming it.
+void set_model_state_dict(torch::nn::Module& model, const TensorDict& state_dict);
+
+// collective: every rank, same order.
+OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon& optimizer,
+                                            const StateDictOptions& options = {});
+// collective. Restores momentum buffers (on the new owners), AdamW moments (sliced for
+// sharded_adamw), step counts and the groups' hyperparameters (learning rates included).
+void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const OptimizerStateDict& state_dict);
+
+// One file (a torch::serialize archive): written to a temporary name in the same directory,
+// flushed to disk, then renamed over `path`, so a crash never leaves a partial checkpoint.
+void save_checkpoint(const std::string& path, const TensorDict& model, const OptimizerStateDict* optimizer = nullptr);
+
+struct Checkpoint {
+  TensorDict model;
+  std::optional<OptimizerStateDict> optim;
+};
+Checkpoint load_checkpoint(const std::string& path);
+
+}  // namespace dmuon

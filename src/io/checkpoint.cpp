@@ -1,0 +1,384 @@
+// Full state dicts and checkpoint files (see include/dmuon/checkpoint.h).
+#include "dmuon/checkpoint.h"
+
+#include <c10/util/Exception.h>
+#include <fcntl.h>
+#include <torch/serialize/archive.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <set>
+#include <sstream>
+
+#include "runtime/state.h"
+
+namespace dmuon {
+
+namespace {
+
+constexpr const char* kFormat = "dmuon-checkpoint-v1";
+
+std::shared_ptr<DedicatedState> drained_state(torch::nn::Module& model, const char* fn) {
+  auto st = detail::require_state(model, fn);
+  st->wait_publishes();  // post-step publishes and all_gather-mode scatters
+  st->drain_all();       // forward prefetches, pending reduces
+  return st;
+}
+
+// Collects what the caller keeps: everything (rank0_only=false) or rank 0's copy only.
+struct Sink {
+  TensorDict& out;
+  bool keep;
+  bool cpu;
+  void put(const std::string& key, const at::Tensor& v) const {
+    if (!keep) return;
+    at::Tensor t = v.detach();
+    out[key] = cpu ? t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true) : t.clone();
+  }
+};
+
+at::Tensor step_tensor(int64_t step) { return at::scalar_tensor(step, at::TensorOptions().dtype(at::kLong)); }
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream o;
+  o << s;
+  return o.str();
+}
+
+// A full tensor of `numel` elements (padded to L*G) from this rank's slice: all-gather over the shard group.
+at::Tensor gather_slices(Communicator& comm, const at::Tensor& slice, int64_t numel, at::IntArrayRef shape,
+                         const std::string& what) {
+  at::Tensor full = at::empty({slice.numel() * comm.size()}, slice.options());
+  comm.allgather_flat(full, slice.contiguous(), what).wait();
+  return full.narrow(0, 0, numel).view(shape);
+}
+
+// This rank's slice [rank*L, (rank+1)*L) of a full tensor, zero-padded.
+at::Tensor slice_of(const at::Tensor& full, int64_t shard_len, int shard_rank, int shards, const at::TensorOptions& o) {
+  at::Tensor padded = at::zeros({shard_len * shards}, o);
+  padded.narrow(0, 0, full.numel()).copy_(full.reshape(-1));
+  return padded.narrow(0, static_cast<int64_t>(shard_rank) * shard_len, shard_len).clone();
+}
+
+// AdamW-trained parameters: replicated and sharded_adamw (every trainable one that is not a Muon matrix).
+std::vector<std::pair<std::string, at::Tensor>> adamw_params(const torch::nn::Module& model, const DedicatedState& st) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : model.named_parameters(true))
+    if (item.value().requires_grad() && !st.param_index.count(item.key())) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+}  // namespace
+
+// ---- model ---------------------------------------------------------------------------------------
+TensorDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions& options) {
+  auto st = drained_state(model, "get_model_state_dict");
+  std::lock_guard<std::recursive_mutex> g(st->mu);
+  at::NoGradGuard ng;
+  Mesh& mesh = *st->mesh;
+  TensorDict out;
+  const Sink sink{out, !options.rank0_only || mesh.global_rank() == 0, options.cpu_offload};
+  // Muon matrices: from their (global) owner, in full precision
+  for (auto& e : st->params) {
+    at::Tensor t;
+    if (e.is_owner) {
+      auto m = st->masters.find(e.param.unsafeGetTensorImpl());
+      t = m != st->masters.end() ? m->second : e.param.detach();
+    } else {
+      t = at::empty(e.shape, e.param.options().dtype(e.prec.master));
+    }
+    mesh.world().broadcast(t, e.owner_rank, "checkpoint: '" + e.name + "' from its owner").wait();
+    sink.put(e.name, t);
+  }
+  // sharded_adamw: every shard rank's slice of the master
+  for (auto& e : st->sharded)
+    sink.put(e.name, gather_slices(mesh.shard(), e.shard, e.numel, e.shape, "checkpoint: slices of '" + e.name + "'"));
+  // the rest is whole on every rank (the master where mixed precision keeps one)
+  for (const auto& item : model.named_parameters(true)) {
+    if (st->param_index.count(item.key()) || st->sharded_index.count(item.key())) continue;
+    auto m = st->masters.find(item.value().unsafeGetTensorImpl());
+    sink.put(item.key(), m != st->masters.end() ? m->second : item.value());
+  }
+  for (const auto& item : model.named_buffers(true)) sink.put(item.key(), item.value());
+  return out;
+}
+
+void set_model_state_dict(torch::nn::Module& model, const TensorDict& sd) {
+  auto st = drained_state(model, "set_model_state_dict");
+  std::lock_guard<std::recursive_mutex> g(st->mu);
+  at::NoGradGuard ng;
+  Mesh& mesh = *st->mesh;
+  const int rank = mesh.global_rank();
+  std::map<std::string, std::vector<int64_t>> expected;
+  for (const auto& item : model.named_parameters(true)) expected[item.key()] = item.value().sizes().vec();
+  for (const auto& e : st->params) expected[e.name] = e.shape;  // placeholders hold no shape
+  for (const auto& e : st->sharded) expected[e.name] = e.shape;
+  for (const auto& item : model.named_buffers(true)) expected[item.key()] = item.value().sizes().vec();
+  for (const auto& [k, v] : sd) {
+    TORCH_CHECK(expected.count(k), "rank ", rank, ": set_model_state_dict: unexpected key '", k,
+                "': the model has no parameter or buffer of that name. Load a state dict of this model "
+                "architecture (keys as in named_parameters()/named_buffers()).");
+    TORCH_CHECK(v.defined() && v.sizes().vec() == expected[k], "rank ", rank, ": set_model_state_dict: '", k,
+                "' has shape ", v.defined() ? shape_str(v.sizes()) : std::string("(undefined)"),
+                " in the state dict but ", shape_str(expected[k]), " in the model.");
+  }
+  for (const auto& [k, shape] : expected)
+    TORCH_CHECK(sd.count(k), "rank ", rank, ": set_model_state_dict: the state dict has no '", k, "' (shape ",
+                shape_str(shape), "). Every rank must pass the full state dict, e.g. as read by load_checkpoint.");
+
+  for (auto& e : st->params) {
+    const at::Tensor& v = sd.at(e.name);
+    auto& buf = st->boundaries[static_cast<size_t>(e.boundary)].buffers[static_cast<size_t>(e.buffer)];
+    if (auto m = st->masters.find(e.param.unsafeGetTensorImpl()); m != st->masters.end()) m->second.copy_(v);
+    // the ranks that hold the matrix between steps: its owner / holders, every rank on the DDP path
+    if (buf.is_root || st->ddp) buf.views[static_cast<size_t>(e.slot_in_buffer)].copy_(v);
+  }
+  for (auto& B : st->boundaries)  // all_gather mode: every rank's shard of the new value
+    for (auto& buf : B.buffers)
+      if (buf.gather_mode) {
+        at::Tensor src = buf.is_root ? buf.flat : at::empty({0}, buf.flat.options());
+        mesh.shard().scatter_flat(buf.shard, src, buf.root, "checkpoint: shards of '" + B.name + "'").wait();
+      }
+  for (auto& e : st->sharded)
+    e.shard.copy_(slice_of(sd.at(e.name), e.shard_len, mesh.shard_rank(), mesh.shard_size(), e.shard.options()));
+  for (const auto& item : model.named_parameters(true)) {
+    if (st->param_index.count(item.key()) || st->sharded_index.count(item.key())) continue;
+    const at::Tensor& v = sd.at(item.key());
+    if (auto m = st->masters.find(item.value().unsafeGetTensorImpl()); m != st->masters.end()) m->second.copy_(v);
+    item.value().detach().copy_(v);
+  }
+  for (const auto& item : model.named_buffers(true)) item.value().detach().copy_(sd.at(item.key()));
+}
+
+// ---- optimizer -----------------------------------------------------------------------------------
+OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon& optimizer,
+                                            const StateDictOptions& options) {
+  auto st = drained_state(model, "get_optimizer_state_dict");
+  std::lock_guard<std::recursive_mutex> g(st->mu);
+  at::NoGradGuard ng;
+  Mesh& mesh = *st->mesh;
+  OptimizerStateDict out;
+  const bool keep = !options.rank0_only || mesh.global_rank() == 0;
+  const Sink muon{out.muon, keep, options.cpu_offload}, adamw{out.adamw, keep, options.cpu_offload};
+  for (const auto& group : optimizer.param_groups()) {
+    const auto& o = static_cast<const MuonGroupOptions&>(group.options());
+    if (keep)
+      out.param_groups.push_back({o.group_name(), o.is_muon(), o.lr(), o.momentum(), o.weight_decay(), o.beta1(),
+                                  o.beta2(), o.eps(), o.nesterov(), o.ns_steps()});
+  }
+  out.steps_taken = optimizer.steps_taken();
+  // momentum buffers: a [has, step] header, then the buffer, from each owner
+  for (auto& e : st->params) {
+    at::Tensor header = at::zeros({2}, e.param.options().dtype(at::kLong));
+    const MuonParamState* ps = e.is_owner ? optimizer.state_of(e.param) : nullptr;
+    if (ps && ps->momentum_buffer().defined()) header = at::tensor({int64_t{1}, ps->step()}, header.options());
+    mesh.world().broadcast(header, e.owner_rank, "checkpoint: momentum header of '" + e.name + "'").wait();
+    const at::Tensor h = header.cpu();
+    if (h[0].item<int64_t>() == 0) continue;
+    at::Tensor buf = ps ? ps->momentum_buffer() : at::empty(e.shape, e.param.options().dtype(e.prec.optim));
+    mesh.world().broadcast(buf, e.owner_rank, "checkpoint: momentum of '" + e.name + "'").wait();
+    muon.put(e.name + ".momentum_buffer", buf);
+    muon.put(e.name + ".step", step_tensor(h[1].item<int64_t>()));
+  }
+  // AdamW moments: whole on every rank, or gathered from the sharded_adamw slices
+  for (const auto& [name, p] : adamw_params(model, *st)) {
+    auto sh = st->sharded_index.find(name);
+    const MuonParamState* ps = optimizer.state_of(p);
+    const bool has = ps && ps->exp_avg().defined();  // the same on every rank: all step together
+    if (!has) continue;
+    if (sh == st->sharded_index.end()) {
+      adamw.put(name + ".exp_avg", ps->exp_avg());
+      adamw.put(name + ".exp_avg_sq", ps->exp_avg_sq());
+    } else {
+      const ShardedEntry& e = st->sharded[static_cast<size_t>(sh->second)];
+      adamw.put(name + ".exp_avg", gather_slices(mesh.shard(), ps->exp_avg(), e.numel, e.shape,
+                                                 "checkpoint: exp_avg slices of '" + name + "'"));
+      adamw.put(name + ".exp_avg_sq", gather_slices(mesh.shard(), ps->exp_avg_sq(), e.numel, e.shape,
+                                                    "checkpoint: exp_avg_sq slices of '" + name + "'"));
+    }
+    adamw.put(name + ".step", step_tensor(ps->step()));
+  }
+  if (!keep) out.steps_taken = 0;
+  return out;
+}
+
+void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const OptimizerStateDict& sd) {
+  auto st = drained_state(model, "set_optimizer_state_dict");
+  std::lock_guard<std::recursive_mutex> g(st->mu);
+  at::NoGradGuard ng;
+  Mesh& mesh = *st->mesh;
+  const int rank = mesh.global_rank();
+  auto& groups = optimizer.param_groups();
+  TORCH_CHECK(sd.param_groups.size() == groups.size(), "rank ", rank, ": set_optimizer_state_dict: the state dict has ",
+              sd.param_groups.size(), " parameter groups, the optimizer ", groups.size(),
+              " (each user group lowers into a Muon and an AdamW group). Build the optimizer with the same "
+              "param_groups as the run that saved it.");
+  for (size_t i = 0; i < groups.size(); ++i) {
+    auto& o = static_cast<MuonGroupOptions&>(groups[i].options());
+    const OptimizerGroupState& s = sd.param_groups[i];
+    TORCH_CHECK(s.name == o.group_name() && s.is_muon == o.is_muon(), "rank ", rank,
+                ": set_optimizer_state_dict: group #", i, " is '", s.name, "' (", s.is_muon ? "Muon" : "AdamW",
+                ") in the state dict but '", o.group_name(), "' (", o.is_muon() ? "Muon" : "AdamW",
+                ") in the optimizer; build the optimizer with the same param_groups as the run that saved it.");
+    o.lr(s.lr).momentum(s.momentum).weight_decay(s.weight_decay).beta1(s.beta1).beta2(s.beta2).eps(s.eps)
+        .nesterov(s.nesterov).ns_steps(s.ns_steps);
+  }
+  auto step_of = [&](const TensorDict& d, const std::string& name) {
+    auto it = d.find(name + ".step");
+    TORCH_CHECK(it != d.end(), "rank ", rank, ": set_optimizer_state_dict: '", name, ".step' is missing.");
+    return it->second.item<int64_t>();
+  };
+  auto take = [&](const at::Tensor& v, const at::Tensor& like, at::ScalarType dtype, const std::string& key,
+                  at::IntArrayRef shape) {
+    TORCH_CHECK(v.sizes() == shape, "rank ", rank, ": set_optimizer_state_dict: '", key, "' has shape ",
+                shape_str(v.sizes()), " but the parameter has shape ", shape_str(shape), ".");
+    return v.to(like.device(), dtype, /*non_blocking=*/false, /*copy=*/true).contiguous();
+  };
+  for (auto& e : st->params) {
+    if (!e.is_owner) continue;  // the new owner takes the momentum; others keep none
+    MuonParamState& ps = optimizer.param_state(e.param);
+    auto it = sd.muon.find(e.name + ".momentum_buffer");
+    if (it == sd.muon.end()) {
+      ps.momentum_buffer(at::Tensor()).step(0);
+      continue;
+    }
+    ps.momentum_buffer(take(it->second, e.param, e.prec.optim, it->first, e.shape)).step(step_of(sd.muon, e.name));
+  }
+  for (const auto& [name, p] : adamw_params(model, *st)) {
+    MuonParamState& ps = optimizer.param_state(p);
+    auto m1 = sd.adamw.find(name + ".exp_avg"), m2 = sd.adamw.find(name + ".exp_avg_sq");
+    if (m1 == sd.adamw.end() || m2 == sd.adamw.end()) {
+      ps.exp_avg(at::Tensor()).exp_avg_sq(at::Tensor()).step(0);
+      continue;
+    }
+    const at::ScalarType dt = st->precision_of(p).optim;
+    auto sh = st->sharded_index.find(name);
+    if (sh == st->sharded_index.end()) {
+      ps.exp_avg(take(m1->second, p, dt, m1->first, p.sizes())).exp_avg_sq(take(m2->second, p, dt, m2->first, p.sizes()));
+    } else {
+      const ShardedEntry& e = st->sharded[static_cast<size_t>(sh->second)];
+      const auto o = e.shard.options().dtype(dt);
+      ps.exp_avg(slice_of(take(m1->second, e.shard, dt, m1->first, e.shape), e.shard_len, mesh.shard_rank(),
+                          mesh.shard_size(), o))
+          .exp_avg_sq(slice_of(take(m2->second, e.shard, dt, m2->first, e.shape), e.shard_len, mesh.shard_rank(),
+                               mesh.shard_size(), o));
+    }
+    ps.step(step_of(sd.adamw, name));
+  }
+  optimizer.set_steps_taken(sd.steps_taken);
+}
+
+// ---- files ---------------------------------------------------------------------------------------
+namespace {
+c10::Dict<std::string, at::Tensor> to_dict(const TensorDict& d) {
+  c10::Dict<std::string, at::Tensor> out;
+  for (const auto& [k, v] : d) out.insert(k, v.detach().cpu());
+  return out;
+}
+TensorDict from_ivalue(const c10::IValue& v) {
+  TensorDict out;
+  for (const auto& it : v.toGenericDict()) out[it.key().toStringRef()] = it.value().toTensor();
+  return out;
+}
+void fsync_path(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+}  // namespace
+
+void save_checkpoint(const std::string& path, const TensorDict& model, const OptimizerStateDict* optim) {
+  namespace fs = std::filesystem;
+  torch::serialize::OutputArchive ar;
+  ar.write("format", c10::IValue(std::string(kFormat)));
+  ar.write("model", c10::IValue(to_dict(model)));
+  if (optim) {
+    ar.write("optim_muon", c10::IValue(to_dict(optim->muon)));
+    ar.write("optim_adamw", c10::IValue(to_dict(optim->adamw)));
+    c10::List<std::string> names;
+    c10::List<bool> is_muon, nesterov;
+    at::Tensor hp = at::empty({static_cast<int64_t>(optim->param_groups.size()), 7}, at::kDouble);
+    for (size_t i = 0; i < optim->param_groups.size(); ++i) {
+      const auto& gs = optim->param_groups[i];
+      names.push_back(gs.name);
+      is_muon.push_back(gs.is_muon);
+      nesterov.push_back(gs.nesterov);
+      const double row[7] = {gs.lr, gs.momentum, gs.weight_decay, gs.beta1, gs.beta2, gs.eps,
+                             static_cast<double>(gs.ns_steps)};
+      for (int64_t c = 0; c < 7; ++c) hp[static_cast<int64_t>(i)][c] = row[c];
+    }
+    ar.write("optim_group_names", c10::IValue(names));
+    ar.write("optim_group_is_muon", c10::IValue(is_muon));
+    ar.write("optim_group_nesterov", c10::IValue(nesterov));
+    ar.write("optim_group_hparams", c10::IValue(hp));
+    ar.write("optim_steps_taken", c10::IValue(optim->steps_taken));
+  }
+  const fs::path target(path);
+  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  TORCH_CHECK(fs::is_directory(dir), "save_checkpoint: the directory of '", path, "' does not exist; create it first.");
+  std::string tmp_name = target.filename().string();
+  tmp_name.insert(0, 1, '.');
+  tmp_name.append(".tmp-").append(std::to_string(::getpid()));
+  const fs::path tmp = dir / tmp_name;
+  try {
+    ar.save_to(tmp.string());
+    fsync_path(tmp.string(), false);
+    fs::rename(tmp, target);  // atomic within one file system
+    fsync_path(dir.string(), true);
+  } catch (const std::exception& e) {
+    std::error_code ec;
+    fs::remove(tmp, ec);
+    TORCH_CHECK(false, "save_checkpoint: writing '", path, "' failed: ", e.what(), " (nothing was replaced).");
+  }
+}
+
+Checkpoint load_checkpoint(const std::string& path) {
+  TORCH_CHECK(std::filesystem::is_regular_file(path), "load_checkpoint: '", path, "' does not exist or is not a file.");
+  torch::serialize::InputArchive ar;
+  try {
+    ar.load_from(path);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "load_checkpoint: '", path, "' is not a readable checkpoint: ", e.what());
+  }
+  c10::IValue v;
+  TORCH_CHECK(ar.try_read("format", v) && v.isString() && v.toStringRef() == kFormat, "load_checkpoint: '", path,
+              "' is not a dmuon checkpoint (", kFormat, "); write it with dmuon::save_checkpoint.");
+  Checkpoint ck;
+  ar.read("model", v);
+  ck.model = from_ivalue(v);
+  if (ar.try_read("optim_muon", v)) {
+    OptimizerStateDict o;
+    o.muon = from_ivalue(v);
+    ar.read("optim_adamw", v);
+    o.adamw = from_ivalue(v);
+    c10::IValue names, is_muon, nesterov, hp, steps;
+    ar.read("optim_group_names", names);
+    ar.read("optim_group_is_muon", is_muon);
+    ar.read("optim_group_nesterov", nesterov);
+    ar.read("optim_group_hparams", hp);
+    ar.read("optim_steps_taken", steps);
+    const auto nl = names.toList(), ml = is_muon.toList(), nv = nesterov.toList();
+    const at::Tensor h = hp.toTensor();
+    for (size_t i = 0; i < nl.size(); ++i) {
+      const auto r = static_cast<int64_t>(i);
+      OptimizerGroupState gs;
+      gs.name = nl.get(i).toStringRef();
+      gs.is_muon = ml.get(i).toBool();
+      gs.nesterov = nv.get(i).toBool();
+      gs.lr = h[r][0].item<double>();
+      gs.momentum = h[r][1].item<double>();
+      gs.weight_decay = h[r][2].item<double>();
+      gs.beta1 = h[r][3].item<double>();
+      gs.beta2 = h[r][4].item<double>();
+      gs.eps = h[r][5].item<double>();
+      gs.ns_steps = static_cast<int64_t>(h[r][6].item<double>());
+      o.param_groups.push_back(gs);
+    }
+    o.steps_taken = steps.toInt();
+    ck.optim = std::move(o);
+  }
+  return ck;
+}
+
+}  // namespace dmuon
