@@ -17,6 +17,7 @@
 #include "cli_launch.h"
 #include "cli_text.h"
 #include "dmuon/bootstrap.h"
+#include "dmuon/checkpoint.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"
 #include "dmuon/muon.h"
@@ -51,6 +52,9 @@ struct TrainArgs {
   int replicate = 1;
   bool shard_base = false;
   std::string param_dtype = "fp32";
+  std::string checkpoint;       // write a checkpoint here (at the end, and every checkpoint_every steps)
+  int checkpoint_every = 0;
+  std::string resume;           // continue from this checkpoint (any world size)
 };
 
 void add_options(CLI::App& app, TrainArgs& a) {
@@ -91,6 +95,13 @@ void add_options(CLI::App& app, TrainArgs& a) {
                  "and fp32 optimizer state")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
+  app.add_option("--checkpoint", a.checkpoint,
+                 "write a checkpoint (model + optimizer, full tensors) to this file after the last step");
+  app.add_option("--checkpoint-every", a.checkpoint_every, "also write it every N steps (0: only at the end)")
+      ->capture_default_str();
+  app.add_option("--resume", a.resume,
+                 "continue from a checkpoint written by --checkpoint (on any number of ranks / --replicate); "
+                 "--steps is the total, counting the steps already taken");
   app.add_option("--timeout", a.timeout_s, "collective timeout in seconds (a lost peer is an error after this)")
       ->capture_default_str();
 }
@@ -117,6 +128,15 @@ void validate(const TrainArgs& a, int world) {
   if (a.timeout_s <= 0) bad("--timeout must be > 0");
   if (a.replicate < 1 || world % a.replicate != 0)
     bad("--replicate " + std::to_string(a.replicate) + " must divide the number of ranks " + std::to_string(world));
+  if (a.checkpoint_every < 0) bad("--checkpoint-every must be >= 0");
+  if (a.checkpoint_every > 0 && a.checkpoint.empty()) bad("--checkpoint-every needs --checkpoint PATH");
+  if (!a.resume.empty() && !std::filesystem::is_regular_file(a.resume))
+    bad("--resume " + a.resume + ": no such checkpoint file");
+  if (!a.checkpoint.empty()) {
+    const auto dir = std::filesystem::path(a.checkpoint).parent_path();
+    if (!dir.empty() && !std::filesystem::is_directory(dir))
+      bad("--checkpoint " + a.checkpoint + ": the directory " + dir.string() + " does not exist");
+  }
   if (a.param_dtype != "fp32" && a.device == "cpu") {
     // LibTorch builds differ in which 16-bit CPU kernels they have (1.13 has no float16 matmul)
     const auto t = a.param_dtype == "bf16" ? at::kBFloat16 : at::kHalf;
@@ -219,6 +239,22 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
     if (use_muon) out << "  " << opt.ns().describe() << "; unigram baseline " << baseline << " nats/byte\n";
   }
 
+  int first_step = 1;
+  if (!a.resume.empty()) {  // every rank reads the file; the new owners take their matrices
+    const Checkpoint ck = load_checkpoint(a.resume);
+    TORCH_CHECK(ck.optim, "--resume ", a.resume, ": the checkpoint has no optimizer state; write it with --checkpoint.");
+    set_model_state_dict(*model, ck.model);
+    set_optimizer_state_dict(*model, opt, *ck.optim);
+    first_step = static_cast<int>(opt.steps_taken()) + 1;
+    TORCH_CHECK(first_step <= a.steps, "--resume ", a.resume, ": the checkpoint is at step ", first_step - 1,
+                ", so --steps ", a.steps, " leaves nothing to do; --steps counts all steps, pass a larger one.");
+    if (lead) out << "  resumed from " << a.resume << " at step " << first_step - 1 << "\n";
+  }
+  auto write_checkpoint = [&] {  // collective: the owners broadcast, rank 0 writes
+    const TensorDict msd = get_model_state_dict(*model);
+    const OptimizerStateDict osd = get_optimizer_state_dict(*model, opt);
+    if (lead) save_checkpoint(a.checkpoint, msd, &osd);
+  };
   const int64_t per = a.batch / world, micro = per / a.grad_accum;
   std::vector<int64_t> steps_logged;
   std::vector<double> losses, step_ms, fwd_ms, bwd_ms, ns_ms, adamw_ms, wait_ms, prep_ms;
@@ -236,7 +272,7 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
                                  "dmuon train: " + a.optimizer + (use_muon ? " " + a.mode : "") + ", " +
                                      std::to_string(world) + " ranks"));
   };
-  for (int step = 1; step <= a.steps; ++step) {
+  for (int step = first_step; step <= a.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     mesh->counters().reset();
     opt.zero_grad();
@@ -255,6 +291,8 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
     }
     opt.step();
     const StepProfile prof = opt.consume_last_step_profile();
+    if (!a.checkpoint.empty() && (step == a.steps || (a.checkpoint_every > 0 && step % a.checkpoint_every == 0)))
+      write_checkpoint();
     // global mean loss over the whole batch: the ranks' means averaged (equal slices)
     at::Tensor l = at::tensor({loss_sum}, at::kDouble).to(device);
     trainer.allreduce(l, Reduction::Avg, "train loss").wait();
@@ -278,7 +316,7 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
       csv << step << "," << gl << "," << opt.param_groups()[0].options().get_lr() << ","
           << opt.param_groups()[1].options().get_lr() << "," << ms << "," << tok_s << "," << bytes << "\n";
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-      const double eta = elapsed / step * (a.steps - step);
+      const double eta = elapsed / (step - first_step + 1) * (a.steps - step);
       const int width = 24, fill = static_cast<int>(static_cast<double>(width) * step / a.steps);
       std::ostringstream bar;
       bar << "[" << std::string(fill, '#') << std::string(width - fill, '-') << "] step " << step << "/" << a.steps
@@ -287,7 +325,7 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
       if (tty) {
         out << "\r" << bar.str() << std::flush;
         if (step == a.steps) out << "\n";
-      } else if (step % a.log_every == 0 || step == 1 || step == a.steps) {
+      } else if (step % a.log_every == 0 || step == first_step || step == a.steps) {
         out << bar.str() << "\n" << std::flush;
       }
       if (step % a.log_every == 0) write_outputs(false);
@@ -323,6 +361,7 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
   s["optimizer"] = a.optimizer;
   s["mode"] = a.mode;
   s["steps"] = a.steps;
+  s["first_step"] = first_step;
   s["global_batch"] = a.batch;
   s["seq_len"] = a.seq_len;
   s["model"] = {{"d_model", a.d_model}, {"layers", a.layers}, {"heads", a.heads},
@@ -336,7 +375,7 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
   s["unigram_baseline"] = baseline;
   s["below_baseline"] = final_loss < baseline;
   s["seconds"] = total_s;
-  s["tokens_per_s"] = static_cast<double>(a.batch * a.seq_len * a.steps) / total_s;
+  s["tokens_per_s"] = static_cast<double>(a.batch * a.seq_len * (a.steps - first_step + 1)) / total_s;
   s["step_ms"] = {{"mean", mean(step_ms)}, {"forward", mean(fwd_ms)}, {"backward", mean(bwd_ms)},
                   {"newton_schulz", mean(ns_ms)}, {"comm_wait", mean(wait_ms)}, {"grad_prepare", mean(prep_ms)},
                   {"adamw", mean(adamw_ms)}};

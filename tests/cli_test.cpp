@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -143,6 +144,45 @@ TEST(CliTest, Bf16ComputeTrains) {
   // move bf16; Gloo 1.13 cannot sum bf16, so the reduce moves an fp32 copy: (2 + 2 + 4) / (2 + 2 + 2)
   EXPECT_NEAR(s["muon_bytes_per_step"]["measured_over_formula"].get<double>(), 4.0 / 3.0, 0.05);
   std::filesystem::remove_all(out);
+}
+
+// step,loss,... rows of metrics.csv: step -> loss
+std::map<int, double> losses_of(const std::string& dir) {
+  std::ifstream f(dir + "/metrics.csv");
+  std::string line;
+  std::getline(f, line);  // header
+  std::map<int, double> out;
+  while (std::getline(f, line)) {
+    std::stringstream ss(line);
+    std::string step, loss;
+    std::getline(ss, step, ',');
+    std::getline(ss, loss, ',');
+    out[std::stoi(step)] = std::stod(loss);
+  }
+  return out;
+}
+
+TEST(CliTest, CheckpointResumesOnAnotherNumberOfRanks) {
+  const std::string straight = temp_dir(), first = temp_dir(), second = temp_dir();
+  const std::string common = " --batch 12 --seq-len 16 --d-model 32 --layers 2 --log-every 1";
+  Result r = run("train --ranks 2 --steps 6" + common + " --out " + straight);
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run("train --ranks 2 --steps 3" + common + " --checkpoint " + first + "/ck.pt --out " + first);
+  ASSERT_EQ(r.status, 0) << r.output;
+  ASSERT_TRUE(std::filesystem::is_regular_file(first + "/ck.pt"));
+  r = run("train --ranks 3 --steps 6" + common + " --resume " + first + "/ck.pt --out " + second);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from " + first + "/ck.pt at step 3"), std::string::npos) << r.output;
+  const auto a = losses_of(straight), b = losses_of(second);
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(b.size(), 3u);
+  for (int step = 4; step <= 6; ++step)
+    EXPECT_NEAR(b.at(step), a.at(step), 1e-4 * a.at(step)) << "step " << step << " after resuming on 3 ranks";
+  r = run("train --ranks 2 --steps 3" + common + " --resume " + first + "/ck.pt --out " + second);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("the checkpoint is at step 3, so --steps 3 leaves nothing to do"), std::string::npos)
+      << r.output;
+  for (const auto& d : {straight, first, second}) std::filesystem::remove_all(d);
 }
 
 TEST(CliTest, Fp16OnACpuWithoutHalfKernelsIsAClearError) {
