@@ -101,7 +101,8 @@ void add_options(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   app.add_option("--resume", a.resume,
                  "continue from a checkpoint written by --checkpoint (on any number of ranks / --replicate); "
-                 "--steps is the total, counting the steps already taken");
+                 "--steps is the total, counting the steps already taken; the checkpoint's learning rates and "
+                 "weight decay win over --lr/--adamw-lr/--weight-decay");
   app.add_option("--timeout", a.timeout_s, "collective timeout in seconds (a lost peer is an error after this)")
       ->capture_default_str();
 }
@@ -250,10 +251,19 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
                 ", so --steps ", a.steps, " leaves nothing to do; --steps counts all steps, pass a larger one.");
     if (lead) out << "  resumed from " << a.resume << " at step " << first_step - 1 << "\n";
   }
-  auto write_checkpoint = [&] {  // collective: the owners broadcast, rank 0 writes
+  auto write_checkpoint = [&] {  // collective: the owners broadcast, rank 0 writes, every rank learns how it went
     const TensorDict msd = get_model_state_dict(*model);
     const OptimizerStateDict osd = get_optimizer_state_dict(*model, opt);
-    if (lead) save_checkpoint(a.checkpoint, msd, &osd);
+    std::string err;
+    if (lead) try {
+        save_checkpoint(a.checkpoint, msd, &osd);
+      } catch (const std::exception& e) {
+        err = e.what();
+      }
+    at::Tensor ok = at::tensor({err.empty() ? 1.0 : 0.0}, at::kDouble).to(device);
+    trainer.allreduce(ok, Reduction::Sum, "checkpoint written").wait();
+    TORCH_CHECK(ok.cpu().item<double>() == static_cast<double>(world), "rank ", rank, ": writing the checkpoint ",
+                a.checkpoint, " failed", err.empty() ? std::string(" on rank 0") : ": " + err);
   };
   const int64_t per = a.batch / world, micro = per / a.grad_accum;
   std::vector<int64_t> steps_logged;
@@ -291,8 +301,6 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
     }
     opt.step();
     const StepProfile prof = opt.consume_last_step_profile();
-    if (!a.checkpoint.empty() && (step == a.steps || (a.checkpoint_every > 0 && step % a.checkpoint_every == 0)))
-      write_checkpoint();
     // global mean loss over the whole batch: the ranks' means averaged (equal slices)
     at::Tensor l = at::tensor({loss_sum}, at::kDouble).to(device);
     trainer.allreduce(l, Reduction::Avg, "train loss").wait();
@@ -330,6 +338,9 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
       }
       if (step % a.log_every == 0) write_outputs(false);
     }
+    // after the step's time and bytes are taken: the checkpoint's collectives are not the step's
+    if (!a.checkpoint.empty() && (step == a.steps || (a.checkpoint_every > 0 && step % a.checkpoint_every == 0)))
+      write_checkpoint();
   }
   const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
 

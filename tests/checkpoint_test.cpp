@@ -217,6 +217,19 @@ TEST(CheckpointTest, BadStateDictsAndFilesAreClearErrors) {
     Muon opt(m.ptr(), testing::muon_options({}));
     err = error_of([&] { set_optimizer_state_dict(*m, opt, osd); });
     expect(err.find("the state dict has 0 parameter groups, the optimizer 2") != std::string::npos, "groups: " + err);
+    // optimizer state of a run that trained the matrices with AdamW: refused, not silently dropped
+    GPT adam(cfg);
+    dedicate_params(adam.ptr(), mesh, [](const std::string&, const at::Tensor&) { return false; });
+    replicate(adam.ptr(), mesh);
+    Muon adam_opt(adam.ptr(), testing::muon_options({}));
+    testing::train_slices(adam, adam_opt, testing::make_batches(1, 4, 9, cfg.vocab_size, 2), ctx.rank, 2);
+    const OptimizerStateDict other = get_optimizer_state_dict(*adam, adam_opt, all);
+    const float lr_before = static_cast<float>(opt.param_groups()[0].options().get_lr());
+    err = error_of([&] { set_optimizer_state_dict(*m, opt, other); });
+    expect(err.find("AdamW state 'layers.0.") != std::string::npos &&
+               err.find("belongs to no AdamW-trained parameter of this model") != std::string::npos,
+           "rerouted state: " + err);
+    expect(static_cast<float>(opt.param_groups()[0].options().get_lr()) == lr_before, "a refused load changed the lr");
     if (ctx.rank == 0) {
       err = error_of([&] { load_checkpoint(dir + "/none.pt"); });
       expect(err.find("'" + dir + "/none.pt' does not exist") != std::string::npos, "no file: " + err);

@@ -110,7 +110,12 @@ void set_model_state_dict(torch::nn::Module& model, const TensorDict& sd) {
   Mesh& mesh = *st->mesh;
   const int rank = mesh.global_rank();
   std::map<std::string, std::vector<int64_t>> expected;
-  for (const auto& item : model.named_parameters(true)) expected[item.key()] = item.value().sizes().vec();
+  std::map<std::string, bool> floating;
+  for (const auto& item : model.named_parameters(true)) {
+    expected[item.key()] = item.value().sizes().vec();
+    floating[item.key()] = item.value().is_floating_point();
+  }
+  for (const auto& item : model.named_buffers(true)) floating[item.key()] = item.value().is_floating_point();
   for (const auto& e : st->params) expected[e.name] = e.shape;  // placeholders hold no shape
   for (const auto& e : st->sharded) expected[e.name] = e.shape;
   for (const auto& item : model.named_buffers(true)) expected[item.key()] = item.value().sizes().vec();
@@ -121,6 +126,9 @@ void set_model_state_dict(torch::nn::Module& model, const TensorDict& sd) {
     TORCH_CHECK(v.defined() && v.sizes().vec() == expected[k], "rank ", rank, ": set_model_state_dict: '", k,
                 "' has shape ", v.defined() ? shape_str(v.sizes()) : std::string("(undefined)"),
                 " in the state dict but ", shape_str(expected[k]), " in the model.");
+    TORCH_CHECK(v.is_floating_point() == floating[k], "rank ", rank, ": set_model_state_dict: '", k, "' is ",
+                v.scalar_type(), " in the state dict but ", floating[k] ? "floating-point" : "not floating-point",
+                " in the model.");
   }
   for (const auto& [k, shape] : expected)
     TORCH_CHECK(sd.count(k), "rank ", rank, ": set_model_state_dict: the state dict has no '", k, "' (shape ",
@@ -148,6 +156,16 @@ void set_model_state_dict(torch::nn::Module& model, const TensorDict& sd) {
     item.value().detach().copy_(v);
   }
   for (const auto& item : model.named_buffers(true)) item.value().detach().copy_(sd.at(item.key()));
+  // nothing from before the load survives: gathered copies are refreshed by the next forward,
+  // gradients are dropped
+  for (auto& B : st->boundaries)
+    for (auto& buf : B.buffers) buf.ready_pass = -1;
+  for (auto& e : st->sharded) {
+    e.ready_pass = -1;
+    e.grad_sum = at::Tensor();
+    e.has_grad = false;
+  }
+  for (const auto& item : model.named_parameters(true)) item.value().mutable_grad() = at::Tensor();
 }
 
 // ---- optimizer -----------------------------------------------------------------------------------
@@ -208,62 +226,100 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
   at::NoGradGuard ng;
   Mesh& mesh = *st->mesh;
   const int rank = mesh.global_rank();
+  const char* fix = " Build the model and the optimizer as in the run that saved it (same predicate, routes and "
+                    "param_groups); the number of ranks and the mesh may differ.";
+  // 1. check everything, on every rank, before changing anything
   auto& groups = optimizer.param_groups();
   TORCH_CHECK(sd.param_groups.size() == groups.size(), "rank ", rank, ": set_optimizer_state_dict: the state dict has ",
               sd.param_groups.size(), " parameter groups, the optimizer ", groups.size(),
-              " (each user group lowers into a Muon and an AdamW group). Build the optimizer with the same "
-              "param_groups as the run that saved it.");
+              " (each user group lowers into a Muon and an AdamW group).", fix);
   for (size_t i = 0; i < groups.size(); ++i) {
-    auto& o = static_cast<MuonGroupOptions&>(groups[i].options());
+    const auto& o = static_cast<const MuonGroupOptions&>(groups[i].options());
     const OptimizerGroupState& s = sd.param_groups[i];
     TORCH_CHECK(s.name == o.group_name() && s.is_muon == o.is_muon(), "rank ", rank,
                 ": set_optimizer_state_dict: group #", i, " is '", s.name, "' (", s.is_muon ? "Muon" : "AdamW",
                 ") in the state dict but '", o.group_name(), "' (", o.is_muon() ? "Muon" : "AdamW",
-                ") in the optimizer; build the optimizer with the same param_groups as the run that saved it.");
+                ") in the optimizer.", fix);
+  }
+  std::set<std::string> used_muon, used_adamw;
+  // a parameter's entries: all of `fields` and ".step", or none; shapes as the parameter's
+  auto check_entries = [&](const TensorDict& d, std::set<std::string>& used, const std::string& name,
+                           std::initializer_list<const char*> fields, at::IntArrayRef shape, const char* section) {
+    int found = 0;
+    for (const char* f : fields) {
+      auto it = d.find(name + f);
+      if (it == d.end()) continue;
+      ++found;
+      used.insert(it->first);
+      TORCH_CHECK(it->second.sizes() == shape && it->second.is_floating_point(), "rank ", rank,
+                  ": set_optimizer_state_dict: '", it->first, "' has shape ", shape_str(it->second.sizes()), " (",
+                  it->second.scalar_type(), ") but the parameter has shape ", shape_str(shape), ".", fix);
+    }
+    if (found == 0) return false;
+    TORCH_CHECK(found == static_cast<int>(fields.size()) && d.count(name + ".step"), "rank ", rank,
+                ": set_optimizer_state_dict: the ", section, " state of '", name,
+                "' is incomplete (some of its entries or '.step' are missing).");
+    used.insert(name + ".step");
+    return true;
+  };
+  std::vector<bool> muon_has;
+  for (const auto& e : st->params)
+    muon_has.push_back(check_entries(sd.muon, used_muon, e.name, {".momentum_buffer"}, e.shape, "Muon"));
+  const auto base = adamw_params(model, *st);
+  std::vector<bool> adamw_has;
+  for (const auto& [name, p] : base) {
+    auto sh = st->sharded_index.find(name);
+    const auto shape = sh == st->sharded_index.end() ? p.sizes().vec() : st->sharded[static_cast<size_t>(sh->second)].shape;
+    adamw_has.push_back(check_entries(sd.adamw, used_adamw, name, {".exp_avg", ".exp_avg_sq"}, shape, "AdamW"));
+  }
+  for (const auto& [k, v] : sd.muon)
+    TORCH_CHECK(used_muon.count(k), "rank ", rank, ": set_optimizer_state_dict: Muon state '", k,
+                "' belongs to no Muon matrix of this model (a parameter now routed elsewhere, or another model).", fix);
+  for (const auto& [k, v] : sd.adamw)
+    TORCH_CHECK(used_adamw.count(k), "rank ", rank, ": set_optimizer_state_dict: AdamW state '", k,
+                "' belongs to no AdamW-trained parameter of this model (a parameter now routed to Muon, or "
+                "another model).", fix);
+
+  // 2. apply
+  for (size_t i = 0; i < groups.size(); ++i) {
+    auto& o = static_cast<MuonGroupOptions&>(groups[i].options());
+    const OptimizerGroupState& s = sd.param_groups[i];
     o.lr(s.lr).momentum(s.momentum).weight_decay(s.weight_decay).beta1(s.beta1).beta2(s.beta2).eps(s.eps)
         .nesterov(s.nesterov).ns_steps(s.ns_steps);
   }
-  auto step_of = [&](const TensorDict& d, const std::string& name) {
-    auto it = d.find(name + ".step");
-    TORCH_CHECK(it != d.end(), "rank ", rank, ": set_optimizer_state_dict: '", name, ".step' is missing.");
-    return it->second.item<int64_t>();
-  };
-  auto take = [&](const at::Tensor& v, const at::Tensor& like, at::ScalarType dtype, const std::string& key,
-                  at::IntArrayRef shape) {
-    TORCH_CHECK(v.sizes() == shape, "rank ", rank, ": set_optimizer_state_dict: '", key, "' has shape ",
-                shape_str(v.sizes()), " but the parameter has shape ", shape_str(shape), ".");
+  auto to_state = [](const at::Tensor& v, const at::Tensor& like, at::ScalarType dtype) {
     return v.to(like.device(), dtype, /*non_blocking=*/false, /*copy=*/true).contiguous();
   };
-  for (auto& e : st->params) {
+  for (size_t i = 0; i < st->params.size(); ++i) {
+    auto& e = st->params[i];
     if (!e.is_owner) continue;  // the new owner takes the momentum; others keep none
     MuonParamState& ps = optimizer.param_state(e.param);
-    auto it = sd.muon.find(e.name + ".momentum_buffer");
-    if (it == sd.muon.end()) {
+    if (!muon_has[i]) {
       ps.momentum_buffer(at::Tensor()).step(0);
       continue;
     }
-    ps.momentum_buffer(take(it->second, e.param, e.prec.optim, it->first, e.shape)).step(step_of(sd.muon, e.name));
+    ps.momentum_buffer(to_state(sd.muon.at(e.name + ".momentum_buffer"), e.param, e.prec.optim))
+        .step(sd.muon.at(e.name + ".step").item<int64_t>());
   }
-  for (const auto& [name, p] : adamw_params(model, *st)) {
+  for (size_t i = 0; i < base.size(); ++i) {
+    const auto& [name, p] = base[i];
     MuonParamState& ps = optimizer.param_state(p);
-    auto m1 = sd.adamw.find(name + ".exp_avg"), m2 = sd.adamw.find(name + ".exp_avg_sq");
-    if (m1 == sd.adamw.end() || m2 == sd.adamw.end()) {
+    if (!adamw_has[i]) {
       ps.exp_avg(at::Tensor()).exp_avg_sq(at::Tensor()).step(0);
       continue;
     }
     const at::ScalarType dt = st->precision_of(p).optim;
+    const at::Tensor &m1 = sd.adamw.at(name + ".exp_avg"), &m2 = sd.adamw.at(name + ".exp_avg_sq");
     auto sh = st->sharded_index.find(name);
     if (sh == st->sharded_index.end()) {
-      ps.exp_avg(take(m1->second, p, dt, m1->first, p.sizes())).exp_avg_sq(take(m2->second, p, dt, m2->first, p.sizes()));
-    } else {
+      ps.exp_avg(to_state(m1, p, dt)).exp_avg_sq(to_state(m2, p, dt));
+    } else {  // this rank's slices
       const ShardedEntry& e = st->sharded[static_cast<size_t>(sh->second)];
       const auto o = e.shard.options().dtype(dt);
-      ps.exp_avg(slice_of(take(m1->second, e.shard, dt, m1->first, e.shape), e.shard_len, mesh.shard_rank(),
-                          mesh.shard_size(), o))
-          .exp_avg_sq(slice_of(take(m2->second, e.shard, dt, m2->first, e.shape), e.shard_len, mesh.shard_rank(),
-                               mesh.shard_size(), o));
+      ps.exp_avg(slice_of(m1, e.shard_len, mesh.shard_rank(), mesh.shard_size(), o))
+          .exp_avg_sq(slice_of(m2, e.shard_len, mesh.shard_rank(), mesh.shard_size(), o));
     }
-    ps.step(step_of(sd.adamw, name));
+    ps.step(sd.adamw.at(name + ".step").item<int64_t>());
   }
   optimizer.set_steps_taken(sd.steps_taken);
 }
@@ -282,9 +338,10 @@ TensorDict from_ivalue(const c10::IValue& v) {
 }
 void fsync_path(const std::string& path, bool directory) {
   const int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
-  if (fd < 0) return;
-  ::fsync(fd);
+  if (fd < 0) return;  // a directory that cannot be opened: the rename is still atomic
+  const int rc = ::fsync(fd);
   ::close(fd);
+  if (!directory && rc != 0) throw std::runtime_error("fsync failed (is the disk full?)");
 }
 }  // namespace
 
@@ -347,7 +404,7 @@ Checkpoint load_checkpoint(const std::string& path) {
   Checkpoint ck;
   ar.read("model", v);
   ck.model = from_ivalue(v);
-  if (ar.try_read("optim_muon", v)) {
+  if (ar.try_read("optim_muon", v)) try {
     OptimizerStateDict o;
     o.muon = from_ivalue(v);
     ar.read("optim_adamw", v);
@@ -375,8 +432,13 @@ Checkpoint load_checkpoint(const std::string& path) {
       gs.ns_steps = static_cast<int64_t>(h[r][6].item<double>());
       o.param_groups.push_back(gs);
     }
+    TORCH_CHECK(ml.size() == nl.size() && nv.size() == nl.size() && h.size(0) == static_cast<int64_t>(nl.size()),
+                "the parameter group lists differ in length");
     o.steps_taken = steps.toInt();
     ck.optim = std::move(o);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "load_checkpoint: '", path, "' has incomplete optimizer state (", e.what(),
+                "); was it written by dmuon::save_checkpoint?");
   }
   return ck;
 }
