@@ -485,6 +485,16 @@ TEST(PrecisionTest, PolicyThatDiffersBetweenRanksIsAnErrorNotAHang) {
                err.find("'layers.1.up_proj.weight'") != std::string::npos &&
                err.find("mixed-precision policy") != std::string::npos,
            "unexpected message: " + err);
+    // ranks that differ only in a boundary's forward cast
+    GPT m2(testing::small_config(2));
+    DedicateOptions o2;
+    ParamPolicy q = bf16_compute();
+    q.cast_forward_inputs = ctx.rank == 0;
+    o2.param_policy.push_back({"layers.0.", q});
+    const std::string err2 = error_of([&] { dedicate_params(m2.ptr(), mesh, models::is_muon_matrix, o2); });
+    expect(err2.find("the owner plan differs between ranks") != std::string::npos &&
+               err2.find("mixed-precision policy") != std::string::npos,
+           "unexpected message (forward cast): " + err2);
   });
 }
 

@@ -405,6 +405,11 @@ void DedicatedState::build(const ParamPredicate& predicate) {
   {
     // [fingerprint, count] from every rank; a mismatch names the first differing parameter.
     auto opt = at::TensorOptions().dtype(at::kLong);
+    // the boundaries' forward casts too: ranks that differ there would compute different numbers
+    for (const auto* casts : {&input_cast, &output_cast})
+      for (const auto& [bname, cast] : *casts)
+        base_digest = base_digest * 1099511628211ull ^ (std::hash<std::string>{}(bname) + static_cast<uint64_t>(cast.first) +
+                                                        (casts == &input_cast ? 1 : 2));
     uint64_t fp = plan.fingerprint ^ base_digest;
     for (const auto& e : params) fp = fp * 1099511628211ull ^ precision_digest(e.prec);
     at::Tensor mine = at::tensor({static_cast<int64_t>(fp), static_cast<int64_t>(specs.size())}, opt);
@@ -444,8 +449,8 @@ void DedicatedState::build(const ParamPredicate& predicate) {
               break;
             }
         if (detail.empty())
-          detail = "the planner options, the environment (DMUON_OWNER_*) or the mixed-precision policy of the "
-                   "non-dedicated parameters differ between ranks";
+          detail = "the planner options, the environment (DMUON_OWNER_*) or the mixed-precision policy (dtypes of "
+                   "the non-dedicated parameters, the boundaries' cast_forward_inputs/output_dtype) differ between ranks";
       }
       TORCH_CHECK(false, "rank ", rank, ": dedicate_params: the owner plan differs between ranks: ", detail,
                   ". Every rank must build the same model and pass the same options before dedicate_params.");
