@@ -459,6 +459,31 @@ TEST(PrecisionTest, OverridesMergeFieldByField) {
   });
 }
 
+TEST(PrecisionTest, PolicyFnRoutesAndSetsDtypes) {
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    GPT m(testing::small_config(2));
+    auto mesh = make_mesh(ctx);
+    DedicateOptions o;
+    o.param_policy_fn = [](const std::string& n, const at::Tensor&) -> std::optional<ParamPolicy> {
+      if (n != "tok_emb.weight") return std::nullopt;
+      ParamPolicy p = bf16_compute();
+      p.route = "sharded_adamw";
+      return p;
+    };
+    dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
+    auto st = get_comm_ctx(*m);
+    expect(st->params.size() == 14 && st->sharded.size() == 1 && st->sharded[0].name == "tok_emb.weight",
+           "param_policy_fn routes tok_emb; the predicate the rest");
+    expect(st->sharded[0].full.scalar_type() == kBf16 && st->sharded[0].shard.scalar_type() == at::kFloat,
+           "param_policy_fn's dtypes apply");
+    GPT m2(testing::small_config(2));
+    o.param_policy.push_back({"", bf16_compute()});
+    const std::string err = error_of([&] { dedicate_params(m2.ptr(), mesh, models::is_muon_matrix, o); });
+    expect(err.find("param_policy and param_policy_fn are mutually exclusive") != std::string::npos,
+           "unexpected message: " + err);
+  });
+}
+
 TEST(PrecisionTest, BadRouteHintIsAClearError) {
   testing::run_ranks(2, [&](testing::RankContext& ctx) {
     GPT m(testing::small_config(2));

@@ -48,18 +48,14 @@ using testing::TrainConfig;
 using testing::error_of;
 
 // ---- distributed run ------------------------------------------------------------------------------
-struct DistConfig {
-  int world = 2;
-  bool z3 = true;
-  std::optional<bool> pack_small_params;
+// The layout (world, HSDP replicate groups, Z2/Z3, DDP path, sharded_adamw, unshard mode) plus the
+// runtime knobs these tests vary.
+struct DistConfig : testing::Layout {
+  DistConfig() { pack_small_params.reset(); }  // the planner's default unless a test says otherwise
   std::string owner_strategy;
-  bool ddp = false;          // dedicate_params_ddp
   bool replicate_async = true;
-  int replicate = 1;         // HSDP: R replicate groups x (world / R) shard ranks
   bool delay_stage2 = true;
   double bucket_mb = 0.0;
-  bool sharded_adamw = false;  // route every non-matrix parameter to sharded_adamw
-  std::string unshard = "broadcast";
 };
 
 // Runs the distributed training and compares every rank's view with the reference.
@@ -80,24 +76,10 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
     m->block_order = tc.block_order;
     auto mesh = make_mesh(ctx, std::chrono::seconds(60), dc.replicate);
     DedicateOptions dopts;
-    dopts.reshard_after_forward = dc.z3;
     dopts.delay_stage2_to_optimizer = dc.delay_stage2;
     dopts.replicate_broadcast_bucket_mb = dc.bucket_mb;
-    dopts.muon_forward_unshard = dc.unshard;
-    if (dc.sharded_adamw)
-      dopts.param_policy_fn = [](const std::string& n, const at::Tensor& p) -> std::optional<ParamPolicy> {
-        if (models::is_muon_matrix(n, p)) return std::nullopt;
-        ParamPolicy pol;
-        pol.route = "sharded_adamw";
-        return pol;
-      };
-    dopts.pack_small_params = dc.pack_small_params;
     if (!dc.owner_strategy.empty()) dopts.owner_strategy = dc.owner_strategy;
-    if (dc.ddp)
-      dedicate_params_ddp(m.ptr(), mesh, models::is_muon_matrix, dopts);
-    else
-      dedicate_params(m.ptr(), mesh, models::is_muon_matrix, dopts);
-    replicate(m.ptr(), mesh);
+    testing::dedicate_gpt(m, mesh, dc, dopts);
     MuonOptions mo = testing::muon_options(tc);
     mo.replicate_async = dc.replicate_async;
     Muon opt(m.ptr(), mo);
@@ -151,7 +133,7 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
       std::lock_guard<std::mutex> g(mu);
       checked_owned[d.name]++;
     }
-    if (dc.sharded_adamw) {
+    if (dc.sharded) {
       // every rank holds only its slice (padded to a multiple of G) of the embedding, norms and head
       auto st = get_comm_ctx(*m);
       if (st->sharded.empty()) throw std::runtime_error("no sharded_adamw parameters");
@@ -301,10 +283,9 @@ TEST(RuntimeTest, DdpPathKeepsFullParamsAndMovesTwoPayloads) {
   testing::run_ranks(2, [&](testing::RankContext& ctx) {
     GPT m(cfg);
     auto mesh = make_mesh(ctx);
-    DedicateOptions o;
-    o.pack_small_params = false;
-    dedicate_params_ddp(m.ptr(), mesh, models::is_muon_matrix, o);
-    replicate(m.ptr(), mesh);
+    testing::Layout ddp;
+    ddp.ddp = true;
+    testing::dedicate_gpt(m, mesh, ddp);
     MuonOptions mo;
     mo.first_step_progress_log = false;
     mo.replicate_async = false;
@@ -388,10 +369,7 @@ TEST(RuntimeTest, HsdpBytesPerAxisMatchThePlanAndStaleReadsEndAtTheWait) {
     testing::run_ranks(4, [&](testing::RankContext& ctx) {
       GPT m(cfg);
       auto mesh = make_mesh(ctx, std::chrono::seconds(60), /*replicate=*/2);
-      DedicateOptions o;
-      o.pack_small_params = false;
-      dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
-      replicate(m.ptr(), mesh);
+      testing::dedicate_gpt(m, mesh, {});
       MuonOptions mo;
       mo.first_step_progress_log = false;
       mo.replicate_async = async;
@@ -466,7 +444,7 @@ TEST(RuntimeTest, ShardedAdamwRouteMatchesSingleProcess) {
       DistConfig dc;
       dc.world = world;
       dc.z3 = z3;
-      dc.sharded_adamw = true;
+      dc.sharded = true;
       dc.pack_small_params = false;
       SCOPED_TRACE("N=" + std::to_string(world) + (z3 ? " Z3" : " Z2"));
       check_equivalence(small_config(2), tc, dc);
@@ -477,7 +455,7 @@ TEST(RuntimeTest, ShardedAdamwRouteMatchesSingleProcess) {
   tc.accum = 2;
   DistConfig dc;
   dc.world = 4;
-  dc.sharded_adamw = true;
+  dc.sharded = true;
   check_equivalence(small_config(2), tc, dc, 16);
   dc.replicate = 2;
   tc.accum = 1;
@@ -505,11 +483,9 @@ TEST(RuntimeTest, AllGatherModeKeepsShardsAndCountsItsBytes) {
   testing::run_ranks(3, [&](testing::RankContext& ctx) {
     GPT m(cfg);
     auto mesh = make_mesh(ctx);
-    DedicateOptions o;
-    o.pack_small_params = false;
-    o.muon_forward_unshard = "all_gather";
-    dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
-    replicate(m.ptr(), mesh);
+    testing::Layout gather_mode;
+    gather_mode.unshard = "all_gather";
+    testing::dedicate_gpt(m, mesh, gather_mode);
     MuonOptions mo;
     mo.first_step_progress_log = false;
     mo.replicate_async = false;
@@ -557,10 +533,9 @@ TEST(RuntimeTest, Bf16CommunicationStaysFiniteAndCloseToFp32) {
       auto mesh = make_mesh(ctx);
       DedicateOptions o;
       o.compute_dtype = at::kBFloat16;  // broadcast and reduce payloads in bf16; fp32 master weights
-      o.reshard_after_forward = z3;
-      o.pack_small_params = false;
-      dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
-      replicate(m.ptr(), mesh);
+      testing::Layout l;
+      l.z3 = z3;
+      testing::dedicate_gpt(m, mesh, l, o);
       Muon opt(m.ptr(), testing::muon_options(tc));
       mesh->counters().reset();
       testing::train_slices(m, opt, batches, ctx.rank, 4);
@@ -665,11 +640,9 @@ TEST(RuntimeTest, NonOwnersKeepNoBytesBetweenStepsAndBytesMatchFormula) {
       GPT m(cfg);
       load_state(m, init);
       auto mesh = make_mesh(ctx);
-      DedicateOptions o;
-      o.reshard_after_forward = z3;
-      o.pack_small_params = false;
-      dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
-      replicate(m.ptr(), mesh);
+      testing::Layout l;
+      l.z3 = z3;
+      testing::dedicate_gpt(m, mesh, l);
       MuonOptions mo;
       mo.first_step_progress_log = false;
       Muon opt(m.ptr(), mo);
@@ -732,10 +705,7 @@ TEST(RuntimeTest, SummariesReportRoutingAndPlannedBytes) {
   testing::run_ranks(2, [&](testing::RankContext& ctx) {
     GPT m(cfg);
     auto mesh = make_mesh(ctx);
-    DedicateOptions o;
-    o.pack_small_params = false;
-    dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
-    replicate(m.ptr(), mesh);
+    testing::dedicate_gpt(m, mesh, {});
     MuonOptions mo;
     mo.first_step_progress_log = false;
     Muon opt(m.ptr(), mo);

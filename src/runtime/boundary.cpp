@@ -261,22 +261,19 @@ void DedicatedState::post_backward(int b) {
 
 void DedicatedState::on_param_accumulated(int p) {
   std::lock_guard<std::recursive_mutex> g(mu);
-  ensure_backward_callback();
-  ParamEntry& e = params[p];
-  if (e.accumulated) return;
-  e.accumulated = true;
-  Boundary& B = boundaries[e.boundary];
-  if (++B.accumulated == static_cast<int>(B.params.size() + B.sharded.size())) B.grads_ready = true;
-  try_issue_reduces();
+  note_accumulated(params[p].accumulated, params[p].boundary);
 }
 
 void DedicatedState::on_sharded_accumulated(int i) {
   std::lock_guard<std::recursive_mutex> g(mu);
+  note_accumulated(sharded[i].accumulated, sharded[i].boundary);
+}
+
+void DedicatedState::note_accumulated(bool& accumulated, int b) {
   ensure_backward_callback();
-  ShardedEntry& e = sharded[i];
-  if (e.accumulated) return;
-  e.accumulated = true;
-  Boundary& B = boundaries[e.boundary];
+  if (accumulated) return;
+  accumulated = true;
+  Boundary& B = boundaries[b];
   if (++B.accumulated == static_cast<int>(B.params.size() + B.sharded.size())) B.grads_ready = true;
   try_issue_reduces();
 }

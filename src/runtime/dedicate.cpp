@@ -298,7 +298,6 @@ void DedicatedState::build(const ParamPredicate& predicate) {
   };
   std::vector<std::pair<at::Tensor, Precision>> to_cast;  // every parameter whose dtype changes
   std::vector<std::pair<at::Tensor, Precision>> base_masters;  // replicated parameters with a master copy
-  std::map<std::string, Precision> sharded_prec;           // sharded_adamw parameter -> precision
   std::map<std::string, std::pair<at::ScalarType, std::string>> input_cast, output_cast;  // per boundary
   uint64_t base_digest = 0;  // precision of the non-dedicated parameters (cross-rank check)
   for (const auto& item : m->named_parameters(/*recurse=*/true)) {
@@ -344,7 +343,6 @@ void DedicatedState::build(const ParamPredicate& predicate) {
                   name, "' must be a non-empty contiguous tensor.");
       const std::string boundary = resolve_boundary(name, p);
       sharded_sel.emplace_back(name, boundary);
-      sharded_prec[name] = prec;
       precision[p.unsafeGetTensorImpl()] = prec;
       base_digest = base_digest * 31 + precision_digest(prec) + 7;
       note_boundary_casts(boundary);
@@ -552,7 +550,7 @@ void DedicatedState::build(const ParamPredicate& predicate) {
       e.numel = e.param.numel();
       e.shard_len = (e.numel + G - 1) / G;
       e.boundary = bindex.at(bname);
-      e.prec = sharded_prec.at(name);
+      e.prec = precision.at(e.param.unsafeGetTensorImpl());
       const auto o = e.param.options().requires_grad(false);
       at::Tensor full = at::zeros({e.shard_len * G}, o);  // the value before any cast
       full.narrow(0, 0, e.numel).copy_(e.param.detach().reshape(-1));

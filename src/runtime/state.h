@@ -237,6 +237,8 @@ class DedicatedState {
   void wait_publish(PackedBuffer& buf);
   void fold_replicated();                 // wait the replicated all-reduces; fold into sums
   void try_issue_reduces();
+  // a parameter of boundary b got its gradient in this backward pass (flag: its own accumulated bit)
+  void note_accumulated(bool& accumulated, int b);
   void begin_forward_pass();
   void prefetch_after(int b, bool backward);
 };

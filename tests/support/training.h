@@ -8,6 +8,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -74,6 +75,7 @@ struct Layout {
   bool ddp = false;        // dedicate_params_ddp
   bool sharded = false;    // the non-matrix parameters on sharded_adamw (via route_hint_fn)
   std::string unshard = "broadcast";
+  std::optional<bool> pack_small_params = false;  // false: spread a layer's matrices; nullopt: planner default
 };
 // dedicate_params (or _ddp) with models::is_muon_matrix as predicate, then replicate; `o` carries
 // any further options (policies).
