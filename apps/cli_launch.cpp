@@ -4,6 +4,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -12,14 +13,18 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
+#include <cstdint>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <stdexcept>
 #include <thread>
+#include <vector>
 
 namespace dmuon::cli {
 
@@ -41,6 +46,107 @@ int bind_port(int port) {
   ::close(fd);
   return got;
 }
+
+// Relays the children's stderr: complete lines, each written whole. A rank's error lines (those
+// starting with "error") are held until the end and then shown first-failure-first: errors of
+// ranks whose message is not a consequence of another rank's death (a lost peer, a failed
+// collective) first, in the order their ranks exited, then the consequential ones.
+class StderrRelay {
+ public:
+  explicit StderrRelay(std::ostream& err) : err_(err) {}
+  ~StderrRelay() { close_all(); }
+  void add(int rank, int fd) { chans_.push_back(Chan{rank, fd, "", {}, -1}); }
+  void close_all() {
+    for (auto& c : chans_)
+      if (c.fd >= 0) {
+        ::close(c.fd);
+        c.fd = -1;
+      }
+  }
+  void exited(int rank, bool ok) {
+    for (auto& c : chans_)
+      if (c.rank == rank && !ok) c.exit_order = next_exit_++;
+  }
+  void set_summary(std::string s) { summary_ = std::move(s); }
+  // Waits up to `ms` for output and relays it.
+  void pump(int ms) {
+    std::vector<pollfd> pfds;
+    for (auto& c : chans_)
+      if (c.fd >= 0) pfds.push_back(pollfd{c.fd, POLLIN, 0});
+    if (pfds.empty()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      return;
+    }
+    if (::poll(pfds.data(), pfds.size(), ms) <= 0) return;
+    for (const auto& p : pfds)
+      if (p.revents & (POLLIN | POLLHUP | POLLERR))
+        for (auto& c : chans_)
+          if (c.fd == p.fd) read_from(c);
+  }
+  // Children are gone: drain the pipes, show the held errors, then the summary.
+  void finish() {
+    for (auto& c : chans_)
+      while (c.fd >= 0) read_from(c);
+    for (auto& c : chans_)
+      if (!c.partial.empty()) line(c, c.partial);
+    std::vector<const Chan*> order;
+    for (const auto& c : chans_)
+      if (!c.errors.empty()) order.push_back(&c);
+    auto consequential = [](const Chan* c) {
+      for (const auto& l : c->errors)
+        if (l.find("collective failed") != std::string::npos || l.find("Connection closed") != std::string::npos ||
+            l.find("Connection reset") != std::string::npos || l.find("peer") != std::string::npos)
+          return true;
+      return false;
+    };
+    std::stable_sort(order.begin(), order.end(), [&](const Chan* a, const Chan* b) {
+      const bool ca = consequential(a), cb = consequential(b);
+      if (ca != cb) return !ca;
+      const int ea = a->exit_order < 0 ? INT32_MAX : a->exit_order, eb = b->exit_order < 0 ? INT32_MAX : b->exit_order;
+      return ea < eb;
+    });
+    std::string all;
+    for (const Chan* c : order)
+      for (const auto& l : c->errors) all += l + "\n";
+    if (!summary_.empty()) all += summary_ + "\n";
+    err_ << all << std::flush;
+  }
+
+ private:
+  struct Chan {
+    int rank;
+    int fd;
+    std::string partial;
+    std::vector<std::string> errors;
+    int exit_order;
+  };
+  void read_from(Chan& c) {
+    char buf[4096];
+    const ssize_t n = ::read(c.fd, buf, sizeof(buf));
+    if (n <= 0) {
+      if (n < 0 && errno == EINTR) return;
+      ::close(c.fd);
+      c.fd = -1;
+      return;
+    }
+    c.partial.append(buf, static_cast<size_t>(n));
+    for (size_t nl; (nl = c.partial.find('\n')) != std::string::npos;) {
+      line(c, c.partial.substr(0, nl));
+      c.partial.erase(0, nl + 1);
+    }
+  }
+  void line(Chan& c, const std::string& l) {
+    if (!c.errors.empty() || l.rfind("error", 0) == 0) {  // an error and its continuation lines
+      c.errors.push_back(l);
+      return;
+    }
+    err_ << l << "\n" << std::flush;  // one line at a time: never interleaved with another rank's
+  }
+  std::ostream& err_;
+  std::vector<Chan> chans_;
+  std::string summary_;
+  int next_exit_ = 0;
+};
 
 std::atomic<int> g_signal{0};
 void on_signal(int sig) { g_signal = sig; }
@@ -75,7 +181,16 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
   ::sigaction(SIGTERM, &sa, &old_term);
   g_signal = 0;
 
+  // Every child's stderr comes through a pipe, so the parent shows each line whole and the first
+  // failure first (StderrRelay); stdout (rank 0's progress bar) is inherited.
+  StderrRelay relay(err);
   for (int r = 0; r < opts.ranks; ++r) {
+    int fds[2];
+    if (::pipe(fds) != 0) {
+      err << "error: pipe failed: " << std::strerror(errno) << "\n";
+      for (pid_t k : kids) ::kill(k, SIGKILL);
+      return 1;
+    }
     const pid_t pid = ::fork();
     if (pid < 0) {
       err << "error: fork failed: " << std::strerror(errno) << "\n";
@@ -85,6 +200,10 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
     if (pid == 0) {
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the parent
       if (::getppid() != parent) ::_exit(1);
+      ::dup2(fds[1], STDERR_FILENO);
+      ::close(fds[0]);
+      ::close(fds[1]);
+      relay.close_all();  // the read ends of earlier ranks' pipes
       ::signal(SIGINT, SIG_IGN);  // the parent decides; a terminal ^C reaches the whole group
       ::setenv("RANK", std::to_string(r).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
@@ -105,6 +224,8 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
       std::fprintf(stderr, "error: exec of /proc/self/exe failed: %s\n", std::strerror(errno));
       ::_exit(127);
     }
+    ::close(fds[1]);
+    relay.add(r, fds[0]);
     kids.push_back(pid);
   }
 
@@ -126,12 +247,14 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
         done[i] = true;
         --remaining;
         const bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
+        relay.exited(static_cast<int>(i), ok);
         if (!ok && !stopping) {
+          std::ostringstream why;
           if (WIFSIGNALED(st))
-            err << "error: rank " << i << " was killed by signal " << WTERMSIG(st) << "; stopping the other ranks\n";
+            why << "error: rank " << i << " was killed by signal " << WTERMSIG(st) << "; stopped the other ranks";
           else
-            err << "error: rank " << i << " exited with status " << WEXITSTATUS(st)
-                << "; stopping the other ranks\n";
+            why << "error: rank " << i << " exited with status " << WEXITSTATUS(st) << "; stopped the other ranks";
+          relay.set_summary(why.str());
           status_out = WIFEXITED(st) ? WEXITSTATUS(st) : 1;
           if (status_out == 0) status_out = 1;
           stopping = true;
@@ -149,14 +272,25 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
       stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     }
     if (stopping && std::chrono::steady_clock::now() > stop_deadline) stop_all(SIGKILL);
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    relay.pump(20);
   }
+  relay.finish();
   ::sigaction(SIGINT, &old_int, nullptr);
   ::sigaction(SIGTERM, &old_term, nullptr);
   return status_out;
 }
 
 std::optional<int> parse_args(CLI::App& app, std::vector<std::string> args, std::ostream& out, std::ostream& err) {
+  // "--steps -5": a negative number after an option is its value, not a flag (CLI11 would report a
+  // missing argument); joined as "--steps=-5" so the option's own check names the bad value.
+  for (size_t i = 0; i + 1 < args.size(); ++i) {
+    const std::string& v = args[i + 1];
+    if (args[i].rfind("--", 0) == 0 && args[i].find('=') == std::string::npos && v.size() > 1 && v[0] == '-' &&
+        (std::isdigit(static_cast<unsigned char>(v[1])) || v[1] == '.')) {
+      args[i] += "=" + v;
+      args.erase(args.begin() + static_cast<std::ptrdiff_t>(i) + 1);
+    }
+  }
   try {
     std::reverse(args.begin(), args.end());  // CLI11 takes the arguments last-first
     app.parse(args);

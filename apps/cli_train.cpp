@@ -92,8 +92,8 @@ void add_options(CLI::App& app, TrainArgs& a) {
                "route the embedding, norms and head to sharded_adamw (1/N per rank) instead of replicating them");
   app.add_option("--param-dtype", a.param_dtype,
                  "forward/backward and communication dtype of every parameter; bf16/fp16 keep fp32 master weights "
-                 "and fp32 optimizer state")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+                 "and fp32 optimizer state; fp64 trains in float64 throughout (runs that verify equivalence)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16", "fp64"}))
       ->capture_default_str();
   app.add_option("--checkpoint", a.checkpoint,
                  "write a checkpoint (model + optimizer, full tensors) to this file after the last step");
@@ -121,11 +121,17 @@ void validate(const TrainArgs& a, int world) {
     bad("the global batch --batch " + std::to_string(a.batch) + " does not split evenly across " +
         std::to_string(world) + " ranks; pick a batch that is a multiple of --ranks");
   const int64_t per = a.batch / world;
-  if (a.grad_accum < 1 || per % a.grad_accum != 0)
-    bad("--grad-accum " + std::to_string(a.grad_accum) + " must divide the per-rank batch " + std::to_string(per));
-  if (a.seq_len < 2) bad("--seq-len must be >= 2");
-  if (a.d_model < 1 || a.layers < 1 || a.heads < 1 || a.d_model % a.heads != 0)
-    bad("--d-model " + std::to_string(a.d_model) + " must be a positive multiple of --heads " + std::to_string(a.heads));
+  if (a.grad_accum < 1) bad("--grad-accum must be >= 1 (got " + std::to_string(a.grad_accum) + ")");
+  if (per % a.grad_accum != 0)
+    bad("--grad-accum " + std::to_string(a.grad_accum) + " must divide the per-rank batch " + std::to_string(per) +
+        " (--batch " + std::to_string(a.batch) + " over " + std::to_string(world) + " ranks)");
+  if (a.seq_len < 2) bad("--seq-len must be >= 2 (got " + std::to_string(a.seq_len) + ")");
+  if (a.layers < 1) bad("--layers must be >= 1 (got " + std::to_string(a.layers) + ")");
+  if (a.heads < 1) bad("--heads must be >= 1 (got " + std::to_string(a.heads) + ")");
+  if (a.d_model < 1) bad("--d-model must be >= 1 (got " + std::to_string(a.d_model) + ")");
+  if (a.d_model % a.heads != 0)
+    bad("--d-model " + std::to_string(a.d_model) + " must be a multiple of --heads " + std::to_string(a.heads));
+  if (a.log_every < 1) bad("--log-every must be >= 1 (got " + std::to_string(a.log_every) + ")");
   if (a.timeout_s <= 0) bad("--timeout must be > 0");
   if (a.replicate < 1 || world % a.replicate != 0)
     bad("--replicate " + std::to_string(a.replicate) + " must divide the number of ranks " + std::to_string(world));
@@ -138,7 +144,7 @@ void validate(const TrainArgs& a, int world) {
     if (!dir.empty() && !std::filesystem::is_directory(dir))
       bad("--checkpoint " + a.checkpoint + ": the directory " + dir.string() + " does not exist");
   }
-  if (a.param_dtype != "fp32" && a.device == "cpu") {
+  if ((a.param_dtype == "bf16" || a.param_dtype == "fp16") && a.device == "cpu") {
     // LibTorch builds differ in which 16-bit CPU kernels they have (1.13 has no float16 matmul)
     const auto t = a.param_dtype == "bf16" ? at::kBFloat16 : at::kHalf;
     try {
@@ -186,6 +192,7 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
   at::manual_seed(static_cast<uint64_t>(a.seed));
   models::GPT model(cfg);
   model->to(device);
+  if (a.param_dtype == "fp64") model->to(at::kDouble);  // verification runs: float64 end to end
 
   MeshOptions mo;
   mo.store = b.store;
@@ -205,7 +212,7 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
     dopt.route_hint_fn = [](const std::string& n, const at::Tensor& p) -> std::string {
       return models::is_muon_matrix(n, p) ? "" : "sharded_adamw";
     };
-  if (a.param_dtype != "fp32") {  // mixed precision: every parameter, fp32 masters and optimizer state
+  if (a.param_dtype == "bf16" || a.param_dtype == "fp16") {  // mixed precision: every parameter, fp32 masters and optimizer state
     ParamPolicy mp;
     mp.param_dtype = a.param_dtype == "bf16" ? at::kBFloat16 : at::kHalf;
     mp.master_dtype = at::kFloat;
@@ -233,11 +240,13 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
                                                         std::to_string(world / a.replicate) + ")" : std::string())
         << ", " << (use_muon ? "DMuon-" + std::string(a.mode == "z3" ? "Z3" : "Z2")
                                                                 : std::string("AdamW baseline"))
-        << (a.param_dtype != "fp32" ? ", " + a.param_dtype + " compute (fp32 masters)" : std::string())
+        << (a.param_dtype == "fp64"   ? ", fp64 throughout"
+         : a.param_dtype != "fp32" ? ", " + a.param_dtype + " compute (fp32 masters)"
+                                   : std::string())
         << ", GPT d=" << a.d_model << " layers=" << a.layers << " heads=" << a.heads << ", batch " << a.batch
         << " x " << a.seq_len << " bytes, " << a.steps << " steps, data "
         << (a.data.empty() ? std::string("fortunes (default)") : a.data) << " (" << text.size() << " bytes)\n";
-    if (use_muon) out << "  " << opt.ns().describe() << "; unigram baseline " << baseline << " nats/byte\n";
+    if (use_muon) out << "  " << opt.ns().describe(device.type()) << "; unigram baseline " << baseline << " nats/byte\n";
   }
 
   int first_step = 1;
@@ -282,7 +291,14 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
                                  "dmuon train: " + a.optimizer + (use_muon ? " " + a.mode : "") + ", " +
                                      std::to_string(world) + " ranks"));
   };
+  // Fault injection for tests of the launcher: DMUON_TEST_FAIL_AT=<rank>:<step> makes that rank fail
+  // at the start of that step, as a crash of one rank in a real run would.
+  int fail_rank = -1, fail_step = -1;
+  if (const char* f = std::getenv("DMUON_TEST_FAIL_AT"))
+    if (std::sscanf(f, "%d:%d", &fail_rank, &fail_step) != 2) fail_rank = -1;
   for (int step = first_step; step <= a.steps; ++step) {
+    if (rank == fail_rank && step == fail_step)
+      throw std::runtime_error("injected failure at step " + std::to_string(step) + " (DMUON_TEST_FAIL_AT)");
     const auto t0 = std::chrono::steady_clock::now();
     mesh->counters().reset();
     opt.zero_grad();
@@ -321,7 +337,7 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
       steps_logged.push_back(step);
       losses.push_back(gl);
       const double tok_s = static_cast<double>(a.batch * a.seq_len) / (ms / 1000.0);
-      csv << step << "," << gl << "," << opt.param_groups()[0].options().get_lr() << ","
+      csv << step << "," << std::setprecision(17) << gl << std::setprecision(6) << "," << opt.param_groups()[0].options().get_lr() << ","
           << opt.param_groups()[1].options().get_lr() << "," << ms << "," << tok_s << "," << bytes << "\n";
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
       const double eta = elapsed / (step - first_step + 1) * (a.steps - step);

@@ -88,6 +88,8 @@ std::string lpad(std::string s, size_t w) {
   return s;
 }
 
+constexpr int64_t kMaxCliSlots = int64_t{1} << 20;
+
 struct Args {
   std::string model_pos, model, hf_config, params_file;
   bool list_models = false;
@@ -116,6 +118,24 @@ json options_json(const ResolvedPlanOptions& o) {
 }
 
 json owner_json(OwnerCoord c) { return json::array({c.shard, c.replicate}); }
+
+// Which packing variant the planner kept (OwnerPlan::pack_cap): "off" (pack_small_params false),
+// "per_matrix" (packing would have cost more than 1%, so none), "uncapped" (one unit per group's
+// small matrices), "capped" (packed units of at most cost_cap).
+std::string packing_mode(const OwnerPlan& plan) {
+  if (!plan.options.pack_small_params) return "off";
+  if (plan.pack_cap <= 0) return "per_matrix";
+  return std::isinf(plan.pack_cap) ? "uncapped" : "capped";
+}
+
+json packing_json(const OwnerPlan& plan) {
+  const std::string mode = packing_mode(plan);
+  return json{{"mode", mode},
+              {"cost_cap", mode == "capped" ? json(plan.pack_cap) : json(nullptr)},
+              {"packed_units", plan.packed_units},
+              {"per_matrix_makespan",
+               plan.per_matrix_makespan > 0 ? json(plan.per_matrix_makespan) : json(nullptr)}};
+}
 
 json plan_json(const ModelSpec& model, const std::vector<ParamSpec>& params, const OwnerPlan& plan,
                const CommPlan& comm) {
@@ -173,6 +193,8 @@ json plan_json(const ModelSpec& model, const std::vector<ParamSpec>& params, con
   j["total_bytes"] = plan.total_bytes;
   j["makespan"] = plan.makespan;
   j["lower_bound"] = plan.lower_bound;
+  j["largest_param_cost"] = plan.largest_param_cost;
+  j["packing"] = packing_json(plan);
   j["granularity_bound"] = plan.granularity_bound;
   j["imbalance"] = plan.imbalance();
   j["violations"] = plan.violations;
@@ -227,8 +249,29 @@ void print_report(std::ostream& out, const ModelSpec& model, const std::vector<P
   out << "balance (cost = " << (o.owner_cost_model == "numel" ? "elements" : "NS multiply-adds + bytes")
       << ")\n";
   out << "  makespan " << sci(plan.makespan) << ", lower bound " << sci(plan.lower_bound)
-      << " = max(total/slots, largest unit)\n";
+      << " = max(total/slots, largest matrix)\n";
   out << "  imbalance = makespan / lower bound = " << fixed(plan.imbalance()) << "\n";
+  const std::string mode = packing_mode(plan);
+  out << "  packing ";
+  if (mode == "off") {
+    out << "off (every matrix is its own unit)\n";
+  } else if (mode == "per_matrix") {
+    out << "dropped: packing small matrices would raise the makespan by more than 1%, so every "
+           "matrix is its own unit\n";
+  } else {
+    int packed_params = 0;
+    for (const AllocationUnit& u : plan.units)
+      if (u.params.size() > 1) packed_params += static_cast<int>(u.params.size());
+    out << plan.packed_units << " packed units hold " << packed_params << " small matrices ("
+        << (mode == "uncapped" ? std::string("one unit per layer")
+                               : "units of cost <= " + sci(plan.pack_cap))
+        << "); ";
+    if (plan.per_matrix_makespan > 0)
+      out << "makespan / per-matrix plan's = " << fixed(plan.makespan / plan.per_matrix_makespan, 4)
+          << " (kept: <= 1.01)\n";
+    else
+      out << "within 1% of the lower bound, so within 1% of any plan\n";
+  }
   out << "  granularity floor " << fixed(plan.granularity_bound / std::max(plan.lower_bound, 1e-300))
       << " (no assignment of these units can do better; this plan is at "
       << fixed(plan.granularity_imbalance()) << "x of it)\n";
@@ -318,7 +361,9 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
                "dmuon plan"};
   app.add_option("model", a.model_pos, "Preset name (same as --model)");
   app.add_option("-m,--model", a.model, "Built-in preset (see --list-models)");
-  app.add_option("--hf-config", a.hf_config, "Hugging Face config.json (llama, mistral, qwen2, mixtral, gpt2)");
+  app.add_option("--hf-config", a.hf_config,
+                 "Hugging Face config.json (llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, "
+                 "qwen3_moe, deepseek_v2, deepseek_v3, gpt2)");
   app.add_option("--params", a.params_file,
                  "JSON parameter list: [{\"name\": ..., \"shape\": [...], \"dtype\": \"bf16\"}]");
   app.add_flag("--list-models", a.list_models, "List the presets and exit");
@@ -374,10 +419,15 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   if (a.shard < 1) throw UsageError("--shard must be >= 1, got " + std::to_string(a.shard));
   if (a.replicate < 1)
     throw UsageError("--replicate must be >= 1, got " + std::to_string(a.replicate));
-  if (static_cast<int64_t>(a.shard) * a.replicate > (1 << 24))
+  // A sane world size, checked before anything is loaded or planned: the report and the JSON
+  // hold per-slot and per-rank tables, so a typo like -G 100000000 would otherwise take minutes
+  // and gigabytes. 2^20 owner slots is far beyond any real cluster.
+  if (static_cast<int64_t>(a.shard) * a.replicate > kMaxCliSlots)
     throw UsageError("--shard x --replicate = " +
                      std::to_string(static_cast<int64_t>(a.shard) * a.replicate) +
-                     " slots is more than the supported 16777216");
+                     " owner slots, above the limit of " + std::to_string(kMaxCliSlots) +
+                     " (no real cluster is that large and the per-rank tables would not fit); "
+                     "check --shard and --replicate");
   if (a.max_owners_set && a.max_owners < 1)
     throw UsageError("--max-owners-per-group must be >= 1, got " + std::to_string(a.max_owners));
   if (a.pack_threshold < 0)

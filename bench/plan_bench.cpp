@@ -3,7 +3,9 @@
 // For every preset and owner-slot count S = G x R in {8, 64, 512, 4096} it plans the Muon targets
 // (default predicate, default options) with lpt and with round_robin, on a 1-D mesh (G = S, R = 1)
 // and on an HSDP grid with G = 8 (R = S / 8), and prints:
-//   imbalance = makespan / lower_bound, lower_bound = max(total / S, largest unit)
+//   imbalance = makespan / lower_bound, lower_bound = max(total / S, largest matrix)
+//   per-matrix = the imbalance of the same plan with pack_small_params off (packing never costs
+//               more than 1% against it), packing = the variant kept (uncapped / capped / none)
 //   floor     = granularity_bound / lower_bound: the imbalance no assignment can beat (pigeonhole
 //               bound over the unit costs; layer constraints ignored)
 //   lpt/floor = makespan / granularity_bound (1.000 = provably optimal)
@@ -12,6 +14,7 @@
 #include <algorithm>
 #include <cctype>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -32,9 +35,9 @@ int main(int argc, char** argv) {
   }
   if (names.empty()) names = dmuon::model_preset_names();
 
-  std::printf("| preset | muon params | units | G x R | lpt imbalance | floor | lpt/floor | "
-              "round_robin imbalance | lpt violations | lpt ms |\n");
-  std::printf("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|\n");
+  std::printf("| preset | muon params | units | G x R | lpt imbalance | per-matrix | packing | floor | "
+              "lpt/floor | round_robin imbalance | lpt violations | lpt ms |\n");
+  std::printf("|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|\n");
   for (const std::string& name : names) {
     std::vector<dmuon::ParamSpec> params;
     try {
@@ -61,10 +64,16 @@ int main(int argc, char** argv) {
         }
         std::sort(ms.begin(), ms.end());
         const dmuon::OwnerPlan rr = dmuon::plan_owners(params, G, R, rr_opts);
-        std::printf("| %s | %zu | %zu | %d x %d | %.3f | %.3f | %.3f | %.3f | %zu | %.2f |\n",
+        dmuon::PlanOptions off = lpt_opts;
+        off.pack_small_params = false;
+        const dmuon::OwnerPlan per_matrix = dmuon::plan_owners(params, G, R, off);
+        const char* packing = lpt.pack_cap <= 0 ? "none" : std::isinf(lpt.pack_cap) ? "uncapped"
+                                                                                    : "capped";
+        std::printf("| %s | %zu | %zu | %d x %d | %.3f | %.3f | %s | %.3f | %.3f | %.3f | %zu | %.2f |\n",
                     name.c_str(), params.size(), lpt.units.size(), G, R, lpt.imbalance(),
-                    lpt.granularity_bound / lpt.lower_bound, lpt.granularity_imbalance(),
-                    rr.imbalance(), lpt.violations.size(), ms[ms.size() / 2]);
+                    per_matrix.imbalance(), packing, lpt.granularity_bound / lpt.lower_bound,
+                    lpt.granularity_imbalance(), rr.imbalance(), lpt.violations.size(),
+                    ms[ms.size() / 2]);
       }
     }
   }

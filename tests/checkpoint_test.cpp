@@ -36,13 +36,14 @@ void dedicate(GPT& m, const std::shared_ptr<Mesh>& mesh, const Layout& l, Dedica
 }
 
 // Trains `first` for half the steps, checkpoints to a file, resumes on `second` for the rest and
-// compares every parameter, momentum buffer and AdamW moment with uninterrupted single-process fp32
-// training.
+// compares every parameter, momentum buffer and AdamW moment with uninterrupted single-process
+// training, in float64 (bound testing::kFloat64Bound: machine-independent).
 void check_resume(const Layout& first, const Layout& second) {
   testing::TrainConfig tc;
   tc.steps = 6;
   const GPTConfig cfg = testing::small_config(2);
-  const auto init = testing::init_state(cfg, 1234);
+  const auto init = testing::init_state(cfg, 1234);  // float64
+  const double bound = testing::kFloat64Bound;
   const int64_t global_batch = 12;
   const auto batches = testing::make_batches(tc.steps, global_batch, 12, cfg.vocab_size, 99);
   const auto ref = testing::reference_train(cfg, init, batches, tc);
@@ -71,7 +72,7 @@ void check_resume(const Layout& first, const Layout& second) {
   TensorDict final_model;
   OptimizerStateDict final_optim;
   testing::run_ranks(second.world, [&](testing::RankContext& ctx) {
-    GPT m(cfg);  // a fresh random init: everything must come from the checkpoint
+    GPT m = testing::make_gpt(cfg);  // a fresh random init: everything must come from the checkpoint
     auto mesh = make_mesh(ctx, std::chrono::seconds(60), second.replicate);
     dedicate(m, mesh, second);
     Muon opt(m.ptr(), testing::muon_options(tc));
@@ -106,13 +107,13 @@ void check_resume(const Layout& first, const Layout& second) {
   std::filesystem::remove_all(dir);
   ASSERT_EQ(final_model.size(), ref.params.size()) << first.label << " -> " << second.label;
   for (const auto& [k, v] : ref.params)
-    EXPECT_LE(max_rel(final_model.at(k), v), 1e-5) << k << " (" << first.label << " -> " << second.label << ")";
+    EXPECT_LE(max_rel(final_model.at(k), v), bound) << k << " (" << first.label << " -> " << second.label << ")";
   ASSERT_EQ(final_optim.muon.size(), 2 * ref.momentum.size());
   ASSERT_EQ(final_optim.adamw.size(), 3 * ref.exp_avg.size());
   for (const auto& [k, v] : ref.momentum)
-    EXPECT_LE(max_rel(final_optim.muon.at(k + ".momentum_buffer"), v), 1e-5) << k << " momentum";
+    EXPECT_LE(max_rel(final_optim.muon.at(k + ".momentum_buffer"), v), bound) << k << " momentum";
   for (const auto& [k, v] : ref.exp_avg) {
-    EXPECT_LE(max_rel(final_optim.adamw.at(k + ".exp_avg"), v), 1e-4) << k << " exp_avg";
+    EXPECT_LE(max_rel(final_optim.adamw.at(k + ".exp_avg"), v), bound) << k << " exp_avg";
     EXPECT_EQ(final_optim.adamw.at(k + ".step").item<int64_t>(), 6) << k;
   }
 }
@@ -241,6 +242,214 @@ TEST(CheckpointTest, BadStateDictsAndFilesAreClearErrors) {
     }
   });
   std::filesystem::remove_all(dir);
+}
+
+// ---- checkpoint integrity ------------------------------------------------------------------------
+std::string read_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::string s(std::filesystem::file_size(path), '\0');
+  f.read(s.data(), static_cast<std::streamsize>(s.size()));
+  return s;
+}
+
+void write_bytes(const std::string& path, const std::string& s) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc).write(s.data(), static_cast<std::streamsize>(s.size()));
+}
+
+std::string bytes_of(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  return std::string(static_cast<const char*>(c.data_ptr()), c.nbytes());
+}
+
+std::vector<size_t> find_all(const std::string& hay, const std::string& needle) {
+  std::vector<size_t> out;
+  for (size_t p = hay.find(needle); p != std::string::npos; p = hay.find(needle, p + 1)) out.push_back(p);
+  return out;
+}
+
+// A model state dict and an optimizer state dict built directly (no training): Muon and AdamW
+// entries, two groups with recognisable names and hyperparameters, distinct step counts.
+struct SmallCheckpoint {
+  TensorDict model;
+  OptimizerStateDict optim;
+};
+SmallCheckpoint small_checkpoint() {
+  at::manual_seed(11);
+  SmallCheckpoint c;
+  c.model["embed.weight"] = at::randn({64, 32});
+  c.model["layers.0.q_proj.weight"] = at::randn({32, 32});
+  c.model["layers.0.norm.weight"] = at::randn({32});
+  c.optim.muon["layers.0.q_proj.weight.momentum_buffer"] = at::randn({32, 32});
+  c.optim.muon["layers.0.q_proj.weight.step"] = at::scalar_tensor(1000003, at::kLong);
+  for (const char* p : {"embed.weight", "layers.0.norm.weight"}) {
+    const auto shape = c.model.at(p).sizes();
+    c.optim.adamw[std::string(p) + ".exp_avg"] = at::randn(shape);
+    c.optim.adamw[std::string(p) + ".exp_avg_sq"] = at::rand(shape);
+    c.optim.adamw[std::string(p) + ".step"] = at::scalar_tensor(static_cast<int64_t>(c.optim.adamw.size()) + 2000003, at::kLong);
+  }
+  c.optim.param_groups.push_back({"hidden_matrices_muon", true, 0.0123456, 0.95, 0.01, 0.9, 0.95, 1e-8, true, 5});
+  c.optim.param_groups.push_back({"embeddings_adamw", false, 0.0034567, 0.0, 0.02, 0.9, 0.95, 1e-8, false, 5});
+  c.optim.steps_taken = 123456789;
+  return c;
+}
+
+TEST(CheckpointTest, CorruptedCheckpointsAreRefusedNamingTheTensorOrSection) {
+  const std::string dir = testing::fresh_temp_dir("dmuon-ckpt-crc");
+  const SmallCheckpoint sc = small_checkpoint();
+  const std::string path = dir + "/ck.pt", bad = dir + "/bad.pt";
+  save_checkpoint(path, sc.model, &sc.optim);
+  const std::string good = read_bytes(path);
+  {  // the intact file loads exactly
+    const Checkpoint ck = load_checkpoint(path);
+    ASSERT_TRUE(ck.optim.has_value());
+    ASSERT_EQ(ck.model.size(), sc.model.size());
+    for (const auto& [k, v] : sc.model) EXPECT_TRUE(ck.model.at(k).equal(v)) << k;
+    for (const auto& [k, v] : sc.optim.muon) EXPECT_TRUE(ck.optim->muon.at(k).equal(v)) << k;
+    for (const auto& [k, v] : sc.optim.adamw) EXPECT_TRUE(ck.optim->adamw.at(k).equal(v)) << k;
+    ASSERT_EQ(ck.optim->param_groups.size(), 2u);
+    for (size_t i = 0; i < 2; ++i) {
+      const auto &a = ck.optim->param_groups[i], &b = sc.optim.param_groups[i];
+      EXPECT_TRUE(a.name == b.name && a.is_muon == b.is_muon && a.lr == b.lr && a.momentum == b.momentum &&
+                  a.weight_decay == b.weight_decay && a.beta1 == b.beta1 && a.beta2 == b.beta2 && a.eps == b.eps &&
+                  a.nesterov == b.nesterov && a.ns_steps == b.ns_steps)
+          << "group " << i;
+    }
+    EXPECT_EQ(ck.optim->steps_taken, 123456789);
+  }
+  auto load_error = [&](const std::string& bytes) {
+    write_bytes(bad, bytes);
+    return error_of([&] { load_checkpoint(bad); });
+  };
+  auto says_corrupt = [&](const std::string& err) {  // names the file, says what to do
+    return err.find("'" + bad + "' is corrupt") != std::string::npos &&
+           err.find("another checkpoint") != std::string::npos;
+  };
+  std::vector<std::string> parts = {"optimizer metadata", "the archive's structure", "the checksum table",
+                                    "its header", "its format tag"};
+  for (const TensorDict* d : {&sc.model, &sc.optim.muon, &sc.optim.adamw})
+    for (const auto& [k, v] : *d) parts.push_back("tensor '" + k + "'");
+  // 4 bytes overwritten at 15, 40, 65 and 90% of the file
+  for (const double frac : {0.15, 0.40, 0.65, 0.90}) {
+    std::string b = good;
+    const auto at = static_cast<size_t>(frac * static_cast<double>(b.size()));
+    for (size_t i = at; i < at + 4; ++i) b[i] = static_cast<char>(b[i] ^ 0xFF);
+    const std::string err = load_error(b);
+    bool named = false;
+    for (const auto& p : parts) named = named || err.find(p) != std::string::npos;
+    EXPECT_TRUE(says_corrupt(err) && named) << "4 bytes at " << frac * 100 << "% (byte " << at << " of "
+                                            << b.size() << "): " << err;
+  }
+  // one byte in the middle of a payload found by its unique bytes in the file
+  auto flip_in = [&](const std::string& needle, const std::string& what, char mask) {
+    const auto hits = find_all(good, needle);
+    if (hits.size() != 1) {
+      ADD_FAILURE() << what << ": its bytes occur " << hits.size() << " times in the file";
+      return std::string();
+    }
+    std::string b = good;
+    char& c = b[hits[0] + needle.size() / 2];
+    c = static_cast<char>(c ^ mask);
+    return load_error(b);
+  };
+  for (const TensorDict* d : {&sc.model, &sc.optim.muon, &sc.optim.adamw})
+    for (const auto& [k, v] : *d) {
+      const std::string err = flip_in(bytes_of(v), k, '\xFF');
+      EXPECT_TRUE(says_corrupt(err) && err.find("tensor '" + k + "'") != std::string::npos) << k << ": " << err;
+    }
+  // metadata: a learning rate, steps_taken, a group name (the case of one letter)
+  const double lr = 0.0123456;
+  const int32_t steps = 123456789;
+  const std::vector<std::pair<std::string, std::string>> meta = {
+      {std::string(reinterpret_cast<const char*>(&lr), sizeof(lr)), "the first group's lr"},
+      {std::string(reinterpret_cast<const char*>(&steps), sizeof(steps)), "steps_taken"},
+      {"hidden_matrices_muon", "the first group's name"}};
+  for (const auto& [needle, what] : meta) {
+    const std::string err = flip_in(needle, what, what == "the first group's name" ? '\x20' : '\x01');
+    EXPECT_TRUE(says_corrupt(err) && err.find("optimizer metadata") != std::string::npos) << what << ": " << err;
+  }
+  // every rank reads the file itself, and every rank refuses it
+  {
+    std::string b = good;
+    b[b.size() / 2] = static_cast<char>(b[b.size() / 2] ^ 0xFF);
+    write_bytes(bad, b);
+  }
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    const std::string err = error_of([&] { load_checkpoint(bad); });
+    expect(says_corrupt(err), "rank " + std::to_string(ctx.rank) + " loaded a corrupt file: " + err);
+  });
+  std::filesystem::remove_all(dir);
+}
+
+TEST(CheckpointTest, TruncatedEmptyForeignAndFormat1FilesAreClearErrors) {
+  const std::string dir = testing::fresh_temp_dir("dmuon-ckpt-trunc");
+  const SmallCheckpoint sc = small_checkpoint();
+  const std::string path = dir + "/ck.pt", bad = dir + "/bad.pt";
+  save_checkpoint(path, sc.model);  // no optimizer state
+  const Checkpoint ck = load_checkpoint(path);
+  EXPECT_FALSE(ck.optim.has_value());
+  for (const auto& [k, v] : sc.model) EXPECT_TRUE(ck.model.at(k).equal(v)) << k;
+  const std::string good = read_bytes(path);
+  auto load_error = [&](const std::string& bytes) {
+    write_bytes(bad, bytes);
+    return error_of([&] { load_checkpoint(bad); });
+  };
+  auto has = [](const std::string& err, const std::string& s) { return err.find(s) != std::string::npos; };
+  std::string err = load_error(good.substr(0, good.size() * 6 / 10));
+  EXPECT_TRUE(has(err, "'" + bad + "' is truncated: " + std::to_string(good.size() * 6 / 10) + " of its " +
+                           std::to_string(good.size()) + " bytes"))
+      << err;
+  err = load_error(good.substr(0, 20));
+  EXPECT_TRUE(has(err, "'" + bad + "' is truncated")) << err;
+  err = load_error("");
+  EXPECT_TRUE(has(err, "'" + bad + "' is not a readable checkpoint: it is empty")) << err;
+  err = load_error(good + "trailing");
+  EXPECT_TRUE(has(err, "'" + bad + "' is corrupt") && has(err, "8 bytes follow")) << err;
+  err = load_error("step,loss\n1,2.5\n");
+  EXPECT_TRUE(has(err, "'" + bad + "' is not a readable checkpoint")) << err;
+  {  // a newer format version (header rewritten consistently, with its checksum)
+    std::string b = good;
+    b[8] = 3;
+    const uint32_t crc = checkpoint_crc32c(b.data(), 28);
+    for (int i = 0; i < 4; ++i) b[28 + i] = static_cast<char>(crc >> (8 * i));
+    err = load_error(b);
+    EXPECT_TRUE(has(err, "'" + bad + "' has checkpoint format version 3; this dmuon reads version 2")) << err;
+  }
+  {  // format 1 (a bare torch archive, before checksums) and other torch archives
+    torch::serialize::OutputArchive ar;
+    ar.write("format", c10::IValue(std::string("dmuon-checkpoint-v1")));
+    c10::Dict<std::string, at::Tensor> model;
+    for (const auto& [k, v] : sc.model) model.insert(k, v);
+    ar.write("model", c10::IValue(model));
+    ar.save_to(bad);
+    err = error_of([&] { load_checkpoint(bad); });
+    EXPECT_TRUE(has(err, "'" + bad + "' is a dmuon checkpoint of format version 1, which has no checksums")) << err;
+    torch::serialize::OutputArchive other;
+    other.write("weights", sc.model.at("embed.weight"));
+    other.save_to(bad);
+    err = error_of([&] { load_checkpoint(bad); });
+    EXPECT_TRUE(has(err, "'" + bad + "' is a torch archive but not a dmuon checkpoint")) << err;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(CheckpointTest, ChecksumIsCrc32c) {
+  EXPECT_EQ(checkpoint_crc32c("123456789", 9), 0xE3069283u);
+  const std::string zeros(32, '\0'), ones(32, '\xFF');
+  EXPECT_EQ(checkpoint_crc32c(zeros.data(), zeros.size()), 0x8A9136AAu);
+  EXPECT_EQ(checkpoint_crc32c(ones.data(), ones.size()), 0x62A8AB43u);
+  EXPECT_EQ(checkpoint_crc32c(nullptr, 0), 0u);
+  // any split, any alignment: the same CRC (byte by byte goes through the table, bulk through the fast path)
+  std::string data(10007, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>((i * 2654435761u) >> 13);
+  for (const size_t start : {size_t{0}, size_t{3}}) {
+    const char* p = data.data() + start;
+    const size_t n = data.size() - start;
+    const uint32_t bulk = checkpoint_crc32c(p, n);
+    uint32_t bytewise = 0;
+    for (size_t i = 0; i < n; ++i) bytewise = checkpoint_crc32c(p + i, 1, bytewise);
+    EXPECT_EQ(bytewise, bulk) << "start " << start;
+    EXPECT_EQ(checkpoint_crc32c(p + 1001, n - 1001, checkpoint_crc32c(p, 1001)), bulk) << "start " << start;
+  }
 }
 
 }  // namespace

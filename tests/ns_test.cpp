@@ -287,7 +287,11 @@ TEST(NewtonSchulzTest, NewtonSchulzObjectAndBackendStatus) {
   EXPECT_LE(rel(you.local(G), reference_ns(G, YOU_COEFFICIENTS)), 1e-10);
   EXPECT_EQ(NewtonSchulz("gram", "auto", std::nullopt, std::nullopt, /*deterministic=*/true).options().kernel,
             "cublas");
-  EXPECT_EQ(gram.describe().rfind("Gram NS · kernel=", 0), 0u);
+  // the name of what runs: on the CPU the plain-GEMM path is not cuBLAS
+  EXPECT_EQ(gram.describe(), "Gram NS · kernel=cpu-gemm");
+  EXPECT_EQ(gram.describe(c10::DeviceType::CUDA), "Gram NS · kernel=cublas");
+  EXPECT_EQ(NewtonSchulz("direct", "syrk").describe(), "Direct NS · kernel=cpu-blas-syrk");
+  EXPECT_EQ(get_ns_backend().find("cublas"), std::string::npos) << get_ns_backend();
 
   const BackendStatus s = get_backend_status();
   EXPECT_EQ(s.sm_version, 0);
@@ -295,6 +299,7 @@ TEST(NewtonSchulzTest, NewtonSchulzObjectAndBackendStatus) {
   EXPECT_TRUE(s.cublas_always_available);
   EXPECT_EQ(s.auto_choice, "cublas");
   EXPECT_NE(get_ns_backend().find("CPU"), std::string::npos);
+  EXPECT_NE(get_ns_backend().find("kernel=cpu-gemm"), std::string::npos) << get_ns_backend();
 
   setenv("DMUON_NS_KERNEL", "syrk", 1);
   EXPECT_EQ(get_backend_status().auto_choice, "syrk");

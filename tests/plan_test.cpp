@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "dmuon/model_specs.h"
 #include "dmuon/owner_plan.h"
 
@@ -105,7 +107,10 @@ void ExpectWellFormed(const std::vector<ParamSpec>& params, const OwnerPlan& pla
     nparams += sl.params;
     makespan = std::max(makespan, sl.cost);
   }
-  for (const auto& u : plan.units) largest = std::max(largest, u.cost);
+  // The lower bound is over single parameters, not packed units (a packed unit above
+  // total / slots is the packing's cost, which imbalance() must show).
+  for (const auto& p : params) largest = std::max(largest, param_cost(p, plan.options));
+  EXPECT_DOUBLE_EQ(plan.largest_param_cost, largest);
   EXPECT_NEAR(slot_total, total, 1e-9 * std::max(1.0, total));
   EXPECT_EQ(slot_bytes, bytes);
   EXPECT_EQ(plan.total_bytes, bytes);
@@ -506,7 +511,9 @@ TEST(OwnerPlanTest, NamesWithNoLayerAreTheirOwnGroupsAndNeverPack) {
                                      P("adapter.weight", {32, 64}),
                                      P("model.layers.0.a.weight", {64, 64}),
                                      P("model.layers.0.b.weight", {64, 64})};
-  const auto plan = plan_owners(ps, 4, 1);
+  // 2 slots: packing the layer's two matrices costs nothing here, so it is kept (on 4 slots the
+  // packed pair would be the makespan, 1.6x the per-matrix plan's, and packing is dropped).
+  const auto plan = plan_owners(ps, 2, 1);
   ExpectWellFormed(ps, plan);
   EXPECT_EQ(plan.groups[0], "encoder.proj.weight");
   EXPECT_EQ(plan.groups[2], "adapter.weight");
@@ -521,7 +528,8 @@ TEST(OwnerPlanTest, CallerGroupKeyOverridesTheLayer) {
   const std::vector<ParamSpec> ps = {P("model.layers.0.w", {64, 64}, 2, "stage0"),
                                      P("model.layers.1.w", {64, 64}, 2, "stage0"),
                                      P("model.layers.2.w", {64, 64})};
-  const auto plan = plan_owners(ps, 4, 1);
+  // One slot: packing is free, so it is kept (on 4 slots the packed pair would cost 2x).
+  const auto plan = plan_owners(ps, 1, 1);
   EXPECT_EQ(plan.groups[0], "stage0");
   EXPECT_EQ(plan.groups[2], "model.layers.2");
   EXPECT_EQ(plan.unit_of_param[0], plan.unit_of_param[1]);  // packed by the caller's key
@@ -565,7 +573,8 @@ TEST(OwnerPlanTest, MaxOwnersPerGroupCapsDistinctSlots) {
     ExpectWellFormed(params, plan);
     for (const auto& [name, use] : group_use(plan)) {
       EXPECT_LE(use.per_slot.size(), 2u) << strategy << " " << name;
-      EXPECT_LE(max_count(use.per_slot), 3) << strategy << " " << name;  // ceil(6 / 2)
+      // ceil(units / 2): 6 units with k/v packed, 7 when packing would cost more than 1%.
+      EXPECT_LE(max_count(use.per_slot), (use.units + 1) / 2) << strategy << " " << name;
     }
     EXPECT_TRUE(plan.violations.empty()) << strategy;
   }
@@ -582,6 +591,165 @@ TEST(OwnerPlanTest, Llama3_70B_AtG64IsOptimalAboveTheFloor) {
   EXPECT_GE(plan.makespan, 4 * mlp + 2 * q);
   EXPECT_LE(plan.imbalance(), 1.0215);
   EXPECT_LE(plan.makespan / (4 * mlp + 2 * q), 1.001);
+}
+
+// ---- packing never makes a plan worse (issue 11, section 5) ------------------------------------
+
+// A DeepSeek-V2-Lite-like MoE: 27 layers of q/o attention and 64 experts x (gate, up, down)
+// [1408, 2048], every matrix under the 5M-element packing threshold.
+std::vector<ParamSpec> moe_like(int layers = 27, int experts = 64) {
+  std::vector<ParamSpec> ps;
+  for (int l = 0; l < layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    ps.push_back(P(p + "self_attn.q_proj.weight", {2048, 2048}));
+    ps.push_back(P(p + "self_attn.o_proj.weight", {2048, 2048}));
+    for (int e = 0; e < experts; ++e) {
+      const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+      ps.push_back(P(x + "gate_proj.weight", {1408, 2048}));
+      ps.push_back(P(x + "up_proj.weight", {1408, 2048}));
+      ps.push_back(P(x + "down_proj.weight", {2048, 1408}));
+    }
+  }
+  return ps;
+}
+
+TEST(OwnerPlanTest, PackingNeverCostsMoreThanOnePercentOnAnMoe) {
+  EnvGuard env;
+  const auto ps = moe_like();
+  PlanOptions off;
+  off.pack_small_params = false;
+  const auto plan = plan_owners(ps, 64, 1);
+  const auto per_matrix = plan_owners(ps, 64, 1, off);
+  ExpectWellFormed(ps, plan);
+  // Packing each layer into one unit gave 27 units on 64 slots: 2.3x the per-matrix makespan.
+  EXPECT_LE(plan.makespan, 1.01 * per_matrix.makespan);
+  EXPECT_LE(per_matrix.imbalance(), 1.005);
+  EXPECT_LE(plan.imbalance(), 1.011);
+  // The bound is over single matrices, so a bad packing would show in imbalance().
+  double largest = 0;
+  for (const auto& p : ps) largest = std::max(largest, param_cost(p, plan.options));
+  EXPECT_DOUBLE_EQ(plan.lower_bound, std::max(plan.total_cost / 64, largest));
+  EXPECT_DOUBLE_EQ(plan.lower_bound, plan.total_cost / 64);
+  // Packing is still used, in capped units: far fewer units than matrices, none above total / S.
+  EXPECT_GT(plan.packed_units, 0);
+  EXPECT_LT(plan.units.size(), ps.size() / 2);
+  EXPECT_GT(plan.pack_cap, 0.0);
+  EXPECT_LE(plan.pack_cap, plan.lower_bound);
+  for (const auto& u : plan.units) EXPECT_LE(u.cost, plan.pack_cap * (1 + 1e-9));
+  EXPECT_DOUBLE_EQ(plan.per_matrix_makespan, per_matrix.makespan);
+  EXPECT_TRUE(plan.violations.empty());
+  // Where packing whole layers is harmless (27 layers on 27 slots), it is kept as before.
+  const auto whole = plan_owners(ps, 27, 1);
+  EXPECT_EQ(whole.units.size(), 27u);
+  EXPECT_TRUE(std::isinf(whole.pack_cap));
+  EXPECT_DOUBLE_EQ(whole.imbalance(), 1.0);
+}
+
+TEST(OwnerPlanTest, PackingIsDroppedWhenEveryVariantCostsMore) {
+  EnvGuard env;
+  // Four equal small matrices of one layer on 4 slots: any packing doubles the makespan.
+  const std::vector<ParamSpec> ps = {P("layers.0.a", {64, 64}), P("layers.0.b", {64, 64}),
+                                     P("layers.0.c", {64, 64}), P("layers.0.d", {64, 64})};
+  const auto plan = plan_owners(ps, 4, 1);
+  ExpectWellFormed(ps, plan);
+  EXPECT_EQ(plan.units.size(), 4u);
+  EXPECT_EQ(plan.packed_units, 0);
+  EXPECT_DOUBLE_EQ(plan.pack_cap, 0.0);
+  EXPECT_DOUBLE_EQ(plan.imbalance(), 1.0);
+  EXPECT_TRUE(plan.options.pack_small_params);  // the option as resolved; the plan says what won
+  // On 2 slots two pairs are as good as four singles: the packing kept is one capped at L / 1.
+  const auto two = plan_owners(ps, 2, 1);
+  EXPECT_EQ(two.units.size(), 2u);
+  EXPECT_DOUBLE_EQ(two.imbalance(), 1.0);
+  EXPECT_DOUBLE_EQ(two.pack_cap, two.lower_bound);
+}
+
+// Packed vs per-matrix plans on every preset at 8 ... 512 slots. Values: packed imbalance (makespan
+// / max(total / S, largest matrix)), measured; the limit allows 0.002 above. Below each table
+// value the per-matrix plan's; packing never costs more than 1% of it.
+struct PresetTable {
+  std::string preset;
+  std::vector<double> imbalance;  // at S = 8, 16, 32, 64, 128, 256, 512 (1-D)
+};
+const std::vector<int> kSlotCounts = {8, 16, 32, 64, 128, 256, 512};
+
+void CheckPresetTable(const PresetTable& t, bool hsdp) {
+  SCOPED_TRACE(t.preset);
+  const auto params = muon(t.preset);
+  PlanOptions off;
+  off.pack_small_params = false;
+  double largest = 0, total = 0;
+  for (const auto& p : params) {
+    const double c = param_cost(p, ResolvedPlanOptions{});
+    largest = std::max(largest, c);
+    total += c;
+  }
+  for (size_t i = 0; i < kSlotCounts.size(); ++i) {
+    const int S = kSlotCounts[i];
+    SCOPED_TRACE("S = " + std::to_string(S));
+    const auto plan = plan_owners(params, S, 1);
+    const auto per_matrix = plan_owners(params, S, 1, off);
+    EXPECT_LE(plan.makespan, 1.01 * per_matrix.makespan);
+    EXPECT_NEAR(plan.lower_bound, std::max(total / S, largest), 1e-12 * plan.lower_bound);
+    EXPECT_LE(plan.imbalance(), t.imbalance[i] + 0.002);
+    // <= 1.05 wherever the granularity floor allows it (llama3-70b at 256 slots: every MLP
+    // matrix needs its own slot and no q/o fits beside one under the mean, so ~M + Q is optimal
+    // although the pigeonhole floor says 1.0; documented in the table below).
+    if (per_matrix.granularity_bound / per_matrix.lower_bound <= 1.05 &&
+        !(t.preset == "llama3-70b" && S == 256)) {
+      EXPECT_LE(plan.imbalance(), 1.05);
+    }
+    EXPECT_TRUE(plan.violations.empty());
+    if (hsdp && S >= 16) {
+      const auto h = plan_owners(params, 8, S / 8);
+      const auto hp = plan_owners(params, 8, S / 8, off);
+      EXPECT_LE(h.makespan, 1.01 * hp.makespan) << "HSDP 8 x " << S / 8;
+    }
+  }
+}
+
+TEST(OwnerPlanTest, PackingNeverCostsMoreThanOnePercentOnDensePresets) {
+  EnvGuard env;
+  // Measured with this planner. The old always-pack planner had gpt2-small at 8 slots at 1.333
+  // (12 packed layers on 8 slots) and vit-l16 at 64 slots at 2.667 (24 packed blocks on 64 slots),
+  // while reporting 1.000 for the latter.
+  const std::vector<PresetTable> tables = {
+      {"gpt2-small", {1.0, 1.0, 1.3333, 1.0, 1.0, 1.0, 1.0}},
+      {"gpt2-xl", {1.0, 1.0, 1.0, 1.0, 1.3333, 1.0, 1.0}},
+      {"llama3-8b", {1.0, 1.0, 1.0, 1.1089, 1.0, 1.0, 1.0}},
+      {"llama3-70b", {1.0004, 1.0005, 1.0055, 1.0214, 1.0214, 1.1491, 1.0}},
+      {"llama3-405b", {1.0035, 1.0044, 1.0152, 1.0152, 1.0152, 1.1232, 1.0}},
+      {"qwen2.5-7b", {1.0041, 1.0125, 1.0125, 1.3501, 1.0, 1.0, 1.0}},
+      {"vit-l16", {1.0, 1.0, 1.0, 1.3333, 1.0, 1.0, 1.0}}};
+  for (const auto& t : tables) CheckPresetTable(t, t.preset != "llama3-405b");
+}
+
+TEST(OwnerPlanTest, PackingNeverCostsMoreThanOnePercentOnMoePresets) {
+  EnvGuard env;
+  // Packed imbalance, measured (packing keeps the most packing within 1% of the per-matrix
+  // plan, so it may sit up to 1% above it). Per-matrix imbalance for comparison -- deepseek-v2-lite: 1.0003 1.0003 1.0005 1.0039 1.0136
+  // 1.0329 1.0000; qwen1.5-moe-a2.7b: 1.0000 1.0007 1.0035 1.0092 1.0131 1.0360 1.0360;
+  // qwen3-30b-a3b: 1.0000 1.0000 1.0000 1.0003 1.0014 1.0064 1.0064; mixtral-8x7b: 1.0000 1.0000
+  // 1.0000 1.0000 1.0218 1.0682 1.3004 (the last two at the granularity floor: 768 equal expert
+  // matrices on 256 / 512 slots).
+  const std::vector<PresetTable> tables = {
+      {"deepseek-v2-lite", {1.0005, 1.0017, 1.0103, 1.0104, 1.0157, 1.0415, 1.0}},
+      {"qwen1.5-moe-a2.7b", {1.0, 1.0037, 1.0019, 1.0078, 1.0101, 1.0360, 1.0360}},
+      {"qwen3-30b-a3b", {1.0, 1.0, 1.0007, 1.0061, 1.0064, 1.0064, 1.0064}},
+      {"mixtral-8x7b", {1.0004, 1.0, 1.0, 1.0015, 1.0218, 1.0682, 1.3004}}};
+  for (const auto& t : tables) CheckPresetTable(t, t.preset == "deepseek-v2-lite");
+}
+
+TEST(OwnerPlanTest, DeepSeekV3PlansNearTheBound) {
+  EnvGuard env;
+  // 45,090 Muon matrices (58 MoE layers x 256 experts x 3 + attention + dense MLPs).
+  const auto params = muon("deepseek-v3");
+  ASSERT_EQ(params.size(), 45090u);
+  for (int S : {64, 512}) {
+    const auto plan = plan_owners(params, S, 1);
+    EXPECT_LE(plan.imbalance(), S == 64 ? 1.0011 : 1.0067) << S;
+    EXPECT_TRUE(plan.violations.empty());
+  }
 }
 
 TEST(OwnerPlanTest, HsdpWithOwnerCap) {
@@ -779,7 +947,10 @@ TEST(ModelSpecsTest, PresetsHaveTheRealParameterCounts) {
       {"gpt2-small", 124'439'808},      {"gpt2-xl", 1'557'611'200},
       {"llama3-8b", 8'030'261'248},     {"llama3-70b", 70'553'706'496},
       {"qwen2.5-7b", 7'615'616'512},    {"mixtral-8x7b", 46'702'792'704},
-      {"vit-l16", 304'326'632}};
+      {"vit-l16", 304'326'632},
+      // MoE: the published totals are 15.7B, 671B (without the MTP layer), 14.3B and 30.5B.
+      {"deepseek-v2-lite", 15'706'484'224}, {"deepseek-v3", 671'026'419'200},
+      {"qwen1.5-moe-a2.7b", 14'315'784'192}, {"qwen3-30b-a3b", 30'532'122'624}};
   for (const auto& [name, count] : cases) EXPECT_EQ(total_numel(model_preset(name)), count) << name;
   const ModelSpec l = model_preset("llama3-405b");
   EXPECT_EQ(l.params.size(), 1u + 126u * 9u + 2u);
@@ -789,7 +960,7 @@ TEST(ModelSpecsTest, PresetsHaveTheRealParameterCounts) {
   EXPECT_EQ(l.params[5].shape, (std::vector<int64_t>{53248, 16384}));
   EXPECT_GT(total_numel(l), 405'000'000'000);
   EXPECT_LT(total_numel(l), 406'000'000'000);
-  EXPECT_EQ(model_preset_names().size(), 8u);
+  EXPECT_EQ(model_preset_names().size(), 12u);
 }
 
 TEST(ModelSpecsTest, PresetLookupAndDtype) {
@@ -919,6 +1090,170 @@ TEST(ModelSpecsTest, HfConfigErrorsNameTheProblem) {
   EXPECT_NE(msg(R"({"model_type": "llama", "hidden_size": -4096})").find("got -4096"),
             std::string::npos);
   EXPECT_NE(msg("[1, 2]").find("must be a JSON object"), std::string::npos);
+}
+
+// ---- MoE configs and size limits ---------------------------------------------------------------
+
+std::map<std::string, std::vector<int64_t>> shapes_of(const ModelSpec& m) {
+  std::map<std::string, std::vector<int64_t>> out;
+  for (const auto& p : m.params) out[p.name] = p.shape;
+  return out;
+}
+
+TEST(ModelSpecsTest, HfConfigDeepSeekMlaAndMoe) {
+  // DeepSeek-V2-Lite's config.json (size fields): layer 0 dense, then 64 routed + 2 shared.
+  const std::string v2 = R"({"architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2", "hidden_size": 2048, "num_hidden_layers": 3,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "n_routed_experts": 64, "n_shared_experts": 2,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": null,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 102400,
+    "tie_word_embeddings": false, "torch_dtype": "bfloat16"})";
+  const ModelSpec m = model_from_hf_config(v2, "v2.json");
+  const auto sh = shapes_of(m);
+  using V = std::vector<int64_t>;
+  EXPECT_EQ(sh.at("model.layers.0.self_attn.q_proj.weight"), (V{3072, 2048}));  // 16 x (128+64)
+  EXPECT_EQ(sh.at("model.layers.0.self_attn.kv_a_proj_with_mqa.weight"), (V{576, 2048}));
+  EXPECT_EQ(sh.at("model.layers.0.self_attn.kv_a_layernorm.weight"), (V{512}));
+  EXPECT_EQ(sh.at("model.layers.0.self_attn.kv_b_proj.weight"), (V{4096, 512}));  // 16 x (128+128)
+  EXPECT_EQ(sh.at("model.layers.0.self_attn.o_proj.weight"), (V{2048, 2048}));
+  EXPECT_EQ(sh.at("model.layers.0.mlp.gate_proj.weight"), (V{10944, 2048}));  // dense layer
+  EXPECT_EQ(sh.count("model.layers.0.mlp.experts.0.gate_proj.weight"), 0u);
+  EXPECT_EQ(sh.at("model.layers.1.mlp.experts.63.gate_proj.weight"), (V{1408, 2048}));
+  EXPECT_EQ(sh.at("model.layers.1.mlp.experts.63.down_proj.weight"), (V{2048, 1408}));
+  EXPECT_EQ(sh.at("model.layers.1.mlp.gate.weight"), (V{64, 2048}));
+  EXPECT_EQ(sh.at("model.layers.1.mlp.shared_experts.up_proj.weight"), (V{2816, 2048}));
+  EXPECT_EQ(sh.count("model.layers.1.mlp.gate.e_score_correction_bias"), 0u);  // V3 only
+  EXPECT_EQ(sh.count("model.layers.1.mlp.gate_proj.weight"), 0u);
+  // Module order: attention, experts, router, shared experts, norms.
+  EXPECT_EQ(m.params[1].name, "model.layers.0.self_attn.q_proj.weight");
+  // 1 dense + 2 MoE layers: per MoE layer 64 x 3 + router + 3 shared + 5 attention + 3 norms.
+  EXPECT_EQ(m.params.size(), 1u + (4 + 3 + 3) + 2 * (4 + 192 + 1 + 3 + 3) + 2);
+  EXPECT_EQ(select_muon_params(m).size(), 7u + 2 * (4 + 192 + 1 + 3));
+  // Inferred from architectures; the preset is this config at 27 layers.
+  nlohmann::json j = nlohmann::json::parse(v2);
+  j.erase("model_type");
+  j["num_hidden_layers"] = 27;
+  EXPECT_EQ(model_from_hf_config(j.dump(), "v2").params.size(),
+            model_preset("deepseek-v2-lite").params.size());
+
+  // DeepSeek-V3 style: q LoRA, the router's score-correction bias, MoE every 2nd layer after 1.
+  const ModelSpec v3 = model_from_hf_config(
+      R"({"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 4,
+          "num_attention_heads": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+          "n_routed_experts": 8, "n_shared_experts": 1, "first_k_dense_replace": 1,
+          "moe_layer_freq": 2, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+          "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280})", "v3");
+  const auto s3 = shapes_of(v3);
+  EXPECT_EQ(s3.at("model.layers.0.self_attn.q_a_proj.weight"), (V{1536, 7168}));
+  EXPECT_EQ(s3.at("model.layers.0.self_attn.q_a_layernorm.weight"), (V{1536}));
+  EXPECT_EQ(s3.at("model.layers.0.self_attn.q_b_proj.weight"), (V{24576, 1536}));
+  EXPECT_EQ(s3.count("model.layers.0.self_attn.q_proj.weight"), 0u);
+  EXPECT_EQ(s3.at("model.layers.0.self_attn.o_proj.weight"), (V{7168, 16384}));
+  // layers 0 (< first_k_dense_replace), 1 and 3 (odd: moe_layer_freq 2) are dense, 2 is MoE
+  for (int l : {0, 1, 3})
+    EXPECT_EQ(s3.count("model.layers." + std::to_string(l) + ".mlp.down_proj.weight"), 1u) << l;
+  EXPECT_EQ(s3.at("model.layers.2.mlp.experts.7.up_proj.weight"), (V{2048, 7168}));
+  EXPECT_EQ(s3.at("model.layers.2.mlp.gate.e_score_correction_bias"), (V{8}));
+  EXPECT_EQ(s3.at("model.layers.2.mlp.shared_experts.down_proj.weight"), (V{7168, 2048}));
+}
+
+TEST(ModelSpecsTest, HfConfigQwenMoe) {
+  using V = std::vector<int64_t>;
+  // Qwen1.5-MoE (qwen2_moe): qkv biases, a shared expert with its sigmoid gate, sparse step 2,
+  // mlp_only_layers.
+  const ModelSpec q2 = model_from_hf_config(
+      R"({"architectures": ["Qwen2MoeForCausalLM"], "hidden_size": 2048,
+          "num_hidden_layers": 6, "num_attention_heads": 16, "num_key_value_heads": 16,
+          "intermediate_size": 5632, "moe_intermediate_size": 1408, "num_experts": 60,
+          "shared_expert_intermediate_size": 5632, "decoder_sparse_step": 2,
+          "mlp_only_layers": [3], "vocab_size": 151936})", "q2");
+  const auto s2 = shapes_of(q2);
+  EXPECT_EQ(s2.at("model.layers.0.self_attn.k_proj.bias"), (V{2048}));
+  // sparse: (l + 1) % 2 == 0 and l not in mlp_only_layers -> layers 1 and 5; 3 is dense
+  for (int l : {0, 2, 3, 4})
+    EXPECT_EQ(s2.at("model.layers." + std::to_string(l) + ".mlp.up_proj.weight"), (V{5632, 2048}));
+  EXPECT_EQ(s2.at("model.layers.1.mlp.gate.weight"), (V{60, 2048}));
+  EXPECT_EQ(s2.at("model.layers.5.mlp.experts.59.down_proj.weight"), (V{2048, 1408}));
+  EXPECT_EQ(s2.at("model.layers.1.mlp.shared_expert.gate_proj.weight"), (V{5632, 2048}));
+  EXPECT_EQ(s2.at("model.layers.1.mlp.shared_expert_gate.weight"), (V{1, 2048}));
+  EXPECT_EQ(s2.count("model.layers.3.mlp.gate.weight"), 0u);
+  // Qwen3-MoE: head_dim, per-head q/k norms, no biases, no shared expert.
+  const ModelSpec q3 = model_from_hf_config(
+      R"({"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 2,
+          "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+          "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+          "vocab_size": 151936, "tie_word_embeddings": true})", "q3");
+  const auto s3 = shapes_of(q3);
+  EXPECT_EQ(s3.at("model.layers.0.self_attn.q_proj.weight"), (V{4096, 2048}));
+  EXPECT_EQ(s3.at("model.layers.0.self_attn.k_proj.weight"), (V{512, 2048}));
+  EXPECT_EQ(s3.at("model.layers.0.self_attn.q_norm.weight"), (V{128}));
+  EXPECT_EQ(s3.count("model.layers.0.self_attn.q_proj.bias"), 0u);
+  EXPECT_EQ(s3.at("model.layers.1.mlp.experts.127.gate_proj.weight"), (V{768, 2048}));
+  EXPECT_EQ(s3.count("model.layers.1.mlp.shared_expert.gate_proj.weight"), 0u);
+  EXPECT_EQ(s3.count("lm_head.weight"), 0u);
+  // 2 x (4 attention + 2 qk norms + router + 128 x 3 + 2 norms) + embed + norm
+  EXPECT_EQ(q3.params.size(), 2u * (4 + 2 + 1 + 384 + 2) + 2);
+  // num_experts 0: a dense Qwen3-MoE config.
+  const ModelSpec dense = model_from_hf_config(
+      R"({"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 1,
+          "num_attention_heads": 4, "intermediate_size": 128, "num_experts": 0,
+          "vocab_size": 100})", "dense");
+  EXPECT_EQ(shapes_of(dense).at("model.layers.0.mlp.gate_proj.weight"), (V{128, 64}));
+}
+
+TEST(ModelSpecsTest, ConfigSizesAboveSaneLimitsFailFastNamingTheField) {
+  auto msg = [](const std::string& text) {
+    try {
+      model_from_hf_config(text, "cfg.json");
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no throw");
+  };
+  const std::string llama = R"({"model_type": "llama", "hidden_size": 4096,
+    "num_attention_heads": 32, "intermediate_size": 14336, "vocab_size": 128256, )";
+  const std::string deep = msg(llama + R"("num_hidden_layers": 100000000})");
+  EXPECT_NE(deep.find("field 'num_hidden_layers' is 100000000, above the limit of 10000 layers"),
+            std::string::npos) << deep;
+  EXPECT_NE(deep.find("check the value"), std::string::npos) << deep;
+  EXPECT_NE(msg(R"({"model_type": "llama", "hidden_size": 4194304, "num_hidden_layers": 1,
+                    "num_attention_heads": 32, "intermediate_size": 14336, "vocab_size": 10})")
+                .find("field 'hidden_size' is 4194304, above the limit of 1048576"),
+            std::string::npos);
+  EXPECT_NE(msg(R"({"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 1,
+                    "num_attention_heads": 32, "moe_intermediate_size": 768,
+                    "num_experts": 1000000, "vocab_size": 10})")
+                .find("field 'num_experts' is 1000000, above the limit of 65536 experts"),
+            std::string::npos);
+  EXPECT_NE(msg(llama + R"("num_hidden_layers": 18446744073709551615})")
+                .find("'num_hidden_layers' is 18446744073709551615, above the limit"),
+            std::string::npos);
+  // Each size within its limit, but together too many tensors: caught before building.
+  const std::string many = msg(R"({"model_type": "deepseek_v2", "hidden_size": 64,
+    "num_hidden_layers": 10000, "num_attention_heads": 4, "moe_intermediate_size": 32,
+    "n_routed_experts": 65536, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+    "v_head_dim": 8, "vocab_size": 100})");
+  EXPECT_NE(many.find("10000 layers x"), std::string::npos) << many;
+  EXPECT_NE(many.find("above the limit of 2000000 tensors"), std::string::npos) << many;
+  EXPECT_NE(many.find("reduce 'num_hidden_layers' (10000) or the expert count (65536)"),
+            std::string::npos) << many;
+  // ... or too many elements.
+  const std::string big = msg(R"({"model_type": "llama", "hidden_size": 1048576,
+    "num_hidden_layers": 10000, "num_attention_heads": 1024, "intermediate_size": 1048576,
+    "vocab_size": 1048576})");
+  EXPECT_NE(big.find("more than 1000000000000000 elements"), std::string::npos) << big;
+  // The planner's own limits on parameter lists.
+  std::string list = "[";
+  for (int i = 0; i < 3; ++i) list += std::string(i ? "," : "") + R"({"name": "w)" +
+                                      std::to_string(i) + R"(", "shape": [1048576, 1048576, 1024]})";
+  list += "]";
+  try {
+    model_from_params_json(list, "p.json");
+    ADD_FAILURE() << "no throw";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("elements in total"), std::string::npos) << e.what();
+  }
 }
 
 TEST(ModelSpecsTest, ParamsJson) {

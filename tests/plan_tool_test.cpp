@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -246,6 +247,84 @@ TEST_F(PlanToolTest, BadInputIsOneLineErrorNeverACrash) {
   ExpectOneLineError(run({"--hf-config", write("neg_cfg.json",
                                                R"({"model_type": "llama", "hidden_size": 0})")}),
                      "'hidden_size' must be a positive integer, got 0");
+}
+
+TEST_F(PlanToolTest, MoeHfConfigReportsImbalanceAgainstSingleMatrices) {
+  // DeepSeek-V2-Lite's config.json (the size fields): 27 layers, 64 routed experts [1408, 2048].
+  const std::string cfg = write("dsv2.json", R"({
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "hidden_size": 2048, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "n_routed_experts": 64, "n_shared_experts": 2, "first_k_dense_replace": 1,
+    "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": null, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 102400,
+    "tie_word_embeddings": false, "torch_dtype": "bfloat16"})");
+  const Result r = run({"--hf-config", cfg, "-G", "64", "--json"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const json j = json::parse(r.out);
+  EXPECT_EQ(j["params"].size(), 5207u);
+  EXPECT_EQ(j["params"][4]["name"], "model.layers.0.mlp.gate_proj.weight");  // after 4 MLA mats
+  // Packing every layer into one unit made this 2.3x the per-matrix plan while reporting 1.000.
+  const double makespan = j["makespan"].get<double>(), total = j["total_cost"].get<double>();
+  EXPECT_DOUBLE_EQ(j["lower_bound"].get<double>(),
+                   std::max(total / 64, j["largest_param_cost"].get<double>()));
+  EXPECT_NEAR(j["imbalance"].get<double>(), makespan / (total / 64), 1e-12);
+  EXPECT_LE(j["imbalance"].get<double>(), 1.011);
+  const json& pk = j["packing"];
+  EXPECT_EQ(pk["mode"], "capped");
+  EXPECT_GT(pk["packed_units"].get<int>(), 0);
+  EXPECT_LE(makespan, 1.01 * pk["per_matrix_makespan"].get<double>());
+  PlanOptions off;
+  off.pack_small_params = false;
+  const auto params = select_muon_params(load_hf_config(cfg));
+  EXPECT_DOUBLE_EQ(pk["per_matrix_makespan"].get<double>(),
+                   plan_owners(params, 64, 1, off).makespan);
+  // The text report says the same, against single matrices.
+  const Result t = run({"--hf-config", cfg, "-G", "64"});
+  ASSERT_EQ(t.rc, 0) << t.err;
+  for (const char* s : {"= max(total/slots, largest matrix)", "imbalance = makespan / lower bound = 1.01",
+                        "packing 521 packed units", "makespan / per-matrix plan's = 1.0065"})
+    EXPECT_NE(t.out.find(s), std::string::npos) << "missing '" << s << "' in:\n" << t.out;
+  // The MoE presets are listed and plan.
+  const Result l = run({"--list-models"});
+  for (const char* name : {"deepseek-v2-lite", "deepseek-v3", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b"})
+    EXPECT_NE(l.out.find(name), std::string::npos) << name;
+  const Result q = run({"qwen3-30b-a3b", "-G", "16", "--json"});
+  ASSERT_EQ(q.rc, 0) << q.err;
+  EXPECT_LE(json::parse(q.out)["imbalance"].get<double>(), 1.001);
+  // Packing off: every matrix its own unit, and the report says so.
+  const Result o = run({"--hf-config", cfg, "-G", "64", "--pack-small-params", "false"});
+  EXPECT_NE(o.out.find("packing off"), std::string::npos) << o.out;
+}
+
+TEST_F(PlanToolTest, HugeSizesAreAClearErrorBeforePlanning) {
+  // 100,000,000 layers used to build 900 million parameters and plan on without end.
+  const std::string cfg = write("deep.json", R"({"model_type": "llama", "hidden_size": 4096,
+    "num_hidden_layers": 100000000, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "intermediate_size": 14336, "vocab_size": 128256})");
+  const auto t0 = std::chrono::steady_clock::now();
+  const Result r = run({"--hf-config", cfg});
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ExpectOneLineError(r, "field 'num_hidden_layers' is 100000000, above the limit of 10000 layers");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_NE(r.err.find("deep.json"), std::string::npos) << r.err;       // where
+  EXPECT_NE(r.err.find("would not fit in memory"), std::string::npos);  // why
+  EXPECT_NE(r.err.find("check the value"), std::string::npos);          // how to fix
+  EXPECT_LT(s, 1.0);
+  // Experts and widths have limits too; so has the product of sane-looking sizes.
+  ExpectOneLineError(run({"--hf-config", write("wide.json", R"({"model_type": "qwen3_moe",
+    "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "moe_intermediate_size": 768, "num_experts": 5000000, "vocab_size": 151936})")}),
+                     "field 'num_experts' is 5000000, above the limit of 65536 experts");
+  ExpectOneLineError(run({"--hf-config", write("many.json", R"({"model_type": "mixtral",
+    "hidden_size": 64, "num_hidden_layers": 10000, "num_attention_heads": 4,
+    "intermediate_size": 64, "num_local_experts": 60000, "vocab_size": 100})")}),
+                     "above the limit of 2000000 tensors");
+  // World size: checked before the model is even loaded.
+  ExpectOneLineError(run({"llama3-8b", "--shard", "2097152"}),
+                     "2097152 owner slots, above the limit of 1048576");
+  ExpectOneLineError(run({"--hf-config", cfg, "--shard", "1024", "--replicate", "4096"}),
+                     "4194304 owner slots, above the limit of 1048576");
 }
 
 TEST_F(PlanToolTest, EmptySelectionStillPlans) {

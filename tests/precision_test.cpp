@@ -58,13 +58,16 @@ void check_bf16_run(const MpConfig& mc) {
   testing::TrainConfig tc;
   tc.steps = 4;
   const GPTConfig cfg = testing::small_config(2);
-  const auto init = testing::init_state(cfg, 1234);
+  const auto init = testing::init_state(cfg, 1234, at::kFloat);  // bf16 vs the fp32 reference
   const int64_t global_batch = 12, seq = 12;
   const auto batches = testing::make_batches(tc.steps, global_batch, seq, cfg.vocab_size, 99);
   const auto ref = testing::reference_train(cfg, init, batches, tc);
-  // bf16 activations and weights: the masters stay within a few percent of the fp32 run (measured
-  // about 0.5-1%; an fp32-free pipeline or a lost master would be far off after 4 steps).
-  const double tol = 4e-2;
+  // bf16 activations and weights: the masters stay within a few percent of the fp32 run. Measured
+  // worst drift: 1.4-1.8e-2 where LibTorch's CPU bf16 GEMM accumulates in fp32 (oneDNN, AVX-512
+  // CPUs), 3.3-3.9e-2 where its fallback GEMM accumulates in bf16 (AVX2 CPUs); the bound leaves 2.5x
+  // above the worst. A lost master or an fp32-free pipeline is caught by
+  // SmallUpdatesAccumulateInTheMasterAndVanishWithout (error >= 0.92 there).
+  const double tol = 1e-1;
   std::mutex mu;
   double worst = 0;
   int checked_owned = 0;
@@ -221,7 +224,7 @@ TEST(PrecisionTest, SmallUpdatesAccumulateInTheMasterAndVanishWithout) {
   tc.lr = 1e-4;
   tc.adamw_lr = 1e-5;
   const GPTConfig cfg = testing::small_config(2);
-  const auto init = testing::init_state(cfg, 1234);
+  const auto init = testing::init_state(cfg, 1234, at::kFloat);  // bf16 vs the fp32 reference
   const auto batches = testing::make_batches(tc.steps, 8, 12, cfg.vocab_size, 5);
   const auto ref = testing::reference_train(cfg, init, batches, tc);
   for (const bool fp32_master : {true, false}) {
@@ -253,8 +256,11 @@ TEST(PrecisionTest, SmallUpdatesAccumulateInTheMasterAndVanishWithout) {
     });
     if (getenv("DMUON_TEST_VERBOSE"))
       fprintf(stderr, "fp32 master %d: update error %.3e .. %.3e\n", fp32_master, best, worst);
+    // Measured worst case with an fp32 master: 0.05 where LibTorch's CPU bf16 GEMM accumulates in fp32
+    // (oneDNN, AVX-512 CPUs), 0.136 where its fallback GEMM accumulates in bf16 (AVX2 CPUs); without a
+    // master >= 0.92 everywhere. The bound 0.3 separates the two with 2x margin on each side.
     if (fp32_master)
-      EXPECT_LT(worst, 0.1) << "with an fp32 master the small updates must add up as in the fp32 run";
+      EXPECT_LT(worst, 0.3) << "with an fp32 master the small updates must add up as in the fp32 run";
     else
       EXPECT_GT(best, 0.5) << "without a master, bf16 rounding should swallow updates below half an ulp";
   }

@@ -22,6 +22,8 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <map>
 #include <optional>
 #include <string>
@@ -70,14 +72,27 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
 // sharded_adamw), step counts and the groups' hyperparameters (learning rates included).
 void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const OptimizerStateDict& state_dict);
 
-// One file (a torch::serialize archive): written to a temporary name in the same directory,
-// flushed to disk, then renamed over `path`, so a crash never leaves a partial checkpoint.
+// One file: written to a temporary name in the same directory, flushed to disk, then renamed over
+// `path`, so a crash never leaves a partial checkpoint. Format version 2: a 32-byte header (magic
+// "DMUONCKP", the version, the archive's length and CRC32C, the header's own CRC32C), then a
+// torch::serialize archive whose "checksums" entry holds a CRC32C for every tensor (over its
+// dtype, shape and contiguous bytes, as written) and one for the optimizer metadata (param_groups'
+// names, flags and hyperparameters, steps_taken).
 void save_checkpoint(const std::string& path, const TensorDict& model, const OptimizerStateDict* optimizer = nullptr);
 
 struct Checkpoint {
   TensorDict model;
   std::optional<OptimizerStateDict> optim;
 };
+// Every rank may call it; it changes nothing and returns the file's contents only when they are
+// intact: the whole archive and every tensor and the metadata are checked against their
+// checksums. A damaged file is an error naming the file and the damaged tensor or section (the
+// archive's structure when it is elsewhere); so are a truncated, empty or foreign file and a
+// format-1 checkpoint (written before checksums, refused because it cannot be verified).
 Checkpoint load_checkpoint(const std::string& path);
+
+// CRC32C (Castagnoli) of n bytes, continuing from `crc` (0 to start): the checksum of checkpoint
+// files, table-driven, 8 bytes per step.
+uint32_t checkpoint_crc32c(const void* data, size_t n, uint32_t crc = 0);
 
 }  // namespace dmuon

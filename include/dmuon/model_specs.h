@@ -28,7 +28,9 @@ int64_t dtype_bytes(const std::string& dtype);
 
 // ---- presets --------------------------------------------------------------------------------
 // Canonical names: gpt2-small, gpt2-xl, llama3-8b, llama3-70b, llama3-405b, qwen2.5-7b,
-// mixtral-8x7b (per-expert w1/w2/w3 matrices), vit-l16 (timm naming, `blocks.N`).
+// mixtral-8x7b (per-expert w1/w2/w3 matrices), deepseek-v2-lite, deepseek-v3, qwen1.5-moe-a2.7b,
+// qwen3-30b-a3b (MoE: the size fields of the published config.json files, per-expert
+// gate/up/down matrices), vit-l16 (timm naming, `blocks.N`).
 std::vector<std::string> model_preset_names();
 struct ModelPresetInfo {
   std::string name;
@@ -40,9 +42,15 @@ std::vector<ModelPresetInfo> model_preset_infos();
 ModelSpec model_preset(const std::string& name, const std::string& dtype = "bf16");
 
 // ---- Hugging Face config.json ---------------------------------------------------------------
-// model_type llama / mistral / qwen2 / mixtral / gpt2 -> the parameter names and shapes that
-// transformers' implementation creates (tied embeddings drop lm_head.weight). `dtype` empty means
-// the config's torch_dtype, else bf16. `source` names the input in error messages.
+// model_type llama / mistral / qwen2 / qwen3 / mixtral / qwen2_moe / qwen3_moe / deepseek_v2 /
+// deepseek_v3 / gpt2 -> the parameter names and shapes that transformers' implementation creates
+// (tied embeddings drop lm_head.weight). MoE: each expert's matrices (model.layers.N.mlp.experts.E.
+// {gate,up,down}_proj.weight; Mixtral block_sparse_moe.experts.E.w1/w2/w3), the router, shared
+// experts, and the dense layers the config names (first_k_dense_replace, moe_layer_freq,
+// decoder_sparse_step, mlp_only_layers); DeepSeek's multi-head latent attention (q/kv LoRA).
+// Sizes are checked against sane limits before anything is built (layers <= 10,000, experts <=
+// 65,536, other sizes <= 2^20, <= 2,000,000 tensors and 1e15 elements): the error names the field.
+// `dtype` empty means the config's torch_dtype, else bf16. `source` names the input in errors.
 ModelSpec model_from_hf_config(const std::string& json_text, const std::string& source,
                                const std::string& dtype = "");
 ModelSpec load_hf_config(const std::string& path, const std::string& dtype = "");

@@ -154,7 +154,9 @@ class NewtonSchulz {
   // The kernel this object will use on `device` ("cublas" or "syrk"), after auto/env resolution.
   std::string resolved_kernel(c10::DeviceType device = c10::DeviceType::CPU) const;
   const NsOptions& options() const { return opts_; }
-  std::string describe() const;  // one line, e.g. "Gram NS · kernel=cublas (CPU, plain GEMM)"
+  // One line naming what runs on `device`, e.g. "Gram NS · kernel=cpu-gemm" on the CPU,
+  // "Gram NS · kernel=cublas" on CUDA.
+  std::string describe(c10::DeviceType device = c10::DeviceType::CPU) const;
 
  private:
   std::string backend_;
@@ -173,7 +175,7 @@ struct BackendStatus {
   std::string env_override;        // value of DMUON_NS_KERNEL ("" when unset)
 };
 BackendStatus get_backend_status();
-// "Gram NS · kernel=<name> (<SMxx|CPU>, <detail>)"
+// "Gram NS · kernel=<what runs: cublas | cublas-syrk | cpu-gemm | cpu-blas-syrk> (<SMxx|CPU>, <detail>)"
 std::string get_ns_backend();
 
 }  // namespace dmuon

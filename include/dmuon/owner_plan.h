@@ -56,6 +56,15 @@ struct PlanOptions {
 //                                              by bytes, so publish bytes spread too)
 //   "numel":     m*n
 //
+// Packing (pack_small_params, default on): a group's parameters with numel < pack_threshold_numel
+// share allocation units. Packing never costs more than 1% of makespan: plan_owners computes the
+// per-matrix plan (no packing) and returns the first packed variant whose makespan is within 1%
+// of it (or of lower_bound, which needs no per-matrix plan), trying the seed's packing (one unit
+// per group's small parameters) first, then units capped at L/k for k = 1, 1.5, 2, 3, ..., 64
+// (L = max(total / slots, largest parameter); a group's small parameters cut into consecutive
+// runs of about equal cost); when none fits, the per-matrix plan. OwnerPlan::pack_cap says which
+// variant was kept.
+//
 // Strategy "lpt" (default): units in decreasing cost (ties: first parameter index), each to the
 // eligible slot with the least cost (ties: fewer bytes, then lower slot index). Eligible: the
 // slot holds fewer than ceil(u / min(S, cap)) units of the unit's group (u = units in the group,
@@ -125,7 +134,9 @@ struct OwnerPlan {
   std::vector<AllocationUnit> units;
   std::vector<SlotLoad> slots;       // G*R entries, index = replicate * G + shard
   double makespan = 0;               // max slot cost
-  double lower_bound = 0;            // max(total / slots, largest unit)
+  // max(total / slots, largest single parameter's cost): a bound on every plan of these
+  // parameters, packed or not (a packed unit above total / slots raises imbalance()).
+  double lower_bound = 0;
   std::vector<std::string> violations;  // constraints that could not be met, one sentence each
   uint64_t fingerprint = 0;          // stable 64-bit hash of inputs + assignment
 
@@ -149,6 +160,17 @@ struct OwnerPlan {
   }
   // Index of each parameter's allocation unit in `units`, per input parameter.
   std::vector<int> unit_of_param;
+
+  // Packing (see plan_owners). per_matrix_makespan: the makespan of the plan with every parameter
+  // its own unit, which this plan's makespan never exceeds by more than 1%; 0 when it was not
+  // computed because this plan is within 1% of lower_bound (so within 1% of every plan). pack_cap:
+  // the cost cap on a packed unit in this plan; 0 = no packing (pack_small_params off, or packing
+  // would have cost more than 1%), +infinity = uncapped (one unit per group's small parameters).
+  // packed_units: units holding more than one parameter.
+  double per_matrix_makespan = 0;
+  double pack_cap = 0;
+  int packed_units = 0;
+  double largest_param_cost = 0;     // the largest single parameter's cost
 };
 
 // The assignment group of a parameter: its group_key, else layer_key_of(name), else its own name.

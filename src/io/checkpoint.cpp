@@ -3,10 +3,15 @@
 
 #include <c10/util/Exception.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <torch/serialize/archive.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
+#include <iomanip>
 #include <set>
 #include <sstream>
 
@@ -16,7 +21,6 @@ namespace dmuon {
 
 namespace {
 
-constexpr const char* kFormat = "dmuon-checkpoint-v1";
 
 std::shared_ptr<DedicatedState> drained_state(torch::nn::Module& model, const char* fn) {
   auto st = detail::require_state(model, fn);
@@ -322,125 +326,6 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
     ps.step(sd.adamw.at(name + ".step").item<int64_t>());
   }
   optimizer.set_steps_taken(sd.steps_taken);
-}
-
-// ---- files ---------------------------------------------------------------------------------------
-namespace {
-c10::Dict<std::string, at::Tensor> to_dict(const TensorDict& d) {
-  c10::Dict<std::string, at::Tensor> out;
-  for (const auto& [k, v] : d) out.insert(k, v.detach().cpu());
-  return out;
-}
-TensorDict from_ivalue(const c10::IValue& v) {
-  TensorDict out;
-  for (const auto& it : v.toGenericDict()) out[it.key().toStringRef()] = it.value().toTensor();
-  return out;
-}
-void fsync_path(const std::string& path, bool directory) {
-  const int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
-  if (fd < 0) return;  // a directory that cannot be opened: the rename is still atomic
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  if (!directory && rc != 0) throw std::runtime_error("fsync failed (is the disk full?)");
-}
-}  // namespace
-
-void save_checkpoint(const std::string& path, const TensorDict& model, const OptimizerStateDict* optim) {
-  namespace fs = std::filesystem;
-  torch::serialize::OutputArchive ar;
-  ar.write("format", c10::IValue(std::string(kFormat)));
-  ar.write("model", c10::IValue(to_dict(model)));
-  if (optim) {
-    ar.write("optim_muon", c10::IValue(to_dict(optim->muon)));
-    ar.write("optim_adamw", c10::IValue(to_dict(optim->adamw)));
-    c10::List<std::string> names;
-    c10::List<bool> is_muon, nesterov;
-    at::Tensor hp = at::empty({static_cast<int64_t>(optim->param_groups.size()), 7}, at::kDouble);
-    for (size_t i = 0; i < optim->param_groups.size(); ++i) {
-      const auto& gs = optim->param_groups[i];
-      names.push_back(gs.name);
-      is_muon.push_back(gs.is_muon);
-      nesterov.push_back(gs.nesterov);
-      const double row[7] = {gs.lr, gs.momentum, gs.weight_decay, gs.beta1, gs.beta2, gs.eps,
-                             static_cast<double>(gs.ns_steps)};
-      for (int64_t c = 0; c < 7; ++c) hp[static_cast<int64_t>(i)][c] = row[c];
-    }
-    ar.write("optim_group_names", c10::IValue(names));
-    ar.write("optim_group_is_muon", c10::IValue(is_muon));
-    ar.write("optim_group_nesterov", c10::IValue(nesterov));
-    ar.write("optim_group_hparams", c10::IValue(hp));
-    ar.write("optim_steps_taken", c10::IValue(optim->steps_taken));
-  }
-  const fs::path target(path);
-  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  TORCH_CHECK(fs::is_directory(dir), "save_checkpoint: the directory of '", path, "' does not exist; create it first.");
-  std::string tmp_name = target.filename().string();
-  tmp_name.insert(0, 1, '.');
-  tmp_name.append(".tmp-").append(std::to_string(::getpid()));
-  const fs::path tmp = dir / tmp_name;
-  try {
-    ar.save_to(tmp.string());
-    fsync_path(tmp.string(), false);
-    fs::rename(tmp, target);  // atomic within one file system
-    fsync_path(dir.string(), true);
-  } catch (const std::exception& e) {
-    std::error_code ec;
-    fs::remove(tmp, ec);
-    TORCH_CHECK(false, "save_checkpoint: writing '", path, "' failed: ", e.what(), " (nothing was replaced).");
-  }
-}
-
-Checkpoint load_checkpoint(const std::string& path) {
-  TORCH_CHECK(std::filesystem::is_regular_file(path), "load_checkpoint: '", path, "' does not exist or is not a file.");
-  torch::serialize::InputArchive ar;
-  try {
-    ar.load_from(path);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "load_checkpoint: '", path, "' is not a readable checkpoint: ", e.what());
-  }
-  c10::IValue v;
-  TORCH_CHECK(ar.try_read("format", v) && v.isString() && v.toStringRef() == kFormat, "load_checkpoint: '", path,
-              "' is not a dmuon checkpoint (", kFormat, "); write it with dmuon::save_checkpoint.");
-  Checkpoint ck;
-  ar.read("model", v);
-  ck.model = from_ivalue(v);
-  if (ar.try_read("optim_muon", v)) try {
-    OptimizerStateDict o;
-    o.muon = from_ivalue(v);
-    ar.read("optim_adamw", v);
-    o.adamw = from_ivalue(v);
-    c10::IValue names, is_muon, nesterov, hp, steps;
-    ar.read("optim_group_names", names);
-    ar.read("optim_group_is_muon", is_muon);
-    ar.read("optim_group_nesterov", nesterov);
-    ar.read("optim_group_hparams", hp);
-    ar.read("optim_steps_taken", steps);
-    const auto nl = names.toList(), ml = is_muon.toList(), nv = nesterov.toList();
-    const at::Tensor h = hp.toTensor();
-    for (size_t i = 0; i < nl.size(); ++i) {
-      const auto r = static_cast<int64_t>(i);
-      OptimizerGroupState gs;
-      gs.name = nl.get(i).toStringRef();
-      gs.is_muon = ml.get(i).toBool();
-      gs.nesterov = nv.get(i).toBool();
-      gs.lr = h[r][0].item<double>();
-      gs.momentum = h[r][1].item<double>();
-      gs.weight_decay = h[r][2].item<double>();
-      gs.beta1 = h[r][3].item<double>();
-      gs.beta2 = h[r][4].item<double>();
-      gs.eps = h[r][5].item<double>();
-      gs.ns_steps = static_cast<int64_t>(h[r][6].item<double>());
-      o.param_groups.push_back(gs);
-    }
-    TORCH_CHECK(ml.size() == nl.size() && nv.size() == nl.size() && h.size(0) == static_cast<int64_t>(nl.size()),
-                "the parameter group lists differ in length");
-    o.steps_taken = steps.toInt();
-    ck.optim = std::move(o);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "load_checkpoint: '", path, "' has incomplete optimizer state (", e.what(),
-                "); was it written by dmuon::save_checkpoint?");
-  }
-  return ck;
 }
 
 }  // namespace dmuon

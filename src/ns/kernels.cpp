@@ -23,9 +23,26 @@ void dsyrk_(const char* uplo, const char* trans, const int* n, const int* k, con
 
 namespace dmuon::detail::kernels {
 
-at::Tensor mm(const at::Tensor& A, const at::Tensor& B) { return A.dim() == 2 ? at::mm(A, B) : at::bmm(A, B); }
+namespace {
+// 16-bit GEMMs on the CPU: LibTorch's CPU fallback GEMM (used where oneDNN has no bf16/fp16 path,
+// e.g. CPUs without AVX-512) accumulates some layouts in the 16-bit type, 6x less accurate than
+// with fp32 accumulation and amplified by NS (measured: bf16 direct NS 0.63 relative error against
+// float64 on an AVX2 EPYC, 0.010 with fp32 accumulation). So the CPU computes them the way GPU tensor
+// cores do: 16-bit inputs, fp32 accumulation, the result rounded to the 16-bit type. Same numbers on
+// every CPU; on CUDA the native kernels already accumulate in fp32.
+bool widen_on_cpu(const at::Tensor& A) {
+  return !A.is_cuda() && (A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf);
+}
+}  // namespace
+
+at::Tensor mm(const at::Tensor& A, const at::Tensor& B) {
+  if (widen_on_cpu(A)) return kernels::mm(A.to(at::kFloat), B.to(at::kFloat)).to(A.scalar_type());
+  return A.dim() == 2 ? at::mm(A, B) : at::bmm(A, B);
+}
 
 at::Tensor addmm(const at::Tensor& C, const at::Tensor& A, const at::Tensor& B, double beta, double alpha) {
+  if (widen_on_cpu(A))
+    return kernels::addmm(C.to(at::kFloat), A.to(at::kFloat), B.to(at::kFloat), beta, alpha).to(A.scalar_type());
   return A.dim() == 2 ? at::addmm(C, A, B, beta, alpha) : at::baddbmm(C, A, B, beta, alpha);
 }
 
@@ -122,6 +139,12 @@ std::string resolve_kernel_for(const std::string& requested, c10::DeviceType dev
   return "cublas";
 }
 
+std::string kernel_label(const std::string& kernel, c10::DeviceType device) {
+  const bool cuda = device == c10::DeviceType::CUDA;
+  if (kernel == "syrk") return cuda ? "cublas-syrk" : "cpu-blas-syrk";
+  return cuda ? "cublas" : "cpu-gemm";  // "cublas" is the seed's name for the plain-GEMM path
+}
+
 std::string resolve_kernel(const std::string& requested, const at::Tensor& X) {
   std::string k = resolve_kernel_for(requested, X.device().type());
   if (k == "syrk" && !syrk_supports(X)) k = "cublas";
@@ -154,7 +177,9 @@ BackendStatus get_backend_status() {
 std::string get_ns_backend() {
   const BackendStatus s = get_backend_status();
   std::ostringstream o;
-  o << "Gram NS · kernel=" << s.auto_choice << " (";
+  o << "Gram NS · kernel="
+    << detail::kernels::kernel_label(s.auto_choice, s.cuda_available ? c10::DeviceType::CUDA : c10::DeviceType::CPU)
+    << " (";
   if (s.sm_version > 0)
     o << "SM" << s.sm_version;
   else

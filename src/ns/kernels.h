@@ -46,6 +46,9 @@ at::Tensor addmm(const at::Tensor& C, const at::Tensor& A, const at::Tensor& B, 
 // X X^T; kernel "syrk" uses a symmetric rank-k update where available (exactly symmetric result).
 at::Tensor gram(const at::Tensor& X, const std::string& kernel);
 void validate_kernel_name(const std::string& kernel, const char* who);
+// The name of what a resolved kernel ("cublas" | "syrk") runs on `device`: "cublas" /
+// "cublas-syrk" on CUDA, "cpu-gemm" / "cpu-blas-syrk" on the CPU.
+std::string kernel_label(const std::string& kernel, c10::DeviceType device);
 // "auto" -> DMUON_NS_KERNEL or the platform choice; the result is "cublas" or "syrk", and "syrk"
 // falls back to "cublas" for tensors it cannot handle (half dtypes, batches, no BLAS).
 std::string resolve_kernel(const std::string& requested, const at::Tensor& X);

@@ -338,9 +338,10 @@ std::string NewtonSchulz::resolved_kernel(c10::DeviceType device) const {
   return detail::kernels::resolve_kernel_for(opts_.kernel, device);
 }
 
-std::string NewtonSchulz::describe() const {
+std::string NewtonSchulz::describe(c10::DeviceType device) const {
   std::ostringstream s;
-  s << (backend_ == "gram" ? "Gram NS" : "Direct NS") << " · kernel=" << resolved_kernel();
+  s << (backend_ == "gram" ? "Gram NS" : "Direct NS")
+    << " · kernel=" << detail::kernels::kernel_label(resolved_kernel(device), device);
   return s.str();
 }
 

@@ -133,6 +133,30 @@ std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_pt
   return groups;
 }
 
+// On several ranks every trainable parameter must have a distributed route: dedicated (Muon),
+// sharded_adamw, or replicated by dmuon::replicate. Otherwise each rank would update it with its own
+// local gradient and the replicas would drift apart silently.
+void require_replicated(const torch::nn::Module& model, const DedicatedState& state) {
+  if (state.mesh->world_size() == 1) return;
+  std::set<const c10::TensorImpl*> covered;
+  for (const auto& e : state.params) covered.insert(e.param.unsafeGetTensorImpl());
+  for (const auto& e : state.sharded) covered.insert(e.param.unsafeGetTensorImpl());
+  if (state.replicated)
+    for (const auto& p : state.replicated->params) covered.insert(p.unsafeGetTensorImpl());
+  std::vector<std::string> missing;
+  for (const auto& item : model.named_parameters(true))
+    if (item.value().requires_grad() && !covered.count(item.value().unsafeGetTensorImpl())) missing.push_back(item.key());
+  if (missing.empty()) return;
+  std::ostringstream names;
+  for (size_t i = 0; i < missing.size() && i < 8; ++i) names << (i ? ", " : "") << "'" << missing[i] << "'";
+  if (missing.size() > 8) names << " and " << missing.size() - 8 << " more";
+  TORCH_CHECK(false, "rank ", state.mesh->global_rank(), ": Muon: ", missing.size(), " trainable parameter(s) ",
+              "have no distributed route on this ", state.mesh->world_size(), "-rank mesh: ", names.str(),
+              ". Each rank would update them with its own local gradient and the replicas would drift apart. "
+              "Call dmuon::replicate(model, mesh) after dedicate_params (or route them to sharded_adamw, or "
+              "freeze them with requires_grad(false)) before constructing Muon.");
+}
+
 double elapsed_ms(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -145,6 +169,7 @@ Muon::Muon(const std::shared_ptr<torch::nn::Module>& model, MuonOptions options)
       options_(std::move(options)),
       ns_(options_.ns ? *options_.ns : NewtonSchulz(options_.ns_backend)) {
   auto state = detail::state_of_model(model.get());
+  require_replicated(*model, *state);
   for (const auto& e : state->params) owned_[e.param.unsafeGetTensorImpl()] = e.is_owner;
   for (size_t i = 0; i < state->sharded.size(); ++i)
     sharded_[state->sharded[i].param.unsafeGetTensorImpl()] = static_cast<int>(i);
@@ -246,7 +271,7 @@ at::Tensor Muon::step(LossClosure closure) {
         muon_update(p, m == state->masters.end() ? at::Tensor() : m->second, state->precision_of(p).optim, o, prof);
         if (log_first && progress_logged_ < options_.first_step_progress_log_limit) {
           ++progress_logged_;
-          std::cerr << "[dmuon] rank " << state->mesh->global_rank() << ": first step: " << ns_.describe() << " on "
+          std::cerr << "[dmuon] rank " << state->mesh->global_rank() << ": first step: " << ns_.describe(p.device().type()) << " on "
                     << p.size(0) << "x" << p.size(1) << " took " << elapsed_ms(tp) << " ms\n";
         }
       } else {
@@ -271,11 +296,17 @@ at::Tensor Muon::step(LossClosure closure) {
 }
 
 void Muon::zero_grad(bool set_to_none) {
+  // Gradients dmuon already holds (reduced sums of owned matrices, replicated buckets, sharded
+  // slices) are discarded too, so zero_grad between a backward and step() drops that backward.
+  if (auto model = model_.lock())
+    if (auto state = detail::state_of_model(model.get())) state->discard_grads();
   for (auto& group : param_groups_)
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       if (set_to_none) {
         p.mutable_grad() = at::Tensor();
+      } else if (p.grad().is_view()) {  // a view into dmuon's reduced buffer: zeros of its own
+        p.mutable_grad() = at::zeros_like(p.grad());
       } else {
         p.mutable_grad().detach_();
         p.mutable_grad().zero_();

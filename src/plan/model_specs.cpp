@@ -49,16 +49,76 @@ json parse_json(const std::string& text, const std::string& source) {
   }
 }
 
+// ---- size limits ----------------------------------------------------------------------------
+// A config is read before anything is built, and every size is checked against a limit far above
+// any published model, so a typo (num_hidden_layers 100000000) is a clear error in microseconds
+// instead of a parameter list that fills the memory and a planner that never finishes.
+constexpr int64_t kMaxLayers = 10'000;               // published models: <= ~130
+constexpr int64_t kMaxWidth = int64_t{1} << 20;      // hidden/intermediate/vocab/heads/ranks
+constexpr int64_t kMaxExperts = 65'536;              // published models: <= 384 routed experts
+constexpr int64_t kMaxTensors = 2'000'000;           // parameter tensors in one model
+constexpr int64_t kMaxElements = 1'000'000'000'000'000;  // 1e15: > 1000x the largest published
+
+std::string limit_msg(const std::string& src, const std::string& key, int64_t v, int64_t limit,
+                      const std::string& what) {
+  return src + ": field '" + key + "' is " + std::to_string(v) + ", above the limit of " +
+         std::to_string(limit) + (what.empty() ? "" : " " + what) + ": no real model is that large and its parameter "
+         "list would not fit in memory or plan in reasonable time; check the value (a typo, or "
+         "the wrong field?) or plan a smaller stand-in model";
+}
+
+// The limit of a size field by its meaning: layers, experts, or a width (everything else).
+int64_t limit_of(const std::string& key, std::string* what) {
+  if (key == "num_hidden_layers" || key == "n_layer") {
+    *what = "layers";
+    return kMaxLayers;
+  }
+  if (key == "num_local_experts" || key == "num_experts" || key == "n_routed_experts" ||
+      key == "n_shared_experts") {
+    *what = "experts";
+    return kMaxExperts;
+  }
+  *what = "";  // a width: hidden, intermediate, vocab, heads, head dims, LoRA ranks
+  return kMaxWidth;
+}
+
 // ---- model builders -----------------------------------------------------------------------
 
 class Builder {
  public:
-  Builder(std::string name, int64_t elem_bytes) : elem_bytes_(elem_bytes) { spec_.name = std::move(name); }
+  Builder(std::string name, int64_t elem_bytes, std::string src)
+      : elem_bytes_(elem_bytes), src_(std::move(src)) {
+    spec_.name = std::move(name);
+  }
+  // Checked before the layer loop: `layers` x `per_layer` tensors must stay under kMaxTensors.
+  void expect(int64_t layers, int64_t per_layer, const std::string& fix) {
+    const int64_t room = kMaxTensors - static_cast<int64_t>(spec_.params.size());
+    if (per_layer > 0 && layers > room / per_layer)
+      throw std::invalid_argument(
+          src_ + ": the model would have " + std::to_string(layers) + " layers x " +
+          std::to_string(per_layer) + " parameter tensors, above the limit of " +
+          std::to_string(kMaxTensors) + " tensors: the parameter list would not fit in memory "
+          "or plan in reasonable time; " + fix);
+    fix_ = fix;
+  }
   void add(const std::string& name, std::vector<int64_t> shape) {
     ParamSpec p;
     p.name = name;
     p.shape = std::move(shape);
     p.elem_bytes = elem_bytes_;
+    int64_t n = 1;
+    bool overflow = false;
+    for (int64_t d : p.shape) overflow = overflow || __builtin_mul_overflow(n, d, &n);
+    overflow = overflow || __builtin_add_overflow(elements_, n, &elements_);
+    if (overflow || elements_ > kMaxElements)
+      throw std::invalid_argument(
+          src_ + ": the model would have more than " + std::to_string(kMaxElements) +
+          " elements (reached at parameter '" + name + "'), above any real model: " +
+          (fix_.empty() ? "check its sizes" : fix_));
+    if (static_cast<int64_t>(spec_.params.size()) >= kMaxTensors)
+      throw std::invalid_argument(src_ + ": the model would have more than " +
+                                  std::to_string(kMaxTensors) + " parameter tensors; " +
+                                  (fix_.empty() ? "check its sizes" : fix_));
     spec_.params.push_back(std::move(p));
   }
   ModelSpec take() { return std::move(spec_); }
@@ -66,23 +126,44 @@ class Builder {
  private:
   ModelSpec spec_;
   int64_t elem_bytes_;
+  std::string src_;
+  std::string fix_;
+  int64_t elements_ = 0;
 };
 
-// Reads a positive integer field of a config; `fallback` < 0 means required.
-int64_t cfg_int(const json& cfg, const std::string& key, const std::string& source,
-                int64_t fallback = -1) {
+const json* field(const json& cfg, const std::string& key) {
   auto it = cfg.find(key);
-  if (it == cfg.end() || it->is_null()) {
+  return it == cfg.end() || it->is_null() ? nullptr : &*it;
+}
+
+// Reads an integer field of a config, at least `min_value` and at most the field's size limit;
+// `fallback` < 0 means required (a missing or null field is then an error).
+int64_t cfg_int(const json& cfg, const std::string& key, const std::string& source,
+                int64_t fallback = -1, int64_t min_value = 1) {
+  const json* f = field(cfg, key);
+  const std::string kind = min_value > 0 ? "a positive integer" : "a non-negative integer";
+  if (!f) {
     if (fallback >= 0) return fallback;
     throw std::invalid_argument(source + ": missing required field '" + key + "'");
   }
-  if (!it->is_number_integer())
-    throw std::invalid_argument(source + ": field '" + key + "' must be a positive integer, got " +
-                                it->dump());
-  const int64_t v = it->get<int64_t>();
-  if (v < 1)
-    throw std::invalid_argument(source + ": field '" + key + "' must be a positive integer, got " +
+  if (!f->is_number_integer())
+    throw std::invalid_argument(source + ": field '" + key + "' must be " + kind + ", got " +
+                                f->dump());
+  // Values beyond int64 parse as unsigned (or fail to fit): report them as too large.
+  if (f->is_number_unsigned() && f->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+    std::string what;
+    const int64_t limit = limit_of(key, &what);
+    throw std::invalid_argument(source + ": field '" + key + "' is " + f->dump() +
+                                ", above the limit of " + std::to_string(limit) +
+                                (what.empty() ? "" : " " + what) + "; check the value");
+  }
+  const int64_t v = f->get<int64_t>();
+  if (v < min_value)
+    throw std::invalid_argument(source + ": field '" + key + "' must be " + kind + ", got " +
                                 std::to_string(v));
+  std::string what;
+  const int64_t limit = limit_of(key, &what);
+  if (v > limit) throw std::invalid_argument(limit_msg(source, key, v, limit, what));
   return v;
 }
 
@@ -93,55 +174,159 @@ bool cfg_bool(const json& cfg, const std::string& key, bool fallback) {
   return it->get<bool>();
 }
 
-ModelSpec build_llama_family(const json& cfg, const std::string& type, const std::string& name,
-                             int64_t eb, const std::string& src) {
+// Decoder-only transformers in transformers' naming (model.layers.N.*): the llama family
+// (llama, mistral, qwen2, qwen3), and the MoE families mixtral, qwen2_moe, qwen3_moe and
+// deepseek_v2 / deepseek_v3 (multi-head latent attention, routed + shared experts).
+ModelSpec build_decoder(const json& cfg, const std::string& type, const std::string& name,
+                        int64_t eb, const std::string& src) {
+  const bool deepseek = type == "deepseek_v2" || type == "deepseek_v3";
+  const bool qwen_moe = type == "qwen2_moe" || type == "qwen3_moe";
+  const bool qwen3 = type == "qwen3" || type == "qwen3_moe";
   const int64_t d = cfg_int(cfg, "hidden_size", src);
   const int64_t L = cfg_int(cfg, "num_hidden_layers", src);
   const int64_t H = cfg_int(cfg, "num_attention_heads", src);
   const int64_t KV = cfg_int(cfg, "num_key_value_heads", src, H);
-  const int64_t ffn = cfg_int(cfg, "intermediate_size", src);
   const int64_t V = cfg_int(cfg, "vocab_size", src);
-  if (!cfg.contains("head_dim") || cfg["head_dim"].is_null()) {
-    if (d % H != 0)
+  const bool tie = cfg_bool(cfg, "tie_word_embeddings", false);
+
+  // ---- attention ----
+  int64_t hd = 0, q_lora = 0, kv_lora = 0, nope = 0, rope = 0, vhd = 0;
+  if (deepseek) {
+    q_lora = cfg_int(cfg, "q_lora_rank", src, 0);  // null / absent: a plain q_proj
+    kv_lora = cfg_int(cfg, "kv_lora_rank", src);
+    nope = cfg_int(cfg, "qk_nope_head_dim", src);
+    rope = cfg_int(cfg, "qk_rope_head_dim", src);
+    vhd = cfg_int(cfg, "v_head_dim", src);
+  } else {
+    if (!field(cfg, "head_dim") && d % H != 0)
       throw std::invalid_argument(src + ": hidden_size " + std::to_string(d) +
                                   " is not divisible by num_attention_heads " + std::to_string(H) +
                                   "; set head_dim explicitly");
+    hd = cfg_int(cfg, "head_dim", src, d / H);
   }
-  const int64_t hd = cfg_int(cfg, "head_dim", src, d / H);
-  const bool tie = cfg_bool(cfg, "tie_word_embeddings", false);
-  const bool qkv_bias = type == "qwen2" || cfg_bool(cfg, "attention_bias", false);
-  const bool o_bias = type == "llama" && cfg_bool(cfg, "attention_bias", false);
+  const bool attn_bias = cfg_bool(cfg, "attention_bias", false);
+  const bool qkv_bias = type == "qwen2" || type == "qwen2_moe" ||
+                        ((type == "llama" || qwen3) && attn_bias);
+  const bool o_bias = (type == "llama" || qwen3) && attn_bias;
   const bool mlp_bias = type == "llama" && cfg_bool(cfg, "mlp_bias", false);
-  const bool moe = type == "mixtral";
-  const int64_t E = moe ? cfg_int(cfg, "num_local_experts", src) : 0;
 
-  Builder b(name, eb);
+  // ---- MLP / MoE: which layers are sparse, experts and their widths ----
+  int64_t E = 0, moe_ffn = 0, shared_ffn = 0;
+  std::vector<char> sparse(static_cast<size_t>(L), 0);
+  if (type == "mixtral") {
+    E = cfg_int(cfg, "num_local_experts", src);
+    std::fill(sparse.begin(), sparse.end(), 1);
+  } else if (qwen_moe) {
+    E = cfg_int(cfg, "num_experts", src, 0, 0);  // 0: every layer dense
+    const int64_t step = cfg_int(cfg, "decoder_sparse_step", src, 1);
+    std::vector<int64_t> mlp_only;
+    if (const json* f = field(cfg, "mlp_only_layers")) {
+      if (!f->is_array())
+        throw std::invalid_argument(src + ": field 'mlp_only_layers' must be an array of layer "
+                                    "indices, got " + f->dump());
+      for (const json& x : *f) {
+        if (!x.is_number_integer())
+          throw std::invalid_argument(src + ": field 'mlp_only_layers' must hold integers, got " +
+                                      x.dump());
+        mlp_only.push_back(x.get<int64_t>());
+      }
+    }
+    for (int64_t l = 0; l < L; ++l)
+      sparse[l] = E > 0 && (l + 1) % step == 0 &&
+                  std::find(mlp_only.begin(), mlp_only.end(), l) == mlp_only.end();
+    if (type == "qwen2_moe" && E > 0)
+      shared_ffn = cfg_int(cfg, "shared_expert_intermediate_size", src);
+  } else if (deepseek) {
+    E = cfg_int(cfg, "n_routed_experts", src, 0, 0);  // null: every layer dense
+    const int64_t first_dense = cfg_int(cfg, "first_k_dense_replace", src, 0, 0);
+    const int64_t freq = cfg_int(cfg, "moe_layer_freq", src, 1);
+    for (int64_t l = 0; l < L; ++l) sparse[l] = E > 0 && l >= first_dense && l % freq == 0;
+  }
+  const bool any_sparse = std::find(sparse.begin(), sparse.end(), 1) != sparse.end();
+  const bool any_dense = std::find(sparse.begin(), sparse.end(), 0) != sparse.end();
+  const int64_t ffn = type == "mixtral" || any_dense ? cfg_int(cfg, "intermediate_size", src) : 0;
+  if (any_sparse && type != "mixtral") moe_ffn = cfg_int(cfg, "moe_intermediate_size", src);
+  if (any_sparse && deepseek) {
+    const int64_t n_shared = cfg_int(cfg, "n_shared_experts", src, 0, 0);
+    if (n_shared > 0) shared_ffn = moe_ffn * n_shared;
+  }
+  if (type == "mixtral") moe_ffn = ffn;
+  const bool score_bias =
+      type == "deepseek_v3" ||
+      (field(cfg, "topk_method") && field(cfg, "topk_method")->is_string() &&
+       field(cfg, "topk_method")->get<std::string>() == "noaux_tc");
+
+  Builder b(name, eb, src);
+  const int64_t per_layer = 16 + (any_sparse ? 3 * E + 4 : 0);
+  b.expect(L, per_layer,
+           "reduce 'num_hidden_layers' (" + std::to_string(L) + ")" +
+               (E > 0 ? " or the expert count (" + std::to_string(E) + ")" : std::string()));
   b.add("model.embed_tokens.weight", {V, d});
+  auto mlp = [&](const std::string& p, int64_t width, bool bias) {
+    b.add(p + "gate_proj.weight", {width, d});
+    if (bias) b.add(p + "gate_proj.bias", {width});
+    b.add(p + "up_proj.weight", {width, d});
+    if (bias) b.add(p + "up_proj.bias", {width});
+    b.add(p + "down_proj.weight", {d, width});
+    if (bias) b.add(p + "down_proj.bias", {d});
+  };
   for (int64_t l = 0; l < L; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
-    b.add(p + "self_attn.q_proj.weight", {H * hd, d});
-    if (qkv_bias) b.add(p + "self_attn.q_proj.bias", {H * hd});
-    b.add(p + "self_attn.k_proj.weight", {KV * hd, d});
-    if (qkv_bias) b.add(p + "self_attn.k_proj.bias", {KV * hd});
-    b.add(p + "self_attn.v_proj.weight", {KV * hd, d});
-    if (qkv_bias) b.add(p + "self_attn.v_proj.bias", {KV * hd});
-    b.add(p + "self_attn.o_proj.weight", {d, H * hd});
-    if (o_bias) b.add(p + "self_attn.o_proj.bias", {d});
-    if (moe) {
+    if (deepseek) {
+      const int64_t qhd = nope + rope;
+      if (q_lora == 0) {
+        b.add(p + "self_attn.q_proj.weight", {H * qhd, d});
+        if (attn_bias) b.add(p + "self_attn.q_proj.bias", {H * qhd});
+      } else {
+        b.add(p + "self_attn.q_a_proj.weight", {q_lora, d});
+        if (attn_bias) b.add(p + "self_attn.q_a_proj.bias", {q_lora});
+        b.add(p + "self_attn.q_a_layernorm.weight", {q_lora});
+        b.add(p + "self_attn.q_b_proj.weight", {H * qhd, q_lora});
+      }
+      b.add(p + "self_attn.kv_a_proj_with_mqa.weight", {kv_lora + rope, d});
+      if (attn_bias) b.add(p + "self_attn.kv_a_proj_with_mqa.bias", {kv_lora + rope});
+      b.add(p + "self_attn.kv_a_layernorm.weight", {kv_lora});
+      b.add(p + "self_attn.kv_b_proj.weight", {H * (nope + vhd), kv_lora});
+      b.add(p + "self_attn.o_proj.weight", {d, H * vhd});
+      if (attn_bias) b.add(p + "self_attn.o_proj.bias", {d});
+    } else {
+      b.add(p + "self_attn.q_proj.weight", {H * hd, d});
+      if (qkv_bias) b.add(p + "self_attn.q_proj.bias", {H * hd});
+      b.add(p + "self_attn.k_proj.weight", {KV * hd, d});
+      if (qkv_bias) b.add(p + "self_attn.k_proj.bias", {KV * hd});
+      b.add(p + "self_attn.v_proj.weight", {KV * hd, d});
+      if (qkv_bias) b.add(p + "self_attn.v_proj.bias", {KV * hd});
+      b.add(p + "self_attn.o_proj.weight", {d, H * hd});
+      if (o_bias) b.add(p + "self_attn.o_proj.bias", {d});
+      if (qwen3) {
+        b.add(p + "self_attn.q_norm.weight", {hd});
+        b.add(p + "self_attn.k_norm.weight", {hd});
+      }
+    }
+    if (!sparse[l]) {
+      mlp(p + "mlp.", ffn, mlp_bias);
+    } else if (type == "mixtral") {
       b.add(p + "block_sparse_moe.gate.weight", {E, d});
       for (int64_t e = 0; e < E; ++e) {
         const std::string x = p + "block_sparse_moe.experts." + std::to_string(e) + ".";
-        b.add(x + "w1.weight", {ffn, d});
-        b.add(x + "w2.weight", {d, ffn});
-        b.add(x + "w3.weight", {ffn, d});
+        b.add(x + "w1.weight", {moe_ffn, d});
+        b.add(x + "w2.weight", {d, moe_ffn});
+        b.add(x + "w3.weight", {moe_ffn, d});
       }
-    } else {
-      b.add(p + "mlp.gate_proj.weight", {ffn, d});
-      if (mlp_bias) b.add(p + "mlp.gate_proj.bias", {ffn});
-      b.add(p + "mlp.up_proj.weight", {ffn, d});
-      if (mlp_bias) b.add(p + "mlp.up_proj.bias", {ffn});
-      b.add(p + "mlp.down_proj.weight", {d, ffn});
-      if (mlp_bias) b.add(p + "mlp.down_proj.bias", {d});
+    } else if (qwen_moe) {  // Qwen2MoeSparseMoeBlock / Qwen3MoeSparseMoeBlock
+      b.add(p + "mlp.gate.weight", {E, d});
+      for (int64_t e = 0; e < E; ++e)
+        mlp(p + "mlp.experts." + std::to_string(e) + ".", moe_ffn, false);
+      if (shared_ffn > 0) {
+        mlp(p + "mlp.shared_expert.", shared_ffn, false);
+        b.add(p + "mlp.shared_expert_gate.weight", {1, d});
+      }
+    } else {  // DeepseekV2MoE / DeepseekV3MoE: experts, gate, shared_experts
+      for (int64_t e = 0; e < E; ++e)
+        mlp(p + "mlp.experts." + std::to_string(e) + ".", moe_ffn, false);
+      b.add(p + "mlp.gate.weight", {E, d});
+      if (score_bias) b.add(p + "mlp.gate.e_score_correction_bias", {E});
+      if (shared_ffn > 0) mlp(p + "mlp.shared_experts.", shared_ffn, false);
     }
     b.add(p + "input_layernorm.weight", {d});
     b.add(p + "post_attention_layernorm.weight", {d});
@@ -162,7 +347,8 @@ ModelSpec build_gpt2(const json& cfg, const std::string& name, int64_t eb, const
     throw std::invalid_argument(src + ": n_embd " + std::to_string(d) +
                                 " is not divisible by n_head " + std::to_string(H));
   const bool tie = cfg_bool(cfg, "tie_word_embeddings", true);
-  Builder b(name, eb);
+  Builder b(name, eb, src);
+  b.expect(L, 12, "reduce 'n_layer' (" + std::to_string(L) + ")");
   b.add("transformer.wte.weight", {V, d});
   b.add("transformer.wpe.weight", {ctx, d});
   for (int64_t l = 0; l < L; ++l) {
@@ -191,7 +377,7 @@ ModelSpec build_gpt2(const json& cfg, const std::string& name, int64_t eb, const
 ModelSpec build_vit(const std::string& name, int64_t eb, int64_t L, int64_t d, int64_t mlp,
                     int64_t patch, int64_t image, int64_t classes) {
   const int64_t tokens = (image / patch) * (image / patch) + 1;
-  Builder b(name, eb);
+  Builder b(name, eb, "preset " + name);
   b.add("cls_token", {1, 1, d});
   b.add("pos_embed", {1, tokens, d});
   b.add("patch_embed.proj.weight", {d, 3, patch, patch});
@@ -218,18 +404,25 @@ ModelSpec build_vit(const std::string& name, int64_t eb, int64_t L, int64_t d, i
   return b.take();
 }
 
-const std::vector<std::string> kHfTypes = {"llama", "mistral", "qwen2", "mixtral", "gpt2"};
+const std::vector<std::string> kHfTypes = {"llama",     "mistral",   "qwen2",       "qwen3",
+                                           "mixtral",   "qwen2_moe", "qwen3_moe",   "deepseek_v2",
+                                           "deepseek_v3", "gpt2"};
 
 std::string infer_model_type(const json& cfg, const std::string& src) {
   if (cfg.contains("model_type") && cfg["model_type"].is_string())
     return lower(cfg["model_type"].get<std::string>());
+  // Architecture class prefixes, longest first ("Qwen2MoeForCausalLM" is qwen2_moe, not qwen2).
+  static const std::vector<std::pair<std::string, std::string>> kArch = {
+      {"deepseekv3", "deepseek_v3"}, {"deepseekv2", "deepseek_v2"}, {"qwen3moe", "qwen3_moe"},
+      {"qwen2moe", "qwen2_moe"},     {"qwen3", "qwen3"},            {"qwen2", "qwen2"},
+      {"mixtral", "mixtral"},        {"mistral", "mistral"},        {"llama", "llama"},
+      {"gpt2", "gpt2"}};
   if (cfg.contains("architectures") && cfg["architectures"].is_array()) {
     for (const auto& a : cfg["architectures"]) {
       if (!a.is_string()) continue;
       const std::string arch = lower(a.get<std::string>());
-      for (const std::string& t : {std::string("mixtral"), std::string("mistral"),
-                                   std::string("qwen2"), std::string("llama"), std::string("gpt2")})
-        if (arch.rfind(t, 0) == 0) return t;
+      for (const auto& [prefix, type] : kArch)
+        if (arch.rfind(prefix, 0) == 0) return type;
     }
   }
   throw std::invalid_argument(src + ": no 'model_type' (supported: " + join(kHfTypes) + ")");
@@ -252,8 +445,8 @@ ModelSpec build_from_config(const json& cfg, const std::string& src, const std::
   const int64_t eb = dtype_bytes(dt);
   const std::string type = infer_model_type(cfg, src);
   if (type == "gpt2") return build_gpt2(cfg, name, eb, src);
-  if (type == "llama" || type == "mistral" || type == "qwen2" || type == "mixtral")
-    return build_llama_family(cfg, type, name, eb, src);
+  if (std::find(kHfTypes.begin(), kHfTypes.end(), type) != kHfTypes.end())
+    return build_decoder(cfg, type, name, eb, src);
   throw std::invalid_argument(src + ": unsupported model_type '" + type +
                               "' (supported: " + join(kHfTypes) + ")");
 }
@@ -296,6 +489,44 @@ const std::vector<Preset>& presets() {
     mix["num_local_experts"] = 8;
     v.push_back({"mixtral-8x7b", "Mixtral 8x7B: 32 layers, 8 experts x (w1, w2, w3), d 4096",
                  mix});
+    // The MoE presets are the size fields of the published config.json files.
+    v.push_back({"deepseek-v2-lite",
+                 "DeepSeek-V2-Lite 15.7B: 27 layers (1 dense), MLA, 64 routed experts [1408, "
+                 "2048] + 2 shared, d 2048",
+                 json::parse(R"({"model_type": "deepseek_v2", "hidden_size": 2048,
+                   "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+                   "intermediate_size": 10944, "moe_intermediate_size": 1408,
+                   "n_routed_experts": 64, "n_shared_experts": 2, "first_k_dense_replace": 1,
+                   "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": null,
+                   "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                   "vocab_size": 102400, "tie_word_embeddings": false})")});
+    v.push_back({"deepseek-v3",
+                 "DeepSeek-V3 671B: 61 layers (3 dense), MLA, 256 routed experts [2048, 7168] + "
+                 "1 shared, d 7168",
+                 json::parse(R"({"model_type": "deepseek_v3", "hidden_size": 7168,
+                   "num_hidden_layers": 61, "num_attention_heads": 128,
+                   "num_key_value_heads": 128, "intermediate_size": 18432,
+                   "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
+                   "first_k_dense_replace": 3, "moe_layer_freq": 1, "kv_lora_rank": 512,
+                   "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                   "v_head_dim": 128, "topk_method": "noaux_tc", "vocab_size": 129280,
+                   "tie_word_embeddings": false})")});
+    v.push_back({"qwen1.5-moe-a2.7b",
+                 "Qwen1.5-MoE-A2.7B 14.3B (qwen2_moe): 24 layers, 60 experts [1408, 2048] + "
+                 "shared expert 5632, d 2048",
+                 json::parse(R"({"model_type": "qwen2_moe", "hidden_size": 2048,
+                   "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+                   "intermediate_size": 5632, "moe_intermediate_size": 1408, "num_experts": 60,
+                   "shared_expert_intermediate_size": 5632, "decoder_sparse_step": 1,
+                   "mlp_only_layers": [], "vocab_size": 151936, "tie_word_embeddings": false})")});
+    v.push_back({"qwen3-30b-a3b",
+                 "Qwen3-30B-A3B 30.5B (qwen3_moe): 48 layers, 128 experts [768, 2048], d 2048, "
+                 "4 kv heads",
+                 json::parse(R"({"model_type": "qwen3_moe", "hidden_size": 2048,
+                   "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                   "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                   "num_experts": 128, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                   "vocab_size": 151936, "tie_word_embeddings": false})")});
     v.push_back({"vit-l16", "ViT-L/16 (timm): 24 x blocks.N, d 1024, mlp 4096", json()});
     return v;
   }();
@@ -390,9 +621,15 @@ ModelSpec model_from_params_json(const std::string& json_text, const std::string
     throw std::invalid_argument(source + ": expected a JSON array of {\"name\", \"shape\", "
                                 "\"dtype\"} objects (or {\"params\": [...]}), got " +
                                 std::string(j.type_name()));
+  if (static_cast<int64_t>(j.size()) > kMaxTensors)
+    throw std::invalid_argument(source + ": " + std::to_string(j.size()) +
+                                " parameters, above the limit of " + std::to_string(kMaxTensors) +
+                                ": a list that long would not plan in reasonable time; give "
+                                "only the parameters to plan, or use group keys and fewer entries");
   ModelSpec m;
   m.name = source;
   std::map<std::string, size_t> seen;
+  int64_t elements = 0;
   for (size_t i = 0; i < j.size(); ++i) {
     const json& e = j[i];
     const std::string at = source + ": entry " + std::to_string(i);
@@ -436,7 +673,10 @@ ModelSpec model_from_params_json(const std::string& json_text, const std::string
     if (!fresh)
       throw std::invalid_argument(who + " appears twice (entries " + std::to_string(it->second) +
                                   " and " + std::to_string(i) + "); names must be unique");
-    (void)p.numel();  // overflow check
+    if (__builtin_add_overflow(elements, p.numel(), &elements) || elements > kMaxElements)
+      throw std::invalid_argument(who + ": the list reaches more than " +
+                                  std::to_string(kMaxElements) + " elements in total, above "
+                                  "any real model; check the shapes");
     m.params.push_back(std::move(p));
   }
   return m;

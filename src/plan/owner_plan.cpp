@@ -6,10 +6,12 @@
 // Costs are doubles computed from integers in a fixed order (IEEE-754, no fast-math), so two
 // machines compute the same loads and take the same branches.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <limits>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -152,15 +154,47 @@ struct GroupInfo {
 
 int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// A packing variant: how a group's small parameters form allocation units. kNoPacking: every
+// parameter is its own unit (the per-matrix plan). kUncapped: all of a group's small parameters
+// share one unit (the seed's packing). A finite cap C: a group's small parameters, in model
+// order, are cut into k = ceil(T / C) consecutive runs of about T / k cost each (T = their total
+// cost), so no packed unit costs more than C unless one parameter alone does.
+constexpr double kNoPacking = -1.0;
+constexpr double kUncapped = std::numeric_limits<double>::infinity();
+
+double granularity_bound_of(std::vector<double> c, int S, double simple);
+
 class Planner {
  public:
-  Planner(const std::vector<ParamSpec>& params, int G, int R, ResolvedPlanOptions opts)
-      : params_(params), G_(G), R_(R), S_(G * R), opts_(std::move(opts)) {}
+  Planner(const std::vector<ParamSpec>& params, int G, int R, ResolvedPlanOptions opts,
+          double pack_cap)
+      : params_(params), G_(G), R_(R), S_(G * R), opts_(std::move(opts)), pack_cap_(pack_cap) {}
 
-  OwnerPlan run();
+  void build_units();
+  // The unit partition (parameter indices per unit, units by first parameter): two variants with
+  // the same partition give the same plan, so the search skips the second.
+  std::vector<std::vector<int>> partition() const {
+    std::vector<std::vector<int>> out;
+    out.reserve(units_.size());
+    for (const auto& u : units_) out.push_back(u.params);
+    return out;
+  }
+  OwnerPlan run();  // after build_units()
+  // The granularity floor of the units built (no assignment of them has a smaller makespan):
+  // cheap, so the search rejects a hopeless packing variant without planning it.
+  double unit_floor() const {
+    std::vector<double> c;
+    c.reserve(units_.size());
+    double total = 0, largest = 0;
+    for (const auto& u : units_) {
+      c.push_back(u.cost);
+      total += u.cost;
+      largest = std::max(largest, u.cost);
+    }
+    return granularity_bound_of(std::move(c), S_, std::max(total / S_, largest));
+  }
 
  private:
-  void build_units();
   void assign_lpt();
   void assign_round_robin();
   struct Move {
@@ -199,6 +233,7 @@ class Planner {
   const std::vector<ParamSpec>& params_;
   int G_, R_, S_;
   ResolvedPlanOptions opts_;
+  double pack_cap_;
 
   std::vector<double> pcost_;
   std::vector<std::string> pgroup_;
@@ -228,22 +263,37 @@ void Planner::build_units() {
     }
     members[it->second].push_back(i);
   }
-  // One unit per large parameter; the group's small parameters share one packed unit, placed at
-  // the position of its first member.
+  // One unit per large parameter; the group's small parameters share packed units (one when
+  // uncapped, else consecutive runs of about equal cost under the cap), each placed at the
+  // position of its first member.
   std::vector<std::pair<AllocationUnit, int>> built;
+  const bool packing = pack_cap_ != kNoPacking;
   for (size_t g = 0; g < groups_.size(); ++g) {
+    auto small = [&](int i) { return packing && params_[i].numel() < opts_.pack_threshold_numel; };
+    double small_total = 0;
+    for (int i : members[g])
+      if (small(i)) small_total += pcost_[i];
+    double target = kUncapped;  // the cost at which a packed run is closed
+    if (pack_cap_ < kUncapped && small_total > pack_cap_) {
+      const double k = std::ceil(small_total / pack_cap_);
+      target = small_total / k * (1.0 + 1e-9);  // equal costs must not split on rounding
+    }
     int packed = -1;
+    double packed_cost = 0;
     for (int i : members[g]) {
-      const bool small = opts_.pack_small_params && params_[i].numel() < opts_.pack_threshold_numel;
-      if (small && packed >= 0) {
+      if (small(i) && packed >= 0 && packed_cost + pcost_[i] <= target) {
         built[packed].first.params.push_back(i);
+        packed_cost += pcost_[i];
         continue;
       }
       AllocationUnit u;
       u.params = {i};
       u.group = groups_[g].name;
       built.emplace_back(std::move(u), static_cast<int>(g));
-      if (small) packed = static_cast<int>(built.size()) - 1;
+      if (small(i)) {
+        packed = static_cast<int>(built.size()) - 1;
+        packed_cost = pcost_[i];
+      }
     }
   }
   std::sort(built.begin(), built.end(), [](const auto& a, const auto& b) {
@@ -813,12 +863,20 @@ void Planner::finish(OwnerPlan& plan) {
     plan.column_cost[sl.owner.shard] += sl.cost;
     plan.column_bytes[sl.owner.shard] += sl.bytes;
   }
-  plan.lower_bound = std::max(plan.total_cost / S_, largest);
+  // The lower bound is over single matrices, not units: packing can only raise the makespan
+  // above it, and the report must show that (a packed unit bigger than total / S is the
+  // packing's fault, not a floor).
+  double largest_param = 0;
+  for (double c : pcost_) largest_param = std::max(largest_param, c);
+  plan.largest_param_cost = largest_param;
+  plan.lower_bound = std::max(plan.total_cost / S_, largest_param);
+  plan.pack_cap = pack_cap_ == kNoPacking ? 0.0 : pack_cap_;
+  for (const auto& u : units_) plan.packed_units += u.params.size() > 1;
 
   std::vector<double> c;
   c.reserve(units_.size());
   for (const auto& u : units_) c.push_back(u.cost);
-  const double gb = granularity_bound_of(std::move(c), S_, plan.lower_bound);
+  const double gb = granularity_bound_of(std::move(c), S_, std::max(plan.lower_bound, largest));
   plan.granularity_bound = gb;
   plan.units = units_;
   plan.violations = find_violations();
@@ -826,7 +884,6 @@ void Planner::finish(OwnerPlan& plan) {
 }
 
 OwnerPlan Planner::run() {
-  build_units();
   if (opts_.owner_strategy == "lpt") {
     assign_lpt();
     double total = 0, largest = 0;
@@ -894,13 +951,84 @@ void validate_inputs(const std::vector<ParamSpec>& params, int G, int R) {
   }
 }
 
+// Packing must never make a plan worse. Merging a layer's small matrices into one unit saves
+// broadcast roots (fewer distinct owners per hook boundary), but a merged unit can be far larger
+// than total / S: a DeepSeek-V2-Lite MoE layer packs its 192 expert matrices into one unit, 27
+// units on 64 slots, makespan 2.3x the per-matrix plan's. So a packed plan is kept only when its
+// makespan is within kPackTolerance (1%) of the per-matrix plan (every parameter its own unit).
+//
+// The variants, most packing first: the seed's packing (one unit per group's small parameters;
+// kept wherever it is harmless, so those plans are unchanged), then packed units capped at L/k,
+// L = max(total / S, largest matrix) the per-matrix lower bound, for k in kCapDivisors. Capping
+// at L/k leaves list scheduling about 1/k of slack per slot; but equal-sized chunks also need a
+// count that spreads evenly over S slots (1026 chunks of 5 experts on 64 slots put 17 on some
+// slot: +2.7%, while chunks of 3 fit exactly), hence the finely spaced divisors. The first
+// variant within the tolerance wins; when none is, the per-matrix plan is returned (packing off,
+// in effect). "Most packing within 1%" rather than "the best makespan": finer granularity almost
+// always plans a little better, so the best makespan would give up packing nearly everywhere.
+//
+// Cheap paths, same result: a variant whose unit granularity floor already exceeds the
+// tolerance is rejected without planning it (no assignment of its units could pass); a variant
+// within the tolerance of L is within it of every plan, so it is taken without planning per
+// matrix at all (per_matrix_makespan stays 0); variants whose unit partition equals one already
+// tried are skipped (a model without small matrices plans once).
+constexpr double kPackTolerance = 0.01;
+constexpr double kCapDivisors[] = {1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64};
+
+OwnerPlan plan_search(const std::vector<ParamSpec>& params, int G, int R,
+                      const ResolvedPlanOptions& opts) {
+  std::optional<OwnerPlan> per_matrix;
+  auto baseline = [&]() -> const OwnerPlan& {
+    if (!per_matrix) {
+      Planner base(params, G, R, opts, kNoPacking);
+      base.build_units();
+      per_matrix = base.run();
+      per_matrix->per_matrix_makespan = per_matrix->makespan;
+    }
+    return *per_matrix;
+  };
+  if (!opts.pack_small_params || params.empty()) return baseline();
+  double total = 0, largest = 0;
+  for (const ParamSpec& p : params) {
+    const double c = param_cost(p, opts);
+    total += c;
+    largest = std::max(largest, c);
+  }
+  const double L = std::max(total / (G * R), largest);
+  const double at_bound = L * (1.0 + kPackTolerance);  // a makespan no plan can beat by > 1%
+  std::vector<double> caps = {kUncapped};
+  if (L > 0)
+    for (double k : kCapDivisors) caps.push_back(L / k);
+  std::vector<std::vector<std::vector<int>>> tried;
+  {  // the per-matrix partition counts as tried: a variant equal to it is the baseline itself
+    Planner none(params, G, R, opts, kNoPacking);
+    none.build_units();
+    tried.push_back(none.partition());
+  }
+  for (double cap : caps) {
+    Planner variant(params, G, R, opts, cap);
+    variant.build_units();
+    std::vector<std::vector<int>> part = variant.partition();
+    if (std::find(tried.begin(), tried.end(), part) != tried.end()) continue;
+    tried.push_back(std::move(part));
+    const double floor = variant.unit_floor();
+    if (floor > at_bound && floor > baseline().makespan * (1.0 + kPackTolerance)) continue;
+    OwnerPlan plan = variant.run();
+    if (plan.makespan <= at_bound || plan.makespan <= baseline().makespan * (1.0 + kPackTolerance)) {
+      plan.per_matrix_makespan = per_matrix ? per_matrix->makespan : 0.0;
+      return plan;
+    }
+  }
+  return baseline();
+}
+
 }  // namespace
 }  // namespace detail
 
 OwnerPlan plan_owners(const std::vector<ParamSpec>& params, int shard_size, int replicate_size,
                       const PlanOptions& opts) {
   detail::validate_inputs(params, shard_size, replicate_size);
-  return detail::Planner(params, shard_size, replicate_size, resolve_plan_options(opts)).run();
+  return detail::plan_search(params, shard_size, replicate_size, resolve_plan_options(opts));
 }
 
 }  // namespace dmuon

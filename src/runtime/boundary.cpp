@@ -485,6 +485,31 @@ void DedicatedState::prepare_grads() {
   wait_replicated();
 }
 
+void DedicatedState::discard_grads() {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  for (auto& B : boundaries)
+    for (auto& buf : B.buffers) {
+      for (auto [issued, pending] : {std::pair{&buf.reduce_issued, &buf.reduce}, {&buf.stage2_issued, &buf.stage2}})
+        if (*issued) {
+          pending->wait();
+          *pending = Pending();
+          *issued = false;
+        }
+      buf.grad_payload = at::Tensor();
+      buf.reduced_sum = at::Tensor();
+      buf.reduced_has.clear();
+    }
+  for (auto& e : sharded) {
+    if (e.rs_issued) e.rs.wait();
+    e.rs = Pending();
+    e.rs_issued = false;
+    e.rs_in = e.rs_out = at::Tensor();
+    e.grad_sum = at::Tensor();
+    e.has_grad = false;
+  }
+  discard_replicated();
+}
+
 void DedicatedState::drain_all() {
   std::lock_guard<std::recursive_mutex> g(mu);
   for (auto& B : boundaries)

@@ -164,6 +164,17 @@ void DedicatedState::wait_replicated() {
   rep.has.clear();
 }
 
+void DedicatedState::discard_replicated() {
+  if (!replicated) return;
+  auto& rep = *replicated;
+  for (auto& w : rep.pending) w.wait();
+  rep.pending.clear();
+  rep.payloads.clear();
+  rep.issued = false;
+  rep.sums.clear();
+  rep.has.clear();
+}
+
 void replicate(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh, double bucket_mb) {
   TORCH_CHECK(model && mesh, "replicate: model and mesh must not be null.");
   auto s = detail::state_of_model(model.get());

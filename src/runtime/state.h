@@ -177,11 +177,15 @@ class DedicatedState {
   // ---- optimizer interface ----
   void prepare_grads();             // wait reduces; owners get averaged grads
   void drain_all();                 // waits every in-flight collective of this model
+  // zero_grad: waits the gradient collectives already in flight (every rank issued them) and drops
+  // every gradient dmuon holds (reduced sums, replicated and sharded sums); issues no collective.
+  void discard_grads();
 
   // ---- replicated params (replicate.cpp) ----
   void setup_replicate(double bucket_mb);
   void flush_replicated();  // end of backward: issue the coalesced all-reduces (async)
   void wait_replicated();   // before step: wait them and install the averaged gradients
+  void discard_replicated();  // zero_grad: wait them and drop the result
 
   std::weak_ptr<torch::nn::Module> model;
   std::shared_ptr<Mesh> mesh;

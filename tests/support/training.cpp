@@ -24,7 +24,7 @@ models::GPTConfig small_config(int64_t layers) {
   return c;
 }
 
-StateDict init_state(const GPTConfig& cfg, uint64_t seed) {
+StateDict init_state(const GPTConfig& cfg, uint64_t seed, at::ScalarType dtype) {
   at::manual_seed(seed);
   GPT m(cfg);
   StateDict sd;
@@ -32,12 +32,20 @@ StateDict init_state(const GPTConfig& cfg, uint64_t seed) {
   // norms at non-trivial values so their AdamW path is exercised
   for (auto& [k, v] : sd)
     if (k.find("norm") != std::string::npos) v.uniform_(0.5, 1.5);
+  for (auto& [k, v] : sd) v = v.to(dtype);
   return sd;
 }
 
 void load_state(GPT& m, const StateDict& sd) {
+  if (!sd.empty()) m->to(sd.begin()->second.scalar_type());
   at::NoGradGuard ng;
   for (auto& p : m->named_parameters(true)) p.value().copy_(sd.at(p.key()));
+}
+
+GPT make_gpt(const GPTConfig& cfg, at::ScalarType dtype) {
+  GPT m(cfg);
+  m->to(dtype);
+  return m;
 }
 
 std::vector<at::Tensor> make_batches(int steps, int64_t batch, int64_t seq, int64_t vocab, uint64_t seed) {

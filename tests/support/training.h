@@ -24,13 +24,35 @@ using StateDict = std::map<std::string, at::Tensor>;
 
 // 32-token vocabulary, d_model 32, 4 heads, d_ff 48.
 models::GPTConfig small_config(int64_t layers = 3);
-// Parameters of a freshly initialised GPT (seeded), norms at non-trivial values.
-StateDict init_state(const models::GPTConfig& cfg, uint64_t seed);
+// Parameters of a freshly initialised GPT (seeded, drawn in fp32 and then converted to `dtype`, so
+// both precisions start from the same point), norms at non-trivial values.
+//
+// Equivalence tests run in float64 by default: distributed and single-process training then differ
+// only by float64 reduction order (~1e-16, amplified by Newton-Schulz to ~1e-13 after 10 steps),
+// so their bound (kFloat64Bound) holds on any CPU, BLAS kernel and thread count. fp32 variants use
+// measured bounds (kFloat32Bound).
+StateDict init_state(const models::GPTConfig& cfg, uint64_t seed, at::ScalarType dtype = at::kDouble);
+// Converts the model to the state's dtype and copies the state in.
 void load_state(models::GPT& m, const StateDict& sd);
+// A GPT in `dtype` (its own random init; e.g. the target of a checkpoint load).
+models::GPT make_gpt(const models::GPTConfig& cfg, at::ScalarType dtype = at::kDouble);
+
+// Relative bound (|a - b|_F / |b|_F) of a distributed-vs-single-process comparison in `dtype`.
+// Measured over the whole suite with OMP_NUM_THREADS=1 and 2 (2026-12-01, AMD EPYC, AVX2):
+//  float64: worst 2.2e-14 (every layout, 10 steps), bound 1e-10: 4500x margin.
+//  float32: worst 6.1e-6 here and 1.5e-5 on an AVX-512 EPYC (momentum after 10 steps; reduction
+//           order of the BLAS kernel, thread count and Gloo sums, amplified by NS), bound 2e-4:
+//           13x above the worst seen on any machine.
+constexpr double kFloat64Bound = 1e-10;
+constexpr double kFloat32Bound = 2e-4;
+inline double equivalence_bound(at::ScalarType dtype) {
+  return dtype == at::kDouble ? kFloat64Bound : kFloat32Bound;
+}
 // `steps` batches of learnable sequences [batch, seq] (seeded).
 std::vector<at::Tensor> make_batches(int steps, int64_t batch, int64_t seq, int64_t vocab, uint64_t seed);
 
 struct TrainConfig {
+  at::ScalarType dtype = at::kDouble;  // of the parameters (and the reference); see init_state
   int steps = 10;
   double lr = 0.01, momentum = 0.95, wd = 0.01;
   double adamw_lr = 3e-3, adamw_wd = 0.01;
@@ -41,6 +63,11 @@ struct TrainConfig {
   bool no_sync = false;      // accumulate inside dmuon::NoSync (reduce once per step)
   std::vector<int> block_order;  // e.g. {0, 1, 0}: block 0 runs twice per forward
   bool two_forwards = false;     // each rank: two forward passes, one backward of the mean loss
+  // Before each step's real micro-batches: a backward of other data (inside NoSync when
+  // discarded_in_no_sync), then zero_grad(zero_grad_to_none); the result must not change.
+  bool discarded_backward = false;
+  bool discarded_in_no_sync = false;
+  bool zero_grad_to_none = true;
 };
 
 struct RefResult {
