@@ -197,6 +197,7 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
   MeshOptions mo;
   mo.store = b.store;
   mo.factory = process_group_factory(dev_type);
+  mo.replicate_factory = process_group_factory(dev_type, "127.0.0.1", StreamPriority::Normal);
   mo.timeout = timeout;
   mo.replicate_size = a.replicate;
   auto mesh = Mesh::create(b.world, mo);

@@ -104,6 +104,7 @@ int main(int argc, char** argv) {
   std::printf("%-11s %10s %10s %7s %7s %9s %9s %9s %8s %8s %9s %9s\n", "shape", "direct_ms", "gram_ms", "g/d", "theory",
               "mm_GF/s", "dir_GF/s", "gram_GF/s", "dir/mm", "gram/mm", "err_dir", "err_gram");
   at::manual_seed(0);
+  double total_d = 0, total_g = 0;
   for (const auto& s : shapes) {
     const double m = std::min(s.m, s.n), n = std::max(s.m, s.n);
     at::Tensor G = at::randn({s.m, s.n}, at::TensorOptions().dtype(at::kFloat).device(dev)).to(dt);
@@ -127,7 +128,11 @@ int main(int argc, char** argv) {
                 flops_g / flops_d, mm_rate, flops_d / t_d / 1e9, flops_g / t_g / 1e9, flops_d / t_d / 1e9 / mm_rate,
                 flops_g / t_g / 1e9 / mm_rate, rel(out_d, ref), rel(out_g, ref));
     std::fflush(stdout);
+    total_d += t_d;
+    total_g += t_g;
   }
+  std::printf("%-11s %10.2f %10.2f %7.3f   (all shapes above, e.g. one transformer layer's matrices)\n", "total",
+              total_d * 1e3, total_g * 1e3, total_g / total_d);
   std::printf("# g/d: Gram time / direct time (square shapes: the library dispatches Gram to direct; the row\n"
               "# times the Gram algorithm itself). theory: plain-GEMM FLOP ratio. dir/mm, gram/mm: effective\n"
               "# NS rate over the matmul rate measured above. err_*: relative Frobenius error vs float64 direct NS.\n");

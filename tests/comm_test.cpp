@@ -3,8 +3,12 @@
 // against the convention in communicator.h, timeouts of a collective a peer never joins, mesh
 // layouts and policies, and the launch-environment parser.
 #include <gtest/gtest.h>
+#include <unistd.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -21,6 +25,7 @@
 #include <vector>
 
 #include "dmuon/bootstrap.h"
+#include "dmuon/env.h"
 #include "dmuon/communicator.h"
 #include "dmuon/mesh.h"
 #include "support/multirank.h"
@@ -88,6 +93,10 @@ class EnvGuard {
   std::optional<std::string> old_;
 };
 
+// CPU groups are Gloo unless this LibTorch has none (PyPI wheels) or DMUON_CPU_BACKEND=store: then
+// dmuon's store backend, which reduces natively (AVG, reduce-scatter, bf16).
+bool gloo_in_use() { return gloo_available() && env::cpu_backend() != "store"; }
+
 // ============================== Communicator ==========================================================
 
 TEST(CommunicatorTest, BroadcastFromEveryRoot) {
@@ -98,7 +107,7 @@ TEST(CommunicatorTest, BroadcastFromEveryRoot) {
       EXPECT_EQ(comm->rank(), ctx.rank);
       EXPECT_EQ(comm->size(), n);
       EXPECT_EQ(comm->global_rank(), ctx.rank);
-      EXPECT_FALSE(comm->native_avg());  // Gloo in LibTorch 1.13
+      EXPECT_EQ(comm->native_avg(), !gloo_in_use() || DMUON_TORCH_AT_LEAST(2, 8));  // Gloo: since 2.8
       for (int root = 0; root < n; ++root) {
         const at::Tensor expected = at::arange(6, at::kFloat) + 10.0 * root;
         at::Tensor t = ctx.rank == root ? expected.clone() : at::full({6}, -1.0f);
@@ -233,13 +242,19 @@ TEST(CommunicatorTest, ReduceScatterFlatSumAndAvgViaAllReduceFallback) {
         expect_tensor_eq(out_a, mine + 500.0 * (n - 1), "rs avg");
       }
       expect_tensor_eq(in, in_copy, "reduce_scatter input must be left alone");
-      // counted as two all-reduces of S = 12 n bytes (the Gloo fallback), never as reduce-scatter
-      EXPECT_EQ(comm->counters().bytes(CommOp::ReduceScatter), 0);
-      EXPECT_EQ(comm->counters().calls(CommOp::ReduceScatter), 0);
-      EXPECT_EQ(comm->counters().bytes(CommOp::AllReduce), 2 * allreduce_bytes(n, 12 * n));
-      EXPECT_EQ(comm->counters().calls(CommOp::AllReduce), n > 1 ? 2 : 0);
-      if (n == 4) {
-        EXPECT_EQ(comm->counters().bytes(CommOp::AllReduce), 2 * 72);
+      if (gloo_in_use()) {
+        // counted as two all-reduces of S = 12 n bytes (the Gloo fallback), never as reduce-scatter
+        EXPECT_EQ(comm->counters().bytes(CommOp::ReduceScatter), 0);
+        EXPECT_EQ(comm->counters().calls(CommOp::ReduceScatter), 0);
+        EXPECT_EQ(comm->counters().bytes(CommOp::AllReduce), 2 * allreduce_bytes(n, 12 * n));
+        EXPECT_EQ(comm->counters().calls(CommOp::AllReduce), n > 1 ? 2 : 0);
+        if (n == 4) {
+          EXPECT_EQ(comm->counters().bytes(CommOp::AllReduce), 2 * 72);
+        }
+      } else {  // a native reduce-scatter: (N-1)/N of the input
+        EXPECT_EQ(comm->counters().bytes(CommOp::ReduceScatter), 2 * gather_bytes(n, 12 * n));
+        EXPECT_EQ(comm->counters().calls(CommOp::ReduceScatter), n > 1 ? 2 : 0);
+        EXPECT_EQ(comm->counters().bytes(CommOp::AllReduce), 0);
       }
     });
   }
@@ -274,22 +289,25 @@ TEST(CommunicatorTest, CountersAccumulateAcrossOpsAndReset) {
     at::Tensor out = at::empty({32});
     comm2->allgather_flat(out, t, "g").wait();             // 3/4*128 = 96
     at::Tensor rs = at::empty({2});
-    comm->reduce_scatter_flat(rs, t, Reduction::Sum, "rs").wait();  // all-reduce of 32: 48
+    // Gloo: an all-reduce of 32 bytes (48); natively a reduce-scatter: 3/4 * 32 = 24
+    comm->reduce_scatter_flat(rs, t, Reduction::Sum, "rs").wait();
     comm->barrier("x");
     const auto snap = counters->snapshot();
     const int64_t bcast = ctx.rank == 1 ? 0 : 32, red = ctx.rank == 0 ? 0 : 32;
+    const bool gloo = gloo_in_use();
+    const int64_t rs_bytes = gloo ? 0 : 24, rs_as_allreduce = gloo ? 48 : 0;
     EXPECT_EQ(snap.bytes[static_cast<int>(CommOp::Broadcast)], bcast);
     EXPECT_EQ(snap.bytes[static_cast<int>(CommOp::Reduce)], red);
-    EXPECT_EQ(snap.bytes[static_cast<int>(CommOp::AllReduce)], 48 + 48);
+    EXPECT_EQ(snap.bytes[static_cast<int>(CommOp::AllReduce)], 48 + rs_as_allreduce);
     EXPECT_EQ(snap.bytes[static_cast<int>(CommOp::AllGather)], 96);
-    EXPECT_EQ(snap.bytes[static_cast<int>(CommOp::ReduceScatter)], 0);
+    EXPECT_EQ(snap.bytes[static_cast<int>(CommOp::ReduceScatter)], rs_bytes);
     EXPECT_EQ(snap.calls[static_cast<int>(CommOp::Broadcast)], 1);
     EXPECT_EQ(snap.calls[static_cast<int>(CommOp::Reduce)], 1);
-    EXPECT_EQ(snap.calls[static_cast<int>(CommOp::AllReduce)], 2);
+    EXPECT_EQ(snap.calls[static_cast<int>(CommOp::AllReduce)], gloo ? 2 : 1);
     EXPECT_EQ(snap.calls[static_cast<int>(CommOp::AllGather)], 1);
     EXPECT_EQ(snap.calls[static_cast<int>(CommOp::Barrier)], 1);
-    EXPECT_EQ(snap.total_bytes(), bcast + red + 96 + 96);
-    EXPECT_EQ(counters->total_bytes(), bcast + red + 96 + 96);
+    EXPECT_EQ(snap.total_bytes(), bcast + red + 48 + rs_as_allreduce + 96 + rs_bytes);
+    EXPECT_EQ(counters->total_bytes(), snap.total_bytes());
     EXPECT_EQ(&comm->counters(), &comm2->counters());
     counters->reset();
     EXPECT_EQ(counters->total_bytes(), 0);
@@ -750,6 +768,8 @@ class BootstrapTest : public ::testing::Test {
   EnvGuard local_{"LOCAL_RANK", std::nullopt};
   EnvGuard addr_{"MASTER_ADDR", std::nullopt};
   EnvGuard port_{"MASTER_PORT", std::nullopt};
+  EnvGuard agent_{"TORCHELASTIC_USE_AGENT_STORE", std::nullopt};
+  EnvGuard restarts_{"TORCHELASTIC_RESTART_COUNT", std::nullopt};
 
   std::string invalid_argument_of() {
     try {
@@ -787,6 +807,38 @@ TEST_F(BootstrapTest, ValidEnvironment) {
   EXPECT_EQ(LaunchEnv::from_environment()->master_port, 65535);
   port_.set("1");
   EXPECT_EQ(LaunchEnv::from_environment()->master_port, 1);
+}
+
+// torchrun's agent serves the store: every rank (rank 0 too) connects as a client and works under
+// "/worker/attempt_<restart count>", so keys written there by torch.distributed-style code are shared.
+TEST_F(BootstrapTest, TorchrunAgentStoreIsUsedUnderTheAttemptPrefix) {
+  const int port = [] {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+    socklen_t len = sizeof(a);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    ::close(fd);
+    return static_cast<int>(ntohs(a.sin_port));
+  }();
+  // the "agent": a TCPStore server of its own
+  StorePtr agent = make_tcp_store("127.0.0.1", port, 0, 1, std::chrono::seconds(10));
+  rank_.set("0");
+  world_.set("2");
+  port_.set(std::to_string(port));
+  agent_.set("True");
+  restarts_.set("3");
+  const auto env = LaunchEnv::from_environment();
+  ASSERT_TRUE(env.has_value());
+  EXPECT_TRUE(env->agent_store);
+  EXPECT_EQ(env->restart_count, 3);
+  StorePtr mine = make_launch_store(*env, std::chrono::seconds(10));  // rank 0 does not serve: port is taken
+  mine->set("k", std::vector<uint8_t>{7});
+  EXPECT_EQ(agent->get("/worker/attempt_3/k"), std::vector<uint8_t>{7});
+  restarts_.set("x");
+  EXPECT_NE(invalid_argument_of().find("TORCHELASTIC_RESTART_COUNT='x' is not an integer"), std::string::npos);
 }
 
 TEST_F(BootstrapTest, RankWithoutWorldSize) {
@@ -880,6 +932,65 @@ TEST_F(BootstrapTest, SingleProcessWorldWhenEnvironmentIsUnset) {
   std::filesystem::remove_all(tmp, ec);
 }
 
+// dmuon's store backend (CPU groups where LibTorch has no Gloo): rank-order sums give every rank the
+// same bits; broadcast, reduce, all-gather, reduce-scatter, scatter and barrier move the right data;
+// a peer that never arrives is an error after the timeout, not a hang.
+TEST(StoreBackendTest, CollectivesAreExactAndALostPeerTimesOut) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  constexpr int n = 3;
+  std::vector<at::Tensor> sums(n);
+  std::vector<std::string> errors(n);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < n; ++r)
+    ts.emplace_back([&, r] {
+      try {
+        CommPtr pg = make_store_process_group(store, r, n, std::chrono::milliseconds(1500));
+        EXPECT_EQ(pg->getBackendName(), "dmuon-store");
+        at::Tensor x = at::randn({1000}, at::TensorOptions().dtype(at::kFloat)).mul_(1e3 * (r + 1));
+        std::vector<at::Tensor> v{x};
+        pg->allreduce(v)->wait();
+        sums[r] = x;
+        at::Tensor b = at::full({4}, static_cast<double>(r));
+        std::vector<at::Tensor> bv{b};
+        c10d::BroadcastOptions bo;
+        bo.rootRank = 2;
+        pg->broadcast(bv, bo)->wait();
+        EXPECT_TRUE(b.equal(at::full({4}, 2.0))) << "broadcast on rank " << r;
+        at::Tensor red = at::full({2}, static_cast<double>(r + 1));
+        std::vector<at::Tensor> rv{red};
+        c10d::ReduceOptions ro;
+        ro.rootRank = 1;
+        pg->reduce(rv, ro)->wait();
+        if (r == 1) {
+          EXPECT_TRUE(red.equal(at::full({2}, 6.0)));
+        }
+        at::Tensor in = at::arange(3 * 2, at::kFloat) + 10.0 * r, out = at::empty({2});
+        c10d::ReduceScatterOptions rso;
+        rso.reduceOp = c10d::ReduceOp::AVG;
+        pg->_reduce_scatter_base(out, in, rso)->wait();
+        EXPECT_TRUE(out.allclose(at::arange(2 * r, 2 * r + 2, at::kFloat) + 10.0)) << "reduce-scatter on rank " << r;
+        at::Tensor mine = at::full({2}, static_cast<double>(r)), all = at::empty({2 * n});
+        pg->_allgather_base(all, mine)->wait();
+        EXPECT_TRUE(all.equal(at::tensor({0., 0., 1., 1., 2., 2.}, at::kFloat))) << "all-gather on rank " << r;
+        std::vector<at::Tensor> so{at::empty({2})};
+        std::vector<std::vector<at::Tensor>> si;
+        if (r == 0) si = {{at::full({2}, 5.0), at::full({2}, 6.0), at::full({2}, 7.0)}};
+        pg->scatter(so, si)->wait();
+        EXPECT_TRUE(so[0].equal(at::full({2}, 5.0 + r))) << "scatter on rank " << r;
+        pg->barrier()->wait();
+        if (r == 2) return;  // rank 2 leaves: the next collective cannot complete
+        std::vector<at::Tensor> w{at::ones({1})};
+        pg->allreduce(w)->wait();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : ts) t.join();
+  for (int r = 1; r < n; ++r) EXPECT_TRUE(sums[r].equal(sums[0])) << "rank " << r << " summed other bits";
+  EXPECT_TRUE(errors[2].empty()) << errors[2];
+  for (int r = 0; r < 2; ++r) EXPECT_FALSE(errors[r].empty()) << "rank " << r << " did not time out";
+}
+
 TEST_F(BootstrapTest, BackendAvailability) {
   EXPECT_TRUE(process_group_available(c10::DeviceType::CPU));
   EXPECT_FALSE(process_group_available(c10::DeviceType::Meta));
@@ -895,7 +1006,7 @@ TEST_F(BootstrapTest, BackendAvailability) {
   CommPtr pg = process_group_factory(c10::DeviceType::CPU)(store, 0, 1, 30s);
   ASSERT_TRUE(pg);
   EXPECT_EQ(pg->getSize(), 1);
-  EXPECT_EQ(pg->getBackendName(), "gloo");
+  EXPECT_EQ(pg->getBackendName(), gloo_in_use() ? "gloo" : "dmuon-store");
   pg.reset();
   store.reset();
   std::error_code ec;

@@ -4,6 +4,7 @@
 set -euo pipefail
 BUILD_DIR="$1"
 SRC_DIR="$2"
+EXTRA_PREFIX="${3:-}"  # the build's CMAKE_PREFIX_PATH (e.g. a pip LibTorch)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cmake --install "$BUILD_DIR" --prefix "$work/prefix" >/dev/null
@@ -28,6 +29,6 @@ int main() {
   return 0;
 }
 CPP
-cmake -S "$work/consumer" -B "$work/consumer/b" -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake -S "$work/consumer" -B "$work/consumer/b" -DCMAKE_PREFIX_PATH="$work/prefix${EXTRA_PREFIX:+;$EXTRA_PREFIX}" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$work/consumer/b" >/dev/null
 "$work/consumer/b/consumer"

@@ -10,6 +10,7 @@
 #include <torch/optim/schedulers/step_lr.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -22,6 +23,7 @@
 #include "dmuon/bootstrap.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"
+#include "dmuon/host_sync.h"
 #include "dmuon/muon.h"
 #include "dmuon/newton_schulz.h"
 #include "model/gpt.h"
@@ -416,6 +418,85 @@ TEST(RuntimeTest, GetOwnedParamsPartitionsTheMatrices) {
     EXPECT_EQ(owners.size(), 14u);
     for (const auto& [n, c] : owners) EXPECT_EQ(c, 1) << n << " has " << c << " owners";
   }
+}
+
+// No host synchronisation per parameter: backward and step() read device values on the host a
+// fixed number of times per step (all has-gradient flags in one read, the finiteness of all owned
+// Muon gradients in one read), however many parameters the model has, on every route and mesh.
+TEST(RuntimeTest, HostReadsPerStepDoNotGrowWithTheParameterCount) {
+  struct Case {
+    std::string label;
+    int world, replicate;
+    bool sharded, ddp;
+  };
+  for (const Case& c : {Case{"N2", 2, 1, false, false}, Case{"N2 sharded", 2, 1, true, false},
+                        Case{"HSDP 2x2", 4, 2, false, false}, Case{"DDP path", 2, 1, false, true}}) {
+    std::map<int, std::vector<int64_t>> reads;  // layers -> per rank
+    std::mutex mu;
+    for (const int layers : {1, 4}) {
+      testing::run_ranks(c.world, [&](testing::RankContext& ctx) {
+        const GPTConfig cfg = small_config(layers);
+        GPT m(cfg);
+        auto mesh = make_mesh(ctx, std::chrono::seconds(60), c.replicate);
+        DistConfig dc;
+        dc.world = c.world;
+        dc.replicate = c.replicate;
+        dc.sharded = c.sharded;
+        dc.ddp = c.ddp;
+        testing::dedicate_gpt(m, mesh, dc);
+        Muon opt(m.ptr(), testing::muon_options(TrainConfig{}));
+        const auto batches = make_batches(3, 8, 8, cfg.vocab_size, 3);
+        int64_t most = 0;
+        for (const auto& tokens : batches) {
+          const int64_t before = host_sync_count();
+          opt.zero_grad();
+          m->loss(tokens.narrow(0, ctx.rank * (8 / c.world), 8 / c.world)).backward();
+          opt.step();
+          most = std::max(most, host_sync_count() - before);
+        }
+        std::lock_guard<std::mutex> g(mu);
+        reads[layers].push_back(most);
+      });
+    }
+    for (const int layers : {1, 4})
+      for (const int64_t n : reads[layers]) EXPECT_LE(n, 2) << c.label << ", " << layers << " layer(s)";
+    EXPECT_EQ(*std::max_element(reads[1].begin(), reads[1].end()), *std::max_element(reads[4].begin(), reads[4].end()))
+        << c.label << ": host reads grow with the number of parameters";
+  }
+}
+
+// NaN in a gradient: every owner of a non-finite matrix stops with an error naming it, before any
+// weight changes.
+TEST(RuntimeTest, NonFiniteMuonGradientIsAnErrorNamingTheMatrix) {
+  testing::run_ranks(2, [](testing::RankContext& ctx) {
+    const GPTConfig cfg = small_config(1);
+    GPT m(cfg);
+    auto mesh = make_mesh(ctx);
+    DistConfig dc;
+    dc.pack_small_params = false;
+    testing::dedicate_gpt(m, mesh, dc);
+    Muon opt(m.ptr(), testing::muon_options(TrainConfig{}));
+    const auto tokens = make_batches(1, 4, 8, cfg.vocab_size, 3)[0];
+    m->loss(tokens.narrow(0, ctx.rank * 2, 2)).backward();
+    prepare_muon_grads(*m);
+    std::map<std::string, at::Tensor> before;
+    for (const auto& d : get_dedicated_params(*m))
+      if (d.is_owner) {
+        before[d.name] = d.param.detach().clone();
+        if (d.name == "layers.0.k_proj.weight") d.param.grad()[0][0] = std::nan("");
+      }
+    const bool owns_k = before.count("layers.0.k_proj.weight") > 0;
+    const std::string err = error_of([&] { opt.step(); });
+    if (owns_k) {
+      testing::expect(err.find("gradient of 'layers.0.k_proj.weight'") != std::string::npos &&
+                          err.find("NaN or Inf") != std::string::npos && err.find("rank ") != std::string::npos,
+                      "unexpected message: " + err);
+      for (const auto& d : get_dedicated_params(*m))
+        if (d.is_owner) testing::expect(d.param.equal(before.at(d.name)), d.name + " changed before the error");
+    } else {
+      testing::expect(err.empty(), "a rank without the NaN matrix failed: " + err);
+    }
+  });
 }
 
 TEST(RuntimeTest, EquivalenceWithLrSchedulerAndPackedUnits) {

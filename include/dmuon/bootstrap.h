@@ -19,26 +19,50 @@ struct LaunchEnv {
   int local_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  // torchrun (elastic agent) with TORCHELASTIC_USE_AGENT_STORE=True: the agent already serves the
+  // TCPStore at MASTER_ADDR:MASTER_PORT, every rank connects as a client and works under the prefix
+  // "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>" (a restarted job starts from fresh keys).
+  bool agent_store = false;
+  int restart_count = 0;
   // nullopt when RANK/WORLD_SIZE are unset; throws std::invalid_argument naming the variable when
   // a value is malformed (non-numeric, rank outside [0, world), port outside [1, 65535]).
   static std::optional<LaunchEnv> from_environment();
 };
 
-// TCPStore: rank 0 serves, the others connect (retrying until `timeout`).
+// TCPStore: rank 0 serves, the others connect (retrying until `timeout`); with `serve = false`
+// every rank connects (a launcher serves it).
 StorePtr make_tcp_store(const std::string& host, int port, int rank, int world_size,
-                        std::chrono::milliseconds timeout = kDefaultCollectiveTimeout);
+                        std::chrono::milliseconds timeout = kDefaultCollectiveTimeout, bool serve = true);
+// The store a launch environment describes: the TCPStore at MASTER_ADDR:MASTER_PORT, served by rank
+// 0 or (agent_store) by torchrun's agent under its attempt prefix.
+StorePtr make_launch_store(const LaunchEnv& env, std::chrono::milliseconds timeout = kDefaultCollectiveTimeout);
 // FileStore at `path` (use a fresh path per job: a file left by a crashed run reads as live state).
 StorePtr make_file_store(const std::string& path, int world_size);
 
-// Whether this build can create a group for the device type (Gloo: CPU, NCCL: CUDA).
+// Whether this build can create a group for the device type (CPU: always, Gloo or the store
+// backend; CUDA: NCCL).
 bool process_group_available(c10::DeviceType device);
-// A concrete group over `store`. CPU -> Gloo on `hostname` (127.0.0.1 by default), CUDA -> NCCL.
-// Throws with the reason when the backend is not compiled in.
+// Whether CPU groups can be Gloo: this LibTorch has Gloo and its headers were found at build time
+// (Debian's libtorch-dev + libgloo-dev; not PyPI's wheels).
+bool gloo_available();
+// dmuon's store backend: the collectives dmuon uses, exchanged through `store`, executed in issue
+// order on one worker thread per group. For CPU tensors where Gloo is missing; correct and
+// deterministic (rank-order sums), not fast. make_process_group(CPU) uses it when Gloo is not
+// available or DMUON_CPU_BACKEND=store.
+CommPtr make_store_process_group(const StorePtr& store, int rank, int size,
+                                 std::chrono::milliseconds timeout = kDefaultCollectiveTimeout);
+// CUDA: the priority of the group's NCCL stream. Collectives run on the group's own stream, ordered
+// against compute by events (Work::wait makes the current stream wait; the host never blocks).
+enum class StreamPriority { High, Normal };
+// A concrete group over `store`. CPU -> Gloo on `hostname` (127.0.0.1 by default; the store backend
+// where Gloo is missing or DMUON_CPU_BACKEND=store), CUDA -> NCCL. Throws with the reason when the
+// backend is not compiled in.
 CommPtr make_process_group(const StorePtr& store, int rank, int size, c10::DeviceType device,
                            std::chrono::milliseconds timeout = kDefaultCollectiveTimeout,
-                           const std::string& hostname = "127.0.0.1");
+                           const std::string& hostname = "127.0.0.1", StreamPriority priority = StreamPriority::High);
 // The factory Mesh uses to build its own (isolated) groups for `device`.
-ProcessGroupFactory process_group_factory(c10::DeviceType device, const std::string& hostname = "127.0.0.1");
+ProcessGroupFactory process_group_factory(c10::DeviceType device, const std::string& hostname = "127.0.0.1",
+                                          StreamPriority priority = StreamPriority::High);
 
 // Everything a rank needs: the store, the world group and a 1-D mesh over it.
 struct Bootstrap {

@@ -18,6 +18,7 @@ std::string ns_kernel();                    // DMUON_NS_KERNEL: "auto" | "cublas
 std::string process_group_policy();         // DMUON_PROCESS_GROUP_POLICY: "isolated" | "shared"
 bool isolated_pg_barrier();                 // DMUON_ISOLATED_PG_BARRIER=1: strict post-step fence
 bool record_forward_profile();              // DMUON_RECORD_FORWARD_PROFILE=1
+std::string cpu_backend();                  // DMUON_CPU_BACKEND: "gloo" | "store" (CPU process groups)
 
 // Parses a boolean flag value ("1", "0", "true", "false", "on", "off", "yes", "no", any case).
 // Throws std::invalid_argument naming `var` and the value when it is none of those.

@@ -30,6 +30,10 @@ struct MeshOptions {
   std::string process_group_policy;  // "" = DMUON_PROCESS_GROUP_POLICY, else "isolated"
   StorePtr store;                    // required for "isolated" and for R > 1
   ProcessGroupFactory factory;       // required for "isolated" and for R > 1
+  // HSDP: the replicate groups' factory (unset: `factory`). The CLI gives them normal-priority NCCL
+  // streams (the post-step publish overlaps the next forward), the world/shard groups high-priority
+  // ones (broadcasts and reduces sit on the critical path).
+  ProcessGroupFactory replicate_factory;
   int replicate_size = 1;            // R; world size must be a multiple of it
   std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
   std::string tag = "dmuon";         // PrefixStore namespace of dmuon's groups

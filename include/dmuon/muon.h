@@ -30,6 +30,8 @@
 
 namespace dmuon {
 
+class DedicatedState;
+
 // Options of one lowered parameter group.
 struct MuonGroupOptions : torch::optim::OptimizerCloneableOptions<MuonGroupOptions> {
   MuonGroupOptions(double lr = 0.02) : lr_(lr) {}  // ctor(double) is required by torch's serializers
@@ -134,10 +136,13 @@ class Muon : public torch::optim::Optimizer {
   void adamw_update(at::Tensor& target, const at::Tensor& g, const at::Tensor& key, at::ScalarType state_dtype,
                     const MuonGroupOptions& o);
   MuonParamState& state_for(const at::Tensor& p);
+  // NaN/Inf in any owned Muon gradient is an error naming it (one host read for all of them).
+  void check_finite_grads(const DedicatedState& state) const;
 
   std::weak_ptr<torch::nn::Module> model_;
   MuonOptions options_;
   NewtonSchulz ns_;
+  bool check_finite_ = true;  // the configured NsOptions::check_finite, applied once per step
   std::map<const c10::TensorImpl*, bool> owned_;  // dedicated params -> owned by this rank
   std::map<const c10::TensorImpl*, int> sharded_;  // sharded_adamw params -> index in the runtime state
   StepProfile last_profile_;

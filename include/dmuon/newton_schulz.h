@@ -154,6 +154,9 @@ class NewtonSchulz {
   // The kernel this object will use on `device` ("cublas" or "syrk"), after auto/env resolution.
   std::string resolved_kernel(c10::DeviceType device = c10::DeviceType::CPU) const;
   const NsOptions& options() const { return opts_; }
+  // Muon checks all its gradients for NaN/Inf in one host read per step and turns the per-matrix
+  // check (one host sync per call on CUDA) off here.
+  void set_check_finite(bool on) { opts_.check_finite = on; }
   // One line naming what runs on `device`, e.g. "Gram NS · kernel=cpu-gemm" on the CPU,
   // "Gram NS · kernel=cublas" on CUDA.
   std::string describe(c10::DeviceType device = c10::DeviceType::CPU) const;

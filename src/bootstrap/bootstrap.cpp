@@ -1,8 +1,11 @@
 // The only code that names a concrete backend: Gloo (CPU tensors) and NCCL (CUDA tensors).
 #include "dmuon/bootstrap.h"
 
+#include "dmuon/env.h"
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <cstdlib>
@@ -11,7 +14,9 @@
 
 #include <unistd.h>
 
-#if __has_include(<gloo/algorithm.h>)
+// Gloo only where this LibTorch was built with it AND its headers are here: a PyPI wheel defines no
+// USE_C10D_GLOO, and Debian's gloo headers (2022) do not match the gloo inside torch 2.x.
+#if defined(USE_C10D_GLOO) && __has_include(<gloo/algorithm.h>)
 #define DMUON_HAVE_GLOO 1
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #else
@@ -65,14 +70,18 @@ std::optional<LaunchEnv> LaunchEnv::from_environment() {
   if (!port.empty()) e.master_port = parse_int("MASTER_PORT", port);
   if (e.master_port < 1 || e.master_port > 65535)
     throw std::invalid_argument("MASTER_PORT=" + port + " is outside [1, 65535]");
+  const std::string agent = getenv_str("TORCHELASTIC_USE_AGENT_STORE");
+  e.agent_store = agent == "True" || agent == "true" || agent == "1";
+  const std::string restarts = getenv_str("TORCHELASTIC_RESTART_COUNT");
+  e.restart_count = restarts.empty() ? 0 : parse_int("TORCHELASTIC_RESTART_COUNT", restarts);
   return e;
 }
 
 StorePtr make_tcp_store(const std::string& host, int port, int rank, int world_size,
-                        std::chrono::milliseconds timeout) {
+                        std::chrono::milliseconds timeout, bool serve) {
   c10d::TCPStoreOptions o;  // set field by field: the struct grew fields in 2.x
   o.port = static_cast<uint16_t>(port);
-  o.isServer = (rank == 0);
+  o.isServer = serve && rank == 0;
   o.numWorkers = static_cast<size_t>(world_size);
   o.waitWorkers = true;
   o.timeout = timeout;
@@ -81,42 +90,61 @@ StorePtr make_tcp_store(const std::string& host, int port, int rank, int world_s
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "rank ", rank, ": could not ", (rank == 0 ? "serve" : "reach"), " the TCPStore at ", host,
                 ":", port, " (", e.what(), "). ",
-                (rank == 0 ? "Is the port already in use? Pick another MASTER_PORT."
-                           : "Is rank 0 running and MASTER_ADDR/MASTER_PORT the same on every rank?"));
+                (rank == 0 && serve ? "Is the port already in use? Pick another MASTER_PORT."
+                 : serve ? "Is rank 0 running and MASTER_ADDR/MASTER_PORT the same on every rank?"
+                         : "Is the launcher's store (torchrun agent) at MASTER_ADDR:MASTER_PORT running?"));
   }
+}
+
+StorePtr make_launch_store(const LaunchEnv& env, std::chrono::milliseconds timeout) {
+  if (!env.agent_store) return make_tcp_store(env.master_addr, env.master_port, env.rank, env.world_size, timeout);
+  // torchrun's agent serves the store; its workers use the attempt's prefix, as torch.distributed does
+  StorePtr tcp = make_tcp_store(env.master_addr, env.master_port, env.rank, env.world_size, timeout, /*serve=*/false);
+  return c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(env.restart_count), tcp);
 }
 
 StorePtr make_file_store(const std::string& path, int world_size) {
   return c10::make_intrusive<c10d::FileStore>(path, world_size);
 }
 
+bool gloo_available() { return DMUON_HAVE_GLOO != 0; }
+
 bool process_group_available(c10::DeviceType device) {
-  if (device == c10::DeviceType::CPU) return DMUON_HAVE_GLOO != 0;
+  if (device == c10::DeviceType::CPU) return true;  // Gloo, or the store backend
   if (device == c10::DeviceType::CUDA) return DMUON_HAVE_NCCL != 0;
   return false;
 }
 
 CommPtr make_process_group(const StorePtr& store, int rank, int size, c10::DeviceType device,
-                           std::chrono::milliseconds timeout, const std::string& hostname) {
+                           std::chrono::milliseconds timeout, const std::string& hostname, StreamPriority priority) {
   if (device == c10::DeviceType::CPU) {
+    const std::string choice = env::cpu_backend();
+    TORCH_CHECK(choice.empty() || choice == "gloo" || choice == "store", "rank ", rank, ": DMUON_CPU_BACKEND='",
+                choice, "' is not a CPU backend; use \"gloo\" or \"store\" (or leave it unset).");
+    TORCH_CHECK(choice != "gloo" || DMUON_HAVE_GLOO, "rank ", rank, ": DMUON_CPU_BACKEND=gloo, but this dmuon build "
+                "has no Gloo (this LibTorch ships no gloo headers, e.g. a PyPI wheel). Unset it to use dmuon's "
+                "store backend, or build against Debian's libtorch-dev + libgloo-dev.");
 #if DMUON_HAVE_GLOO
-    auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
-    opts->threads = 2;
-    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
-#else
-    (void)store, (void)rank, (void)size, (void)timeout, (void)hostname;
-    TORCH_CHECK(false, "rank ", rank, ": this dmuon build has no Gloo (its headers were not found at build time), so "
-                "CPU tensors cannot be communicated. Build against a LibTorch with Gloo headers (Debian: "
-                "libgloo-dev) or keep tensors on CUDA (NCCL).");
+    if (choice != "store") {
+      auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+      opts->threads = 2;
+      return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+    }
 #endif
+    (void)hostname;
+    return make_store_process_group(store, rank, size, timeout);
   }
   if (device == c10::DeviceType::CUDA) {
 #if DMUON_HAVE_NCCL
-    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    // NCCL runs every collective on the group's own stream (high priority for the broadcasts and
+    // reduces on the critical path), makes it wait for the issuing stream with an event, and records
+    // that stream on the tensors so the caching allocator keeps them until the collective is done.
+    auto opts = c10d::ProcessGroupNCCL::Options::create(priority == StreamPriority::High);
     opts->timeout = timeout;
     return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
 #else
+    (void)priority;
     TORCH_CHECK(false, "rank ", rank, ": this dmuon build has no NCCL; CUDA tensors cannot be communicated. Build "
                 "against a CUDA LibTorch with NCCL headers on the include path.");
 #endif
@@ -125,9 +153,10 @@ CommPtr make_process_group(const StorePtr& store, int rank, int size, c10::Devic
               "and CUDA (NCCL).");
 }
 
-ProcessGroupFactory process_group_factory(c10::DeviceType device, const std::string& hostname) {
-  return [device, hostname](const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout) {
-    return make_process_group(store, rank, size, device, timeout, hostname);
+ProcessGroupFactory process_group_factory(c10::DeviceType device, const std::string& hostname,
+                                          StreamPriority priority) {
+  return [device, hostname, priority](const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout) {
+    return make_process_group(store, rank, size, device, timeout, hostname, priority);
   };
 }
 
@@ -141,7 +170,7 @@ Bootstrap bootstrap_from_environment(c10::DeviceType device, std::chrono::millis
 #if DMUON_HAVE_NCCL
     if (device == c10::DeviceType::CUDA) c10::cuda::set_device(static_cast<c10::DeviceIndex>(b.local_rank));
 #endif
-    b.store = make_tcp_store(env->master_addr, env->master_port, b.rank, b.world_size, timeout);
+    b.store = make_launch_store(*env, timeout);
   } else {
     const auto dir = std::filesystem::temp_directory_path() /
                      ("dmuon-single-" + std::to_string(::getpid()) + "-" + std::to_string(std::rand()));

@@ -56,22 +56,23 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
   // model) apart from the first; ranks create meshes in the same order, so they agree on it.
   const int64_t gen = opts.store->add(opts.tag + "/mesh_generation/rank" + std::to_string(rank), 1);
   const std::string base = opts.tag + "/g" + std::to_string(gen);
-  auto make = [&](const std::string& name, const std::vector<int>& ranks) {
+  auto make = [&](const std::string& name, const std::vector<int>& ranks, const ProcessGroupFactory& factory) {
     const int sub = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
     auto store = c10::make_intrusive<c10d::PrefixStore>(base + "/" + name, opts.store);
-    CommPtr pg = opts.factory(store, sub, static_cast<int>(ranks.size()), opts.timeout);
+    CommPtr pg = factory(store, sub, static_cast<int>(ranks.size()), opts.timeout);
     return std::make_unique<Communicator>(pg, opts.tag + "/" + name, ranks, opts.timeout, mesh->counters_);
   };
   // Same global order on every rank: world, then all shard groups, then all replicate groups
   // (each rank builds only the groups it belongs to).
-  mesh->world_ = make("world", iota_ranks(n, 0, 1));
+  mesh->world_ = make("world", iota_ranks(n, 0, 1), opts.factory);
   const int r = rank / G, s = rank % G;
   if (R == 1) {
     mesh->shard_ = std::make_unique<Communicator>(mesh->world_->process_group(), opts.tag + "/shard",
                                                   iota_ranks(n, 0, 1), opts.timeout, mesh->counters_);
   } else {
-    mesh->shard_ = make("shard" + std::to_string(r), iota_ranks(G, r * G, 1));
-    mesh->replicate_ = make("replicate" + std::to_string(s), iota_ranks(R, s, G));
+    mesh->shard_ = make("shard" + std::to_string(r), iota_ranks(G, r * G, 1), opts.factory);
+    mesh->replicate_ = make("replicate" + std::to_string(s), iota_ranks(R, s, G),
+                            opts.replicate_factory ? opts.replicate_factory : opts.factory);
   }
   return mesh;
 }

@@ -9,7 +9,12 @@
 
 #if DMUON_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/Exceptions.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
 #endif
 
 #if DMUON_HAVE_CPU_BLAS
@@ -133,8 +138,9 @@ std::string resolve_kernel_for(const std::string& requested, c10::DeviceType dev
     return env;
   }
   // Measured (docs/PERF.md): the plain GEMM path is at least as fast as SYRK + mirror on the
-  // CPU BLAS this project builds with, and on CUDA the default compute dtype (fp16) has no cuBLAS
-  // SYRK. So "auto" is the plain path everywhere; "syrk" is opt-in.
+  // CPU BLAS this project builds with, and on CUDA the default compute dtypes (bf16/fp16) have no
+  // cuBLAS SYRK. So "auto" names the plain path; on CUDA resolve_kernel then measures both kernels
+  // per shape where SYRK can run (fp32/fp64) and keeps the faster.
   (void)device;
   return "cublas";
 }
@@ -145,8 +151,50 @@ std::string kernel_label(const std::string& kernel, c10::DeviceType device) {
   return cuda ? "cublas" : "cpu-gemm";  // "cublas" is the seed's name for the plain-GEMM path
 }
 
+#if DMUON_WITH_CUDA
+namespace {
+// "auto" on CUDA, where SYRK can run (fp32/fp64 Gram products): time both kernels once per device,
+// shape and dtype (CUDA events on the current stream, best of 3 after a warm-up) and keep the faster.
+// One host wait per new shape, never again for it.
+std::string measured_cuda_choice(const at::Tensor& X) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int64_t, int64_t, int>, std::string> chosen;
+  const auto key = std::make_tuple(static_cast<int>(X.device().index()), X.size(0), X.size(1),
+                                   static_cast<int>(X.scalar_type()));
+  {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = chosen.find(key);
+    if (it != chosen.end()) return it->second;
+  }
+  auto best_ms = [&](const std::string& kernel) {
+    (void)gram(X, kernel);  // warm-up (cuBLAS heuristics, allocator)
+    float best = 1e30f;
+    for (int r = 0; r < 3; ++r) {
+      at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+      const auto stream = at::cuda::getCurrentCUDAStream();
+      start.record(stream);
+      (void)gram(X, kernel);
+      stop.record(stream);
+      stop.synchronize();
+      best = std::min(best, start.elapsed_time(stop));
+    }
+    return best;
+  };
+  const std::string k = best_ms("syrk") < best_ms("cublas") ? "syrk" : "cublas";
+  std::lock_guard<std::mutex> g(mu);
+  chosen.emplace(key, k);
+  return k;
+}
+}  // namespace
+#endif
+
 std::string resolve_kernel(const std::string& requested, const at::Tensor& X) {
   std::string k = resolve_kernel_for(requested, X.device().type());
+#if DMUON_WITH_CUDA
+  const std::string env = env::ns_kernel();
+  if (requested == "auto" && (env.empty() || env == "auto") && X.is_cuda() && syrk_supports(X))
+    k = measured_cuda_choice(X);
+#endif
   if (k == "syrk" && !syrk_supports(X)) k = "cublas";
   return k;
 }

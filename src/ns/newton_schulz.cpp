@@ -2,6 +2,8 @@
 // The math follows shared/docs/NEWTON_SCHULZ.md; see include/dmuon/newton_schulz.h for contracts.
 #include "dmuon/newton_schulz.h"
 
+#include "dmuon/host_sync.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -106,7 +108,7 @@ Prepared prepare(const at::Tensor& G, const NsOptions& opts, bool gram, const ch
   if (norm_allreduce) (*norm_allreduce)(sq);
   p.normalizer = sq.sqrt().add_(opts.eps);
   if (opts.check_finite) {
-    TORCH_CHECK(at::isfinite(p.normalizer).all().item<bool>(), fn,
+    TORCH_CHECK(detail::read_to_host(at::isfinite(p.normalizer).all()).item<bool>(), fn,
                 ": the input contains NaN or Inf (shape ", G.sizes(),
                 "). A non-finite gradient usually means the loss diverged; lower the learning rate, clip "
                 "gradients, or set NsOptions::check_finite=false to let NaN propagate.");

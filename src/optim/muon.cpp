@@ -168,6 +168,8 @@ Muon::Muon(const std::shared_ptr<torch::nn::Module>& model, MuonOptions options)
       model_(model),
       options_(std::move(options)),
       ns_(options_.ns ? *options_.ns : NewtonSchulz(options_.ns_backend)) {
+  check_finite_ = ns_.options().check_finite;
+  ns_.set_check_finite(false);  // checked for all matrices at once in step()
   auto state = detail::state_of_model(model.get());
   require_replicated(*model, *state);
   for (const auto& e : state->params) owned_[e.param.unsafeGetTensorImpl()] = e.is_owner;
@@ -247,6 +249,7 @@ at::Tensor Muon::step(LossClosure closure) {
   const auto t_start = std::chrono::steady_clock::now();
   state->prepare_grads();
   prof.prepare_ms = elapsed_ms(t_start);
+  if (check_finite_) check_finite_grads(*state);
   const bool log_first = options_.first_step_progress_log && steps_ == 0;
   for (auto& group : param_groups_) {
     const auto& o = static_cast<const MuonGroupOptions&>(group.options());
@@ -312,6 +315,25 @@ void Muon::zero_grad(bool set_to_none) {
         p.mutable_grad().zero_();
       }
     }
+}
+
+void Muon::check_finite_grads(const DedicatedState& state) const {
+  std::vector<at::Tensor> finite;
+  std::vector<const ParamEntry*> which;
+  for (const auto& e : state.params)
+    if (e.is_owner && e.param.grad().defined()) {
+      finite.push_back(at::isfinite(e.param.grad()).all());
+      which.push_back(&e);
+    }
+  if (finite.empty()) return;
+  const at::Tensor host = detail::read_to_host(at::stack(finite));
+  const bool* ok = host.data_ptr<bool>();
+  for (size_t i = 0; i < which.size(); ++i)
+    TORCH_CHECK(ok[i], "rank ", state.mesh->global_rank(), ": Muon::step: the averaged gradient of '", which[i]->name,
+                "' (shape ", at::IntArrayRef(which[i]->shape), ") contains NaN or Inf, so Newton-Schulz cannot "
+                "orthogonalise it. A non-finite gradient usually means the loss diverged: lower the learning "
+                "rate or clip gradients; or pass MuonOptions::ns a NewtonSchulz with set_check_finite(false) to let "
+                "NaN propagate.");
 }
 
 StepProfile Muon::consume_last_step_profile() {

@@ -33,6 +33,7 @@ std::string owner_cost_model() { return get("DMUON_OWNER_COST_MODEL"); }
 std::optional<bool> hsdp_column_balance() { return get_bool("DMUON_HSDP_COLUMN_BALANCE"); }
 std::optional<bool> pack_small_params() { return get_bool("DMUON_OWNER_PACK_SMALL_PARAMS"); }
 std::string ns_kernel() { return get("DMUON_NS_KERNEL"); }
+std::string cpu_backend() { return get("DMUON_CPU_BACKEND"); }
 std::string process_group_policy() { return get("DMUON_PROCESS_GROUP_POLICY"); }
 bool isolated_pg_barrier() { return get_bool("DMUON_ISOLATED_PG_BARRIER").value_or(false); }
 bool record_forward_profile() { return get_bool("DMUON_RECORD_FORWARD_PROFILE").value_or(false); }

@@ -294,11 +294,14 @@ void DedicatedState::finish_sharded(ShardedEntry& e) {
   at::NoGradGuard ng;
   const at::Tensor avg =
       e.rs_out.narrow(0, 0, e.shard_len).to(e.shard.scalar_type()).div(static_cast<double>(mesh->world_size()));
-  if (!e.grad_sum.defined())
+  const at::Tensor flag = e.rs_out.narrow(0, e.shard_len, 1).to(e.shard.scalar_type());
+  if (!e.grad_sum.defined()) {
     e.grad_sum = avg;
-  else
+    e.grad_flag = flag;
+  } else {
     e.grad_sum.add_(avg);
-  if (e.rs_out[e.shard_len].item<double>() > 0) e.has_grad = true;
+    e.grad_flag.add_(flag);
+  }
   e.rs_in = at::Tensor();
   e.rs_out = at::Tensor();
 }
@@ -399,14 +402,15 @@ void DedicatedState::fold_into_sum(PackedBuffer& buf, double divisor) {
   at::NoGradGuard ng;
   // averaged and accumulated in the master dtype (the optimizer's input)
   const at::Tensor avg = buf.grad_payload.narrow(0, 0, buf.numel).to(buf.prec.master).div(divisor);
+  const at::Tensor flags =
+      buf.grad_payload.narrow(0, buf.numel, static_cast<int64_t>(buf.params.size())).to(buf.prec.master);
   if (!buf.reduced_sum.defined()) {
     buf.reduced_sum = avg;
-    buf.reduced_has.assign(buf.params.size(), false);
+    buf.reduced_flags = flags;
   } else {
     buf.reduced_sum.add_(avg);
+    buf.reduced_flags.add_(flags);
   }
-  for (size_t k = 0; k < buf.params.size(); ++k)
-    if (buf.grad_payload[buf.numel + static_cast<int64_t>(k)].item<double>() > 0) buf.reduced_has[k] = true;
   buf.grad_payload = at::Tensor();
 }
 
@@ -468,21 +472,42 @@ void DedicatedState::prepare_grads() {
   for (auto& B : boundaries)
     for (auto& buf : B.buffers) finish_stage1(buf);
   for (auto& B : boundaries)
+    for (auto& buf : B.buffers) finish_stage2(buf);
+  for (auto& e : sharded) finish_sharded(e);
+  fold_replicated();
+  // Which parameters got a gradient on some rank: every has-gradient flag of this rank's sums in
+  // one device-to-host read per step (not one per parameter), in a fixed order.
+  std::vector<at::Tensor> parts;
+  for (auto& B : boundaries)
+    for (auto& buf : B.buffers)
+      if (buf.is_owner && buf.reduced_sum.defined()) parts.push_back(buf.reduced_flags.to(at::kFloat));
+  for (auto& e : sharded)
+    if (e.grad_flag.defined()) parts.push_back(e.grad_flag.to(at::kFloat));  // not yet read
+  if (replicated)
+    for (auto& f : replicated->flags)
+      if (f.defined()) parts.push_back(f.to(at::kFloat));
+  if (parts.empty()) return;
+  const at::Tensor host = detail::read_to_host(at::cat(parts));
+  const float* flag = host.data_ptr<float>();
+  for (auto& B : boundaries)
     for (auto& buf : B.buffers) {
-      finish_stage2(buf);
       if (!buf.is_owner || !buf.reduced_sum.defined()) continue;
       for (size_t k = 0; k < buf.params.size(); ++k) {
         auto& e = params[buf.params[k]];
-        if (buf.reduced_has[k])
+        if (*flag++ > 0)
           e.param.mutable_grad() = buf.reduced_sum.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes());
         else
           e.param.mutable_grad() = at::Tensor();  // no rank produced a gradient
       }
       buf.reduced_sum = at::Tensor();
-      buf.reduced_has.clear();
+      buf.reduced_flags = at::Tensor();
     }
-  for (auto& e : sharded) finish_sharded(e);
-  wait_replicated();
+  for (auto& e : sharded) {
+    if (!e.grad_flag.defined()) continue;  // read by an earlier prepare_grads (or no gradient)
+    e.has_grad = *flag++ > 0;
+    e.grad_flag = at::Tensor();
+  }
+  install_replicated(flag);
 }
 
 void DedicatedState::discard_grads() {
@@ -497,7 +522,7 @@ void DedicatedState::discard_grads() {
         }
       buf.grad_payload = at::Tensor();
       buf.reduced_sum = at::Tensor();
-      buf.reduced_has.clear();
+      buf.reduced_flags = at::Tensor();
     }
   for (auto& e : sharded) {
     if (e.rs_issued) e.rs.wait();
@@ -505,6 +530,7 @@ void DedicatedState::discard_grads() {
     e.rs_issued = false;
     e.rs_in = e.rs_out = at::Tensor();
     e.grad_sum = at::Tensor();
+    e.grad_flag = at::Tensor();
     e.has_grad = false;
   }
   discard_replicated();

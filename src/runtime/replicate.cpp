@@ -121,7 +121,7 @@ void DedicatedState::fold_replicated() {
   const double world = mesh->world_size();
   if (rep.sums.empty()) {
     rep.sums.resize(rep.buckets.size());
-    rep.has.resize(rep.buckets.size());
+    rep.flags.resize(rep.buckets.size());
   }
   for (size_t bi = 0; bi < rep.buckets.size(); ++bi) {
     rep.pending[bi].wait();
@@ -129,31 +129,30 @@ void DedicatedState::fold_replicated() {
     const at::Tensor& payload = rep.payloads[bi];
     const int64_t n = payload.numel() - np;
     const at::Tensor avg = payload.narrow(0, 0, n).to(rep.bucket_prec[bi].master).div(world);
+    const at::Tensor flags = payload.narrow(0, n, np).to(rep.bucket_prec[bi].master);
     if (!rep.sums[bi].defined()) {
       rep.sums[bi] = avg;
-      rep.has[bi].assign(static_cast<size_t>(np), false);
+      rep.flags[bi] = flags;
     } else {
       rep.sums[bi].add_(avg);
+      rep.flags[bi].add_(flags);
     }
-    for (int64_t k = 0; k < np; ++k)
-      if (payload[n + k].item<double>() > 0) rep.has[bi][static_cast<size_t>(k)] = true;
   }
   rep.payloads.clear();
   rep.pending.clear();
   rep.issued = false;
 }
 
-void DedicatedState::wait_replicated() {
+void DedicatedState::install_replicated(const float*& flag) {
   if (!replicated) return;
   auto& rep = *replicated;
-  fold_replicated();
   if (rep.sums.empty()) return;
   for (size_t bi = 0; bi < rep.buckets.size(); ++bi) {
     if (!rep.sums[bi].defined()) continue;
     int64_t off = 0;
     for (size_t k = 0; k < rep.buckets[bi].size(); ++k) {
       auto& p = rep.params[rep.buckets[bi][k]];
-      if (rep.has[bi][k])
+      if (*flag++ > 0)
         p.mutable_grad() = rep.sums[bi].narrow(0, off, p.numel()).view(p.sizes());
       else
         p.mutable_grad() = at::Tensor();
@@ -161,7 +160,7 @@ void DedicatedState::wait_replicated() {
     }
   }
   rep.sums.clear();
-  rep.has.clear();
+  rep.flags.clear();
 }
 
 void DedicatedState::discard_replicated() {
@@ -172,7 +171,7 @@ void DedicatedState::discard_replicated() {
   rep.payloads.clear();
   rep.issued = false;
   rep.sums.clear();
-  rep.has.clear();
+  rep.flags.clear();
 }
 
 void replicate(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh, double bucket_mb) {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "dmuon/communicator.h"
+#include "dmuon/host_sync.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/mesh.h"
 #include "dmuon/owner_plan.h"
@@ -69,9 +70,10 @@ struct PackedBuffer {
   Pending stage2;                    // stage 2 (HSDP): over the replicate group to the global owner
   bool stage2_issued = false;
   std::vector<Pending> publish;      // HSDP post-step publish over the replicate group (chunks)
-  // root: sum over backward passes (gradient accumulation) of the averaged gradients
+  // root: sum over backward passes (gradient accumulation) of the averaged gradients, and per param
+  // the summed has-gradient flags (kept on the device: read once per step, in prepare_grads)
   at::Tensor reduced_sum;
-  std::vector<bool> reduced_has;
+  at::Tensor reduced_flags;
   int64_t bytes() const { return numel * flat.element_size(); }
 };
 
@@ -99,7 +101,8 @@ struct ShardedEntry {
   Pending rs;
   bool rs_issued = false;
   at::Tensor grad_sum;              // averaged shard gradient, summed over backward passes
-  bool has_grad = false;
+  at::Tensor grad_flag;             // [1] summed has-gradient flags (device), read in prepare_grads
+  bool has_grad = false;            // set by prepare_grads: some rank produced a gradient
   bool accumulated = false;
   std::shared_ptr<torch::autograd::Node> grad_acc;
 };
@@ -152,7 +155,7 @@ struct ReplicatedParams {
   std::vector<Pending> pending;
   bool issued = false;
   std::vector<at::Tensor> sums;      // per bucket: sum over backward passes of averaged grads
-  std::vector<std::vector<bool>> has;
+  std::vector<at::Tensor> flags;     // per bucket: summed has-gradient flags (device)
 };
 
 class DedicatedState {
@@ -184,7 +187,9 @@ class DedicatedState {
   // ---- replicated params (replicate.cpp) ----
   void setup_replicate(double bucket_mb);
   void flush_replicated();  // end of backward: issue the coalesced all-reduces (async)
-  void wait_replicated();   // before step: wait them and install the averaged gradients
+  // prepare_grads: install the averaged gradients; `flag` walks the host copy of the buckets'
+  // has-gradient flags (advanced past them)
+  void install_replicated(const float*& flag);
   void discard_replicated();  // zero_grad: wait them and drop the result
 
   std::weak_ptr<torch::nn::Module> model;

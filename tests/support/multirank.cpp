@@ -9,7 +9,10 @@
 #include <thread>
 #include <vector>
 
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
 #include "dmuon/bootstrap.h"
+#include "dmuon/env.h"
 
 namespace dmuon::testing {
 
@@ -24,6 +27,10 @@ std::string fresh_temp_dir(const std::string& prefix) {
 void run_ranks(int world, const std::function<void(RankContext&)>& fn, std::chrono::milliseconds timeout) {
   const std::string dir = fresh_temp_dir("dmuon-store");
   const std::string path = dir + "/store";
+  // dmuon's store backend (no Gloo in this LibTorch, or DMUON_CPU_BACKEND=store) moves every payload
+  // through the store: one in-memory HashStore shared by the rank threads keeps that fast.
+  const StorePtr shared =
+      gloo_available() && env::cpu_backend() != "store" ? StorePtr() : StorePtr(c10::make_intrusive<c10d::HashStore>());
   std::vector<std::thread> threads;
   std::mutex mu;
   std::string first_error;
@@ -33,7 +40,7 @@ void run_ranks(int world, const std::function<void(RankContext&)>& fn, std::chro
         RankContext ctx;
         ctx.rank = r;
         ctx.world = world;
-        ctx.store = make_file_store(path, world);
+        ctx.store = shared ? shared : make_file_store(path, world);
         ctx.pg = make_process_group(ctx.store, r, world, c10::DeviceType::CPU, timeout);
         fn(ctx);
       } catch (const std::exception& e) {

@@ -1,4 +1,5 @@
-// Test support: N ranks as threads of one process, Gloo on 127.0.0.1 over a fresh FileStore.
+// Test support: N ranks as threads of one process, Gloo on 127.0.0.1 over a fresh FileStore (or,
+// without Gloo, dmuon's store backend over one shared in-memory HashStore).
 #pragma once
 
 #include <chrono>

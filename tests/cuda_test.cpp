@@ -1,0 +1,161 @@
+// The CUDA path: Newton-Schulz in the seed's GPU precisions against the float64 reference, the
+// "auto" kernel, one-GPU training (NCCL, world size 1) against single-process CPU training, and the
+// host reads per step. Built in every configuration; on a machine without a CUDA device (or a
+// CPU-only LibTorch) every test skips, saying why. scripts/gpu_check.sh runs it on the GPU machine.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "dmuon/bootstrap.h"
+#include "dmuon/dedicate.h"
+#include "dmuon/host_sync.h"
+#include "dmuon/muon.h"
+#include "dmuon/newton_schulz.h"
+#include "model/gpt.h"
+#include "support/multirank.h"
+#include "support/training.h"
+
+namespace dmuon {
+namespace {
+
+#define DMUON_REQUIRE_CUDA()                                                                          \
+  do {                                                                                                \
+    if (!DMUON_WITH_CUDA) GTEST_SKIP() << "this dmuon build has no CUDA (CPU LibTorch)";             \
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";                             \
+  } while (0)
+
+const at::Device kGpu(at::kCUDA, 0);
+
+// U f(S) V^T of the float64 SVD: what NS with these coefficients converges to (NEWTON_SCHULZ.md §8).
+at::Tensor reference_ns(const at::Tensor& G, const Coefficients& coeffs) {
+  const at::Tensor g = G.to(at::kDouble).cpu();
+  auto [U, S, Vh] = at::linalg_svd(g, /*full_matrices=*/false);
+  at::Tensor x = S / (g.norm().item<double>() + kDefaultNsEps);
+  for (const auto& [a, b, c] : coeffs) {
+    const at::Tensor x2 = x * x;
+    x = x * (a + b * x2 + c * x2 * x2);
+  }
+  return at::matmul(U * x.unsqueeze(-2), Vh);
+}
+
+double rel(const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor A = a.to(at::kDouble).cpu(), B = b.to(at::kDouble).cpu();
+  return (A - B).norm().item<double>() / B.norm().item<double>();
+}
+
+// 1 - <G, W> / |G|_*: how far W is from the polar factor in the nuclear-norm sense.
+double nuclear_gap(const at::Tensor& G, const at::Tensor& W) {
+  const at::Tensor g = G.to(at::kDouble).cpu();
+  return 1.0 - (g * W.to(at::kDouble).cpu()).sum().item<double>() / at::linalg_svdvals(g).sum().item<double>();
+}
+
+struct Shape {
+  int64_t m, n;
+};
+const std::vector<Shape> kShapes = {{1024, 4096}, {4096, 1024}, {2048, 2048}};
+
+TEST(CudaTest, DirectNsInBf16WithinTheHalfPrecisionBound) {
+  DMUON_REQUIRE_CUDA();
+  at::manual_seed(1);
+  for (const auto& s : kShapes) {
+    const at::Tensor G = at::randn({s.m, s.n}, at::TensorOptions().device(kGpu));
+    const at::Tensor W = direct_newton_schulz(G.to(at::kBFloat16));  // default on CUDA: bf16 compute
+    ASSERT_TRUE(W.is_cuda());
+    EXPECT_EQ(W.scalar_type(), at::kBFloat16);
+    const at::Tensor ref = reference_ns(G, POLAR_EXPRESS_COEFFICIENTS);
+    EXPECT_TRUE(at::isfinite(W).all().item<bool>());
+    EXPECT_LE(rel(W, ref), 5e-2) << s.m << "x" << s.n;  // §8: bf16 direct <= 5e-2 Gaussian
+    EXPECT_LE(std::abs(nuclear_gap(G, W) - nuclear_gap(G, ref)), 5e-3) << s.m << "x" << s.n;
+  }
+}
+
+TEST(CudaTest, GramNsInFp16WithRestartsWithinTheHalfPrecisionBound) {
+  DMUON_REQUIRE_CUDA();
+  at::manual_seed(2);
+  for (const auto& s : kShapes) {
+    const at::Tensor G = at::randn({s.m, s.n}, at::TensorOptions().device(kGpu));
+    NsOptions o;
+    o.force_gram = true;  // square shapes would dispatch to the direct form
+    const at::Tensor W = gram_newton_schulz(G, o);  // default on CUDA: fp16 Gram, restarts {2}
+    ASSERT_TRUE(W.is_cuda());
+    const at::Tensor ref = reference_ns(G, POLAR_EXPRESS_COEFFICIENTS);
+    EXPECT_TRUE(at::isfinite(W).all().item<bool>());
+    EXPECT_LE(rel(W, ref), 1e-2) << s.m << "x" << s.n;  // §8: fp16 Gram[2] <= 1e-2 Gaussian
+    EXPECT_LE(std::abs(nuclear_gap(G, W) - nuclear_gap(G, ref)), 5e-3) << s.m << "x" << s.n;
+  }
+}
+
+TEST(CudaTest, Float64NsOnTheGpuEqualsTheReference) {
+  DMUON_REQUIRE_CUDA();
+  at::manual_seed(3);
+  const at::Tensor G = at::randn({512, 2048}, at::TensorOptions().device(kGpu).dtype(at::kDouble));
+  const at::Tensor ref = reference_ns(G, POLAR_EXPRESS_COEFFICIENTS);
+  EXPECT_LE(rel(direct_newton_schulz(G), ref), 1e-10);
+  EXPECT_LE(rel(gram_newton_schulz(G), ref), 1e-10);
+}
+
+// "auto" measures GEMM against SYRK per shape where SYRK can run (fp32 Gram products) and keeps one;
+// either way the result is the same NS.
+TEST(CudaTest, AutoKernelPicksAKernelPerShapeAndKeepsTheResult) {
+  DMUON_REQUIRE_CUDA();
+  at::manual_seed(4);
+  NsOptions fp32;
+  fp32.compute_dtype = at::kFloat;
+  fp32.force_gram = true;
+  for (const auto& s : kShapes) {
+    const at::Tensor G = at::randn({s.m, s.n}, at::TensorOptions().device(kGpu));
+    NsOptions a = fp32, gemm = fp32;
+    gemm.kernel = "cublas";
+    EXPECT_LE(rel(gram_newton_schulz(G, a), gram_newton_schulz(G, gemm)), 1e-4) << s.m << "x" << s.n;
+  }
+  const NewtonSchulz ns("gram");
+  EXPECT_EQ(ns.describe(c10::DeviceType::CUDA).find("cpu"), std::string::npos) << ns.describe(c10::DeviceType::CUDA);
+}
+
+// One GPU, NCCL with world size 1: float64 training on the GPU equals float64 training on the CPU
+// (the independent single-process reference), and a step reads the device at most twice.
+TEST(CudaTest, OneGpuTrainingMatchesTheCpuReferenceWithFewHostReads) {
+  DMUON_REQUIRE_CUDA();
+  ASSERT_TRUE(process_group_available(c10::DeviceType::CUDA)) << "CUDA build without NCCL";
+  testing::TrainConfig tc;
+  tc.steps = 4;
+  const models::GPTConfig cfg = testing::small_config(2);
+  const auto init = testing::init_state(cfg, 1234);  // float64
+  const auto batches = testing::make_batches(tc.steps, 8, 12, cfg.vocab_size, 99);
+  const auto ref = testing::reference_train(cfg, init, batches, tc);
+  const std::string dir = testing::fresh_temp_dir("dmuon-cuda");
+  auto store = make_file_store(dir + "/store", 1);
+  auto pg = make_process_group(store, 0, 1, c10::DeviceType::CUDA, std::chrono::seconds(60));
+  MeshOptions mo;
+  mo.store = store;
+  mo.factory = process_group_factory(c10::DeviceType::CUDA);
+  auto mesh = Mesh::create(pg, mo);
+  models::GPT m(cfg);
+  testing::load_state(m, init);
+  m->to(kGpu);
+  testing::Layout l;
+  l.world = 1;
+  testing::dedicate_gpt(m, mesh, l);
+  Muon opt(m.ptr(), testing::muon_options(tc));
+  int64_t most_reads = 0;
+  for (const auto& tokens : batches) {
+    const int64_t before = host_sync_count();
+    opt.zero_grad();
+    m->loss(tokens.to(kGpu)).backward();
+    opt.step();
+    most_reads = std::max(most_reads, host_sync_count() - before);
+  }
+  EXPECT_LE(most_reads, 2) << "host reads per step";
+  for (const auto& item : m->named_parameters(true)) {
+    ASSERT_TRUE(item.value().is_cuda()) << item.key();
+    EXPECT_LE(testing::max_rel(item.value().cpu(), ref.params.at(item.key())), testing::kFloat64Bound) << item.key();
+  }
+}
+
+}  // namespace
+}  // namespace dmuon
