@@ -21,7 +21,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -55,7 +54,7 @@ class StderrRelay {
  public:
   explicit StderrRelay(std::ostream& err) : err_(err) {}
   ~StderrRelay() { close_all(); }
-  void add(int rank, int fd) { chans_.push_back(Chan{rank, fd, "", {}, -1}); }
+  void add(int rank, int fd) { chans_.push_back(Chan{rank, fd, "", {}, -1, ""}); }
   void close_all() {
     for (auto& c : chans_)
       if (c.fd >= 0) {
@@ -63,11 +62,14 @@ class StderrRelay {
         c.fd = -1;
       }
   }
-  void exited(int rank, bool ok) {
+  // A rank ended; `failure` says how when it failed ("exited with status 1"), "" when it succeeded.
+  void exited(int rank, const std::string& failure) {
     for (auto& c : chans_)
-      if (c.rank == rank && !ok) c.exit_order = next_exit_++;
+      if (c.rank == rank && !failure.empty()) {
+        c.exit_order = next_exit_++;
+        c.failure = failure;
+      }
   }
-  void set_summary(std::string s) { summary_ = std::move(s); }
   // Waits up to `ms` for output and relays it.
   void pump(int ms) {
     std::vector<pollfd> pfds;
@@ -108,7 +110,17 @@ class StderrRelay {
     std::string all;
     for (const Chan* c : order)
       for (const auto& l : c->errors) all += l + "\n";
-    if (!summary_.empty()) all += summary_ + "\n";
+    // the summary names the first failure: the first failed rank in that order, else the first to exit
+    const Chan* first = nullptr;
+    for (const Chan* c : order)
+      if (!c->failure.empty()) {
+        first = c;
+        break;
+      }
+    if (!first)
+      for (const auto& c : chans_)
+        if (!c.failure.empty() && (!first || c.exit_order < first->exit_order)) first = &c;
+    if (first) all += "error: rank " + std::to_string(first->rank) + " " + first->failure + "; stopped the other ranks\n";
     err_ << all << std::flush;
   }
 
@@ -119,6 +131,7 @@ class StderrRelay {
     std::string partial;
     std::vector<std::string> errors;
     int exit_order;
+    std::string failure;
   };
   void read_from(Chan& c) {
     char buf[4096];
@@ -144,7 +157,6 @@ class StderrRelay {
   }
   std::ostream& err_;
   std::vector<Chan> chans_;
-  std::string summary_;
   int next_exit_ = 0;
 };
 
@@ -247,14 +259,12 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
         done[i] = true;
         --remaining;
         const bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
-        relay.exited(static_cast<int>(i), ok);
+        // ranks the launcher stopped (SIGTERM/SIGKILL after the first failure) are not failures
+        const bool stopped_by_us = stopping && WIFSIGNALED(st);
+        if (!ok && !stopped_by_us)
+          relay.exited(static_cast<int>(i), WIFSIGNALED(st) ? "was killed by signal " + std::to_string(WTERMSIG(st))
+                                                            : "exited with status " + std::to_string(WEXITSTATUS(st)));
         if (!ok && !stopping) {
-          std::ostringstream why;
-          if (WIFSIGNALED(st))
-            why << "error: rank " << i << " was killed by signal " << WTERMSIG(st) << "; stopped the other ranks";
-          else
-            why << "error: rank " << i << " exited with status " << WEXITSTATUS(st) << "; stopped the other ranks";
-          relay.set_summary(why.str());
           status_out = WIFEXITED(st) ? WEXITSTATUS(st) : 1;
           if (status_out == 0) status_out = 1;
           stopping = true;

@@ -385,6 +385,7 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
                                   : 0.0;
   nlohmann::json s;
   s["world_size"] = world;
+  s["process_group_backend"] = mesh->world().process_group()->getBackendName();
   s["device"] = a.device;
   s["optimizer"] = a.optimizer;
   s["mode"] = a.mode;

@@ -29,8 +29,8 @@ config_log="$(mktemp)"
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" >"$config_log" 2>&1 ||
   { cat "$config_log"; exit 1; }
 grep -E "dmuon: (Torch|NCCL)" "$config_log"
-grep -q "dmuon: Torch 2\..*, CUDA=1" "$config_log" ||
-  { echo "[dmuon] error: the LibTorch 2.x build is not configured with CUDA (expected 'CUDA=1')" >&2; exit 1; }
+grep -q "dmuon: Torch 2\..*, CUDA=1, Gloo=OFF" "$config_log" ||
+  { echo "[dmuon] error: the LibTorch 2.x build is not configured with CUDA (expected 'CUDA=1, Gloo=OFF')" >&2; exit 1; }
 rm -f "$config_log"
 export CCACHE_BASEDIR="$PWD"
 cmake --build "$BUILD_DIR" -j "$JOBS"

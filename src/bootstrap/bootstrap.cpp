@@ -14,9 +14,9 @@
 
 #include <unistd.h>
 
-// Gloo only where this LibTorch was built with it AND its headers are here: a PyPI wheel defines no
-// USE_C10D_GLOO, and Debian's gloo headers (2022) do not match the gloo inside torch 2.x.
-#if defined(USE_C10D_GLOO) && __has_include(<gloo/algorithm.h>)
+// Gloo only where CMake allowed it (DMUON_WITH_GLOO: gloo headers that match this LibTorch's gloo,
+// i.e. Debian's 1.13) AND this LibTorch was built with it AND the headers are here.
+#if DMUON_USE_GLOO && defined(USE_C10D_GLOO) && __has_include(<gloo/algorithm.h>)
 #define DMUON_HAVE_GLOO 1
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #else
@@ -168,7 +168,13 @@ Bootstrap bootstrap_from_environment(c10::DeviceType device, std::chrono::millis
     b.world_size = env->world_size;
     b.local_rank = env->local_rank;
 #if DMUON_HAVE_NCCL
-    if (device == c10::DeviceType::CUDA) c10::cuda::set_device(static_cast<c10::DeviceIndex>(b.local_rank));
+    if (device == c10::DeviceType::CUDA) {  // one GPU per local rank: cuda:LOCAL_RANK
+      const int gpus = static_cast<int>(c10::cuda::device_count());
+      TORCH_CHECK(b.local_rank < gpus, "rank ", b.rank, ": LOCAL_RANK=", b.local_rank, " but this machine has ", gpus,
+                  " CUDA device(s); dmuon uses one GPU per local rank, so start at most ", gpus,
+                  " rank(s) per machine (torchrun --nproc-per-node ", gpus, ").");
+      c10::cuda::set_device(static_cast<c10::DeviceIndex>(b.local_rank));
+    }
 #endif
     b.store = make_launch_store(*env, timeout);
   } else {

@@ -4,9 +4,12 @@
 // the store, executed in issue order on one worker thread per group (like Gloo's), so collectives
 // of different groups proceed independently. Reductions add the ranks' contributions in rank order,
 // so every rank gets bit-identical results. A peer that never arrives is an error after the timeout.
+// Waiting polls the store (check) with a backoff of 20 us to 2 ms.
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -209,11 +212,30 @@ class StoreBackend : public CommBase {
     store_->set(key(k, getRank()), mine);
     std::vector<std::string> keys;
     for (int r = 0; r < getSize(); ++r) keys.push_back(key(k, r));
-    store_->wait(keys, timeout_);
+    wait_for(keys, k);
     std::vector<Bytes> all;
     for (const auto& kk : keys) all.push_back(store_->get(kk));
     if (k > 0) store_->deleteKey(key(k - 1, getRank()));
     return all;
+  }
+
+  // Polls instead of Store::wait: a TCPStore client holds its connection's lock for the whole of a
+  // blocking wait, and the groups of one mesh share that client (PrefixStores over one TCPStore), so
+  // one group's wait would stall another group's set and the ranks would deadlock.
+  void wait_for(const std::vector<std::string>& keys, int64_t k) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    auto pause = std::chrono::microseconds(20);
+    while (!store_->check(keys)) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        std::string missing;
+        for (int r = 0; r < getSize(); ++r)
+          if (!store_->check({keys[static_cast<size_t>(r)]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        TORCH_CHECK(false, "dmuon-store: collective #", k, " of this group timed out after ", timeout_.count(),
+                    " ms waiting for group rank(s) ", missing, " (a peer died, hangs, or issued fewer collectives)");
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(2000));
+    }
   }
 
   WorkPtr enqueue(std::function<void()> fn) {

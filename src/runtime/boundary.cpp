@@ -141,6 +141,10 @@ void DedicatedState::release(int b) {
       continue;
     }
     if (buf.state == PackedBuffer::State::Released) continue;
+    // CUDA: the broadcast into `flat` was waited above (NCCL's wait makes the current stream wait
+    // for the NCCL stream, and NCCL recorded its stream on the tensor), and every kernel that read
+    // `flat` was issued on the current stream, so the caching allocator hands the freed block out
+    // again only to work ordered after all of them.
     for (int p : buf.params) params[p].param.set_data(params[p].placeholder);
     detail::resize_storage_bytes(buf.flat, 0);
     buf.state = PackedBuffer::State::Released;
