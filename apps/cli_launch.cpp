@@ -110,17 +110,15 @@ class StderrRelay {
     std::string all;
     for (const Chan* c : order)
       for (const auto& l : c->errors) all += l + "\n";
-    // the summary names the first failure: the first failed rank in that order, else the first to exit
-    const Chan* first = nullptr;
-    for (const Chan* c : order)
-      if (!c->failure.empty()) {
-        first = c;
-        break;
-      }
+    // the summary names the first failure: the rank whose error comes first in that order (it may
+    // have been stopped by us while it was exiting), else the first rank seen failing
+    const Chan* first = order.empty() ? nullptr : order.front();
     if (!first)
       for (const auto& c : chans_)
         if (!c.failure.empty() && (!first || c.exit_order < first->exit_order)) first = &c;
-    if (first) all += "error: rank " + std::to_string(first->rank) + " " + first->failure + "; stopped the other ranks\n";
+    if (first)
+      all += "error: rank " + std::to_string(first->rank) + " failed" +
+             (first->failure.empty() ? std::string() : " (" + first->failure + ")") + "; stopped the other ranks\n";
     err_ << all << std::flush;
   }
 
