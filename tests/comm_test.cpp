@@ -944,7 +944,7 @@ TEST(StoreBackendTest, CollectivesAreExactAndALostPeerTimesOut) {
   for (int r = 0; r < n; ++r)
     ts.emplace_back([&, r] {
       try {
-        CommPtr pg = make_store_process_group(store, r, n, std::chrono::milliseconds(1500));
+        CommPtr pg = make_store_process_group(store, r, n, std::chrono::seconds(5));
         EXPECT_EQ(pg->getBackendName(), "dmuon-store");
         at::Tensor x = at::randn({1000}, at::TensorOptions().dtype(at::kFloat)).mul_(1e3 * (r + 1));
         std::vector<at::Tensor> v{x};
