@@ -15,7 +15,7 @@
 #include "dmuon/dedicate.h"
 #include "dmuon/muon.h"
 #include "model/gpt.h"
-#include "runtime/state.h"  // white-box: masters
+#include "runtime/inspect.h"  // white-box: which parameters are sharded
 #include "support/multirank.h"
 #include "support/training.h"
 
@@ -150,7 +150,6 @@ TEST(CheckpointTest, MixedPrecisionStateDictsCarryTheMasters) {
     StateDictOptions all;
     all.rank0_only = false;
     TensorDict sd = get_model_state_dict(*m, all);
-    auto st = get_comm_ctx(*m);
     for (const auto& [k, v] : sd) expect(v.scalar_type() == at::kFloat, k + " is not saved in full precision");
     for (const auto& d : get_dedicated_params(*m))
       if (d.is_owner) expect(sd.at(d.name).equal(d.master), "the state dict holds the master of " + d.name);
@@ -162,7 +161,7 @@ TEST(CheckpointTest, MixedPrecisionStateDictsCarryTheMasters) {
     for (const auto& d : get_dedicated_params(*m))
       if (d.is_owner) expect(d.param.equal(sd.at(d.name).to(at::kBFloat16)), "bf16 copy of " + d.name);
     for (const auto& [name, p] : get_base_params(*m))
-      if (!st->sharded_index.count(name)) expect(p.equal(sd.at(name).to(at::kBFloat16)), "bf16 copy of " + name);
+      if (!inspect::is_sharded(*m, name)) expect(p.equal(sd.at(name).to(at::kBFloat16)), "bf16 copy of " + name);
   });
 }
 

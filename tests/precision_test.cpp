@@ -21,7 +21,7 @@
 #include "dmuon/diagnostics.h"
 #include "dmuon/muon.h"
 #include "model/gpt.h"
-#include "runtime/state.h"  // white-box checks of masters and buffer storage
+#include "runtime/inspect.h"  // white-box checks of masters and buffer storage
 #include "support/multirank.h"
 #include "support/training.h"
 
@@ -80,7 +80,6 @@ void check_bf16_run(const MpConfig& mc) {
     o.param_policy.push_back({"", bf16_compute()});
     testing::dedicate_gpt(m, mesh, mc, o);
     Muon opt(m.ptr(), testing::muon_options(tc));
-    auto st = get_comm_ctx(*m);
     mesh->counters().reset();
     const int64_t per = global_batch / ctx.world, micro = per / mc.accum;
     std::vector<double> losses;
@@ -119,8 +118,7 @@ void check_bf16_run(const MpConfig& mc) {
     };
     for (const auto& d : get_dedicated_params(*m)) {
       expect(d.param.scalar_type() == kBf16, d.name + " does not compute in bf16");
-      const auto& e = st->params[static_cast<size_t>(st->param_index.at(d.name))];
-      const auto& buf = st->boundaries[static_cast<size_t>(e.boundary)].buffers[static_cast<size_t>(e.buffer)];
+      const auto buf = inspect::unit_of(*m, d.name);
       expect(buf.flat.scalar_type() == kBf16, "packed buffer of " + d.name + " is not bf16");
       if (!d.is_owner) {
         expect(!d.master.defined(), "non-owner keeps a master of " + d.name);
@@ -145,15 +143,15 @@ void check_bf16_run(const MpConfig& mc) {
     }
     for (const auto& [name, p] : get_base_params(*m)) {
       expect(p.scalar_type() == kBf16, name + " does not compute in bf16");
-      auto it = st->masters.find(p.unsafeGetTensorImpl());
-      expect(it != st->masters.end() && it->second.scalar_type() == at::kFloat, "no fp32 master for " + name);
-      expect(p.equal(it->second.to(kBf16)), "the bf16 parameter is not the rounded master of " + name);
+      const at::Tensor master = inspect::master_of(*m, p);
+      expect(master.defined() && master.scalar_type() == at::kFloat, "no fp32 master for " + name);
+      expect(p.equal(master.to(kBf16)), "the bf16 parameter is not the rounded master of " + name);
       const auto* os = opt.state_of(p);
       expect(os && os->exp_avg().scalar_type() == at::kFloat && os->exp_avg_sq().scalar_type() == at::kFloat,
              "AdamW moments of " + name + " are not fp32");
-      drift(name, it->second, ref.params.at(name));
+      drift(name, master, ref.params.at(name));
     }
-    for (const auto& e : st->sharded) {
+    for (const auto& e : inspect::sharded_params(*m)) {
       expect(e.shard.scalar_type() == at::kFloat && e.full.scalar_type() == kBf16, "sharded dtypes of " + e.name);
       expect(e.param.numel() == 0 && e.full.storage().nbytes() == 0, "sharded " + e.name + " keeps its full tensor");
       const int64_t start = mesh->shard_rank() * e.shard_len;
@@ -163,7 +161,7 @@ void check_bf16_run(const MpConfig& mc) {
       if (len > 0)
         drift(e.name + " (shard)", e.shard.narrow(0, 0, len), ref.params.at(e.name).reshape(-1).narrow(0, start, len));
     }
-    if (mc.sharded) expect(!st->sharded.empty(), "route_hint_fn routed nothing to sharded_adamw");
+    if (mc.sharded) expect(!inspect::sharded_params(*m).empty(), "route_hint_fn routed nothing to sharded_adamw");
     if (!mc.ddp && mc.replicate == 1 && mc.unshard == "broadcast") {
       // bf16 parameters travel as bf16: 2 bytes per element a non-owner receives, per broadcast
       int64_t not_owned = 0;
@@ -433,10 +431,9 @@ TEST(PrecisionTest, WideningAndFrozenParametersNeedNoMaster) {
     o.param_policy.push_back({"", fp32});
     dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
     replicate(m.ptr(), mesh);
-    auto st = get_comm_ctx(*m);
-    expect(st->masters.empty(), "no master expected when the parameter is the widest copy");
+    expect(!inspect::has_masters(*m), "no master expected when the parameter is the widest copy");
     for (const auto& p : m->parameters()) expect(p.scalar_type() == at::kFloat, "a parameter kept bf16");
-    expect(st->params.size() == 7, "frozen block 1 must not be dedicated");
+    expect(inspect::num_dedicated(*m) == 7, "frozen block 1 must not be dedicated");
     MuonOptions mo;
     mo.first_step_progress_log = false;
     Muon opt(m.ptr(), mo);
@@ -457,10 +454,10 @@ TEST(PrecisionTest, OverridesMergeFieldByField) {
     route.route = "sharded_adamw";
     o.param_policy.push_back({"tok_emb", route});
     dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
-    auto st = get_comm_ctx(*m);
-    expect(st->params.size() == 14, "the predicate still selects the block matrices");
-    expect(st->sharded.size() == 1 && st->sharded[0].name == "tok_emb.weight", "the later override routes tok_emb");
-    expect(st->sharded[0].full.scalar_type() == kBf16 && st->sharded[0].shard.scalar_type() == at::kFloat,
+    const auto sh = inspect::sharded_params(*m);
+    expect(inspect::num_dedicated(*m) == 14, "the predicate still selects the block matrices");
+    expect(sh.size() == 1 && sh[0].name == "tok_emb.weight", "the later override routes tok_emb");
+    expect(sh[0].full.scalar_type() == kBf16 && sh[0].shard.scalar_type() == at::kFloat,
            "the route override kept the dtype fields of the catch-all");
   });
 }
@@ -477,10 +474,10 @@ TEST(PrecisionTest, PolicyFnRoutesAndSetsDtypes) {
       return p;
     };
     dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
-    auto st = get_comm_ctx(*m);
-    expect(st->params.size() == 14 && st->sharded.size() == 1 && st->sharded[0].name == "tok_emb.weight",
+    const auto sh = inspect::sharded_params(*m);
+    expect(inspect::num_dedicated(*m) == 14 && sh.size() == 1 && sh[0].name == "tok_emb.weight",
            "param_policy_fn routes tok_emb; the predicate the rest");
-    expect(st->sharded[0].full.scalar_type() == kBf16 && st->sharded[0].shard.scalar_type() == at::kFloat,
+    expect(sh[0].full.scalar_type() == kBf16 && sh[0].shard.scalar_type() == at::kFloat,
            "param_policy_fn's dtypes apply");
     GPT m2(testing::small_config(2));
     o.param_policy.push_back({"", bf16_compute()});

@@ -27,7 +27,7 @@
 #include "dmuon/muon.h"
 #include "dmuon/newton_schulz.h"
 #include "model/gpt.h"
-#include "runtime/state.h"  // white-box checks of buffer storage
+#include "runtime/inspect.h"  // white-box checks of buffer storage
 #include "support/multirank.h"
 #include "support/training.h"
 
@@ -156,9 +156,9 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
     }
     if (dc.sharded) {
       // every rank holds only its slice (padded to a multiple of G) of the embedding, norms and head
-      auto st = get_comm_ctx(*m);
-      if (st->sharded.empty()) throw std::runtime_error("no sharded_adamw parameters");
-      for (const auto& e : st->sharded) {
+      const auto sharded = inspect::sharded_params(*m);
+      if (sharded.empty()) throw std::runtime_error("no sharded_adamw parameters");
+      for (const auto& e : sharded) {
         if (e.param.numel() != 0 || e.full.storage().nbytes() != 0)
           throw std::runtime_error("sharded parameter " + e.name + " keeps its full tensor between steps");
         const int64_t G = mesh->shard_size(), L = e.shard_len, start = mesh->shard_rank() * L;
@@ -564,8 +564,7 @@ TEST(RuntimeTest, NoSyncReducesOnceAndRejectsMisuse) {
     }
     opt.step();
     // one reduce per (boundary, owner) and one all-reduce bucket, once
-    int64_t buffers = 0;
-    for (const auto& B : get_comm_ctx(*m)->boundaries) buffers += static_cast<int64_t>(B.buffers.size());
+    const int64_t buffers = static_cast<int64_t>(inspect::packed_units(*m).size());
     if (mesh->counters().calls(CommOp::Reduce) != buffers) fail("expected exactly one reduce per packed buffer");
     if (mesh->counters().calls(CommOp::AllReduce) != 1) fail("expected one replicated all-reduce");
   });
@@ -828,15 +827,13 @@ TEST(RuntimeTest, AllGatherModeKeepsShardsAndCountsItsBytes) {
     mo.first_step_progress_log = false;
     mo.replicate_async = false;
     Muon opt(m.ptr(), mo);
-    auto state = get_comm_ctx(*m);
     mesh->counters().reset();
     m->loss(at::randint(32, {2, 6}, at::kLong)).backward();
     opt.step();
     // per step and rank, per packed unit of S = G*L padded bytes: all-gather (G-1)/G*S twice (Z3),
     // reduce S (+flag) on non-owners, scatter S/G on non-owners
     int64_t gather = 0, reduce = 0, scatter = 0;
-    for (const auto& B : state->boundaries)
-      for (const auto& buf : B.buffers) {
+    for (const auto& buf : inspect::packed_units(*m)) {
         const int64_t S = buf.flat.numel() * 4;
         gather += 2 * 2 * S / 3;
         if (!buf.is_root) {
@@ -844,8 +841,8 @@ TEST(RuntimeTest, AllGatherModeKeepsShardsAndCountsItsBytes) {
           scatter += S / 3;
         }
         if (buf.shard.numel() != buf.shard_len || buf.shard_len != (buf.numel + 2) / 3)
-          throw std::runtime_error("shard of " + B.name);
-        if (!buf.is_root && buf.flat.storage().nbytes() != 0) throw std::runtime_error("not released: " + B.name);
+          throw std::runtime_error("shard of " + buf.boundary);
+        if (!buf.is_root && buf.flat.storage().nbytes() != 0) throw std::runtime_error("not released: " + buf.boundary);
       }
     auto& c = mesh->counters();
     if (c.bytes(CommOp::AllGather) != gather || c.bytes(CommOp::Reduce) != reduce || c.bytes(CommOp::Scatter) != scatter ||
@@ -986,7 +983,6 @@ TEST(RuntimeTest, NonOwnersKeepNoBytesBetweenStepsAndBytesMatchFormula) {
       MuonOptions mo;
       mo.first_step_progress_log = false;
       Muon opt(m.ptr(), mo);
-      auto state = get_comm_ctx(*m);
       for (const auto& tokens : batches) {
         mesh->counters().reset();
         opt.zero_grad();
@@ -1013,10 +1009,9 @@ TEST(RuntimeTest, NonOwnersKeepNoBytesBetweenStepsAndBytesMatchFormula) {
           if (d.param.numel() != 0 || d.param.storage().nbytes() != 0)
             throw std::runtime_error("non-owner keeps storage for " + d.name);
         }
-        for (const auto& B : state->boundaries)
-          for (const auto& buf : B.buffers)
-            if (!buf.is_root && buf.flat.storage().nbytes() != 0)
-              throw std::runtime_error("packed buffer of " + B.name + " not released");
+        for (const auto& buf : inspect::packed_units(*m))
+          if (!buf.is_root && buf.flat.storage().nbytes() != 0)
+            throw std::runtime_error("packed buffer of " + buf.boundary + " not released");
       }
     });
   }
@@ -1031,11 +1026,10 @@ TEST(RuntimeTest, Z3ReleasesBetweenBoundariesInForward) {
     o.pack_small_params = false;
     o.forward_prefetch_depth = 0;
     dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
-    auto state = get_comm_ctx(*m);
     // run layer 0 alone: after its forward, its non-owned buffers are released again
     at::Tensor x = at::randn({2, 5, cfg.d_model});
     at::Tensor y = dmuon::forward(m->blocks[0], x);
-    for (const auto& buf : state->boundaries[0].buffers)
+    for (const auto& buf : inspect::packed_units(*m, 0))
       if (!buf.is_root && buf.flat.storage().nbytes() != 0) throw std::runtime_error("layer 0 not released in Z3");
     (void)y;
   });

@@ -123,7 +123,7 @@ struct DedicatedParam {
   at::Tensor master;
 };
 
-class DedicatedState;  // runtime state attached to a model (see src/runtime/)
+class Runtime;  // the runtime attached to a dedicated model (see src/runtime/runtime.h)
 
 // Marks the parameters selected by `predicate` (and routed "muon" by the policy) for dedicated
 // ownership, plans owners, installs placeholders on non-owners and registers the boundaries.
@@ -180,7 +180,7 @@ class NoSync {
   NoSync& operator=(const NoSync&) = delete;
 
  private:
-  std::shared_ptr<DedicatedState> state_;
+  std::shared_ptr<Runtime> state_;
 };
 
 // DDP-style replication of every trainable parameter that is not dedicated: gradients are averaged
@@ -207,7 +207,7 @@ std::vector<DedicatedParam> get_dedicated_params(const torch::nn::Module& model)
 std::vector<DedicatedParam> get_owned_params(const torch::nn::Module& model, int shard);
 std::vector<DedicatedParam> get_owned_params(const torch::nn::Module& model, OwnerCoord owner);
 // The runtime state of a dedicated model (nullptr when dedicate_params was not called on it).
-std::shared_ptr<DedicatedState> get_comm_ctx(const torch::nn::Module& model);
+std::shared_ptr<Runtime> get_comm_ctx(const torch::nn::Module& model);
 // The plan dedicate_params computed for this model.
 const OwnerPlan* get_owner_plan(const torch::nn::Module& model);
 // The mesh the model was dedicated on.

@@ -6,9 +6,17 @@
 //   u    = g + mu * buf   (Nesterov, default)   |   u = buf
 //   W   <- W * (1 - lr * wd)
 //   W   <- W - lr * 0.2 * sqrt(max(rows, cols)) * NS(u)
-// Only the owner runs this; step() issues no collective on a 1-D mesh (the next forward publishes
-// the new value). AdamW (decoupled weight decay, bias-corrected, PyTorch's formula) updates every
-// other trainable parameter identically on every rank.
+// Only the owner runs this. AdamW (decoupled weight decay, bias-corrected, PyTorch's formula) updates
+// every other trainable parameter identically on every rank (sharded_adamw: each rank its slice).
+//
+// Contract: step() is collective -- every rank of the mesh calls it, in the same order relative to
+// the other collective calls (forward/backward through dedicated boundaries, prepare_muon_grads,
+// checkpoints). It waits the gradient reduces (on HSDP it issues and waits the replicate-axis
+// stage 2 unless it ran at the end of backward), and after the updates it publishes: over the
+// replicate group on HSDP, from the owners on the DDP path, as a scatter into every rank's shard in
+// all_gather unshard mode; on a 1-D mesh in broadcast mode it issues no collective (the next
+// forward broadcasts the new values). zero_grad() issues none. Not thread-safe: one thread drives
+// one optimizer.
 //
 // Parameter groups: each user group (MuonParamGroup) is lowered into a Muon subgroup (its dedicated
 // matrices) and an AdamW subgroup (its other parameters), so schedulers and checkpoints keep
@@ -19,6 +27,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -30,7 +39,7 @@
 
 namespace dmuon {
 
-class DedicatedState;
+struct ReadyGrad;  // a gradient the runtime hands to the optimizer (src/runtime/route.h)
 
 // Options of one lowered parameter group.
 struct MuonGroupOptions : torch::optim::OptimizerCloneableOptions<MuonGroupOptions> {
@@ -85,10 +94,17 @@ struct MuonOptions {
   std::string ns_backend = "gram";          // "gram" | "direct" (ignored when `ns` is set)
   std::optional<NewtonSchulz> ns;           // a fully configured backend (custom coefficients...)
   bool nesterov = true;
-  bool replicate_async = true;              // HSDP publish mode (no effect on a 1-D mesh)
+  // Post-step publish (HSDP, the DDP path, all_gather unshard): true returns at once and each
+  // boundary's next forward waits for its own publish; false waits in step(). No effect on a 1-D mesh
+  // in broadcast mode. (A model that does not run its boundaries through dmuon::forward is always
+  // waited: nothing else would wait before the parameters are read again.)
+  bool replicate_async = true;
   bool record_step_profile = false;
-  bool first_step_progress_log = true;
+  // One line per matrix in the first step (NS kernel, shape, time): off by default in the library
+  // (the CLI turns it on). Lines go to `log` when set, else to stderr.
+  bool first_step_progress_log = false;
   int first_step_progress_log_limit = 8;
+  std::function<void(const std::string&)> log;
 };
 
 // Wall-clock split of the last step (milliseconds), when record_step_profile is on.
@@ -127,24 +143,19 @@ class Muon : public torch::optim::Optimizer {
   void set_steps_taken(int64_t steps) { steps_ = steps; }
 
  private:
-  // Muon on owned matrix `p`; with a `master` (mixed precision) the master is updated and rounded
-  // into p. Momentum is kept in `state_dtype`.
-  void muon_update(at::Tensor& p, const at::Tensor& master, at::ScalarType state_dtype, const MuonGroupOptions& o,
-                   StepProfile& prof);
+  // Muon on an owned matrix: momentum, Newton-Schulz, update of its target (the master copy under
+  // mixed precision, rounded into the parameter).
+  void muon_update(const ReadyGrad& r, const MuonGroupOptions& o, StepProfile& prof);
   // AdamW on `target` with gradient `g`; state (in `state_dtype`) keyed by `key` (the module
   // parameter; the target is its master copy or, for sharded_adamw, this rank's shard).
   void adamw_update(at::Tensor& target, const at::Tensor& g, const at::Tensor& key, at::ScalarType state_dtype,
                     const MuonGroupOptions& o);
   MuonParamState& state_for(const at::Tensor& p);
-  // NaN/Inf in any owned Muon gradient is an error naming it (one host read for all of them).
-  void check_finite_grads(const DedicatedState& state) const;
 
   std::weak_ptr<torch::nn::Module> model_;
   MuonOptions options_;
   NewtonSchulz ns_;
   bool check_finite_ = true;  // the configured NsOptions::check_finite, applied once per step
-  std::map<const c10::TensorImpl*, bool> owned_;  // dedicated params -> owned by this rank
-  std::map<const c10::TensorImpl*, int> sharded_;  // sharded_adamw params -> index in the runtime state
   StepProfile last_profile_;
   int64_t steps_ = 0;
   int progress_logged_ = 0;

@@ -15,14 +15,16 @@
 #include <set>
 #include <sstream>
 
-#include "runtime/state.h"
+#include "runtime/dedicated_route.h"
+#include "runtime/runtime.h"
+#include "runtime/sharded_route.h"
 
 namespace dmuon {
 
 namespace {
 
 
-std::shared_ptr<DedicatedState> drained_state(torch::nn::Module& model, const char* fn) {
+std::shared_ptr<Runtime> drained_state(torch::nn::Module& model, const char* fn) {
   auto st = detail::require_state(model, fn);
   st->wait_publishes();  // post-step publishes and all_gather-mode scatters
   st->drain_all();       // forward prefetches, pending reduces
@@ -49,26 +51,11 @@ std::string shape_str(at::IntArrayRef s) {
   return o.str();
 }
 
-// A full tensor of `numel` elements (padded to L*G) from this rank's slice: all-gather over the shard group.
-at::Tensor gather_slices(Communicator& comm, const at::Tensor& slice, int64_t numel, at::IntArrayRef shape,
-                         const std::string& what) {
-  at::Tensor full = at::empty({slice.numel() * comm.size()}, slice.options());
-  comm.allgather_flat(full, slice.contiguous(), what).wait();
-  return full.narrow(0, 0, numel).view(shape);
-}
-
-// This rank's slice [rank*L, (rank+1)*L) of a full tensor, zero-padded.
-at::Tensor slice_of(const at::Tensor& full, int64_t shard_len, int shard_rank, int shards, const at::TensorOptions& o) {
-  at::Tensor padded = at::zeros({shard_len * shards}, o);
-  padded.narrow(0, 0, full.numel()).copy_(full.reshape(-1));
-  return padded.narrow(0, static_cast<int64_t>(shard_rank) * shard_len, shard_len).clone();
-}
-
 // AdamW-trained parameters: replicated and sharded_adamw (every trainable one that is not a Muon matrix).
-std::vector<std::pair<std::string, at::Tensor>> adamw_params(const torch::nn::Module& model, const DedicatedState& st) {
+std::vector<std::pair<std::string, at::Tensor>> adamw_params(const torch::nn::Module& model, const Runtime& st) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& item : model.named_parameters(true))
-    if (item.value().requires_grad() && !st.param_index.count(item.key())) out.emplace_back(item.key(), item.value());
+    if (item.value().requires_grad() && !st.dedicated().find(item.key())) out.emplace_back(item.key(), item.value());
   return out;
 }
 
@@ -77,31 +64,20 @@ std::vector<std::pair<std::string, at::Tensor>> adamw_params(const torch::nn::Mo
 // ---- model ---------------------------------------------------------------------------------------
 TensorDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions& options) {
   auto st = drained_state(model, "get_model_state_dict");
-  std::lock_guard<std::recursive_mutex> g(st->mu);
+  std::lock_guard<std::recursive_mutex> g(st->mutex());
   at::NoGradGuard ng;
-  Mesh& mesh = *st->mesh;
+  Mesh& mesh = st->mesh();
   TensorDict out;
   const Sink sink{out, !options.rank0_only || mesh.global_rank() == 0, options.cpu_offload};
-  // Muon matrices: from their (global) owner, in full precision
-  for (auto& e : st->params) {
-    at::Tensor t;
-    if (e.is_owner) {
-      auto m = st->masters.find(e.param.unsafeGetTensorImpl());
-      t = m != st->masters.end() ? m->second : e.param.detach();
-    } else {
-      t = at::empty(e.shape, e.param.options().dtype(e.prec.master));
-    }
-    mesh.world().broadcast(t, e.owner_rank, "checkpoint: '" + e.name + "' from its owner").wait();
-    sink.put(e.name, t);
-  }
-  // sharded_adamw: every shard rank's slice of the master
-  for (auto& e : st->sharded)
-    sink.put(e.name, gather_slices(mesh.shard(), e.shard, e.numel, e.shape, "checkpoint: slices of '" + e.name + "'"));
+  // Muon matrices from their (global) owner, sharded_adamw slices gathered: in full precision
+  const TensorSink put = [&](const std::string& name, const at::Tensor& t) { sink.put(name, t); };
+  st->dedicated().gather_full(put);
+  st->sharded().gather_full(put);
   // the rest is whole on every rank (the master where mixed precision keeps one)
   for (const auto& item : model.named_parameters(true)) {
-    if (st->param_index.count(item.key()) || st->sharded_index.count(item.key())) continue;
-    auto m = st->masters.find(item.value().unsafeGetTensorImpl());
-    sink.put(item.key(), m != st->masters.end() ? m->second : item.value());
+    if (st->routed(item.key())) continue;
+    const at::Tensor m = st->master_of(item.value());
+    sink.put(item.key(), m.defined() ? m : item.value());
   }
   for (const auto& item : model.named_buffers(true)) sink.put(item.key(), item.value());
   return out;
@@ -109,9 +85,9 @@ TensorDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions
 
 void set_model_state_dict(torch::nn::Module& model, const TensorDict& sd) {
   auto st = drained_state(model, "set_model_state_dict");
-  std::lock_guard<std::recursive_mutex> g(st->mu);
+  std::lock_guard<std::recursive_mutex> g(st->mutex());
   at::NoGradGuard ng;
-  Mesh& mesh = *st->mesh;
+  Mesh& mesh = st->mesh();
   const int rank = mesh.global_rank();
   std::map<std::string, std::vector<int64_t>> expected;
   std::map<std::string, bool> floating;
@@ -120,8 +96,8 @@ void set_model_state_dict(torch::nn::Module& model, const TensorDict& sd) {
     floating[item.key()] = item.value().is_floating_point();
   }
   for (const auto& item : model.named_buffers(true)) floating[item.key()] = item.value().is_floating_point();
-  for (const auto& e : st->params) expected[e.name] = e.shape;  // placeholders hold no shape
-  for (const auto& e : st->sharded) expected[e.name] = e.shape;
+  st->dedicated().full_shapes(expected);  // placeholders hold no shape
+  st->sharded().full_shapes(expected);
   for (const auto& item : model.named_buffers(true)) expected[item.key()] = item.value().sizes().vec();
   for (const auto& [k, v] : sd) {
     TORCH_CHECK(expected.count(k), "rank ", rank, ": set_model_state_dict: unexpected key '", k,
@@ -138,37 +114,16 @@ void set_model_state_dict(torch::nn::Module& model, const TensorDict& sd) {
     TORCH_CHECK(sd.count(k), "rank ", rank, ": set_model_state_dict: the state dict has no '", k, "' (shape ",
                 shape_str(shape), "). Every rank must pass the full state dict, e.g. as read by load_checkpoint.");
 
-  for (auto& e : st->params) {
-    const at::Tensor& v = sd.at(e.name);
-    auto& buf = st->boundaries[static_cast<size_t>(e.boundary)].buffers[static_cast<size_t>(e.buffer)];
-    if (auto m = st->masters.find(e.param.unsafeGetTensorImpl()); m != st->masters.end()) m->second.copy_(v);
-    // the ranks that hold the matrix between steps: its owner / holders, every rank on the DDP path
-    if (buf.is_root || st->ddp) buf.views[static_cast<size_t>(e.slot_in_buffer)].copy_(v);
-  }
-  for (auto& B : st->boundaries)  // all_gather mode: every rank's shard of the new value
-    for (auto& buf : B.buffers)
-      if (buf.gather_mode) {
-        at::Tensor src = buf.is_root ? buf.flat : at::empty({0}, buf.flat.options());
-        mesh.shard().scatter_flat(buf.shard, src, buf.root, "checkpoint: shards of '" + B.name + "'").wait();
-      }
-  for (auto& e : st->sharded)
-    e.shard.copy_(slice_of(sd.at(e.name), e.shard_len, mesh.shard_rank(), mesh.shard_size(), e.shard.options()));
+  st->dedicated().assign_full(sd);
+  st->sharded().assign_full(sd);
   for (const auto& item : model.named_parameters(true)) {
-    if (st->param_index.count(item.key()) || st->sharded_index.count(item.key())) continue;
+    if (st->routed(item.key())) continue;
     const at::Tensor& v = sd.at(item.key());
-    if (auto m = st->masters.find(item.value().unsafeGetTensorImpl()); m != st->masters.end()) m->second.copy_(v);
+    if (const at::Tensor m = st->master_of(item.value()); m.defined()) m.copy_(v);
     item.value().detach().copy_(v);
   }
   for (const auto& item : model.named_buffers(true)) item.value().detach().copy_(sd.at(item.key()));
-  // nothing from before the load survives: gathered copies are refreshed by the next forward,
-  // gradients are dropped
-  for (auto& B : st->boundaries)
-    for (auto& buf : B.buffers) buf.ready_pass = -1;
-  for (auto& e : st->sharded) {
-    e.ready_pass = -1;
-    e.grad_sum = at::Tensor();
-    e.has_grad = false;
-  }
+  // nothing from before the load survives: gradients are dropped (the routes dropped theirs)
   for (const auto& item : model.named_parameters(true)) item.value().mutable_grad() = at::Tensor();
 }
 
@@ -176,9 +131,9 @@ void set_model_state_dict(torch::nn::Module& model, const TensorDict& sd) {
 OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon& optimizer,
                                             const StateDictOptions& options) {
   auto st = drained_state(model, "get_optimizer_state_dict");
-  std::lock_guard<std::recursive_mutex> g(st->mu);
+  std::lock_guard<std::recursive_mutex> g(st->mutex());
   at::NoGradGuard ng;
-  Mesh& mesh = *st->mesh;
+  Mesh& mesh = st->mesh();
   OptimizerStateDict out;
   const bool keep = !options.rank0_only || mesh.global_rank() == 0;
   const Sink muon{out.muon, keep, options.cpu_offload}, adamw{out.adamw, keep, options.cpu_offload};
@@ -190,7 +145,7 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
   }
   out.steps_taken = optimizer.steps_taken();
   // momentum buffers: a [has, step] header, then the buffer, from each owner
-  for (auto& e : st->params) {
+  for (const auto& e : st->dedicated().entries()) {
     at::Tensor header = at::zeros({2}, e.param.options().dtype(at::kLong));
     const MuonParamState* ps = e.is_owner ? optimizer.state_of(e.param) : nullptr;
     if (ps && ps->momentum_buffer().defined()) header = at::tensor({int64_t{1}, ps->step()}, header.options());
@@ -204,19 +159,17 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
   }
   // AdamW moments: whole on every rank, or gathered from the sharded_adamw slices
   for (const auto& [name, p] : adamw_params(model, *st)) {
-    auto sh = st->sharded_index.find(name);
+    const ShardedEntry* sh = st->sharded().find(name);
     const MuonParamState* ps = optimizer.state_of(p);
     const bool has = ps && ps->exp_avg().defined();  // the same on every rank: all step together
     if (!has) continue;
-    if (sh == st->sharded_index.end()) {
+    if (!sh) {
       adamw.put(name + ".exp_avg", ps->exp_avg());
       adamw.put(name + ".exp_avg_sq", ps->exp_avg_sq());
     } else {
-      const ShardedEntry& e = st->sharded[static_cast<size_t>(sh->second)];
-      adamw.put(name + ".exp_avg", gather_slices(mesh.shard(), ps->exp_avg(), e.numel, e.shape,
-                                                 "checkpoint: exp_avg slices of '" + name + "'"));
-      adamw.put(name + ".exp_avg_sq", gather_slices(mesh.shard(), ps->exp_avg_sq(), e.numel, e.shape,
-                                                    "checkpoint: exp_avg_sq slices of '" + name + "'"));
+      adamw.put(name + ".exp_avg", st->sharded().gather(*sh, ps->exp_avg(), "checkpoint: exp_avg slices of '" + name + "'"));
+      adamw.put(name + ".exp_avg_sq",
+                st->sharded().gather(*sh, ps->exp_avg_sq(), "checkpoint: exp_avg_sq slices of '" + name + "'"));
     }
     adamw.put(name + ".step", step_tensor(ps->step()));
   }
@@ -226,10 +179,9 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
 
 void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const OptimizerStateDict& sd) {
   auto st = drained_state(model, "set_optimizer_state_dict");
-  std::lock_guard<std::recursive_mutex> g(st->mu);
+  std::lock_guard<std::recursive_mutex> g(st->mutex());
   at::NoGradGuard ng;
-  Mesh& mesh = *st->mesh;
-  const int rank = mesh.global_rank();
+  const int rank = st->mesh().global_rank();
   const char* fix = " Build the model and the optimizer as in the run that saved it (same predicate, routes and "
                     "param_groups); the number of ranks and the mesh may differ.";
   // 1. check everything, on every rank, before changing anything
@@ -267,13 +219,14 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
     return true;
   };
   std::vector<bool> muon_has;
-  for (const auto& e : st->params)
+  const auto& entries = st->dedicated().entries();
+  for (const auto& e : entries)
     muon_has.push_back(check_entries(sd.muon, used_muon, e.name, {".momentum_buffer"}, e.shape, "Muon"));
   const auto base = adamw_params(model, *st);
   std::vector<bool> adamw_has;
   for (const auto& [name, p] : base) {
-    auto sh = st->sharded_index.find(name);
-    const auto shape = sh == st->sharded_index.end() ? p.sizes().vec() : st->sharded[static_cast<size_t>(sh->second)].shape;
+    const ShardedEntry* sh = st->sharded().find(name);
+    const auto shape = sh ? sh->shape : p.sizes().vec();
     adamw_has.push_back(check_entries(sd.adamw, used_adamw, name, {".exp_avg", ".exp_avg_sq"}, shape, "AdamW"));
   }
   for (const auto& [k, v] : sd.muon)
@@ -294,8 +247,8 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
   auto to_state = [](const at::Tensor& v, const at::Tensor& like, at::ScalarType dtype) {
     return v.to(like.device(), dtype, /*non_blocking=*/false, /*copy=*/true).contiguous();
   };
-  for (size_t i = 0; i < st->params.size(); ++i) {
-    auto& e = st->params[i];
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const auto& e = entries[i];
     if (!e.is_owner) continue;  // the new owner takes the momentum; others keep none
     MuonParamState& ps = optimizer.param_state(e.param);
     if (!muon_has[i]) {
@@ -314,14 +267,12 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
     }
     const at::ScalarType dt = st->precision_of(p).optim;
     const at::Tensor &m1 = sd.adamw.at(name + ".exp_avg"), &m2 = sd.adamw.at(name + ".exp_avg_sq");
-    auto sh = st->sharded_index.find(name);
-    if (sh == st->sharded_index.end()) {
+    const ShardedEntry* sh = st->sharded().find(name);
+    if (!sh) {
       ps.exp_avg(to_state(m1, p, dt)).exp_avg_sq(to_state(m2, p, dt));
     } else {  // this rank's slices
-      const ShardedEntry& e = st->sharded[static_cast<size_t>(sh->second)];
-      const auto o = e.shard.options().dtype(dt);
-      ps.exp_avg(slice_of(m1, e.shard_len, mesh.shard_rank(), mesh.shard_size(), o))
-          .exp_avg_sq(slice_of(m2, e.shard_len, mesh.shard_rank(), mesh.shard_size(), o));
+      const auto o = sh->shard.options().dtype(dt);
+      ps.exp_avg(st->sharded().slice_of(*sh, m1, o)).exp_avg_sq(st->sharded().slice_of(*sh, m2, o));
     }
     ps.step(sd.adamw.at(name + ".step").item<int64_t>());
   }

@@ -3,7 +3,8 @@
 
 #include <c10/util/Exception.h>
 
-#include "runtime/state.h"
+#include "runtime/dedicated_route.h"
+#include "runtime/runtime.h"
 
 namespace dmuon {
 
@@ -15,12 +16,12 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
   auto state = detail::state_of_model(&model);
   TORCH_CHECK(state, "summarize_param_groups: the model was not dedicated (call dmuon::dedicate_params first).");
   nlohmann::json out;
-  out["rank"] = state->mesh->global_rank();
-  out["world_size"] = state->mesh->world_size();
+  out["rank"] = state->mesh().global_rank();
+  out["world_size"] = state->mesh().world_size();
   out["mode"] = state->z3() ? "z3" : "z2";
   out["ns_backend"] = optimizer.ns().describe();
-  std::map<const c10::TensorImpl*, const ParamEntry*> ded;
-  for (const auto& e : state->params) ded[e.param.unsafeGetTensorImpl()] = &e;
+  std::map<const c10::TensorImpl*, const DedicatedEntry*> ded;
+  for (const auto& e : state->dedicated().entries()) ded[e.param.unsafeGetTensorImpl()] = &e;
   std::map<const c10::TensorImpl*, std::string> names;
   for (const auto& item : model.named_parameters(true)) names[item.value().unsafeGetTensorImpl()] = item.key();
   nlohmann::json groups = nlohmann::json::array();
@@ -54,7 +55,7 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
       };
       auto it = ded.find(p.unsafeGetTensorImpl());
       if (it != ded.end()) {
-        const ParamEntry& e = *it->second;
+        const DedicatedEntry& e = *it->second;
         n_owned += e.is_owner ? 1 : 0;
         if (e.is_owner) owned_numel += static_cast<int64_t>(e.shape[0] * e.shape[1]);
         numel += static_cast<int64_t>(e.shape[0] * e.shape[1]);
@@ -63,7 +64,7 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
                                  {"shape", e.shape},
                                  {"owner", coord(e.owner)},
                                  {"owner_rank", e.owner_rank},
-                                 {"boundary", state->boundaries[e.boundary].name},
+                                 {"boundary", state->boundaries()[static_cast<size_t>(e.boundary)].name},
                                  {"owned", e.is_owner}}));
       } else {
         numel += p.numel();
@@ -93,28 +94,28 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
                    {"muon_numel_owned_here", owned_numel},
                    {"adamw_params", adamw_params},
                    {"adamw_numel", adamw_numel},
-                   {"replicated", static_cast<bool>(state->replicated)}};
+                   {"replicated", state->replicated() != nullptr}};
   return out;
 }
 
 nlohmann::json summarize_comm_plan(const torch::nn::Module& model, int max_groups, int max_params_per_group) {
   auto state = detail::state_of_model(&model);
   TORCH_CHECK(state, "summarize_comm_plan: the model was not dedicated (call dmuon::dedicate_params first).");
-  const Mesh& mesh = *state->mesh;
-  const CommPlan cp = plan_comm(state->specs, state->plan, state->boundary_of_param);
+  const Mesh& mesh = state->mesh();
+  const CommPlan cp = plan_comm(state->specs(), state->plan(), state->boundary_of_param());
   nlohmann::json out;
   out["mesh"] = {{"shard", mesh.shard_size()},
                  {"replicate", mesh.replicate_size()},
                  {"world", mesh.world_size()},
                  {"policy", mesh.policy()}};
   out["mode"] = state->z3() ? "z3" : "z2";
-  out["fingerprint"] = format_fingerprint(state->plan.fingerprint);
-  out["owner_strategy"] = state->plan.options.owner_strategy;
-  out["owner_cost_model"] = state->plan.options.owner_cost_model;
-  out["makespan"] = state->plan.makespan;
-  out["lower_bound"] = state->plan.lower_bound;
-  out["imbalance"] = state->plan.imbalance();
-  out["violations"] = state->plan.violations;
+  out["fingerprint"] = format_fingerprint(state->plan().fingerprint);
+  out["owner_strategy"] = state->plan().options.owner_strategy;
+  out["owner_cost_model"] = state->plan().options.owner_cost_model;
+  out["makespan"] = state->plan().makespan;
+  out["lower_bound"] = state->plan().lower_bound;
+  out["imbalance"] = state->plan().imbalance();
+  out["violations"] = state->plan().violations;
   out["muon_bytes"] = cp.muon_bytes;
   nlohmann::json groups = nlohmann::json::array();
   for (const auto& b : cp.boundaries) {
@@ -123,7 +124,7 @@ nlohmann::json summarize_comm_plan(const torch::nn::Module& model, int max_group
     for (const auto& r : b.roots) {
       nlohmann::json names = nlohmann::json::array();
       for (int i : r.params)
-        if (static_cast<int>(names.size()) < max_params_per_group) names.push_back(state->specs[i].name);
+        if (static_cast<int>(names.size()) < max_params_per_group) names.push_back(state->specs()[static_cast<size_t>(i)].name);
       roots.push_back({{"owner", coord(r.root)},
                        {"root_rank", mesh.global_rank_of(r.root.shard, r.root.replicate)},
                        {"bytes", r.bytes},

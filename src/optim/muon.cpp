@@ -12,7 +12,11 @@
 #include <sstream>
 #include <type_traits>
 
-#include "runtime/state.h"
+#include "dmuon/host_sync.h"
+#include "runtime/dedicated_route.h"
+#include "runtime/replicated_route.h"
+#include "runtime/runtime.h"
+#include "runtime/sharded_route.h"
 
 namespace dmuon {
 
@@ -98,7 +102,7 @@ std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_pt
               "dmuon::replicate for the other parameters) before constructing Muon; a mesh of one rank works for "
               "single-process training.");
   std::set<const c10::TensorImpl*> dedicated;
-  for (const auto& e : state->params) dedicated.insert(e.param.unsafeGetTensorImpl());
+  for (const auto& e : state->dedicated().entries()) dedicated.insert(e.param.unsafeGetTensorImpl());
 
   std::vector<at::Tensor> all;
   for (const auto& item : model->named_parameters(true))
@@ -136,13 +140,14 @@ std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_pt
 // On several ranks every trainable parameter must have a distributed route: dedicated (Muon),
 // sharded_adamw, or replicated by dmuon::replicate. Otherwise each rank would update it with its own
 // local gradient and the replicas would drift apart silently.
-void require_replicated(const torch::nn::Module& model, const DedicatedState& state) {
-  if (state.mesh->world_size() == 1) return;
+void require_replicated(const torch::nn::Module& model, const Runtime& state) {
+  const Mesh& mesh = state.mesh();
+  if (mesh.world_size() == 1) return;
   std::set<const c10::TensorImpl*> covered;
-  for (const auto& e : state.params) covered.insert(e.param.unsafeGetTensorImpl());
-  for (const auto& e : state.sharded) covered.insert(e.param.unsafeGetTensorImpl());
-  if (state.replicated)
-    for (const auto& p : state.replicated->params) covered.insert(p.unsafeGetTensorImpl());
+  for (const auto& e : state.dedicated().entries()) covered.insert(e.param.unsafeGetTensorImpl());
+  for (const auto& e : state.sharded().entries()) covered.insert(e.param.unsafeGetTensorImpl());
+  if (state.replicated())
+    for (const auto& p : state.replicated()->params()) covered.insert(p.unsafeGetTensorImpl());
   std::vector<std::string> missing;
   for (const auto& item : model.named_parameters(true))
     if (item.value().requires_grad() && !covered.count(item.value().unsafeGetTensorImpl())) missing.push_back(item.key());
@@ -150,11 +155,31 @@ void require_replicated(const torch::nn::Module& model, const DedicatedState& st
   std::ostringstream names;
   for (size_t i = 0; i < missing.size() && i < 8; ++i) names << (i ? ", " : "") << "'" << missing[i] << "'";
   if (missing.size() > 8) names << " and " << missing.size() - 8 << " more";
-  TORCH_CHECK(false, "rank ", state.mesh->global_rank(), ": Muon: ", missing.size(), " trainable parameter(s) ",
-              "have no distributed route on this ", state.mesh->world_size(), "-rank mesh: ", names.str(),
+  TORCH_CHECK(false, "rank ", mesh.global_rank(), ": Muon: ", missing.size(), " trainable parameter(s) ",
+              "have no distributed route on this ", mesh.world_size(), "-rank mesh: ", names.str(),
               ". Each rank would update them with its own local gradient and the replicas would drift apart. "
               "Call dmuon::replicate(model, mesh) after dedicate_params (or route them to sharded_adamw, or "
               "freeze them with requires_grad(false)) before constructing Muon.");
+}
+
+// NaN/Inf in any averaged Muon gradient this rank updates is an error naming it (one host read for
+// all of them).
+void check_finite_grads(const std::vector<ReadyGrad>& ready, int rank) {
+  std::vector<at::Tensor> finite;
+  std::vector<const ReadyGrad*> which;
+  for (const auto& r : ready)
+    if (r.route == RouteKind::Dedicated) {
+      finite.push_back(at::isfinite(r.grad).all());
+      which.push_back(&r);
+    }
+  if (finite.empty()) return;
+  const at::Tensor host = detail::read_to_host(at::stack(finite));
+  const bool* ok = host.data_ptr<bool>();
+  for (size_t i = 0; i < which.size(); ++i)
+    TORCH_CHECK(ok[i], "rank ", rank, ": Muon::step: the averaged gradient of '", which[i]->name, "' (shape ",
+                which[i]->grad.sizes(), ") contains NaN or Inf, so Newton-Schulz cannot orthogonalise it. A "
+                "non-finite gradient usually means the loss diverged: lower the learning rate or clip gradients; or "
+                "pass MuonOptions::ns a NewtonSchulz with set_check_finite(false) to let NaN propagate.");
 }
 
 double elapsed_ms(std::chrono::steady_clock::time_point t0) {
@@ -172,9 +197,6 @@ Muon::Muon(const std::shared_ptr<torch::nn::Module>& model, MuonOptions options)
   ns_.set_check_finite(false);  // checked for all matrices at once in step()
   auto state = detail::state_of_model(model.get());
   require_replicated(*model, *state);
-  for (const auto& e : state->params) owned_[e.param.unsafeGetTensorImpl()] = e.is_owner;
-  for (size_t i = 0; i < state->sharded.size(); ++i)
-    sharded_[state->sharded[i].param.unsafeGetTensorImpl()] = static_cast<int>(i);
 }
 
 MuonParamState& Muon::state_for(const at::Tensor& p) {
@@ -189,10 +211,9 @@ const MuonParamState* Muon::state_of(const at::Tensor& p) const {
   return it == state_.end() ? nullptr : static_cast<const MuonParamState*>(it->second.get());
 }
 
-void Muon::muon_update(at::Tensor& p, const at::Tensor& master, at::ScalarType state_dtype, const MuonGroupOptions& o,
-                       StepProfile& prof) {
-  const at::Tensor g = p.grad().to(state_dtype);
-  MuonParamState& st = state_for(p);
+void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, StepProfile& prof) {
+  const at::Tensor g = r.grad.to(r.prec.optim);
+  MuonParamState& st = state_for(r.param);
   if (!st.momentum_buffer().defined()) st.momentum_buffer(at::zeros_like(g));
   at::Tensor& buf = st.momentum_buffer();
   buf.mul_(o.momentum()).add_(g);
@@ -201,14 +222,14 @@ void Muon::muon_update(at::Tensor& p, const at::Tensor& master, at::ScalarType s
   const auto t0 = std::chrono::steady_clock::now();
   const at::Tensor update = ns_.local(u, static_cast<int>(o.ns_steps()));
   prof.ns_ms += elapsed_ms(t0);
-  const double m = static_cast<double>(std::min(p.size(0), p.size(1)));
-  const double n = static_cast<double>(std::max(p.size(0), p.size(1)));
+  at::Tensor target = r.target;  // mixed precision: the master, rounded into the parameter below
+  const double m = static_cast<double>(std::min(target.size(0), target.size(1)));
+  const double n = static_cast<double>(std::max(target.size(0), target.size(1)));
   prof.ns_flops += 20 * m * m * n + 10 * m * m * m;
   const double scale = 0.2 * std::sqrt(n);
-  at::Tensor target = master.defined() ? master : p;  // mixed precision: update the master, round into p
   if (o.weight_decay() != 0) target.mul_(1.0 - o.lr() * o.weight_decay());
   target.add_(update.to(target.scalar_type()), -o.lr() * scale);
-  if (master.defined()) p.copy_(master);
+  if (r.write_back) r.param.copy_(target);
   ++prof.owned_updates;
 }
 
@@ -247,50 +268,42 @@ at::Tensor Muon::step(LossClosure closure) {
   TORCH_CHECK(state, "Muon::step: the model is no longer dedicated.");
   StepProfile prof;
   const auto t_start = std::chrono::steady_clock::now();
-  state->prepare_grads();
+  state->prepare_grads();  // collective: the reduces are waited (HSDP: stage 2 issued and waited)
   prof.prepare_ms = elapsed_ms(t_start);
-  if (check_finite_) check_finite_grads(*state);
+  const std::vector<ReadyGrad> ready = state->take_ready_grads();
+  if (check_finite_) check_finite_grads(ready, state->mesh().global_rank());
+  std::map<const c10::TensorImpl*, const MuonGroupOptions*> group_of;
+  for (const auto& group : param_groups_)
+    for (const auto& p : group.params())
+      group_of[p.unsafeGetTensorImpl()] = &static_cast<const MuonGroupOptions&>(group.options());
   const bool log_first = options_.first_step_progress_log && steps_ == 0;
-  for (auto& group : param_groups_) {
-    const auto& o = static_cast<const MuonGroupOptions&>(group.options());
+  for (const ReadyGrad& r : ready) {
+    auto g = group_of.find(r.param.unsafeGetTensorImpl());
+    if (g == group_of.end()) continue;  // in no parameter group: not optimized
+    const MuonGroupOptions& o = *g->second;
     const auto t0 = std::chrono::steady_clock::now();
-    for (auto& p : group.params()) {
-      if (!o.is_muon()) {
-        auto sh = sharded_.find(p.unsafeGetTensorImpl());
-        if (sh != sharded_.end()) {  // sharded_adamw: AdamW on this rank's shard
-          ShardedEntry& e = state->sharded[sh->second];
-          if (e.has_grad) adamw_update(e.shard, e.grad_sum, p, e.prec.optim, o);
-          e.grad_sum = at::Tensor();
-          e.has_grad = false;
-          continue;
-        }
+    if (r.route == RouteKind::Dedicated && o.is_muon()) {
+      muon_update(r, o, prof);
+      prof.muon_ms += elapsed_ms(t0);
+      if (log_first && progress_logged_ < options_.first_step_progress_log_limit) {
+        ++progress_logged_;
+        std::ostringstream line;
+        line << "[dmuon] rank " << state->mesh().global_rank() << ": first step: "
+             << ns_.describe(r.target.device().type()) << " on " << r.target.size(0) << "x" << r.target.size(1)
+             << " took " << elapsed_ms(t0) << " ms";
+        if (options_.log) options_.log(line.str());
+        else std::cerr << line.str() << "\n";
       }
-      if (!p.grad().defined()) continue;
-      if (o.is_muon()) {
-        auto it = owned_.find(p.unsafeGetTensorImpl());
-        if (it == owned_.end() || !it->second) continue;  // not ours: the owner updates it
-        const auto tp = std::chrono::steady_clock::now();
-        auto m = state->masters.find(p.unsafeGetTensorImpl());
-        muon_update(p, m == state->masters.end() ? at::Tensor() : m->second, state->precision_of(p).optim, o, prof);
-        if (log_first && progress_logged_ < options_.first_step_progress_log_limit) {
-          ++progress_logged_;
-          std::cerr << "[dmuon] rank " << state->mesh->global_rank() << ": first step: " << ns_.describe(p.device().type()) << " on "
-                    << p.size(0) << "x" << p.size(1) << " took " << elapsed_ms(tp) << " ms\n";
-        }
-      } else {
-        auto m = state->masters.find(p.unsafeGetTensorImpl());
-        const at::ScalarType sd = state->precision_of(p).optim;
-        if (m == state->masters.end()) {
-          adamw_update(p, p.grad(), p, sd, o);
-        } else {  // mixed precision: AdamW on the master, rounded into the parameter
-          adamw_update(m->second, p.grad(), p, sd, o);
-          p.copy_(m->second);
-        }
-      }
+    } else if (r.route != RouteKind::Dedicated && !o.is_muon()) {
+      at::Tensor target = r.target;
+      adamw_update(target, r.grad, r.param, r.prec.optim, o);
+      if (r.write_back) r.param.copy_(target);  // mixed precision: AdamW on the master, rounded into the parameter
+      prof.adamw_ms += elapsed_ms(t0);
     }
-    (o.is_muon() ? prof.muon_ms : prof.adamw_ms) += elapsed_ms(t0);
   }
-  state->publish(options_.replicate_async);  // DDP path: owners broadcast the new values
+  // collective: HSDP publishes over the replicate group, the DDP path broadcasts from the owners,
+  // all_gather unshard scatters; nothing on a 1-D mesh in broadcast mode (the next forward does it)
+  state->publish(options_.replicate_async);
   prof.total_ms = elapsed_ms(t_start);
   prof.valid = true;
   if (options_.record_step_profile) last_profile_ = prof;
@@ -315,25 +328,6 @@ void Muon::zero_grad(bool set_to_none) {
         p.mutable_grad().zero_();
       }
     }
-}
-
-void Muon::check_finite_grads(const DedicatedState& state) const {
-  std::vector<at::Tensor> finite;
-  std::vector<const ParamEntry*> which;
-  for (const auto& e : state.params)
-    if (e.is_owner && e.param.grad().defined()) {
-      finite.push_back(at::isfinite(e.param.grad()).all());
-      which.push_back(&e);
-    }
-  if (finite.empty()) return;
-  const at::Tensor host = detail::read_to_host(at::stack(finite));
-  const bool* ok = host.data_ptr<bool>();
-  for (size_t i = 0; i < which.size(); ++i)
-    TORCH_CHECK(ok[i], "rank ", state.mesh->global_rank(), ": Muon::step: the averaged gradient of '", which[i]->name,
-                "' (shape ", at::IntArrayRef(which[i]->shape), ") contains NaN or Inf, so Newton-Schulz cannot "
-                "orthogonalise it. A non-finite gradient usually means the loss diverged: lower the learning "
-                "rate or clip gradients; or pass MuonOptions::ns a NewtonSchulz with set_check_finite(false) to let "
-                "NaN propagate.");
 }
 
 StepProfile Muon::consume_last_step_profile() {

@@ -1,0 +1,118 @@
+// dmuon::forward's boundary scope and the identity autograd function around each boundary.
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "runtime/runtime.h"
+
+namespace dmuon {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+enum class HookSide : int64_t { PreBackward = 0, PostBackward = 1 };
+
+// Identity whose backward runs a boundary hook: on a boundary's output its backward runs before the
+// boundary's own backward (pre-backward), on its input after it (post-backward). It saves the
+// Runtime's id, not a pointer: a graph that outlives its model finds no Runtime and does nothing.
+struct BoundaryHookFn : torch::autograd::Function<BoundaryHookFn> {
+  static variable_list forward(AutogradContext* ctx, at::Tensor x, int64_t runtime_id, int64_t b, int64_t side) {
+    ctx->saved_data["id"] = runtime_id;
+    ctx->saved_data["b"] = b;
+    ctx->saved_data["side"] = side;
+    return {x.view_as(x)};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    if (auto rt = detail::runtime_by_id(static_cast<uint64_t>(ctx->saved_data["id"].toInt()))) {
+      const int b = static_cast<int>(ctx->saved_data["b"].toInt());
+      if (ctx->saved_data["side"].toInt() == static_cast<int64_t>(HookSide::PreBackward))
+        rt->pre_backward(b);
+      else
+        rt->post_backward(b);
+    }
+    return {g[0], at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor wrap(const at::Tensor& x, const Runtime& rt, int b, HookSide side) {
+  return BoundaryHookFn::apply(x, static_cast<int64_t>(rt.id()), static_cast<int64_t>(b), static_cast<int64_t>(side))[0];
+}
+
+}  // namespace
+
+namespace detail {
+
+struct BoundaryScope::Impl {
+  std::shared_ptr<Runtime> state;  // set when the module is a boundary
+  int boundary = -1;
+  std::shared_ptr<Runtime> root;   // set when the module is a dedicated model
+  bool entered = false;
+  bool exited = false;
+  const Boundary& B() const { return state->boundaries()[static_cast<size_t>(boundary)]; }
+};
+
+BoundaryScope::BoundaryScope(const torch::nn::Module* module) : impl_(std::make_unique<Impl>()) {
+  auto [st, b] = boundary_of_module(module);
+  impl_->state = st;
+  impl_->boundary = b;
+  impl_->root = state_of_model(module);
+}
+
+BoundaryScope::~BoundaryScope() = default;
+
+void BoundaryScope::enter() {
+  if (impl_->root) impl_->root->begin_root_forward();  // the model's own forward: a new pass
+  if (impl_->state) impl_->state->pre_forward(impl_->boundary);
+  impl_->entered = true;
+}
+
+at::Tensor BoundaryScope::cast_input(const at::Tensor& t) const {
+  if (!impl_->state || !t.defined() || !t.is_floating_point()) return t;
+  const auto& d = impl_->B().input_dtype;
+  return d && t.scalar_type() != *d ? t.to(*d) : t;
+}
+
+at::Tensor BoundaryScope::enter(const at::Tensor& input) {
+  enter();
+  const at::Tensor x = cast_input(input);
+  if (!impl_->state || !at::GradMode::is_enabled() || !x.defined() || !x.requires_grad()) return x;
+  impl_->state->note_post_hook(impl_->boundary);
+  return wrap(x, *impl_->state, impl_->boundary, HookSide::PostBackward);
+}
+
+void BoundaryScope::exit() {
+  if (impl_->state && impl_->entered && !impl_->exited) impl_->state->post_forward(impl_->boundary);
+  impl_->exited = true;
+}
+
+at::Tensor BoundaryScope::exit(const at::Tensor& output) {
+  exit();
+  at::Tensor y = output;
+  if (impl_->state && y.defined() && y.is_floating_point())
+    if (const auto& d = impl_->B().output_dtype; d && y.scalar_type() != *d) y = y.to(*d);
+  if (!impl_->state || !at::GradMode::is_enabled() || !y.defined() || !y.requires_grad()) return y;
+  return wrap(y, *impl_->state, impl_->boundary, HookSide::PreBackward);
+}
+
+void BoundaryScope::rethrow(const std::exception& e) {
+  if (impl_->state && impl_->entered && !impl_->exited) {
+    impl_->exited = true;
+    try {
+      impl_->state->post_forward(impl_->boundary);
+    } catch (...) {
+    }
+  }
+  const std::string what = e.what();
+  std::shared_ptr<Runtime> st = impl_->root ? impl_->root : impl_->state;
+  if (st && what.find("dmuon: hook boundary") == std::string::npos) {
+    const std::string hint = st->bypass_hint();
+    if (!hint.empty()) TORCH_CHECK(false, what, "\n", hint);
+  }
+  throw;
+}
+
+}  // namespace detail
+
+}  // namespace dmuon

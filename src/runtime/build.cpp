@@ -1,0 +1,118 @@
+// Runtime setup: route the parameters (setup.cpp), plan owners, check the plan across ranks
+// (fingerprint.cpp), then hand each route its parameters.
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include "runtime/dedicated_route.h"
+#include "runtime/fingerprint.h"
+#include "runtime/replicated_route.h"
+#include "runtime/runtime.h"
+#include "runtime/setup.h"
+#include "runtime/sharded_route.h"
+
+namespace dmuon {
+
+Runtime::Runtime(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<Mesh> mesh, DedicateOptions opts, bool ddp)
+    : model_(model),
+      mesh_(std::move(mesh)),
+      opts_(std::move(opts)),
+      ddp_(ddp),
+      id_(detail::next_runtime_id()),
+      dedicated_(std::make_unique<DedicatedRoute>(*this, ddp)),
+      sharded_(std::make_unique<ShardedRoute>(*this)) {}
+
+Runtime::~Runtime() = default;
+
+void Runtime::build(const ParamPredicate& predicate) {
+  auto m = model_.lock();
+  const int rank = mesh_->global_rank();
+  // 1. routes, precision, boundaries (pure)
+  Routing routing = route_params(*m, predicate, opts_, RoutingContext{rank, mesh_->is_2d(), ddp_});
+  for (const auto* group : {&routing.dedicated, &routing.sharded, &routing.base})
+    for (const auto& r : *group) precision_[r.param.unsafeGetTensorImpl()] = r.prec;
+  specs_ = routing.specs;
+  for (const auto& r : routing.dedicated) boundary_of_param_.push_back(r.boundary);
+
+  // 2. plan (every rank, no communication), then check that all ranks agree
+  PlanOptions po;
+  po.owner_strategy = opts_.owner_strategy;
+  po.owner_cost_model = opts_.owner_cost_model;
+  po.hsdp_column_balance = opts_.hsdp_column_balance;
+  po.pack_small_params = opts_.pack_small_params;
+  po.max_owners_per_group = opts_.max_owners_per_group;
+  try {
+    plan_ = plan_owners(specs_, mesh_->shard_size(), mesh_->replicate_size(), po);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rank ", rank, ": dedicate_params: owner planning failed: ", e.what());
+  }
+  std::vector<Precision> precisions;
+  for (const auto& r : routing.dedicated) precisions.push_back(r.prec);
+  check_plan_agreement(*mesh_, plan_, specs_, precisions, routing.base_digest, po);
+
+  // 3. boundaries in model order of first appearance
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
+  for (const auto& item : m->named_modules("", /*include_self=*/true)) modules[item.key()] = item.value();
+  std::map<std::string, int> bindex;
+  for (const auto& name : routing.boundary_order) {
+    Boundary b;
+    b.name = name;
+    b.module = modules.at(name);
+    b.index = static_cast<int>(boundaries_.size());
+    if (auto it = routing.input_cast.find(name); it != routing.input_cast.end()) b.input_dtype = it->second;
+    if (auto it = routing.output_cast.find(name); it != routing.output_cast.end()) b.output_dtype = it->second;
+    bindex.emplace(name, b.index);
+    boundaries_.push_back(std::move(b));
+  }
+
+  // 4. the routes take their parameters: packed buffers (owners copy their masters before any
+  // cast), then sharded slices of rank 0's value
+  std::vector<DedicatedEntry> entries;
+  for (const auto& r : routing.dedicated) {
+    DedicatedEntry e;
+    e.name = r.name;
+    e.param = r.param;
+    e.shape = r.param.sizes().vec();
+    e.prec = r.prec;
+    e.unshard = r.unshard;
+    e.boundary = bindex.at(r.boundary);
+    ++boundaries_[static_cast<size_t>(e.boundary)].num_params;
+    entries.push_back(std::move(e));
+  }
+  dedicated_->build(std::move(entries), plan_, static_cast<int>(boundaries_.size()));
+  for (const auto& r : routing.sharded) {
+    const int b = bindex.at(r.boundary);
+    ++boundaries_[static_cast<size_t>(b)].num_params;
+    sharded_->add(r.name, r.param, b, r.prec);
+  }
+
+  // 5. mixed precision: replicated parameters with a master keep it (replicate() syncs it from
+  // rank 0); then every parameter takes its forward dtype. Before any hook: autograd's accumulator
+  // caches the dtype, and set_data with a new dtype detaches the parameter from an existing one.
+  {
+    at::NoGradGuard ng;
+    for (const auto& r : routing.base)
+      if (r.prec.has_master())
+        set_master(r.param, r.param.detach().to(r.prec.master, /*non_blocking=*/false, /*copy=*/true));
+    for (auto& [p, prec] : routing.to_cast) {
+      at::Tensor(p).set_data(p.detach().to(prec.param));
+      p.mutable_grad() = at::Tensor();  // a gradient from before would keep the old dtype
+    }
+  }
+
+  // 6. hooks and initial data (while every parameter is still full-size: the accumulator caches
+  // the shape)
+  sharded_->install();
+  dedicated_->install();
+}
+
+void Runtime::add_replicated(double bucket_mb) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  TORCH_CHECK(!replicated_, "rank ", mesh_->global_rank(), ": replicate was already called on this model.");
+  TORCH_CHECK(bucket_mb > 0, "rank ", mesh_->global_rank(), ": replicate: invalid bucket_mb: ", bucket_mb,
+              ". Must be > 0 (MiB per coalesced all-reduce).");
+  auto route = std::make_unique<ReplicatedRoute>(*this, bucket_mb);
+  replicated_ = route.get();
+  extra_routes_.push_back(std::move(route));
+}
+
+}  // namespace dmuon

@@ -1,0 +1,454 @@
+// The route of dedicated Muon matrices (see dedicated_route.h).
+#include "runtime/dedicated_route.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+
+#include "dmuon/env.h"
+#include "runtime/runtime.h"
+
+namespace dmuon {
+
+std::string DedicatedRoute::what(const char* phase, int b, const PackedBuffer& buf) const {
+  std::ostringstream o;
+  o << phase << " of '" << rt_.boundaries()[static_cast<size_t>(b)].name << "' from rank " << buf.root_global << " ("
+    << buf.params.size() << " params, " << buf.bytes() << " bytes)";
+  return o.str();
+}
+
+const DedicatedEntry* DedicatedRoute::find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &entries_[static_cast<size_t>(it->second)];
+}
+
+// ---- setup -----------------------------------------------------------------------------------------
+void DedicatedRoute::build(std::vector<DedicatedEntry> entries, const OwnerPlan& plan, int num_boundaries) {
+  Mesh& mesh = rt_.mesh();
+  const int rank = mesh.global_rank();
+  entries_ = std::move(entries);
+  for (size_t i = 0; i < entries_.size(); ++i) index_[entries_[i].name] = static_cast<int>(i);
+  buffers_.assign(static_cast<size_t>(num_boundaries), {});
+  std::vector<std::vector<int>> by_boundary(static_cast<size_t>(num_boundaries));
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    auto& e = entries_[i];
+    e.owner = plan.owners[i];
+    e.owner_rank = mesh.global_rank_of(e.owner.shard, e.owner.replicate);
+    e.is_owner = e.owner.shard == mesh.shard_rank() && e.owner.replicate == mesh.replicate_rank();
+    by_boundary[static_cast<size_t>(e.boundary)].push_back(static_cast<int>(i));
+  }
+  at::NoGradGuard ng;
+  for (int b = 0; b < num_boundaries; ++b) {
+    const std::string& bname = rt_.boundaries()[static_cast<size_t>(b)].name;
+    // one buffer per distinct owner slot (and precision), ordered by slot index (same on every rank)
+    std::map<std::pair<int, Precision>, std::vector<int>> by_slot;
+    for (int p : by_boundary[static_cast<size_t>(b)])
+      by_slot[{OwnerPlan::slot_index(entries_[p].owner, plan.shard_size), entries_[p].prec}].push_back(p);
+    for (auto& [key, ps] : by_slot) {
+      const DedicatedEntry& first = entries_[ps.front()];
+      PackedBuffer buf;
+      buf.owner = first.owner;
+      buf.root = buf.owner.shard;
+      buf.root_global = mesh.global_rank_of(buf.owner.shard, buf.owner.replicate);
+      buf.params = ps;
+      buf.prec = key.second;
+      buf.is_owner = first.is_owner;
+      buf.is_root = buf.owner.shard == mesh.shard_rank();  // the holder in this replicate group
+      buf.unshard = first.unshard;
+      for (int p : ps) {
+        TORCH_CHECK(entries_[p].unshard == buf.unshard, "rank ", rank, ": dedicate_params: parameters '",
+                    entries_[p].name, "' and '", first.name, "' share an owner in boundary '", bname,
+                    "' but differ in muon_forward_unshard; use one mode per boundary, or set pack_small_params=false "
+                    "/ separate assignment groups.");
+        TORCH_CHECK(entries_[p].param.device() == first.param.device(), "rank ", rank, ": dedicate_params: parameters '",
+                    entries_[p].name, "' and '", first.name, "' share an owner in boundary '", bname,
+                    "' but live on different devices; move the model to one device first.");
+        buf.offsets.push_back(buf.numel);
+        buf.numel += entries_[p].param.numel();
+      }
+      // all_gather mode pads the buffer to G equal shards
+      if (buf.gather_mode()) buf.shard_len = (buf.numel + mesh.shard_size() - 1) / mesh.shard_size();
+      const auto o = first.param.options().requires_grad(false);
+      buf.flat = at::zeros({buf.gather_mode() ? buf.shard_len * mesh.shard_size() : buf.numel}, o.dtype(buf.prec.param));
+      // the global owner keeps the master copy, from the parameters' values before any cast
+      if (buf.is_owner && buf.prec.has_master()) buf.master = at::zeros({buf.flat.numel()}, o.dtype(buf.prec.master));
+      for (size_t k = 0; k < ps.size(); ++k) {
+        auto& e = entries_[ps[k]];
+        e.buffer = static_cast<int>(buffers_[static_cast<size_t>(b)].size());
+        e.slot_in_buffer = static_cast<int>(k);
+        buf.views.push_back(buf.flat.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes()));
+        if (buf.master.defined()) {
+          at::Tensor mv = buf.master.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes());
+          mv.copy_(e.param.detach());
+          rt_.set_master(e.param, mv);
+        }
+      }
+      buffers_[static_cast<size_t>(b)].push_back(std::move(buf));
+    }
+  }
+}
+
+void DedicatedRoute::install() {
+  Mesh& mesh = rt_.mesh();
+  at::NoGradGuard ng;
+  for (auto& e : entries_) e.placeholder = at::empty({0}, e.param.options().requires_grad(false));
+  // hooks, while every parameter still has its full shape (the accumulator caches it)
+  for (size_t i = 0; i < entries_.size(); ++i)
+    entries_[i].grad_acc = detail::on_grad_accumulated(rt_, entries_[i].param, entries_[i].name, [i](Runtime& rt) {
+      auto& e = rt.dedicated().entries_[i];
+      rt.note_accumulated(e.accumulated, e.boundary);
+    });
+  // data: holders keep their value in the packed buffer; the others release theirs
+  for_each_buffer([&](int, PackedBuffer& buf) {
+    const bool keeps = buf.is_root || ddp_;
+    for (size_t k = 0; k < buf.params.size(); ++k) {
+      auto& e = entries_[buf.params[k]];
+      if (keeps) {
+        buf.views[k].copy_(e.param.detach());  // (HSDP: replaced by the global owner's value below)
+        e.param.set_data(buf.views[k]);
+      } else {
+        e.param.set_data(e.placeholder);
+      }
+    }
+    if (keeps) {
+      buf.state = PackedBuffer::State::Ready;
+    } else {
+      detail::resize_storage_bytes(buf.flat, 0);
+      buf.state = PackedBuffer::State::Released;
+    }
+  });
+  // all_gather mode: every rank starts with its shard of the owner's value
+  for_each_buffer([&](int b, PackedBuffer& buf) {
+    if (!buf.gather_mode()) return;
+    buf.shard = at::empty({buf.shard_len}, buf.flat.options());
+    scatter_shards(buf, "initial shards of '" + rt_.boundaries()[static_cast<size_t>(b)].name + "'").wait();
+  });
+  // DDP path: every rank starts from the owner's value (ranks may have initialised differently)
+  if (ddp_)
+    for_each_buffer([&](int b, PackedBuffer& buf) {
+      mesh.shard()
+          .broadcast(buf.flat, buf.root, "initial value of '" + rt_.boundaries()[static_cast<size_t>(b)].name +
+                                             "' from its owner")
+          .wait();
+    });
+  // HSDP: every holder starts from the global owner's value (one broadcast per packed unit over the
+  // replicate group of the owner's column; same order on every member)
+  if (Communicator* rep = mesh.replicate())
+    for_each_buffer([&](int b, PackedBuffer& buf) {
+      if (!buf.is_root) return;
+      rep->broadcast(buf.flat, buf.owner.replicate,
+                     "initial value of '" + rt_.boundaries()[static_cast<size_t>(b)].name + "' from replicate " +
+                         std::to_string(buf.owner.replicate))
+          .wait();
+    });
+}
+
+Pending DedicatedRoute::scatter_shards(PackedBuffer& buf, const std::string& w) {
+  at::Tensor src = buf.is_root ? buf.flat : at::empty({0}, buf.flat.options());
+  return rt_.mesh().shard().scatter_flat(buf.shard, src, buf.root, w);
+}
+
+// ---- unshard / release -------------------------------------------------------------------------------
+void DedicatedRoute::issue_unshard(int b, const char* phase) {
+  if (ddp_) return;  // full parameters everywhere; the post-step publish is the only broadcast
+  Communicator& comm = rt_.mesh().shard();
+  const auto& compute = rt_.options().compute_dtype;
+  for (auto& buf : buffers_[static_cast<size_t>(b)]) {
+    if (buf.state != PackedBuffer::State::Released && buf.ready_pass == rt_.pass()) continue;  // already published
+    if (buf.state == PackedBuffer::State::Pending) buf.bcast.wait();  // an unused one from an earlier pass
+    if (buf.is_root) wait_publish(buf);  // HSDP: the holder's copy must be the new value first
+    if (!buf.is_root && buf.state == PackedBuffer::State::Released) detail::restore_storage(buf.flat);
+    if (buf.gather_mode()) {  // rebuild the full matrix from every rank's shard
+      buf.scatter.wait();  // the shards of the last update must have arrived
+      buf.scatter = Pending();
+      buf.bcast = comm.allgather_flat(buf.flat, buf.shard, what(phase, b, buf) + " [all-gather mode]");
+    } else {
+      at::Tensor payload = buf.flat;
+      if (compute && static_cast<int64_t>(c10::elementSize(*compute)) < buf.flat.element_size()) {  // narrows only
+        buf.bcast_payload = buf.is_root ? buf.flat.to(*compute) : at::empty({buf.numel}, buf.flat.options().dtype(*compute));
+        payload = buf.bcast_payload;
+      }
+      buf.bcast = comm.broadcast(payload, buf.root, what(phase, b, buf));
+    }
+    buf.state = PackedBuffer::State::Pending;
+    buf.ready_pass = rt_.pass();
+  }
+}
+
+void DedicatedRoute::wait_unshard(int b) {
+  at::NoGradGuard ng;
+  for (auto& buf : buffers_[static_cast<size_t>(b)]) {
+    if (buf.state != PackedBuffer::State::Pending) continue;
+    buf.bcast.wait();
+    buf.bcast = Pending();
+    if (buf.bcast_payload.defined()) {
+      if (!buf.is_root) buf.flat.copy_(buf.bcast_payload);
+      buf.bcast_payload = at::Tensor();
+    }
+    if (!buf.is_root)
+      for (size_t k = 0; k < buf.params.size(); ++k) entries_[buf.params[k]].param.set_data(buf.views[k]);
+    buf.state = PackedBuffer::State::Ready;
+  }
+}
+
+void DedicatedRoute::release(int b) {
+  at::NoGradGuard ng;
+  for (auto& buf : buffers_[static_cast<size_t>(b)]) {
+    if (buf.state == PackedBuffer::State::Pending) buf.bcast.wait();  // never free a buffer in flight
+    buf.bcast = Pending();
+    buf.bcast_payload = at::Tensor();
+    if (ddp_) {
+      buf.state = PackedBuffer::State::Ready;  // the DDP path keeps full parameters everywhere
+      continue;
+    }
+    if (buf.is_root) {
+      buf.state = PackedBuffer::State::Released;  // logical: the holder's data stay
+      continue;
+    }
+    if (buf.state == PackedBuffer::State::Released) continue;
+    // CUDA: the broadcast into `flat` was waited above (NCCL's wait makes the current stream wait
+    // for the NCCL stream, and NCCL recorded its stream on the tensor), and every kernel that read
+    // `flat` was issued on the current stream, so the caching allocator hands the freed block out
+    // again only to work ordered after all of them.
+    for (int p : buf.params) entries_[p].param.set_data(entries_[p].placeholder);
+    detail::resize_storage_bytes(buf.flat, 0);
+    buf.state = PackedBuffer::State::Released;
+  }
+}
+
+std::string DedicatedRoute::bypass_hint(int b) const {
+  for (const auto& buf : buffers_[static_cast<size_t>(b)]) {
+    if (buf.is_root || buf.state != PackedBuffer::State::Released) continue;
+    const auto& e = entries_[buf.params.front()];
+    const std::string& bname = rt_.boundaries()[static_cast<size_t>(b)].name;
+    std::ostringstream o;
+    o << "dmuon: hook boundary '" << bname << "' was not run through dmuon::forward in this forward pass, and its "
+      << "dedicated parameters are 0-element placeholders on rank " << rt_.mesh().global_rank() << " (e.g. '" << e.name
+      << "', shape " << at::IntArrayRef(e.shape) << ", owned by rank " << e.owner_rank << "). Call "
+      << "`x = dmuon::forward(module, x)` for '" << bname << "' instead of calling its forward directly.";
+    return o.str();
+  }
+  return "";
+}
+
+// ---- gradients ------------------------------------------------------------------------------------
+void DedicatedRoute::issue_reduce(int b) {
+  Communicator& comm = rt_.mesh().shard();
+  at::NoGradGuard ng;
+  for (auto& buf : buffers_[static_cast<size_t>(b)]) {
+    if (buf.reduce_issued || buf.stage2_issued) {  // an earlier pass (accumulation)
+      finish_stage1(buf);
+      finish_stage2(buf);
+    }
+    // Every rank hands its local gradient to the reduce; the owner gets the average back in
+    // prepare_grads, non-owners keep nothing.
+    std::vector<at::Tensor> ps;
+    for (int p : buf.params) ps.push_back(entries_[p].param);
+    const int64_t np = static_cast<int64_t>(ps.size());
+    buf.grad_payload = pack_grads(ps, buf.offsets, buf.numel + np, buf.numel, buf.flat.options().dtype(buf.prec.reduce));
+    buf.reduce = comm.reduce(buf.grad_payload, buf.root, Reduction::Sum, what("gradient reduce", b, buf));
+    buf.reduce_issued = true;
+  }
+}
+
+void DedicatedRoute::finish_stage1(PackedBuffer& buf) {
+  if (!buf.reduce_issued) return;
+  buf.reduce.wait();
+  buf.reduce = Pending();
+  buf.reduce_issued = false;
+  Mesh& mesh = rt_.mesh();
+  Communicator* rep = mesh.replicate();
+  if (!buf.is_root) {
+    buf.grad_payload = at::Tensor();
+    return;
+  }
+  const int64_t np = static_cast<int64_t>(buf.params.size());
+  if (!rep) {
+    buf.acc.fold(buf.grad_payload, buf.numel, np, buf.prec.master, mesh.shard_size());
+    buf.grad_payload = at::Tensor();
+    return;
+  }
+  // stage 2: the holders of this unit (one per replicate group) reduce to the global owner
+  std::ostringstream w;
+  w << "stage-2 gradient reduce of a unit owned by (" << buf.owner.shard << ", " << buf.owner.replicate << ")";
+  buf.stage2 = rep->reduce(buf.grad_payload, buf.owner.replicate, Reduction::Sum, w.str());
+  buf.stage2_issued = true;
+}
+
+void DedicatedRoute::finish_stage2(PackedBuffer& buf) {
+  if (!buf.stage2_issued) return;
+  buf.stage2.wait();
+  buf.stage2 = Pending();
+  buf.stage2_issued = false;
+  if (buf.is_owner)
+    buf.acc.fold(buf.grad_payload, buf.numel, static_cast<int64_t>(buf.params.size()), buf.prec.master,
+                 static_cast<double>(rt_.mesh().world_size()));
+  buf.grad_payload = at::Tensor();
+}
+
+void DedicatedRoute::end_of_backward() {
+  if (rt_.mesh().replicate() && !rt_.options().delay_stage2_to_optimizer)
+    for_each_buffer([&](int, PackedBuffer& buf) { finish_stage1(buf); });  // waits stage 1, issues stage 2 now
+}
+
+void DedicatedRoute::reset_pass() {
+  for (auto& e : entries_) e.accumulated = false;
+}
+
+void DedicatedRoute::finish_reduces() {
+  // stage 1 everywhere first (HSDP holders issue stage 2 as they go), then stage 2
+  for_each_buffer([&](int, PackedBuffer& buf) { finish_stage1(buf); });
+  for_each_buffer([&](int, PackedBuffer& buf) { finish_stage2(buf); });
+}
+
+void DedicatedRoute::collect_flags(std::vector<at::Tensor>& out) {
+  for_each_buffer([&](int, PackedBuffer& buf) {
+    if (buf.is_owner && buf.acc.has_value()) out.push_back(buf.acc.flags_for_read());
+  });
+}
+
+void DedicatedRoute::install_grads(const float*& flag) {
+  for_each_buffer([&](int, PackedBuffer& buf) {
+    if (!buf.is_owner || !buf.acc.has_value()) return;
+    const at::Tensor sum = buf.acc.take_sum();
+    for (size_t k = 0; k < buf.params.size(); ++k) {
+      auto& e = entries_[buf.params[k]];
+      if (*flag++ > 0)
+        e.param.mutable_grad() = sum.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes());
+      else
+        e.param.mutable_grad() = at::Tensor();  // no rank produced a gradient
+    }
+  });
+}
+
+void DedicatedRoute::ready_grads(std::vector<ReadyGrad>& out) {
+  for (auto& e : entries_) {
+    if (e.is_owner && e.param.grad().defined())  // not ours: the owner updates it
+      out.push_back(rt_.ready_grad(RouteKind::Dedicated, e.name, e.param, e.prec));
+  }
+}
+
+void DedicatedRoute::discard_grads() {
+  for_each_buffer([&](int, PackedBuffer& buf) {
+    for (auto [issued, pending] : {std::pair{&buf.reduce_issued, &buf.reduce}, {&buf.stage2_issued, &buf.stage2}})
+      if (*issued) {
+        pending->wait();
+        *pending = Pending();
+        *issued = false;
+      }
+    buf.grad_payload = at::Tensor();
+    buf.acc.clear();
+  });
+}
+
+void DedicatedRoute::upcast_local_grads() {
+  for (auto& e : entries_) upcast_local_grad(e.param, e.prec);
+}
+
+// ---- publish ---------------------------------------------------------------------------------------
+void DedicatedRoute::wait_publish(PackedBuffer& buf) {
+  for (auto& p : buf.publish) p.wait();
+  buf.publish.clear();
+}
+
+void DedicatedRoute::wait_publishes() {
+  for_each_buffer([&](int, PackedBuffer& buf) {
+    wait_publish(buf);
+    buf.scatter.wait();
+  });
+}
+
+void DedicatedRoute::publish(bool async) {
+  Mesh& mesh = rt_.mesh();
+  if (Communicator* rep = mesh.replicate(); rep && !ddp_) {
+    // HSDP: the global owner's update goes to the holders of the other replicate groups, in the
+    // recorded forward order, chunked by replicate_broadcast_bucket_mb.
+    const int64_t chunk_bytes = static_cast<int64_t>(rt_.options().replicate_broadcast_bucket_mb * 1024 * 1024);
+    for (int b : rt_.publish_order())
+      for (auto& buf : buffers_[static_cast<size_t>(b)]) {
+        if (!buf.is_root) continue;
+        wait_publish(buf);
+        const int64_t esz = buf.flat.element_size();
+        const int64_t chunk = chunk_bytes > 0 ? std::max<int64_t>(1, chunk_bytes / esz) : buf.numel;
+        for (int64_t off = 0; off < buf.numel; off += chunk) {
+          const int64_t len = std::min(chunk, buf.numel - off);
+          buf.publish.push_back(rep->broadcast(buf.flat.narrow(0, off, len), buf.owner.replicate,
+                                               "post-step publish of '" + rt_.boundaries()[static_cast<size_t>(b)].name +
+                                                   "'"));
+        }
+      }
+    if (!async || !rt_.boundaries_seen()) rt_.wait_publishes();
+    if (env::isolated_pg_barrier()) {
+      // strict post-step fence on dmuon's own groups (diagnosis of process-group ordering issues)
+      rt_.wait_publishes();
+      mesh.shard().barrier("DMUON_ISOLATED_PG_BARRIER post-step fence (shard)");
+      rep->barrier("DMUON_ISOLATED_PG_BARRIER post-step fence (replicate)");
+    }
+    return;
+  }
+  if (!ddp_) {
+    // all_gather mode: the owner scatters its update into every rank's shard (waited before the
+    // next all-gather of the same buffer); broadcast mode: the next forward broadcasts
+    for_each_buffer([&](int b, PackedBuffer& buf) {
+      if (!buf.gather_mode()) return;
+      buf.scatter.wait();
+      buf.scatter = scatter_shards(buf, what("post-step scatter", b, buf));
+      if (!async) buf.scatter.wait();
+    });
+    if (env::isolated_pg_barrier()) mesh.shard().barrier("DMUON_ISOLATED_PG_BARRIER post-step fence");
+    return;
+  }
+  // DDP path, in the recorded forward order (model order before the first pass), so the next
+  // forward finds its first boundary's publish issued first.
+  Communicator& comm = mesh.shard();
+  for (int b : rt_.publish_order())
+    for (auto& buf : buffers_[static_cast<size_t>(b)]) {
+      if (buf.state == PackedBuffer::State::Pending) buf.bcast.wait();
+      buf.bcast = comm.broadcast(buf.flat, buf.root, what("post-step publish", b, buf));
+      buf.state = PackedBuffer::State::Pending;
+    }
+  // Without boundaries nothing would wait before the parameters are read again: drain now.
+  if (!async || !rt_.boundaries_seen())
+    for (size_t b = 0; b < buffers_.size(); ++b) wait_unshard(static_cast<int>(b));
+}
+
+// ---- checkpoints -----------------------------------------------------------------------------------
+void DedicatedRoute::gather_full(const TensorSink& put) {
+  Mesh& mesh = rt_.mesh();
+  for (auto& e : entries_) {  // from the (global) owner, in full precision
+    at::Tensor t;
+    if (e.is_owner) {
+      const at::Tensor m = rt_.master_of(e.param);
+      t = m.defined() ? m : e.param.detach();
+    } else {
+      t = at::empty(e.shape, e.param.options().dtype(e.prec.master));
+    }
+    mesh.world().broadcast(t, e.owner_rank, "checkpoint: '" + e.name + "' from its owner").wait();
+    put(e.name, t);
+  }
+}
+
+void DedicatedRoute::assign_full(const FullValues& values) {
+  for (auto& e : entries_) {
+    const at::Tensor& v = values.at(e.name);
+    auto& buf = buffers_[static_cast<size_t>(e.boundary)][static_cast<size_t>(e.buffer)];
+    if (const at::Tensor m = rt_.master_of(e.param); m.defined()) at::Tensor(m).copy_(v);
+    // the ranks that hold the matrix between steps: its owner / holders, every rank on the DDP path
+    if (buf.is_root || ddp_) buf.views[static_cast<size_t>(e.slot_in_buffer)].copy_(v);
+  }
+  for_each_buffer([&](int b, PackedBuffer& buf) {  // all_gather mode: every rank's shard of the new value
+    if (buf.gather_mode())
+      scatter_shards(buf, "checkpoint: shards of '" + rt_.boundaries()[static_cast<size_t>(b)].name + "'").wait();
+  });
+  // gathered copies are refreshed by the next forward
+  for_each_buffer([&](int, PackedBuffer& buf) { buf.ready_pass = -1; });
+}
+
+void DedicatedRoute::full_shapes(std::map<std::string, std::vector<int64_t>>& out) const {
+  for (const auto& e : entries_) out[e.name] = e.shape;  // placeholders hold no shape
+}
+
+}  // namespace dmuon

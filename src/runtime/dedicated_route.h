@@ -1,0 +1,146 @@
+// Internal: the route of dedicated Muon matrices.
+//
+// Each matrix has one owner. Per (boundary, owner) the matrices are packed into one flat buffer, so
+// each owner issues one broadcast (or all-gather) and receives one reduce per boundary and step.
+// Between steps the holder keeps the buffer (the owner; on HSDP the owner's shard column in every
+// replicate group); other ranks resize its storage to 0 bytes, so every view and saved tensor sees
+// the memory come and go (FSDP-style). Z3 releases after forward and unshards again in backward,
+// Z2 keeps it until after backward. Gradients go to the holder by a reduce over the shard group and,
+// on HSDP, to the global owner by a second reduce over the replicate group; only the global owner
+// runs Newton-Schulz and publishes the update (HSDP: over the replicate group; all_gather unshard:
+// a scatter into every rank's shard). The DDP path (dedicate_params_ddp) is a construction option:
+// every rank keeps full matrices, and the owner broadcasts its update after step().
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dmuon/communicator.h"
+#include "dmuon/owner_plan.h"
+#include "runtime/grad_accumulator.h"
+#include "runtime/route.h"
+
+namespace dmuon {
+
+class Runtime;
+
+enum class UnshardMode { Broadcast, AllGather };
+
+struct DedicatedEntry {
+  std::string name;
+  at::Tensor param;
+  std::vector<int64_t> shape;
+  Precision prec;
+  UnshardMode unshard = UnshardMode::Broadcast;
+  int boundary = 0;
+  // from the plan
+  OwnerCoord owner;
+  int owner_rank = 0;
+  bool is_owner = false;
+  int buffer = 0;                   // index in the boundary's buffers
+  int slot_in_buffer = 0;
+  // per backward pass
+  bool accumulated = false;
+  at::Tensor placeholder;           // 0-element tensor of the param's dtype/device
+  std::shared_ptr<torch::autograd::Node> grad_acc;  // keep alive: autograd holds it weakly
+};
+
+struct PackedBuffer {
+  enum class State { Released, Pending, Ready };
+  int root = 0;                     // holder's rank in the shard group
+  int root_global = 0;              // holder's global rank
+  OwnerCoord owner;
+  std::vector<int> params;          // indices into DedicatedRoute::entries()
+  std::vector<int64_t> offsets;     // element offset of each param in flat
+  int64_t numel = 0;
+  bool is_root = false;             // holds the full matrix between steps: shard rank == owner.shard
+  bool is_owner = false;            // the global owner (== is_root on a 1-D mesh): runs NS
+  UnshardMode unshard = UnshardMode::Broadcast;
+  int64_t shard_len = 0;            // all_gather: every rank keeps flat[r*L, (r+1)*L) of the owner's value
+  at::Tensor shard;
+  Pending scatter;
+  at::Tensor flat;                  // [numel] (all_gather: padded to G*L), param dtype
+  Precision prec;                   // shared by every param of the buffer
+  at::Tensor master;                // global owner, prec.has_master(): [flat.numel()] in the master dtype
+  std::vector<at::Tensor> views;    // per param: flat.narrow(...).view(shape)
+  State state = State::Released;
+  int64_t ready_pass = -1;          // forward pass the data was unsharded for
+  Pending bcast;
+  at::Tensor bcast_payload;         // compute-dtype payload when it differs from the param dtype
+  // backward
+  at::Tensor grad_payload;          // [numel + params.size()] grads then has-grad flags
+  Pending reduce;                   // stage 1: over the shard group to the holder
+  bool reduce_issued = false;
+  Pending stage2;                   // stage 2 (HSDP): over the replicate group to the global owner
+  bool stage2_issued = false;
+  std::vector<Pending> publish;     // HSDP post-step publish over the replicate group (chunks)
+  GradAccumulator acc;              // global owner: averaged gradients over backward passes
+  bool gather_mode() const { return unshard == UnshardMode::AllGather; }
+  int64_t bytes() const { return numel * flat.element_size(); }
+};
+
+class DedicatedRoute final : public Route {
+ public:
+  DedicatedRoute(Runtime& rt, bool ddp) : rt_(rt), ddp_(ddp) {}
+  RouteKind kind() const override { return RouteKind::Dedicated; }
+
+  // ---- setup ----
+  // Takes the entries with owners from `plan` and packs them per (boundary, owner slot,
+  // precision); owners copy the current values into their master. No collective.
+  void build(std::vector<DedicatedEntry> entries, const OwnerPlan& plan, int num_boundaries);
+  // After the parameters took their forward dtype: hooks, placeholders, initial data (collective:
+  // all_gather shards, DDP / HSDP initial values from the owner).
+  void install();
+
+  // ---- Route ----
+  void issue_unshard(int b, const char* phase) override;
+  void wait_unshard(int b) override;
+  void release(int b) override;
+  void issue_reduce(int b) override;
+  void end_of_backward() override;
+  void reset_pass() override;
+  void finish_reduces() override;
+  void collect_flags(std::vector<at::Tensor>& out) override;
+  void install_grads(const float*& flag) override;
+  void ready_grads(std::vector<ReadyGrad>& out) override;
+  void discard_grads() override;
+  void upcast_local_grads() override;
+  void publish(bool async) override;
+  void wait_publishes() override;
+  void gather_full(const TensorSink& put) override;
+  void assign_full(const FullValues& values) override;
+  void full_shapes(std::map<std::string, std::vector<int64_t>>& out) const override;
+
+  // ---- queries ----
+  const std::vector<DedicatedEntry>& entries() const { return entries_; }
+  const DedicatedEntry* find(const std::string& name) const;
+  const std::vector<PackedBuffer>& buffers(int b) const { return buffers_[static_cast<size_t>(b)]; }
+  // names a parameter of boundary b that is a placeholder on this rank ("" when none)
+  std::string bypass_hint(int b) const;
+
+ private:
+  void finish_stage1(PackedBuffer& buf);  // wait stage 1; HSDP holders issue stage 2
+  void finish_stage2(PackedBuffer& buf);  // wait stage 2; the global owner folds
+  void wait_publish(PackedBuffer& buf);
+  // all_gather mode: the holder's flat into every rank's shard (collective over the shard group)
+  Pending scatter_shards(PackedBuffer& buf, const std::string& what);
+  std::string what(const char* phase, int b, const PackedBuffer& buf) const;
+  template <class F>
+  void for_each_buffer(F&& f) {
+    for (size_t b = 0; b < buffers_.size(); ++b)
+      for (auto& buf : buffers_[b]) f(static_cast<int>(b), buf);
+  }
+
+  Runtime& rt_;
+  bool ddp_ = false;
+  std::vector<DedicatedEntry> entries_;
+  std::map<std::string, int> index_;                 // name -> entry
+  std::vector<std::vector<PackedBuffer>> buffers_;  // per boundary
+};
+
+}  // namespace dmuon

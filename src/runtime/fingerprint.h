@@ -1,0 +1,20 @@
+// Internal: the cross-rank plan check of dedicate_params. Ranks that planned differently would
+// issue different collectives and hang; instead every rank exchanges a fingerprint of its plan and
+// mixed-precision policy, and a mismatch is an error naming the first differing parameter.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dmuon/mesh.h"
+#include "dmuon/owner_plan.h"
+#include "runtime/precision.h"
+
+namespace dmuon {
+
+// collective: all-gathers over the world (a second one only to diagnose a mismatch).
+// `precisions[i]` belongs to specs[i]; `base_digest` covers everything else that must agree.
+void check_plan_agreement(Mesh& mesh, const OwnerPlan& plan, const std::vector<ParamSpec>& specs,
+                          const std::vector<Precision>& precisions, uint64_t base_digest, const PlanOptions& options);
+
+}  // namespace dmuon

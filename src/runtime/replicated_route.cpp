@@ -1,0 +1,163 @@
+// The replicated route (see replicated_route.h) and dmuon::replicate.
+#include "runtime/replicated_route.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include <map>
+
+#include "runtime/runtime.h"
+
+namespace dmuon {
+
+ReplicatedRoute::ReplicatedRoute(Runtime& rt, double bucket_mb) : rt_(rt) {
+  Mesh& mesh = rt.mesh();
+  auto m = rt.model();
+  for (const auto& [name, p] : get_base_params(*m)) {
+    names_.push_back(name);
+    params_.push_back(p);
+  }
+  // Gradient buckets: consecutive parameters with one reduce dtype, master dtype and device.
+  const int64_t cap = static_cast<int64_t>(bucket_mb * 1024 * 1024);
+  int64_t cur = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i];
+    const Precision prec = rt.precision_of(p);
+    const int64_t bytes = p.numel() * static_cast<int64_t>(c10::elementSize(prec.reduce));
+    const bool new_bucket = buckets_.empty() || cur + bytes > cap || !(buckets_.back().prec == prec) ||
+                            params_[static_cast<size_t>(buckets_.back().params.front())].device() != p.device();
+    if (new_bucket) {
+      buckets_.emplace_back();
+      buckets_.back().prec = prec;
+      cur = 0;
+    }
+    Bucket& b = buckets_.back();
+    b.params.push_back(static_cast<int>(i));
+    b.offsets.push_back(b.numel);
+    b.numel += p.numel();
+    cur += bytes;
+  }
+  // Replicas start identical: rank 0's values (its master copies where there are some), coalesced
+  // per dtype and device.
+  Communicator& comm = mesh.world();
+  {
+    at::NoGradGuard ng;
+    std::vector<at::Tensor> src;
+    for (const auto& p : params_) {
+      const at::Tensor master = rt.master_of(p);
+      src.push_back(master.defined() ? master : p.detach());
+    }
+    // keyed by device type, not index: ranks use different devices (cuda:0, cuda:1) in the same order
+    std::map<std::pair<at::ScalarType, c10::DeviceType>, std::vector<size_t>> groups;
+    for (size_t i = 0; i < src.size(); ++i) groups[{src[i].scalar_type(), src[i].device().type()}].push_back(i);
+    for (const auto& [key, idx] : groups) {
+      for (size_t lo = 0; lo < idx.size();) {  // chunks of at most bucket_mb
+        size_t hi = lo;
+        int64_t bytes = 0;
+        std::vector<at::Tensor> flat;
+        while (hi < idx.size() && (hi == lo || bytes + src[idx[hi]].nbytes() <= static_cast<size_t>(cap))) {
+          bytes += static_cast<int64_t>(src[idx[hi]].nbytes());
+          flat.push_back(src[idx[hi++]].reshape(-1));
+        }
+        at::Tensor buf = at::cat(flat);
+        comm.broadcast(buf, 0, "replicate: initial values from rank 0").wait();
+        int64_t off = 0;
+        for (size_t k = lo; k < hi; ++k) {
+          at::Tensor& t = src[idx[k]];
+          t.copy_(buf.narrow(0, off, t.numel()).view(t.sizes()));
+          off += t.numel();
+        }
+        lo = hi;
+      }
+    }
+    for (size_t i = 0; i < src.size(); ++i)
+      if (rt.master_of(params_[i]).defined()) params_[i].detach().copy_(src[i]);
+  }
+  // The end-of-backward callback must run even in models without dedicated boundaries.
+  for (size_t i = 0; i < params_.size(); ++i)
+    grad_accs_.push_back(detail::on_grad_accumulated(rt, params_[i], names_[i], [](Runtime& r) { r.note_backward(); }));
+}
+
+void ReplicatedRoute::end_of_backward() {
+  if (issued_) finish_reduces();  // an earlier backward pass (gradient accumulation)
+  Communicator& comm = rt_.mesh().world();
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    Bucket& b = buckets_[bi];
+    std::vector<at::Tensor> ps;
+    for (int i : b.params) ps.push_back(params_[static_cast<size_t>(i)]);
+    const int64_t np = static_cast<int64_t>(ps.size());
+    // the average comes back in prepare_grads
+    b.payload = pack_grads(ps, b.offsets, b.numel + np, b.numel,
+                           ps.front().options().requires_grad(false).dtype(b.prec.reduce));
+    b.pending = comm.allreduce(b.payload, Reduction::Sum,
+                               "replicated gradient bucket " + std::to_string(bi) + " (" + std::to_string(np) + " params)");
+  }
+  issued_ = true;
+}
+
+void ReplicatedRoute::finish_reduces() {
+  if (!issued_) return;
+  const double world = rt_.mesh().world_size();
+  for (auto& b : buckets_) {
+    b.pending.wait();
+    b.pending = Pending();
+    b.acc.fold(b.payload, b.numel, static_cast<int64_t>(b.params.size()), b.prec.master, world);
+    b.payload = at::Tensor();
+  }
+  issued_ = false;
+}
+
+void ReplicatedRoute::collect_flags(std::vector<at::Tensor>& out) {
+  for (auto& b : buckets_)
+    if (b.acc.has_value()) out.push_back(b.acc.flags_for_read());
+}
+
+void ReplicatedRoute::install_grads(const float*& flag) {
+  for (auto& b : buckets_) {
+    if (!b.acc.has_value()) continue;
+    const at::Tensor sum = b.acc.take_sum();
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      auto& p = params_[static_cast<size_t>(b.params[k])];
+      if (*flag++ > 0)
+        p.mutable_grad() = sum.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
+      else
+        p.mutable_grad() = at::Tensor();
+    }
+  }
+}
+
+void ReplicatedRoute::ready_grads(std::vector<ReadyGrad>& out) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i];
+    if (p.grad().defined()) out.push_back(rt_.ready_grad(RouteKind::Replicated, names_[i], p, rt_.precision_of(p)));
+  }
+}
+
+void ReplicatedRoute::discard_grads() {
+  for (auto& b : buckets_) {
+    if (issued_) b.pending.wait();
+    b.pending = Pending();
+    b.payload = at::Tensor();
+    b.acc.clear();
+  }
+  issued_ = false;
+}
+
+void ReplicatedRoute::upcast_local_grads() {
+  for (auto& p : params_) upcast_local_grad(p, rt_.precision_of(p));
+}
+
+void replicate(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh, double bucket_mb) {
+  TORCH_CHECK(model && mesh, "replicate: model and mesh must not be null.");
+  auto s = detail::state_of_model(model.get());
+  if (!s) {
+    // A model with no dedicated parameters: an empty runtime carries the hooks.
+    dedicate_params(model, mesh, [](const std::string&, const at::Tensor&) { return false; });
+    s = detail::state_of_model(model.get());
+  }
+  TORCH_CHECK(s->mesh_ptr().get() == mesh.get(), "rank ", mesh->global_rank(),
+              ": replicate: the model was dedicated on another mesh; pass the same mesh to both.");
+  s->add_replicated(bucket_mb);
+}
+
+}  // namespace dmuon

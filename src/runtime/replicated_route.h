@@ -1,0 +1,57 @@
+// Internal: the replicated route (DDP-style base parameters, dmuon::replicate).
+//
+// Every rank keeps the whole parameter and updates it identically. At the end of backward the
+// gradients are averaged over the world in a few coalesced all-reduces (buckets of one reduce and
+// master dtype and one device, at most bucket_mb MiB each).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dmuon/communicator.h"
+#include "runtime/grad_accumulator.h"
+#include "runtime/route.h"
+
+namespace dmuon {
+
+class Runtime;
+
+class ReplicatedRoute final : public Route {
+ public:
+  // The base parameters of the model (get_base_params); collective: rank 0's initial values.
+  ReplicatedRoute(Runtime& rt, double bucket_mb);
+  RouteKind kind() const override { return RouteKind::Replicated; }
+
+  void end_of_backward() override;  // issue the coalesced all-reduces (async)
+  void finish_reduces() override;   // wait them; fold into the accumulators
+  void collect_flags(std::vector<at::Tensor>& out) override;
+  void install_grads(const float*& flag) override;
+  void ready_grads(std::vector<ReadyGrad>& out) override;
+  void discard_grads() override;
+  void upcast_local_grads() override;
+
+  const std::vector<at::Tensor>& params() const { return params_; }
+
+ private:
+  struct Bucket {
+    std::vector<int> params;      // indices into params_
+    std::vector<int64_t> offsets;
+    int64_t numel = 0;
+    Precision prec;
+    at::Tensor payload;           // grads then has-grad flags, while the all-reduce is in flight
+    Pending pending;
+    GradAccumulator acc;
+  };
+  Runtime& rt_;
+  std::vector<std::string> names_;
+  std::vector<at::Tensor> params_;
+  std::vector<Bucket> buckets_;
+  bool issued_ = false;
+  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accs_;
+};
+
+}  // namespace dmuon

@@ -1,0 +1,275 @@
+// dedicate_params' setup decisions (see setup.h): pure functions, no collectives.
+#include "runtime/setup.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <functional>
+#include <sstream>
+
+namespace dmuon {
+
+namespace {
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream o;
+  o << s;
+  return o.str();
+}
+
+const char* route_list() {
+  return "Routes: \"muon\" (dedicated ownership + Newton-Schulz), \"adamw\" (replicated, AdamW) and "
+         "\"sharded_adamw\" (1/N per rank, AdamW on the shard).";
+}
+
+// Sets in `into` every field `o` has.
+void merge_policy(ParamPolicy& into, const ParamPolicy& o) {
+  if (o.route) into.route = o.route;
+  if (!o.muon_forward_unshard.empty()) into.muon_forward_unshard = o.muon_forward_unshard;
+  if (o.param_dtype) into.param_dtype = o.param_dtype;
+  if (o.grad_dtype) into.grad_dtype = o.grad_dtype;
+  if (o.master_dtype) into.master_dtype = o.master_dtype;
+  if (o.optim_dtype) into.optim_dtype = o.optim_dtype;
+  if (o.cast_forward_inputs) into.cast_forward_inputs = o.cast_forward_inputs;
+  if (o.output_dtype) into.output_dtype = o.output_dtype;
+}
+
+// 1: half/bfloat16, 2: float, 3: double.
+int float_rank(at::ScalarType t) { return t == at::kDouble ? 3 : t == at::kFloat ? 2 : 1; }
+bool is_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+// The floating dtype a boundary's forward casts to (input or output): every parameter of the
+// boundary that asks for one must ask for the same.
+void merge_boundary_dtype(std::map<std::string, std::pair<at::ScalarType, std::string>>& by_boundary,
+                          const std::string& boundary, at::ScalarType t, const std::string& param, const char* what,
+                          int rank) {
+  auto [it, fresh] = by_boundary.emplace(boundary, std::make_pair(t, param));
+  TORCH_CHECK(fresh || it->second.first == t, "rank ", rank, ": dedicate_params: parameters '", it->second.second,
+              "' and '", param, "' share hook boundary '", boundary, "' but their param_policy asks for different ",
+              what, " (", it->second.first, " vs ", t, "). A boundary casts its forward once; give its parameters "
+              "the same policy, or set cast_forward_inputs=false / output_dtype on one of them only.");
+}
+
+// Ancestors of "a.b.c.weight", lowest first: "a.b.c", "a.b", "a", "".
+std::vector<std::string> ancestors_of(const std::string& param_name) {
+  std::vector<std::string> out;
+  std::string s = param_name;
+  for (;;) {
+    const auto dot = s.rfind('.');
+    if (dot == std::string::npos) {
+      out.push_back("");
+      return out;
+    }
+    s = s.substr(0, dot);
+    out.push_back(s);
+  }
+}
+
+}  // namespace
+
+std::optional<RouteKind> parse_route(const std::string& s) {
+  if (s == "muon") return RouteKind::Dedicated;
+  if (s == "adamw") return RouteKind::Replicated;
+  if (s == "sharded_adamw") return RouteKind::Sharded;
+  return std::nullopt;
+}
+
+std::optional<UnshardMode> parse_unshard(const std::string& s) {
+  if (s == "broadcast") return UnshardMode::Broadcast;
+  if (s == "all_gather") return UnshardMode::AllGather;
+  return std::nullopt;
+}
+
+ParamPolicy policy_for(const DedicateOptions& opts, const std::string& name, const at::Tensor& p, int rank) {
+  TORCH_CHECK(opts.param_policy.empty() || !opts.param_policy_fn, "rank ", rank,
+              ": dedicate_params: param_policy and param_policy_fn are mutually exclusive; pass one of them.");
+  ParamPolicy pol;
+  if (opts.param_policy_fn)
+    if (auto r = opts.param_policy_fn(name, p)) pol = *r;
+  for (const auto& ov : opts.param_policy) {
+    std::istringstream tokens(ov.match);
+    std::string tok;
+    bool all = true;
+    while (tokens >> tok) all = all && name.find(tok) != std::string::npos;
+    if (all) merge_policy(pol, ov.policy);
+  }
+  if (pol.route)
+    TORCH_CHECK(parse_route(*pol.route), "rank ", rank, ": dedicate_params: parameter '", name, "' has route '",
+                *pol.route, "', which does not exist. ", route_list());
+  return pol;
+}
+
+Precision resolve_precision(const ParamPolicy& pol, const DedicateOptions& opts, const std::string& name,
+                            const at::Tensor& p, bool muon, bool frozen, int rank) {
+  auto check = [&](const std::optional<at::ScalarType>& t, const char* field) {
+    TORCH_CHECK(!t || is_float(*t), "rank ", rank, ": dedicate_params: param_policy of '", name, "' sets ", field,
+                " = ", *t, ", which cannot hold parameters, gradients or optimizer state; use a floating type "
+                "(bfloat16, float16, float32 or float64).");
+  };
+  check(pol.param_dtype, "param_dtype");
+  check(pol.grad_dtype, "grad_dtype");
+  check(pol.master_dtype, "master_dtype");
+  check(pol.optim_dtype, "optim_dtype");
+  check(pol.output_dtype, "output_dtype");
+  const at::ScalarType own = p.scalar_type();
+  TORCH_CHECK(!(pol.param_dtype || pol.master_dtype || pol.grad_dtype || pol.optim_dtype) || is_float(own), "rank ",
+              rank, ": dedicate_params: param_policy sets dtypes for '", name, "', whose dtype is ", own,
+              "; mixed precision applies to floating-point parameters only.");
+  Precision pr;
+  pr.param = pol.param_dtype.value_or(own);
+  if (frozen) {
+    pr.master = pr.reduce = pr.optim = pr.param;
+    return pr;
+  }
+  // default master: the more precise of the parameter's own dtype and param_dtype (float32 when
+  // they are the two 16-bit types)
+  at::ScalarType def_master = own;
+  if (pr.param != own)
+    def_master = float_rank(own) > float_rank(pr.param)   ? own
+                 : float_rank(pr.param) > float_rank(own) ? pr.param
+                                                          : at::kFloat;
+  pr.master = pol.master_dtype.value_or(def_master);
+  pr.reduce = pol.grad_dtype ? *pol.grad_dtype : (muon && opts.compute_dtype) ? *opts.compute_dtype : pr.param;
+  pr.optim = pol.optim_dtype.value_or(pr.master);
+  TORCH_CHECK(pr.master == pr.param || float_rank(pr.master) > float_rank(pr.param), "rank ", rank,
+              ": dedicate_params: param_policy of '", name, "' has master_dtype ", pr.master, " and param_dtype ",
+              pr.param, ": the master copy must be at least as precise as the parameter (every update would be "
+              "rounded away). Use master_dtype float32 (the usual choice) or leave it unset.");
+  return pr;
+}
+
+std::string resolve_boundary(const DedicateOptions& opts,
+                             const std::map<std::string, std::shared_ptr<torch::nn::Module>>& modules,
+                             const std::string& name, const at::Tensor& p, int rank) {
+  if (opts.hook_boundary_resolver) {
+    std::string boundary = opts.hook_boundary_resolver(name, p);
+    TORCH_CHECK(modules.count(boundary), "rank ", rank, ": dedicate_params: hook_boundary_resolver returned '",
+                boundary, "' for parameter '", name, "', which is not a module of the model (named_modules()).");
+    return boundary;
+  }
+  if (opts.hook_boundary_predicate) {
+    for (const auto& a : ancestors_of(name)) {
+      auto it = modules.find(a);
+      if (it != modules.end() && opts.hook_boundary_predicate(a, *it->second)) return a;
+    }
+    TORCH_CHECK(!opts.hook_boundary_strict, "rank ", rank, ": dedicate_params: no ancestor module of '", name,
+                "' matches hook_boundary_predicate (strict mode). Widen the predicate so it selects the block that "
+                "contains this parameter, or set hook_boundary_strict=false to fall back to its direct parent module.");
+  } else {
+    const std::string key = layer_key_of(name);
+    if (!key.empty() && modules.count(key)) return key;
+  }
+  return ancestors_of(name).front();  // the direct parent
+}
+
+Routing route_params(const torch::nn::Module& model, const ParamPredicate& predicate, const DedicateOptions& opts,
+                     const RoutingContext& ctx) {
+  const int rank = ctx.rank;
+  TORCH_CHECK(static_cast<bool>(predicate), "rank ", rank, ": dedicate_params: the predicate is empty. Pass a "
+              "function (name, param) -> bool that selects the Muon matrices, e.g. 2-D weights of layers.");
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) modules[item.key()] = item.value();
+  Routing out;
+  auto boundary_of = [&](const std::string& name, const at::Tensor& p) {
+    std::string boundary = resolve_boundary(opts, modules, name, p, rank);
+    if (std::find(out.boundary_order.begin(), out.boundary_order.end(), boundary) == out.boundary_order.end())
+      out.boundary_order.push_back(boundary);
+    return boundary;
+  };
+  std::map<std::string, std::pair<at::ScalarType, std::string>> input_cast, output_cast;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const std::string& name = item.key();
+    const at::Tensor& p = item.value();
+    const ParamPolicy pol = policy_for(opts, name, p, rank);
+    if (!p.requires_grad()) {  // frozen: only the forward dtype applies
+      if (pol.param_dtype && *pol.param_dtype != p.scalar_type())
+        out.to_cast.emplace_back(p, resolve_precision(pol, opts, name, p, false, /*frozen=*/true, rank));
+      continue;
+    }
+    RouteKind route;
+    const char* route_from = "param_policy";
+    std::string hint;
+    if (pol.route) {
+      route = *parse_route(*pol.route);  // validated by policy_for
+    } else if (opts.route_hint_fn && !(hint = opts.route_hint_fn(name, p)).empty()) {
+      route_from = "route_hint_fn";
+      const auto parsed = parse_route(hint);
+      TORCH_CHECK(parsed, "rank ", rank, ": dedicate_params: route_hint_fn returned '", hint, "' for parameter '", name,
+                  "', which is not a route. ", route_list(), " Return \"\" for no hint.");
+      route = *parsed;
+    } else {
+      route = predicate(name, p) ? RouteKind::Dedicated : RouteKind::Replicated;
+      route_from = "the predicate";
+    }
+    RoutedParam r;
+    r.name = name;
+    r.param = p;
+    r.route = route;
+    r.prec = resolve_precision(pol, opts, name, p, route == RouteKind::Dedicated, /*frozen=*/false, rank);
+    if (r.prec.param != p.scalar_type()) out.to_cast.emplace_back(p, r.prec);
+    auto note_boundary_casts = [&](const std::string& boundary) {
+      if (pol.cast_forward_inputs.value_or(pol.param_dtype && *pol.param_dtype != p.scalar_type()))
+        merge_boundary_dtype(input_cast, boundary, r.prec.param, name, "forward input casts", rank);
+      if (pol.output_dtype) merge_boundary_dtype(output_cast, boundary, *pol.output_dtype, name, "output dtypes", rank);
+    };
+    if (route == RouteKind::Replicated) {
+      out.base_digest = out.base_digest * 31 + precision_digest(r.prec);
+      out.base.push_back(std::move(r));
+      continue;
+    }
+    if (route == RouteKind::Sharded) {
+      TORCH_CHECK(!ctx.ddp, "rank ", rank, ": dedicate_params_ddp: parameter '", name, "' is routed to sharded_adamw, "
+                  "but the DDP path keeps every parameter whole on every rank. Use dedicate_params for sharding, or "
+                  "route it to \"adamw\".");
+      TORCH_CHECK(p.numel() > 0 && p.is_contiguous(), "rank ", rank, ": dedicate_params: sharded_adamw parameter '",
+                  name, "' must be a non-empty contiguous tensor.");
+      r.boundary = boundary_of(name, p);
+      out.base_digest = out.base_digest * 31 + precision_digest(r.prec) + 7;
+      note_boundary_casts(r.boundary);
+      out.sharded.push_back(std::move(r));
+      continue;
+    }
+    TORCH_CHECK(p.dim() == 2, "rank ", rank, ": dedicate_params: ", route_from, " routed '", name,
+                "' to Muon, but it has shape ", shape_str(p.sizes()), " (", p.dim(), "-D). Dedicated ownership runs "
+                "Newton-Schulz, which needs a 2-D matrix; make ", route_from, " route it elsewhere (\"adamw\": "
+                "replicated AdamW), or reshape it into a 2-D parameter in the model.");
+    TORCH_CHECK(p.numel() > 0, "rank ", rank, ": dedicate_params: parameter '", name, "' has no elements (shape ",
+                shape_str(p.sizes()), ").");
+    TORCH_CHECK(p.is_contiguous(), "rank ", rank, ": dedicate_params: parameter '", name,
+                "' is not contiguous; dedicated parameters must be plain dense tensors.");
+    r.boundary = boundary_of(name, p);
+    note_boundary_casts(r.boundary);
+    const std::string unshard = !pol.muon_forward_unshard.empty() ? pol.muon_forward_unshard : opts.muon_forward_unshard;
+    const auto mode = parse_unshard(unshard);
+    TORCH_CHECK(mode, "rank ", rank, ": dedicate_params: parameter '", name, "' has muon_forward_unshard '", unshard,
+                "'; use \"broadcast\" or \"all_gather\".");
+    r.unshard = *mode;
+    TORCH_CHECK(r.unshard == UnshardMode::Broadcast || (!ctx.mesh_2d && !ctx.ddp), "rank ", rank,
+                ": dedicate_params: muon_forward_unshard=\"all_gather\" (parameter '", name, "') is supported on a "
+                "1-D mesh with dedicate_params only; use \"broadcast\" for HSDP and the DDP path.");
+    ParamSpec s;
+    s.name = name;
+    s.shape = p.sizes().vec();
+    // broadcast payload: compute_dtype when it narrows the parameter
+    s.elem_bytes = static_cast<int64_t>(std::min(c10::elementSize(r.prec.param),
+                                                 c10::elementSize(opts.compute_dtype.value_or(r.prec.param))));
+    s.group_key = opts.assignment_group_key_fn ? opts.assignment_group_key_fn(name, p) : r.boundary;
+    s.route = "muon";
+    out.specs.push_back(s);
+    out.dedicated.push_back(std::move(r));
+  }
+  // the boundaries' forward casts are part of the fingerprint: ranks that differ there would compute
+  // different numbers
+  for (const auto* casts : {&input_cast, &output_cast})
+    for (const auto& [bname, cast] : *casts)
+      out.base_digest = out.base_digest * 1099511628211ull ^
+                        (std::hash<std::string>{}(bname) + static_cast<uint64_t>(cast.first) +
+                         (casts == &input_cast ? 1 : 2));
+  for (const auto& [b, c] : input_cast) out.input_cast[b] = c.first;
+  for (const auto& [b, c] : output_cast) out.output_cast[b] = c.first;
+  return out;
+}
+
+}  // namespace dmuon

@@ -1,0 +1,222 @@
+// The sharded_adamw route (see sharded_route.h).
+#include "runtime/sharded_route.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include "runtime/runtime.h"
+
+namespace dmuon {
+
+const ShardedEntry* ShardedRoute::find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &entries_[static_cast<size_t>(it->second)];
+}
+
+void ShardedRoute::add(const std::string& name, const at::Tensor& param, int boundary, const Precision& prec) {
+  Mesh& mesh = rt_.mesh();
+  at::NoGradGuard ng;
+  const int G = mesh.shard_size();
+  ShardedEntry e;
+  e.name = name;
+  e.param = param;
+  e.shape = param.sizes().vec();
+  e.numel = param.numel();
+  e.shard_len = (e.numel + G - 1) / G;
+  e.boundary = boundary;
+  e.prec = prec;
+  const auto o = param.options().requires_grad(false);
+  at::Tensor full = at::zeros({e.shard_len * G}, o);  // the value before any cast
+  full.narrow(0, 0, e.numel).copy_(param.detach().reshape(-1));
+  mesh.world().broadcast(full, 0, "initial value of sharded parameter '" + name + "' from rank 0").wait();
+  e.shard = full.narrow(0, static_cast<int64_t>(mesh.shard_rank()) * e.shard_len, e.shard_len)
+                .to(prec.master, /*non_blocking=*/false, /*copy=*/true);
+  e.full = at::empty({e.shard_len * G}, o.dtype(prec.param));
+  e.view = e.full.narrow(0, 0, e.numel).view(param.sizes());
+  e.placeholder = at::empty({0}, o.dtype(prec.param));
+  if (by_boundary_.size() <= static_cast<size_t>(boundary)) by_boundary_.resize(static_cast<size_t>(boundary) + 1);
+  by_boundary_[static_cast<size_t>(boundary)].push_back(static_cast<int>(entries_.size()));
+  index_[name] = static_cast<int>(entries_.size());
+  entries_.push_back(std::move(e));
+}
+
+void ShardedRoute::install() {
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    auto& e = entries_[i];
+    e.grad_acc = detail::on_grad_accumulated(rt_, e.param, e.name, [i](Runtime& rt) {
+      auto& en = rt.sharded().entries_[i];
+      rt.note_accumulated(en.accumulated, en.boundary);
+    });
+    at::NoGradGuard ng;
+    e.param.set_data(e.placeholder);
+    detail::resize_storage_bytes(e.full, 0);
+  }
+}
+
+void ShardedRoute::issue_unshard(int b, const char* phase) {
+  if (static_cast<size_t>(b) >= by_boundary_.size()) return;
+  Communicator& comm = rt_.mesh().shard();
+  for (int i : by_boundary_[static_cast<size_t>(b)]) {  // all-gather the full tensor from the shards
+    ShardedEntry& e = entries_[i];
+    if (e.state != ShardedEntry::State::Released && e.ready_pass == rt_.pass()) continue;
+    if (e.state == ShardedEntry::State::Pending) e.gather.wait();  // an unused one from an earlier pass
+    if (e.state == ShardedEntry::State::Released) detail::restore_storage(e.full);
+    // the shard is the master (master dtype): the all-gather carries its param-dtype rounding
+    e.gather_src = e.shard.scalar_type() == e.full.scalar_type() ? e.shard : e.shard.to(e.full.scalar_type());
+    e.gather = comm.allgather_flat(e.full, e.gather_src, std::string(phase) + " all-gather of '" + e.name + "'");
+    e.state = ShardedEntry::State::Pending;
+    e.ready_pass = rt_.pass();
+  }
+}
+
+void ShardedRoute::wait_unshard(int b) {
+  if (static_cast<size_t>(b) >= by_boundary_.size()) return;
+  at::NoGradGuard ng;
+  for (int i : by_boundary_[static_cast<size_t>(b)]) {
+    ShardedEntry& e = entries_[i];
+    if (e.state != ShardedEntry::State::Pending) continue;
+    e.gather.wait();
+    e.gather = Pending();
+    e.gather_src = at::Tensor();
+    e.param.set_data(e.view);
+    e.state = ShardedEntry::State::Ready;
+  }
+}
+
+void ShardedRoute::release(int b) {
+  if (static_cast<size_t>(b) >= by_boundary_.size()) return;
+  at::NoGradGuard ng;
+  for (int i : by_boundary_[static_cast<size_t>(b)]) {
+    ShardedEntry& e = entries_[i];
+    if (e.state == ShardedEntry::State::Pending) e.gather.wait();
+    e.gather = Pending();
+    e.gather_src = at::Tensor();
+    if (e.state == ShardedEntry::State::Released) continue;
+    e.param.set_data(e.placeholder);
+    detail::resize_storage_bytes(e.full, 0);
+    e.state = ShardedEntry::State::Released;
+  }
+}
+
+void ShardedRoute::issue_reduce(int b) {
+  if (static_cast<size_t>(b) >= by_boundary_.size()) return;
+  Communicator& comm = rt_.mesh().shard();
+  at::NoGradGuard ng;
+  for (int i : by_boundary_[static_cast<size_t>(b)]) {  // reduce-scatter G chunks of [L grads, has-grad flag]
+    ShardedEntry& e = entries_[i];
+    if (e.rs_issued) finish(e);  // an earlier backward pass (gradient accumulation)
+    const int64_t G = comm.size(), L = e.shard_len;
+    e.rs_in = at::zeros({G, L + 1}, e.param.options().requires_grad(false).dtype(e.prec.reduce));
+    const at::Tensor& gr = e.param.grad();
+    if (gr.defined()) {
+      at::Tensor flat = at::zeros({G * L}, e.rs_in.options());
+      flat.narrow(0, 0, e.numel).copy_(gr.reshape(-1));
+      e.rs_in.narrow(1, 0, L).copy_(flat.view({G, L}));
+      e.rs_in.select(1, L).fill_(1);
+    }
+    e.param.mutable_grad() = at::Tensor();
+    e.rs_out = at::empty({L + 1}, e.rs_in.options());
+    e.rs = comm.reduce_scatter_flat(e.rs_out, e.rs_in.view(-1), Reduction::Sum,
+                                    "gradient reduce-scatter of '" + e.name + "'");
+    e.rs_issued = true;
+  }
+}
+
+void ShardedRoute::finish(ShardedEntry& e) {
+  if (!e.rs_issued) return;
+  e.rs.wait();
+  e.rs = Pending();
+  e.rs_issued = false;
+  Mesh& mesh = rt_.mesh();
+  if (Communicator* rep = mesh.replicate())  // HSDP: replicated over the replicate axis
+    rep->allreduce(e.rs_out, Reduction::Sum, "replicate all-reduce of the shard of '" + e.name + "'").wait();
+  e.acc.fold(e.rs_out, e.shard_len, 1, e.shard.scalar_type(), static_cast<double>(mesh.world_size()));
+  e.rs_in = at::Tensor();
+  e.rs_out = at::Tensor();
+}
+
+void ShardedRoute::reset_pass() {
+  for (auto& e : entries_) e.accumulated = false;
+}
+
+void ShardedRoute::finish_reduces() {
+  for (auto& e : entries_) finish(e);
+}
+
+void ShardedRoute::collect_flags(std::vector<at::Tensor>& out) {
+  for (auto& e : entries_)
+    if (e.acc.has_value()) out.push_back(e.acc.flags_for_read());
+}
+
+void ShardedRoute::install_grads(const float*& flag) {
+  for (auto& e : entries_) {
+    if (!e.acc.has_value()) continue;  // installed by an earlier prepare_grads (or no gradient)
+    const bool has = *flag++ > 0;
+    const at::Tensor sum = e.acc.take_sum();
+    // a gradient installed by an earlier prepare_grads and not yet stepped on keeps accumulating
+    if (has) e.grad = e.grad.defined() ? e.grad.add(sum) : sum;
+  }
+}
+
+void ShardedRoute::ready_grads(std::vector<ReadyGrad>& out) {
+  for (auto& e : entries_) {
+    if (e.grad.defined()) {
+      ReadyGrad r;
+      r.route = RouteKind::Sharded;
+      r.name = e.name;
+      r.param = e.param;
+      r.target = e.shard;
+      r.grad = e.grad;
+      r.prec = e.prec;
+      out.push_back(std::move(r));
+    }
+    e.grad = at::Tensor();  // handed over
+  }
+}
+
+void ShardedRoute::discard_grads() {
+  for (auto& e : entries_) {
+    if (e.rs_issued) e.rs.wait();
+    e.rs = Pending();
+    e.rs_issued = false;
+    e.rs_in = e.rs_out = at::Tensor();
+    e.acc.clear();
+    e.grad = at::Tensor();
+  }
+}
+
+void ShardedRoute::upcast_local_grads() {
+  for (auto& e : entries_) upcast_local_grad(e.param, e.prec);
+}
+
+at::Tensor ShardedRoute::gather(const ShardedEntry& e, const at::Tensor& slice, const std::string& what) const {
+  Communicator& comm = rt_.mesh().shard();
+  at::Tensor full = at::empty({slice.numel() * comm.size()}, slice.options());
+  comm.allgather_flat(full, slice.contiguous(), what).wait();
+  return full.narrow(0, 0, e.numel).view(e.shape);
+}
+
+at::Tensor ShardedRoute::slice_of(const ShardedEntry& e, const at::Tensor& full, const at::TensorOptions& o) const {
+  const Mesh& mesh = rt_.mesh();
+  at::Tensor padded = at::zeros({e.shard_len * mesh.shard_size()}, o);
+  padded.narrow(0, 0, full.numel()).copy_(full.reshape(-1));
+  return padded.narrow(0, static_cast<int64_t>(mesh.shard_rank()) * e.shard_len, e.shard_len).clone();
+}
+
+void ShardedRoute::gather_full(const TensorSink& put) {
+  for (auto& e : entries_) put(e.name, gather(e, e.shard, "checkpoint: slices of '" + e.name + "'"));
+}
+
+void ShardedRoute::assign_full(const FullValues& values) {
+  for (auto& e : entries_) {
+    e.shard.copy_(slice_of(e, values.at(e.name), e.shard.options()));
+    e.ready_pass = -1;  // the gathered copy is refreshed by the next forward
+    e.acc.clear();      // gradients from before the load are dropped
+    e.grad = at::Tensor();
+  }
+}
+
+void ShardedRoute::full_shapes(std::map<std::string, std::vector<int64_t>>& out) const {
+  for (const auto& e : entries_) out[e.name] = e.shape;
+}
+
+}  // namespace dmuon

@@ -1,0 +1,94 @@
+// Internal: the sharded_adamw route (ZeRO-3 style base parameters).
+//
+// Each shard rank keeps 1/G of the parameter (padded to a multiple of G) and the AdamW state of that
+// slice; a boundary's forward all-gathers the full tensor, backward reduce-scatters the gradient
+// (averaged over all ranks; on HSDP the shard is then all-reduced over the replicate group).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dmuon/communicator.h"
+#include "runtime/grad_accumulator.h"
+#include "runtime/route.h"
+
+namespace dmuon {
+
+class Runtime;
+
+struct ShardedEntry {
+  enum class State { Released, Pending, Ready };
+  std::string name;
+  at::Tensor param;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  int64_t shard_len = 0;            // L: padded numel = L * G
+  int boundary = 0;
+  at::Tensor shard;                 // [L] this rank's slice: the master the optimizer updates (master dtype)
+  Precision prec;
+  at::Tensor gather_src;            // the shard cast to the param dtype while an all-gather is in flight
+  at::Tensor full;                  // [L * G] gather target; its storage is 0 bytes while released
+  at::Tensor view;                  // full[:numel] viewed as the parameter's shape
+  at::Tensor placeholder;
+  State state = State::Released;
+  int64_t ready_pass = -1;
+  Pending gather;
+  at::Tensor rs_in, rs_out;         // reduce-scatter payload: G chunks of [L grads, 1 flag]
+  Pending rs;
+  bool rs_issued = false;
+  GradAccumulator acc;              // averaged shard gradient over backward passes, has-grad flag
+  at::Tensor grad;                  // set by install_grads when some rank produced a gradient
+  bool accumulated = false;
+  std::shared_ptr<torch::autograd::Node> grad_acc;
+};
+
+class ShardedRoute final : public Route {
+ public:
+  explicit ShardedRoute(Runtime& rt) : rt_(rt) {}
+  RouteKind kind() const override { return RouteKind::Sharded; }
+
+  // ---- setup ----
+  // One entry per parameter (name, boundary, precision): this rank's slice of rank 0's value
+  // (collective: a broadcast over the world per parameter, in order).
+  void add(const std::string& name, const at::Tensor& param, int boundary, const Precision& prec);
+  // After the parameters took their forward dtype: hooks, and the parameters become placeholders.
+  void install();
+
+  // ---- Route ----
+  void issue_unshard(int b, const char* phase) override;
+  void wait_unshard(int b) override;
+  void release(int b) override;
+  void issue_reduce(int b) override;
+  void reset_pass() override;
+  void finish_reduces() override;
+  void collect_flags(std::vector<at::Tensor>& out) override;
+  void install_grads(const float*& flag) override;
+  void ready_grads(std::vector<ReadyGrad>& out) override;
+  void discard_grads() override;
+  void upcast_local_grads() override;
+  void gather_full(const TensorSink& put) override;
+  void assign_full(const FullValues& values) override;
+  void full_shapes(std::map<std::string, std::vector<int64_t>>& out) const override;
+
+  // ---- queries and checkpoint helpers ----
+  const std::vector<ShardedEntry>& entries() const { return entries_; }
+  const ShardedEntry* find(const std::string& name) const;
+  // the full tensor from every shard rank's `slice` of entry `e` (collective over the shard group)
+  at::Tensor gather(const ShardedEntry& e, const at::Tensor& slice, const std::string& what) const;
+  // this rank's zero-padded slice of a full tensor of entry `e`
+  at::Tensor slice_of(const ShardedEntry& e, const at::Tensor& full, const at::TensorOptions& options) const;
+
+ private:
+  void finish(ShardedEntry& e);
+  Runtime& rt_;
+  std::vector<ShardedEntry> entries_;
+  std::map<std::string, int> index_;                 // name -> entry
+  std::vector<std::vector<int>> by_boundary_;
+};
+
+}  // namespace dmuon
