@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "dmuon/communicator.h"  // the column-sharded Gram NS over a process group
 #include "dmuon/newton_schulz.h"
 #include "support/multirank.h"
 

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "dmuon/newton_schulz.h"
 #include "dmuon/process_group.h"
 
 namespace dmuon {
@@ -125,5 +126,17 @@ class Communicator {
   bool native_avg_ = false;
   bool is_gloo_ = true;
 };
+
+// ---- the column-sharded Gram NS over a group (newton_schulz.h takes an all-reduce function) ----
+// An in-place sum over `comm`, waited with its timeout and counted like every dmuon collective.
+AllReduceSumFn allreduce_sum_fn(Communicator& comm, std::string what);
+// gram_newton_schulz_distributed_local over a c10d group (nullptr = a group of one); every all-reduce
+// waits at most `timeout`. collective: all ranks of `group`, same order.
+at::Tensor gram_newton_schulz_distributed_local(const at::Tensor& G_local, const CommPtr& group, bool transposed,
+                                                const NsOptions& opts = {},
+                                                std::chrono::milliseconds timeout = kDefaultCollectiveTimeout);
+at::Tensor gram_newton_schulz_distributed_local_batched(const at::Tensor& G_local, const CommPtr& group,
+                                                        bool transposed, const NsOptions& opts = {},
+                                                        std::chrono::milliseconds timeout = kDefaultCollectiveTimeout);
 
 }  // namespace dmuon

@@ -37,7 +37,6 @@
 #include <string>
 #include <vector>
 
-#include "dmuon/process_group.h"
 
 namespace dmuon {
 
@@ -120,19 +119,16 @@ at::Tensor apply_gram_factors(const at::Tensor& G, const GramFactors& f, const N
 // are summed across the group; Q is computed redundantly on every rank; the return value is this
 // rank's shard of the full NS output, in G_local's layout and dtype.
 //
-// collective: all ranks of `group`, same order; blocking; every rank gets its own valid shard.
+// The all-reduce is a function (in-place sum over the group), so this layer issues no collective
+// itself: comm/ adapts a Communicator (allreduce_sum_fn, and the overloads on a process group in
+// dmuon/communicator.h), which counts the bytes and applies the group's timeout.
+//
+// collective: all ranks of the group, same order; blocking; every rank gets its own valid shard.
 using AllReduceSumFn = std::function<void(at::Tensor&)>;  // in-place sum over the group
 at::Tensor gram_newton_schulz_distributed_local(const at::Tensor& G_local, const AllReduceSumFn& allreduce_sum,
                                                 bool transposed, const NsOptions& opts = {});
-// Overload on a c10d group (nullptr = a group of one); every all-reduce waits at most `timeout`.
-at::Tensor gram_newton_schulz_distributed_local(const at::Tensor& G_local, const CommPtr& group, bool transposed,
-                                                const NsOptions& opts = {},
-                                                std::chrono::milliseconds timeout = kDefaultCollectiveTimeout);
 // Batched: G_local is [batch, rows, cols], all with the same logical orientation; one all-reduce
 // per stage carries the whole batch.
-at::Tensor gram_newton_schulz_distributed_local_batched(const at::Tensor& G_local, const CommPtr& group,
-                                                        bool transposed, const NsOptions& opts = {},
-                                                        std::chrono::milliseconds timeout = kDefaultCollectiveTimeout);
 at::Tensor gram_newton_schulz_distributed_local_batched(const at::Tensor& G_local,
                                                         const AllReduceSumFn& allreduce_sum, bool transposed,
                                                         const NsOptions& opts = {});

@@ -339,4 +339,39 @@ void Communicator::barrier(const std::string& what) {
   }, nullptr).wait();
 }
 
+// ---- the column-sharded Gram NS over a group ----------------------------------------------------
+AllReduceSumFn allreduce_sum_fn(Communicator& comm, std::string what) {
+  return [&comm, what = std::move(what)](at::Tensor& t) {
+    if (comm.size() == 1) return;
+    comm.allreduce(t, Reduction::Sum, what).wait();
+  };
+}
+
+namespace {
+// A Communicator over a caller's process group (group ranks as global ranks in messages).
+std::shared_ptr<Communicator> adopt(const CommPtr& group, std::chrono::milliseconds timeout) {
+  if (!group) return nullptr;
+  std::vector<int> ranks(static_cast<size_t>(group->getSize()));
+  for (size_t i = 0; i < ranks.size(); ++i) ranks[i] = static_cast<int>(i);
+  return std::make_shared<Communicator>(group, "gram-ns", ranks, timeout, std::make_shared<CommCounters>());
+}
+}  // namespace
+
+at::Tensor gram_newton_schulz_distributed_local(const at::Tensor& G_local, const CommPtr& group, bool transposed,
+                                                const NsOptions& opts, std::chrono::milliseconds timeout) {
+  auto comm = adopt(group, timeout);
+  const AllReduceSumFn sum = comm ? allreduce_sum_fn(*comm, "column-sharded Gram NS all-reduce") : AllReduceSumFn(
+                                                                                                 [](at::Tensor&) {});
+  return gram_newton_schulz_distributed_local(G_local, sum, transposed, opts);
+}
+
+at::Tensor gram_newton_schulz_distributed_local_batched(const at::Tensor& G_local, const CommPtr& group,
+                                                        bool transposed, const NsOptions& opts,
+                                                        std::chrono::milliseconds timeout) {
+  auto comm = adopt(group, timeout);
+  const AllReduceSumFn sum = comm ? allreduce_sum_fn(*comm, "column-sharded Gram NS all-reduce (batched)")
+                                  : AllReduceSumFn([](at::Tensor&) {});
+  return gram_newton_schulz_distributed_local_batched(G_local, sum, transposed, opts);
+}
+
 }  // namespace dmuon

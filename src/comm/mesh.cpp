@@ -74,6 +74,10 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
     mesh->replicate_ = make("replicate" + std::to_string(s), iota_ranks(R, s, G),
                             opts.replicate_factory ? opts.replicate_factory : opts.factory);
   }
+  // Every rank has built all of its groups before any rank goes on: a rank that finished first and
+  // tore its groups down (an error, a short program) would otherwise close Gloo pairs a peer is
+  // still connecting ("Connection closed by peer" on the peer).
+  mesh->world_->barrier("mesh setup: every rank built its process groups");
   return mesh;
 }
 

@@ -268,16 +268,6 @@ at::Tensor distributed_impl(const at::Tensor& G_local, const AllReduceSumFn& all
   return detail::finish(X, p);
 }
 
-AllReduceSumFn group_allreduce(const CommPtr& group, std::chrono::milliseconds timeout) {
-  return [group, timeout](at::Tensor& t) {
-    if (!group || group->getSize() == 1) return;
-    std::vector<at::Tensor> v{t};
-    c10d::AllreduceOptions o;
-    o.reduceOp = c10d::ReduceOp::SUM;
-    o.timeout = timeout;
-    group->allreduce(v, o)->wait(timeout);
-  };
-}
 }  // namespace
 
 at::Tensor gram_newton_schulz_distributed_local(const at::Tensor& G_local, const AllReduceSumFn& allreduce_sum,
@@ -285,23 +275,11 @@ at::Tensor gram_newton_schulz_distributed_local(const at::Tensor& G_local, const
   return distributed_impl(G_local, allreduce_sum, transposed, opts, "gram_newton_schulz_distributed_local");
 }
 
-at::Tensor gram_newton_schulz_distributed_local(const at::Tensor& G_local, const CommPtr& group, bool transposed,
-                                                const NsOptions& opts, std::chrono::milliseconds timeout) {
-  return distributed_impl(G_local, group_allreduce(group, timeout), transposed, opts,
-                          "gram_newton_schulz_distributed_local");
-}
-
 at::Tensor gram_newton_schulz_distributed_local_batched(const at::Tensor& G_local, const AllReduceSumFn& allreduce_sum,
                                                         bool transposed, const NsOptions& opts) {
   TORCH_CHECK(G_local.dim() == 3, "gram_newton_schulz_distributed_local_batched: expected a 3-D tensor [batch, rows, "
               "cols], got shape ", G_local.sizes(), ". Use gram_newton_schulz_distributed_local for one matrix.");
   return distributed_impl(G_local, allreduce_sum, transposed, opts, "gram_newton_schulz_distributed_local_batched");
-}
-
-at::Tensor gram_newton_schulz_distributed_local_batched(const at::Tensor& G_local, const CommPtr& group,
-                                                        bool transposed, const NsOptions& opts,
-                                                        std::chrono::milliseconds timeout) {
-  return gram_newton_schulz_distributed_local_batched(G_local, group_allreduce(group, timeout), transposed, opts);
 }
 
 // ---- NewtonSchulz ---------------------------------------------------------------------------------

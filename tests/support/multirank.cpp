@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <mutex>
 #include <stdexcept>
+#include <condition_variable>
 #include <thread>
 #include <vector>
 
@@ -34,10 +35,21 @@ void run_ranks(int world, const std::function<void(RankContext&)>& fn, std::chro
   std::vector<std::thread> threads;
   std::mutex mu;
   std::string first_error;
+  // No rank destroys its process group before every rank is done: Gloo closes the pairs with the
+  // group, and a peer still connecting (or reading) would see "Connection closed by peer".
+  std::mutex done_mu;
+  std::condition_variable done_cv;
+  int done = 0;
+  auto arrive_and_wait = [&] {
+    std::unique_lock<std::mutex> l(done_mu);
+    ++done;
+    done_cv.notify_all();
+    done_cv.wait(l, [&] { return done == world; });
+  };
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
+      RankContext ctx;
       try {
-        RankContext ctx;
         ctx.rank = r;
         ctx.world = world;
         ctx.store = shared ? shared : make_file_store(path, world);
@@ -47,6 +59,7 @@ void run_ranks(int world, const std::function<void(RankContext&)>& fn, std::chro
         std::lock_guard<std::mutex> g(mu);
         if (first_error.empty()) first_error = "rank " + std::to_string(r) + ": " + e.what();
       }
+      arrive_and_wait();
     });
   }
   for (auto& t : threads) t.join();
