@@ -27,6 +27,7 @@
 #include "dmuon/bootstrap.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/muon.h"
+#include "model/dedicated_gpt.h"
 #include "model/gpt.h"
 
 namespace dmuon::cli {
@@ -83,28 +84,22 @@ struct SimpleAdamW {
 class Variant {
  public:
   Variant(std::string name, const BenchArgs& a, Bootstrap& b) : name_(std::move(name)), a_(a), b_(b) {
-    models::GPTConfig cfg;
-    cfg.vocab_size = 256;
-    cfg.d_model = a.d_model;
-    cfg.n_layers = a.layers;
-    cfg.n_heads = a.heads;
-    cfg.d_ff = a.d_ff;
-    at::manual_seed(a.seed);
-    model_ = models::GPT(cfg);
-    MeshOptions mo;
-    mo.store = b.store;
-    mo.factory = process_group_factory(c10::DeviceType::CPU);
-    mo.tag = "bench-" + name_;
-    mesh_ = Mesh::create(b.world, mo);
+    models::MeshSetup ms;
+    ms.store = b.store;
+    ms.tag = "bench-" + name_;
+    mesh_ = models::make_training_mesh(b.world, ms);
     dmuon_ = name_ == "dmuon_z2" || name_ == "dmuon_z3";
-    DedicateOptions d;
-    d.reshard_after_forward = name_ == "dmuon_z3";
-    if (a.pack >= 0) d.pack_small_params = a.pack == 1;
-    dedicate_params(model_.ptr(), mesh_,
-                    dmuon_ ? ParamPredicate(models::is_muon_matrix)
-                           : ParamPredicate([](const std::string&, const at::Tensor&) { return false; }),
-                    d);
-    replicate(model_.ptr(), mesh_);
+    models::DedicatedGptSetup gs;
+    gs.config.vocab_size = 256;
+    gs.config.d_model = a.d_model;
+    gs.config.n_layers = a.layers;
+    gs.config.n_heads = a.heads;
+    gs.config.d_ff = a.d_ff;
+    gs.seed = a.seed;
+    gs.muon = dmuon_;
+    gs.z3 = name_ == "dmuon_z3";
+    if (a.pack >= 0) gs.pack_small_params = a.pack == 1;
+    model_ = models::make_dedicated_gpt(mesh_, gs);
     opts_.ns_backend = a.ns_backend;
     ns_ = NewtonSchulz(a.ns_backend);
     opts_.record_step_profile = true;

@@ -21,6 +21,7 @@
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"
 #include "dmuon/muon.h"
+#include "model/dedicated_gpt.h"
 #include "model/gpt.h"
 
 namespace dmuon::cli {
@@ -170,62 +171,71 @@ double mean(const std::vector<double>& v) {
   return v.empty() ? 0.0 : std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
 }
 
-int run_rank(const TrainArgs& a, std::ostream& out) {
+// Everything a rank trains with: the process groups, the data, the dedicated model, the optimizer.
+struct TrainRun {
+  Bootstrap boot;
+  int rank = 0, world = 1;
+  bool lead = true;
+  at::Device device = at::kCPU;
+  std::string text;
+  double baseline = 0;
+  bool use_muon = true;
+  std::shared_ptr<Mesh> mesh;
+  std::unique_ptr<Communicator> trainer;  // the run's own collectives (loss, checkpoint status, summary)
+  models::GPT model{nullptr};
+  std::unique_ptr<Muon> opt;
+  int first_step = 1;
+};
+
+// What the loop measured, per step (rank 0 logs the loss and writes the outputs).
+struct TrainLog {
+  std::vector<int64_t> steps_logged;
+  std::vector<double> losses, step_ms, fwd_ms, bwd_ms, ns_ms, adamw_ms, wait_ms, prep_ms;
+  std::vector<double> bytes_per_step, muon_bytes_per_step;
+  std::ostringstream csv;
+  std::chrono::steady_clock::time_point t_start;
+  double total_s = 0;
+};
+
+// collective: every rank (mesh, dedicate_params, the checkpoint it resumes from).
+TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
+  TrainRun r;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   const c10::DeviceType dev_type = a.device == "cuda" ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
-  Bootstrap b = bootstrap_from_environment(dev_type, timeout);
-  const int rank = b.rank, world = b.world_size;
-  const at::Device device = dev_type == c10::DeviceType::CUDA
-                                ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(b.local_rank))
-                                : at::Device(at::kCPU);
-  validate(a, world);
-  const bool lead = rank == 0;
-  const std::string text = load_text(a.data, static_cast<size_t>(a.seq_len + 2));
-  const double baseline = unigram_entropy_nats(text);
+  r.boot = bootstrap_from_environment(dev_type, timeout);
+  r.rank = r.boot.rank;
+  r.world = r.boot.world_size;
+  r.device = dev_type == c10::DeviceType::CUDA ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(r.boot.local_rank))
+                                              : at::Device(at::kCPU);
+  validate(a, r.world);
+  r.lead = r.rank == 0;
+  r.text = load_text(a.data, static_cast<size_t>(a.seq_len + 2));
+  r.baseline = unigram_entropy_nats(r.text);
+  r.use_muon = a.optimizer == "dmuon";
 
-  models::GPTConfig cfg;
-  cfg.vocab_size = 256;
-  cfg.d_model = a.d_model;
-  cfg.n_layers = a.layers;
-  cfg.n_heads = a.heads;
-  cfg.max_seq_len = a.seq_len;
-  at::manual_seed(static_cast<uint64_t>(a.seed));
-  models::GPT model(cfg);
-  model->to(device);
-  if (a.param_dtype == "fp64") model->to(at::kDouble);  // verification runs: float64 end to end
+  models::MeshSetup ms;
+  ms.store = r.boot.store;
+  ms.device = dev_type;
+  ms.replicate = a.replicate;
+  ms.timeout = timeout;
+  r.mesh = models::make_training_mesh(r.boot.world, ms);
+  std::vector<int> ranks(static_cast<size_t>(r.world));
+  std::iota(ranks.begin(), ranks.end(), 0);
+  r.trainer = std::make_unique<Communicator>(r.boot.world, "trainer", ranks, timeout, nullptr);
 
-  MeshOptions mo;
-  mo.store = b.store;
-  mo.factory = process_group_factory(dev_type);
-  mo.replicate_factory = process_group_factory(dev_type, "127.0.0.1", StreamPriority::Normal);
-  mo.timeout = timeout;
-  mo.replicate_size = a.replicate;
-  auto mesh = Mesh::create(b.world, mo);
-  Communicator trainer(b.world, "trainer", [&] {
-    std::vector<int> v(world);
-    std::iota(v.begin(), v.end(), 0);
-    return v;
-  }(), timeout, nullptr);
-
-  DedicateOptions dopt;
-  dopt.reshard_after_forward = a.mode == "z3";
-  if (a.shard_base)
-    dopt.route_hint_fn = [](const std::string& n, const at::Tensor& p) -> std::string {
-      return models::is_muon_matrix(n, p) ? "" : "sharded_adamw";
-    };
-  if (a.param_dtype == "bf16" || a.param_dtype == "fp16") {  // mixed precision: every parameter, fp32 masters and optimizer state
-    ParamPolicy mp;
-    mp.param_dtype = a.param_dtype == "bf16" ? at::kBFloat16 : at::kHalf;
-    mp.master_dtype = at::kFloat;
-    mp.optim_dtype = at::kFloat;
-    dopt.param_policy.push_back({"", mp});
-  }
-  const bool use_muon = a.optimizer == "dmuon";
-  dedicate_params(model.ptr(), mesh,
-                  use_muon ? ParamPredicate(models::is_muon_matrix)
-                           : ParamPredicate([](const std::string&, const at::Tensor&) { return false; }),
-                  dopt);
-  replicate(model.ptr(), mesh);
+  models::DedicatedGptSetup gs;
+  gs.config.vocab_size = 256;
+  gs.config.d_model = a.d_model;
+  gs.config.n_layers = a.layers;
+  gs.config.n_heads = a.heads;
+  gs.config.max_seq_len = a.seq_len;
+  gs.seed = static_cast<uint64_t>(a.seed);
+  gs.device = r.device;
+  gs.param_dtype = a.param_dtype;
+  gs.muon = r.use_muon;
+  gs.z3 = a.mode == "z3";
+  gs.shard_base = a.shard_base;
+  r.model = models::make_dedicated_gpt(r.mesh, gs);
   MuonOptions opts;
   opts.lr = a.lr;
   opts.adamw_lr = a.adamw_lr;
@@ -233,65 +243,74 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
   opts.ns_backend = a.ns_backend;
   opts.record_step_profile = true;
   opts.first_step_progress_log = false;
-  Muon opt(model.ptr(), opts);
+  r.opt = std::make_unique<Muon>(r.model.ptr(), opts);
 
-  if (lead) {
+  if (r.lead) {
     std::filesystem::create_directories(a.out);
-    out << "dmuon train: " << world << " rank(s)" << (a.replicate > 1 ? " (HSDP " + std::to_string(a.replicate) + " x " +
-                                                        std::to_string(world / a.replicate) + ")" : std::string())
-        << ", " << (use_muon ? "DMuon-" + std::string(a.mode == "z3" ? "Z3" : "Z2")
-                                                                : std::string("AdamW baseline"))
+    out << "dmuon train: " << r.world << " rank(s)"
+        << (a.replicate > 1 ? " (HSDP " + std::to_string(a.replicate) + " x " + std::to_string(r.world / a.replicate) + ")"
+                            : std::string())
+        << ", " << (r.use_muon ? "DMuon-" + std::string(a.mode == "z3" ? "Z3" : "Z2") : std::string("AdamW baseline"))
         << (a.param_dtype == "fp64"   ? ", fp64 throughout"
-         : a.param_dtype != "fp32" ? ", " + a.param_dtype + " compute (fp32 masters)"
-                                   : std::string())
+            : a.param_dtype != "fp32" ? ", " + a.param_dtype + " compute (fp32 masters)"
+                                      : std::string())
         << ", GPT d=" << a.d_model << " layers=" << a.layers << " heads=" << a.heads << ", batch " << a.batch
         << " x " << a.seq_len << " bytes, " << a.steps << " steps, data "
-        << (a.data.empty() ? std::string("fortunes (default)") : a.data) << " (" << text.size() << " bytes)\n";
-    if (use_muon) out << "  " << opt.ns().describe(device.type()) << "; unigram baseline " << baseline << " nats/byte\n";
+        << (a.data.empty() ? std::string("fortunes (default)") : a.data) << " (" << r.text.size() << " bytes)\n";
+    if (r.use_muon)
+      out << "  " << r.opt->ns().describe(r.device.type()) << "; unigram baseline " << r.baseline << " nats/byte\n";
   }
-
-  int first_step = 1;
   if (!a.resume.empty()) {  // every rank reads the file; the new owners take their matrices
     const Checkpoint ck = load_checkpoint(a.resume);
     TORCH_CHECK(ck.optim, "--resume ", a.resume, ": the checkpoint has no optimizer state; write it with --checkpoint.");
-    set_model_state_dict(*model, ck.model);
-    set_optimizer_state_dict(*model, opt, *ck.optim);
-    first_step = static_cast<int>(opt.steps_taken()) + 1;
-    TORCH_CHECK(first_step <= a.steps, "--resume ", a.resume, ": the checkpoint is at step ", first_step - 1,
+    set_model_state_dict(*r.model, ck.model);
+    set_optimizer_state_dict(*r.model, *r.opt, *ck.optim);
+    r.first_step = static_cast<int>(r.opt->steps_taken()) + 1;
+    TORCH_CHECK(r.first_step <= a.steps, "--resume ", a.resume, ": the checkpoint is at step ", r.first_step - 1,
                 ", so --steps ", a.steps, " leaves nothing to do; --steps counts all steps, pass a larger one.");
-    if (lead) out << "  resumed from " << a.resume << " at step " << first_step - 1 << "\n";
+    if (r.lead) out << "  resumed from " << a.resume << " at step " << r.first_step - 1 << "\n";
   }
-  auto write_checkpoint = [&] {  // collective: the owners broadcast, rank 0 writes, every rank learns how it went
-    const TensorDict msd = get_model_state_dict(*model);
-    const OptimizerStateDict osd = get_optimizer_state_dict(*model, opt);
-    std::string err;
-    if (lead) try {
-        save_checkpoint(a.checkpoint, msd, &osd);
-      } catch (const std::exception& e) {
-        err = e.what();
-      }
-    at::Tensor ok = at::tensor({err.empty() ? 1.0 : 0.0}, at::kDouble).to(device);
-    trainer.allreduce(ok, Reduction::Sum, "checkpoint written").wait();
-    TORCH_CHECK(ok.cpu().item<double>() == static_cast<double>(world), "rank ", rank, ": writing the checkpoint ",
-                a.checkpoint, " failed", err.empty() ? std::string(" on rank 0") : ": " + err);
-  };
+  return r;
+}
+
+// collective: the owners broadcast, rank 0 writes, every rank learns how it went.
+void write_checkpoint(const TrainArgs& a, TrainRun& r) {
+  const TensorDict msd = get_model_state_dict(*r.model);
+  const OptimizerStateDict osd = get_optimizer_state_dict(*r.model, *r.opt);
+  std::string err;
+  if (r.lead) try {
+      save_checkpoint(a.checkpoint, msd, &osd);
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  at::Tensor ok = at::tensor({err.empty() ? 1.0 : 0.0}, at::kDouble).to(r.device);
+  r.trainer->allreduce(ok, Reduction::Sum, "checkpoint written").wait();
+  TORCH_CHECK(ok.cpu().item<double>() == static_cast<double>(r.world), "rank ", r.rank, ": writing the checkpoint ",
+              a.checkpoint, " failed", err.empty() ? std::string(" on rank 0") : ": " + err);
+}
+
+// rank 0: metrics.csv always, loss.svg at the end and every 50 logged steps
+void write_outputs(const TrainArgs& a, const TrainRun& r, const TrainLog& log, bool final_write) {
+  if (!r.lead) return;
+  write_file_atomic(a.out + "/metrics.csv", log.csv.str());
+  if (final_write || log.steps_logged.size() % 50 == 0)
+    write_file_atomic(a.out + "/loss.svg",
+                      loss_svg(log.steps_logged, log.losses, r.baseline,
+                               "dmuon train: " + a.optimizer + (r.use_muon ? " " + a.mode : "") + ", " +
+                                   std::to_string(r.world) + " ranks"));
+}
+
+// collective: every rank, each step (forward/backward, step, the loss average, checkpoints).
+void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out) {
+  const int rank = r.rank, world = r.world, first_step = r.first_step;
+  const bool lead = r.lead;
+  Mesh* mesh = r.mesh.get();
+  Muon& opt = *r.opt;
+  auto& model = r.model;
   const int64_t per = a.batch / world, micro = per / a.grad_accum;
-  std::vector<int64_t> steps_logged;
-  std::vector<double> losses, step_ms, fwd_ms, bwd_ms, ns_ms, adamw_ms, wait_ms, prep_ms;
-  std::vector<double> bytes_per_step, muon_bytes_per_step;
-  std::ostringstream csv;
-  csv << "step,loss,lr,adamw_lr,step_ms,tokens_per_s,bytes\n";
+  log.csv << "step,loss,lr,adamw_lr,step_ms,tokens_per_s,bytes\n";
   const bool tty = ::isatty(STDOUT_FILENO);
-  const auto t_start = std::chrono::steady_clock::now();
-  auto write_outputs = [&](bool final_write) {
-    if (!lead) return;
-    write_file_atomic(a.out + "/metrics.csv", csv.str());
-    if (final_write || steps_logged.size() % 50 == 0)
-      write_file_atomic(a.out + "/loss.svg",
-                        loss_svg(steps_logged, losses, baseline,
-                                 "dmuon train: " + a.optimizer + (use_muon ? " " + a.mode : "") + ", " +
-                                     std::to_string(world) + " ranks"));
-  };
+  log.t_start = std::chrono::steady_clock::now();
   // Fault injection for tests of the launcher: DMUON_TEST_FAIL_AT=<rank>:<step> makes that rank fail
   // at the start of that step, as a crash of one rank in a real run would.
   int fail_rank = -1, fail_step = -1;
@@ -303,7 +322,7 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
     const auto t0 = std::chrono::steady_clock::now();
     mesh->counters().reset();
     opt.zero_grad();
-    const at::Tensor batch = sample_batch(text, a.batch, a.seq_len, a.seed, step).to(device);
+    const at::Tensor batch = sample_batch(r.text, a.batch, a.seq_len, a.seed, step).to(r.device);
     const at::Tensor mine = batch.narrow(0, rank * per, per);
     double loss_sum = 0, f_ms = 0, b_ms = 0;
     for (int m = 0; m < a.grad_accum; ++m) {
@@ -319,28 +338,28 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
     opt.step();
     const StepProfile prof = opt.consume_last_step_profile();
     // global mean loss over the whole batch: the ranks' means averaged (equal slices)
-    at::Tensor l = at::tensor({loss_sum}, at::kDouble).to(device);
-    trainer.allreduce(l, Reduction::Avg, "train loss").wait();
+    at::Tensor l = at::tensor({loss_sum}, at::kDouble).to(r.device);
+    r.trainer->allreduce(l, Reduction::Avg, "train loss").wait();
     const double gl = l.cpu().item<double>();
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const double bytes = static_cast<double>(mesh->counters().snapshot().total_bytes());
-    step_ms.push_back(ms);
-    fwd_ms.push_back(f_ms);
-    bwd_ms.push_back(b_ms);
-    ns_ms.push_back(prof.ns_ms);
-    adamw_ms.push_back(prof.adamw_ms);
-    prep_ms.push_back(prof.prepare_ms);
-    wait_ms.push_back(mesh->counters().wait_ms());
-    bytes_per_step.push_back(bytes);
-    muon_bytes_per_step.push_back(static_cast<double>(mesh->counters().bytes(CommOp::Broadcast) +
+    log.step_ms.push_back(ms);
+    log.fwd_ms.push_back(f_ms);
+    log.bwd_ms.push_back(b_ms);
+    log.ns_ms.push_back(prof.ns_ms);
+    log.adamw_ms.push_back(prof.adamw_ms);
+    log.prep_ms.push_back(prof.prepare_ms);
+    log.wait_ms.push_back(mesh->counters().wait_ms());
+    log.bytes_per_step.push_back(bytes);
+    log.muon_bytes_per_step.push_back(static_cast<double>(mesh->counters().bytes(CommOp::Broadcast) +
                                                       mesh->counters().bytes(CommOp::Reduce)));
     if (lead) {
-      steps_logged.push_back(step);
-      losses.push_back(gl);
+      log.steps_logged.push_back(step);
+      log.losses.push_back(gl);
       const double tok_s = static_cast<double>(a.batch * a.seq_len) / (ms / 1000.0);
-      csv << step << "," << std::setprecision(17) << gl << std::setprecision(6) << "," << opt.param_groups()[0].options().get_lr() << ","
+      log.csv << step << "," << std::setprecision(17) << gl << std::setprecision(6) << "," << opt.param_groups()[0].options().get_lr() << ","
           << opt.param_groups()[1].options().get_lr() << "," << ms << "," << tok_s << "," << bytes << "\n";
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - log.t_start).count();
       const double eta = elapsed / (step - first_step + 1) * (a.steps - step);
       const int width = 24, fill = static_cast<int>(static_cast<double>(width) * step / a.steps);
       std::ostringstream bar;
@@ -353,39 +372,47 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
       } else if (step % a.log_every == 0 || step == first_step || step == a.steps) {
         out << bar.str() << "\n" << std::flush;
       }
-      if (step % a.log_every == 0) write_outputs(false);
+      if (step % a.log_every == 0) write_outputs(a, r, log, false);
     }
     // after the step's time and bytes are taken: the checkpoint's collectives are not the step's
     if (!a.checkpoint.empty() && (step == a.steps || (a.checkpoint_every > 0 && step % a.checkpoint_every == 0)))
-      write_checkpoint();
+      write_checkpoint(a, r);
   }
-  const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  log.total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - log.t_start).count();
+}
+
+// collective: the per-rank figures are gathered; rank 0 writes summary.json and prints the summary.
+int report(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out) {
+  const int world = r.world, first_step = r.first_step;
+  const bool use_muon = r.use_muon;
+  const double baseline = r.baseline, total_s = log.total_s;
+  const auto& model = r.model;
+  const auto& losses = log.losses;
+  const auto &step_ms = log.step_ms, &fwd_ms = log.fwd_ms, &bwd_ms = log.bwd_ms, &ns_ms = log.ns_ms,
+             &adamw_ms = log.adamw_ms, &wait_ms = log.wait_ms, &prep_ms = log.prep_ms;
 
   // NS load per rank: every rank's total NS milliseconds
   auto gather = [&](double v, const char* what) {
-    at::Tensor all = at::zeros({world}, at::TensorOptions().dtype(at::kDouble).device(device));
-    at::Tensor mine = at::tensor({v}, at::kDouble).to(device);
-    trainer.allgather_flat(all, mine, what).wait();
+    at::Tensor all = at::zeros({world}, at::TensorOptions().dtype(at::kDouble).device(r.device));
+    at::Tensor mine = at::tensor({v}, at::kDouble).to(r.device);
+    r.trainer->allgather_flat(all, mine, what).wait();
     return all.cpu();
   };
   at::Tensor ns_all = gather(std::accumulate(ns_ms.begin(), ns_ms.end(), 0.0), "NS load");
-  at::Tensor bytes_all = gather(mean(bytes_per_step), "bytes per step");
-  at::Tensor muon_all = gather(mean(muon_bytes_per_step), "Muon bytes per step");
-  if (!lead) return 0;
+  at::Tensor bytes_all = gather(mean(log.bytes_per_step), "bytes per step");
+  at::Tensor muon_all = gather(mean(log.muon_bytes_per_step), "Muon bytes per step");
+  if (!r.lead) return 0;
 
-  const nlohmann::json plan = summarize_comm_plan(*model);
+  const ModelCommPlan plan = get_comm_plan(*model);
   const size_t tail = std::min<size_t>(10, losses.size());
   const double final_loss = std::accumulate(losses.end() - tail, losses.end(), 0.0) / static_cast<double>(tail);
   const double ns_max = ns_all.max().item<double>(), ns_mean = ns_all.mean().item<double>();
   const double measured_bytes = bytes_all.mean().item<double>();
   // per rank: the shard-axis formula (over G ranks), plus on HSDP the replicate axis 2(R-1)/(G*R)*P_M
-  const double formula = use_muon ? (a.mode == "z3" ? plan["per_rank_bytes"]["formula_z3"].get<double>()
-                                                    : plan["per_rank_bytes"]["formula_z2"].get<double>()) +
-                                        plan["per_rank_bytes"]["formula_replicate"].get<double>()
-                                  : 0.0;
+  const double formula = use_muon ? plan.formula() : 0.0;
   nlohmann::json s;
   s["world_size"] = world;
-  s["process_group_backend"] = mesh->world().process_group()->getBackendName();
+  s["process_group_backend"] = r.mesh->world().process_group()->getBackendName();
   s["device"] = a.device;
   s["optimizer"] = a.optimizer;
   s["mode"] = a.mode;
@@ -422,8 +449,8 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
                      {"max", ns_max},
                      {"mean", ns_mean},
                      {"max_over_mean", ns_mean > 0 ? ns_max / ns_mean : 1.0}};
-  s["plan"] = {{"imbalance", plan["imbalance"]}, {"fingerprint", plan["fingerprint"]}};
-  write_outputs(true);
+  s["plan"] = {{"imbalance", plan.plan.imbalance()}, {"fingerprint", format_fingerprint(plan.plan.fingerprint)}};
+  write_outputs(a, r, log, true);
   write_file_atomic(a.out + "/summary.json", s.dump(2) + "\n");
 
   out << std::fixed << std::setprecision(3);
@@ -443,10 +470,17 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
         << (formula > 0 ? muon_measured / formula : 0.0) << std::setprecision(0) << "); all collectives "
         << measured_bytes << "\n"
         << std::setprecision(2) << "  NS load         max/mean " << (ns_mean > 0 ? ns_max / ns_mean : 1.0)
-        << " over ranks (plan imbalance " << plan["imbalance"].get<double>() << ")\n";
+        << " over ranks (plan imbalance " << plan.plan.imbalance() << ")\n";
   }
   out << "  outputs         " << a.out << "/metrics.csv, " << a.out << "/summary.json, " << a.out << "/loss.svg\n";
   return 0;
+}
+
+int run_rank(const TrainArgs& a, std::ostream& out) {
+  TrainRun r = setup_run(a, out);
+  TrainLog log;
+  train_loop(a, r, log, out);
+  return report(a, r, log, out);
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 
 #include "dmuon/model_specs.h"
 #include "dmuon/owner_plan.h"
+#include "dmuon/plan_json.h"
 
 namespace dmuon::cli {
 namespace {
@@ -200,33 +201,7 @@ json plan_json(const ModelSpec& model, const std::vector<ParamSpec>& params, con
   j["violations"] = plan.violations;
   j["fingerprint"] = format_fingerprint(plan.fingerprint);
 
-  json jc;
-  jc["muon_bytes"] = comm.muon_bytes;
-  jc["per_rank"] = json{
-      {"z2", {{"mean", comm.mean_z2()}, {"max", comm.max_z2()}, {"formula", comm.formula_z2},
-              {"bytes", comm.per_rank_bytes_z2}}},
-      {"z3", {{"mean", comm.mean_z3()}, {"max", comm.max_z3()}, {"formula", comm.formula_z3},
-              {"bytes", comm.per_rank_bytes_z3}}},
-      {"replicate",
-       {{"mean", comm.mean_replicate()}, {"max", comm.max_replicate()},
-        {"formula", comm.formula_replicate}, {"bytes", comm.per_rank_replicate_bytes}}}};
-  jc["fsdp_equivalent"] = json{{"z2", comm.formula_z2},
-                               {"z3", comm.formula_z3},
-                               {"replicate", comm.formula_replicate}};
-  json jb = json::array();
-  for (const BoundaryComm& b : comm.boundaries) {
-    json roots = json::array();
-    for (const RootPayload& r : b.roots)
-      roots.push_back(json{{"owner", owner_json(r.root)}, {"bytes", r.bytes}, {"params", r.params}});
-    jb.push_back(json{{"boundary", b.boundary},
-                      {"payload_bytes", b.payload_bytes},
-                      {"fwd_broadcast_bytes", b.fwd_broadcast_bytes},
-                      {"bwd_broadcast_bytes_z3", b.bwd_broadcast_bytes_z3},
-                      {"bwd_reduce_bytes", b.bwd_reduce_bytes},
-                      {"roots", std::move(roots)}});
-  }
-  jc["boundaries"] = std::move(jb);
-  j["comm"] = std::move(jc);
+  j["comm"] = comm_plan_json(comm);
   return j;
 }
 

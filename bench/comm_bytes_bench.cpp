@@ -20,6 +20,7 @@
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"
 #include "dmuon/muon.h"
+#include "model/dedicated_gpt.h"
 #include "model/gpt.h"
 
 int main(int argc, char** argv) {
@@ -79,25 +80,17 @@ int main(int argc, char** argv) {
           try {
             auto store = dmuon::make_file_store((dir / "store").string(), n);
             auto pg = dmuon::make_process_group(store, r, n, c10::DeviceType::CPU);
-            dmuon::MeshOptions mo;
-            mo.store = store;
-            mo.factory = dmuon::process_group_factory(c10::DeviceType::CPU);
-            mo.replicate_size = replicate;
-            auto mesh = dmuon::Mesh::create(pg, mo);
-            dmuon::models::GPTConfig cfg;
-            cfg.d_model = d_model;
-            cfg.n_layers = layers;
-            dmuon::models::GPT model(cfg);
-            dmuon::DedicateOptions o;
-            o.reshard_after_forward = z3;
-            o.pack_small_params = pack;
-            if (param_dtype == "bf16") {  // mixed precision: bf16 parameters, fp32 masters
-              dmuon::ParamPolicy bf16;
-              bf16.param_dtype = at::kBFloat16;
-              o.param_policy.push_back({"", bf16});
-            }
-            dmuon::dedicate_params(model.ptr(), mesh, dmuon::models::is_muon_matrix, o);
-            dmuon::replicate(model.ptr(), mesh);
+            dmuon::models::MeshSetup ms;
+            ms.store = store;
+            ms.replicate = replicate;
+            auto mesh = dmuon::models::make_training_mesh(pg, ms);
+            dmuon::models::DedicatedGptSetup gs;
+            gs.config.d_model = d_model;
+            gs.config.n_layers = layers;
+            gs.z3 = z3;
+            gs.pack_small_params = pack;
+            gs.param_dtype = param_dtype;  // bf16: bf16 parameters, fp32 masters
+            auto model = dmuon::models::make_dedicated_gpt(mesh, gs);
             dmuon::MuonOptions opts;
             opts.first_step_progress_log = false;
             opts.replicate_async = false;  // HSDP: step() drains the publish, so a step's bytes are all in it
@@ -115,15 +108,14 @@ int main(int argc, char** argv) {
               sum += static_cast<double>(sc.bytes(dmuon::CommOp::Broadcast) + sc.bytes(dmuon::CommOp::Reduce));
               if (mesh->replicate()) rsum += static_cast<double>(mesh->replicate()->own_counters().total_bytes());
             }
-            const auto plan = dmuon::summarize_comm_plan(*model);
+            const dmuon::ModelCommPlan plan = dmuon::get_comm_plan(*model);
             std::lock_guard<std::mutex> g(mu);
             measured[r] = sum / steps;
             rep_measured[r] = rsum / steps;
-            rep_plan = plan["per_rank_bytes"]["formula_replicate"].get<double>();
-            const auto& pr = plan["per_rank_bytes"];
-            formula = z3 ? pr["formula_z3"].get<double>() : pr["formula_z2"].get<double>();
-            plan_mean = z3 ? pr["mean_z3"].get<double>() : pr["mean_z2"].get<double>();
-            pm = plan["muon_bytes"].get<double>();
+            rep_plan = plan.comm.formula_replicate;
+            formula = z3 ? plan.comm.formula_z3 : plan.comm.formula_z2;
+            plan_mean = z3 ? plan.comm.mean_z3() : plan.comm.mean_z2();
+            pm = static_cast<double>(plan.comm.muon_bytes);
           } catch (const std::exception& e) {
             std::lock_guard<std::mutex> g(mu);
             if (failure.empty()) failure = "rank " + std::to_string(r) + ": " + e.what();

@@ -830,7 +830,7 @@ TEST(MuonTest, TwoRanksOnlyOwnersUpdateTheirMatrices) {
     mopts.factory = process_group_factory(c10::DeviceType::CPU);
     auto mesh = Mesh::create(ctx.pg, mopts);
     DedicateOptions dopts;
-    dopts.owner_strategy = "round_robin";
+    dopts.plan.owner_strategy = "round_robin";
     const auto plan = dedicate_params(m.ptr(), mesh, is_matrix, dopts);
     replicate(m.ptr(), mesh);  // the vectors: Muon on 2 ranks refuses unreplicated parameters
     EXPECT_EQ(plan.size(), 3u);

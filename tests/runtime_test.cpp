@@ -92,7 +92,7 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
     DedicateOptions dopts;
     dopts.delay_stage2_to_optimizer = dc.delay_stage2;
     dopts.replicate_broadcast_bucket_mb = dc.bucket_mb;
-    if (!dc.owner_strategy.empty()) dopts.owner_strategy = dc.owner_strategy;
+    if (!dc.owner_strategy.empty()) dopts.plan.owner_strategy = dc.owner_strategy;
     testing::dedicate_gpt(m, mesh, dc, dopts);
     MuonOptions mo = testing::muon_options(tc);
     mo.replicate_async = dc.replicate_async;
@@ -695,12 +695,12 @@ TEST(RuntimeTest, HsdpBytesPerAxisMatchThePlanAndStaleReadsEndAtTheWait) {
       // the previous value until its boundary's next forward or wait_all_replicate_broadcasts; with
       // replicate_async=false step() itself drains the publish, so no wait is needed.
       if (async) wait_all_replicate_broadcasts(*m);
-      const auto plan = summarize_comm_plan(*m);
+      const ModelCommPlan plan = get_comm_plan(*m);
       int64_t flags = 0;
       for (const auto& d : get_dedicated_params(*m))
         if (d.owner.shard == mesh->shard_rank() && !d.is_owner) flags += 4;
       const int64_t rep_bytes = mesh->replicate()->own_counters().total_bytes();
-      const int64_t planned = plan["per_rank_bytes"]["replicate"][ctx.rank].get<int64_t>();
+      const int64_t planned = plan.comm.per_rank_replicate_bytes[static_cast<size_t>(ctx.rank)];
       if (rep_bytes - flags != planned)
         fail("replicate-axis bytes " + std::to_string(rep_bytes - flags) + " vs plan " + std::to_string(planned));
       // every holder now has the global owner's value: compare across the replicate group
@@ -723,7 +723,7 @@ TEST(RuntimeTest, HsdpBytesPerAxisMatchThePlanAndStaleReadsEndAtTheWait) {
         if (d.owner.shard != mesh->shard_rank()) shard_flags += 4;
       const int64_t shard_bytes = mesh->shard().own_counters().bytes(CommOp::Broadcast) +
                                   mesh->shard().own_counters().bytes(CommOp::Reduce);
-      const int64_t planned_z3 = plan["per_rank_bytes"]["z3"][ctx.rank].get<int64_t>();
+      const int64_t planned_z3 = plan.comm.per_rank_bytes_z3[static_cast<size_t>(ctx.rank)];
       if (shard_bytes - shard_flags != planned_z3)
         fail("shard-axis bytes " + std::to_string(shard_bytes - shard_flags) + " vs plan " +
              std::to_string(planned_z3));
@@ -1023,7 +1023,7 @@ TEST(RuntimeTest, Z3ReleasesBetweenBoundariesInForward) {
     GPT m(cfg);
     auto mesh = make_mesh(ctx);
     DedicateOptions o;
-    o.pack_small_params = false;
+    o.plan.pack_small_params = false;
     o.forward_prefetch_depth = 0;
     dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
     // run layer 0 alone: after its forward, its non-owned buffers are released again
@@ -1055,12 +1055,12 @@ TEST(RuntimeTest, SummariesReportRoutingAndPlannedBytes) {
     // AdamW: embedding, 2x2 norms, final norm, head
     if (groups["totals"]["adamw_params"] != 7) fail("7 AdamW params expected, got " + groups["totals"].dump());
     const auto plan = summarize_comm_plan(*m);
-    if (plan["boundaries"].size() != 2) fail("two boundaries expected");
-    if (plan["boundaries"][0]["boundary"] != "layers.0") fail("boundary name");
+    if (plan["comm"]["boundaries"].size() != 2) fail("two boundaries expected");
+    if (plan["comm"]["boundaries"][0]["boundary"] != "layers.0") fail("boundary name");
     int64_t pm = 0;
     for (const auto& d : get_dedicated_params(*m)) pm += 4 * d.shape[0] * d.shape[1];
-    if (plan["muon_bytes"] != pm) fail("P_M");
-    const double f3 = plan["per_rank_bytes"]["formula_z3"], f2 = plan["per_rank_bytes"]["formula_z2"];
+    if (plan["comm"]["muon_bytes"] != pm) fail("P_M");
+    const double f3 = plan["comm"]["per_rank"]["z3"]["formula"], f2 = plan["comm"]["per_rank"]["z2"]["formula"];
     if (std::abs(f3 - 1.5 * pm) > 1e-6 || std::abs(f2 - 1.0 * pm) > 1e-6) fail("formulas for N = 2");
     // this rank's planned Z3 bytes equal what the comm layer measures over one step (minus flags)
     mesh->counters().reset();
@@ -1071,9 +1071,10 @@ TEST(RuntimeTest, SummariesReportRoutingAndPlannedBytes) {
     const int64_t measured = mesh->counters().bytes(CommOp::Broadcast) + mesh->counters().bytes(CommOp::Reduce);
     if (measured - flags != plan["this_rank"]["z3"].get<int64_t>())
       fail("planned " + plan["this_rank"]["z3"].dump() + " vs measured " + std::to_string(measured - flags));
-    for (const auto& b : plan["boundaries"])
-      for (const auto& r : b["roots"])
-        if (r["root_rank"].get<int>() < 0 || r["root_rank"].get<int>() > 1) fail("root rank");
+    for (const auto& b : plan["comm"]["boundaries"])
+      for (const auto& r : b["roots"])  // 1-D mesh: the owner's shard rank is its global rank
+        if (r["owner"][0].get<int>() < 0 || r["owner"][0].get<int>() > 1 || r["owner"][1].get<int>() != 0)
+          fail("root rank");
   });
 }
 
@@ -1232,7 +1233,7 @@ TEST(RuntimeTest, BypassingABoundaryNamesIt) {
     auto model = std::make_shared<BypassModel>(small_config(2));
     auto mesh = make_mesh(ctx);
     DedicateOptions o;
-    o.owner_strategy = "rank0";  // rank 1 holds only placeholders
+    o.plan.owner_strategy = "rank0";  // rank 1 holds only placeholders
     dedicate_params(model, mesh, [](const std::string& n, const at::Tensor& p) {
       return p.dim() == 2 && n.find("layers.") != std::string::npos;
     }, o);

@@ -93,11 +93,9 @@ struct DedicateOptions {
   bool hook_boundary_strict = true;             // error when a dedicated param has no boundary
   HookBoundaryResolver hook_boundary_resolver;
   AssignmentGroupKeyFn assignment_group_key_fn;
-  std::optional<int> max_owners_per_group;
-  std::optional<std::string> owner_strategy;    // "lpt" | "round_robin" | "rank0"
-  std::optional<std::string> owner_cost_model;  // "optimizer" | "numel"
-  std::optional<bool> hsdp_column_balance;
-  std::optional<bool> pack_small_params;
+  // The owner planner's options (owner_strategy, owner_cost_model, hsdp_column_balance,
+  // pack_small_params, max_owners_per_group, ...; unset fields: DMUON_OWNER_* or the defaults).
+  PlanOptions plan;
   std::vector<ParamPolicyOverride> param_policy;  // mutually exclusive with param_policy_fn
   ParamPolicyFn param_policy_fn;
   RouteHintFn route_hint_fn;                    // a policy's route takes precedence over the hint
@@ -107,6 +105,10 @@ struct DedicateOptions {
   double replicate_broadcast_bucket_mb = 0.0;   // post-step publish chunk size in MiB; 0 = one per packed unit
   bool delay_stage2_to_optimizer = true;        // replicate-axis reduce waited/issued in step() (true) or
                                                 // at the end of backward (false)
+  // Post-step publish (HSDP, the DDP path, all_gather unshard): true returns from step() at once and
+  // each boundary's next forward waits for its own publish; false waits in step(). No effect on a
+  // 1-D mesh in broadcast mode. MuonOptions::replicate_async overrides it when set.
+  bool replicate_async = true;
 };
 
 // One dedicated matrix, as seen from this rank.

@@ -5,7 +5,11 @@
 #include <nlohmann/json.hpp>
 #include <torch/nn/module.h>
 
+#include <string>
+#include <vector>
+
 #include "dmuon/muon.h"
+#include "dmuon/owner_plan.h"
 
 namespace dmuon {
 
@@ -15,10 +19,26 @@ namespace dmuon {
 // says "all".
 nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon& optimizer, int max_rows = 128);
 
-// The planned communication of a dedicated model: mesh shape, policy, plan fingerprint and
-// imbalance, per boundary the roots (global ranks) with their payload bytes and the per-step
-// forward/backward broadcast and reduce bytes in Z2 and Z3, and per-rank totals next to the
-// formulas 2(N-1)/N*P_M (Z2) and 3(N-1)/N*P_M (Z3). Planned sizes, not measurements.
+// The planned communication of a dedicated model (planned sizes, not measurements).
+struct ModelCommPlan {
+  int rank = 0;                        // this rank (global)
+  int shard_size = 1, replicate_size = 1, world_size = 1;
+  std::string policy;                  // process-group policy of the mesh
+  bool z3 = true;                      // reshard_after_forward (and not the DDP path)
+  OwnerPlan plan;                      // owners, makespan, imbalance(), fingerprint
+  CommPlan comm;                       // per boundary and per rank (index = global rank) bytes, formulas
+  std::vector<std::string> params;     // dedicated parameters in plan order (indices in comm's roots)
+  // this rank's planned shard-axis bytes per step (Z3 or Z2 as configured) and replicate-axis bytes
+  int64_t shard_bytes() const;
+  int64_t replicate_bytes() const;
+  // the per-rank formula for this layout: 3(N-1)/N*P_M (Z3) or 2(N-1)/N*P_M (Z2), + 2(R-1)/(G*R)*P_M
+  double formula() const;
+};
+ModelCommPlan get_comm_plan(const torch::nn::Module& model);
+
+// get_comm_plan as JSON: mesh {shard, replicate, world, policy}, mode, fingerprint, owner_strategy,
+// owner_cost_model, makespan, lower_bound, imbalance, violations, params (names), this_rank {rank, z2,
+// z3, replicate}, and `comm` in the schema of `dmuon plan --json` (docs/PLAN_TOOL.md).
 nlohmann::json summarize_comm_plan(const torch::nn::Module& model, int max_groups = 64, int max_params_per_group = 128);
 
 }  // namespace dmuon

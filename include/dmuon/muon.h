@@ -94,11 +94,11 @@ struct MuonOptions {
   std::string ns_backend = "gram";          // "gram" | "direct" (ignored when `ns` is set)
   std::optional<NewtonSchulz> ns;           // a fully configured backend (custom coefficients...)
   bool nesterov = true;
-  // Post-step publish (HSDP, the DDP path, all_gather unshard): true returns at once and each
-  // boundary's next forward waits for its own publish; false waits in step(). No effect on a 1-D mesh
-  // in broadcast mode. (A model that does not run its boundaries through dmuon::forward is always
-  // waited: nothing else would wait before the parameters are read again.)
-  bool replicate_async = true;
+  // The post-step publish mode lives in the runtime (DedicateOptions::replicate_async, default
+  // true); set here (the seed's Muon(replicate_async=...)) it overrides that for this optimizer. A
+  // model that does not run its boundaries through dmuon::forward is always waited: nothing else
+  // would wait before the parameters are read again.
+  std::optional<bool> replicate_async;
   bool record_step_profile = false;
   // One line per matrix in the first step (NS kernel, shape, time): off by default in the library
   // (the CLI turns it on). Lines go to `log` when set, else to stderr.

@@ -3,6 +3,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "dmuon/plan_json.h"
+
 #include "runtime/dedicated_route.h"
 #include "runtime/runtime.h"
 
@@ -98,58 +100,53 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
   return out;
 }
 
-nlohmann::json summarize_comm_plan(const torch::nn::Module& model, int max_groups, int max_params_per_group) {
+int64_t ModelCommPlan::shard_bytes() const {
+  const auto& v = z3 ? comm.per_rank_bytes_z3 : comm.per_rank_bytes_z2;
+  return v.empty() ? 0 : v[static_cast<size_t>(rank)];
+}
+
+int64_t ModelCommPlan::replicate_bytes() const {
+  return comm.per_rank_replicate_bytes.empty() ? 0 : comm.per_rank_replicate_bytes[static_cast<size_t>(rank)];
+}
+
+double ModelCommPlan::formula() const { return (z3 ? comm.formula_z3 : comm.formula_z2) + comm.formula_replicate; }
+
+ModelCommPlan get_comm_plan(const torch::nn::Module& model) {
   auto state = detail::state_of_model(&model);
-  TORCH_CHECK(state, "summarize_comm_plan: the model was not dedicated (call dmuon::dedicate_params first).");
+  TORCH_CHECK(state, "get_comm_plan: the model was not dedicated (call dmuon::dedicate_params first).");
   const Mesh& mesh = state->mesh();
-  const CommPlan cp = plan_comm(state->specs(), state->plan(), state->boundary_of_param());
+  ModelCommPlan out;
+  out.rank = mesh.global_rank();
+  out.shard_size = mesh.shard_size();
+  out.replicate_size = mesh.replicate_size();
+  out.world_size = mesh.world_size();
+  out.policy = mesh.policy();
+  out.z3 = state->z3();
+  out.plan = state->plan();
+  out.comm = plan_comm(state->specs(), state->plan(), state->boundary_of_param());
+  for (const auto& s : state->specs()) out.params.push_back(s.name);
+  return out;
+}
+
+nlohmann::json summarize_comm_plan(const torch::nn::Module& model, int max_groups, int max_params_per_group) {
+  const ModelCommPlan cp = get_comm_plan(model);
   nlohmann::json out;
-  out["mesh"] = {{"shard", mesh.shard_size()},
-                 {"replicate", mesh.replicate_size()},
-                 {"world", mesh.world_size()},
-                 {"policy", mesh.policy()}};
-  out["mode"] = state->z3() ? "z3" : "z2";
-  out["fingerprint"] = format_fingerprint(state->plan().fingerprint);
-  out["owner_strategy"] = state->plan().options.owner_strategy;
-  out["owner_cost_model"] = state->plan().options.owner_cost_model;
-  out["makespan"] = state->plan().makespan;
-  out["lower_bound"] = state->plan().lower_bound;
-  out["imbalance"] = state->plan().imbalance();
-  out["violations"] = state->plan().violations;
-  out["muon_bytes"] = cp.muon_bytes;
-  nlohmann::json groups = nlohmann::json::array();
-  for (const auto& b : cp.boundaries) {
-    if (static_cast<int>(groups.size()) >= max_groups) break;
-    nlohmann::json roots = nlohmann::json::array();
-    for (const auto& r : b.roots) {
-      nlohmann::json names = nlohmann::json::array();
-      for (int i : r.params)
-        if (static_cast<int>(names.size()) < max_params_per_group) names.push_back(state->specs()[static_cast<size_t>(i)].name);
-      roots.push_back({{"owner", coord(r.root)},
-                       {"root_rank", mesh.global_rank_of(r.root.shard, r.root.replicate)},
-                       {"bytes", r.bytes},
-                       {"params", names}});
-    }
-    groups.push_back({{"boundary", b.boundary},
-                      {"route", "muon"},
-                      {"roots", roots},
-                      {"payload_bytes", b.payload_bytes},
-                      {"fwd_broadcast_bytes", b.fwd_broadcast_bytes},
-                      {"bwd_broadcast_bytes_z3", b.bwd_broadcast_bytes_z3},
-                      {"bwd_reduce_bytes", b.bwd_reduce_bytes}});
-  }
-  out["boundaries"] = groups;
-  out["per_rank_bytes"] = {{"z2", cp.per_rank_bytes_z2},
-                           {"z3", cp.per_rank_bytes_z3},
-                           {"replicate", cp.per_rank_replicate_bytes},
-                           {"mean_z2", cp.mean_z2()},
-                           {"mean_z3", cp.mean_z3()},
-                           {"formula_z2", cp.formula_z2},
-                           {"formula_z3", cp.formula_z3},
-                           {"formula_replicate", cp.formula_replicate}};
-  out["this_rank"] = {{"rank", mesh.global_rank()},
-                      {"z2", cp.per_rank_bytes_z2.empty() ? 0 : cp.per_rank_bytes_z2[mesh.global_rank()]},
-                      {"z3", cp.per_rank_bytes_z3.empty() ? 0 : cp.per_rank_bytes_z3[mesh.global_rank()]}};
+  out["mesh"] = {{"shard", cp.shard_size}, {"replicate", cp.replicate_size}, {"world", cp.world_size}, {"policy", cp.policy}};
+  out["mode"] = cp.z3 ? "z3" : "z2";
+  out["fingerprint"] = format_fingerprint(cp.plan.fingerprint);
+  out["owner_strategy"] = cp.plan.options.owner_strategy;
+  out["owner_cost_model"] = cp.plan.options.owner_cost_model;
+  out["makespan"] = cp.plan.makespan;
+  out["lower_bound"] = cp.plan.lower_bound;
+  out["imbalance"] = cp.plan.imbalance();
+  out["violations"] = cp.plan.violations;
+  out["params"] = cp.params;
+  const auto at = [&](const std::vector<int64_t>& v) { return v.empty() ? int64_t{0} : v[static_cast<size_t>(cp.rank)]; };
+  out["this_rank"] = {{"rank", cp.rank},
+                      {"z2", at(cp.comm.per_rank_bytes_z2)},
+                      {"z3", at(cp.comm.per_rank_bytes_z3)},
+                      {"replicate", at(cp.comm.per_rank_replicate_bytes)}};
+  out["comm"] = comm_plan_json(cp.comm, max_groups, max_params_per_group);
   return out;
 }
 

@@ -303,7 +303,7 @@ at::Tensor Muon::step(LossClosure closure) {
   }
   // collective: HSDP publishes over the replicate group, the DDP path broadcasts from the owners,
   // all_gather unshard scatters; nothing on a 1-D mesh in broadcast mode (the next forward does it)
-  state->publish(options_.replicate_async);
+  state->publish(options_.replicate_async.value_or(state->options().replicate_async));
   prof.total_ms = elapsed_ms(t_start);
   prof.valid = true;
   if (options_.record_step_profile) last_profile_ = prof;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "dmuon/owner_plan.h"
+#include "dmuon/plan_json.h"
 
 namespace dmuon {
 namespace {
@@ -117,6 +118,40 @@ CommPlan plan_comm(const std::vector<ParamSpec>& params, const OwnerPlan& plan,
   out.formula_z3 = 3.0 * (G - 1) / G * PM;
   out.formula_replicate = R > 1 ? 2.0 * (R - 1) / (static_cast<double>(G) * R) * PM : 0.0;
   return out;
+}
+
+nlohmann::json comm_plan_json(const CommPlan& comm, int max_boundaries, int max_params_per_root) {
+  using nlohmann::json;
+  json jc;
+  jc["muon_bytes"] = comm.muon_bytes;
+  jc["per_rank"] = json{
+      {"z2", {{"mean", comm.mean_z2()}, {"max", comm.max_z2()}, {"formula", comm.formula_z2},
+              {"bytes", comm.per_rank_bytes_z2}}},
+      {"z3", {{"mean", comm.mean_z3()}, {"max", comm.max_z3()}, {"formula", comm.formula_z3},
+              {"bytes", comm.per_rank_bytes_z3}}},
+      {"replicate",
+       {{"mean", comm.mean_replicate()}, {"max", comm.max_replicate()},
+        {"formula", comm.formula_replicate}, {"bytes", comm.per_rank_replicate_bytes}}}};
+  jc["fsdp_equivalent"] = json{{"z2", comm.formula_z2}, {"z3", comm.formula_z3}, {"replicate", comm.formula_replicate}};
+  json jb = json::array();
+  for (const BoundaryComm& b : comm.boundaries) {
+    if (max_boundaries >= 0 && static_cast<int>(jb.size()) >= max_boundaries) break;
+    json roots = json::array();
+    for (const RootPayload& r : b.roots) {
+      std::vector<int> params = r.params;
+      if (max_params_per_root >= 0 && static_cast<int>(params.size()) > max_params_per_root)
+        params.resize(static_cast<size_t>(max_params_per_root));
+      roots.push_back(json{{"owner", json::array({r.root.shard, r.root.replicate})}, {"bytes", r.bytes}, {"params", params}});
+    }
+    jb.push_back(json{{"boundary", b.boundary},
+                      {"payload_bytes", b.payload_bytes},
+                      {"fwd_broadcast_bytes", b.fwd_broadcast_bytes},
+                      {"bwd_broadcast_bytes_z3", b.bwd_broadcast_bytes_z3},
+                      {"bwd_reduce_bytes", b.bwd_reduce_bytes},
+                      {"roots", std::move(roots)}});
+  }
+  jc["boundaries"] = std::move(jb);
+  return jc;
 }
 
 }  // namespace dmuon

@@ -34,12 +34,7 @@ void Runtime::build(const ParamPredicate& predicate) {
   for (const auto& r : routing.dedicated) boundary_of_param_.push_back(r.boundary);
 
   // 2. plan (every rank, no communication), then check that all ranks agree
-  PlanOptions po;
-  po.owner_strategy = opts_.owner_strategy;
-  po.owner_cost_model = opts_.owner_cost_model;
-  po.hsdp_column_balance = opts_.hsdp_column_balance;
-  po.pack_small_params = opts_.pack_small_params;
-  po.max_owners_per_group = opts_.max_owners_per_group;
+  const PlanOptions& po = opts_.plan;
   try {
     plan_ = plan_owners(specs_, mesh_->shard_size(), mesh_->replicate_size(), po);
   } catch (const std::exception& e) {

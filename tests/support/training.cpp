@@ -143,7 +143,7 @@ std::vector<double> train_slices(GPT& m, Muon& opt, const std::vector<at::Tensor
 
 void dedicate_gpt(GPT& m, const std::shared_ptr<Mesh>& mesh, const Layout& l, DedicateOptions o) {
   o.reshard_after_forward = l.z3;
-  o.pack_small_params = l.pack_small_params;
+  o.plan.pack_small_params = l.pack_small_params;
   o.muon_forward_unshard = l.unshard;
   if (l.sharded)
     o.route_hint_fn = [](const std::string& n, const at::Tensor& p) -> std::string {

@@ -1,0 +1,48 @@
+// The shared setup of a dedicated GPT run (see dedicated_gpt.h).
+#include "model/dedicated_gpt.h"
+
+#include "dmuon/bootstrap.h"
+
+namespace dmuon::models {
+
+std::shared_ptr<Mesh> make_training_mesh(const CommPtr& world, const MeshSetup& s) {
+  MeshOptions mo;
+  mo.store = s.store;
+  mo.factory = process_group_factory(s.device);
+  // the replicate axis (HSDP publishes, stage-2 reduces) runs at normal priority, below the shard
+  // axis that forward waits on
+  mo.replicate_factory = process_group_factory(s.device, "127.0.0.1", StreamPriority::Normal);
+  mo.timeout = s.timeout;
+  mo.replicate_size = s.replicate;
+  mo.tag = s.tag;
+  return Mesh::create(world, mo);
+}
+
+GPT make_dedicated_gpt(const std::shared_ptr<Mesh>& mesh, const DedicatedGptSetup& s) {
+  at::manual_seed(s.seed);
+  GPT model(s.config);
+  model->to(s.device);
+  if (s.param_dtype == "fp64") model->to(at::kDouble);  // verification runs: float64 end to end
+  DedicateOptions d;
+  d.reshard_after_forward = s.z3;
+  if (s.pack_small_params) d.plan.pack_small_params = *s.pack_small_params;
+  if (s.shard_base)
+    d.route_hint_fn = [](const std::string& n, const at::Tensor& p) -> std::string {
+      return is_muon_matrix(n, p) ? "" : "sharded_adamw";
+    };
+  if (s.param_dtype == "bf16" || s.param_dtype == "fp16") {  // every parameter, fp32 masters and optimizer state
+    ParamPolicy mp;
+    mp.param_dtype = s.param_dtype == "bf16" ? at::kBFloat16 : at::kHalf;
+    mp.master_dtype = at::kFloat;
+    mp.optim_dtype = at::kFloat;
+    d.param_policy.push_back({"", mp});
+  }
+  dedicate_params(model.ptr(), mesh,
+                  s.muon ? ParamPredicate(is_muon_matrix)
+                         : ParamPredicate([](const std::string&, const at::Tensor&) { return false; }),
+                  d);
+  replicate(model.ptr(), mesh);
+  return model;
+}
+
+}  // namespace dmuon::models
