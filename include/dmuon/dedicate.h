@@ -6,7 +6,8 @@
 //   forward post:    Z3: non-owners free it again; Z2: keep it until after backward
 //   backward pre:    Z3: broadcast from 0 again (the saved activations point into the same buffer)
 //   backward post:   reduce(grad, AVG) -> 0; non-owners drop their gradient
-//   optimizer.step:  rank 0 alone: momentum, Newton-Schulz on the full matrix, update; no collective
+//   optimizer.step:  rank 0 alone: momentum, Newton-Schulz on the full matrix, update (1-D mesh,
+//                    broadcast mode: no collective; HSDP / DDP path / all_gather: the publish)
 //
 // Each matrix has one owner (the planner's LPT plan, identical on every rank and checked by a
 // fingerprint exchange at setup). A hook boundary (a `layers.N` / `blocks.N` module by default) is
@@ -20,6 +21,12 @@
 // post-hooks, an end-of-backward callback that fires any boundary whose hooks did not run).
 // Optionally wrap the top-level call as well (`dmuon::forward(model, tokens)`): errors thrown inside
 // then name a boundary that was bypassed.
+//
+// Contracts. Functions marked "collective" must be called by every rank of the mesh in the same
+// order relative to dmuon's other collective calls; each collective waits at most the mesh's
+// timeout, so a lost peer is an error naming the group, the payload and the rank, not a hang.
+// Threads: one thread drives a dedicated model (forward, backward, step); autograd may run the
+// hooks on its worker threads, which dmuon serialises per model. Two models are independent.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -162,6 +169,7 @@ std::map<std::string, OwnerCoord> dedicate_params_ddp(const std::shared_ptr<torc
 void broadcast_all_updates(torch::nn::Module& model);
 void broadcast_all_updates_async(torch::nn::Module& model);
 // Waits every pending post-step publish (read parameters outside the step cycle after this).
+// local: waits collectives already issued, issues none.
 void wait_all_post_step_broadcasts(torch::nn::Module& model);
 inline void wait_all_replicate_broadcasts(torch::nn::Module& model) { wait_all_post_step_broadcasts(model); }
 
@@ -174,6 +182,7 @@ inline void wait_all_replicate_broadcasts(torch::nn::Module& model) { wait_all_p
 //     (model->loss(micro[i]) / accum).backward();
 //   }
 //   opt.step();
+// local: issues no collective (it suspends them).
 class NoSync {
  public:
   explicit NoSync(torch::nn::Module& model);  // throws when the model is not dedicated or already inside
@@ -193,6 +202,8 @@ void replicate(const std::shared_ptr<torch::nn::Module>& model, const std::share
                double bucket_mb = 25.0);
 
 // Runs `module` as a hook boundary when dmuon registered it as one (otherwise a plain call).
+// collective: every rank runs the same boundaries in the same order (forward broadcasts and
+// prefetches; in backward, the hooks it installs issue the Z3 re-broadcasts and the reduces).
 // The first argument after the module may be an at::Tensor (the activation the backward hooks
 // attach to); all arguments are forwarded to module->forward.
 template <typename ModuleHolderOrPtr, typename... Args>
@@ -201,9 +212,12 @@ auto forward(ModuleHolderOrPtr& module, Args&&... args);
 // After backward: waits for this rank's pending gradient reduces and makes the averaged gradient
 // of every owned matrix available in param.grad(). Muon::step calls it; call it yourself only to
 // read gradients between backward and step.
+// collective: every rank (on HSDP it issues the delayed stage-2 reduces and the replicate-axis
+// all-reduces of sharded_adamw slices; elsewhere it waits collectives already issued).
 void prepare_muon_grads(torch::nn::Module& model);
 inline void wait_all_reduces(torch::nn::Module& model) { prepare_muon_grads(model); }
 
+// Queries (local: no collective, safe on any rank at any time between steps).
 std::vector<DedicatedParam> get_dedicated_params(const torch::nn::Module& model);
 // Dedicated params owned by `shard` (1-D) or by (shard, replicate).
 std::vector<DedicatedParam> get_owned_params(const torch::nn::Module& model, int shard);

@@ -5,14 +5,9 @@
 
 #include "dmuon/plan_json.h"
 
-#include "runtime/dedicated_route.h"
 #include "runtime/runtime.h"
 
 namespace dmuon {
-
-namespace {
-nlohmann::json coord(const OwnerCoord& c) { return nlohmann::json::array({c.shard, c.replicate}); }
-}  // namespace
 
 nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon& optimizer, int max_rows) {
   auto state = detail::state_of_model(&model);
@@ -22,10 +17,8 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
   out["world_size"] = state->mesh().world_size();
   out["mode"] = state->z3() ? "z3" : "z2";
   out["ns_backend"] = optimizer.ns().describe();
-  std::map<const c10::TensorImpl*, const DedicatedEntry*> ded;
-  for (const auto& e : state->dedicated().entries()) ded[e.param.unsafeGetTensorImpl()] = &e;
-  std::map<const c10::TensorImpl*, std::string> names;
-  for (const auto& item : model.named_parameters(true)) names[item.value().unsafeGetTensorImpl()] = item.key();
+  std::map<const c10::TensorImpl*, ParamView> views;
+  for (auto& v : state->describe()) views[v.param.unsafeGetTensorImpl()] = v;
   nlohmann::json groups = nlohmann::json::array();
   int64_t muon_params = 0, adamw_params = 0, owned = 0, owned_numel = 0, adamw_numel = 0;
   for (const auto& g : optimizer.param_groups()) {
@@ -47,34 +40,35 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
     int64_t numel = 0;
     nlohmann::json rows = nlohmann::json::array();
     for (const auto& p : g.params()) {
-      const Precision pr = state->precision_of(p);  // mixed precision (param_policy)
+      auto vit = views.find(p.unsafeGetTensorImpl());
+      if (vit == views.end()) continue;  // not trainable any more
+      const ParamView& v = vit->second;
       auto dtypes = [&](nlohmann::json row) {
         row["dtype"] = std::string(c10::toString(p.scalar_type()));
-        row["reduce_dtype"] = std::string(c10::toString(pr.reduce));
-        row["master_dtype"] = std::string(c10::toString(pr.master));
-        row["optim_dtype"] = std::string(c10::toString(pr.optim));
+        row["reduce_dtype"] = std::string(c10::toString(v.prec.reduce));
+        row["master_dtype"] = std::string(c10::toString(v.prec.master));
+        row["optim_dtype"] = std::string(c10::toString(v.prec.optim));
         return row;
       };
-      auto it = ded.find(p.unsafeGetTensorImpl());
-      if (it != ded.end()) {
-        const DedicatedEntry& e = *it->second;
-        n_owned += e.is_owner ? 1 : 0;
-        if (e.is_owner) owned_numel += static_cast<int64_t>(e.shape[0] * e.shape[1]);
-        numel += static_cast<int64_t>(e.shape[0] * e.shape[1]);
+      int64_t n = 1;
+      for (int64_t d : v.shape) n *= d;
+      numel += n;
+      if (v.route == RouteKind::Dedicated) {
+        n_owned += v.updated_here ? 1 : 0;
+        if (v.updated_here) owned_numel += n;
         if (static_cast<int>(rows.size()) < max_rows)
-          rows.push_back(dtypes({{"name", e.name},
-                                 {"shape", e.shape},
-                                 {"owner", coord(e.owner)},
-                                 {"owner_rank", e.owner_rank},
-                                 {"boundary", state->boundaries()[static_cast<size_t>(e.boundary)].name},
-                                 {"owned", e.is_owner}}));
-      } else {
-        numel += p.numel();
-        if (static_cast<int>(rows.size()) < max_rows)
-          rows.push_back(dtypes({{"name", names.count(p.unsafeGetTensorImpl()) ? names[p.unsafeGetTensorImpl()] : "?"},
-                                 {"shape", p.sizes().vec()},
-                                 {"grad_dtype", p.grad().defined() ? std::string(c10::toString(p.grad().scalar_type()))
-                                                                   : std::string("none")}}));
+          rows.push_back(dtypes({{"name", v.name},
+                                 {"shape", v.shape},
+                                 {"owner", nlohmann::json::array({v.owner_shard, v.owner_replicate})},
+                                 {"owner_rank", v.owner_rank},
+                                 {"boundary", v.boundary},
+                                 {"owned", v.updated_here}}));
+      } else if (static_cast<int>(rows.size()) < max_rows) {
+        rows.push_back(dtypes({{"name", v.name},
+                               {"shape", p.sizes().vec()},
+                               {"route", route_name(v.route)},
+                               {"grad_dtype", p.grad().defined() ? std::string(c10::toString(p.grad().scalar_type()))
+                                                                 : std::string("none")}}));
       }
     }
     j["num_params"] = g.params().size();

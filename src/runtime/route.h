@@ -35,6 +35,18 @@ struct ReadyGrad {
   bool write_back = false;  // target is a master: round it into param after the update
 };
 
+// How one trainable parameter is trained, as this rank sees it (Runtime::describe).
+struct ParamView {
+  std::string name;
+  at::Tensor param;
+  RouteKind route = RouteKind::Local;
+  std::vector<int64_t> shape;      // full logical shape (a dedicated placeholder holds none)
+  Precision prec;
+  std::string boundary;            // dedicated and sharded: the hook boundary
+  int owner_shard = -1, owner_replicate = -1, owner_rank = -1;  // dedicated: its owner
+  bool updated_here = true;        // this rank runs its optimizer update (dedicated: the owner)
+};
+
 using TensorSink = std::function<void(const std::string& name, const at::Tensor& full)>;
 using FullValues = std::map<std::string, at::Tensor>;
 

@@ -60,6 +60,42 @@ bool Runtime::routed(const std::string& name) const {
   return dedicated_->find(name) != nullptr || sharded_->find(name) != nullptr;
 }
 
+std::vector<ParamView> Runtime::describe() const {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  std::vector<ParamView> out;
+  auto m = model_.lock();
+  if (!m) return out;
+  std::set<const c10::TensorImpl*> replicated;
+  if (replicated_)
+    for (const auto& p : replicated_->params()) replicated.insert(p.unsafeGetTensorImpl());
+  for (const auto& item : m->named_parameters(true)) {
+    const at::Tensor& p = item.value();
+    if (!p.requires_grad()) continue;
+    ParamView v;
+    v.name = item.key();
+    v.param = p;
+    v.shape = p.sizes().vec();
+    v.prec = precision_of(p);
+    if (const DedicatedEntry* e = dedicated_->find(v.name)) {
+      v.route = RouteKind::Dedicated;
+      v.shape = e->shape;
+      v.boundary = boundaries_[static_cast<size_t>(e->boundary)].name;
+      v.owner_shard = e->owner.shard;
+      v.owner_replicate = e->owner.replicate;
+      v.owner_rank = e->owner_rank;
+      v.updated_here = e->is_owner;
+    } else if (const ShardedEntry* s = sharded_->find(v.name)) {
+      v.route = RouteKind::Sharded;
+      v.shape = s->shape;
+      v.boundary = boundaries_[static_cast<size_t>(s->boundary)].name;
+    } else {
+      v.route = replicated.count(p.unsafeGetTensorImpl()) ? RouteKind::Replicated : RouteKind::Local;
+    }
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
 std::vector<int> Runtime::publish_order() const {
   std::vector<int> order = recorded_order_.empty() ? current_order_ : recorded_order_;
   for (const auto& B : boundaries_)

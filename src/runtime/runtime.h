@@ -123,6 +123,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   bool has_masters() const { return !masters_.empty(); }
   void set_master(const at::Tensor& p, at::Tensor master) { masters_[p.unsafeGetTensorImpl()] = std::move(master); }
   bool routed(const std::string& name) const;          // dedicated or sharded_adamw
+  std::vector<ParamView> describe() const;              // every trainable parameter, model order
   DedicatedRoute& dedicated() const { return *dedicated_; }
   ShardedRoute& sharded() const { return *sharded_; }
   ReplicatedRoute* replicated() const { return replicated_; }
