@@ -16,6 +16,7 @@
 #include "cli_commands.h"
 #include "cli_launch.h"
 #include "cli_text.h"
+#include "cli_train.h"
 #include "dmuon/bootstrap.h"
 #include "dmuon/checkpoint.h"
 #include "dmuon/dedicate.h"
@@ -26,37 +27,7 @@
 
 namespace dmuon::cli {
 
-namespace {
-
-struct TrainArgs {
-  int ranks = 4;
-  int steps = 300;
-  std::string mode = "z3";
-  std::string optimizer = "dmuon";
-  std::string out = "runs/train";
-  std::string data;
-  int64_t batch = 16;
-  int64_t seq_len = 64;
-  int64_t d_model = 128;
-  int64_t layers = 4;
-  int64_t heads = 4;
-  double lr = 0.02;
-  double adamw_lr = 3e-3;
-  double weight_decay = 0.0;
-  int grad_accum = 1;
-  uint64_t seed = 0;
-  int port = 0;
-  int log_every = 10;
-  std::string ns_backend = "gram";
-  double timeout_s = 300;
-  std::string device = "cpu";
-  int replicate = 1;
-  bool shard_base = false;
-  std::string param_dtype = "fp32";
-  std::string checkpoint;       // write a checkpoint here (at the end, and every checkpoint_every steps)
-  int checkpoint_every = 0;
-  std::string resume;           // continue from this checkpoint (any world size)
-};
+namespace train {
 
 void add_options(CLI::App& app, TrainArgs& a) {
   app.add_option("--ranks", a.ranks, "number of local ranks to start (Gloo on CPU)")->capture_default_str();
@@ -160,43 +131,6 @@ void validate(const TrainArgs& a, int world) {
         "--device cpu or rebuild against a CUDA LibTorch");
 }
 
-std::string fmt_secs(double s) {
-  const int t = static_cast<int>(s + 0.5);
-  std::ostringstream o;
-  o << t / 60 << ":" << std::setw(2) << std::setfill('0') << t % 60;
-  return o.str();
-}
-
-double mean(const std::vector<double>& v) {
-  return v.empty() ? 0.0 : std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
-}
-
-// Everything a rank trains with: the process groups, the data, the dedicated model, the optimizer.
-struct TrainRun {
-  Bootstrap boot;
-  int rank = 0, world = 1;
-  bool lead = true;
-  at::Device device = at::kCPU;
-  std::string text;
-  double baseline = 0;
-  bool use_muon = true;
-  std::shared_ptr<Mesh> mesh;
-  std::unique_ptr<Communicator> trainer;  // the run's own collectives (loss, checkpoint status, summary)
-  models::GPT model{nullptr};
-  std::unique_ptr<Muon> opt;
-  int first_step = 1;
-};
-
-// What the loop measured, per step (rank 0 logs the loss and writes the outputs).
-struct TrainLog {
-  std::vector<int64_t> steps_logged;
-  std::vector<double> losses, step_ms, fwd_ms, bwd_ms, ns_ms, adamw_ms, wait_ms, prep_ms;
-  std::vector<double> bytes_per_step, muon_bytes_per_step;
-  std::ostringstream csv;
-  std::chrono::steady_clock::time_point t_start;
-  double total_s = 0;
-};
-
 // collective: every rank (mesh, dedicate_params, the checkpoint it resumes from).
 TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   TrainRun r;
@@ -242,7 +176,9 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   opts.weight_decay = a.weight_decay;
   opts.ns_backend = a.ns_backend;
   opts.record_step_profile = true;
-  opts.first_step_progress_log = false;
+  // the first step's per-matrix NS lines (kernel, shape, time), rank 0's only, in the run's output
+  opts.first_step_progress_log = r.lead && r.use_muon;
+  opts.log = [&out](const std::string& line) { out << "  " << line << "\n"; };
   r.opt = std::make_unique<Muon>(r.model.ptr(), opts);
 
   if (r.lead) {
@@ -381,101 +317,6 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
   log.total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - log.t_start).count();
 }
 
-// collective: the per-rank figures are gathered; rank 0 writes summary.json and prints the summary.
-int report(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out) {
-  const int world = r.world, first_step = r.first_step;
-  const bool use_muon = r.use_muon;
-  const double baseline = r.baseline, total_s = log.total_s;
-  const auto& model = r.model;
-  const auto& losses = log.losses;
-  const auto &step_ms = log.step_ms, &fwd_ms = log.fwd_ms, &bwd_ms = log.bwd_ms, &ns_ms = log.ns_ms,
-             &adamw_ms = log.adamw_ms, &wait_ms = log.wait_ms, &prep_ms = log.prep_ms;
-
-  // NS load per rank: every rank's total NS milliseconds
-  auto gather = [&](double v, const char* what) {
-    at::Tensor all = at::zeros({world}, at::TensorOptions().dtype(at::kDouble).device(r.device));
-    at::Tensor mine = at::tensor({v}, at::kDouble).to(r.device);
-    r.trainer->allgather_flat(all, mine, what).wait();
-    return all.cpu();
-  };
-  at::Tensor ns_all = gather(std::accumulate(ns_ms.begin(), ns_ms.end(), 0.0), "NS load");
-  at::Tensor bytes_all = gather(mean(log.bytes_per_step), "bytes per step");
-  at::Tensor muon_all = gather(mean(log.muon_bytes_per_step), "Muon bytes per step");
-  if (!r.lead) return 0;
-
-  const ModelCommPlan plan = get_comm_plan(*model);
-  const size_t tail = std::min<size_t>(10, losses.size());
-  const double final_loss = std::accumulate(losses.end() - tail, losses.end(), 0.0) / static_cast<double>(tail);
-  const double ns_max = ns_all.max().item<double>(), ns_mean = ns_all.mean().item<double>();
-  const double measured_bytes = bytes_all.mean().item<double>();
-  // per rank: the shard-axis formula (over G ranks), plus on HSDP the replicate axis 2(R-1)/(G*R)*P_M
-  const double formula = use_muon ? plan.formula() : 0.0;
-  nlohmann::json s;
-  s["world_size"] = world;
-  s["process_group_backend"] = r.mesh->world().process_group()->getBackendName();
-  s["device"] = a.device;
-  s["optimizer"] = a.optimizer;
-  s["mode"] = a.mode;
-  s["steps"] = a.steps;
-  s["first_step"] = first_step;
-  s["global_batch"] = a.batch;
-  s["seq_len"] = a.seq_len;
-  s["model"] = {{"d_model", a.d_model}, {"layers", a.layers}, {"heads", a.heads},
-                {"params", [&] {
-                   int64_t n = 0;
-                   for (const auto& p : model->parameters()) n += p.numel();
-                   return n;
-                 }()}};
-  s["first_loss"] = losses.front();
-  s["final_loss"] = final_loss;
-  s["unigram_baseline"] = baseline;
-  s["below_baseline"] = final_loss < baseline;
-  s["seconds"] = total_s;
-  s["tokens_per_s"] = static_cast<double>(a.batch * a.seq_len * (a.steps - first_step + 1)) / total_s;
-  s["step_ms"] = {{"mean", mean(step_ms)}, {"forward", mean(fwd_ms)}, {"backward", mean(bwd_ms)},
-                  {"newton_schulz", mean(ns_ms)}, {"comm_wait", mean(wait_ms)}, {"grad_prepare", mean(prep_ms)},
-                  {"adamw", mean(adamw_ms)}};
-  s["bytes_per_step"] = {{"measured_mean_per_rank", measured_bytes},
-                         {"measured_per_rank", std::vector<double>(bytes_all.data_ptr<double>(),
-                                                                   bytes_all.data_ptr<double>() + world)},
-                         {"formula_per_rank", formula},
-                         {"note", "measured: dmuon's Muon broadcasts/reduces plus the AdamW all-reduces; formula: "
-                                  "Muon matrices only, 2(N-1)/N*P_M (Z2) or 3(N-1)/N*P_M (Z3)"}};
-  const double muon_measured = muon_all.mean().item<double>();
-  s["muon_bytes_per_step"] = {{"measured_mean_per_rank", muon_measured},
-                              {"formula", formula},
-                              {"measured_over_formula", formula > 0 ? muon_measured / formula : 0.0}};
-  s["ns_load_ms"] = {{"per_rank", std::vector<double>(ns_all.data_ptr<double>(), ns_all.data_ptr<double>() + world)},
-                     {"max", ns_max},
-                     {"mean", ns_mean},
-                     {"max_over_mean", ns_mean > 0 ? ns_max / ns_mean : 1.0}};
-  s["plan"] = {{"imbalance", plan.plan.imbalance()}, {"fingerprint", format_fingerprint(plan.plan.fingerprint)}};
-  write_outputs(a, r, log, true);
-  write_file_atomic(a.out + "/summary.json", s.dump(2) + "\n");
-
-  out << std::fixed << std::setprecision(3);
-  out << "\nsummary (" << world << " ranks, " << a.steps << " steps, " << std::setprecision(1) << total_s << " s)\n"
-      << std::setprecision(3) << "  loss            " << losses.front() << " -> " << final_loss
-      << " (mean of last " << tail << " steps); unigram baseline " << baseline
-      << (final_loss < baseline ? "  [below baseline]" : "  [NOT below baseline]") << "\n"
-      << std::setprecision(0) << "  tokens/s        " << s["tokens_per_s"].get<double>() << "\n"
-      << std::setprecision(1) << "  step ms         " << mean(step_ms) << " = forward " << mean(fwd_ms)
-      << " + backward " << mean(bwd_ms) << " + optimizer " << mean(prep_ms) + mean(ns_ms) + mean(adamw_ms)
-      << " (NS " << mean(ns_ms) << ", AdamW " << mean(adamw_ms) << ", grad wait " << mean(prep_ms) << ")"
-      << "; blocked on communication " << mean(wait_ms) << "\n";
-  if (use_muon) {
-    out << std::setprecision(0) << "  bytes/step/rank Muon " << muon_measured << " measured vs "
-        << (a.mode == "z3" ? "3" : "2") << "(G-1)/G*P_M" << (a.replicate > 1 ? " + 2(R-1)/(G*R)*P_M" : "")
-        << " = " << formula << " (ratio " << std::setprecision(4)
-        << (formula > 0 ? muon_measured / formula : 0.0) << std::setprecision(0) << "); all collectives "
-        << measured_bytes << "\n"
-        << std::setprecision(2) << "  NS load         max/mean " << (ns_mean > 0 ? ns_max / ns_mean : 1.0)
-        << " over ranks (plan imbalance " << plan.plan.imbalance() << ")\n";
-  }
-  out << "  outputs         " << a.out << "/metrics.csv, " << a.out << "/summary.json, " << a.out << "/loss.svg\n";
-  return 0;
-}
-
 int run_rank(const TrainArgs& a, std::ostream& out) {
   TrainRun r = setup_run(a, out);
   TrainLog log;
@@ -483,9 +324,10 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
   return report(a, r, log, out);
 }
 
-}  // namespace
+}  // namespace train
 
 int run_train_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+  using namespace train;
   CLI::App app{"dmuon train: a small GPT on real text with dedicated-ownership Muon", "dmuon train"};
   TrainArgs a;
   add_options(app, a);
