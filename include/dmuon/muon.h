@@ -156,6 +156,8 @@ class Muon : public torch::optim::Optimizer {
   MuonOptions options_;
   NewtonSchulz ns_;
   bool check_finite_ = true;  // the configured NsOptions::check_finite, applied once per step
+  std::map<const c10::TensorImpl*, size_t> group_of_;  // parameter -> index in param_groups_
+  size_t group_of_count_ = 0;                         // parameters grouped when group_of_ was built
   StepProfile last_profile_;
   int64_t steps_ = 0;
   int progress_logged_ = 0;

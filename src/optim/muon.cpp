@@ -272,15 +272,20 @@ at::Tensor Muon::step(LossClosure closure) {
   prof.prepare_ms = elapsed_ms(t_start);
   const std::vector<ReadyGrad> ready = state->take_ready_grads();
   if (check_finite_) check_finite_grads(ready, state->mesh().global_rank());
-  std::map<const c10::TensorImpl*, const MuonGroupOptions*> group_of;
-  for (const auto& group : param_groups_)
-    for (const auto& p : group.params())
-      group_of[p.unsafeGetTensorImpl()] = &static_cast<const MuonGroupOptions&>(group.options());
+  // which group each parameter is in (rebuilt when groups are added)
+  size_t grouped = 0;
+  for (const auto& group : param_groups_) grouped += group.params().size();
+  if (grouped != group_of_count_) {
+    group_of_.clear();
+    for (size_t gi = 0; gi < param_groups_.size(); ++gi)
+      for (const auto& p : param_groups_[gi].params()) group_of_[p.unsafeGetTensorImpl()] = gi;
+    group_of_count_ = grouped;
+  }
   const bool log_first = options_.first_step_progress_log && steps_ == 0;
   for (const ReadyGrad& r : ready) {
-    auto g = group_of.find(r.param.unsafeGetTensorImpl());
-    if (g == group_of.end()) continue;  // in no parameter group: not optimized
-    const MuonGroupOptions& o = *g->second;
+    auto g = group_of_.find(r.param.unsafeGetTensorImpl());
+    if (g == group_of_.end()) continue;  // in no parameter group: not optimized
+    const auto& o = static_cast<const MuonGroupOptions&>(param_groups_[g->second].options());
     const auto t0 = std::chrono::steady_clock::now();
     if (r.route == RouteKind::Dedicated && o.is_muon()) {
       muon_update(r, o, prof);

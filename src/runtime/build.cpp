@@ -19,7 +19,8 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<Mesh>
       ddp_(ddp),
       id_(detail::next_runtime_id()),
       dedicated_(std::make_unique<DedicatedRoute>(*this, ddp)),
-      sharded_(std::make_unique<ShardedRoute>(*this)) {}
+      sharded_(std::make_unique<ShardedRoute>(*this)),
+      routes_{dedicated_.get(), sharded_.get()} {}
 
 Runtime::~Runtime() = default;
 
@@ -107,6 +108,8 @@ void Runtime::add_replicated(double bucket_mb) {
               ". Must be > 0 (MiB per coalesced all-reduce).");
   auto route = std::make_unique<ReplicatedRoute>(*this, bucket_mb);
   replicated_ = route.get();
+  routes_.push_back(replicated_);
+  local_params_.reset();  // the replicated parameters leave the local set
   extra_routes_.push_back(std::move(route));
 }
 

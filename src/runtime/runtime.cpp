@@ -26,12 +26,6 @@ const char* route_name(RouteKind k) {
   return "?";
 }
 
-std::vector<Route*> Runtime::routes() const {
-  std::vector<Route*> out{dedicated_.get(), sharded_.get()};
-  for (const auto& r : extra_routes_) out.push_back(r.get());
-  return out;
-}
-
 Precision Runtime::precision_of(const at::Tensor& p) const {
   auto it = precision_.find(p.unsafeGetTensorImpl());
   return it != precision_.end() ? it->second : Precision::plain(p.scalar_type());
@@ -277,7 +271,7 @@ std::string Runtime::bypass_hint() const {
 void Runtime::prepare_grads() {
   std::lock_guard<std::recursive_mutex> g(mu_);
   at::NoGradGuard ng;
-  const auto rs = routes();
+  const auto& rs = routes();
   for (Route* r : rs) r->finish_reduces();
   // Which parameters got a gradient on some rank: every has-gradient flag of this rank's sums in
   // one device-to-host read per step (not one per parameter), in a fixed order.
@@ -294,17 +288,13 @@ std::vector<ReadyGrad> Runtime::take_ready_grads() {
   std::vector<ReadyGrad> out;
   for (Route* r : routes()) r->ready_grads(out);
   // parameters on no distributed route (a single rank without dmuon::replicate): their local gradient
-  std::set<const c10::TensorImpl*> skip;
-  for (const auto& e : dedicated_->entries()) skip.insert(e.param.unsafeGetTensorImpl());
-  for (const auto& e : sharded_->entries()) skip.insert(e.param.unsafeGetTensorImpl());
-  if (replicated_)
-    for (const auto& p : replicated_->params()) skip.insert(p.unsafeGetTensorImpl());
-  if (auto m = model_.lock())
-    for (const auto& item : m->named_parameters(true)) {
-      const at::Tensor& p = item.value();
-      if (!p.requires_grad() || !p.grad().defined() || skip.count(p.unsafeGetTensorImpl())) continue;
-      out.push_back(ready_grad(RouteKind::Local, item.key(), p, precision_of(p)));
-    }
+  if (!local_params_) {
+    local_params_.emplace();
+    for (const auto& v : describe())
+      if (v.route == RouteKind::Local) local_params_->emplace_back(v.name, v.param);
+  }
+  for (const auto& [name, p] : *local_params_)
+    if (p.grad().defined()) out.push_back(ready_grad(RouteKind::Local, name, p, precision_of(p)));
   return out;
 }
 
@@ -327,7 +317,7 @@ void Runtime::publish(bool async) {
 
 void Runtime::wait_publishes() {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  const auto rs = routes();
+  const auto& rs = routes();
   for (const auto& B : boundaries_)
     for (Route* r : rs) r->wait_unshard(B.index);
   for (Route* r : rs) r->wait_publishes();

@@ -137,7 +137,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   void issue_reduce(int b);
   void release(int b);
   void end_of_backward();
-  std::vector<Route*> routes() const;
+  const std::vector<Route*>& routes() const { return routes_; }
 
   std::weak_ptr<torch::nn::Module> model_;
   std::shared_ptr<Mesh> mesh_;
@@ -152,6 +152,9 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   std::unique_ptr<ShardedRoute> sharded_;
   std::vector<std::unique_ptr<Route>> extra_routes_;  // replicated (and future routes), in add order
   ReplicatedRoute* replicated_ = nullptr;
+  std::vector<Route*> routes_;                 // every route, in the order they are called
+  // trainable parameters on no distributed route (cached at the first take_ready_grads)
+  std::optional<std::vector<std::pair<std::string, at::Tensor>>> local_params_;
   // mixed precision: the resolved policy of every parameter dedicate_params cast or gave a master,
   // and the master copies this rank updates (owned Muon matrices: views into the packed master;
   // replicated parameters). A sharded_adamw parameter's master is its shard.
