@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -688,6 +689,93 @@ TEST(MeshTest, TwoDMesh2x2) { check_2d_mesh(2, 2); }
 TEST(MeshTest, TwoDMesh3x2) { check_2d_mesh(3, 2); }
 TEST(MeshTest, TwoDMesh2x3) { check_2d_mesh(2, 3); }
 TEST(MeshTest, TwoDMesh4x1) { check_2d_mesh(4, 1); }
+
+// world = R x G x T, TP innermost: global = (replicate * G + shard) * T + tp.
+void check_3d_mesh(int R, int G, int T) {
+  const int n = R * G * T;
+  SCOPED_TRACE("R=" + std::to_string(R) + " G=" + std::to_string(G) + " T=" + std::to_string(T));
+  testing::run_ranks(n, [&](testing::RankContext& ctx) {
+    MeshOptions mo;
+    mo.store = ctx.store;
+    mo.factory = process_group_factory(c10::DeviceType::CPU);
+    mo.replicate_size = R;
+    mo.tp_size = T;
+    mo.timeout = 60s;
+    auto mesh = Mesh::create(ctx.pg, mo);
+    const int g = ctx.rank, t = g % T, r = g / T / G, s = (g / T) % G;
+    EXPECT_EQ(mesh->world_size(), n);
+    EXPECT_EQ(mesh->shard_size(), G);
+    EXPECT_EQ(mesh->replicate_size(), R);
+    EXPECT_EQ(mesh->tp_size(), T);
+    EXPECT_EQ(mesh->has_tp(), T > 1);
+    EXPECT_EQ(mesh->data_parallel_size(), R * G);
+    EXPECT_EQ(mesh->shard_rank(), s);
+    EXPECT_EQ(mesh->replicate_rank(), r);
+    EXPECT_EQ(mesh->tp_rank(), t);
+    EXPECT_EQ(mesh->global_rank_of(s, r), g);
+    for (int rr = 0; rr < R; ++rr)
+      for (int ss = 0; ss < G; ++ss) EXPECT_EQ(mesh->global_rank_of(ss, rr), (rr * G + ss) * T + t);
+    EXPECT_EQ(mesh->shard().global_ranks(), iota_vec(G, r * G * T + t, T));
+    ASSERT_EQ(mesh->tp() != nullptr, T > 1);
+    ASSERT_EQ(mesh->replicate() != nullptr, R > 1);
+    const float gf = static_cast<float>(g);
+    // every group's sum of global ranks, from the closed form of its members
+    auto sum_of = [](const std::vector<int>& v) { return static_cast<float>(std::accumulate(v.begin(), v.end(), 0)); };
+    at::Tensor ts = at::full({4}, gf);
+    mesh->shard().allreduce(ts, Reduction::Sum, "shard sum").wait();
+    expect_tensor_eq(ts, at::full({4}, sum_of(iota_vec(G, r * G * T + t, T))), "shard sum");
+    if (R > 1) {
+      EXPECT_EQ(mesh->replicate()->global_ranks(), iota_vec(R, s * T + t, G * T));
+      at::Tensor tr = at::full({4}, gf);
+      mesh->replicate()->allreduce(tr, Reduction::Sum, "replicate sum").wait();
+      expect_tensor_eq(tr, at::full({4}, sum_of(iota_vec(R, s * T + t, G * T))), "replicate sum");
+    }
+    if (T > 1) {
+      const int base = (r * G + s) * T;
+      EXPECT_EQ(mesh->tp()->global_ranks(), iota_vec(T, base, 1));
+      EXPECT_EQ(mesh->tp()->name(), "dmuon/tp" + std::to_string(r * G + s));
+      at::Tensor tt = at::full({4}, gf);
+      mesh->tp()->allreduce(tt, Reduction::Sum, "tp sum").wait();
+      expect_tensor_eq(tt, at::full({4}, sum_of(iota_vec(T, base, 1))), "tp sum");
+      // a broadcast over TP from its last rank reaches exactly the TP group
+      at::Tensor tb = at::full({4}, gf);
+      mesh->tp()->broadcast(tb, T - 1, "tp bcast").wait();
+      expect_tensor_eq(tb, at::full({4}, static_cast<float>(base + T - 1)), "tp broadcast");
+    }
+    at::Tensor tw = at::full({4}, gf);
+    mesh->world().allreduce(tw, Reduction::Sum, "world sum").wait();
+    expect_tensor_eq(tw, at::full({4}, static_cast<float>(n * (n - 1) / 2)), "world sum");
+  });
+}
+
+TEST(MeshTest, ThreeDMesh1x2x2) { check_3d_mesh(1, 2, 2); }
+TEST(MeshTest, ThreeDMesh2x2x2) { check_3d_mesh(2, 2, 2); }
+TEST(MeshTest, ThreeDMesh1x3x2) { check_3d_mesh(1, 3, 2); }
+TEST(MeshTest, ThreeDMesh2x1x3) { check_3d_mesh(2, 1, 3); }
+
+TEST(MeshTest, TpSizeMustDivideWorld) {
+  testing::run_ranks(4, [&](testing::RankContext& ctx) {
+    for (int T : {3, 0, 8}) {
+      MeshOptions mo;
+      mo.store = ctx.store;
+      mo.factory = process_group_factory(c10::DeviceType::CPU);
+      mo.tp_size = T;
+      const std::string err = error_of([&] { Mesh::create(ctx.pg, mo); });
+      EXPECT_NE(err.find("rank " + std::to_string(ctx.rank) + ": tp_size " + std::to_string(T) +
+                         " does not divide the world size 4"),
+                std::string::npos)
+          << "T=" << T << ": " << err;
+    }
+    MeshOptions mo;
+    mo.store = ctx.store;
+    mo.factory = process_group_factory(c10::DeviceType::CPU);
+    mo.tp_size = 2;
+    mo.replicate_size = 4;  // 4 x 2 > 4 ranks
+    const std::string err = error_of([&] { Mesh::create(ctx.pg, mo); });
+    EXPECT_NE(err.find("replicate size 4 does not divide the world size 4 over the tp_size"), std::string::npos)
+        << err;
+  });
+}
 
 TEST(MeshTest, TwoDMeshClosedFormCounters3x2) {
   // Spot values of the per-rank bytes in check_2d_mesh for R=3, G=2 (n=6), S=24 bytes:

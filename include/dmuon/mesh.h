@@ -1,9 +1,13 @@
 // mesh.h -- the device mesh dmuon runs on: a shard axis of G ranks, optionally a replicate axis of
-// R groups (HSDP), built from one world group.
+// R groups (HSDP) and a tensor-parallel axis of T ranks (innermost: adjacent ranks share a TP
+// group), built from one world group. world = R x G x T.
 //
-//   global rank = replicate_rank * G + shard_rank
-//   shard group r     = { r*G + s : s in [0, G) }     (broadcasts, reduces, sharded AdamW)
-//   replicate group s = { r*G + s : r in [0, R) }     (HSDP stage-2 reduce, post-step publish)
+//   global rank = (replicate_rank * G + shard_rank) * T + tp_rank
+//   shard group (r, t)     = { (r*G + s)*T + t : s in [0, G) }  (broadcasts, reduces, sharded AdamW)
+//   replicate group (s, t) = { (r*G + s)*T + t : r in [0, R) }  (HSDP stage-2 reduce, post-step publish)
+//   tp group (r, s)        = { (r*G + s)*T + t : t in [0, T) }  (tensor parallelism)
+//
+// With T = 1 (the default) this is the 2-D / 1-D mesh: global rank = replicate_rank * G + shard_rank.
 //
 // Process-group policy: "isolated" (default; env DMUON_PROCESS_GROUP_POLICY) builds dmuon's own
 // groups over a PrefixStore so the trainer's own collectives on the world group can never interleave
@@ -34,7 +38,8 @@ struct MeshOptions {
   // streams (the post-step publish overlaps the next forward), the world/shard groups high-priority
   // ones (broadcasts and reduces sit on the critical path).
   ProcessGroupFactory replicate_factory;
-  int replicate_size = 1;            // R; world size must be a multiple of it
+  int replicate_size = 1;            // R; world size must be a multiple of R x T
+  int tp_size = 1;                   // T: tensor-parallel ranks per group (innermost axis)
   std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
   std::string tag = "dmuon";         // PrefixStore namespace of dmuon's groups
 };
@@ -51,16 +56,23 @@ class Mesh {
   int replicate_rank() const { return replicate_ ? replicate_->rank() : 0; }
   int replicate_size() const { return replicate_ ? replicate_->size() : 1; }
   bool is_2d() const { return replicate_size() > 1; }
+  int tp_rank() const { return tp_ ? tp_->rank() : 0; }
+  int tp_size() const { return tp_ ? tp_->size() : 1; }
+  bool has_tp() const { return tp_size() > 1; }
+  int data_parallel_size() const { return replicate_size() * shard_size(); }  // R x G
   const std::string& policy() const { return policy_; }
 
   Communicator& shard() { return *shard_; }
   Communicator* replicate() { return replicate_.get(); }  // null on a 1-D mesh
+  Communicator* tp() { return tp_.get(); }                // null without a tensor-parallel axis
   Communicator& world() { return *world_; }
   CommCounters& counters() { return *counters_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
-  // Global rank of slot (shard, replicate).
-  int global_rank_of(int shard, int replicate) const { return replicate * shard_size() + shard; }
+  // Global rank of slot (shard, replicate) on this rank's TP position.
+  int global_rank_of(int shard, int replicate) const {
+    return (replicate * shard_size() + shard) * tp_size() + tp_rank();
+  }
 
  private:
   Mesh() = default;
@@ -69,7 +81,7 @@ class Mesh {
   std::string policy_;
   std::chrono::milliseconds timeout_{kDefaultCollectiveTimeout};
   std::shared_ptr<CommCounters> counters_;
-  std::unique_ptr<Communicator> world_, shard_, replicate_;
+  std::unique_ptr<Communicator> world_, shard_, replicate_, tp_;
 };
 
 }  // namespace dmuon

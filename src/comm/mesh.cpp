@@ -28,13 +28,18 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
   TORCH_CHECK(policy == "isolated" || policy == "shared", "rank ", rank, ": unknown process_group_policy '", policy,
               "' (from ", opts.process_group_policy.empty() ? "DMUON_PROCESS_GROUP_POLICY" : "MeshOptions",
               "). Use \"isolated\" (dmuon's own groups, the default) or \"shared\" (the caller's group).");
-  const int R = opts.replicate_size;
-  TORCH_CHECK(R >= 1 && n % R == 0, "rank ", rank, ": replicate size ", R, " does not divide the world size ", n,
-              ". An HSDP mesh needs world = R x G; pick R among the divisors of ", n, ".");
-  const int G = n / R;
-  const bool need_groups = policy == "isolated" || R > 1;
+  const int R = opts.replicate_size, T = opts.tp_size;
+  TORCH_CHECK(T >= 1 && n % T == 0, "rank ", rank, ": tp_size ", T, " does not divide the world size ", n,
+              ". A mesh with tensor parallelism needs world = R x G x T; pick T among the divisors of ", n, ".");
+  TORCH_CHECK(R >= 1 && (n / T) % R == 0, "rank ", rank, ": replicate size ", R, " does not divide the world size ",
+              n, T > 1 ? " over the tp_size" : "", ". An HSDP mesh needs world = R x G", T > 1 ? " x T" : "",
+              "; pick R among the divisors of ", n / T, ".");
+  const int G = n / R / T;
+  const bool need_groups = policy == "isolated" || R > 1 || T > 1;
   TORCH_CHECK(!need_groups || (opts.store && opts.factory), "rank ", rank, ": ",
-              (R > 1 ? "a 2-D (replicate x shard) mesh" : "process_group_policy=\"isolated\""),
+              (T > 1   ? "a mesh with a tensor-parallel axis"
+               : R > 1 ? "a 2-D (replicate x shard) mesh"
+                       : "process_group_policy=\"isolated\""),
               " builds dmuon's own process groups and needs MeshOptions::store and MeshOptions::factory (see "
               "dmuon::process_group_factory in bootstrap.h), or use process_group_policy=\"shared\" on a 1-D mesh.");
 
@@ -62,17 +67,21 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
     CommPtr pg = factory(store, sub, static_cast<int>(ranks.size()), opts.timeout);
     return std::make_unique<Communicator>(pg, opts.tag + "/" + name, ranks, opts.timeout, mesh->counters_);
   };
-  // Same global order on every rank: world, then all shard groups, then all replicate groups
-  // (each rank builds only the groups it belongs to).
+  // Same global order on every rank: world, then all shard groups, then all replicate groups, then
+  // all TP groups (each rank builds only the groups it belongs to; groups of one kind are disjoint,
+  // so no rank waits on a group its peers build later).
   mesh->world_ = make("world", iota_ranks(n, 0, 1), opts.factory);
-  const int r = rank / G, s = rank % G;
-  if (R == 1) {
+  const int t = rank % T, rs = rank / T, r = rs / G, s = rs % G;
+  if (R == 1 && T == 1) {
     mesh->shard_ = std::make_unique<Communicator>(mesh->world_->process_group(), opts.tag + "/shard",
                                                   iota_ranks(n, 0, 1), opts.timeout, mesh->counters_);
   } else {
-    mesh->shard_ = make("shard" + std::to_string(r), iota_ranks(G, r * G, 1), opts.factory);
-    mesh->replicate_ = make("replicate" + std::to_string(s), iota_ranks(R, s, G),
-                            opts.replicate_factory ? opts.replicate_factory : opts.factory);
+    const std::string at_t = T > 1 ? "t" + std::to_string(t) : std::string();
+    mesh->shard_ = make("shard" + std::to_string(r) + at_t, iota_ranks(G, r * G * T + t, T), opts.factory);
+    if (R > 1)
+      mesh->replicate_ = make("replicate" + std::to_string(s) + at_t, iota_ranks(R, s * T + t, G * T),
+                              opts.replicate_factory ? opts.replicate_factory : opts.factory);
+    if (T > 1) mesh->tp_ = make("tp" + std::to_string(rs), iota_ranks(T, rs * T, 1), opts.factory);
   }
   // Every rank has built all of its groups before any rank goes on: a rank that finished first and
   // tore its groups down (an error, a short program) would otherwise close Gloo pairs a peer is

@@ -13,6 +13,10 @@ std::map<std::string, OwnerCoord> dedicate_impl(const std::shared_ptr<torch::nn:
                                                 const DedicateOptions& options, bool ddp) {
   TORCH_CHECK(model, "dedicate_params: the model is null.");
   TORCH_CHECK(mesh, "dedicate_params: the mesh is null; create one with dmuon::Mesh::create.");
+  TORCH_CHECK(!mesh->has_tp(), "rank ", mesh->global_rank(), ": dedicate_params: the mesh has a tensor-parallel axis "
+              "(tp_size ", mesh->tp_size(), "), and dmuon's tensor-parallel route (TP-sharded Muon matrices) is not "
+              "built yet, so gradients would be averaged over the wrong ranks. Create the mesh with tp_size = 1 "
+              "(MeshOptions::tp_size) for dedicate_params.");
   TORCH_CHECK(!detail::state_of_model(model.get()), "rank ", mesh->global_rank(),
               ": dedicate_params was already called on this model. Dedicate a model once; to change options, "
               "build a fresh model.");
