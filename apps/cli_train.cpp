@@ -58,7 +58,11 @@ void add_options(CLI::App& app, TrainArgs& a) {
   app.add_option("--device", a.device, "cpu (Gloo) or cuda (NCCL, one GPU per rank: cuda:LOCAL_RANK)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
-  app.add_option("--replicate", a.replicate, "HSDP: replicate groups R (ranks = R x shard size)")
+  app.add_option("--replicate", a.replicate, "HSDP: replicate groups R (ranks = R x shard size x tp)")
+      ->capture_default_str();
+  app.add_option("--tp", a.tp,
+                 "tensor parallelism: T ranks per TP group (ranks = R x G x T); q/k/v (by heads) and gate/up "
+                 "column-parallel, o and down row-parallel; the batch is split over the R x G data-parallel ranks")
       ->capture_default_str();
   app.add_flag("--shard-base", a.shard_base,
                "route the embedding, norms and head to sharded_adamw (1/N per rank) instead of replicating them");
@@ -86,17 +90,23 @@ void validate(const TrainArgs& a, int world) {
   if (world > 64) bad("--ranks " + std::to_string(world) + " is more than this local launcher supports (64)");
   if (a.steps < 1) bad("--steps must be >= 1 (got " + std::to_string(a.steps) + ")");
   if (a.batch < 1) bad("--batch must be >= 1 (got " + std::to_string(a.batch) + ")");
-  if (world > a.batch)
-    bad("--ranks " + std::to_string(world) + " is larger than the global batch --batch " + std::to_string(a.batch) +
-        ": every rank needs at least one sequence");
-  if (a.batch % world != 0)
+  if (a.tp < 1 || world % a.tp != 0)
+    bad("--tp " + std::to_string(a.tp) + " must divide the number of ranks " + std::to_string(world) +
+        " (ranks = replicate x shard x tp)");
+  const int dp = world / a.tp;  // data-parallel ranks: each TP group sees the same sequences
+  const std::string dp_what = a.tp > 1 ? " data-parallel ranks (--ranks / --tp)" : " ranks";
+  if (dp > a.batch)
+    bad((a.tp > 1 ? std::to_string(dp) + dp_what : "--ranks " + std::to_string(world)) +
+        " is larger than the global batch --batch " + std::to_string(a.batch) +
+        ": every data-parallel rank needs at least one sequence");
+  if (a.batch % dp != 0)
     bad("the global batch --batch " + std::to_string(a.batch) + " does not split evenly across " +
-        std::to_string(world) + " ranks; pick a batch that is a multiple of --ranks");
-  const int64_t per = a.batch / world;
+        std::to_string(dp) + dp_what + "; pick a batch that is a multiple of " + std::to_string(dp));
+  const int64_t per = a.batch / dp;
   if (a.grad_accum < 1) bad("--grad-accum must be >= 1 (got " + std::to_string(a.grad_accum) + ")");
   if (per % a.grad_accum != 0)
     bad("--grad-accum " + std::to_string(a.grad_accum) + " must divide the per-rank batch " + std::to_string(per) +
-        " (--batch " + std::to_string(a.batch) + " over " + std::to_string(world) + " ranks)");
+        " (--batch " + std::to_string(a.batch) + " over " + std::to_string(dp) + dp_what + ")");
   if (a.seq_len < 2) bad("--seq-len must be >= 2 (got " + std::to_string(a.seq_len) + ")");
   if (a.layers < 1) bad("--layers must be >= 1 (got " + std::to_string(a.layers) + ")");
   if (a.heads < 1) bad("--heads must be >= 1 (got " + std::to_string(a.heads) + ")");
@@ -105,8 +115,12 @@ void validate(const TrainArgs& a, int world) {
     bad("--d-model " + std::to_string(a.d_model) + " must be a multiple of --heads " + std::to_string(a.heads));
   if (a.log_every < 1) bad("--log-every must be >= 1 (got " + std::to_string(a.log_every) + ")");
   if (a.timeout_s <= 0) bad("--timeout must be > 0");
-  if (a.replicate < 1 || world % a.replicate != 0)
-    bad("--replicate " + std::to_string(a.replicate) + " must divide the number of ranks " + std::to_string(world));
+  if (a.replicate < 1 || dp % a.replicate != 0)
+    bad("--replicate " + std::to_string(a.replicate) + " must divide the number of data-parallel ranks " +
+        std::to_string(dp) + (a.tp > 1 ? " (--ranks / --tp)" : ""));
+  if (a.tp > 1 && a.heads % a.tp != 0)
+    bad("--tp " + std::to_string(a.tp) + " must divide --heads " + std::to_string(a.heads) +
+        " (q/k/v are split over the TP ranks by heads)");
   if (a.checkpoint_every < 0) bad("--checkpoint-every must be >= 0");
   if (a.checkpoint_every > 0 && a.checkpoint.empty()) bad("--checkpoint-every needs --checkpoint PATH");
   if (!a.resume.empty() && !std::filesystem::is_regular_file(a.resume))
@@ -151,6 +165,7 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   ms.store = r.boot.store;
   ms.device = dev_type;
   ms.replicate = a.replicate;
+  ms.tp = a.tp;
   ms.timeout = timeout;
   r.mesh = models::make_training_mesh(r.boot.world, ms);
   std::vector<int> ranks(static_cast<size_t>(r.world));
@@ -163,6 +178,7 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   gs.config.n_layers = a.layers;
   gs.config.n_heads = a.heads;
   gs.config.max_seq_len = a.seq_len;
+  if (a.tp > 1) gs.config.tp_mesh = r.mesh;
   gs.seed = static_cast<uint64_t>(a.seed);
   gs.device = r.device;
   gs.param_dtype = a.param_dtype;
@@ -184,8 +200,10 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   if (r.lead) {
     std::filesystem::create_directories(a.out);
     out << "dmuon train: " << r.world << " rank(s)"
-        << (a.replicate > 1 ? " (HSDP " + std::to_string(a.replicate) + " x " + std::to_string(r.world / a.replicate) + ")"
+        << (a.replicate > 1 ? " (HSDP " + std::to_string(a.replicate) + " x " +
+                                  std::to_string(r.world / a.replicate / a.tp) + ")"
                             : std::string())
+        << (a.tp > 1 ? " (tensor parallel " + std::to_string(a.tp) + ")" : std::string())
         << ", " << (r.use_muon ? "DMuon-" + std::string(a.mode == "z3" ? "Z3" : "Z2") : std::string("AdamW baseline"))
         << (a.param_dtype == "fp64"   ? ", fp64 throughout"
             : a.param_dtype != "fp32" ? ", " + a.param_dtype + " compute (fp32 masters)"
@@ -238,12 +256,14 @@ void write_outputs(const TrainArgs& a, const TrainRun& r, const TrainLog& log, b
 
 // collective: every rank, each step (forward/backward, step, the loss average, checkpoints).
 void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out) {
-  const int rank = r.rank, world = r.world, first_step = r.first_step;
+  const int rank = r.rank, first_step = r.first_step;
   const bool lead = r.lead;
   Mesh* mesh = r.mesh.get();
   Muon& opt = *r.opt;
   auto& model = r.model;
-  const int64_t per = a.batch / world, micro = per / a.grad_accum;
+  // the batch is split over the data-parallel ranks; the T ranks of a TP group take the same slice
+  const int dp_rank = mesh->replicate_rank() * mesh->shard_size() + mesh->shard_rank();
+  const int64_t per = a.batch / mesh->data_parallel_size(), micro = per / a.grad_accum;
   log.csv << "step,loss,lr,adamw_lr,step_ms,tokens_per_s,bytes\n";
   const bool tty = ::isatty(STDOUT_FILENO);
   log.t_start = std::chrono::steady_clock::now();
@@ -259,7 +279,7 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
     mesh->counters().reset();
     opt.zero_grad();
     const at::Tensor batch = sample_batch(r.text, a.batch, a.seq_len, a.seed, step).to(r.device);
-    const at::Tensor mine = batch.narrow(0, rank * per, per);
+    const at::Tensor mine = batch.narrow(0, dp_rank * per, per);
     double loss_sum = 0, f_ms = 0, b_ms = 0;
     for (int m = 0; m < a.grad_accum; ++m) {
       const auto tf = std::chrono::steady_clock::now();

@@ -40,6 +40,7 @@ struct TrainArgs {
   double timeout_s = 300;
   std::string device = "cpu";
   int replicate = 1;
+  int tp = 1;  // tensor-parallel ranks per group (ranks = R x G x T)
   bool shard_base = false;
   std::string param_dtype = "fp32";
   std::string checkpoint;       // write a checkpoint here (at the end, and every checkpoint_every steps)

@@ -94,7 +94,7 @@ constexpr int64_t kMaxCliSlots = int64_t{1} << 20;
 struct Args {
   std::string model_pos, model, hf_config, params_file;
   bool list_models = false;
-  int shard = 8, replicate = 1;
+  int shard = 8, replicate = 1, tp = 1;
   std::string strategy, cost_model, column_balance, pack;
   int max_owners = 0;
   bool max_owners_set = false;
@@ -129,6 +129,32 @@ std::string packing_mode(const OwnerPlan& plan) {
   return std::isinf(plan.pack_cap) ? "uncapped" : "capped";
 }
 
+// Tensor parallelism: the Megatron split of the Muon targets and the TP Newton-Schulz exchange per
+// step (gather + scatter of each split matrix's slices, a broadcast of each whole matrix's update, in
+// fp32: the optimizer dtype of the momentum-update input), per rank of the G x R x T grid.
+struct TpSummary {
+  int column = 0, row = 0, whole = 0;
+  double exchange_mean = 0, exchange_max = 0;
+};
+TpSummary tp_summary(const std::vector<ParamSpec>& local, const OwnerPlan& plan) {
+  TpSummary s;
+  const int T = plan.tp_size;
+  std::vector<double> per_rank(plan.tp_slot_cost.size(), 0.0);
+  for (size_t i = 0; i < local.size(); ++i) {
+    const ParamSpec& p = local[i];
+    (p.tp_split_dim == 0 ? s.column : p.tp_split_dim == 1 ? s.row : s.whole)++;
+    const size_t base = static_cast<size_t>(OwnerPlan::slot_index(plan.owners[i], plan.shard_size)) * T;
+    const double bytes = static_cast<double>(p.numel()) * 4 * (p.tp_split_dim >= 0 ? 2 : 1);
+    for (int t = 0; t < T; ++t)
+      if (t != plan.tp_owners[i]) per_rank[base + t] += bytes;
+  }
+  for (double b : per_rank) {
+    s.exchange_mean += b / static_cast<double>(per_rank.size());
+    s.exchange_max = std::max(s.exchange_max, b);
+  }
+  return s;
+}
+
 json packing_json(const OwnerPlan& plan) {
   const std::string mode = packing_mode(plan);
   return json{{"mode", mode},
@@ -158,6 +184,10 @@ json plan_json(const ModelSpec& model, const std::vector<ParamSpec>& params, con
                       {"boundary", default_boundary_of(p.name)},
                       {"unit", plan.unit_of_param[i]},
                       {"owner", owner_json(plan.owners[i])}});
+    if (plan.tp_size > 1) {
+      jp.back()["tp_split_dim"] = p.tp_split_dim;
+      jp.back()["tp_owner"] = plan.tp_owners[i];
+    }
   }
   j["params"] = std::move(jp);
   std::vector<std::string> others;
@@ -200,6 +230,19 @@ json plan_json(const ModelSpec& model, const std::vector<ParamSpec>& params, con
   j["imbalance"] = plan.imbalance();
   j["violations"] = plan.violations;
   j["fingerprint"] = format_fingerprint(plan.fingerprint);
+  if (plan.tp_size > 1) {
+    const TpSummary tp = tp_summary(params, plan);
+    j["tp"] = json{{"tp_size", plan.tp_size},
+                   {"num_slots", plan.tp_slot_cost.size()},
+                   {"column_parallel", tp.column},
+                   {"row_parallel", tp.row},
+                   {"whole", tp.whole},
+                   {"makespan", plan.tp_makespan},
+                   {"lower_bound", plan.tp_lower_bound},
+                   {"imbalance", plan.tp_imbalance()},
+                   {"exchange_bytes_per_rank_mean", tp.exchange_mean},
+                   {"exchange_bytes_per_rank_max", tp.exchange_max}};
+  }
 
   j["comm"] = comm_plan_json(comm);
   return j;
@@ -253,6 +296,17 @@ void print_report(std::ostream& out, const ModelSpec& model, const std::vector<P
   out << "  violations: " << (plan.violations.empty() ? "none" : "") << "\n";
   for (const std::string& v : plan.violations) out << "    - " << v << "\n";
   out << "  fingerprint " << format_fingerprint(plan.fingerprint) << "\n\n";
+  if (plan.tp_size > 1) {
+    const TpSummary tp = tp_summary(params, plan);
+    out << "tensor parallelism (T = " << plan.tp_size << ", Megatron layout; shapes below are TP slices)\n"
+        << "  split " << tp.column << " column-parallel + " << tp.row << " row-parallel matrices, " << tp.whole
+        << " whole on every TP rank\n"
+        << "  NS on the full matrix by a TP owner: " << plan.tp_slot_cost.size() << " slots (G x R x T), makespan "
+        << sci(plan.tp_makespan) << ", lower bound " << sci(plan.tp_lower_bound) << ", imbalance "
+        << fixed(plan.tp_imbalance()) << "\n"
+        << "  TP exchange per step (fp32 gather + scatter of slices, broadcast of whole updates): mean "
+        << human_bytes(tp.exchange_mean) << ", max " << human_bytes(tp.exchange_max) << " per rank\n\n";
+  }
 
   // Per-slot load: all slots when few, else the most and least loaded.
   std::vector<int> order(S);
@@ -344,6 +398,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   app.add_flag("--list-models", a.list_models, "List the presets and exit");
   app.add_option("-G,--shard", a.shard, "Shard ranks G (default 8)");
   app.add_option("-R,--replicate", a.replicate, "Replicate groups R (HSDP; default 1)");
+  app.add_option("-T,--tp", a.tp, "Tensor-parallel ranks T (Megatron split of q/k/v, gate/up, o, down; default 1)");
   app.add_option("--owner-strategy", a.strategy, "lpt (default) | round_robin | rank0");
   app.add_option("--owner-cost-model", a.cost_model, "optimizer (default) | numel");
   app.add_option("--hsdp-column-balance", a.column_balance, "true (default) | false");
@@ -397,12 +452,13 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   // A sane world size, checked before anything is loaded or planned: the report and the JSON
   // hold per-slot and per-rank tables, so a typo like -G 100000000 would otherwise take minutes
   // and gigabytes. 2^20 owner slots is far beyond any real cluster.
-  if (static_cast<int64_t>(a.shard) * a.replicate > kMaxCliSlots)
-    throw UsageError("--shard x --replicate = " +
-                     std::to_string(static_cast<int64_t>(a.shard) * a.replicate) +
+  if (a.tp < 1) throw UsageError("--tp must be >= 1, got " + std::to_string(a.tp));
+  if (static_cast<int64_t>(a.shard) * a.replicate * a.tp > kMaxCliSlots)
+    throw UsageError("--shard x --replicate x --tp = " +
+                     std::to_string(static_cast<int64_t>(a.shard) * a.replicate * a.tp) +
                      " owner slots, above the limit of " + std::to_string(kMaxCliSlots) +
                      " (no real cluster is that large and the per-rank tables would not fit); "
-                     "check --shard and --replicate");
+                     "check --shard, --replicate and --tp");
   if (a.max_owners_set && a.max_owners < 1)
     throw UsageError("--max-owners-per-group must be >= 1, got " + std::to_string(a.max_owners));
   if (a.pack_threshold < 0)
@@ -430,11 +486,15 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   MuonTargetSelector selector;
   selector.include = a.include;
   selector.exclude = a.exclude;
-  const std::vector<ParamSpec> params = select_muon_params(model, selector);
+  std::vector<ParamSpec> full = select_muon_params(model, selector);
+  for (auto& p : full) p.tp_split_dim = megatron_tp_split_dim(p, a.tp);
 
   const auto t0 = std::chrono::steady_clock::now();
-  const OwnerPlan plan = plan_owners(params, a.shard, a.replicate, opts);
+  const OwnerPlan plan = plan_owners_tp(full, a.shard, a.replicate, a.tp, opts);
   const auto t1 = std::chrono::steady_clock::now();
+  std::vector<ParamSpec> params = full;  // what each TP rank's DP routes hold: the slices
+  for (auto& p : params)
+    if (p.tp_split_dim >= 0) p.shape[static_cast<size_t>(p.tp_split_dim)] /= a.tp;
   const CommPlan comm = plan_comm(params, plan);
   const double ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
 

@@ -99,11 +99,15 @@ TEST(CliTest, TrainOnTwoRanksWritesLogPictureAndSummaryAndLossFalls) {
 }
 
 TEST(CliTest, SameDataAcrossRankCountsGivesTheSameLossCurve) {
-  const std::string o1 = temp_dir(), o2 = temp_dir();
+  const std::string o1 = temp_dir(), o2 = temp_dir(), o3 = temp_dir();
   // float64 end to end: the runs differ only by float64 reduction order (bound 1e-10 relative)
   const std::string common = "train --param-dtype fp64 --steps 5 --batch 4 --seq-len 16 --d-model 32 --layers 2 --out ";
   ASSERT_EQ(run(common + o1 + " --ranks 1").status, 0);
   ASSERT_EQ(run(common + o2 + " --ranks 2 --mode z2").status, 0);
+  // tensor parallelism: 2 data-parallel x 2 TP ranks see the same sequences and start from the same init
+  const Result tp = run(common + o3 + " --ranks 4 --tp 2");
+  ASSERT_EQ(tp.status, 0) << tp.output;
+  EXPECT_NE(tp.output.find("(tensor parallel 2)"), std::string::npos) << tp.output;
   auto losses = [](const std::string& dir) {
     std::ifstream csv(dir + "/metrics.csv");
     std::string line;
@@ -112,12 +116,15 @@ TEST(CliTest, SameDataAcrossRankCountsGivesTheSameLossCurve) {
     while (std::getline(csv, line)) v.push_back(std::stod(line.substr(line.find(',') + 1)));
     return v;
   };
-  const auto a = losses(o1), b = losses(o2);
+  const auto a = losses(o1), b = losses(o2), c = losses(o3);
   ASSERT_EQ(a.size(), 5u);
   ASSERT_EQ(b.size(), 5u);
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-10 * a[i]) << "step " << i + 1;
-  std::filesystem::remove_all(o1);
-  std::filesystem::remove_all(o2);
+  ASSERT_EQ(c.size(), 5u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_NEAR(a[i], b[i], 1e-10 * a[i]) << "step " << i + 1;
+    EXPECT_NEAR(a[i], c[i], 1e-10 * a[i]) << "step " << i + 1 << " (--tp 2)";
+  }
+  for (const auto& o : {o1, o2, o3}) std::filesystem::remove_all(o);
 }
 
 TEST(CliTest, HsdpWithShardedBaseParamsTrains) {

@@ -339,3 +339,76 @@ TEST_F(PlanToolTest, EmptySelectionStillPlans) {
 
 }  // namespace
 }  // namespace dmuon
+
+namespace dmuon {
+namespace {
+
+TEST(PlanToolTp, MegatronSplitAndTpOwnersOnLlama) {
+  const Result r = run({"llama3-8b", "-G", "8", "-T", "4", "--json"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const json j = json::parse(r.out);
+  ASSERT_TRUE(j.contains("tp"));
+  EXPECT_EQ(j["tp"]["tp_size"], 4);
+  EXPECT_EQ(j["tp"]["num_slots"], 32);
+  EXPECT_EQ(j["tp"]["column_parallel"], 32 * 5);  // q, k, v, gate, up per layer
+  EXPECT_EQ(j["tp"]["row_parallel"], 32 * 2);     // o, down
+  EXPECT_EQ(j["tp"]["whole"], 0);
+  EXPECT_GE(j["tp"]["imbalance"].get<double>(), 1.0);
+  std::vector<int> per_t(4, 0);
+  for (const auto& p : j["params"]) {
+    const std::string name = p["name"];
+    const int t = p["tp_owner"];
+    ASSERT_GE(t, 0);
+    ASSERT_LT(t, 4);
+    ++per_t[static_cast<size_t>(t)];
+    if (name == "model.layers.0.self_attn.k_proj.weight") {  // [1024, 4096] split by rows: a 256-row slice
+      EXPECT_EQ(p["tp_split_dim"], 0);
+      EXPECT_EQ(p["shape"], json::array({256, 4096}));
+    }
+    if (name == "model.layers.0.mlp.down_proj.weight") {  // [4096, 14336] split by columns
+      EXPECT_EQ(p["tp_split_dim"], 1);
+      EXPECT_EQ(p["shape"], json::array({4096, 3584}));
+    }
+  }
+  for (int n : per_t) EXPECT_GT(n, 0);  // every TP rank runs some full-matrix NS
+  // the text report names the TP section
+  const Result text = run({"llama3-8b", "-G", "8", "-T", "4"});
+  ASSERT_EQ(text.rc, 0);
+  EXPECT_NE(text.out.find("tensor parallelism (T = 4"), std::string::npos) << text.out;
+  ExpectOneLineError(run({"llama3-8b", "--tp", "0"}), "--tp must be >= 1");
+}
+
+ParamSpec spec(const std::string& name, std::vector<int64_t> shape) {
+  ParamSpec p;
+  p.name = name;
+  p.shape = std::move(shape);
+  return p;
+}
+
+TEST(PlanToolTp, SplitRuleAndTheTpPlan) {
+  const ParamSpec q = spec("model.layers.0.self_attn.q_proj.weight", {4096, 4096});
+  const ParamSpec o = spec("model.layers.0.self_attn.o_proj.weight", {4096, 4096});
+  const ParamSpec c = spec("transformer.h.0.attn.c_attn.weight", {768, 2304});
+  const ParamSpec odd = spec("model.layers.0.mlp.up_proj.weight", {10, 4});
+  EXPECT_EQ(megatron_tp_split_dim(q, 2), 0);
+  EXPECT_EQ(megatron_tp_split_dim(o, 2), 1);
+  EXPECT_EQ(megatron_tp_split_dim(c, 2), 1);
+  EXPECT_EQ(megatron_tp_split_dim(odd, 4), -1);  // 10 rows do not split into 4
+  EXPECT_EQ(megatron_tp_split_dim(q, 1), -1);
+  // T = 1 is plan_owners, fingerprint included
+  std::vector<ParamSpec> ps{q, o};
+  EXPECT_EQ(plan_owners_tp(ps, 2, 1, 1).fingerprint, plan_owners(ps, 2, 1).fingerprint);
+  ps[0].tp_split_dim = 0;
+  ps[1].tp_split_dim = 1;
+  const OwnerPlan tp = plan_owners_tp(ps, 1, 1, 2);
+  // one DP slot, two TP owners: the two equal matrices go to different TP ranks
+  EXPECT_NE(tp.tp_owners[0], tp.tp_owners[1]);
+  EXPECT_DOUBLE_EQ(tp.tp_imbalance(), 1.0);
+  EXPECT_NE(tp.fingerprint, plan_owners(ps, 1, 1).fingerprint);
+  ps[0].tp_split_dim = 1;
+  ps[0].shape = {4096, 4095};
+  EXPECT_THROW(plan_owners_tp(ps, 1, 1, 2), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace dmuon

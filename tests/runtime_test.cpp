@@ -614,21 +614,6 @@ TEST(RuntimeTest, DdpPathKeepsFullParamsAndMovesTwoPayloads) {
   });
 }
 
-TEST(RuntimeTest, ATensorParallelMeshIsAClearErrorUntilItsRouteExists) {
-  testing::run_ranks(4, [&](testing::RankContext& ctx) {
-    GPT m(small_config(2));
-    MeshOptions mo;
-    mo.store = ctx.store;
-    mo.factory = process_group_factory(c10::DeviceType::CPU);
-    mo.tp_size = 2;
-    auto mesh = Mesh::create(ctx.pg, mo);
-    const std::string err = error_of([&] { dedicate_params(m.ptr(), mesh, models::is_muon_matrix); });
-    if (err.find("rank " + std::to_string(ctx.rank) + ": dedicate_params: the mesh has a tensor-parallel axis "
-                 "(tp_size 2)") == std::string::npos)
-      throw std::runtime_error("unexpected message: " + err);
-  });
-}
-
 TEST(RuntimeTest, DdpPathRejectsA2DMesh) {
   testing::run_ranks(4, [&](testing::RankContext& ctx) {
     GPT m(small_config(2));

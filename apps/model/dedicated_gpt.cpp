@@ -14,6 +14,7 @@ std::shared_ptr<Mesh> make_training_mesh(const CommPtr& world, const MeshSetup& 
   mo.replicate_factory = process_group_factory(s.device, "127.0.0.1", StreamPriority::Normal);
   mo.timeout = s.timeout;
   mo.replicate_size = s.replicate;
+  mo.tp_size = s.tp;
   mo.tag = s.tag;
   return Mesh::create(world, mo);
 }
@@ -41,7 +42,10 @@ GPT make_dedicated_gpt(const std::shared_ptr<Mesh>& mesh, const DedicatedGptSetu
                   s.muon ? ParamPredicate(is_muon_matrix)
                          : ParamPredicate([](const std::string&, const at::Tensor&) { return false; }),
                   d);
-  replicate(model.ptr(), mesh);
+  if (s.config.tp_mesh)
+    replicate_tp(model.ptr(), mesh);
+  else
+    replicate(model.ptr(), mesh);
   return model;
 }
 

@@ -17,6 +17,7 @@ struct MeshSetup {
   StorePtr store;
   c10::DeviceType device = c10::DeviceType::CPU;
   int replicate = 1;                                   // HSDP replicate groups (1: a 1-D mesh)
+  int tp = 1;                                          // tensor-parallel ranks per group
   std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
   std::string tag = "dmuon";                           // several meshes over one store need distinct tags
 };
@@ -33,7 +34,8 @@ struct DedicatedGptSetup {
   bool shard_base = false;             // non-matrix parameters on sharded_adamw
   std::optional<bool> pack_small_params;
 };
-// A GPT built from `setup`, dedicated on `mesh` (matrices of the blocks on Muon) and replicated.
+// A GPT built from `setup`, dedicated on `mesh` (matrices of the blocks on Muon) and replicated
+// (replicate_tp when the config has a TP mesh).
 // collective: every rank of the mesh.
 GPT make_dedicated_gpt(const std::shared_ptr<Mesh>& mesh, const DedicatedGptSetup& setup);
 

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <map>
 
 #include "dmuon/dedicate.h"
 
@@ -30,23 +31,45 @@ torch::nn::Linear linear(int64_t in, int64_t out) {
 }
 }  // namespace
 
-BlockImpl::BlockImpl(const GPTConfig& cfg) : n_heads_(cfg.n_heads) {
+at::Tensor Projection::operator()(const at::Tensor& x) {
+  if (!plain.is_empty()) return plain(x);
+  return !column.is_empty() ? column(x) : row(x);
+}
+
+BlockImpl::BlockImpl(const GPTConfig& cfg)
+    : n_heads_(cfg.n_heads / cfg.tp_size()), head_dim_(cfg.d_model / cfg.n_heads) {
   TORCH_CHECK(cfg.d_model % cfg.n_heads == 0, "GPT: d_model ", cfg.d_model, " is not divisible by n_heads ",
               cfg.n_heads);
+  const int tp = cfg.tp_size();
+  TORCH_CHECK(cfg.n_heads % tp == 0, "GPT: n_heads ", cfg.n_heads, " is not divisible by the mesh's tp_size ", tp,
+              "; q/k/v are split over the TP ranks by heads. Pick a tp_size that divides ", cfg.n_heads, ".");
   const int64_t d = cfg.d_model, f = cfg.ffn_dim();
+  // registered in the single-process order, so a TP model draws the same random numbers
+  auto proj = [&](const char* name, int64_t in, int64_t out, bool column) {
+    Projection p;
+    if (tp == 1)
+      p.plain = register_module(name, linear(in, out));
+    else if (column)
+      p.column = register_module(name, ColumnParallelLinear(ParallelLinearOptions(in, out), cfg.tp_mesh));
+    else
+      p.row = register_module(name, RowParallelLinear(ParallelLinearOptions(in, out), cfg.tp_mesh));
+    return p;
+  };
   attn_norm = register_module("attn_norm", RMSNorm(d, cfg.norm_eps));
-  q_proj = register_module("q_proj", linear(d, d));
-  k_proj = register_module("k_proj", linear(d, d));
-  v_proj = register_module("v_proj", linear(d, d));
-  o_proj = register_module("o_proj", linear(d, d));
+  q_proj = proj("q_proj", d, d, true);
+  k_proj = proj("k_proj", d, d, true);
+  v_proj = proj("v_proj", d, d, true);
+  o_proj = proj("o_proj", d, d, false);
   mlp_norm = register_module("mlp_norm", RMSNorm(d, cfg.norm_eps));
-  gate_proj = register_module("gate_proj", linear(d, f));
-  up_proj = register_module("up_proj", linear(d, f));
-  down_proj = register_module("down_proj", linear(f, d));
+  gate_proj = proj("gate_proj", d, f, true);
+  up_proj = proj("up_proj", d, f, true);
+  down_proj = proj("down_proj", f, d, false);
 }
 
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
-  const int64_t B = x.size(0), T = x.size(1), D = x.size(2), H = n_heads_, Dh = D / H;
+  // TP: this rank's heads (H of n_heads), a D / tp slice of the attention output
+  const int64_t B = x.size(0), T = x.size(1), H = n_heads_, Dh = head_dim_;
+  const int64_t D = H * Dh;
   at::Tensor h = attn_norm(x);
   auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, Dh}).transpose(1, 2); };
   at::Tensor q = heads(q_proj(h)), k = heads(k_proj(h)), v = heads(v_proj(h));
@@ -68,11 +91,20 @@ GPTImpl::GPTImpl(const GPTConfig& cfg) : cfg_(cfg) {
   }
   final_norm = register_module("final_norm", RMSNorm(cfg.d_model, cfg.norm_eps));
   head = register_module("head", linear(cfg.d_model, cfg.vocab_size));
-  // GPT-2 style init: small normal weights.
+  // GPT-2 style init: small normal weights (TP slices: the slice of the full draw).
   at::NoGradGuard ng;
+  const std::map<std::string, int> split = tp_split_dims(*this);
   for (auto& p : named_parameters(true)) {
     if (p.key().find("norm") != std::string::npos) continue;
-    p.value().normal_(0.0, 0.02);
+    auto it = split.find(p.key());
+    if (it == split.end()) {
+      p.value().normal_(0.0, 0.02);
+      continue;
+    }
+    std::vector<int64_t> full = p.value().sizes().vec();
+    full[static_cast<size_t>(it->second)] *= cfg.tp_size();
+    p.value().copy_(tp_slice(at::empty(full, p.value().options()).normal_(0.0, 0.02), it->second,
+                             cfg.tp_mesh->tp_rank(), cfg.tp_size()));
   }
   frozen_blocks.assign(static_cast<size_t>(cfg.n_layers), false);
 }

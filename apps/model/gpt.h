@@ -2,6 +2,11 @@
 // (RMSNorm, causal attention with q/k/v/o projections, gated MLP with gate/up/down), final RMSNorm
 // and an LM head. Each block runs through dmuon::forward, so it is a dmuon hook boundary once the
 // model is dedicated (and a plain call otherwise).
+//
+// Tensor parallelism (GPTConfig::tp_mesh with tp_size T > 1): q/k/v (by heads) and gate/up are
+// column-parallel, o and down row-parallel (Megatron); the embedding, norms and head stay whole.
+// Parameter names are the same as without TP; the split ones hold this TP rank's slice, and their
+// initial values are the slices of the single-process initialisation.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,8 +17,11 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "dmuon/tensor_parallel.h"
 
 namespace dmuon::models {
 
@@ -25,7 +33,18 @@ struct GPTConfig {
   int64_t d_ff = 0;  // 0: round(8/3 * d_model) up to a multiple of 8
   int64_t max_seq_len = 128;
   double norm_eps = 1e-6;
+  std::shared_ptr<Mesh> tp_mesh;  // tensor-parallel projections over its TP axis (null: none)
   int64_t ffn_dim() const;
+  int tp_size() const { return tp_mesh ? tp_mesh->tp_size() : 1; }
+};
+
+// A block's projection: a plain Linear, or (on a TP mesh) its column- or row-parallel form, under the
+// same parameter name.
+struct Projection {
+  torch::nn::Linear plain{nullptr};
+  ColumnParallelLinear column{nullptr};
+  RowParallelLinear row{nullptr};
+  at::Tensor operator()(const at::Tensor& x);
 };
 
 class RMSNormImpl : public torch::nn::Module {
@@ -44,11 +63,12 @@ class BlockImpl : public torch::nn::Module {
   BlockImpl(const GPTConfig& cfg);
   at::Tensor forward(const at::Tensor& x);
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
-  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  Projection q_proj, k_proj, v_proj, o_proj;
+  Projection gate_proj, up_proj, down_proj;
 
  private:
-  int64_t n_heads_;
+  int64_t n_heads_;  // on this TP rank
+  int64_t head_dim_;
 };
 TORCH_MODULE(Block);
 

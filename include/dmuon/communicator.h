@@ -10,7 +10,8 @@
 //
 // Byte convention (per rank, what crosses this rank's link): broadcast and reduce of S bytes cost S
 // on every rank except the root; all-reduce 2(N-1)/N*S; all-gather and reduce-scatter of a total S
-// (N-1)/N*S; scatter of a total S from the root S/N on every other rank. A group of one costs nothing
+// (N-1)/N*S; scatter of a total S from the root S/N on every other rank, gather of a total S to the
+// root the same. A group of one costs nothing
 // and issues nothing.
 #pragma once
 
@@ -29,7 +30,7 @@
 
 namespace dmuon {
 
-enum class CommOp : int { Broadcast = 0, Reduce, AllReduce, AllGather, ReduceScatter, Scatter, Barrier, kCount };
+enum class CommOp : int { Broadcast = 0, Reduce, AllReduce, AllGather, ReduceScatter, Scatter, Barrier, Gather, kCount };
 const char* comm_op_name(CommOp op);
 
 enum class Reduction { Sum, Avg };
@@ -106,6 +107,10 @@ class Communicator {
   // out: in.numel() / size() elements; rank i receives the root's chunk i of `in` (only the root's
   // `in` is read). Costs out bytes on every non-root rank.
   Pending scatter_flat(at::Tensor out, at::Tensor in, int root, std::string what);
+  // The inverse of scatter_flat: on `root`, out (size() * in.numel() elements) receives rank i's `in`
+  // at offset i*in.numel(); other ranks' `out` is not touched (pass an empty tensor). Costs in bytes on
+  // every non-root rank.
+  Pending gather_flat(at::Tensor out, at::Tensor in, int root, std::string what);
   // collective: blocking barrier with this group's timeout.
   void barrier(const std::string& what);
 

@@ -130,6 +130,12 @@ struct DedicatedParam {
   // The owner's master copy when param_policy gives the matrix one (e.g. fp32 for a bf16 parameter):
   // the value the optimizer updates; undefined elsewhere.
   at::Tensor master;
+  // Tensor parallelism (a mesh with tp_size T > 1): `shape` is this TP rank's slice; the split
+  // dimension (-1: the matrix is whole and identical on every TP rank), the full logical shape, and
+  // the TP owner: the TP rank of the owner's TP group that runs Newton-Schulz on the full matrix.
+  int tp_split_dim = -1;
+  int tp_owner = -1;
+  std::vector<int64_t> full_shape;
 };
 
 class Runtime;  // the runtime attached to a dedicated model (see src/runtime/runtime.h)
@@ -145,6 +151,17 @@ class Runtime;  // the runtime attached to a dedicated model (see src/runtime/ru
 // group to the holder, then replicate group to the global owner; net divisor G*R); only the global
 // owner runs Newton-Schulz; step() publishes the update over the replicate group, asynchronously by
 // default (each boundary's next forward waits for its own publish; MuonOptions::replicate_async).
+// Tensor parallelism (a mesh with tp_size T > 1, world = R x G x T): parameters of TP modules
+// (tensor_parallel.h) are this TP rank's slices. Each TP position t trains its slices over its own
+// R x G data-parallel ranks exactly as above, with the same owner (shard, replicate) on every TP
+// position. A dedicated matrix also has a TP owner (the plan balances them over T; part of the
+// fingerprint): in step(), the T owners of a split matrix gather its momentum-update input to the TP
+// owner, which runs Newton-Schulz on the full matrix and scatters the slices of the update back (or,
+// with MuonOptions::tp_distributed_gram, all-reduce only the Gram matrix); a whole matrix is
+// orthogonalised by its TP owner alone and the update broadcast to the others. The scatter is
+// asynchronous (MuonOptions::replicate_async / DedicateOptions::replicate_async, default true): each
+// holder applies its slice of the update before its boundary's next unshard; read the weights outside
+// the step cycle after wait_all_post_step_broadcasts(model).
 // collective: all ranks of the mesh, same order (exchanges plan fingerprints, broadcasts the
 // owners' initial values so every rank starts from the owner's copy).
 std::map<std::string, OwnerCoord> dedicate_params(const std::shared_ptr<torch::nn::Module>& model,
@@ -161,6 +178,14 @@ std::map<std::string, OwnerCoord> dedicate_params_ddp(const std::shared_ptr<torc
                                                       const std::shared_ptr<Mesh>& mesh,
                                                       const ParamPredicate& predicate,
                                                       const DedicateOptions& options = {});
+
+// The DDP path with tensor parallelism: a data-parallel x TP mesh (no replicate axis). Each TP
+// position runs dedicate_params_ddp over its data-parallel ranks; split matrices are orthogonalised
+// whole as in dedicate_params. Pair it with replicate_tp. collective: all ranks of the mesh.
+std::map<std::string, OwnerCoord> dedicate_params_ddp_tp(const std::shared_ptr<torch::nn::Module>& model,
+                                                         const std::shared_ptr<Mesh>& mesh,
+                                                         const ParamPredicate& predicate,
+                                                         const DedicateOptions& options = {});
 
 // Post-step publish of the owners' updated matrices (DDP path; a no-op for dedicate_params on a
 // 1-D mesh, where the next forward broadcasts). The sync form waits; the async form returns at
@@ -198,8 +223,25 @@ class NoSync {
 // over the mesh at the end of backward, coalesced into few all-reduces (buckets of
 // `bucket_mb` MiB). Call after dedicate_params.
 // collective: all ranks (broadcasts rank 0's initial values so replicas start identical).
+// On a mesh with a TP axis the gradients are averaged over the R x G data-parallel ranks of each TP
+// position (whole parameters are then identical on every TP rank: their gradients are). Parameters
+// that are TP slices (e.g. a column-parallel bias) are refused here: use replicate_tp.
 void replicate(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh,
                double bucket_mb = 25.0);
+// replicate that also takes TP-split parameters: each TP rank's slice is averaged over its
+// data-parallel ranks. collective: all ranks.
+void replicate_tp(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh,
+                  double bucket_mb = 25.0);
+
+// What replicate / replicate_tp attached to a model (nullopt when neither was called).
+struct ReplicatedGroup {
+  std::vector<std::string> names;  // the replicated parameters, model order
+  std::vector<int> tp_split_dims;  // per parameter: its TP split dimension, -1 when whole
+  int num_buckets = 0;             // coalesced all-reduces per backward
+  int group_size = 1;              // ranks each gradient is averaged over (R x G)
+  bool tp = false;                 // attached by replicate_tp
+};
+std::optional<ReplicatedGroup> get_replicated_group(const torch::nn::Module& model);
 
 // Runs `module` as a hook boundary when dmuon registered it as one (otherwise a plain call).
 // collective: every rank runs the same boundaries in the same order (forward broadcasts and

@@ -13,3 +13,4 @@
 #include "dmuon/newton_schulz.h"
 #include "dmuon/owner_plan.h"
 #include "dmuon/process_group.h"
+#include "dmuon/tensor_parallel.h"

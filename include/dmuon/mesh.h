@@ -6,6 +6,7 @@
 //   shard group (r, t)     = { (r*G + s)*T + t : s in [0, G) }  (broadcasts, reduces, sharded AdamW)
 //   replicate group (s, t) = { (r*G + s)*T + t : r in [0, R) }  (HSDP stage-2 reduce, post-step publish)
 //   tp group (r, s)        = { (r*G + s)*T + t : t in [0, T) }  (tensor parallelism)
+//   dp group (t)           = { (r*G + s)*T + t : r, s }          (replicated parameters; the world when T = 1)
 //
 // With T = 1 (the default) this is the 2-D / 1-D mesh: global rank = replicate_rank * G + shard_rank.
 //
@@ -66,6 +67,8 @@ class Mesh {
   Communicator* replicate() { return replicate_.get(); }  // null on a 1-D mesh
   Communicator* tp() { return tp_.get(); }                // null without a tensor-parallel axis
   Communicator& world() { return *world_; }
+  // The R x G data-parallel ranks of this rank's TP position (the world group when T = 1).
+  Communicator& dp() { return dp_ ? *dp_ : *world_; }
   CommCounters& counters() { return *counters_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
@@ -81,7 +84,7 @@ class Mesh {
   std::string policy_;
   std::chrono::milliseconds timeout_{kDefaultCollectiveTimeout};
   std::shared_ptr<CommCounters> counters_;
-  std::unique_ptr<Communicator> world_, shard_, replicate_, tp_;
+  std::unique_ptr<Communicator> world_, shard_, replicate_, tp_, dp_;
 };
 
 }  // namespace dmuon

@@ -81,4 +81,13 @@ bool is_muon_target(const ParamSpec& p, const MuonTargetSelector& selector = {})
 std::vector<ParamSpec> select_muon_params(const ModelSpec& model,
                                           const MuonTargetSelector& selector = {});
 
+// ---- tensor parallelism (Megatron layout) ---------------------------------------------------
+// The dimension a Megatron-style TP layout splits over tp_size ranks, from the module name (the
+// name component before ".weight"): column-parallel q/k/v_proj, gate/up_proj, w1/w3, qkv, fc1,
+// q_b_proj, kv_b_proj, query/key/value -> 0 (output features of [out, in]); row-parallel o_proj,
+// down_proj, w2, proj, fc2, out_proj, dense -> 1; GPT-2's Conv1D ([in, out]) c_attn, c_fc -> 1 and
+// c_proj -> 0. -1 (whole on every TP rank) for anything else, a non-2-D parameter, tp_size 1, or a
+// split dimension not divisible by tp_size.
+int megatron_tp_split_dim(const ParamSpec& p, int tp_size);
+
 }  // namespace dmuon

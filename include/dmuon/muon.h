@@ -6,7 +6,9 @@
 //   u    = g + mu * buf   (Nesterov, default)   |   u = buf
 //   W   <- W * (1 - lr * wd)
 //   W   <- W - lr * 0.2 * sqrt(max(rows, cols)) * NS(u)
-// Only the owner runs this. AdamW (decoupled weight decay, bias-corrected, PyTorch's formula) updates
+// Only the owner runs this (tensor parallelism: the T owners of a split matrix's slices, one TP
+// group, orthogonalise the full matrix together -- see tp_distributed_gram -- and rows/cols are the
+// full matrix's). AdamW (decoupled weight decay, bias-corrected, PyTorch's formula) updates
 // every other trainable parameter identically on every rank (sharded_adamw: each rank its slice).
 //
 // Contract: step() is collective -- every rank of the mesh calls it, in the same order relative to
@@ -39,6 +41,8 @@
 
 namespace dmuon {
 
+class Mesh;
+struct TpUpdate;   // a TP update in flight (src/optim/tp_newton_schulz.h)
 struct ReadyGrad;  // a gradient the runtime hands to the optimizer (src/runtime/route.h)
 
 // Options of one lowered parameter group.
@@ -105,6 +109,17 @@ struct MuonOptions {
   bool first_step_progress_log = false;
   int first_step_progress_log_limit = 8;
   std::function<void(const std::string&)> log;
+  // Tensor parallelism: how the T owners of a TP-split matrix orthogonalise it. false (default):
+  // gather the momentum-update input to the TP owner, Newton-Schulz on the full matrix there,
+  // scatter the update's slices back. true: the column-sharded Gram form (one all-reduce of the
+  // small Gram matrix per NS window, factors applied locally; every TP rank computes its own slice)
+  // where the split runs along the matrix's long side, chosen per matrix by the policy:
+  // "beneficial" uses it when (windows * m^2) / (rows * cols) <= the ratio below (m = min(rows,
+  // cols): the factor payload over the full-scatter payload), "always" wherever it applies.
+  // Both give Newton-Schulz of the full matrix.
+  bool tp_distributed_gram = false;
+  std::string tp_distributed_gram_policy = "beneficial";
+  double tp_distributed_gram_max_factor_to_scatter_ratio = 0.5;
 };
 
 // Wall-clock split of the last step (milliseconds), when record_step_profile is on.
@@ -115,6 +130,8 @@ struct StepProfile {
   double adamw_ms = 0;
   double total_ms = 0;
   int owned_updates = 0;   // matrices this rank updated
+  int tp_gathered = 0;     // TP-split matrices orthogonalised by gather / NS on the TP owner / scatter
+  int tp_distributed = 0;  // TP-split matrices orthogonalised by the distributed Gram form
   double ns_flops = 0;     // plain-GEMM FLOP estimate of this rank's NS work
   bool valid = false;
 };
@@ -145,7 +162,10 @@ class Muon : public torch::optim::Optimizer {
  private:
   // Muon on an owned matrix: momentum, Newton-Schulz, update of its target (the master copy under
   // mixed precision, rounded into the parameter).
-  void muon_update(const ReadyGrad& r, const MuonGroupOptions& o, StepProfile& prof);
+  // TP: the T owners of a matrix orthogonalise it together over mesh.tp() (collective); the gather
+  // form's updates are queued in `tp_pending` and finished by step().
+  void muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh, StepProfile& prof,
+                   std::vector<TpUpdate>& tp_pending);
   // AdamW on `target` with gradient `g`; state (in `state_dtype`) keyed by `key` (the module
   // parameter; the target is its master copy or, for sharded_adamw, this rank's shard).
   void adamw_update(at::Tensor& target, const at::Tensor& g, const at::Tensor& key, at::ScalarType state_dtype,

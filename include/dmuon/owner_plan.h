@@ -24,6 +24,9 @@ struct ParamSpec {
   int64_t elem_bytes = 4;       // bytes per element of the published tensor (bf16 = 2, fp32 = 4)
   std::string group_key;        // optional assignment group key; empty = derive from the name
   std::string route;            // optional route label ("muon", "adamw", ...); informational here
+  // Tensor parallelism (plan_owners_tp): the dimension of `shape` split over the T TP ranks, -1 when
+  // the matrix is whole (and identical) on every TP rank.
+  int tp_split_dim = -1;
 
   int64_t numel() const;
   int64_t bytes() const { return numel() * elem_bytes; }
@@ -171,6 +174,16 @@ struct OwnerPlan {
   double pack_cap = 0;
   int packed_units = 0;
   double largest_param_cost = 0;     // the largest single parameter's cost
+
+  // ---- tensor parallelism (plan_owners_tp; T = 1 otherwise) ----
+  // Slot grid G x R x T: the DP slot (shard, replicate) above and a TP owner t that runs Newton-Schulz
+  // on the full matrix. tp_slot_cost is indexed slot_index * T + t and holds the full-matrix costs.
+  int tp_size = 1;
+  std::vector<int> tp_owners;        // per input parameter, in [0, T)
+  std::vector<double> tp_slot_cost;  // G*R*T entries
+  double tp_makespan = 0;            // max over tp_slot_cost
+  double tp_lower_bound = 0;         // max(total full cost / (G*R*T), largest full cost)
+  double tp_imbalance() const { return tp_lower_bound > 0 ? tp_makespan / tp_lower_bound : 1.0; }
 };
 
 // The assignment group of a parameter: its group_key, else layer_key_of(name), else its own name.
@@ -188,6 +201,16 @@ std::string format_fingerprint(uint64_t fingerprint);
 // gives a plan with G*R empty slots.
 OwnerPlan plan_owners(const std::vector<ParamSpec>& params, int shard_size, int replicate_size,
                       const PlanOptions& opts = {});
+
+// Plan owners on a G x R x T grid (tensor parallelism). `params` carry their full logical shapes and
+// tp_split_dim. The DP plan (owners, units, slots, makespan, ...) is plan_owners of the TP-local
+// shapes (split dimension / T: what each TP rank's DP route holds, reduces and broadcasts); then,
+// per DP slot, its parameters go to TP owners by LPT on the full-matrix cost (decreasing cost, ties
+// by parameter index; each to the least loaded t, ties lower t). With T = 1 the result equals
+// plan_owners (fingerprint included). Throws std::invalid_argument for T < 1, a split dimension out
+// of range, or one not divisible by T (naming the parameter).
+OwnerPlan plan_owners_tp(const std::vector<ParamSpec>& params, int shard_size, int replicate_size, int tp_size,
+                         const PlanOptions& opts = {});
 
 // ---- communication plan (what summarize_comm_plan reports) --------------------------------
 // Byte convention (the one comm/ measures): a broadcast or reduce of S bytes costs S for every

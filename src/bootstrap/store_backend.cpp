@@ -139,6 +139,26 @@ class StoreBackend : public CommBase {
     });
   }
 
+  WorkPtr gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                 const c10d::GatherOptions& opts) override {
+    check_one(inputs, "gather");
+    const int root = static_cast<int>(opts.rootRank);
+    std::vector<at::Tensor> outs;
+    if (getRank() == root) {
+      TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == getSize(),
+                  "dmuon-store gather: the root needs one list of ", getSize(), " output tensors");
+      outs = outputs[0];
+    }
+    at::Tensor in = inputs[0];
+    return enqueue([this, outs, in, root]() mutable {
+      const auto all = exchange(getRank() == root ? Bytes() : bytes_of(in));
+      if (getRank() != root) return;
+      for (int r = 0; r < getSize(); ++r)
+        if (r == root) outs[static_cast<size_t>(r)].copy_(in.reshape(outs[static_cast<size_t>(r)].sizes()));
+        else assign(outs[static_cast<size_t>(r)], all[static_cast<size_t>(r)]);
+    });
+  }
+
   WorkPtr barrier(const c10d::BarrierOptions&) override {
     return enqueue([this] { (void)exchange({}); });
   }

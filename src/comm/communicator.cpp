@@ -16,6 +16,7 @@ const char* comm_op_name(CommOp op) {
     case CommOp::ReduceScatter: return "reduce_scatter";
     case CommOp::Scatter: return "scatter";
     case CommOp::Barrier: return "barrier";
+    case CommOp::Gather: return "gather";
     default: return "?";
   }
 }
@@ -326,6 +327,32 @@ Pending Communicator::scatter_flat(at::Tensor out_in, at::Tensor in_in, int root
     o.rootRank = root;
     o.timeout = timeout_;
     return pg_->scatter(outs, ins, o);
+  }, nullptr);
+}
+
+Pending Communicator::gather_flat(at::Tensor out_in, at::Tensor in_in, int root, std::string what) {
+  at::Tensor in = wire(is_gloo_, in_in), out = out_in.numel() > 0 ? wire(is_gloo_, out_in) : out_in;
+  if (rank_ == root)
+    TORCH_CHECK(out.numel() == in.numel() * size_, "gather_flat (", what, "): output has ", out.numel(),
+                " elements, expected ", in.numel() * size_, " = ", size_, " ranks x ", in.numel());
+  if (size_ == 1) {
+    out.view(-1).copy_(in.reshape(-1));
+    return Pending();
+  }
+  count(CommOp::Gather, rank_ == root ? 0 : static_cast<int64_t>(in.numel()) * in.element_size());
+  return issue(CommOp::Gather, what, [&] {
+    std::vector<at::Tensor> ins{in.reshape(-1)};
+    std::vector<std::vector<at::Tensor>> outs;
+    if (rank_ == root) {
+      std::vector<at::Tensor> chunks;
+      const int64_t n = in.numel();
+      for (int r = 0; r < size_; ++r) chunks.push_back(out.view(-1).narrow(0, r * n, n));
+      outs.push_back(chunks);
+    }
+    c10d::GatherOptions o;
+    o.rootRank = root;
+    o.timeout = timeout_;
+    return pg_->gather(outs, ins, o);
   }, nullptr);
 }
 

@@ -68,7 +68,7 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
     return std::make_unique<Communicator>(pg, opts.tag + "/" + name, ranks, opts.timeout, mesh->counters_);
   };
   // Same global order on every rank: world, then all shard groups, then all replicate groups, then
-  // all TP groups (each rank builds only the groups it belongs to; groups of one kind are disjoint,
+  // all TP groups, then all data-parallel groups (each rank builds only the groups it belongs to; groups of one kind are disjoint,
   // so no rank waits on a group its peers build later).
   mesh->world_ = make("world", iota_ranks(n, 0, 1), opts.factory);
   const int t = rank % T, rs = rank / T, r = rs / G, s = rs % G;
@@ -81,7 +81,10 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
     if (R > 1)
       mesh->replicate_ = make("replicate" + std::to_string(s) + at_t, iota_ranks(R, s * T + t, G * T),
                               opts.replicate_factory ? opts.replicate_factory : opts.factory);
-    if (T > 1) mesh->tp_ = make("tp" + std::to_string(rs), iota_ranks(T, rs * T, 1), opts.factory);
+    if (T > 1) {
+      mesh->tp_ = make("tp" + std::to_string(rs), iota_ranks(T, rs * T, 1), opts.factory);
+      mesh->dp_ = make("dp" + std::to_string(t), iota_ranks(R * G, t, T), opts.factory);
+    }
   }
   // Every rank has built all of its groups before any rank goes on: a rank that finished first and
   // tore its groups down (an error, a short program) would otherwise close Gloo pairs a peer is

@@ -15,6 +15,7 @@
 #include <set>
 #include <sstream>
 
+#include "dmuon/tensor_parallel.h"
 #include "runtime/dedicated_route.h"
 #include "runtime/runtime.h"
 #include "runtime/sharded_route.h"
@@ -31,14 +32,54 @@ std::shared_ptr<Runtime> drained_state(torch::nn::Module& model, const char* fn)
   return st;
 }
 
-// Collects what the caller keeps: everything (rank0_only=false) or rank 0's copy only.
+// Tensor parallelism: state dicts hold full tensors, the routes of each TP rank hold slices. A key's
+// split is its parameter's ("<param>", "<param>.momentum_buffer", "<param>.exp_avg", ...).
+struct TpView {
+  Mesh& mesh;
+  std::map<std::string, int> split;  // parameter name -> split dimension (empty without a TP axis)
+  TpView(Mesh& m, const torch::nn::Module& model) : mesh(m) {
+    if (m.has_tp()) split = tp_split_dims(model);
+  }
+  int dim_of(const std::string& key) const {
+    if (split.empty()) return -1;
+    if (auto it = split.find(key); it != split.end()) return it->second;
+    for (const std::string suffix : {".momentum_buffer", ".exp_avg", ".exp_avg_sq"})
+      if (key.size() > suffix.size() && key.compare(key.size() - suffix.size(), suffix.size(), suffix) == 0)
+        if (auto it = split.find(key.substr(0, key.size() - suffix.size())); it != split.end()) return it->second;
+    return -1;
+  }
+  // collective over the TP group for a split key (every rank puts the same keys in the same order)
+  at::Tensor full(const std::string& key, const at::Tensor& local) const {
+    const int d = dim_of(key);
+    return d < 0 ? local : tp_gather(local, d, mesh);
+  }
+  // this TP rank's slices of a full state dict
+  TensorDict local(const TensorDict& sd) const {
+    if (split.empty()) return sd;
+    TensorDict out = sd;
+    for (auto& [k, v] : out) {
+      const int d = dim_of(k);
+      if (d < 0) continue;
+      TORCH_CHECK(v.dim() > d && v.size(d) % mesh.tp_size() == 0, "rank ", mesh.global_rank(), ": '", k, "' has shape ",
+                  v.sizes(), " in the state dict, which cannot be split along dimension ", d, " into tp_size ",
+                  mesh.tp_size(), " slices.");
+      v = tp_slice(v, d, mesh.tp_rank(), mesh.tp_size());
+    }
+    return out;
+  }
+};
+
+// Collects what the caller keeps: everything (rank0_only=false) or rank 0's copy only; TP slices
+// are gathered into full tensors first.
 struct Sink {
   TensorDict& out;
   bool keep;
   bool cpu;
+  const TpView& tp;
   void put(const std::string& key, const at::Tensor& v) const {
+    const at::Tensor whole = tp.full(key, v);
     if (!keep) return;
-    at::Tensor t = v.detach();
+    at::Tensor t = whole.detach();
     out[key] = cpu ? t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true) : t.clone();
   }
 };
@@ -68,7 +109,8 @@ TensorDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions
   at::NoGradGuard ng;
   Mesh& mesh = st->mesh();
   TensorDict out;
-  const Sink sink{out, !options.rank0_only || mesh.global_rank() == 0, options.cpu_offload};
+  const TpView tp(mesh, model);
+  const Sink sink{out, !options.rank0_only || mesh.global_rank() == 0, options.cpu_offload, tp};
   // Muon matrices from their (global) owner, sharded_adamw slices gathered: in full precision
   const TensorSink put = [&](const std::string& name, const at::Tensor& t) { sink.put(name, t); };
   st->dedicated().gather_full(put);
@@ -83,11 +125,12 @@ TensorDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions
   return out;
 }
 
-void set_model_state_dict(torch::nn::Module& model, const TensorDict& sd) {
+void set_model_state_dict(torch::nn::Module& model, const TensorDict& full_sd) {
   auto st = drained_state(model, "set_model_state_dict");
   std::lock_guard<std::recursive_mutex> g(st->mutex());
   at::NoGradGuard ng;
   Mesh& mesh = st->mesh();
+  const TensorDict sd = TpView(mesh, model).local(full_sd);  // TP: this rank's slices
   const int rank = mesh.global_rank();
   std::map<std::string, std::vector<int64_t>> expected;
   std::map<std::string, bool> floating;
@@ -136,7 +179,8 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
   Mesh& mesh = st->mesh();
   OptimizerStateDict out;
   const bool keep = !options.rank0_only || mesh.global_rank() == 0;
-  const Sink muon{out.muon, keep, options.cpu_offload}, adamw{out.adamw, keep, options.cpu_offload};
+  const TpView tp(mesh, model);
+  const Sink muon{out.muon, keep, options.cpu_offload, tp}, adamw{out.adamw, keep, options.cpu_offload, tp};
   for (const auto& group : optimizer.param_groups()) {
     const auto& o = static_cast<const MuonGroupOptions&>(group.options());
     if (keep)
@@ -149,11 +193,13 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
     at::Tensor header = at::zeros({2}, e.param.options().dtype(at::kLong));
     const MuonParamState* ps = e.is_owner ? optimizer.state_of(e.param) : nullptr;
     if (ps && ps->momentum_buffer().defined()) header = at::tensor({int64_t{1}, ps->step()}, header.options());
-    mesh.world().broadcast(header, e.owner_rank, "checkpoint: momentum header of '" + e.name + "'").wait();
+    // over the data-parallel ranks of this TP position (the world without TP), from the owner
+    const int root = OwnerPlan::slot_index(e.owner, mesh.shard_size());
+    mesh.dp().broadcast(header, root, "checkpoint: momentum header of '" + e.name + "'").wait();
     const at::Tensor h = header.cpu();
     if (h[0].item<int64_t>() == 0) continue;
     at::Tensor buf = ps ? ps->momentum_buffer() : at::empty(e.shape, e.param.options().dtype(e.prec.optim));
-    mesh.world().broadcast(buf, e.owner_rank, "checkpoint: momentum of '" + e.name + "'").wait();
+    mesh.dp().broadcast(buf, root, "checkpoint: momentum of '" + e.name + "'").wait();
     muon.put(e.name + ".momentum_buffer", buf);
     muon.put(e.name + ".step", step_tensor(h[1].item<int64_t>()));
   }
@@ -177,9 +223,15 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
   return out;
 }
 
-void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const OptimizerStateDict& sd) {
+void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const OptimizerStateDict& full_sd) {
   auto st = drained_state(model, "set_optimizer_state_dict");
   std::lock_guard<std::recursive_mutex> g(st->mutex());
+  OptimizerStateDict sd = full_sd;  // TP: this rank's slices
+  {
+    const TpView tp(st->mesh(), model);
+    sd.muon = tp.local(full_sd.muon);
+    sd.adamw = tp.local(full_sd.adamw);
+  }
   at::NoGradGuard ng;
   const int rank = st->mesh().global_rank();
   const char* fix = " Build the model and the optimizer as in the run that saved it (same predicate, routes and "

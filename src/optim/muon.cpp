@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "dmuon/host_sync.h"
+#include "optim/tp_newton_schulz.h"
 #include "runtime/dedicated_route.h"
 #include "runtime/replicated_route.h"
 #include "runtime/runtime.h"
@@ -96,6 +97,12 @@ std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_pt
                "in [0, 1)");
   check_hparam(o.adamw_weight_decay >= 0, "adamw_weight_decay", o.adamw_weight_decay, ">= 0");
   check_hparam(o.adamw_eps > 0, "adamw_eps", o.adamw_eps, "> 0");
+  TORCH_CHECK(o.tp_distributed_gram_policy == "beneficial" || o.tp_distributed_gram_policy == "always",
+              "Muon: invalid tp_distributed_gram_policy: '", o.tp_distributed_gram_policy, "'. Must be \"beneficial\" "
+              "(the distributed Gram form where its payload is at most tp_distributed_gram_max_factor_to_scatter_ratio "
+              "of the full scatter) or \"always\" (wherever it applies).");
+  check_hparam(o.tp_distributed_gram_max_factor_to_scatter_ratio >= 0, "tp_distributed_gram_max_factor_to_scatter_ratio",
+               o.tp_distributed_gram_max_factor_to_scatter_ratio, ">= 0");
   TORCH_CHECK(model, "Muon: the model is null.");
   auto state = detail::state_of_model(model.get());
   TORCH_CHECK(state, "Muon: the model was not dedicated. Call dmuon::dedicate_params(model, mesh, predicate) (and "
@@ -211,7 +218,8 @@ const MuonParamState* Muon::state_of(const at::Tensor& p) const {
   return it == state_.end() ? nullptr : static_cast<const MuonParamState*>(it->second.get());
 }
 
-void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, StepProfile& prof) {
+void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh, StepProfile& prof,
+                       std::vector<TpUpdate>& tp_pending) {
   const at::Tensor g = r.grad.to(r.prec.optim);
   MuonParamState& st = state_for(r.param);
   if (!st.momentum_buffer().defined()) st.momentum_buffer(at::zeros_like(g));
@@ -220,16 +228,42 @@ void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, StepProfil
   const at::Tensor u = o.nesterov() ? g.add(buf, o.momentum()) : buf;
   st.step(st.step() + 1);
   const auto t0 = std::chrono::steady_clock::now();
-  const at::Tensor update = ns_.local(u, static_cast<int>(o.ns_steps()));
+  // the full matrix's shape (TP: this rank holds a slice of it)
+  const std::vector<int64_t> full = r.full_shape.empty() ? r.target.sizes().vec() : r.full_shape;
+  const double m = static_cast<double>(std::min(full[0], full[1]));
+  const double n = static_cast<double>(std::max(full[0], full[1]));
+  const int steps = static_cast<int>(o.ns_steps());
+  // W <- W (1 - lr wd) - lr 0.2 sqrt(max(rows, cols)) NS(u); the target is the master under mixed
+  // precision, rounded into the parameter
+  TpUpdate job;
+  job.name = r.name;
+  job.apply = [target = r.target, param = r.param, wb = r.write_back, lr = o.lr(), wd = o.weight_decay(),
+               scale = 0.2 * std::sqrt(n)](const at::Tensor& update) mutable {
+    if (wd != 0) target.mul_(1.0 - lr * wd);
+    target.add_(update.to(target.scalar_type()), -lr * scale);
+    if (wb) param.copy_(target);
+  };
+  double flop_share = 1;  // of the full matrix's NS work done on this rank
+  if (r.tp_owner < 0) {
+    job.apply(ns_.local(u, steps));
+  } else {
+    const bool dist = options_.tp_distributed_gram && tp_distributed_gram_applies(full, r.tp_dim) &&
+                      (options_.tp_distributed_gram_policy == "always" ||
+                       tp_factor_to_scatter_ratio(full, ns_.options(), steps) <=
+                           options_.tp_distributed_gram_max_factor_to_scatter_ratio);
+    if (r.tp_dim >= 0) ++(dist ? prof.tp_distributed : prof.tp_gathered);
+    flop_share = dist ? 1.0 / mesh.tp_size() : mesh.tp_rank() == r.tp_owner ? 1.0 : 0.0;
+    if (r.tp_dim >= 0 && !dist) {  // gather now; NS and scatter once every gather is in flight
+      job.gather = tp_issue_gather(u, r, mesh);
+      job.ready = r;
+      job.steps = steps;
+      tp_pending.push_back(std::move(job));
+    } else {
+      job.apply(tp_orthogonalize(u, r, steps, ns_, dist, mesh));
+    }
+  }
   prof.ns_ms += elapsed_ms(t0);
-  at::Tensor target = r.target;  // mixed precision: the master, rounded into the parameter below
-  const double m = static_cast<double>(std::min(target.size(0), target.size(1)));
-  const double n = static_cast<double>(std::max(target.size(0), target.size(1)));
-  prof.ns_flops += 20 * m * m * n + 10 * m * m * m;
-  const double scale = 0.2 * std::sqrt(n);
-  if (o.weight_decay() != 0) target.mul_(1.0 - o.lr() * o.weight_decay());
-  target.add_(update.to(target.scalar_type()), -o.lr() * scale);
-  if (r.write_back) r.param.copy_(target);
+  prof.ns_flops += flop_share * (20 * m * m * n + 10 * m * m * m);
   ++prof.owned_updates;
 }
 
@@ -282,13 +316,16 @@ at::Tensor Muon::step(LossClosure closure) {
     group_of_count_ = grouped;
   }
   const bool log_first = options_.first_step_progress_log && steps_ == 0;
+  // TP updates of the last step still arriving by scatter land before this step changes anything
+  state->dedicated().finish_deferred();
+  std::vector<TpUpdate> tp_pending;  // TP gather form: gathers in flight, in step order
   for (const ReadyGrad& r : ready) {
     auto g = group_of_.find(r.param.unsafeGetTensorImpl());
     if (g == group_of_.end()) continue;  // in no parameter group: not optimized
     const auto& o = static_cast<const MuonGroupOptions&>(param_groups_[g->second].options());
     const auto t0 = std::chrono::steady_clock::now();
     if (r.route == RouteKind::Dedicated && o.is_muon()) {
-      muon_update(r, o, prof);
+      muon_update(r, o, state->mesh(), prof, tp_pending);
       prof.muon_ms += elapsed_ms(t0);
       if (log_first && progress_logged_ < options_.first_step_progress_log_limit) {
         ++progress_logged_;
@@ -305,6 +342,22 @@ at::Tensor Muon::step(LossClosure closure) {
       if (r.write_back) r.param.copy_(target);  // mixed precision: AdamW on the master, rounded into the parameter
       prof.adamw_ms += elapsed_ms(t0);
     }
+  }
+  // TP gather form: each TP owner runs NS on its full matrices and scatters the slices (every rank of
+  // the TP group in the same order); a slice is applied once it arrives, before its holder's data are
+  // read or sent again (the boundary's next unshard, the post-step publish, wait_publishes)
+  if (!tp_pending.empty()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (TpUpdate& job : tp_pending) {
+      TpScatter s = tp_scatter_update(job.gather, job.ready, job.steps, ns_, state->mesh());
+      state->dedicated().defer_update(job.name, [s, apply = std::move(job.apply)]() mutable {
+        s.pending.wait();
+        apply(s.slice);
+      });
+    }
+    const double ms = elapsed_ms(t0);
+    prof.ns_ms += ms;
+    prof.muon_ms += ms;
   }
   // collective: HSDP publishes over the replicate group, the DDP path broadcasts from the owners,
   // all_gather unshard scatters; nothing on a 1-D mesh in broadcast mode (the next forward does it)

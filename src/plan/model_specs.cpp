@@ -637,3 +637,27 @@ std::vector<ParamSpec> select_muon_params(const ModelSpec& model,
 }
 
 }  // namespace dmuon
+
+namespace dmuon {
+
+int megatron_tp_split_dim(const ParamSpec& p, int tp_size) {
+  if (tp_size <= 1 || p.shape.size() != 2) return -1;
+  const std::string suffix = ".weight";
+  if (p.name.size() <= suffix.size() || p.name.compare(p.name.size() - suffix.size(), suffix.size(), suffix) != 0)
+    return -1;
+  const std::string module = p.name.substr(0, p.name.size() - suffix.size());
+  const std::string leaf = module.substr(module.rfind('.') == std::string::npos ? 0 : module.rfind('.') + 1);
+  static const std::vector<std::pair<std::vector<std::string>, int>> rules = {
+      {{"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "qkv", "fc1", "q_b_proj", "kv_b_proj",
+        "query", "key", "value"}, 0},
+      {{"o_proj", "down_proj", "w2", "proj", "fc2", "out_proj", "dense"}, 1},
+      {{"c_attn", "c_fc"}, 1},
+      {{"c_proj"}, 0},
+  };
+  for (const auto& [names, dim] : rules)
+    if (std::find(names.begin(), names.end(), leaf) != names.end())
+      return p.shape[static_cast<size_t>(dim)] % tp_size == 0 ? dim : -1;
+  return -1;
+}
+
+}  // namespace dmuon

@@ -3,6 +3,7 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include "dmuon/tensor_parallel.h"
 #include "runtime/dedicated_route.h"
 #include "runtime/fingerprint.h"
 #include "runtime/replicated_route.h"
@@ -33,11 +34,21 @@ void Runtime::build(const ParamPredicate& predicate) {
     for (const auto& r : *group) precision_[r.param.unsafeGetTensorImpl()] = r.prec;
   specs_ = routing.specs;
   for (const auto& r : routing.dedicated) boundary_of_param_.push_back(r.boundary);
+  // tensor parallelism: which dedicated matrices are TP slices (specs_ keep the local shapes the
+  // routes move; the planner sees the full ones)
+  const std::map<std::string, int> tp_split = check_tp_modules(*m);
+  const int T = mesh_->tp_size();
+  std::vector<ParamSpec> full_specs = specs_;
+  for (size_t i = 0; i < specs_.size(); ++i)
+    if (auto it = tp_split.find(specs_[i].name); it != tp_split.end()) {
+      specs_[i].tp_split_dim = full_specs[i].tp_split_dim = it->second;
+      full_specs[i].shape[static_cast<size_t>(it->second)] *= T;
+    }
 
   // 2. plan (every rank, no communication), then check that all ranks agree
   const PlanOptions& po = opts_.plan;
   try {
-    plan_ = plan_owners(specs_, mesh_->shard_size(), mesh_->replicate_size(), po);
+    plan_ = plan_owners_tp(full_specs, mesh_->shard_size(), mesh_->replicate_size(), T, po);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "rank ", rank, ": dedicate_params: owner planning failed: ", e.what());
   }
@@ -63,11 +74,15 @@ void Runtime::build(const ParamPredicate& predicate) {
   // 4. the routes take their parameters: packed buffers (owners copy their masters before any
   // cast), then sharded slices of rank 0's value
   std::vector<DedicatedEntry> entries;
-  for (const auto& r : routing.dedicated) {
+  for (size_t i = 0; i < routing.dedicated.size(); ++i) {
+    const RoutedParam& r = routing.dedicated[i];
     DedicatedEntry e;
     e.name = r.name;
     e.param = r.param;
     e.shape = r.param.sizes().vec();
+    e.full_shape = full_specs[i].shape;
+    e.tp_dim = specs_[i].tp_split_dim;
+    e.tp_owner = mesh_->has_tp() ? plan_.tp_owners[i] : -1;
     e.prec = r.prec;
     e.unshard = r.unshard;
     e.boundary = bindex.at(r.boundary);
@@ -101,12 +116,26 @@ void Runtime::build(const ParamPredicate& predicate) {
   dedicated_->install();
 }
 
-void Runtime::add_replicated(double bucket_mb) {
+std::map<std::string, int> Runtime::check_tp_modules(const torch::nn::Module& model) const {
+  const int rank = mesh_->global_rank();
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    const auto* tp = dynamic_cast<const TensorParallel*>(item.value().get());
+    if (!tp) continue;
+    const Mesh* theirs = tp->tp_mesh().get();
+    TORCH_CHECK(theirs == mesh_.get(), "rank ", rank, ": dedicate_params: tensor-parallel module '", item.key(),
+                "' was built on another mesh (tp_size ", theirs ? theirs->tp_size() : 0, ") than the one passed to "
+                "dedicate_params (tp_size ", mesh_->tp_size(), "), so its all-reduces would run over a different "
+                "group than dmuon's Newton-Schulz exchange. Build every TP module with the mesh you dedicate on.");
+  }
+  return tp_split_dims(model);
+}
+
+void Runtime::add_replicated(double bucket_mb, bool tp) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   TORCH_CHECK(!replicated_, "rank ", mesh_->global_rank(), ": replicate was already called on this model.");
   TORCH_CHECK(bucket_mb > 0, "rank ", mesh_->global_rank(), ": replicate: invalid bucket_mb: ", bucket_mb,
               ". Must be > 0 (MiB per coalesced all-reduce).");
-  auto route = std::make_unique<ReplicatedRoute>(*this, bucket_mb);
+  auto route = std::make_unique<ReplicatedRoute>(*this, bucket_mb, tp);
   replicated_ = route.get();
   routes_.push_back(replicated_);
   local_params_.reset();  // the replicated parameters leave the local set

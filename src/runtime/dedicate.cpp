@@ -13,10 +13,6 @@ std::map<std::string, OwnerCoord> dedicate_impl(const std::shared_ptr<torch::nn:
                                                 const DedicateOptions& options, bool ddp) {
   TORCH_CHECK(model, "dedicate_params: the model is null.");
   TORCH_CHECK(mesh, "dedicate_params: the mesh is null; create one with dmuon::Mesh::create.");
-  TORCH_CHECK(!mesh->has_tp(), "rank ", mesh->global_rank(), ": dedicate_params: the mesh has a tensor-parallel axis "
-              "(tp_size ", mesh->tp_size(), "), and dmuon's tensor-parallel route (TP-sharded Muon matrices) is not "
-              "built yet, so gradients would be averaged over the wrong ranks. Create the mesh with tp_size = 1 "
-              "(MeshOptions::tp_size) for dedicate_params.");
   TORCH_CHECK(!detail::state_of_model(model.get()), "rank ", mesh->global_rank(),
               ": dedicate_params was already called on this model. Dedicate a model once; to change options, "
               "build a fresh model.");
@@ -54,6 +50,9 @@ DedicatedParam to_public(const DedicatedEntry& e, const Runtime& s) {
   d.boundary = s.boundaries()[static_cast<size_t>(e.boundary)].name;
   d.is_owner = e.is_owner;
   d.master = s.master_of(e.param);
+  d.tp_split_dim = e.tp_dim;
+  d.tp_owner = e.tp_owner;
+  d.full_shape = e.full_shape;
   return d;
 }
 }  // namespace
@@ -72,6 +71,20 @@ std::map<std::string, OwnerCoord> dedicate_params_ddp(const std::shared_ptr<torc
   TORCH_CHECK(!mesh->is_2d(), "rank ", mesh->global_rank(), ": dedicate_params_ddp accepts a 1-D mesh only, got a ",
               mesh->replicate_size(), " x ", mesh->shard_size(), " (replicate x shard) mesh. For HSDP use "
               "dedicate_params with a 2-D mesh.");
+  TORCH_CHECK(!mesh->has_tp(), "rank ", mesh->global_rank(), ": dedicate_params_ddp: the mesh has a tensor-parallel "
+              "axis (tp_size ", mesh->tp_size(), "); the DDP path with tensor parallelism is dedicate_params_ddp_tp "
+              "(and replicate_tp for the other parameters).");
+  return dedicate_impl(model, mesh, predicate, options, /*ddp=*/true);
+}
+
+std::map<std::string, OwnerCoord> dedicate_params_ddp_tp(const std::shared_ptr<torch::nn::Module>& model,
+                                                         const std::shared_ptr<Mesh>& mesh,
+                                                         const ParamPredicate& predicate,
+                                                         const DedicateOptions& options) {
+  TORCH_CHECK(mesh, "dedicate_params_ddp_tp: the mesh is null; create one with dmuon::Mesh::create.");
+  TORCH_CHECK(!mesh->is_2d(), "rank ", mesh->global_rank(), ": dedicate_params_ddp_tp accepts a data-parallel x "
+              "tensor-parallel mesh without a replicate axis, got replicate_size ", mesh->replicate_size(),
+              ". For HSDP with TP use dedicate_params.");
   return dedicate_impl(model, mesh, predicate, options, /*ddp=*/true);
 }
 

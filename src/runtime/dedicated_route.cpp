@@ -285,7 +285,7 @@ void DedicatedRoute::finish_stage2(PackedBuffer& buf) {
   buf.stage2_issued = false;
   if (buf.is_owner)
     buf.acc.fold(buf.grad_payload, buf.numel, static_cast<int64_t>(buf.params.size()), buf.prec.master,
-                 static_cast<double>(rt_.mesh().world_size()));
+                 static_cast<double>(rt_.mesh().data_parallel_size()));
   buf.grad_payload = at::Tensor();
 }
 
@@ -326,8 +326,12 @@ void DedicatedRoute::install_grads(const float*& flag) {
 
 void DedicatedRoute::ready_grads(std::vector<ReadyGrad>& out) {
   for (auto& e : entries_) {
-    if (e.is_owner && e.param.grad().defined())  // not ours: the owner updates it
-      out.push_back(rt_.ready_grad(RouteKind::Dedicated, e.name, e.param, e.prec));
+    if (!e.is_owner || !e.param.grad().defined()) continue;  // not ours: the owner updates it
+    ReadyGrad r = rt_.ready_grad(RouteKind::Dedicated, e.name, e.param, e.prec);
+    r.tp_owner = e.tp_owner;
+    r.tp_dim = e.tp_dim;
+    r.full_shape = e.full_shape;
+    out.push_back(std::move(r));
   }
 }
 
@@ -349,7 +353,26 @@ void DedicatedRoute::upcast_local_grads() {
 }
 
 // ---- publish ---------------------------------------------------------------------------------------
+void DedicatedRoute::defer_update(const std::string& name, std::function<void()> apply) {
+  const DedicatedEntry* e = find(name);
+  TORCH_CHECK(e, "defer_update: '", name, "' is not a dedicated parameter");
+  buffers_[static_cast<size_t>(e->boundary)][static_cast<size_t>(e->buffer)].deferred.push_back(std::move(apply));
+}
+
+void DedicatedRoute::finish_deferred(PackedBuffer& buf) {
+  if (buf.deferred.empty()) return;
+  at::NoGradGuard ng;
+  auto work = std::move(buf.deferred);
+  buf.deferred.clear();
+  for (auto& f : work) f();
+}
+
+void DedicatedRoute::finish_deferred() {
+  for_each_buffer([&](int, PackedBuffer& buf) { finish_deferred(buf); });
+}
+
 void DedicatedRoute::wait_publish(PackedBuffer& buf) {
+  finish_deferred(buf);
   for (auto& p : buf.publish) p.wait();
   buf.publish.clear();
 }
@@ -363,6 +386,9 @@ void DedicatedRoute::wait_publishes() {
 
 void DedicatedRoute::publish(bool async) {
   Mesh& mesh = rt_.mesh();
+  // TP updates arriving by scatter: synchronous publish (or nothing that would wait later) applies
+  // them now; otherwise each holder applies its own before the buffer is read or sent again
+  if (!async || !rt_.boundaries_seen()) finish_deferred();
   if (Communicator* rep = mesh.replicate(); rep && !ddp_) {
     // HSDP: the global owner's update goes to the holders of the other replicate groups, in the
     // recorded forward order, chunked by replicate_broadcast_bucket_mb.
@@ -394,6 +420,7 @@ void DedicatedRoute::publish(bool async) {
     // next all-gather of the same buffer); broadcast mode: the next forward broadcasts
     for_each_buffer([&](int b, PackedBuffer& buf) {
       if (!buf.gather_mode()) return;
+      finish_deferred(buf);
       buf.scatter.wait();
       buf.scatter = scatter_shards(buf, what("post-step scatter", b, buf));
       if (!async) buf.scatter.wait();
@@ -407,6 +434,7 @@ void DedicatedRoute::publish(bool async) {
   for (int b : rt_.publish_order())
     for (auto& buf : buffers_[static_cast<size_t>(b)]) {
       if (buf.state == PackedBuffer::State::Pending) buf.bcast.wait();
+      finish_deferred(buf);
       buf.bcast = comm.broadcast(buf.flat, buf.root, what("post-step publish", b, buf));
       buf.state = PackedBuffer::State::Pending;
     }
@@ -426,7 +454,9 @@ void DedicatedRoute::gather_full(const TensorSink& put) {
     } else {
       t = at::empty(e.shape, e.param.options().dtype(e.prec.master));
     }
-    mesh.world().broadcast(t, e.owner_rank, "checkpoint: '" + e.name + "' from its owner").wait();
+    // over the data-parallel ranks of this TP position (the world without TP)
+    mesh.dp().broadcast(t, OwnerPlan::slot_index(e.owner, mesh.shard_size()), "checkpoint: '" + e.name +
+                                                                               "' from its owner").wait();
     put(e.name, t);
   }
 }

@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -34,8 +35,11 @@ enum class UnshardMode { Broadcast, AllGather };
 struct DedicatedEntry {
   std::string name;
   at::Tensor param;
-  std::vector<int64_t> shape;
+  std::vector<int64_t> shape;       // as this rank's routes hold it (TP: this TP rank's slice)
   Precision prec;
+  int tp_dim = -1;                  // TP: the split dimension (-1: whole on every TP rank)
+  int tp_owner = -1;                // TP: the TP rank that runs Newton-Schulz (-1: no TP axis)
+  std::vector<int64_t> full_shape;  // the full logical shape (== shape without TP split)
   UnshardMode unshard = UnshardMode::Broadcast;
   int boundary = 0;
   // from the plan
@@ -79,6 +83,8 @@ struct PackedBuffer {
   Pending stage2;                   // stage 2 (HSDP): over the replicate group to the global owner
   bool stage2_issued = false;
   std::vector<Pending> publish;     // HSDP post-step publish over the replicate group (chunks)
+  // TP: updates still arriving by scatter, applied before the holder's data are read or sent again
+  std::vector<std::function<void()>> deferred;
   GradAccumulator acc;              // global owner: averaged gradients over backward passes
   bool gather_mode() const { return unshard == UnshardMode::AllGather; }
   int64_t bytes() const { return numel * flat.element_size(); }
@@ -116,6 +122,12 @@ class DedicatedRoute final : public Route {
   void assign_full(const FullValues& values) override;
   void full_shapes(std::map<std::string, std::vector<int64_t>>& out) const override;
 
+  // TP (Muon::step): `apply` finishes the update of `name` (its slice arrives asynchronously). It runs
+  // before the holder's buffer is read or sent again: the boundary's next unshard, a post-step
+  // publish, wait_publishes, the next step. local.
+  void defer_update(const std::string& name, std::function<void()> apply);
+  void finish_deferred();  // every deferred update, now
+
   // ---- queries ----
   const std::vector<DedicatedEntry>& entries() const { return entries_; }
   const DedicatedEntry* find(const std::string& name) const;
@@ -126,7 +138,8 @@ class DedicatedRoute final : public Route {
  private:
   void finish_stage1(PackedBuffer& buf);  // wait stage 1; HSDP holders issue stage 2
   void finish_stage2(PackedBuffer& buf);  // wait stage 2; the global owner folds
-  void wait_publish(PackedBuffer& buf);
+  void wait_publish(PackedBuffer& buf);        // the buffer's deferred updates, then its publishes
+  static void finish_deferred(PackedBuffer& buf);
   // all_gather mode: the holder's flat into every rank's shard (collective over the shard group)
   Pending scatter_shards(PackedBuffer& buf, const std::string& what);
   std::string what(const char* phase, int b, const PackedBuffer& buf) const;

@@ -43,7 +43,8 @@ void check_plan_agreement(Mesh& mesh, const OwnerPlan& plan, const std::vector<P
     at::Tensor d = at::empty({np}, opt);
     for (int64_t i = 0; i < np; ++i) {
       OwnerPlan one = plan_owners({specs[static_cast<size_t>(i)]}, 1, 1, po);
-      d[i] = static_cast<int64_t>(one.fingerprint ^ precision_digest(precisions[static_cast<size_t>(i)]));
+      d[i] = static_cast<int64_t>((one.fingerprint ^ precision_digest(precisions[static_cast<size_t>(i)])) * 31 +
+                                  static_cast<uint64_t>(specs[static_cast<size_t>(i)].tp_split_dim + 1));
     }
     at::Tensor alld = at::empty({np * n}, opt);
     mesh.world().allgather_flat(alld, d, "plan fingerprint diagnosis").wait();
@@ -55,7 +56,7 @@ void check_plan_agreement(Mesh& mesh, const OwnerPlan& plan, const std::vector<P
           std::ostringstream o;
           o << "parameter #" << i << " ('" << specs[static_cast<size_t>(i)].name << "' on this rank, shape "
             << at::IntArrayRef(specs[static_cast<size_t>(i)].shape) << ") differs between rank 0 and rank " << r
-            << " (its shape, name, boundary or mixed-precision policy)";
+            << " (its shape, name, boundary, tensor-parallel split or mixed-precision policy)";
           detail = o.str();
           break;
         }

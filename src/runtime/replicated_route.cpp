@@ -6,16 +6,24 @@
 
 #include <map>
 
+#include "dmuon/tensor_parallel.h"
 #include "runtime/runtime.h"
 
 namespace dmuon {
 
-ReplicatedRoute::ReplicatedRoute(Runtime& rt, double bucket_mb) : rt_(rt) {
+ReplicatedRoute::ReplicatedRoute(Runtime& rt, double bucket_mb, bool tp) : rt_(rt), tp_(tp) {
   Mesh& mesh = rt.mesh();
   auto m = rt.model();
+  const std::map<std::string, int> split = dmuon::tp_split_dims(*m);
   for (const auto& [name, p] : get_base_params(*m)) {
+    auto it = split.find(name);
+    TORCH_CHECK(tp || it == split.end(), "rank ", mesh.global_rank(), ": replicate: parameter '", name, "' (shape ",
+                p.sizes(), ") is this TP rank's slice (split along dimension ", it == split.end() ? -1 : it->second,
+                " over tp_size ", mesh.tp_size(), "); replicate keeps whole parameters only. Call dmuon::replicate_tp, "
+                "which averages each TP rank's slice over its data-parallel ranks.");
     names_.push_back(name);
     params_.push_back(p);
+    tp_dims_.push_back(it == split.end() ? -1 : it->second);
   }
   // Gradient buckets: consecutive parameters with one reduce dtype, master dtype and device.
   const int64_t cap = static_cast<int64_t>(bucket_mb * 1024 * 1024);
@@ -39,7 +47,7 @@ ReplicatedRoute::ReplicatedRoute(Runtime& rt, double bucket_mb) : rt_(rt) {
   }
   // Replicas start identical: rank 0's values (its master copies where there are some), coalesced
   // per dtype and device.
-  Communicator& comm = mesh.world();
+  Communicator& comm = mesh.dp();  // the world without a TP axis; else this TP rank's R x G ranks
   {
     at::NoGradGuard ng;
     std::vector<at::Tensor> src;
@@ -80,7 +88,7 @@ ReplicatedRoute::ReplicatedRoute(Runtime& rt, double bucket_mb) : rt_(rt) {
 
 void ReplicatedRoute::end_of_backward() {
   if (issued_) finish_reduces();  // an earlier backward pass (gradient accumulation)
-  Communicator& comm = rt_.mesh().world();
+  Communicator& comm = rt_.mesh().dp();
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
     Bucket& b = buckets_[bi];
     std::vector<at::Tensor> ps;
@@ -97,7 +105,7 @@ void ReplicatedRoute::end_of_backward() {
 
 void ReplicatedRoute::finish_reduces() {
   if (!issued_) return;
-  const double world = rt_.mesh().world_size();
+  const double world = rt_.mesh().data_parallel_size();
   for (auto& b : buckets_) {
     b.pending.wait();
     b.pending = Pending();
@@ -147,7 +155,9 @@ void ReplicatedRoute::upcast_local_grads() {
   for (auto& p : params_) upcast_local_grad(p, rt_.precision_of(p));
 }
 
-void replicate(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh, double bucket_mb) {
+namespace {
+void replicate_impl(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh, double bucket_mb,
+                    bool tp) {
   TORCH_CHECK(model && mesh, "replicate: model and mesh must not be null.");
   auto s = detail::state_of_model(model.get());
   if (!s) {
@@ -157,7 +167,30 @@ void replicate(const std::shared_ptr<torch::nn::Module>& model, const std::share
   }
   TORCH_CHECK(s->mesh_ptr().get() == mesh.get(), "rank ", mesh->global_rank(),
               ": replicate: the model was dedicated on another mesh; pass the same mesh to both.");
-  s->add_replicated(bucket_mb);
+  s->add_replicated(bucket_mb, tp);
+}
+}  // namespace
+
+void replicate(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh, double bucket_mb) {
+  replicate_impl(model, mesh, bucket_mb, /*tp=*/false);
+}
+
+void replicate_tp(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh,
+                  double bucket_mb) {
+  replicate_impl(model, mesh, bucket_mb, /*tp=*/true);
+}
+
+std::optional<ReplicatedGroup> get_replicated_group(const torch::nn::Module& model) {
+  auto s = detail::state_of_model(&model);
+  if (!s || !s->replicated()) return std::nullopt;
+  const ReplicatedRoute& r = *s->replicated();
+  ReplicatedGroup g;
+  g.names = r.names();
+  g.tp_split_dims = r.tp_split_dims();
+  g.num_buckets = r.num_buckets();
+  g.group_size = s->mesh().data_parallel_size();
+  g.tp = r.tp();
+  return g;
 }
 
 }  // namespace dmuon

@@ -1,7 +1,8 @@
 // Internal: the replicated route (DDP-style base parameters, dmuon::replicate).
 //
 // Every rank keeps the whole parameter and updates it identically. At the end of backward the
-// gradients are averaged over the world in a few coalesced all-reduces (buckets of one reduce and
+// gradients are averaged over the data-parallel ranks (the world without a TP axis; else the R x G
+// ranks of this TP position) in a few coalesced all-reduces (buckets of one reduce and
 // master dtype and one device, at most bucket_mb MiB each).
 #pragma once
 
@@ -23,7 +24,8 @@ class Runtime;
 class ReplicatedRoute final : public Route {
  public:
   // The base parameters of the model (get_base_params); collective: rank 0's initial values.
-  ReplicatedRoute(Runtime& rt, double bucket_mb);
+  // `tp`: TP-split parameters are accepted (replicate_tp); otherwise they are an error.
+  ReplicatedRoute(Runtime& rt, double bucket_mb, bool tp);
   RouteKind kind() const override { return RouteKind::Replicated; }
 
   void end_of_backward() override;  // issue the coalesced all-reduces (async)
@@ -35,6 +37,10 @@ class ReplicatedRoute final : public Route {
   void upcast_local_grads() override;
 
   const std::vector<at::Tensor>& params() const { return params_; }
+  const std::vector<std::string>& names() const { return names_; }
+  const std::vector<int>& tp_split_dims() const { return tp_dims_; }
+  int num_buckets() const { return static_cast<int>(buckets_.size()); }
+  bool tp() const { return tp_; }
 
  private:
   struct Bucket {
@@ -49,6 +55,8 @@ class ReplicatedRoute final : public Route {
   Runtime& rt_;
   std::vector<std::string> names_;
   std::vector<at::Tensor> params_;
+  std::vector<int> tp_dims_;      // per parameter: TP split dimension, -1 when whole
+  bool tp_ = false;
   std::vector<Bucket> buckets_;
   bool issued_ = false;
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accs_;

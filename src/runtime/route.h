@@ -33,6 +33,12 @@ struct ReadyGrad {
   at::Tensor grad;       // averaged gradient, in the master dtype, shaped like target
   Precision prec;
   bool write_back = false;  // target is a master: round it into param after the update
+  // Tensor parallelism (dedicated matrices on a mesh with tp_size > 1): the TP rank that runs
+  // Newton-Schulz on the full matrix (-1: no TP axis), the split dimension (-1: the matrix is whole
+  // and identical on every TP rank) and the full logical shape.
+  int tp_owner = -1;
+  int tp_dim = -1;
+  std::vector<int64_t> full_shape;
 };
 
 // How one trainable parameter is trained, as this rank sees it (Runtime::describe).
@@ -44,6 +50,7 @@ struct ParamView {
   Precision prec;
   std::string boundary;            // dedicated and sharded: the hook boundary
   int owner_shard = -1, owner_replicate = -1, owner_rank = -1;  // dedicated: its owner
+  int tp_dim = -1, tp_owner = -1;  // dedicated on a TP mesh: split dimension, TP owner
   bool updated_here = true;        // this rank runs its optimizer update (dedicated: the owner)
 };
 

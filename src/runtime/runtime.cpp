@@ -77,6 +77,8 @@ std::vector<ParamView> Runtime::describe() const {
       v.owner_shard = e->owner.shard;
       v.owner_replicate = e->owner.replicate;
       v.owner_rank = e->owner_rank;
+      v.tp_dim = e->tp_dim;
+      v.tp_owner = e->tp_owner;
       v.updated_here = e->is_owner;
     } else if (const ShardedEntry* s = sharded_->find(v.name)) {
       v.route = RouteKind::Sharded;

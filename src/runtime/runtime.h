@@ -75,8 +75,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   // ---- setup (build.cpp) ----
   // collective: fingerprint exchange, initial values of the owners / rank 0.
   void build(const ParamPredicate& predicate);
-  // dmuon::replicate. collective: rank 0's initial values.
-  void add_replicated(double bucket_mb);
+  // dmuon::replicate (tp: replicate_tp). collective: rank 0's initial values.
+  void add_replicated(double bucket_mb, bool tp);
 
   // ---- hooks (runtime.cpp; collective where they issue unshards and reduces) ----
   void begin_root_forward();
@@ -131,6 +131,9 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   uint64_t id() const { return id_; }
 
  private:
+  // Every TP module was built on this runtime's mesh; returns their split parameters (full name ->
+  // split dimension).
+  std::map<std::string, int> check_tp_modules(const torch::nn::Module& model) const;
   void begin_forward_pass();
   void prefetch_after(int b, bool backward);
   void try_issue_reduces();

@@ -27,7 +27,7 @@ void ShardedRoute::add(const std::string& name, const at::Tensor& param, int bou
   const auto o = param.options().requires_grad(false);
   at::Tensor full = at::zeros({e.shard_len * G}, o);  // the value before any cast
   full.narrow(0, 0, e.numel).copy_(param.detach().reshape(-1));
-  mesh.world().broadcast(full, 0, "initial value of sharded parameter '" + name + "' from rank 0").wait();
+  mesh.dp().broadcast(full, 0, "initial value of sharded parameter '" + name + "' from rank 0").wait();
   e.shard = full.narrow(0, static_cast<int64_t>(mesh.shard_rank()) * e.shard_len, e.shard_len)
                 .to(prec.master, /*non_blocking=*/false, /*copy=*/true);
   e.full = at::empty({e.shard_len * G}, o.dtype(prec.param));
@@ -129,7 +129,7 @@ void ShardedRoute::finish(ShardedEntry& e) {
   Mesh& mesh = rt_.mesh();
   if (Communicator* rep = mesh.replicate())  // HSDP: replicated over the replicate axis
     rep->allreduce(e.rs_out, Reduction::Sum, "replicate all-reduce of the shard of '" + e.name + "'").wait();
-  e.acc.fold(e.rs_out, e.shard_len, 1, e.shard.scalar_type(), static_cast<double>(mesh.world_size()));
+  e.acc.fold(e.rs_out, e.shard_len, 1, e.shard.scalar_type(), static_cast<double>(mesh.data_parallel_size()));
   e.rs_in = at::Tensor();
   e.rs_out = at::Tensor();
 }

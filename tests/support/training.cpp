@@ -39,7 +39,13 @@ StateDict init_state(const GPTConfig& cfg, uint64_t seed, at::ScalarType dtype) 
 void load_state(GPT& m, const StateDict& sd) {
   if (!sd.empty()) m->to(sd.begin()->second.scalar_type());
   at::NoGradGuard ng;
-  for (auto& p : m->named_parameters(true)) p.value().copy_(sd.at(p.key()));
+  const std::map<std::string, int> split = tp_split_dims(*m);
+  const auto& mesh = m->config().tp_mesh;
+  for (auto& p : m->named_parameters(true)) {
+    const at::Tensor& full = sd.at(p.key());
+    auto it = split.find(p.key());
+    p.value().copy_(it == split.end() ? full : tp_slice(full, it->second, mesh->tp_rank(), mesh->tp_size()));
+  }
 }
 
 GPT make_gpt(const GPTConfig& cfg, at::ScalarType dtype) {
@@ -161,12 +167,13 @@ double max_rel(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).norm().item<double>() / scale;
 }
 
-std::shared_ptr<Mesh> make_mesh(RankContext& ctx, std::chrono::milliseconds timeout, int replicate) {
+std::shared_ptr<Mesh> make_mesh(RankContext& ctx, std::chrono::milliseconds timeout, int replicate, int tp) {
   MeshOptions mo;
   mo.store = ctx.store;
   mo.factory = process_group_factory(c10::DeviceType::CPU);
   mo.timeout = timeout;
   mo.replicate_size = replicate;
+  mo.tp_size = tp;
   return Mesh::create(ctx.pg, mo);
 }
 

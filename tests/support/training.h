@@ -15,6 +15,7 @@
 #include "dmuon/dedicate.h"
 #include "dmuon/mesh.h"
 #include "dmuon/muon.h"
+#include "dmuon/tensor_parallel.h"
 #include "model/gpt.h"
 #include "support/multirank.h"
 
@@ -32,7 +33,8 @@ models::GPTConfig small_config(int64_t layers = 3);
 // so their bound (kFloat64Bound) holds on any CPU, BLAS kernel and thread count. fp32 variants use
 // measured bounds (kFloat32Bound).
 StateDict init_state(const models::GPTConfig& cfg, uint64_t seed, at::ScalarType dtype = at::kDouble);
-// Converts the model to the state's dtype and copies the state in.
+// Converts the model to the state's dtype and copies the state in (a TP model: each split
+// parameter takes its TP rank's slice).
 void load_state(models::GPT& m, const StateDict& sd);
 // A GPT in `dtype` (its own random init; e.g. the target of a checkpoint load).
 models::GPT make_gpt(const models::GPTConfig& cfg, at::ScalarType dtype = at::kDouble);
@@ -110,6 +112,6 @@ void dedicate_gpt(models::GPT& m, const std::shared_ptr<Mesh>& mesh, const Layou
 
 // A mesh over the rank's Gloo group (replicate > 1: HSDP).
 std::shared_ptr<Mesh> make_mesh(RankContext& ctx, std::chrono::milliseconds timeout = std::chrono::seconds(60),
-                                int replicate = 1);
+                                int replicate = 1, int tp = 1);
 
 }  // namespace dmuon::testing

@@ -1,0 +1,88 @@
+// Newton-Schulz of TP-split matrices (see tp_newton_schulz.h).
+#include "optim/tp_newton_schulz.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "dmuon/communicator.h"
+
+namespace dmuon {
+
+bool tp_distributed_gram_applies(const std::vector<int64_t>& full, int tp_dim) {
+  if (full.size() != 2 || tp_dim < 0) return false;
+  const bool transposed = full[0] > full[1];  // NS works on the wide orientation
+  return transposed ? tp_dim == 0 : tp_dim == 1;
+}
+
+double tp_factor_to_scatter_ratio(const std::vector<int64_t>& full, const NsOptions& opts, int steps) {
+  const int n = opts.coefficients ? static_cast<int>(opts.coefficients->size()) : steps;
+  const std::vector<int> restarts = opts.restart_iterations.value_or(std::vector<int>{2});
+  const int windows = 1 + static_cast<int>(std::count_if(restarts.begin(), restarts.end(),
+                                                         [n](int r) { return r > 0 && r < n; }));
+  const double m = static_cast<double>(std::min(full[0], full[1]));
+  return windows * m * m / (static_cast<double>(full[0]) * static_cast<double>(full[1]));
+}
+
+at::Tensor tp_orthogonalize(const at::Tensor& u_local, const ReadyGrad& r, int steps, const NewtonSchulz& ns,
+                            bool distributed_gram, Mesh& mesh) {
+  Communicator* tp = mesh.tp();
+  TORCH_CHECK(tp, "rank ", mesh.global_rank(), ": Muon: '", r.name, "' has a TP owner but the mesh has no TP axis.");
+  const std::string what = "TP Newton-Schulz of '" + r.name + "' (TP owner " + std::to_string(r.tp_owner) + ")";
+  const at::Tensor u = u_local.contiguous();
+  if (r.tp_dim < 0) {  // whole on every TP rank: one NS, broadcast
+    at::Tensor out = tp->rank() == r.tp_owner ? ns.local(u, steps).contiguous() : at::empty_like(u);
+    tp->broadcast(out, r.tp_owner, what + ": update").wait();
+    return out;
+  }
+  if (distributed_gram) {
+    NsOptions opts = ns.options();
+    opts.steps = steps;
+    return gram_newton_schulz_distributed_local(u, allreduce_sum_fn(*tp, what + ": Gram all-reduce"),
+                                                r.full_shape[0] > r.full_shape[1], opts);
+  }
+  TpGather g = tp_issue_gather(u, r, mesh);
+  TpScatter s = tp_scatter_update(g, r, steps, ns, mesh);
+  s.pending.wait();
+  return s.slice;
+}
+
+namespace {
+std::string tp_what(const ReadyGrad& r) {
+  return "TP Newton-Schulz of '" + r.name + "' (TP owner " + std::to_string(r.tp_owner) + ")";
+}
+}  // namespace
+
+TpGather tp_issue_gather(const at::Tensor& u_local, const ReadyGrad& r, Mesh& mesh) {
+  Communicator& tp = *mesh.tp();
+  TpGather g;
+  g.u = u_local.contiguous();
+  const int64_t n = g.u.numel();
+  g.gathered = tp.rank() == r.tp_owner ? at::empty({n * tp.size()}, g.u.options()) : at::empty({0}, g.u.options());
+  g.pending = tp.gather_flat(g.gathered, g.u.view(-1), r.tp_owner, tp_what(r) + ": input gather");
+  return g;
+}
+
+TpScatter tp_scatter_update(TpGather& g, const ReadyGrad& r, int steps, const NewtonSchulz& ns, Mesh& mesh) {
+  Communicator& tp = *mesh.tp();
+  const int T = tp.size();
+  const int64_t n = g.u.numel();
+  at::Tensor slices = at::empty({0}, g.u.options());
+  if (tp.rank() == r.tp_owner) {
+    g.pending.wait();
+    std::vector<at::Tensor> parts;
+    for (int t = 0; t < T; ++t) parts.push_back(g.gathered.narrow(0, t * n, n).view(g.u.sizes()));
+    const at::Tensor update = ns.local(at::cat(parts, r.tp_dim), steps);
+    std::vector<at::Tensor> flat;
+    for (const at::Tensor& c : update.chunk(T, r.tp_dim)) flat.push_back(c.contiguous().view(-1));
+    slices = at::cat(flat);
+  }
+  TpScatter s;
+  s.slice = at::empty_like(g.u);
+  s.pending = tp.scatter_flat(s.slice.view(-1), slices, r.tp_owner, tp_what(r) + ": update scatter");
+  // a non-owner's gather completes with the owner's receipt; waited here so nothing is left in flight
+  if (tp.rank() != r.tp_owner) g.pending.wait();
+  return s;
+}
+
+}  // namespace dmuon
