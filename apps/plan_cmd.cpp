@@ -138,19 +138,11 @@ struct TpSummary {
 };
 TpSummary tp_summary(const std::vector<ParamSpec>& local, const OwnerPlan& plan) {
   TpSummary s;
-  const int T = plan.tp_size;
-  std::vector<double> per_rank(plan.tp_slot_cost.size(), 0.0);
-  for (size_t i = 0; i < local.size(); ++i) {
-    const ParamSpec& p = local[i];
-    (p.tp_split_dim == 0 ? s.column : p.tp_split_dim == 1 ? s.row : s.whole)++;
-    const size_t base = static_cast<size_t>(OwnerPlan::slot_index(plan.owners[i], plan.shard_size)) * T;
-    const double bytes = static_cast<double>(p.numel()) * 4 * (p.tp_split_dim >= 0 ? 2 : 1);
-    for (int t = 0; t < T; ++t)
-      if (t != plan.tp_owners[i]) per_rank[base + t] += bytes;
-  }
-  for (double b : per_rank) {
-    s.exchange_mean += b / static_cast<double>(per_rank.size());
-    s.exchange_max = std::max(s.exchange_max, b);
+  for (const ParamSpec& p : local) (p.tp_split_dim == 0 ? s.column : p.tp_split_dim == 1 ? s.row : s.whole)++;
+  const std::vector<int64_t> per_rank = plan_tp_exchange(local, plan, {4});
+  for (int64_t b : per_rank) {
+    s.exchange_mean += static_cast<double>(b) / static_cast<double>(per_rank.size());
+    s.exchange_max = std::max(s.exchange_max, static_cast<double>(b));
   }
   return s;
 }

@@ -197,6 +197,25 @@ TEST(CliTest, CheckpointResumesOnAnotherNumberOfRanks) {
   for (const auto& d : {straight, first, second}) std::filesystem::remove_all(d);
 }
 
+TEST(CliTest, CheckpointOfATensorParallelRunResumesWithoutTpAndBack) {
+  const std::string straight = temp_dir(), first = temp_dir(), second = temp_dir(), third = temp_dir();
+  const std::string common = " --param-dtype fp64 --batch 8 --seq-len 16 --d-model 32 --layers 2 --log-every 1";
+  Result r = run("train --ranks 2 --steps 6" + common + " --out " + straight);
+  ASSERT_EQ(r.status, 0) << r.output;
+  // 2 data-parallel x 2 TP ranks write full tensors; 2 ranks without TP resume them; and back
+  r = run("train --ranks 4 --tp 2 --steps 3" + common + " --checkpoint " + first + "/ck.pt --out " + first);
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run("train --ranks 2 --steps 5" + common + " --resume " + first + "/ck.pt --checkpoint " + second +
+          "/ck.pt --out " + second);
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run("train --ranks 4 --tp 2 --steps 6" + common + " --resume " + second + "/ck.pt --out " + third);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto a = losses_of(straight), b = losses_of(second), c = losses_of(third);
+  for (int step = 4; step <= 5; ++step) EXPECT_NEAR(b.at(step), a.at(step), 1e-10 * a.at(step)) << "step " << step;
+  EXPECT_NEAR(c.at(6), a.at(6), 1e-10 * a.at(6)) << "step 6 after resuming with --tp 2";
+  for (const auto& d : {straight, first, second, third}) std::filesystem::remove_all(d);
+}
+
 TEST(CliTest, Fp16OnACpuWithoutHalfKernelsIsAClearError) {
   const std::string out = temp_dir();
   const Result r = run("train --ranks 1 --param-dtype fp16 --steps 2 --batch 2 --seq-len 16 --d-model 32 --layers 1 "

@@ -14,6 +14,7 @@
 
 #include "dmuon/checkpoint.h"
 #include "dmuon/dedicate.h"
+#include "dmuon/diagnostics.h"
 #include "dmuon/muon.h"
 #include "dmuon/tensor_parallel.h"
 #include "support/training.h"
@@ -326,6 +327,13 @@ TEST(TpBytes, StepExchangeEqualsTheSlicesOfTheOwnedMatrices) {
                                                        std::to_string(delta(CommOp::AllReduce)) + " != " +
                                                        std::to_string(gram * 8));
       expect(delta(CommOp::Broadcast) == 0, "no broadcast over TP for split matrices");
+      // the comm plan's figure for the gather form (what summarize_comm_plan reports as this_rank.tp)
+      if (!dgram) {
+        const ModelCommPlan cp = get_comm_plan(*m);
+        expect(cp.tp_bytes() == 2 * slices, "planned TP bytes " + std::to_string(cp.tp_bytes()) + " != measured " +
+                                                std::to_string(2 * slices));
+        expect(summarize_comm_plan(*m)["this_rank"]["tp"].get<int64_t>() == 2 * slices, "summarize_comm_plan tp");
+      }
     });
   }
 }

@@ -22,12 +22,17 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
 // The planned communication of a dedicated model (planned sizes, not measurements).
 struct ModelCommPlan {
   int rank = 0;                        // this rank (global)
-  int shard_size = 1, replicate_size = 1, world_size = 1;
+  int slot = 0;                        // its DP slot, replicate * G + shard (the index of comm's per-rank tables)
+  int shard_size = 1, replicate_size = 1, tp_size = 1, world_size = 1;
   std::string policy;                  // process-group policy of the mesh
   bool z3 = true;                      // reshard_after_forward (and not the DDP path)
   OwnerPlan plan;                      // owners, makespan, imbalance(), fingerprint
   CommPlan comm;                       // per boundary and per rank (index = global rank) bytes, formulas
   std::vector<std::string> params;     // dedicated parameters in plan order (indices in comm's roots)
+  // tensor parallelism: the TP Newton-Schulz exchange per step in the gather form, per global rank
+  // (plan_tp_exchange with each matrix's optimizer dtype; empty without a TP axis)
+  std::vector<int64_t> tp_exchange;
+  int64_t tp_bytes() const;            // this rank's entry
   // this rank's planned shard-axis bytes per step (Z3 or Z2 as configured) and replicate-axis bytes
   int64_t shard_bytes() const;
   int64_t replicate_bytes() const;
@@ -38,7 +43,7 @@ ModelCommPlan get_comm_plan(const torch::nn::Module& model);
 
 // get_comm_plan as JSON: mesh {shard, replicate, world, policy}, mode, fingerprint, owner_strategy,
 // owner_cost_model, makespan, lower_bound, imbalance, violations, params (names), this_rank {rank, z2,
-// z3, replicate}, and `comm` in the schema of `dmuon plan --json` (docs/PLAN_TOOL.md).
+// z3, replicate, tp}, tp {tp_size, imbalance, exchange (per global rank)} on a TP mesh, and `comm` in the schema of `dmuon plan --json` (docs/PLAN_TOOL.md).
 nlohmann::json summarize_comm_plan(const torch::nn::Module& model, int max_groups = 64, int max_params_per_group = 128);
 
 }  // namespace dmuon

@@ -267,4 +267,15 @@ struct CommPlan {
 CommPlan plan_comm(const std::vector<ParamSpec>& params, const OwnerPlan& plan,
                    const std::vector<std::string>& boundary_of_param = {});
 
+// The TP Newton-Schulz exchange of one step in the gather form (MuonOptions::tp_distributed_gram
+// off), per rank of the G x R x T grid (index (replicate * G + shard) * T + tp = the global rank):
+// each TP rank other than a matrix's TP owner, at the matrix's DP slot, sends its slice in the gather
+// and receives it in the scatter (2 * slice elements) when the matrix is split, and receives the
+// broadcast update (the whole matrix) when it is not. `params` have the TP-local shapes (what
+// plan_owners_tp planned); `elem_bytes[i]` is parameter i's optimizer-dtype element size (the
+// momentum-update input and the update travel in it), one value for all when of size 1. Zeros
+// when plan.tp_size == 1.
+std::vector<int64_t> plan_tp_exchange(const std::vector<ParamSpec>& params, const OwnerPlan& plan,
+                                      const std::vector<int64_t>& elem_bytes = {4});
+
 }  // namespace dmuon

@@ -5,6 +5,7 @@
 
 #include "dmuon/plan_json.h"
 
+#include "runtime/dedicated_route.h"
 #include "runtime/runtime.h"
 
 namespace dmuon {
@@ -96,12 +97,14 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
 
 int64_t ModelCommPlan::shard_bytes() const {
   const auto& v = z3 ? comm.per_rank_bytes_z3 : comm.per_rank_bytes_z2;
-  return v.empty() ? 0 : v[static_cast<size_t>(rank)];
+  return v.empty() ? 0 : v[static_cast<size_t>(slot)];
 }
 
 int64_t ModelCommPlan::replicate_bytes() const {
-  return comm.per_rank_replicate_bytes.empty() ? 0 : comm.per_rank_replicate_bytes[static_cast<size_t>(rank)];
+  return comm.per_rank_replicate_bytes.empty() ? 0 : comm.per_rank_replicate_bytes[static_cast<size_t>(slot)];
 }
+
+int64_t ModelCommPlan::tp_bytes() const { return tp_exchange.empty() ? 0 : tp_exchange[static_cast<size_t>(rank)]; }
 
 double ModelCommPlan::formula() const { return (z3 ? comm.formula_z3 : comm.formula_z2) + comm.formula_replicate; }
 
@@ -111,14 +114,21 @@ ModelCommPlan get_comm_plan(const torch::nn::Module& model) {
   const Mesh& mesh = state->mesh();
   ModelCommPlan out;
   out.rank = mesh.global_rank();
+  out.slot = mesh.replicate_rank() * mesh.shard_size() + mesh.shard_rank();
   out.shard_size = mesh.shard_size();
   out.replicate_size = mesh.replicate_size();
+  out.tp_size = mesh.tp_size();
   out.world_size = mesh.world_size();
   out.policy = mesh.policy();
   out.z3 = state->z3();
   out.plan = state->plan();
   out.comm = plan_comm(state->specs(), state->plan(), state->boundary_of_param());
   for (const auto& s : state->specs()) out.params.push_back(s.name);
+  if (mesh.has_tp()) {
+    std::vector<int64_t> esz;
+    for (const auto& e : state->dedicated().entries()) esz.push_back(static_cast<int64_t>(c10::elementSize(e.prec.optim)));
+    out.tp_exchange = plan_tp_exchange(state->specs(), state->plan(), esz);
+  }
   return out;
 }
 
@@ -135,11 +145,14 @@ nlohmann::json summarize_comm_plan(const torch::nn::Module& model, int max_group
   out["imbalance"] = cp.plan.imbalance();
   out["violations"] = cp.plan.violations;
   out["params"] = cp.params;
-  const auto at = [&](const std::vector<int64_t>& v) { return v.empty() ? int64_t{0} : v[static_cast<size_t>(cp.rank)]; };
+  const auto at = [&](const std::vector<int64_t>& v) { return v.empty() ? int64_t{0} : v[static_cast<size_t>(cp.slot)]; };
   out["this_rank"] = {{"rank", cp.rank},
                       {"z2", at(cp.comm.per_rank_bytes_z2)},
                       {"z3", at(cp.comm.per_rank_bytes_z3)},
-                      {"replicate", at(cp.comm.per_rank_replicate_bytes)}};
+                      {"replicate", at(cp.comm.per_rank_replicate_bytes)},
+                      {"tp", cp.tp_bytes()}};
+  if (cp.tp_size > 1)
+    out["tp"] = {{"tp_size", cp.tp_size}, {"imbalance", cp.plan.tp_imbalance()}, {"exchange", cp.tp_exchange}};
   out["comm"] = comm_plan_json(cp.comm, max_groups, max_params_per_group);
   return out;
 }

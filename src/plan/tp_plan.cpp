@@ -72,4 +72,24 @@ OwnerPlan plan_owners_tp(const std::vector<ParamSpec>& params, int shard_size, i
   return plan;
 }
 
+std::vector<int64_t> plan_tp_exchange(const std::vector<ParamSpec>& params, const OwnerPlan& plan,
+                                      const std::vector<int64_t>& elem_bytes) {
+  const int T = plan.tp_size;
+  std::vector<int64_t> out(static_cast<size_t>(plan.num_slots()) * static_cast<size_t>(T), 0);
+  if (T == 1) return out;
+  if (params.size() != plan.tp_owners.size() || (elem_bytes.size() != 1 && elem_bytes.size() != params.size()))
+    throw std::invalid_argument("plan_tp_exchange: " + std::to_string(params.size()) + " params, " +
+                                std::to_string(plan.tp_owners.size()) + " TP owners and " +
+                                std::to_string(elem_bytes.size()) + " element sizes do not match");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamSpec& p = params[i];
+    const int64_t esz = elem_bytes.size() == 1 ? elem_bytes[0] : elem_bytes[i];
+    const int64_t bytes = p.numel() * esz * (p.tp_split_dim >= 0 ? 2 : 1);
+    const size_t base = static_cast<size_t>(OwnerPlan::slot_index(plan.owners[i], plan.shard_size)) * T;
+    for (int t = 0; t < T; ++t)
+      if (t != plan.tp_owners[i]) out[base + static_cast<size_t>(t)] += bytes;
+  }
+  return out;
+}
+
 }  // namespace dmuon
