@@ -60,6 +60,10 @@ void add_options(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   app.add_option("--replicate", a.replicate, "HSDP: replicate groups R (ranks = R x shard size x tp)")
       ->capture_default_str();
+  app.add_option("--clip-grad", a.clip_grad,
+                 "clip the global gradient norm over all parameters to this before each step (0 = off; the "
+                 "pre-clip norm is in metrics.csv either way)")
+      ->capture_default_str();
   app.add_option("--tp", a.tp,
                  "tensor parallelism: T ranks per TP group (ranks = R x G x T); q/k/v (by heads) and gate/up "
                  "column-parallel, o and down row-parallel; the batch is split over the R x G data-parallel ranks")
@@ -122,6 +126,7 @@ void validate(const TrainArgs& a, int world) {
     bad("--tp " + std::to_string(a.tp) + " must divide --heads " + std::to_string(a.heads) +
         " (q/k/v are split over the TP ranks by heads)");
   if (a.checkpoint_every < 0) bad("--checkpoint-every must be >= 0");
+  if (!(a.clip_grad >= 0)) bad("--clip-grad must be >= 0 (0 = off)");
   if (a.checkpoint_every > 0 && a.checkpoint.empty()) bad("--checkpoint-every needs --checkpoint PATH");
   if (!a.resume.empty() && !std::filesystem::is_regular_file(a.resume))
     bad("--resume " + a.resume + ": no such checkpoint file");
@@ -264,7 +269,7 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
   // the batch is split over the data-parallel ranks; the T ranks of a TP group take the same slice
   const int dp_rank = mesh->replicate_rank() * mesh->shard_size() + mesh->shard_rank();
   const int64_t per = a.batch / mesh->data_parallel_size(), micro = per / a.grad_accum;
-  log.csv << "step,loss,lr,adamw_lr,step_ms,tokens_per_s,bytes\n";
+  log.csv << "step,loss,lr,adamw_lr,step_ms,tokens_per_s,bytes,grad_norm\n";
   const bool tty = ::isatty(STDOUT_FILENO);
   log.t_start = std::chrono::steady_clock::now();
   // Fault injection for tests of the launcher: DMUON_TEST_FAIL_AT=<rank>:<step> makes that rank fail
@@ -291,6 +296,13 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
       b_ms += std::chrono::duration<double, std::milli>(te - tb).count();
       loss_sum += loss.item<double>();
     }
+    // the global gradient norm (each element once, every layout), clipped when --clip-grad is set
+    GradClipOptions clip;
+    clip.scope = ClipScope::AllParams;
+    const MuonGradClipStats cs =
+        opt.clip_grad_norm_(a.clip_grad > 0 ? std::optional<double>(a.clip_grad) : std::nullopt, clip);
+    log.grad_norms.push_back(cs.total_norm);
+    log.clipped_steps += cs.clipped ? 1 : 0;
     opt.step();
     const StepProfile prof = opt.consume_last_step_profile();
     // global mean loss over the whole batch: the ranks' means averaged (equal slices)
@@ -314,7 +326,8 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
       log.losses.push_back(gl);
       const double tok_s = static_cast<double>(a.batch * a.seq_len) / (ms / 1000.0);
       log.csv << step << "," << std::setprecision(17) << gl << std::setprecision(6) << "," << opt.param_groups()[0].options().get_lr() << ","
-          << opt.param_groups()[1].options().get_lr() << "," << ms << "," << tok_s << "," << bytes << "\n";
+          << opt.param_groups()[1].options().get_lr() << "," << ms << "," << tok_s << "," << bytes << ","
+          << std::setprecision(17) << cs.total_norm << std::setprecision(6) << "\n";
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - log.t_start).count();
       const double eta = elapsed / (step - first_step + 1) * (a.steps - step);
       const int width = 24, fill = static_cast<int>(static_cast<double>(width) * step / a.steps);

@@ -45,6 +45,7 @@ struct TrainArgs {
   std::string param_dtype = "fp32";
   std::string checkpoint;       // write a checkpoint here (at the end, and every checkpoint_every steps)
   int checkpoint_every = 0;
+  double clip_grad = 0;         // > 0: clip the global gradient norm (all parameters) to this
   std::string resume;           // continue from this checkpoint (any world size)
 };
 
@@ -69,6 +70,8 @@ struct TrainLog {
   std::vector<int64_t> steps_logged;
   std::vector<double> losses, step_ms, fwd_ms, bwd_ms, ns_ms, adamw_ms, wait_ms, prep_ms;
   std::vector<double> bytes_per_step, muon_bytes_per_step;
+  std::vector<double> grad_norms;  // pre-clip global gradient norm per step
+  int clipped_steps = 0;
   std::ostringstream csv;
   std::chrono::steady_clock::time_point t_start;
   double total_s = 0;

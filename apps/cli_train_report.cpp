@@ -69,6 +69,12 @@ int report(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out) {
                  }()}};
   s["first_loss"] = losses.front();
   s["final_loss"] = final_loss;
+  s["grad_norm"] = {{"first", log.grad_norms.empty() ? 0.0 : log.grad_norms.front()},
+                    {"last", log.grad_norms.empty() ? 0.0 : log.grad_norms.back()},
+                    {"clip", a.clip_grad},
+                    {"clipped_fraction", log.grad_norms.empty() ? 0.0
+                                                                : static_cast<double>(log.clipped_steps) /
+                                                                      static_cast<double>(log.grad_norms.size())}};
   s["unigram_baseline"] = baseline;
   s["below_baseline"] = final_loss < baseline;
   s["seconds"] = total_s;
@@ -99,6 +105,13 @@ int report(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out) {
       << std::setprecision(3) << "  loss            " << losses.front() << " -> " << final_loss
       << " (mean of last " << tail << " steps); unigram baseline " << baseline
       << (final_loss < baseline ? "  [below baseline]" : "  [NOT below baseline]") << "\n"
+      << std::setprecision(4) << "  grad norm       first " << s["grad_norm"]["first"].get<double>() << ", last "
+      << s["grad_norm"]["last"].get<double>()
+      << (a.clip_grad > 0 ? "; clipped to " + std::to_string(a.clip_grad) + " in " +
+                                std::to_string(static_cast<int>(100 * s["grad_norm"]["clipped_fraction"].get<double>() + 0.5)) +
+                                "% of steps"
+                          : std::string("; not clipped (--clip-grad)"))
+      << "\n"
       << std::setprecision(0) << "  tokens/s        " << s["tokens_per_s"].get<double>() << "\n"
       << std::setprecision(1) << "  step ms         " << mean(step_ms) << " = forward " << mean(fwd_ms)
       << " + backward " << mean(bwd_ms) << " + optimizer " << mean(prep_ms) + mean(ns_ms) + mean(adamw_ms)

@@ -127,6 +127,23 @@ TEST(CliTest, SameDataAcrossRankCountsGivesTheSameLossCurve) {
   for (const auto& o : {o1, o2, o3}) std::filesystem::remove_all(o);
 }
 
+TEST(CliTest, ClipGradLogsTheNormAndClips) {
+  const std::string out = temp_dir();
+  const Result r = run("train --ranks 2 --clip-grad 0.01 --steps 4 --batch 4 --seq-len 16 --d-model 32 --layers 1 "
+                       "--out " + out);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("clipped to 0.01"), std::string::npos) << r.output;
+  std::ifstream js(out + "/summary.json");
+  const nlohmann::json s = nlohmann::json::parse(js);
+  EXPECT_GT(s["grad_norm"]["first"].get<double>(), 0.01);
+  EXPECT_DOUBLE_EQ(s["grad_norm"]["clipped_fraction"].get<double>(), 1.0);
+  std::ifstream csv(out + "/metrics.csv");
+  std::string header;
+  std::getline(csv, header);
+  EXPECT_NE(header.find(",grad_norm"), std::string::npos) << header;
+  std::filesystem::remove_all(out);
+}
+
 TEST(CliTest, HsdpWithShardedBaseParamsTrains) {
   const std::string out = temp_dir();
   const Result r = run("train --ranks 4 --replicate 2 --shard-base --steps 12 --batch 8 --seq-len 16 --d-model 32 "

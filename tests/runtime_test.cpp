@@ -124,6 +124,11 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
         }
         loss.backward();
       }
+      if (tc.clip > 0) {  // the global norm over every parameter, as the reference clips it
+        GradClipOptions co;
+        co.scope = ClipScope::AllParams;
+        opt.clip_grad_norm_(tc.clip, co);
+      }
       opt.step();
       if (sched) sched->step();
     }
@@ -214,6 +219,34 @@ INSTANTIATE_TEST_SUITE_P(Ranks, EquivalenceTest,
                            return "N" + std::to_string(std::get<0>(info.param)) +
                                   (std::get<1>(info.param) ? "_Z3" : "_Z2");
                          });
+
+// Global-norm clipping (ClipScope::AllParams) before every step, against the reference clipping
+// its whole model: the norm counts each element once on every layout, so the scaled gradients, and
+// with them the momentum and AdamW moments, match.
+TEST(RuntimeTest, GlobalNormClippingMatchesSingleProcess) {
+  struct Case {
+    int world, replicate;
+    bool z3, sharded;
+    int accum;
+  };
+  for (const Case c : {Case{1, 1, true, false, 1}, Case{2, 1, true, false, 1}, Case{3, 1, false, false, 1},
+                       Case{4, 2, true, false, 1}, Case{2, 1, true, true, 1}, Case{2, 1, true, false, 2}}) {
+    TrainConfig tc;
+    tc.steps = 4;
+    tc.clip = 0.05;  // well below the gradient norm of this model: every step clips
+    tc.accum = c.accum;
+    tc.no_sync = c.accum > 1;
+    DistConfig dc;
+    dc.world = c.world;
+    dc.replicate = c.replicate;
+    dc.z3 = c.z3;
+    dc.sharded = c.sharded;
+    dc.pack_small_params = false;
+    SCOPED_TRACE("N" + std::to_string(c.world) + " R" + std::to_string(c.replicate) + (c.sharded ? " sharded" : "") +
+                 " accum " + std::to_string(c.accum));
+    check_equivalence(small_config(), tc, dc);
+  }
+}
 
 // The same comparison in fp32: distributed and single-process runs differ by fp32 reduction order
 // (BLAS kernel, thread count, Gloo's sum order), which Newton-Schulz amplifies. The bound

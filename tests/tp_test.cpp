@@ -31,6 +31,7 @@ struct TpLayout {
   bool z3 = true;
   bool ddp = false;                 // dedicate_params_ddp_tp
   bool dgram = false;               // MuonOptions::tp_distributed_gram
+  bool sharded = false;             // the non-matrix parameters on sharded_adamw
   std::string dgram_policy = "always";
   std::optional<bool> async;        // MuonOptions::replicate_async
   int accum = 1;
@@ -68,6 +69,10 @@ TpOutcome check_tp_equivalence(const TpLayout& l) {
     DedicateOptions o;
     o.reshard_after_forward = l.z3;
     o.plan.pack_small_params = false;
+    if (l.sharded)
+      o.route_hint_fn = [](const std::string& n, const at::Tensor& p) -> std::string {
+        return models::is_muon_matrix(n, p) ? "" : "sharded_adamw";
+      };
     if (l.ddp)
       dedicate_params_ddp_tp(m.ptr(), mesh, models::is_muon_matrix, o);
     else
@@ -127,6 +132,18 @@ TpOutcome check_tp_equivalence(const TpLayout& l) {
       checked[d.name + "@" + std::to_string(t)]++;
     }
     for (const auto& [name, p] : get_base_params(*m)) within(max_rel(p, ref.params.at(name)), name + " (AdamW)");
+    if (l.sharded) {  // each TP position's slices of the embedding, norms and head, gathered by the state dict
+      StateDictOptions all_ranks;
+      all_ranks.rank0_only = false;
+      const TensorDict sd = get_model_state_dict(*m, all_ranks);
+      int n = 0;
+      for (const auto& [name, v] : ref.params) {
+        if (models::is_muon_matrix(name, v)) continue;
+        within(max_rel(sd.at(name), v), name + " (sharded_adamw)");
+        ++n;
+      }
+      expect(n > 0 && get_base_params(*m).empty(), "every non-matrix parameter is on sharded_adamw");
+    }
     std::lock_guard<std::mutex> g(mu);
     out.worst = std::max(out.worst, worst);
     out.gathered += gathered;
@@ -235,6 +252,13 @@ TEST(TpEquivalence, Dp2Tp2Z3DistributedGramBeneficial) {
   l.dgram_policy = "beneficial";  // ratios: 2 * 32^2 / (48 * 32) = 1.33 (gate/up/down), 2 (o): all gathered
   const auto r = check_tp_equivalence(l);
   EXPECT_EQ(r.distributed, 0);
+}
+
+TEST(TpEquivalence, Dp2Tp2ShardedBaseParams) {
+  TpLayout l;
+  l.world = 4;
+  l.sharded = true;
+  check_tp_equivalence(l);
 }
 
 TEST(TpEquivalence, Dp2Tp2AccumulationInNoSync) {

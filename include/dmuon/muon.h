@@ -37,6 +37,7 @@
 #include <utility>
 #include <vector>
 
+#include "dmuon/grad_clip.h"
 #include "dmuon/newton_schulz.h"
 
 namespace dmuon {
@@ -151,6 +152,9 @@ class Muon : public torch::optim::Optimizer {
   const NewtonSchulz& ns() const { return ns_; }
   // The last step's profile; resets it.
   StepProfile consume_last_step_profile();
+  // Gradient-norm clipping between backward and step (grad_clip.h; collective).
+  MuonGradClipStats clip_grad_norm_(std::optional<double> max_norm, const GradClipOptions& opts = {});
+  const std::optional<MuonGradClipStats>& last_muon_grad_clip_stats() const { return last_clip_; }
   // Number of optimizer steps taken.
   int64_t steps_taken() const { return steps_; }
   // Per-parameter state of `p` (nullptr when none yet / not on this rank).
@@ -179,6 +183,9 @@ class Muon : public torch::optim::Optimizer {
   std::map<const c10::TensorImpl*, size_t> group_of_;  // parameter -> index in param_groups_
   size_t group_of_count_ = 0;                         // parameters grouped when group_of_ was built
   StepProfile last_profile_;
+  std::optional<MuonGradClipStats> last_clip_;
+  // gradients clip_grad_norm_ took from the runtime for this step (step() uses them, zero_grad drops them)
+  std::shared_ptr<std::vector<ReadyGrad>> taken_;
   int64_t steps_ = 0;
   int progress_logged_ = 0;
 };

@@ -304,7 +304,8 @@ at::Tensor Muon::step(LossClosure closure) {
   const auto t_start = std::chrono::steady_clock::now();
   state->prepare_grads();  // collective: the reduces are waited (HSDP: stage 2 issued and waited)
   prof.prepare_ms = elapsed_ms(t_start);
-  const std::vector<ReadyGrad> ready = state->take_ready_grads();
+  const std::vector<ReadyGrad> ready = taken_ ? std::move(*taken_) : state->take_ready_grads();
+  taken_.reset();
   if (check_finite_) check_finite_grads(ready, state->mesh().global_rank());
   // which group each parameter is in (rebuilt when groups are added)
   size_t grouped = 0;
@@ -372,6 +373,7 @@ at::Tensor Muon::step(LossClosure closure) {
 void Muon::zero_grad(bool set_to_none) {
   // Gradients dmuon already holds (reduced sums of owned matrices, replicated buckets, sharded
   // slices) are discarded too, so zero_grad between a backward and step() drops that backward.
+  taken_.reset();  // a clipped set of gradients from before is dropped too
   if (auto model = model_.lock())
     if (auto state = detail::state_of_model(model.get())) state->discard_grads();
   for (auto& group : param_groups_)

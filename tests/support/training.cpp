@@ -86,6 +86,15 @@ RefResult reference_train(const GPTConfig& cfg, const StateDict& init, const std
     loss.backward();
     r.losses.push_back(loss.item<double>());
     at::NoGradGuard ng;
+    if (tc.clip > 0) {  // torch::nn::utils::clip_grad_norm_ over the whole model
+      double sq = 0;
+      for (auto& p : m->parameters())
+        if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+      const double coef = std::min(1.0, tc.clip / (std::sqrt(sq) + 1e-6));
+      if (coef < 1.0)
+        for (auto& p : m->parameters())
+          if (p.grad().defined()) p.mutable_grad().mul_(coef);
+    }
     for (auto& item : m->named_parameters(true)) {
       at::Tensor p = item.value();
       const std::string& name = item.key();

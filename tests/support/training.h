@@ -70,6 +70,7 @@ struct TrainConfig {
   bool discarded_backward = false;
   bool discarded_in_no_sync = false;
   bool zero_grad_to_none = true;
+  double clip = 0;  // > 0: clip the global gradient norm of all parameters to this before each step
 };
 
 struct RefResult {

@@ -1,0 +1,148 @@
+// Gradient-norm clipping (include/dmuon/grad_clip.h): the norms every layout computes against the
+// single-process norm of the whole model (float64), the scopes, and non-finite gradients.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "dmuon/dedicate.h"
+#include "dmuon/grad_clip.h"
+#include "dmuon/muon.h"
+#include "dmuon/tensor_parallel.h"
+#include "support/training.h"
+
+using namespace dmuon;
+using namespace dmuon::testing;
+using models::GPT;
+using models::GPTConfig;
+
+namespace {
+
+struct RefNorms {
+  double all2 = 0, muon2 = 0, all_inf = 0;
+  int64_t all_count = 0, muon_count = 0;
+};
+
+RefNorms reference_norms(const GPTConfig& cfg, const StateDict& init, const at::Tensor& tokens) {
+  GPT m(cfg);
+  load_state(m, init);
+  m->loss(tokens).backward();
+  RefNorms r;
+  for (const auto& item : m->named_parameters(true)) {
+    const at::Tensor g = item.value().grad();
+    if (!g.defined()) continue;
+    const double sq = g.pow(2).sum().item<double>();
+    r.all2 += sq;
+    r.all_inf = std::max(r.all_inf, g.abs().max().item<double>());
+    ++r.all_count;
+    if (models::is_muon_matrix(item.key(), item.value())) {
+      r.muon2 += sq;
+      ++r.muon_count;
+    }
+  }
+  r.all2 = std::sqrt(r.all2);
+  r.muon2 = std::sqrt(r.muon2);
+  return r;
+}
+
+struct ClipLayout {
+  std::string label;
+  int world = 2, replicate = 1, tp = 1;
+  bool sharded = false;
+};
+
+void check_norms(const ClipLayout& l) {
+  SCOPED_TRACE(l.label);
+  const GPTConfig cfg = small_config(2);
+  const StateDict init = init_state(cfg, 5, at::kDouble);
+  const at::Tensor tokens = make_batches(1, 24, 12, cfg.vocab_size, 3)[0];  // splits over 1, 2, 3, 4 and 8
+  const RefNorms ref = reference_norms(cfg, init, tokens);
+  run_ranks(l.world, [&](RankContext& ctx) {
+    auto mesh = make_mesh(ctx, std::chrono::seconds(60), l.replicate, l.tp);
+    GPTConfig c = cfg;
+    if (l.tp > 1) c.tp_mesh = mesh;
+    GPT m(c);
+    load_state(m, init);
+    DedicateOptions o;
+    o.plan.pack_small_params = false;
+    if (l.sharded)
+      o.route_hint_fn = [](const std::string& n, const at::Tensor& p) -> std::string {
+        return models::is_muon_matrix(n, p) ? "" : "sharded_adamw";
+      };
+    dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
+    replicate_tp(m.ptr(), mesh);
+    Muon opt(m.ptr(), muon_options(TrainConfig{}));
+    const int dp = mesh->data_parallel_size(), dp_rank = mesh->replicate_rank() * mesh->shard_size() + mesh->shard_rank();
+    const int64_t per = tokens.size(0) / dp;
+    m->loss(tokens.narrow(0, dp_rank * per, per)).backward();
+    auto rel = [](double a, double b) { return std::abs(a - b) / b; };
+    GradClipOptions all;
+    all.scope = ClipScope::AllParams;
+    const MuonGradClipStats s = opt.clip_grad_norm_(std::nullopt, all);  // stats only
+    expect(rel(s.total_norm, ref.all2) < 1e-10, l.label + ": global norm " + std::to_string(s.total_norm) + " vs " +
+                                                    std::to_string(ref.all2));
+    expect(s.param_count == ref.all_count, "param_count " + std::to_string(s.param_count) + " vs " +
+                                               std::to_string(ref.all_count));
+    expect(!s.clipped && s.clip_coef == 1.0 && !s.found_inf, "stats only");
+    GradClipOptions muon;
+    const MuonGradClipStats sm = opt.clip_grad_norm_(std::nullopt, muon);
+    expect(rel(sm.total_norm, ref.muon2) < 1e-10, "Muon-only norm");
+    expect(sm.param_count == ref.muon_count, "Muon-only param_count");
+    GradClipOptions inf = all;
+    inf.norm_type = std::numeric_limits<double>::infinity();
+    expect(rel(opt.clip_grad_norm_(std::nullopt, inf).total_norm, ref.all_inf) < 1e-10, "max norm");
+    // clipping to half the norm: afterwards the norm is half (within the +1e-6 of PyTorch's formula:
+    // coef = (n / 2) / (n + 1e-6), a relative 1e-6 / n off 0.5)
+    const MuonGradClipStats c1 = opt.clip_grad_norm_(ref.all2 / 2, all);
+    expect(c1.clipped && std::abs(c1.clip_coef - 0.5) < 1e-5, "clip coefficient");
+    expect(opt.last_muon_grad_clip_stats() && opt.last_muon_grad_clip_stats()->clipped, "last stats");
+    const MuonGradClipStats after = opt.clip_grad_norm_(std::nullopt, all);
+    expect(rel(after.total_norm, ref.all2 / 2) < 1e-5, "norm after clipping");
+    opt.step();  // the clipped gradients are the ones the step uses (and then they are gone)
+  });
+}
+
+}  // namespace
+
+TEST(ClipTest, NormsEqualTheSingleProcessNormOnEveryLayout) {
+  for (const ClipLayout& l : {ClipLayout{"N1", 1}, ClipLayout{"N2", 2}, ClipLayout{"N3", 3},
+                              ClipLayout{"HSDP 2x2", 4, 2}, ClipLayout{"N2 sharded", 2, 1, 1, true},
+                              ClipLayout{"HSDP 2x2 sharded", 4, 2, 1, true}, ClipLayout{"DP2 x TP2", 4, 1, 2},
+                              ClipLayout{"TP2 sharded", 2, 1, 2, true}, ClipLayout{"N8 (idle ranks)", 8}})
+    check_norms(l);
+}
+
+TEST(ClipTest, NonFiniteGradientsAreReportedOrRaisedOnEveryRank) {
+  const GPTConfig cfg = small_config(1);
+  const StateDict init = init_state(cfg, 5, at::kDouble);
+  const at::Tensor tokens = make_batches(1, 4, 12, cfg.vocab_size, 3)[0];
+  std::mutex mu;
+  int raised = 0;
+  run_ranks(2, [&](RankContext& ctx) {
+    auto mesh = make_mesh(ctx);
+    GPT m(cfg);
+    load_state(m, init);
+    dedicate_params(m.ptr(), mesh, models::is_muon_matrix);
+    replicate(m.ptr(), mesh);
+    Muon opt(m.ptr(), muon_options(TrainConfig{}));
+    // rank 1's loss is NaN, so every averaged gradient is
+    const double f = ctx.rank == 1 ? std::numeric_limits<double>::quiet_NaN() : 1.0;
+    (m->loss(tokens.narrow(0, 2 * ctx.rank, 2)) * f).backward();
+    GradClipOptions o;
+    o.scope = ClipScope::AllParams;
+    const MuonGradClipStats s = opt.clip_grad_norm_(1.0, o);
+    expect(s.found_inf && !s.clipped, "found_inf without scaling");
+    o.error_if_nonfinite = true;
+    const std::string e = error_of([&] { opt.clip_grad_norm_(1.0, o); });
+    expect(e.find("clip_grad_norm_: the total norm of order 2 of the gradients is nan") != std::string::npos, e);
+    std::lock_guard<std::mutex> g(mu);
+    ++raised;
+    opt.zero_grad();
+  });
+  EXPECT_EQ(raised, 2);
+}
