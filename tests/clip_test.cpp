@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -107,6 +108,20 @@ void check_norms(const ClipLayout& l) {
   });
 }
 
+// A small GPT on a 1-D mesh, dedicated and replicated, with its optimizer.
+struct TwoRanks {
+  GPT model{nullptr};
+  std::unique_ptr<Muon> opt;
+  TwoRanks(RankContext& ctx, const GPTConfig& cfg, const StateDict& init) {
+    auto mesh = make_mesh(ctx);
+    model = GPT(cfg);
+    load_state(model, init);
+    dedicate_params(model.ptr(), mesh, models::is_muon_matrix);
+    replicate(model.ptr(), mesh);
+    opt = std::make_unique<Muon>(model.ptr(), muon_options(TrainConfig{}));
+  }
+};
+
 }  // namespace
 
 TEST(ClipTest, NormsEqualTheSingleProcessNormOnEveryLayout) {
@@ -124,12 +139,9 @@ TEST(ClipTest, NonFiniteGradientsAreReportedOrRaisedOnEveryRank) {
   std::mutex mu;
   int raised = 0;
   run_ranks(2, [&](RankContext& ctx) {
-    auto mesh = make_mesh(ctx);
-    GPT m(cfg);
-    load_state(m, init);
-    dedicate_params(m.ptr(), mesh, models::is_muon_matrix);
-    replicate(m.ptr(), mesh);
-    Muon opt(m.ptr(), muon_options(TrainConfig{}));
+    TwoRanks run(ctx, cfg, init);
+    GPT& m = run.model;
+    Muon& opt = *run.opt;
     // rank 1's loss is NaN, so every averaged gradient is
     const double f = ctx.rank == 1 ? std::numeric_limits<double>::quiet_NaN() : 1.0;
     (m->loss(tokens.narrow(0, 2 * ctx.rank, 2)) * f).backward();
@@ -145,4 +157,40 @@ TEST(ClipTest, NonFiniteGradientsAreReportedOrRaisedOnEveryRank) {
     opt.zero_grad();
   });
   EXPECT_EQ(raised, 2);
+}
+
+TEST(ClipTest, CustomStrategiesAreRegisteredAndUnknownOnesAreClearErrors) {
+  // a strategy that halves every Muon gradient and reports the local count of counted gradients
+  register_muon_grad_clip_strategy("halve", [](std::vector<ClipGrad>& grads, std::optional<double>,
+                                               const GradClipOptions&, Mesh&) {
+    MuonGradClipStats s;
+    for (auto& g : grads) {
+      g.grad.mul_(0.5);
+      s.param_count += g.counted ? 1 : 0;
+    }
+    s.clip_coef = 0.5;
+    s.clipped = true;
+    return s;
+  });
+  const GPTConfig cfg = small_config(1);
+  const StateDict init = init_state(cfg, 5, at::kDouble);
+  const at::Tensor tokens = make_batches(1, 4, 12, cfg.vocab_size, 3)[0];
+  run_ranks(2, [&](RankContext& ctx) {
+    TwoRanks run(ctx, cfg, init);
+    GPT& m = run.model;
+    Muon& opt = *run.opt;
+    m->loss(tokens.narrow(0, 2 * ctx.rank, 2)).backward();
+    const double before = opt.clip_grad_norm_(std::nullopt).total_norm;
+    GradClipOptions o;
+    o.strategy = "halve";
+    const MuonGradClipStats s = opt.clip_grad_norm_(1.0, o);
+    expect(s.strategy == "halve" && s.clipped, "the custom strategy ran");
+    const double after = opt.clip_grad_norm_(std::nullopt).total_norm;
+    expect(std::abs(after - before / 2) < 1e-12 * before, "Muon gradients halved");
+    o.strategy = "no_such";
+    const std::string e = error_of([&] { opt.clip_grad_norm_(1.0, o); });
+    expect(e.find("unknown strategy 'no_such'") != std::string::npos && e.find("halve") != std::string::npos, e);
+    opt.zero_grad();
+  });
+  EXPECT_THROW(register_muon_grad_clip_strategy("global_norm", {}), c10::Error);
 }

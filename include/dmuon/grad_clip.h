@@ -21,13 +21,18 @@
 // collective: every rank of the mesh (one all-gather of three numbers per rank), whatever it owns.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace dmuon {
 
 class Muon;
+class Mesh;
 
 enum class ClipScope { Muon, AllParams };
 
@@ -35,6 +40,7 @@ struct GradClipOptions {
   double norm_type = 2.0;           // p > 0, or INFINITY for the max norm
   bool error_if_nonfinite = false;  // a NaN/Inf total norm raises (on every rank together)
   ClipScope scope = ClipScope::Muon;
+  std::string strategy = "global_norm";  // or a name given to register_muon_grad_clip_strategy
 };
 
 struct MuonGradClipStats {
@@ -50,5 +56,18 @@ struct MuonGradClipStats {
 
 // collective: see above. Throws (on every rank) when error_if_nonfinite and the norm is not finite.
 MuonGradClipStats clip_grad_norm_(Muon& optimizer, std::optional<double> max_norm, const GradClipOptions& opts = {});
+
+// Custom strategies. A strategy gets the live gradients in scope on this rank (scale or inspect
+// them in place), each with whether this rank counts it in a norm (so every element is counted once
+// over the mesh), and returns the stats. It must issue the same collectives on every rank of the mesh.
+struct ClipGrad {
+  std::string name;
+  at::Tensor grad;
+  bool counted = true;
+};
+using MuonGradClipStrategy = std::function<MuonGradClipStats(std::vector<ClipGrad>& grads, std::optional<double> max_norm,
+                                                             const GradClipOptions& opts, Mesh& mesh)>;
+// Registers (or replaces) `name`; "global_norm" is built in and cannot be replaced. Thread-safe.
+void register_muon_grad_clip_strategy(const std::string& name, MuonGradClipStrategy strategy);
 
 }  // namespace dmuon

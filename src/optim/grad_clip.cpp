@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <map>
+#include <mutex>
 
 #include "dmuon/host_sync.h"
 #include "dmuon/muon.h"
@@ -13,6 +14,25 @@
 #include "runtime/runtime.h"
 
 namespace dmuon {
+
+namespace {
+std::mutex& strategies_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<std::string, MuonGradClipStrategy>& strategies() {
+  static std::map<std::string, MuonGradClipStrategy> s;
+  return s;
+}
+}  // namespace
+
+void register_muon_grad_clip_strategy(const std::string& name, MuonGradClipStrategy strategy) {
+  TORCH_CHECK(name != "global_norm" && !name.empty(), "register_muon_grad_clip_strategy: '", name,
+              "' is built in (or empty); pick another name.");
+  TORCH_CHECK(static_cast<bool>(strategy), "register_muon_grad_clip_strategy: the strategy '", name, "' is empty.");
+  std::lock_guard<std::mutex> g(strategies_mu());
+  strategies()[name] = std::move(strategy);
+}
 
 MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const GradClipOptions& opts) {
   at::NoGradGuard ng;
@@ -44,6 +64,27 @@ MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const Gr
   std::vector<ReadyGrad*> scope;
   for (auto& r : ready)
     if (opts.scope == ClipScope::AllParams || r.route == RouteKind::Dedicated) scope.push_back(&r);
+  if (opts.strategy != "global_norm") {
+    MuonGradClipStrategy custom;
+    {
+      std::lock_guard<std::mutex> g(strategies_mu());
+      auto it = strategies().find(opts.strategy);
+      if (it != strategies().end()) custom = it->second;
+    }
+    if (!custom) {
+      std::string known = "global_norm";
+      std::lock_guard<std::mutex> g(strategies_mu());
+      for (const auto& [name, s] : strategies()) known += ", " + name;
+      TORCH_CHECK(false, "rank ", mesh.global_rank(), ": clip_grad_norm_: unknown strategy '", opts.strategy,
+                  "'. Registered: ", known, " (register_muon_grad_clip_strategy adds one).");
+    }
+    std::vector<ClipGrad> grads;
+    for (ReadyGrad* r : scope) grads.push_back({r->name, r->grad, counted(*r)});
+    MuonGradClipStats s = custom(grads, max_norm, opts, mesh);
+    s.strategy = opts.strategy;
+    last_clip_ = s;
+    return s;
+  }
   // this rank's partial: sum |g|^p (or max |g|), the parameters it counts, as float64 on the device
   const bool inf = std::isinf(p);
   at::Tensor part;
