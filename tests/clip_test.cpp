@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -193,4 +194,125 @@ TEST(ClipTest, CustomStrategiesAreRegisteredAndUnknownOnesAreClearErrors) {
     opt.zero_grad();
   });
   EXPECT_THROW(register_muon_grad_clip_strategy("global_norm", {}), c10::Error);
+}
+
+namespace {
+
+// Two ranks of TwoRanks after one backward of a one-layer GPT; `fn` gets the optimizer and the
+// single-process norms.
+void after_backward_on_two_ranks(const std::function<void(Muon&, const RefNorms&)>& fn) {
+  const GPTConfig cfg = small_config(1);
+  const StateDict init = init_state(cfg, 5, at::kDouble);
+  const at::Tensor tokens = make_batches(1, 4, 12, cfg.vocab_size, 3)[0];
+  const RefNorms ref = reference_norms(cfg, init, tokens);
+  run_ranks(2, [&](RankContext& ctx) {
+    TwoRanks run(ctx, cfg, init);
+    run.model->loss(tokens.narrow(0, 2 * ctx.rank, 2)).backward();
+    fn(*run.opt, ref);
+  });
+}
+
+}  // namespace
+
+TEST(ClipTest, ForeachKernelsGiveTheReferenceNormAndScaling) {
+  after_backward_on_two_ranks([](Muon& opt, const RefNorms& ref) {
+    for (double p : {2.0, 1.0, 3.0, std::numeric_limits<double>::infinity()}) {
+      GradClipOptions ref_o, fused_o;
+      ref_o.scope = fused_o.scope = ClipScope::AllParams;
+      ref_o.norm_type = fused_o.norm_type = p;
+      ref_o.foreach = false;
+      fused_o.foreach = true;
+      const double a = opt.clip_grad_norm_(std::nullopt, ref_o).total_norm;
+      const double b = opt.clip_grad_norm_(std::nullopt, fused_o).total_norm;
+      // float64 gradients: per-tensor norms rounded once before they are combined
+      expect(std::abs(a - b) <= 1e-12 * a, "foreach norm of order " + std::to_string(p) + ": " + std::to_string(b) +
+                                               " vs " + std::to_string(a));
+    }
+    GradClipOptions fused;
+    fused.scope = ClipScope::AllParams;
+    fused.foreach = true;
+    const MuonGradClipStats c = opt.clip_grad_norm_(ref.all2 / 4, fused);
+    expect(c.clipped && std::abs(c.clip_coef - 0.25) < 1e-5, "foreach clip coefficient");
+    fused.foreach = false;
+    const double after = opt.clip_grad_norm_(std::nullopt, fused).total_norm;
+    expect(std::abs(after - c.clip_coef * ref.all2) < 1e-10 * ref.all2, "foreach scaling");
+    opt.zero_grad();
+  });
+}
+
+TEST(ClipTest, BucketsAreClippedEachOnItsOwnNormOverTheGroup) {
+  // rank r holds sharded pieces r+1 and 2r+1 (reduce) and a replicated copy of [3, 4] (local); rank 2
+  // holds no sharded gradient at all
+  run_ranks(3, [&](RankContext& ctx) {
+    auto mesh = make_mesh(ctx);
+    const auto f64 = at::TensorOptions().dtype(at::kDouble);
+    const int r = ctx.rank;
+    std::vector<at::Tensor> sharded;
+    if (r < 2) sharded = {at::full({2, 3}, r + 1.0, f64), at::full({4}, 2.0 * r + 1, f64)};
+    const at::Tensor rep = at::tensor({3.0, 4.0}, f64);
+    const at::Tensor rep_copy = rep.clone();
+    const std::vector<GradClipBucket> buckets = {
+        {"sharded", sharded, true, {}}, {"replicated", {rep}, false, {rep_copy}}, {"empty", {}, true, {}}};
+    // sum of squares: rank 0: 6*1 + 4*1 = 10; rank 1: 6*4 + 4*9 = 60 -> norm sqrt(70)
+    const double sharded_norm = std::sqrt(70.0);
+    const SegmentedGradClipResult res = clip_grad_norm_buckets_(buckets, 2.0, &mesh->world());
+    expect(res.bucket_stats.size() == 3, "three buckets");
+    const GradClipBucketStats& s = res.bucket_stats[0];
+    expect(std::abs(s.total_norm - sharded_norm) < 1e-12, "sharded norm " + std::to_string(s.total_norm));
+    expect(s.param_count == 4 && s.clipped && std::abs(s.clip_coef - 2.0 / (sharded_norm + 1e-6)) < 1e-15,
+           "sharded stats");
+    const GradClipBucketStats* rs = res.find("replicated");
+    expect(rs && std::abs(rs->total_norm - 5.0) < 1e-15 && rs->param_count == 1, "replicated norm (local)");
+    const double rc = 2.0 / (5.0 + 1e-6);
+    expect(std::abs(rep[0].item<double>() - 3 * rc) < 1e-15 && std::abs(rep_copy[1].item<double>() - 4 * rc) < 1e-15,
+           "replicated copies scaled by their own coefficient");
+    if (r < 2) expect(std::abs(sharded[0][0][0].item<double>() - (r + 1.0) * s.clip_coef) < 1e-15, "sharded scaled");
+    const GradClipBucketStats* es = res.find("empty");
+    expect(es && es->total_norm == 0 && !es->clipped && es->clip_coef == 1.0 && es->param_count == 0, "empty bucket");
+    expect(std::abs(res.total_norm.item<double>() - std::sqrt(70.0 + 25.0)) < 1e-12, "combined norm");
+    expect(!res.fastpath && res.fallback_reason.has_value(), "CPU tensors take the reference math");
+    // the fused kernels, asked for, give the same numbers
+    const at::Tensor a = at::full({5}, 1.0 + r, f64), b = a.clone();
+    BucketClipOptions fused;
+    fused.foreach = true;
+    fused.chunk_size = 3;  // one call per tensor
+    const auto rf = clip_grad_norm_buckets_({{"x", {a}, true, {}}}, std::nullopt, &mesh->world(), fused);
+    const auto rr = clip_grad_norm_buckets_({{"x", {b}, true, {}}}, std::nullopt, &mesh->world());
+    expect(rf.fastpath && rf.bucket_stats[0].fastpath, "foreach=true takes the fused path");
+    expect(std::abs(rf.bucket_stats[0].total_norm - rr.bucket_stats[0].total_norm) < 1e-12, "fused = reference");
+    expect(std::abs(rr.bucket_stats[0].total_norm - std::sqrt(5.0 * (1 + 4 + 9))) < 1e-12, "closed form");
+    // non-finite: reported, gradients left alone
+    const at::Tensor nan_g = at::full({2}, r == 1 ? std::nan("") : 1.0, f64);
+    const auto rn = clip_grad_norm_buckets_({{"nan", {nan_g}, true, {}}}, 1.0, &mesh->world());
+    expect(rn.bucket_stats[0].found_inf && !rn.bucket_stats[0].clipped, "found_inf");
+    if (r == 0) expect(nan_g[0].item<double>() == 1.0, "unscaled");
+    // ranks that pass different buckets get an error, not a hang
+    std::vector<GradClipBucket> odd = {{"a", {a}, true, {}}};
+    if (r == 2) odd.push_back({"b", {}, false, {}});
+    const std::string e = error_of([&] { clip_grad_norm_buckets_(odd, 1.0, &mesh->world()); });
+    expect(e.find("clip_grad_norm_buckets_") != std::string::npos && e.find("same buckets") != std::string::npos, e);
+    expect(error_of([&] { clip_grad_norm_buckets_({}, 1.0, nullptr, BucketClipOptions{int64_t{0}, {}}); })
+                   .find("chunk_size must be > 0") != std::string::npos,
+           "chunk_size checked");
+  });
+}
+
+TEST(ClipTest, OptimizerBucketsGiveTheRegularMuonAndAdamwNorms) {
+  after_backward_on_two_ranks([](Muon& opt, const RefNorms& ref) {
+    // the replicated gradients, averaged and identical on both ranks: the "regular" bucket
+    std::vector<at::Tensor> regular;
+    for (const ClipGrad& c : opt.clip_grads(ClipScope::AllParams))
+      if (!models::is_muon_matrix(c.name, c.grad)) regular.push_back(c.grad);
+    const auto res = try_clip_optimizer_grad_norm_buckets_(opt, regular, {}, 1e9);
+    expect(res.has_value(), "a result");
+    const double regular_ref = std::sqrt(ref.all2 * ref.all2 - ref.muon2 * ref.muon2);
+    expect(std::abs(res->find("muon")->total_norm - ref.muon2) < 1e-10 * ref.muon2, "muon bucket");
+    expect(res->find("muon")->param_count == ref.muon_count, "muon count");
+    expect(std::abs(res->find("regular")->total_norm - regular_ref) < 1e-10 * regular_ref, "regular bucket");
+    expect(res->find("adamw")->param_count == 0, "no sharded gradients");
+    expect(std::abs(res->total_norm.item<double>() - ref.all2) < 1e-10 * ref.all2, "combined = global norm");
+    const auto& last = opt.last_muon_grad_clip_stats();
+    expect(last && last->strategy == "segmented" && !last->clipped, "last stats");
+    opt.step();
+  });
 }

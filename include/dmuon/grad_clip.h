@@ -41,6 +41,13 @@ struct GradClipOptions {
   bool error_if_nonfinite = false;  // a NaN/Inf total norm raises (on every rank together)
   ClipScope scope = ClipScope::Muon;
   std::string strategy = "global_norm";  // or a name given to register_muon_grad_clip_strategy
+  // Fused foreach kernels (at::_foreach_norm / _foreach_mul_) for the local norms and the scaling:
+  // nullopt (default) uses them when every gradient in scope is a float32/float64 CUDA tensor, as
+  // PyTorch's clip_grad_norm_ does; true wherever a tensor is eligible (dense float32/float64, any
+  // device); false never (float64 reference math). The norm and the collectives are the same
+  // either way; only the local arithmetic differs (rounding: the per-tensor norms are in the
+  // gradient's dtype before they are combined in float64).
+  std::optional<bool> foreach;
 };
 
 struct MuonGradClipStats {
@@ -63,11 +70,82 @@ MuonGradClipStats clip_grad_norm_(Muon& optimizer, std::optional<double> max_nor
 struct ClipGrad {
   std::string name;
   at::Tensor grad;
-  bool counted = true;
+  bool counted = true;       // this rank adds it to the norm (false: a copy counted on another rank)
+  bool counts_param = true;  // counted, and this copy counts the parameter once in param_count
 };
 using MuonGradClipStrategy = std::function<MuonGradClipStats(std::vector<ClipGrad>& grads, std::optional<double> max_norm,
                                                              const GradClipOptions& opts, Mesh& mesh)>;
 // Registers (or replaces) `name`; "global_norm" is built in and cannot be replaced. Thread-safe.
 void register_muon_grad_clip_strategy(const std::string& name, MuonGradClipStrategy strategy);
+
+
+class Communicator;
+
+// ---- segmented clipping: one norm and one coefficient per bucket ------------------------------------
+//
+// The seed's clip_grad_norm_buckets_: every bucket is clipped on its own L2 norm,
+// coef_b = min(1, max_norm / (norm_b + 1e-6)). A bucket with reduce=true sums its squared partial
+// over `group` (gradients spread over ranks: owned Muon matrices, sharded slices); reduce=false
+// keeps this rank's norm (gradients identical on every rank: replicated ones).
+//
+// collective over `group` (nullptr: none, a single process): two all-gathers -- the bucket layout
+// (count and reduce flags, so ranks that disagree get an error naming both layouts, not a hang),
+// then every bucket's partial -- whatever each rank holds, a rank holding nothing included, and
+// whichever path (fused or reference) each tensor takes locally. Partials are combined in rank
+// order in float64, so every rank gets the same bits. A non-finite bucket norm leaves that
+// bucket's gradients unscaled and says so (found_inf).
+struct GradClipBucket {
+  std::string name;
+  std::vector<at::Tensor> grads;       // undefined entries are skipped
+  bool reduce = true;
+  // scaled by the bucket's coefficient but not counted in its norm (copies counted elsewhere)
+  std::vector<at::Tensor> scale_only;
+};
+
+struct GradClipBucketStats {
+  std::string name;
+  double total_norm = 0;           // before clipping (over the group when reduce)
+  std::optional<double> max_norm;
+  double clip_coef = 1.0;
+  bool clipped = false;
+  int64_t param_count = 0;         // defined gradients counted (summed over the group when reduce)
+  bool found_inf = false;
+  bool fastpath = false;           // this rank used the fused kernels for some tensor of the bucket
+};
+
+struct SegmentedGradClipResult {
+  at::Tensor total_norm;           // float64 scalar: sqrt(sum_b norm_b^2) (before clipping)
+  std::vector<GradClipBucketStats> bucket_stats;  // in bucket order
+  bool fastpath = false;           // some tensor took the fused path on this rank
+  std::optional<std::string> fallback_reason;     // why not, when no tensor did
+  const GradClipBucketStats* find(const std::string& name) const;  // nullptr when absent
+};
+
+struct BucketClipOptions {
+  // Fused path work unit: at most this many elements per foreach call (tensors are grouped
+  // greedily; a larger tensor gets a call of its own). nullopt: DMUON_FAST_CLIP_CHUNK_SIZE, else 2^24.
+  std::optional<int64_t> chunk_size;
+  // nullopt: fused kernels for float32/float64 CUDA tensors, reference math elsewhere (the seed's
+  // choice); true: fused for every eligible tensor; false: reference math only. DMUON_FAST_CLIP=0
+  // turns the fused path off.
+  std::optional<bool> foreach;
+};
+
+// collective over `group` (see above).
+SegmentedGradClipResult clip_grad_norm_buckets_(const std::vector<GradClipBucket>& buckets, std::optional<double> max_norm,
+                                                Communicator* group = nullptr, const BucketClipOptions& opts = {});
+
+// The seed's Wall-X layout in one call: buckets "regular" (the caller's replicated gradients,
+// reduce=false), "muon" (this optimizer's Muon gradients, waited here; reduce=true) and "adamw"
+// (the caller's sharded/dedicated AdamW gradients, reduce=true), each clipped to max_norm on its
+// own; the "muon" bucket's stats become last_muon_grad_clip_stats() (strategy "segmented").
+// `group` defaults to the optimizer's world group. The seed returns nothing when its CUDA extension
+// is missing; here the reference math is always built, so a result always comes back (the
+// optional stays for the seed's contract: nullopt only if DMUON_FAST_CLIP=0 on every rank, which is
+// how a caller asks to run its own path).
+// collective: every rank of `group`.
+std::optional<SegmentedGradClipResult> try_clip_optimizer_grad_norm_buckets_(
+    Muon& optimizer, const std::vector<at::Tensor>& regular_grads, const std::vector<at::Tensor>& adamw_grads,
+    double max_norm, Communicator* group = nullptr);
 
 }  // namespace dmuon

@@ -149,12 +149,18 @@ class Muon : public torch::optim::Optimizer {
   void load(torch::serialize::InputArchive& archive) override;
 
   const MuonOptions& muon_options() const { return options_; }
+  std::shared_ptr<torch::nn::Module> model() const { return model_.lock(); }  // null once destroyed
   const NewtonSchulz& ns() const { return ns_; }
   // The last step's profile; resets it.
   StepProfile consume_last_step_profile();
   // Gradient-norm clipping between backward and step (grad_clip.h; collective).
   MuonGradClipStats clip_grad_norm_(std::optional<double> max_norm, const GradClipOptions& opts = {});
   const std::optional<MuonGradClipStats>& last_muon_grad_clip_stats() const { return last_clip_; }
+  void set_last_muon_grad_clip_stats(MuonGradClipStats s) { last_clip_ = std::move(s); }
+  // collective (waits the gradient reduces, as step() would): the live gradients in `scope` that
+  // the next step() uses -- scale or read them in place -- each with whether this rank counts it
+  // in a norm (each element once over the mesh; see grad_clip.h). zero_grad() drops them.
+  std::vector<ClipGrad> clip_grads(ClipScope scope);
   // Number of optimizer steps taken.
   int64_t steps_taken() const { return steps_; }
   // Per-parameter state of `p` (nullptr when none yet / not on this rank).

@@ -36,10 +36,8 @@ std::shared_ptr<Runtime> drained_state(torch::nn::Module& model, const char* fn)
 // split is its parameter's ("<param>", "<param>.momentum_buffer", "<param>.exp_avg", ...).
 struct TpView {
   Mesh& mesh;
-  std::map<std::string, int> split;  // parameter name -> split dimension (empty without a TP axis)
-  TpView(Mesh& m, const torch::nn::Module& model) : mesh(m) {
-    if (m.has_tp()) split = tp_split_dims(model);
-  }
+  const std::map<std::string, int>& split;  // parameter name -> split dimension (empty without a TP axis)
+  explicit TpView(const Runtime& rt) : mesh(rt.mesh()), split(rt.tp_split()) {}
   int dim_of(const std::string& key) const {
     if (split.empty()) return -1;
     if (auto it = split.find(key); it != split.end()) return it->second;
@@ -109,7 +107,7 @@ TensorDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions
   at::NoGradGuard ng;
   Mesh& mesh = st->mesh();
   TensorDict out;
-  const TpView tp(mesh, model);
+  const TpView tp(*st);
   const Sink sink{out, !options.rank0_only || mesh.global_rank() == 0, options.cpu_offload, tp};
   // Muon matrices from their (global) owner, sharded_adamw slices gathered: in full precision
   const TensorSink put = [&](const std::string& name, const at::Tensor& t) { sink.put(name, t); };
@@ -130,7 +128,7 @@ void set_model_state_dict(torch::nn::Module& model, const TensorDict& full_sd) {
   std::lock_guard<std::recursive_mutex> g(st->mutex());
   at::NoGradGuard ng;
   Mesh& mesh = st->mesh();
-  const TensorDict sd = TpView(mesh, model).local(full_sd);  // TP: this rank's slices
+  const TensorDict sd = TpView(*st).local(full_sd);  // TP: this rank's slices
   const int rank = mesh.global_rank();
   std::map<std::string, std::vector<int64_t>> expected;
   std::map<std::string, bool> floating;
@@ -179,7 +177,7 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
   Mesh& mesh = st->mesh();
   OptimizerStateDict out;
   const bool keep = !options.rank0_only || mesh.global_rank() == 0;
-  const TpView tp(mesh, model);
+  const TpView tp(*st);
   const Sink muon{out.muon, keep, options.cpu_offload, tp}, adamw{out.adamw, keep, options.cpu_offload, tp};
   for (const auto& group : optimizer.param_groups()) {
     const auto& o = static_cast<const MuonGroupOptions&>(group.options());
@@ -228,7 +226,7 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
   std::lock_guard<std::recursive_mutex> g(st->mutex());
   OptimizerStateDict sd = full_sd;  // TP: this rank's slices
   {
-    const TpView tp(st->mesh(), model);
+    const TpView tp(*st);
     sd.muon = tp.local(full_sd.muon);
     sd.adamw = tp.local(full_sd.adamw);
   }

@@ -4,13 +4,18 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include <ATen/ops/_foreach_mul.h>
+#include <ATen/ops/_foreach_norm.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 
 #include "dmuon/host_sync.h"
 #include "dmuon/muon.h"
-#include "dmuon/tensor_parallel.h"
+#include "dmuon/communicator.h"
+#include "dmuon/mesh.h"
 #include "runtime/runtime.h"
 
 namespace dmuon {
@@ -34,11 +39,110 @@ void register_muon_grad_clip_strategy(const std::string& name, MuonGradClipStrat
   strategies()[name] = std::move(strategy);
 }
 
-MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const GradClipOptions& opts) {
+namespace {
+
+// ---- local arithmetic: reference (float64) or fused (foreach kernels), per tensor ------------------
+bool fast_clip_disabled() {
+  const char* v = std::getenv("DMUON_FAST_CLIP");
+  return v && std::string(v) == "0";
+}
+
+bool fusable(const at::Tensor& g) {
+  return g.layout() == at::kStrided && (g.scalar_type() == at::kFloat || g.scalar_type() == at::kDouble);
+}
+
+// The seed's default: fused for float32/float64 CUDA tensors. `force` (foreach=true): every fusable one.
+bool use_fused(const at::Tensor& g, std::optional<bool> foreach) {
+  if (foreach.has_value() && !*foreach) return false;
+  if (fast_clip_disabled() || !fusable(g)) return false;
+  return foreach.value_or(false) || g.is_cuda();
+}
+
+int64_t resolve_chunk(std::optional<int64_t> chunk) {
+  if (chunk) {
+    TORCH_CHECK(*chunk > 0, "clip_grad_norm_buckets_: chunk_size must be > 0 elements, got ", *chunk);
+    return *chunk;
+  }
+  if (const char* v = std::getenv("DMUON_FAST_CLIP_CHUNK_SIZE")) {
+    char* end = nullptr;
+    const long long n = std::strtoll(v, &end, 10);
+    TORCH_CHECK(end && *end == '\0' && n > 0, "DMUON_FAST_CLIP_CHUNK_SIZE='", v, "' is not a positive element count.");
+    return n;
+  }
+  return int64_t{1} << 24;
+}
+
+// Tensors of one (device, dtype) in calls of at most `chunk` elements each.
+template <typename Fn>
+void for_each_fused_call(const std::vector<at::Tensor>& ts, int64_t chunk, Fn&& fn) {
+  std::map<std::pair<std::string, int>, std::vector<at::Tensor>> groups;
+  for (const at::Tensor& t : ts) groups[{t.device().str(), static_cast<int>(t.scalar_type())}].push_back(t);
+  for (auto& [key, list] : groups) {
+    std::vector<at::Tensor> call;
+    int64_t n = 0;
+    for (const at::Tensor& t : list) {
+      if (!call.empty() && n + t.numel() > chunk) {
+        fn(call);
+        call.clear();
+        n = 0;
+      }
+      call.push_back(t);
+      n += t.numel();
+    }
+    if (!call.empty()) fn(call);
+  }
+}
+
+// sum |g|^p (p = inf: max |g|) over `grads`, as a float64 scalar on `dev`; `fused` says whether some
+// tensor took the foreach path.
+at::Tensor local_partial(const std::vector<at::Tensor>& grads, double p, std::optional<bool> foreach, int64_t chunk,
+                         const at::Device& dev, bool& fused) {
+  const bool inf = std::isinf(p);
+  at::Tensor acc = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(dev));
+  auto add = [&](const at::Tensor& v) { acc = inf ? at::maximum(acc, v.to(dev)) : acc + v.to(dev); };
+  std::vector<at::Tensor> fast;
+  for (const at::Tensor& g : grads) {
+    if (!g.defined()) continue;
+    if (use_fused(g, foreach)) {
+      fast.push_back(g.detach());
+      continue;
+    }
+    if (g.numel() == 0) continue;
+    const at::Tensor a = g.detach().to(at::kDouble).abs();
+    add(inf ? a.max() : (p == 2 ? a.mul(a).sum() : a.pow(p).sum()));
+  }
+  for_each_fused_call(fast, chunk, [&](const std::vector<at::Tensor>& call) {
+    fused = true;
+    const at::Tensor norms = at::stack(at::_foreach_norm(call, p)).to(at::kDouble);
+    add(inf ? norms.max() : norms.pow(p).sum());
+  });
+  return acc;
+}
+
+void scale_all(const std::vector<at::Tensor>& grads, double coef, std::optional<bool> foreach, int64_t chunk) {
+  std::vector<at::Tensor> fast;
+  for (const at::Tensor& g : grads) {
+    if (!g.defined()) continue;
+    if (use_fused(g, foreach)) fast.push_back(g);
+    else g.mul_(coef);
+  }
+  for_each_fused_call(fast, chunk, [&](const std::vector<at::Tensor>& call) { at::_foreach_mul_(call, coef); });
+}
+
+at::Device device_of(const std::vector<const std::vector<at::Tensor>*>& lists, const at::Device& fallback) {
+  for (const auto* l : lists)
+    for (const at::Tensor& g : *l)
+      if (g.defined()) return g.device();
+  return fallback;
+}
+
+double clip_coef_for(double max_norm, double total) { return std::min(1.0, max_norm / (total + 1e-6)); }
+
+}  // namespace
+
+// ---- Muon-scope and global-norm clipping -----------------------------------------------------------
+std::vector<ClipGrad> Muon::clip_grads(ClipScope scope) {
   at::NoGradGuard ng;
-  const double p = opts.norm_type;
-  TORCH_CHECK(p > 0, "clip_grad_norm_: norm_type must be > 0 (or INFINITY), got ", p);
-  TORCH_CHECK(!max_norm || *max_norm >= 0, "clip_grad_norm_: max_norm must be >= 0, got ", *max_norm);
   auto model = model_.lock();
   TORCH_CHECK(model, "clip_grad_norm_: the model was destroyed.");
   auto state = detail::state_of_model(model.get());
@@ -46,8 +150,7 @@ MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const Gr
   Mesh& mesh = state->mesh();
   state->prepare_grads();  // collective: the reduces land (idempotent; step() calls it again)
   if (!taken_) taken_ = std::make_shared<std::vector<ReadyGrad>>(state->take_ready_grads());
-  std::vector<ReadyGrad>& ready = *taken_;
-  const std::map<std::string, int> split = mesh.has_tp() ? tp_split_dims(*model) : std::map<std::string, int>{};
+  const std::map<std::string, int>& split = state->tp_split();
   const bool tp_lead = mesh.tp_rank() == 0, dp_lead = mesh.shard_rank() == 0 && mesh.replicate_rank() == 0;
   // each element once over the whole mesh (see grad_clip.h)
   auto counted = [&](const ReadyGrad& r) {
@@ -61,9 +164,26 @@ MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const Gr
     }
     return false;
   };
-  std::vector<ReadyGrad*> scope;
-  for (auto& r : ready)
-    if (opts.scope == ClipScope::AllParams || r.route == RouteKind::Dedicated) scope.push_back(&r);
+  std::vector<ClipGrad> out;
+  for (const ReadyGrad& r : *taken_) {
+    if (scope != ClipScope::AllParams && r.route != RouteKind::Dedicated) continue;
+    ClipGrad c{r.name, r.grad, counted(r), false};
+    // each parameter once: a sharded one by shard rank 0 (every shard rank holds a slice), a TP-split
+    // one by TP rank 0 (every TP rank holds a slice)
+    c.counts_param = c.counted && (r.route != RouteKind::Sharded || mesh.shard_rank() == 0) && tp_lead;
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const GradClipOptions& opts) {
+  at::NoGradGuard ng;
+  const double p = opts.norm_type;
+  TORCH_CHECK(p > 0, "clip_grad_norm_: norm_type must be > 0 (or INFINITY), got ", p);
+  TORCH_CHECK(!max_norm || *max_norm >= 0, "clip_grad_norm_: max_norm must be >= 0, got ", *max_norm);
+  std::vector<ClipGrad> scope = clip_grads(opts.scope);
+  auto model = model_.lock();
+  Mesh& mesh = detail::state_of_model(model.get())->mesh();
   if (opts.strategy != "global_norm") {
     MuonGradClipStrategy custom;
     {
@@ -78,36 +198,33 @@ MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const Gr
       TORCH_CHECK(false, "rank ", mesh.global_rank(), ": clip_grad_norm_: unknown strategy '", opts.strategy,
                   "'. Registered: ", known, " (register_muon_grad_clip_strategy adds one).");
     }
-    std::vector<ClipGrad> grads;
-    for (ReadyGrad* r : scope) grads.push_back({r->name, r->grad, counted(*r)});
-    MuonGradClipStats s = custom(grads, max_norm, opts, mesh);
+    MuonGradClipStats s = custom(scope, max_norm, opts, mesh);
     s.strategy = opts.strategy;
     last_clip_ = s;
     return s;
   }
   // this rank's partial: sum |g|^p (or max |g|), the parameters it counts, as float64 on the device
   const bool inf = std::isinf(p);
-  at::Tensor part;
+  std::vector<at::Tensor> mine_counted, all_grads;
   int64_t count = 0;
-  for (ReadyGrad* r : scope) {
-    if (!counted(*r)) continue;
-    const at::Tensor g = r->grad.detach().to(at::kDouble).abs();
-    const at::Tensor v = inf ? g.max() : (p == 2 ? g.mul(g).sum() : g.pow(p).sum());
-    part = !part.defined() ? v : inf ? at::maximum(part, v) : part + v;
-    // each parameter once: a sharded one by shard rank 0 (every shard rank holds a slice), a TP-split
-    // one by TP rank 0 (every TP rank holds a slice)
-    if ((r->route != RouteKind::Sharded || mesh.shard_rank() == 0) && tp_lead) ++count;
+  for (const ClipGrad& c : scope) {
+    all_grads.push_back(c.grad);
+    if (!c.counted) continue;
+    mine_counted.push_back(c.grad);
+    count += c.counts_param ? 1 : 0;
   }
-  const at::Tensor local = detail::read_to_host(part.defined() ? part.reshape({1}) : at::zeros({1}, at::kDouble));
-  // one all-gather of [partial, count] per rank, combined in rank order (the same bits everywhere)
-  const int n = mesh.world_size();
   // on the model's device (NCCL groups take CUDA tensors), whatever this rank owns
   const auto params = model->parameters();
   const at::Device dev = params.empty() ? at::Device(at::kCPU) : params.front().device();
-  const at::Tensor mine = at::tensor({local.item<double>(), static_cast<double>(count)}, at::kDouble).to(dev);
-  const at::Tensor all = at::empty({2 * n}, at::TensorOptions().dtype(at::kDouble).device(dev));
+  const int64_t chunk = resolve_chunk(std::nullopt);
+  bool fused = false;
+  const at::Tensor part = local_partial(mine_counted, p, opts.foreach, chunk, dev, fused);
+  // one all-gather of [partial, count] per rank, combined in rank order (the same bits everywhere)
+  const int n = mesh.world_size();
+  const at::Tensor mine = at::stack({part, at::scalar_tensor(static_cast<double>(count), part.options())});
+  const at::Tensor all = at::empty({2 * n}, mine.options());
   mesh.world().allgather_flat(all, mine, "clip_grad_norm_: partial norms").wait();
-  const at::Tensor host = all.cpu();
+  const at::Tensor host = detail::read_to_host(all);
   const double* a = host.data_ptr<double>();
   double acc = 0;
   int64_t nparams = 0;
@@ -126,14 +243,146 @@ MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const Gr
               "diverged or a gradient overflowed: lower the learning rate, use loss scaling in half precision, or "
               "pass error_if_nonfinite=false to skip the step yourself when stats.found_inf.");
   if (max_norm && !s.found_inf) {
-    s.clip_coef = std::min(1.0, *max_norm / (s.total_norm + 1e-6));
+    s.clip_coef = clip_coef_for(*max_norm, s.total_norm);
     if (s.clip_coef < 1.0) {
-      for (ReadyGrad* r : scope) r->grad.mul_(s.clip_coef);  // every copy, counted or not
+      scale_all(all_grads, s.clip_coef, opts.foreach, chunk);  // every copy, counted or not
       s.clipped = true;
     }
   }
   last_clip_ = s;
   return s;
+}
+
+// ---- segmented (bucketed) clipping ------------------------------------------------------------------
+const GradClipBucketStats* SegmentedGradClipResult::find(const std::string& name) const {
+  for (const auto& b : bucket_stats)
+    if (b.name == name) return &b;
+  return nullptr;
+}
+
+SegmentedGradClipResult clip_grad_norm_buckets_(const std::vector<GradClipBucket>& buckets, std::optional<double> max_norm,
+                                                Communicator* group, const BucketClipOptions& opts) {
+  at::NoGradGuard ng;
+  TORCH_CHECK(!max_norm || *max_norm >= 0, "clip_grad_norm_buckets_: max_norm must be >= 0, got ", *max_norm);
+  const int64_t chunk = resolve_chunk(opts.chunk_size);
+  const int64_t nb = static_cast<int64_t>(buckets.size());
+  std::vector<const std::vector<at::Tensor>*> lists;
+  for (const auto& b : buckets) lists.push_back(&b.grads), lists.push_back(&b.scale_only);
+  const at::Device dev = device_of(lists, at::Device(at::kCPU));
+  const auto f64 = at::TensorOptions().dtype(at::kDouble).device(dev);
+  const int rank = group ? group->global_rank() : 0;
+  // 1. the layout every rank must share: bucket count and reduce flags (a mismatch is an error, not a hang)
+  double layout_code = 0;
+  for (const auto& b : buckets) layout_code = layout_code * 2 + (b.reduce ? 1 : 0), layout_code = std::fmod(layout_code, 1e15);
+  const int n = group ? group->size() : 1;
+  if (n > 1) {
+    const at::Tensor mine = at::tensor({static_cast<double>(nb), layout_code}, at::kDouble).to(dev);
+    const at::Tensor all = at::empty({2 * n}, f64);
+    group->allgather_flat(all, mine, "clip_grad_norm_buckets_: bucket layout").wait();
+    const at::Tensor h = detail::read_to_host(all);
+    const double* a = h.data_ptr<double>();
+    for (int r = 0; r < n; ++r)
+      TORCH_CHECK(a[2 * r] == nb && a[2 * r + 1] == layout_code, "rank ", rank, ": clip_grad_norm_buckets_: this rank "
+                  "passes ", nb, " bucket(s) (reduce-flag code ", layout_code, ") but rank ", group->global_ranks()[r],
+                  " of group '", group->name(), "' passes ", a[2 * r], " (code ", a[2 * r + 1], "). Every rank must pass "
+                  "the same buckets in the same order with the same reduce flags -- an empty bucket where it holds no "
+                  "gradient -- so the collectives line up.");
+  }
+  // 2. per-bucket partials (sum of squares) and counts; one all-gather
+  std::vector<at::Tensor> parts;
+  std::vector<bool> fused(nb, false);
+  std::vector<double> counts(nb, 0);
+  for (int64_t i = 0; i < nb; ++i) {
+    bool f = false;
+    parts.push_back(local_partial(buckets[i].grads, 2.0, opts.foreach, chunk, dev, f));
+    fused[i] = f;
+    for (const at::Tensor& g : buckets[i].grads) counts[i] += g.defined() ? 1 : 0;
+  }
+  std::vector<double> sq(nb, 0), cnt(counts);
+  if (nb > 0) {
+    const at::Tensor mine = at::cat({at::stack(parts), at::tensor(counts, at::kDouble).to(dev)});
+    at::Tensor host;
+    if (n > 1) {
+      const at::Tensor all = at::empty({2 * nb * n}, f64);
+      group->allgather_flat(all, mine, "clip_grad_norm_buckets_: partial norms").wait();
+      host = detail::read_to_host(all);
+    } else {
+      host = detail::read_to_host(mine);
+    }
+    const double* a = host.data_ptr<double>();
+    const int me = group ? group->rank() : 0;
+    for (int64_t i = 0; i < nb; ++i) {
+      if (!buckets[i].reduce) {
+        sq[i] = a[2 * nb * me + i];
+        cnt[i] = a[2 * nb * me + nb + i];
+        continue;
+      }
+      sq[i] = 0, cnt[i] = 0;
+      for (int r = 0; r < n; ++r) sq[i] += a[2 * nb * r + i], cnt[i] += a[2 * nb * r + nb + i];
+    }
+  }
+  // 3. coefficients, scaling, stats
+  SegmentedGradClipResult out;
+  double total2 = 0;
+  for (int64_t i = 0; i < nb; ++i) {
+    GradClipBucketStats st;
+    st.name = buckets[i].name;
+    st.total_norm = std::sqrt(sq[i]);
+    st.max_norm = max_norm;
+    st.param_count = static_cast<int64_t>(cnt[i]);
+    st.found_inf = !std::isfinite(st.total_norm);
+    st.fastpath = fused[i];
+    if (max_norm && !st.found_inf) {
+      st.clip_coef = clip_coef_for(*max_norm, st.total_norm);
+      if (st.clip_coef < 1.0) {
+        bool f = false;
+        for (const auto* l : {&buckets[i].grads, &buckets[i].scale_only}) {
+          for (const at::Tensor& g : *l) f = f || (g.defined() && use_fused(g, opts.foreach));
+          scale_all(*l, st.clip_coef, opts.foreach, chunk);
+        }
+        st.clipped = true;
+        st.fastpath = st.fastpath || f;
+      }
+    }
+    total2 += sq[i];
+    out.fastpath = out.fastpath || st.fastpath;
+    out.bucket_stats.push_back(std::move(st));
+  }
+  out.total_norm = at::scalar_tensor(std::sqrt(total2), at::kDouble);
+  if (!out.fastpath)
+    out.fallback_reason = fast_clip_disabled() ? "DMUON_FAST_CLIP=0"
+                          : opts.foreach.has_value() && !*opts.foreach ? "foreach=false"
+                                                                       : "no float32/float64 CUDA gradient (reference math)";
+  return out;
+}
+
+std::optional<SegmentedGradClipResult> try_clip_optimizer_grad_norm_buckets_(
+    Muon& optimizer, const std::vector<at::Tensor>& regular_grads, const std::vector<at::Tensor>& adamw_grads,
+    double max_norm, Communicator* group) {
+  if (fast_clip_disabled()) return std::nullopt;  // the caller runs its own path (uniform: an install setting)
+  std::vector<ClipGrad> muon = optimizer.clip_grads(ClipScope::Muon);  // collective: waits the reduces
+  GradClipBucket m{"muon", {}, true, {}};
+  for (ClipGrad& c : muon) (c.counted ? m.grads : m.scale_only).push_back(c.grad);
+  Communicator* g = group;
+  if (!g) {
+    auto model = optimizer.model();
+    TORCH_CHECK(model, "try_clip_optimizer_grad_norm_buckets_: the model was destroyed.");
+    g = &detail::require_state(*model, "try_clip_optimizer_grad_norm_buckets_")->mesh().world();
+  }
+  SegmentedGradClipResult r = clip_grad_norm_buckets_(
+      {GradClipBucket{"regular", regular_grads, false, {}}, m, GradClipBucket{"adamw", adamw_grads, true, {}}}, max_norm, g);
+  if (const GradClipBucketStats* s = r.find("muon")) {
+    MuonGradClipStats ms;
+    ms.total_norm = s->total_norm;
+    ms.max_norm = s->max_norm;
+    ms.clip_coef = s->clip_coef;
+    ms.clipped = s->clipped;
+    ms.param_count = s->param_count;
+    ms.found_inf = s->found_inf;
+    ms.strategy = "segmented";
+    optimizer.set_last_muon_grad_clip_stats(ms);
+  }
+  return r;
 }
 
 MuonGradClipStats clip_grad_norm_(Muon& optimizer, std::optional<double> max_norm, const GradClipOptions& opts) {

@@ -24,11 +24,17 @@ double tp_factor_to_scatter_ratio(const std::vector<int64_t>& full, const NsOpti
   return windows * m * m / (static_cast<double>(full[0]) * static_cast<double>(full[1]));
 }
 
+namespace {
+std::string tp_what(const ReadyGrad& r) {
+  return "TP Newton-Schulz of '" + r.name + "' (TP owner " + std::to_string(r.tp_owner) + ")";
+}
+}  // namespace
+
 at::Tensor tp_orthogonalize(const at::Tensor& u_local, const ReadyGrad& r, int steps, const NewtonSchulz& ns,
                             bool distributed_gram, Mesh& mesh) {
   Communicator* tp = mesh.tp();
   TORCH_CHECK(tp, "rank ", mesh.global_rank(), ": Muon: '", r.name, "' has a TP owner but the mesh has no TP axis.");
-  const std::string what = "TP Newton-Schulz of '" + r.name + "' (TP owner " + std::to_string(r.tp_owner) + ")";
+  const std::string what = tp_what(r);
   const at::Tensor u = u_local.contiguous();
   if (r.tp_dim < 0) {  // whole on every TP rank: one NS, broadcast
     at::Tensor out = tp->rank() == r.tp_owner ? ns.local(u, steps).contiguous() : at::empty_like(u);
@@ -46,12 +52,6 @@ at::Tensor tp_orthogonalize(const at::Tensor& u_local, const ReadyGrad& r, int s
   s.pending.wait();
   return s.slice;
 }
-
-namespace {
-std::string tp_what(const ReadyGrad& r) {
-  return "TP Newton-Schulz of '" + r.name + "' (TP owner " + std::to_string(r.tp_owner) + ")";
-}
-}  // namespace
 
 TpGather tp_issue_gather(const at::Tensor& u_local, const ReadyGrad& r, Mesh& mesh) {
   Communicator& tp = *mesh.tp();

@@ -36,7 +36,8 @@ void Runtime::build(const ParamPredicate& predicate) {
   for (const auto& r : routing.dedicated) boundary_of_param_.push_back(r.boundary);
   // tensor parallelism: which dedicated matrices are TP slices (specs_ keep the local shapes the
   // routes move; the planner sees the full ones)
-  const std::map<std::string, int> tp_split = check_tp_modules(*m);
+  tp_split_ = check_tp_modules(*m);
+  const std::map<std::string, int>& tp_split = tp_split_;
   const int T = mesh_->tp_size();
   std::vector<ParamSpec> full_specs = specs_;
   for (size_t i = 0; i < specs_.size(); ++i)

@@ -14,7 +14,7 @@ namespace dmuon {
 ReplicatedRoute::ReplicatedRoute(Runtime& rt, double bucket_mb, bool tp) : rt_(rt), tp_(tp) {
   Mesh& mesh = rt.mesh();
   auto m = rt.model();
-  const std::map<std::string, int> split = dmuon::tp_split_dims(*m);
+  const std::map<std::string, int>& split = rt.tp_split();
   for (const auto& [name, p] : get_base_params(*m)) {
     auto it = split.find(name);
     TORCH_CHECK(tp || it == split.end(), "rank ", mesh.global_rank(), ": replicate: parameter '", name, "' (shape ",

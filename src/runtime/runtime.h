@@ -116,6 +116,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   const OwnerPlan& plan() const { return plan_; }
   const std::vector<ParamSpec>& specs() const { return specs_; }
   const std::vector<std::string>& boundary_of_param() const { return boundary_of_param_; }
+  // every TP-split parameter of the model (full name -> split dimension), found once by build()
+  const std::map<std::string, int>& tp_split() const { return tp_split_; }
   Precision precision_of(const at::Tensor& p) const;  // plain (own dtype) without a policy
   at::Tensor master_of(const at::Tensor& p) const;    // undefined when p has no master on this rank
   // p's gradient for the optimizer: the update targets p's master when it has one here, else p
@@ -150,6 +152,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   OwnerPlan plan_;
   std::vector<ParamSpec> specs_;               // planner input, per dedicated param
   std::vector<std::string> boundary_of_param_;  // hook boundary name, per dedicated param
+  std::map<std::string, int> tp_split_;         // TP-split parameters (build)
   std::vector<Boundary> boundaries_;
   std::unique_ptr<DedicatedRoute> dedicated_;
   std::unique_ptr<ShardedRoute> sharded_;
