@@ -299,6 +299,17 @@ TEST(NewtonSchulzTest, NewtonSchulzObjectAndBackendStatus) {
   EXPECT_EQ(s.device, "cpu");
   EXPECT_TRUE(s.cublas_always_available);
   EXPECT_EQ(s.auto_choice, "cublas");
+  EXPECT_FALSE(s.quack_available || s.cute_sm80_available);
+  std::vector<std::string> names;
+  for (const KernelStatus& k : s.kernels) {
+    names.push_back(k.name);
+    EXPECT_FALSE(k.detail.empty()) << k.name;
+    const bool always = k.name == "auto" || k.name == "cublas", never = k.name == "quack" || k.name == "cute_sm80";
+    if (always || never) {
+      EXPECT_EQ(k.available, always) << k.name;
+    }
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"auto", "cublas", "syrk", "quack", "cute_sm80"}));
   EXPECT_NE(get_ns_backend().find("CPU"), std::string::npos);
   EXPECT_NE(get_ns_backend().find("kernel=cpu-gemm"), std::string::npos) << get_ns_backend();
 
@@ -338,7 +349,13 @@ TEST(NewtonSchulzTest, BadInputGivesClearErrors) {
   EXPECT_NE(error_of([&] { gram_newton_schulz(at::randn({4, 6}), bad_restart); }).find("out of range"),
             std::string::npos);
   EXPECT_NE(error_of([] { NewtonSchulz("fast"); }).find("unknown backend 'fast'"), std::string::npos);
-  EXPECT_NE(error_of([] { NewtonSchulz("gram", "quack"); }).find("unknown kernel 'quack'"), std::string::npos);
+  // the seed's CuTe-DSL kernels: a clear error naming what this build has
+  for (const char* k : {"quack", "cute_sm80"}) {
+    const std::string e = error_of([&] { NewtonSchulz("gram", k); });
+    EXPECT_NE(e.find(std::string("kernel '") + k + "' is not in this build"), std::string::npos) << e;
+    EXPECT_NE(e.find("Available here: \"auto\", \"cublas\""), std::string::npos) << e;
+  }
+  EXPECT_NE(error_of([] { NewtonSchulz("gram", "fastest"); }).find("unknown kernel 'fastest'"), std::string::npos);
   NsOptions zero_steps;
   zero_steps.steps = 0;
   EXPECT_NE(error_of([&] { newton_schulz(at::randn({4, 6}), zero_steps); }).find("invalid steps"), std::string::npos);

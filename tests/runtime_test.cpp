@@ -179,6 +179,23 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
         const double em = max_rel(ost->exp_avg().narrow(0, 0, len), ref.exp_avg.at(e.name).reshape(-1).narrow(0, start, len));
         within(em, e.name + " sharded exp_avg differs");
       }
+      // summarize_param_groups reports them with their full shape, route and this rank's slice
+      const auto summary = summarize_param_groups(*m, opt, 1000);
+      size_t rows = 0;
+      for (const auto& grp : summary["groups"])
+        for (const auto& row : grp["params"]) {
+          if (row.value("route", "") != "sharded_adamw") continue;
+          ++rows;
+          const std::string name = row["name"];
+          if (row["shape"].get<std::vector<int64_t>>() != ref.params.at(name).sizes().vec())
+            throw std::runtime_error("summarize_param_groups: shape of " + name + ": " + row.dump());
+          const int64_t L = (ref.params.at(name).numel() + mesh->shard_size() - 1) / mesh->shard_size();
+          if (row["shard_numel"] != L || row["shard_offset"] != L * mesh->shard_rank() || row["boundary"].empty())
+            throw std::runtime_error("summarize_param_groups: slice of " + name + ": " + row.dump());
+        }
+      if (rows != sharded.size() || summary["totals"]["sharded_adamw_params"] != sharded.size())
+        throw std::runtime_error("summarize_param_groups: sharded rows " + std::to_string(rows) + ": " +
+                                 summary["totals"].dump());
     }
     for (const auto& [name, p] : get_base_params(*m)) {
       const double e = max_rel(p, ref.params.at(name));

@@ -163,6 +163,13 @@ class NewtonSchulz {
 };
 
 // ---- backend status ---------------------------------------------------------------------------
+// One NS kernel name the API knows (this build's and the seed's), and whether it runs here.
+struct KernelStatus {
+  std::string name;         // "auto" | "cublas" | "syrk" | "quack" | "cute_sm80"
+  bool available = false;   // usable as NewtonSchulz(kernel=name) / DMUON_NS_KERNEL in this build
+  std::string detail;       // what it is, and why not when unavailable
+};
+
 struct BackendStatus {
   int sm_version = 0;              // compute capability * 10 of the current CUDA device, 0 on CPU
   std::string device;              // "cpu" or "cuda:N"
@@ -172,6 +179,10 @@ struct BackendStatus {
   bool cpu_blas_syrk_available = false;
   bool cublas_always_available = true;  // the plain-GEMM path: always there
   std::string env_override;        // value of DMUON_NS_KERNEL ("" when unset)
+  // The seed's CuTe-DSL kernels are Python packages; this C++ build has neither (always false).
+  bool quack_available = false;
+  bool cute_sm80_available = false;
+  std::vector<KernelStatus> kernels;  // every kernel name, this build's first
 };
 BackendStatus get_backend_status();
 // "Gram NS · kernel=<what runs: cublas | cublas-syrk | cpu-gemm | cpu-blas-syrk> (<SMxx|CPU>, <detail>)"

@@ -7,6 +7,7 @@
 
 #include "runtime/dedicated_route.h"
 #include "runtime/runtime.h"
+#include "runtime/sharded_route.h"
 
 namespace dmuon {
 
@@ -22,6 +23,7 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
   for (auto& v : state->describe()) views[v.param.unsafeGetTensorImpl()] = v;
   nlohmann::json groups = nlohmann::json::array();
   int64_t muon_params = 0, adamw_params = 0, owned = 0, owned_numel = 0, adamw_numel = 0;
+  int64_t n_sharded = 0, sharded_here = 0;  // sharded_adamw parameters, this rank's slice elements
   for (const auto& g : optimizer.param_groups()) {
     const auto& o = static_cast<const MuonGroupOptions&>(g.options());
     nlohmann::json j;
@@ -54,6 +56,8 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
       int64_t n = 1;
       for (int64_t d : v.shape) n *= d;
       numel += n;
+      const ShardedEntry* sharded = v.route == RouteKind::Sharded ? state->sharded().find(v.name) : nullptr;
+      if (sharded) ++n_sharded, sharded_here += sharded->shard_len;
       if (v.route == RouteKind::Dedicated) {
         n_owned += v.updated_here ? 1 : 0;
         if (v.updated_here) owned_numel += n;
@@ -65,11 +69,20 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
                                  {"boundary", v.boundary},
                                  {"owned", v.updated_here}}));
       } else if (static_cast<int>(rows.size()) < max_rows) {
-        rows.push_back(dtypes({{"name", v.name},
-                               {"shape", p.sizes().vec()},
-                               {"route", route_name(v.route)},
-                               {"grad_dtype", p.grad().defined() ? std::string(c10::toString(p.grad().scalar_type()))
-                                                                 : std::string("none")}}));
+        // the full shape (a sharded_adamw placeholder holds none), the route, and for sharded_adamw
+        // the boundary and this rank's slice of the flat (padded) parameter
+        nlohmann::json row = dtypes({{"name", v.name},
+                                     {"shape", v.shape},
+                                     {"route", route_name(v.route)},
+                                     {"grad_dtype", p.grad().defined() ? std::string(c10::toString(p.grad().scalar_type()))
+                                                                       : std::string("none")}});
+        if (sharded) {
+          row["boundary"] = v.boundary;
+          row["shard_numel"] = sharded->shard_len;
+          row["shard_offset"] = sharded->shard_len * state->mesh().shard_rank();
+          row["padded_numel"] = sharded->shard_len * state->mesh().shard_size();
+        }
+        rows.push_back(row);
       }
     }
     j["num_params"] = g.params().size();
@@ -91,6 +104,8 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
                    {"muon_numel_owned_here", owned_numel},
                    {"adamw_params", adamw_params},
                    {"adamw_numel", adamw_numel},
+                   {"sharded_adamw_params", n_sharded},
+                   {"sharded_adamw_numel_here", sharded_here},
                    {"replicated", state->replicated() != nullptr}};
   return out;
 }

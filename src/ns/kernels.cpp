@@ -123,10 +123,36 @@ at::Tensor gram(const at::Tensor& X, const std::string& kernel) {
   return kernels::mm(X, X.transpose(-2, -1));
 }
 
+std::vector<KernelStatus> kernel_table() {
+  const bool syrk = cuda_syrk_available() || cpu_blas_syrk_available();
+  std::string syrk_detail = "symmetric rank-k update for X X^T (exactly symmetric result): cuBLAS SYRK on CUDA ";
+  syrk_detail += cuda_syrk_available() ? "(available)" : "(not here: no CUDA device or a CPU-only build)";
+  syrk_detail += ", CPU BLAS syrk ";
+  syrk_detail += cpu_blas_syrk_available() ? "(available)" : "(not here: LibTorch's BLAS is not linked for it)";
+  syrk_detail += "; where neither runs it takes the plain GEMMs";
+  return {
+      {"auto", true, "the platform's choice, overridable by DMUON_NS_KERNEL; on CUDA it measures cublas against syrk "
+                     "once per shape and dtype and keeps the faster"},
+      {"cublas", true, "plain GEMMs (cuBLAS on CUDA, the CPU BLAS on the CPU), bit-exact across runs; always available"},
+      {"syrk", syrk, syrk_detail},
+      {"quack", false, "Tri Dao's quack SYRK (SM90+): a Python CuTe-DSL package that this C++ library does not bind; "
+                       "on SM90 \"syrk\" (cuBLAS SYRK) or \"auto\" is the equivalent here"},
+      {"cute_sm80", false, "the Python DMuon's CuTe-DSL SYRK for SM80/87, not part of this C++ library; on SM80 "
+                           "\"syrk\" (cuBLAS SYRK) or \"auto\" is the equivalent here"},
+  };
+}
+
 void validate_kernel_name(const std::string& kernel, const char* who) {
-  TORCH_CHECK(kernel == "auto" || kernel == "cublas" || kernel == "syrk", who, ": unknown kernel '", kernel,
-              "'. Use \"auto\" (platform choice, overridable by DMUON_NS_KERNEL), \"cublas\" (plain GEMMs, "
-              "bit-exact across runs) or \"syrk\" (symmetric rank-k update for X X^T).");
+  if (kernel == "auto" || kernel == "cublas" || kernel == "syrk") return;
+  std::string here;
+  for (const KernelStatus& k : kernel_table())
+    if (k.available) here += (here.empty() ? "\"" : ", \"") + k.name + "\"";
+  for (const KernelStatus& k : kernel_table())
+    TORCH_CHECK(k.name != kernel, who, ": kernel '", kernel, "' is not in this build: ", k.detail,
+                ". Available here: ", here, " (get_backend_status() lists every kernel).");
+  TORCH_CHECK(false, who, ": unknown kernel '", kernel, "'. Use \"auto\" (platform choice, overridable by "
+              "DMUON_NS_KERNEL), \"cublas\" (plain GEMMs, bit-exact across runs) or \"syrk\" (symmetric rank-k "
+              "update for X X^T); available here: ", here, ".");
 }
 
 std::string resolve_kernel_for(const std::string& requested, c10::DeviceType device) {
@@ -219,6 +245,7 @@ BackendStatus get_backend_status() {
   s.env_override = env::ns_kernel();
   s.auto_choice = detail::kernels::resolve_kernel_for(
       "auto", s.cuda_available ? c10::DeviceType::CUDA : c10::DeviceType::CPU);
+  s.kernels = detail::kernels::kernel_table();
   return s;
 }
 

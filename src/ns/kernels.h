@@ -45,7 +45,8 @@ at::Tensor mm(const at::Tensor& A, const at::Tensor& B);
 at::Tensor addmm(const at::Tensor& C, const at::Tensor& A, const at::Tensor& B, double beta, double alpha);
 // X X^T; kernel "syrk" uses a symmetric rank-k update where available (exactly symmetric result).
 at::Tensor gram(const at::Tensor& X, const std::string& kernel);
-void validate_kernel_name(const std::string& kernel, const char* who);
+void validate_kernel_name(const std::string& kernel, const char* who);  // clear error listing what is here
+std::vector<KernelStatus> kernel_table();  // every kernel name the API knows, with its availability
 // The name of what a resolved kernel ("cublas" | "syrk") runs on `device`: "cublas" /
 // "cublas-syrk" on CUDA, "cpu-gemm" / "cpu-blas-syrk" on the CPU.
 std::string kernel_label(const std::string& kernel, c10::DeviceType device);
