@@ -133,6 +133,8 @@ TEST(CheckpointTest, ResumeFromTheDdpPathOnOneProcess) {
 TEST(CheckpointTest, ResumeInAllGatherUnshardMode) {
   check_resume({"N2 all_gather", 2, 1, true, false, false, "all_gather"},
                {"N3 all_gather", 3, 1, true, false, false, "all_gather"});
+  check_resume({"HSDP 2x2 all_gather", 4, 2, true, false, false, "all_gather"},
+               {"DDP N3 all_gather", 3, 1, true, true, false, "all_gather"});
 }
 
 TEST(CheckpointTest, MixedPrecisionStateDictsCarryTheMasters) {

@@ -173,8 +173,14 @@ TEST(RoutingTest, LayoutRestrictionsAreClearErrors) {
   gather.muon_forward_unshard = "all_gather";
   EXPECT_EQ(route_params(*m, models::is_muon_matrix, gather, RoutingContext{}).dedicated[0].unshard,
             UnshardMode::AllGather);
-  err = error_of([&] { route_params(*m, models::is_muon_matrix, gather, RoutingContext{0, true, false}); });
-  EXPECT_NE(err.find("is supported on a 1-D mesh with dedicate_params only"), std::string::npos) << err;
+  // HSDP and the DDP path take it; tensor parallelism does not (the seed's rule)
+  for (const RoutingContext& ok : {RoutingContext{0, true, false}, RoutingContext{0, false, true}})
+    EXPECT_EQ(route_params(*m, models::is_muon_matrix, gather, ok).dedicated[0].unshard, UnshardMode::AllGather);
+  err = error_of([&] { route_params(*m, models::is_muon_matrix, gather, RoutingContext{2, false, false, true}); });
+  EXPECT_NE(err.find("rank 2: dedicate_params: muon_forward_unshard=\"all_gather\" (parameter 'layers.0."),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("not supported with tensor parallelism"), std::string::npos) << err;
   DedicateOptions bad;
   bad.muon_forward_unshard = "scatter";
   err = error_of([&] { route_params(*m, models::is_muon_matrix, bad, RoutingContext{}); });

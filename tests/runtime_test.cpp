@@ -133,9 +133,25 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
       if (sched) sched->step();
     }
     // compare: owned matrices (param + momentum), replicated params (param + AdamW moment)
-    if (dc.ddp || dc.replicate > 1) wait_all_post_step_broadcasts(*m);
+    const bool gather = dc.unshard == "all_gather";
+    if (dc.ddp || dc.replicate > 1 || gather) wait_all_post_step_broadcasts(*m);
+    if (gather) {
+      // every rank's shard of every packed unit is the slice of the reference's packed value (between
+      // steps the shards are what is current; the forward's all-gather rebuilds the matrices)
+      for (const auto& u : inspect::packed_units(*m)) {
+        std::vector<at::Tensor> parts;
+        for (const auto& n : u.params) parts.push_back(ref.params.at(n).reshape(-1));
+        at::Tensor flat = at::cat(parts);
+        flat = at::cat({flat, at::zeros({u.shard_len * mesh->shard_size() - flat.numel()}, flat.options())});
+        const int64_t start = mesh->shard_rank() * u.shard_len, len = std::min(u.shard_len, u.numel - start);
+        if (len > 0) within(max_rel(u.shard.narrow(0, 0, len), flat.narrow(0, start, len)), u.boundary + " shard differs");
+      }
+    }
     for (const auto& d : get_dedicated_params(*m)) {
       const bool holder = d.owner.shard == mesh->shard_rank();
+      // HSDP in all_gather mode: the holders of the other replicate groups get the new value from the
+      // next all-gather (their shards were checked above)
+      if (!d.is_owner && dc.replicate > 1 && holder && gather && !dc.ddp) continue;
       if (!d.is_owner && (dc.ddp || (dc.replicate > 1 && holder))) {
         // the DDP path: every rank holds the owner's published value
         const double e = max_rel(d.param, ref.params.at(d.name));
@@ -240,6 +256,18 @@ INSTANTIATE_TEST_SUITE_P(Ranks, EquivalenceTest,
 // Global-norm clipping (ClipScope::AllParams) before every step, against the reference clipping
 // its whole model: the norm counts each element once on every layout, so the scaled gradients, and
 // with them the momentum and AdamW moments, match.
+// One synchronous Muon step on random tokens, counted from a reset of the mesh's counters.
+std::unique_ptr<Muon> counted_sync_step(GPT& m, Mesh& mesh) {
+  MuonOptions mo;
+  mo.first_step_progress_log = false;
+  mo.replicate_async = false;
+  auto opt = std::make_unique<Muon>(m.ptr(), mo);
+  mesh.counters().reset();
+  m->loss(at::randint(32, {2, 6}, at::kLong)).backward();
+  opt->step();
+  return opt;
+}
+
 TEST(RuntimeTest, GlobalNormClippingMatchesSingleProcess) {
   struct Case {
     int world, replicate;
@@ -643,13 +671,7 @@ TEST(RuntimeTest, DdpPathKeepsFullParamsAndMovesTwoPayloads) {
     testing::Layout ddp;
     ddp.ddp = true;
     testing::dedicate_gpt(m, mesh, ddp);
-    MuonOptions mo;
-    mo.first_step_progress_log = false;
-    mo.replicate_async = false;
-    Muon opt(m.ptr(), mo);
-    mesh->counters().reset();
-    m->loss(at::randint(32, {2, 6}, at::kLong)).backward();
-    opt.step();
+    auto opt = counted_sync_step(m, *mesh);
     int64_t not_owned = 0, flags = 0;
     for (const auto& d : get_dedicated_params(*m)) {
       if (d.param.numel() != d.shape[0] * d.shape[1]) throw std::runtime_error("DDP path released " + d.name);
@@ -865,43 +887,76 @@ TEST(RuntimeTest, AllGatherUnshardModeMatchesSingleProcess) {
   }
 }
 
+TEST(RuntimeTest, AllGatherUnshardModeOnHsdpAndTheDdpPathMatchesSingleProcess) {
+  struct Case {
+    const char* label;
+    int world, replicate;
+    bool z3, ddp, async;
+  };
+  for (const Case& c : {Case{"HSDP 2x2 Z3", 4, 2, true, false, true}, Case{"HSDP 2x2 Z2 sync", 4, 2, false, false, false},
+                        Case{"HSDP 3x2 Z3", 6, 2, true, false, true}, Case{"DDP N3", 3, 1, true, true, true},
+                        Case{"DDP N2 sync", 2, 1, true, true, false}}) {
+    TrainConfig tc;
+    tc.steps = 4;
+    DistConfig dc;
+    dc.world = c.world;
+    dc.replicate = c.replicate;
+    dc.z3 = c.z3;
+    dc.ddp = c.ddp;
+    dc.replicate_async = c.async;
+    dc.unshard = "all_gather";
+    dc.pack_small_params = c.world != 6;  // packed units and single matrices, sizes not divisible by G
+    SCOPED_TRACE(c.label);
+    check_equivalence(small_config(2), tc, dc);
+  }
+}
+
 TEST(RuntimeTest, AllGatherModeKeepsShardsAndCountsItsBytes) {
   const GPTConfig cfg = small_config(2);
-  testing::run_ranks(3, [&](testing::RankContext& ctx) {
-    GPT m(cfg);
-    auto mesh = make_mesh(ctx);
-    testing::Layout gather_mode;
-    gather_mode.unshard = "all_gather";
-    testing::dedicate_gpt(m, mesh, gather_mode);
-    MuonOptions mo;
-    mo.first_step_progress_log = false;
-    mo.replicate_async = false;
-    Muon opt(m.ptr(), mo);
-    mesh->counters().reset();
-    m->loss(at::randint(32, {2, 6}, at::kLong)).backward();
-    opt.step();
-    // per step and rank, per packed unit of S = G*L padded bytes: all-gather (G-1)/G*S twice (Z3),
-    // reduce S (+flag) on non-owners, scatter S/G on non-owners
-    int64_t gather = 0, reduce = 0, scatter = 0;
-    for (const auto& buf : inspect::packed_units(*m)) {
-        const int64_t S = buf.flat.numel() * 4;
-        gather += 2 * 2 * S / 3;
-        if (!buf.is_root) {
-          reduce += buf.numel * 4 + 4 * static_cast<int64_t>(buf.params.size());
-          scatter += S / 3;
-        }
-        if (buf.shard.numel() != buf.shard_len || buf.shard_len != (buf.numel + 2) / 3)
+  for (const testing::Layout& l : {testing::Layout{"N3", 3}, testing::Layout{"HSDP 2x2", 4, 2},
+                                   testing::Layout{"DDP N3", 3, 1, true, true}}) {
+    SCOPED_TRACE(l.label);
+    testing::run_ranks(l.world, [&](testing::RankContext& ctx) {
+      GPT m(cfg);
+      auto mesh = make_mesh(ctx, std::chrono::seconds(60), l.replicate);
+      testing::Layout gather_mode = l;
+      gather_mode.unshard = "all_gather";
+      testing::dedicate_gpt(m, mesh, gather_mode);
+      auto opt = counted_sync_step(m, *mesh);
+      // per step and rank, per packed unit of S = G*L padded bytes (B = its unpadded bytes, F = its
+      // has-grad flags):
+      //  * forward unshard (not on the DDP path): all-gather (G-1)/G*S, twice in Z3
+      //  * gradient reduce to the holder: B + F from each non-holder; HSDP stage 2 from the holders of
+      //    the other replicate groups
+      //  * publish: the owner's group scatters S/G into each non-holder; HSDP: each shard crosses the
+      //    replicate axis (S/G into every rank of the other groups); DDP: then all-gather (G-1)/G*S
+      const int64_t G = mesh->shard_size();
+      int64_t gather = 0, reduce = 0, scatter = 0, bcast = 0;
+      for (const auto& buf : inspect::packed_units(*m)) {
+        const auto& d = get_dedicated_params(*m);
+        const auto it = std::find_if(d.begin(), d.end(), [&](const DedicatedParam& p) { return p.name == buf.params[0]; });
+        const bool owner_row = it->owner.replicate == mesh->replicate_rank();
+        const int64_t S = buf.flat.numel() * 4, B = buf.numel * 4, F = 4 * static_cast<int64_t>(buf.params.size());
+        gather += (l.ddp ? 1 : 2) * (G - 1) * S / G;
+        if (!buf.is_root) reduce += B + F;
+        if (buf.is_root && !owner_row) reduce += B + F;
+        if (owner_row && !buf.is_root) scatter += S / G;
+        if (!owner_row) bcast += S / G;
+        if (buf.shard.numel() != buf.shard_len || buf.shard_len != (buf.numel + G - 1) / G)
           throw std::runtime_error("shard of " + buf.boundary);
-        if (!buf.is_root && buf.flat.storage().nbytes() != 0) throw std::runtime_error("not released: " + buf.boundary);
+        if (!l.ddp && !buf.is_root && buf.flat.storage().nbytes() != 0)
+          throw std::runtime_error("not released: " + buf.boundary);
       }
-    auto& c = mesh->counters();
-    if (c.bytes(CommOp::AllGather) != gather || c.bytes(CommOp::Reduce) != reduce || c.bytes(CommOp::Scatter) != scatter ||
-        c.bytes(CommOp::Broadcast) != 0)
-      throw std::runtime_error("all_gather-mode bytes: gather " + std::to_string(c.bytes(CommOp::AllGather)) + "/" +
-                               std::to_string(gather) + " reduce " + std::to_string(c.bytes(CommOp::Reduce)) + "/" +
-                               std::to_string(reduce) + " scatter " + std::to_string(c.bytes(CommOp::Scatter)) + "/" +
-                               std::to_string(scatter));
-  });
+      auto& c = mesh->counters();
+      if (c.bytes(CommOp::AllGather) != gather || c.bytes(CommOp::Reduce) != reduce ||
+          c.bytes(CommOp::Scatter) != scatter || c.bytes(CommOp::Broadcast) != bcast)
+        throw std::runtime_error("all_gather-mode bytes: gather " + std::to_string(c.bytes(CommOp::AllGather)) + "/" +
+                                 std::to_string(gather) + " reduce " + std::to_string(c.bytes(CommOp::Reduce)) + "/" +
+                                 std::to_string(reduce) + " scatter " + std::to_string(c.bytes(CommOp::Scatter)) + "/" +
+                                 std::to_string(scatter) + " broadcast " + std::to_string(c.bytes(CommOp::Broadcast)) +
+                                 "/" + std::to_string(bcast));
+    });
+  }
 }
 
 TEST(RuntimeTest, Bf16CommunicationStaysFiniteAndCloseToFp32) {

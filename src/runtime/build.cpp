@@ -29,7 +29,7 @@ void Runtime::build(const ParamPredicate& predicate) {
   auto m = model_.lock();
   const int rank = mesh_->global_rank();
   // 1. routes, precision, boundaries (pure)
-  Routing routing = route_params(*m, predicate, opts_, RoutingContext{rank, mesh_->is_2d(), ddp_});
+  Routing routing = route_params(*m, predicate, opts_, RoutingContext{rank, mesh_->is_2d(), ddp_, mesh_->has_tp()});
   for (const auto* group : {&routing.dedicated, &routing.sharded, &routing.base})
     for (const auto& r : *group) precision_[r.param.unsafeGetTensorImpl()] = r.prec;
   specs_ = routing.specs;

@@ -120,12 +120,6 @@ void DedicatedRoute::install() {
       buf.state = PackedBuffer::State::Released;
     }
   });
-  // all_gather mode: every rank starts with its shard of the owner's value
-  for_each_buffer([&](int b, PackedBuffer& buf) {
-    if (!buf.gather_mode()) return;
-    buf.shard = at::empty({buf.shard_len}, buf.flat.options());
-    scatter_shards(buf, "initial shards of '" + rt_.boundaries()[static_cast<size_t>(b)].name + "'").wait();
-  });
   // DDP path: every rank starts from the owner's value (ranks may have initialised differently)
   if (ddp_)
     for_each_buffer([&](int b, PackedBuffer& buf) {
@@ -144,6 +138,13 @@ void DedicatedRoute::install() {
                          std::to_string(buf.owner.replicate))
           .wait();
     });
+  // all_gather mode: every rank starts with its shard of the owner's value (after the DDP / HSDP
+  // initial broadcasts, so every holder scatters the same value)
+  for_each_buffer([&](int b, PackedBuffer& buf) {
+    if (!buf.gather_mode()) return;
+    buf.shard = at::empty({buf.shard_len}, buf.flat.options());
+    scatter_shards(buf, "initial shards of '" + rt_.boundaries()[static_cast<size_t>(b)].name + "'").wait();
+  });
 }
 
 Pending DedicatedRoute::scatter_shards(PackedBuffer& buf, const std::string& w) {
@@ -395,7 +396,7 @@ void DedicatedRoute::publish(bool async) {
     const int64_t chunk_bytes = static_cast<int64_t>(rt_.options().replicate_broadcast_bucket_mb * 1024 * 1024);
     for (int b : rt_.publish_order())
       for (auto& buf : buffers_[static_cast<size_t>(b)]) {
-        if (!buf.is_root) continue;
+        if (!buf.is_root || buf.gather_mode()) continue;
         wait_publish(buf);
         const int64_t esz = buf.flat.element_size();
         const int64_t chunk = chunk_bytes > 0 ? std::max<int64_t>(1, chunk_bytes / esz) : buf.numel;
@@ -406,6 +407,7 @@ void DedicatedRoute::publish(bool async) {
                                                    "'"));
         }
       }
+    publish_gather_hsdp(async);
     if (!async || !rt_.boundaries_seen()) rt_.wait_publishes();
     if (env::isolated_pg_barrier()) {
       // strict post-step fence on dmuon's own groups (diagnosis of process-group ordering issues)
@@ -430,17 +432,58 @@ void DedicatedRoute::publish(bool async) {
   }
   // DDP path, in the recorded forward order (model order before the first pass), so the next
   // forward finds its first boundary's publish issued first.
+  // all_gather mode: the owner scatters its update into every rank's shard, then every rank
+  // all-gathers the full value (each rank sends and receives (G-1)/G of it instead of the owner
+  // sending it whole to everyone)
   Communicator& comm = mesh.shard();
   for (int b : rt_.publish_order())
     for (auto& buf : buffers_[static_cast<size_t>(b)]) {
       if (buf.state == PackedBuffer::State::Pending) buf.bcast.wait();
       finish_deferred(buf);
-      buf.bcast = comm.broadcast(buf.flat, buf.root, what("post-step publish", b, buf));
+      if (buf.gather_mode()) {
+        scatter_shards(buf, what("post-step scatter", b, buf)).wait();
+        buf.bcast = comm.allgather_flat(buf.flat, buf.shard, what("post-step publish", b, buf) + " [all-gather mode]");
+      } else {
+        buf.bcast = comm.broadcast(buf.flat, buf.root, what("post-step publish", b, buf));
+      }
       buf.state = PackedBuffer::State::Pending;
     }
   // Without boundaries nothing would wait before the parameters are read again: drain now.
   if (!async || !rt_.boundaries_seen())
     for (size_t b = 0; b < buffers_.size(); ++b) wait_unshard(static_cast<int>(b));
+}
+
+// HSDP in all_gather mode: the global owner's replicate group scatters the update into its shard
+// ranks, then each shard crosses the replicate axis from the owner's group -- every rank moves
+// L = S/G over the replicate link instead of each holder receiving the whole unit S. The other
+// groups' holders get the new value from the next forward's all-gather, like everyone else.
+void DedicatedRoute::publish_gather_hsdp(bool async) {
+  Mesh& mesh = rt_.mesh();
+  Communicator& rep = *mesh.replicate();
+  const std::vector<int> order = rt_.publish_order();
+  std::vector<PackedBuffer*> bufs;
+  std::vector<int> bs;
+  for (int b : order)
+    for (auto& buf : buffers_[static_cast<size_t>(b)])
+      if (buf.gather_mode()) bufs.push_back(&buf), bs.push_back(b);
+  // 1. scatters inside the owner's replicate group (shard-group collectives, in publish order)
+  for (size_t i = 0; i < bufs.size(); ++i) {
+    PackedBuffer& buf = *bufs[i];
+    buf.scatter.wait();  // an earlier step's shard must have landed before it is overwritten
+    buf.scatter = Pending();
+    if (mesh.replicate_rank() != buf.owner.replicate) continue;
+    finish_deferred(buf);
+    buf.scatter = scatter_shards(buf, what("post-step scatter", bs[i], buf));
+  }
+  // 2. each shard from the owner's group to the others (replicate-group collectives, same order)
+  for (size_t i = 0; i < bufs.size(); ++i) {
+    PackedBuffer& buf = *bufs[i];
+    buf.scatter.wait();
+    buf.scatter = rep.broadcast(buf.shard, buf.owner.replicate,
+                                what("post-step shard publish", bs[i], buf) + " from replicate " +
+                                    std::to_string(buf.owner.replicate));
+    if (!async) buf.scatter.wait();
+  }
 }
 
 // ---- checkpoints -----------------------------------------------------------------------------------

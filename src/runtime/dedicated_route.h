@@ -139,6 +139,7 @@ class DedicatedRoute final : public Route {
   void finish_stage1(PackedBuffer& buf);  // wait stage 1; HSDP holders issue stage 2
   void finish_stage2(PackedBuffer& buf);  // wait stage 2; the global owner folds
   void wait_publish(PackedBuffer& buf);        // the buffer's deferred updates, then its publishes
+  void publish_gather_hsdp(bool async);        // HSDP, all_gather mode: scatter in the owner's group, shards across
   static void finish_deferred(PackedBuffer& buf);
   // all_gather mode: the holder's flat into every rank's shard (collective over the shard group)
   Pending scatter_shards(PackedBuffer& buf, const std::string& what);

@@ -246,9 +246,10 @@ Routing route_params(const torch::nn::Module& model, const ParamPredicate& predi
     TORCH_CHECK(mode, "rank ", rank, ": dedicate_params: parameter '", name, "' has muon_forward_unshard '", unshard,
                 "'; use \"broadcast\" or \"all_gather\".");
     r.unshard = *mode;
-    TORCH_CHECK(r.unshard == UnshardMode::Broadcast || (!ctx.mesh_2d && !ctx.ddp), "rank ", rank,
-                ": dedicate_params: muon_forward_unshard=\"all_gather\" (parameter '", name, "') is supported on a "
-                "1-D mesh with dedicate_params only; use \"broadcast\" for HSDP and the DDP path.");
+    TORCH_CHECK(r.unshard == UnshardMode::Broadcast || !ctx.tp, "rank ", rank,
+                ": dedicate_params: muon_forward_unshard=\"all_gather\" (parameter '", name, "') is not supported "
+                "with tensor parallelism (the TP update already arrives as per-rank slices); use \"broadcast\" on a "
+                "mesh with tp_size > 1.");
     ParamSpec s;
     s.name = name;
     s.shape = p.sizes().vec();

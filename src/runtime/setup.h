@@ -66,6 +66,7 @@ struct RoutingContext {
   int rank = 0;
   bool mesh_2d = false;
   bool ddp = false;
+  bool tp = false;  // the mesh has a tensor-parallel axis
 };
 Routing route_params(const torch::nn::Module& model, const ParamPredicate& predicate, const DedicateOptions& opts,
                      const RoutingContext& ctx);
