@@ -48,6 +48,7 @@ struct BenchArgs {
   std::string ns_backend = "gram";
   uint64_t seed = 0;
   int pack = -1;  // pack_small_params for DMuon: -1 = library default
+  int replicate = 1;  // HSDP replicate groups for the DMuon variants (adds dmuon_z3_1pass)
 };
 
 double median(std::vector<double> v) {
@@ -87,8 +88,9 @@ class Variant {
     models::MeshSetup ms;
     ms.store = b.store;
     ms.tag = "bench-" + name_;
+    dmuon_ = name_.rfind("dmuon_", 0) == 0;
+    if (dmuon_) ms.replicate = a.replicate;  // the baselines stay data-parallel over the world
     mesh_ = models::make_training_mesh(b.world, ms);
-    dmuon_ = name_ == "dmuon_z2" || name_ == "dmuon_z3";
     models::DedicatedGptSetup gs;
     gs.config.vocab_size = 256;
     gs.config.d_model = a.d_model;
@@ -97,13 +99,14 @@ class Variant {
     gs.config.d_ff = a.d_ff;
     gs.seed = a.seed;
     gs.muon = dmuon_;
-    gs.z3 = name_ == "dmuon_z3";
+    gs.z3 = name_ != "dmuon_z2";
     if (a.pack >= 0) gs.pack_small_params = a.pack == 1;
     model_ = models::make_dedicated_gpt(mesh_, gs);
     opts_.ns_backend = a.ns_backend;
     ns_ = NewtonSchulz(a.ns_backend);
     opts_.record_step_profile = true;
     opts_.first_step_progress_log = false;
+    opts_.group_prepare_ahead = name_ != "dmuon_z3_1pass";  // HSDP: per-group prepare / publish, or one pass
     if (dmuon_ || name_ == "adamw") opt_ = std::make_unique<Muon>(model_.ptr(), opts_);
     for (const auto& item : model_->named_parameters(true))
       (models::is_muon_matrix(item.key(), item.value()) ? matrices_ : others_).emplace_back(item.key(), item.value());
@@ -208,8 +211,9 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
   std::iota(ranks.begin(), ranks.end(), 0);
   Communicator trainer(b.world, "bench", ranks, kDefaultCollectiveTimeout, nullptr);
   std::vector<std::unique_ptr<Variant>> vs;
-  for (const char* v : {"dmuon_z2", "dmuon_z3", "baseline_a", "baseline_b", "adamw"})
-    vs.push_back(std::make_unique<Variant>(v, a, b));
+  std::vector<std::string> names = {"dmuon_z2", "dmuon_z3", "baseline_a", "baseline_b", "adamw"};
+  if (a.replicate > 1) names.insert(names.begin() + 2, "dmuon_z3_1pass");
+  for (const auto& v : names) vs.push_back(std::make_unique<Variant>(v, a, b));
   // Interleaved: every step runs all variants in turn on the same batch, so machine noise hits them
   // alike; per step and variant the time is the max over ranks.
   std::vector<std::vector<double>> step_ms(vs.size()), ns_ms(vs.size()), bytes(vs.size());
@@ -271,16 +275,24 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
   app.add_option("--ns-backend", a.ns_backend, "gram or direct")->capture_default_str();
   app.add_option("--out", a.out, "where the per-N JSON results go")->capture_default_str();
   app.add_option("--pack", a.pack, "DMuon pack_small_params: 1, 0, or -1 for the default (env/planner)");
+  app.add_option("--replicate", a.replicate,
+                 "HSDP replicate groups R for the DMuon variants (N/R shard ranks each); R > 1 adds dmuon_z3_1pass, "
+                 "Z3 with group_prepare_ahead off")
+      ->capture_default_str();
   if (auto rc = parse_args(app, std::vector<std::string>(args.begin() + 1, args.end()), out, err)) return *rc;
   try {
     if (launched_as_rank()) return run_bench_rank(a, out);
     std::vector<int> ns;
     std::stringstream ss(a.ranks);
     for (std::string tok; std::getline(ss, tok, ',');) ns.push_back(std::stoi(tok));
-    for (int n : ns)
+    for (int n : ns) {
       if (n < 1 || a.batch % n != 0)
         throw std::invalid_argument("--batch " + std::to_string(a.batch) + " must split evenly over " +
                                     std::to_string(n) + " ranks");
+      if (a.replicate < 1 || n % a.replicate != 0)
+        throw std::invalid_argument("--replicate " + std::to_string(a.replicate) + " must divide every rank count (" +
+                                    std::to_string(n) + ")");
+    }
     out << "dmuon bench step: GPT d=" << a.d_model << " ff=" << a.d_ff << " layers=" << a.layers << ", batch "
         << a.batch << "x" << a.seq_len << ", " << a.steps << " measured steps (+" << a.warmup << " warm-up), NS "
         << a.ns_backend << "\n" << std::flush;
@@ -297,21 +309,23 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
     }
     out << "\n" << std::left << std::setw(4) << "N" << std::setw(12) << "variant" << std::right << std::setw(10)
         << "step_ms" << std::setw(10) << "NS_ms" << std::setw(14) << "bytes/rank" << std::setw(9) << "step/A"
-        << std::setw(9) << "NS/A" << std::setw(11) << "step/AdamW" << "\n";
+        << std::setw(9) << "NS/A" << std::setw(11) << "step/AdamW" << (a.replicate > 1 ? "  step/1pass" : "") << "\n";
     for (int n : ns) {
       const auto& rows = all[std::to_string(n)];
-      double a_step = 0, a_ns = 0, w_step = 0;
+      double a_step = 0, a_ns = 0, w_step = 0, p_step = 0;
       for (const auto& r : rows) {
         if (r["variant"] == "baseline_a") a_step = r["step_ms"], a_ns = r["ns_ms"];
         if (r["variant"] == "adamw") w_step = r["step_ms"];
+        if (r["variant"] == "dmuon_z3_1pass") p_step = r["step_ms"];
       }
       for (const auto& r : rows) {
         const double st = r["step_ms"], nsm = r["ns_ms"], by = r["bytes"];
         out << std::left << std::setw(4) << n << std::setw(12) << r["variant"].get<std::string>() << std::right
             << std::fixed << std::setprecision(1) << std::setw(10) << st << std::setw(10) << nsm << std::setw(14)
             << std::setprecision(0) << by << std::setprecision(3) << std::setw(9) << (a_step > 0 ? st / a_step : 0)
-            << std::setw(9) << (a_ns > 0 ? nsm / a_ns : 0) << std::setw(11) << (w_step > 0 ? st / w_step : 0)
-            << "\n";
+            << std::setw(9) << (a_ns > 0 ? nsm / a_ns : 0) << std::setw(11) << (w_step > 0 ? st / w_step : 0);
+        if (p_step > 0) out << std::setw(12) << st / p_step;
+        out << "\n";
       }
     }
     write_file_atomic(a.out + "/bench_step.json", all.dump(2));

@@ -355,6 +355,15 @@ TEST(CliTest, BenchStepPrintsRatiosForEveryVariant) {
   for (const char* v : {"baseline_a", "adamw"}) EXPECT_TRUE(variants.count(v)) << v << " in " << j.dump();
   EXPECT_GE(variants.size(), 4u) << j.dump();
   EXPECT_NE(r.output.find("step/A"), std::string::npos) << r.output;
+  // HSDP for the DMuon variants: the one-pass step beside the per-group one, with its ratio
+  const Result h = run("bench step --ranks 2 --replicate 2 --steps 1 --warmup 0 --batch 4 --seq-len 16 --d-model 32 "
+                       "--layers 2 --heads 4 --d-ff 64 --out " + out, 300);
+  ASSERT_EQ(h.status, 0) << h.output;
+  EXPECT_NE(h.output.find("dmuon_z3_1pass"), std::string::npos) << h.output;
+  EXPECT_NE(h.output.find("step/1pass"), std::string::npos) << h.output;
+  const Result bad = run("bench step --ranks 3 --batch 6 --replicate 2 --out " + out, 60);
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.output.find("--replicate 2 must divide every rank count (3)"), std::string::npos) << bad.output;
   std::filesystem::remove_all(out);
 }
 

@@ -27,6 +27,7 @@
 
 #include "dmuon/bootstrap.h"
 #include "dmuon/dedicate.h"
+#include "dmuon/diagnostics.h"
 #include "dmuon/mesh.h"
 #include "dmuon/muon.h"
 #include "dmuon/newton_schulz.h"
@@ -803,6 +804,16 @@ TEST(MuonTest, StepProfileCountsOwnedUpdates) {
     EXPECT_GE(p.total_ms, p.muon_ms);
     EXPECT_GE(p.adamw_ms, 0.0);
     EXPECT_GE(p.prepare_ms, 0.0);
+    EXPECT_GE(p.publish_ms, 0.0);
+    EXPECT_GE(p.total_ms, p.prepare_ms + p.muon_ms + p.adamw_ms + p.publish_ms - 1e-9);
+    EXPECT_EQ(p.clock, "host");  // a CPU model: host clocks, no CUDA events
+    EXPECT_EQ(p.host_total_ms, p.total_ms);
+    EXPECT_EQ(p.step, 1);
+    const nlohmann::json j = to_json(p);
+    EXPECT_EQ(j["clock"], "host");
+    EXPECT_EQ(j["owned_updates"], 3);
+    EXPECT_DOUBLE_EQ(j["ns_flops"].get<double>(), p.ns_flops);
+    EXPECT_DOUBLE_EQ(j["total_ms"].get<double>(), p.total_ms);
     const StepProfile again = opt.consume_last_step_profile();
     EXPECT_FALSE(again.valid);
     EXPECT_EQ(again.owned_updates, 0);

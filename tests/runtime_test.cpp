@@ -57,6 +57,7 @@ struct DistConfig : testing::Layout {
   DistConfig() { pack_small_params.reset(); }  // the planner's default unless a test says otherwise
   std::string owner_strategy;
   bool replicate_async = true;
+  bool group_prepare_ahead = true;
   bool delay_stage2 = true;
   double bucket_mb = 0.0;
   int min_idle_ranks = 0;  // ranks that must own no Muon matrix in this layout
@@ -96,6 +97,7 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
     testing::dedicate_gpt(m, mesh, dc, dopts);
     MuonOptions mo = testing::muon_options(tc);
     mo.replicate_async = dc.replicate_async;
+    mo.group_prepare_ahead = dc.group_prepare_ahead;
     Muon opt(m.ptr(), mo);
     std::unique_ptr<torch::optim::StepLR> sched;
     if (tc.scheduler) sched = std::make_unique<torch::optim::StepLR>(opt, 3, 0.5);
@@ -522,7 +524,9 @@ TEST(RuntimeTest, HostReadsPerStepDoNotGrowWithTheParameterCount) {
         dc.sharded = c.sharded;
         dc.ddp = c.ddp;
         testing::dedicate_gpt(m, mesh, dc);
-        Muon opt(m.ptr(), testing::muon_options(TrainConfig{}));
+        MuonOptions mo = testing::muon_options(TrainConfig{});
+        mo.group_prepare_ahead = false;  // HSDP: two reads per group with it (checked below)
+        Muon opt(m.ptr(), mo);
         const auto batches = make_batches(3, 8, 8, cfg.vocab_size, 3);
         int64_t most = 0;
         for (const auto& tokens : batches) {
@@ -742,6 +746,54 @@ TEST(RuntimeTest, HsdpWithAccumulationEagerStage2AndBuckets) {
   check_equivalence(small_config(2), tc, dc, 16);
 }
 
+// group_prepare_ahead (the default on HSDP) against the one-pass step, and prepare_muon_grads group by
+// group against the coalesced wait: the same numbers; the per-group step reads the host twice per
+// group at most (flags and finiteness), whatever the number of parameters in a group.
+TEST(RuntimeTest, HsdpGroupPrepareAheadAndPerGroupPrepareMatchTheOnePassPath) {
+  for (bool ahead : {true, false}) {
+    for (bool async : {true, false}) {
+      TrainConfig tc;
+      tc.steps = 4;
+      DistConfig dc;
+      dc.world = 6;
+      dc.replicate = 2;
+      dc.group_prepare_ahead = ahead;
+      dc.replicate_async = async;
+      SCOPED_TRACE(std::string(ahead ? "ahead" : "one pass") + (async ? " async" : " sync"));
+      check_equivalence(small_config(3), tc, dc);
+    }
+  }
+  const GPTConfig cfg = small_config(3);
+  testing::run_ranks(4, [&](testing::RankContext& ctx) {
+    auto mesh = make_mesh(ctx, std::chrono::seconds(60), /*replicate=*/2);
+    const StateDict init = init_state(cfg, 7, at::kDouble);
+    const at::Tensor tokens = make_batches(1, 8, 8, cfg.vocab_size, 5)[0].narrow(0, 2 * ctx.rank, 2);
+    std::vector<std::map<std::string, at::Tensor>> grads;
+    for (bool coalesce : {true, false}) {
+      GPT m(cfg);
+      load_state(m, init);
+      testing::dedicate_gpt(m, mesh, {});
+      m->loss(tokens).backward();
+      prepare_muon_grads(*m, PrepareGradsOptions{false, coalesce});
+      std::map<std::string, at::Tensor> g;
+      for (const auto& d : get_dedicated_params(*m))
+        if (d.is_owner) g[d.name] = d.param.grad().clone();
+      grads.push_back(g);
+      // the per-group step on HSDP: at most 1 + 2 * groups host reads
+      Muon opt(m.ptr(), testing::muon_options(TrainConfig{}));
+      opt.zero_grad();
+      m->loss(tokens).backward();
+      const int64_t before = host_sync_count();
+      opt.step();
+      const int64_t reads = host_sync_count() - before;
+      testing::expect(reads <= 1 + 2 * cfg.n_layers, "host reads per step: " + std::to_string(reads));
+    }
+    testing::expect(grads[0].size() == grads[1].size(), "same owned matrices");
+    for (const auto& [name, g] : grads[0])
+      testing::expect(at::equal(g, grads[1].at(name)), name + ": per-group prepare differs from the coalesced one");
+  });
+}
+
 TEST(RuntimeTest, HsdpBytesPerAxisMatchThePlanAndStaleReadsEndAtTheWait) {
   const GPTConfig cfg = small_config(2);
   for (bool async : {true, false}) {
@@ -957,6 +1009,55 @@ TEST(RuntimeTest, AllGatherModeKeepsShardsAndCountsItsBytes) {
                                  "/" + std::to_string(bcast));
     });
   }
+}
+
+TEST(RuntimeTest, ForwardUnshardProfileCountsEveryBoundarysUnshardsBytesAndWaits) {
+  const GPTConfig cfg = small_config(3);
+  using testing::expect;
+  testing::run_ranks(3, [&](testing::RankContext& ctx) {
+    GPT m(cfg);
+    auto mesh = make_mesh(ctx);
+    DedicateOptions o;
+    o.record_forward_profile = true;
+    testing::dedicate_gpt(m, mesh, testing::Layout{}, o);
+    auto opt = counted_sync_step(m, *mesh);  // one Z3 forward + backward + step (1-D: no publish)
+    const int64_t measured = mesh->counters().bytes(CommOp::Broadcast);
+    const ForwardUnshardProfile p = collect_forward_unshard_profile(*m, /*clear=*/true, /*synchronize=*/true);
+    expect(p.enabled && p.rank == ctx.rank && p.forward_passes == 1 && p.boundaries.size() == 3, "profile header");
+    int64_t expect_bytes = 0;
+    for (const auto& u : inspect::packed_units(*m))
+      if (!u.is_root) expect_bytes += 2 * u.numel * 4;  // forward and backward broadcast, fp32
+    expect(p.total_bytes() == measured && measured == expect_bytes,
+           "profiled " + std::to_string(p.total_bytes()) + " vs measured " + std::to_string(measured) + " vs " +
+               std::to_string(expect_bytes));
+    for (size_t b = 0; b < p.boundaries.size(); ++b) {
+      const BoundaryUnshardStats& s = p.boundaries[b];
+      expect(s.boundary == "layers." + std::to_string(b), "boundary name " + s.boundary);
+      // each boundary once per pass; layers.1 and .2 arrive by the forward prefetch (depth 1), layers.1
+      // and .0 by the backward one
+      expect(s.forward_unshards == 1 && s.backward_unshards == 1, s.boundary + " unshards");
+      expect(s.forward_prefetched == (b > 0 ? 1 : 0), s.boundary + " prefetched");
+      expect(s.forward_waits == 1 && s.backward_waits == 1 && s.forward_wait_ms >= 0, s.boundary + " waits");
+      expect(s.forward_bytes == s.backward_bytes, s.boundary + " Z3: the same bytes twice");
+    }
+    const nlohmann::json j = to_json(p);
+    expect(j["total_bytes"] == measured && j["boundaries"].size() == 3 && j["boundaries"][1]["forward_prefetched"] == 1,
+           "JSON " + j.dump());
+    // cleared: nothing until the next pass; the recorded order can be forgotten and is re-recorded
+    const ForwardUnshardProfile empty = consume_forward_unshard_profile(*m);
+    expect(empty.total_bytes() == 0 && empty.forward_passes == 0 && empty.boundaries[1].forward_unshards == 0, "cleared");
+    reset_post_forward_order(*m);
+    m->loss(at::randint(32, {2, 6}, at::kLong)).backward();
+    opt->step();
+    const ForwardUnshardProfile again = consume_forward_unshard_profile(*m);
+    expect(again.forward_passes == 1 && again.boundaries[2].forward_prefetched == 1 && again.total_bytes() == expect_bytes,
+           "after reset_post_forward_order");
+    // off by default: no counters
+    GPT m2(cfg);
+    testing::dedicate_gpt(m2, mesh, testing::Layout{});
+    const ForwardUnshardProfile off = collect_forward_unshard_profile(*m2);
+    expect(!off.enabled && off.boundaries.empty(), "off by default");
+  });
 }
 
 TEST(RuntimeTest, Bf16CommunicationStaysFiniteAndCloseToFp32) {

@@ -107,6 +107,8 @@ struct DedicateOptions {
   ParamPolicyFn param_policy_fn;
   RouteHintFn route_hint_fn;                    // a policy's route takes precedence over the hint
   int forward_prefetch_depth = 1;               // boundaries broadcast ahead in forward (0 = none)
+  // Per-boundary unshard counters (unshard_profile.h); unset: DMUON_RECORD_FORWARD_PROFILE.
+  std::optional<bool> record_forward_profile;
   std::string muon_forward_unshard = "broadcast";  // or "all_gather" (experimental; 1-D meshes)
   // HSDP (2-D mesh) only:
   double replicate_broadcast_bucket_mb = 0.0;   // post-step publish chunk size in MiB; 0 = one per packed unit
@@ -257,6 +259,16 @@ auto forward(ModuleHolderOrPtr& module, Args&&... args);
 // collective: every rank (on HSDP it issues the delayed stage-2 reduces and the replicate-axis
 // all-reduces of sharded_adamw slices; elsewhere it waits collectives already issued).
 void prepare_muon_grads(torch::nn::Module& model);
+// The seed's keyword form. coalesce_wait=true waits every group's reduces in one pass (stage 1 of
+// all, then stage 2 of all: the overload above); false (the seed's default) prepares group by group
+// in the forward order, issuing the next group's HSDP stage 2 before waiting the current one's. The
+// gradients are the same either way. use_reduce_stream selects nothing here: dmuon issues reduces on
+// the process group's own (NCCL-internal) stream already, so there is no separate stream to share.
+struct PrepareGradsOptions {
+  bool use_reduce_stream = false;
+  bool coalesce_wait = false;
+};
+void prepare_muon_grads(torch::nn::Module& model, const PrepareGradsOptions& opts);
 inline void wait_all_reduces(torch::nn::Module& model) { prepare_muon_grads(model); }
 
 // Queries (local: no collective, safe on any rank at any time between steps).

@@ -10,6 +10,7 @@
 
 #include "dmuon/muon.h"
 #include "dmuon/owner_plan.h"
+#include "dmuon/unshard_profile.h"
 
 namespace dmuon {
 
@@ -45,5 +46,10 @@ ModelCommPlan get_comm_plan(const torch::nn::Module& model);
 // owner_cost_model, makespan, lower_bound, imbalance, violations, params (names), this_rank {rank, z2,
 // z3, replicate, tp}, tp {tp_size, imbalance, exchange (per global rank)} on a TP mesh, and `comm` in the schema of `dmuon plan --json` (docs/PLAN_TOOL.md).
 nlohmann::json summarize_comm_plan(const torch::nn::Module& model, int max_groups = 64, int max_params_per_group = 128);
+
+// JSON forms of the profiles: a step profile (Muon::consume_last_step_profile) with its phases in
+// milliseconds and its clock; a forward-unshard profile with per-boundary rows and totals.
+nlohmann::json to_json(const StepProfile& p);
+nlohmann::json to_json(const ForwardUnshardProfile& p);
 
 }  // namespace dmuon

@@ -7,6 +7,7 @@
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"
 #include "dmuon/env.h"
+#include "dmuon/grad_clip.h"
 #include "dmuon/mesh.h"
 #include "dmuon/model_specs.h"
 #include "dmuon/muon.h"
@@ -14,3 +15,4 @@
 #include "dmuon/owner_plan.h"
 #include "dmuon/process_group.h"
 #include "dmuon/tensor_parallel.h"
+#include "dmuon/unshard_profile.h"

@@ -105,6 +105,13 @@ struct MuonOptions {
   // would wait before the parameters are read again.
   std::optional<bool> replicate_async;
   bool record_step_profile = false;
+  // HSDP: prepare the dedicated gradients group by group (hook boundaries, forward order): the next
+  // group's stage-2 reduce is in flight while this group's Newton-Schulz runs, and with async
+  // publishing each group publishes right after its own update. false: every reduce is waited
+  // first, every group published after every update. Same results either way. Cost: two host reads
+  // per group instead of two per step. (1-D meshes, TP meshes and steps after clip_grad_norm_ take
+  // the one-pass path: there is no stage 2 to overlap, or every gradient was waited already.)
+  bool group_prepare_ahead = true;
   // One line per matrix in the first step (NS kernel, shape, time): off by default in the library
   // (the CLI turns it on). Lines go to `log` when set, else to stderr.
   bool first_step_progress_log = false;
@@ -123,19 +130,31 @@ struct MuonOptions {
   double tp_distributed_gram_max_factor_to_scatter_ratio = 0.5;
 };
 
-// Wall-clock split of the last step (milliseconds), when record_step_profile is on.
+// The split of the last step (milliseconds), when record_step_profile is on: host clocks on the
+// CPU; CUDA events on the GPU (device time of each phase on the current stream; read, with one
+// synchronize, by consume_last_step_profile -- the step itself gains no sync). Overhead: two
+// steady_clock reads per span on the host (tens of ns); two event records per span on CUDA (a few
+// us of host time each, one span per owned matrix for ns_ms). to_json (diagnostics.h) gives JSON.
 struct StepProfile {
-  double prepare_ms = 0;   // waiting for gradient reduces / all-reduces
+  double prepare_ms = 0;   // waiting for gradient reduces / all-reduces (HSDP: stage 2 too)
   double muon_ms = 0;      // momentum + Newton-Schulz + update on owned matrices
   double ns_ms = 0;        // of which Newton-Schulz
   double adamw_ms = 0;
+  double publish_ms = 0;   // issuing the post-step publish (waiting it too when synchronous)
   double total_ms = 0;
+  double host_total_ms = 0;  // the step's host time (equal to total_ms with host clocks)
+  std::string clock = "host";  // "host" | "cuda_events"
   int owned_updates = 0;   // matrices this rank updated
   int tp_gathered = 0;     // TP-split matrices orthogonalised by gather / NS on the TP owner / scatter
   int tp_distributed = 0;  // TP-split matrices orthogonalised by the distributed Gram form
   double ns_flops = 0;     // plain-GEMM FLOP estimate of this rank's NS work
+  int64_t step = 0;        // the optimizer step this profile belongs to (1-based)
   bool valid = false;
 };
+
+namespace detail {
+class PhaseClock;
+}
 
 class Muon : public torch::optim::Optimizer {
  public:
@@ -175,7 +194,7 @@ class Muon : public torch::optim::Optimizer {
   // TP: the T owners of a matrix orthogonalise it together over mesh.tp() (collective); the gather
   // form's updates are queued in `tp_pending` and finished by step().
   void muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh, StepProfile& prof,
-                   std::vector<TpUpdate>& tp_pending);
+                   detail::PhaseClock& clock, std::vector<TpUpdate>& tp_pending);
   // AdamW on `target` with gradient `g`; state (in `state_dtype`) keyed by `key` (the module
   // parameter; the target is its master copy or, for sharded_adamw, this rank's shard).
   void adamw_update(at::Tensor& target, const at::Tensor& g, const at::Tensor& key, at::ScalarType state_dtype,
@@ -189,6 +208,7 @@ class Muon : public torch::optim::Optimizer {
   std::map<const c10::TensorImpl*, size_t> group_of_;  // parameter -> index in param_groups_
   size_t group_of_count_ = 0;                         // parameters grouped when group_of_ was built
   StepProfile last_profile_;
+  std::shared_ptr<detail::PhaseClock> last_clock_;  // its timings until consumed (CUDA events resolve late)
   std::optional<MuonGradClipStats> last_clip_;
   // gradients clip_grad_norm_ took from the runtime for this step (step() uses them, zero_grad drops them)
   std::shared_ptr<std::vector<ReadyGrad>> taken_;

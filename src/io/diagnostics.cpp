@@ -172,4 +172,42 @@ nlohmann::json summarize_comm_plan(const torch::nn::Module& model, int max_group
   return out;
 }
 
+nlohmann::json to_json(const StepProfile& p) {
+  return {{"valid", p.valid},
+          {"step", p.step},
+          {"clock", p.clock},
+          {"prepare_ms", p.prepare_ms},
+          {"muon_ms", p.muon_ms},
+          {"ns_ms", p.ns_ms},
+          {"adamw_ms", p.adamw_ms},
+          {"publish_ms", p.publish_ms},
+          {"total_ms", p.total_ms},
+          {"host_total_ms", p.host_total_ms},
+          {"owned_updates", p.owned_updates},
+          {"tp_gathered", p.tp_gathered},
+          {"tp_distributed", p.tp_distributed},
+          {"ns_flops", p.ns_flops}};
+}
+
+nlohmann::json to_json(const ForwardUnshardProfile& p) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& b : p.boundaries)
+    rows.push_back({{"boundary", b.boundary},
+                    {"forward_unshards", b.forward_unshards},
+                    {"forward_prefetched", b.forward_prefetched},
+                    {"backward_unshards", b.backward_unshards},
+                    {"forward_bytes", b.forward_bytes},
+                    {"backward_bytes", b.backward_bytes},
+                    {"forward_waits", b.forward_waits},
+                    {"backward_waits", b.backward_waits},
+                    {"forward_wait_ms", b.forward_wait_ms},
+                    {"backward_wait_ms", b.backward_wait_ms}});
+  return {{"enabled", p.enabled},
+          {"rank", p.rank},
+          {"forward_passes", p.forward_passes},
+          {"total_bytes", p.total_bytes()},
+          {"total_wait_ms", p.total_wait_ms()},
+          {"boundaries", rows}};
+}
+
 }  // namespace dmuon

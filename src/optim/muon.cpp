@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "dmuon/host_sync.h"
+#include "optim/phase_clock.h"
 #include "optim/tp_newton_schulz.h"
 #include "runtime/dedicated_route.h"
 #include "runtime/replicated_route.h"
@@ -189,6 +190,12 @@ void check_finite_grads(const std::vector<ReadyGrad>& ready, int rank) {
                 "pass MuonOptions::ns a NewtonSchulz with set_check_finite(false) to let NaN propagate.");
 }
 
+bool first_param_is_cuda(const torch::nn::Module& model) {
+  for (const auto& p : model.parameters(true))
+    if (p.defined()) return p.is_cuda();
+  return false;
+}
+
 double elapsed_ms(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -219,7 +226,7 @@ const MuonParamState* Muon::state_of(const at::Tensor& p) const {
 }
 
 void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh, StepProfile& prof,
-                       std::vector<TpUpdate>& tp_pending) {
+                       detail::PhaseClock& clock, std::vector<TpUpdate>& tp_pending) {
   const at::Tensor g = r.grad.to(r.prec.optim);
   MuonParamState& st = state_for(r.param);
   if (!st.momentum_buffer().defined()) st.momentum_buffer(at::zeros_like(g));
@@ -227,7 +234,7 @@ void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh
   buf.mul_(o.momentum()).add_(g);
   const at::Tensor u = o.nesterov() ? g.add(buf, o.momentum()) : buf;
   st.step(st.step() + 1);
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = clock.now();
   // the full matrix's shape (TP: this rank holds a slice of it)
   const std::vector<int64_t> full = r.full_shape.empty() ? r.target.sizes().vec() : r.full_shape;
   const double m = static_cast<double>(std::min(full[0], full[1]));
@@ -262,7 +269,7 @@ void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh
       job.apply(tp_orthogonalize(u, r, steps, ns_, dist, mesh));
     }
   }
-  prof.ns_ms += elapsed_ms(t0);
+  clock.add(detail::Phase::Ns, t0);
   prof.ns_flops += flop_share * (20 * m * m * n + 10 * m * m * m);
   ++prof.owned_updates;
 }
@@ -301,10 +308,20 @@ at::Tensor Muon::step(LossClosure closure) {
   auto state = detail::state_of_model(model.get());
   TORCH_CHECK(state, "Muon::step: the model is no longer dedicated.");
   StepProfile prof;
-  const auto t_start = std::chrono::steady_clock::now();
-  state->prepare_grads();  // collective: the reduces are waited (HSDP: stage 2 issued and waited)
-  prof.prepare_ms = elapsed_ms(t_start);
-  const std::vector<ReadyGrad> ready = taken_ ? std::move(*taken_) : state->take_ready_grads();
+  // CUDA events only when profiling a CUDA model; host clocks otherwise (cheap, always on)
+  detail::PhaseClock clock(options_.record_step_profile && first_param_is_cuda(*model));
+  const auto t_start = clock.now();
+  const bool async = options_.replicate_async.value_or(state->options().replicate_async);
+  // group_prepare_ahead: the dedicated route group by group (below) where there is a stage-2 reduce
+  // to overlap with the Newton-Schulz of the group before it (HSDP). It costs two host reads per
+  // group (has-gradient flags, finiteness) instead of two per step, so 1-D meshes keep the one-pass
+  // path; so do steps after clip_grad_norm_ (it took every gradient) and TP (all gathers first).
+  const bool per_group = options_.group_prepare_ahead && !taken_ && !state->mesh().has_tp() &&
+                         state->mesh().is_2d() && !state->ddp();
+  // collective: the reduces are waited (HSDP: stage 2 issued and waited)
+  state->prepare_grads(/*dedicated=*/!per_group);
+  clock.add(detail::Phase::Prepare, t_start);
+  const std::vector<ReadyGrad> ready = taken_ ? std::move(*taken_) : state->take_ready_grads(!per_group);
   taken_.reset();
   if (check_finite_) check_finite_grads(ready, state->mesh().global_rank());
   // which group each parameter is in (rebuilt when groups are added)
@@ -320,20 +337,20 @@ at::Tensor Muon::step(LossClosure closure) {
   // TP updates of the last step still arriving by scatter land before this step changes anything
   state->dedicated().finish_deferred();
   std::vector<TpUpdate> tp_pending;  // TP gather form: gathers in flight, in step order
-  for (const ReadyGrad& r : ready) {
+  auto update = [&](const ReadyGrad& r) {
     auto g = group_of_.find(r.param.unsafeGetTensorImpl());
-    if (g == group_of_.end()) continue;  // in no parameter group: not optimized
+    if (g == group_of_.end()) return;  // in no parameter group: not optimized
     const auto& o = static_cast<const MuonGroupOptions&>(param_groups_[g->second].options());
-    const auto t0 = std::chrono::steady_clock::now();
+    const auto t0 = clock.now();
     if (r.route == RouteKind::Dedicated && o.is_muon()) {
-      muon_update(r, o, state->mesh(), prof, tp_pending);
-      prof.muon_ms += elapsed_ms(t0);
+      muon_update(r, o, state->mesh(), prof, clock, tp_pending);
+      clock.add(detail::Phase::Muon, t0);
       if (log_first && progress_logged_ < options_.first_step_progress_log_limit) {
         ++progress_logged_;
         std::ostringstream line;
         line << "[dmuon] rank " << state->mesh().global_rank() << ": first step: "
              << ns_.describe(r.target.device().type()) << " on " << r.target.size(0) << "x" << r.target.size(1)
-             << " took " << elapsed_ms(t0) << " ms";
+             << " took " << elapsed_ms(t0.host) << " ms";
         if (options_.log) options_.log(line.str());
         else std::cerr << line.str() << "\n";
       }
@@ -341,14 +358,38 @@ at::Tensor Muon::step(LossClosure closure) {
       at::Tensor target = r.target;
       adamw_update(target, r.grad, r.param, r.prec.optim, o);
       if (r.write_back) r.param.copy_(target);  // mixed precision: AdamW on the master, rounded into the parameter
-      prof.adamw_ms += elapsed_ms(t0);
+      clock.add(detail::Phase::Adamw, t0);
+    }
+  };
+  if (per_group) {
+    // Hook groups in publish order (the next forward's order). Group i+1's stage-1 reduces are waited
+    // and its HSDP stage-2 reduce issued before group i's is waited, so it travels while group i's
+    // Newton-Schulz runs; with async publishing each group publishes right after its own update.
+    // Collective in the same order on every rank (the recorded forward order is the same everywhere).
+    std::lock_guard<std::recursive_mutex> lock(state->mutex());
+    DedicatedRoute& d = state->dedicated();
+    const std::vector<int> order = state->publish_order();
+    if (!order.empty()) d.prepare_group(order[0]);
+    for (size_t i = 0; i < order.size(); ++i) {
+      const auto t0 = clock.now();
+      if (i + 1 < order.size()) d.prepare_group(order[i + 1]);
+      const std::vector<ReadyGrad> group = d.finish_group(order[i]);
+      clock.add(detail::Phase::Prepare, t0);
+      if (check_finite_) check_finite_grads(group, state->mesh().global_rank());
+      for (const ReadyGrad& r : group) update(r);
+      if (async) {
+        const auto t1 = clock.now();
+        d.publish_group(order[i], /*async=*/true);
+        clock.add(detail::Phase::Publish, t1);
+      }
     }
   }
+  for (const ReadyGrad& r : ready) update(r);
   // TP gather form: each TP owner runs NS on its full matrices and scatters the slices (every rank of
   // the TP group in the same order); a slice is applied once it arrives, before its holder's data are
   // read or sent again (the boundary's next unshard, the post-step publish, wait_publishes)
   if (!tp_pending.empty()) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const auto t0 = clock.now();
     for (TpUpdate& job : tp_pending) {
       TpScatter s = tp_scatter_update(job.gather, job.ready, job.steps, ns_, state->mesh());
       state->dedicated().defer_update(job.name, [s, apply = std::move(job.apply)]() mutable {
@@ -356,17 +397,22 @@ at::Tensor Muon::step(LossClosure closure) {
         apply(s.slice);
       });
     }
-    const double ms = elapsed_ms(t0);
-    prof.ns_ms += ms;
-    prof.muon_ms += ms;
+    clock.add(detail::Phase::Ns, t0);
+    clock.add(detail::Phase::Muon, t0);
   }
   // collective: HSDP publishes over the replicate group, the DDP path broadcasts from the owners,
   // all_gather unshard scatters; nothing on a 1-D mesh in broadcast mode (the next forward does it)
-  state->publish(options_.replicate_async.value_or(state->options().replicate_async));
-  prof.total_ms = elapsed_ms(t_start);
-  prof.valid = true;
-  if (options_.record_step_profile) last_profile_ = prof;
+  const auto t_pub = clock.now();
+  state->publish(async);  // (the groups published above are skipped)
+  clock.add(detail::Phase::Publish, t_pub);
+  clock.add(detail::Phase::Total, t_start);
   ++steps_;
+  prof.valid = true;
+  prof.step = steps_;
+  if (options_.record_step_profile) {
+    last_profile_ = prof;
+    last_clock_ = std::make_shared<detail::PhaseClock>(std::move(clock));
+  }
   return loss;
 }
 
@@ -392,7 +438,9 @@ void Muon::zero_grad(bool set_to_none) {
 
 StepProfile Muon::consume_last_step_profile() {
   StepProfile p = last_profile_;
+  if (last_clock_) last_clock_->resolve(p);  // CUDA events: synchronizes here, not in step()
   last_profile_ = StepProfile{};
+  last_clock_.reset();
   return p;
 }
 

@@ -3,6 +3,7 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include "dmuon/env.h"
 #include "dmuon/tensor_parallel.h"
 #include "runtime/dedicated_route.h"
 #include "runtime/fingerprint.h"
@@ -71,6 +72,8 @@ void Runtime::build(const ParamPredicate& predicate) {
     bindex.emplace(name, b.index);
     boundaries_.push_back(std::move(b));
   }
+  if (opts_.record_forward_profile.value_or(env::record_forward_profile()))
+    for (const auto& B : boundaries_) unshard_stats_.push_back(BoundaryUnshardStats{B.name});
 
   // 4. the routes take their parameters: packed buffers (owners copy their masters before any
   // cast), then sharded slices of rank 0's value

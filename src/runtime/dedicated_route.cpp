@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "dmuon/env.h"
+#include "dmuon/host_sync.h"
 #include "runtime/runtime.h"
 
 namespace dmuon {
@@ -311,29 +312,59 @@ void DedicatedRoute::collect_flags(std::vector<at::Tensor>& out) {
   });
 }
 
+void DedicatedRoute::install_buffer(PackedBuffer& buf, const float*& flag) {
+  if (!buf.is_owner || !buf.acc.has_value()) return;
+  const at::Tensor sum = buf.acc.take_sum();
+  for (size_t k = 0; k < buf.params.size(); ++k) {
+    auto& e = entries_[buf.params[k]];
+    if (*flag++ > 0)
+      e.param.mutable_grad() = sum.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes());
+    else
+      e.param.mutable_grad() = at::Tensor();  // no rank produced a gradient
+  }
+}
+
 void DedicatedRoute::install_grads(const float*& flag) {
-  for_each_buffer([&](int, PackedBuffer& buf) {
-    if (!buf.is_owner || !buf.acc.has_value()) return;
-    const at::Tensor sum = buf.acc.take_sum();
-    for (size_t k = 0; k < buf.params.size(); ++k) {
-      auto& e = entries_[buf.params[k]];
-      if (*flag++ > 0)
-        e.param.mutable_grad() = sum.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes());
-      else
-        e.param.mutable_grad() = at::Tensor();  // no rank produced a gradient
-    }
-  });
+  for_each_buffer([&](int, PackedBuffer& buf) { install_buffer(buf, flag); });
+}
+
+void DedicatedRoute::ready_grad_of(const DedicatedEntry& e, std::vector<ReadyGrad>& out) const {
+  if (!e.is_owner || !e.param.grad().defined()) return;  // not ours: the owner updates it
+  ReadyGrad r = rt_.ready_grad(RouteKind::Dedicated, e.name, e.param, e.prec);
+  r.tp_owner = e.tp_owner;
+  r.tp_dim = e.tp_dim;
+  r.full_shape = e.full_shape;
+  out.push_back(std::move(r));
 }
 
 void DedicatedRoute::ready_grads(std::vector<ReadyGrad>& out) {
-  for (auto& e : entries_) {
-    if (!e.is_owner || !e.param.grad().defined()) continue;  // not ours: the owner updates it
-    ReadyGrad r = rt_.ready_grad(RouteKind::Dedicated, e.name, e.param, e.prec);
-    r.tp_owner = e.tp_owner;
-    r.tp_dim = e.tp_dim;
-    r.full_shape = e.full_shape;
-    out.push_back(std::move(r));
+  for (const auto& e : entries_) ready_grad_of(e, out);
+}
+
+// ---- per group (Muon::step with group_prepare_ahead, prepare_muon_grads without coalesce_wait) ----
+void DedicatedRoute::prepare_group(int b) {
+  for (auto& buf : buffers_[static_cast<size_t>(b)]) finish_stage1(buf);
+}
+
+std::vector<ReadyGrad> DedicatedRoute::finish_group(int b) {
+  at::NoGradGuard ng;
+  auto& bufs = buffers_[static_cast<size_t>(b)];
+  for (auto& buf : bufs) {
+    finish_stage1(buf);  // (prepare_group normally did)
+    finish_stage2(buf);
   }
+  std::vector<at::Tensor> parts;
+  for (auto& buf : bufs)
+    if (buf.is_owner && buf.acc.has_value()) parts.push_back(buf.acc.flags_for_read());
+  std::vector<ReadyGrad> out;
+  if (!parts.empty()) {  // the group's has-gradient flags: one host read per group
+    const at::Tensor host = detail::read_to_host(at::cat(parts));
+    const float* flag = host.data_ptr<float>();
+    for (auto& buf : bufs) install_buffer(buf, flag);
+  }
+  for (const auto& buf : bufs)
+    for (int p : buf.params) ready_grad_of(entries_[static_cast<size_t>(p)], out);
+  return out;
 }
 
 void DedicatedRoute::discard_grads() {
@@ -385,102 +416,108 @@ void DedicatedRoute::wait_publishes() {
   });
 }
 
-void DedicatedRoute::publish(bool async) {
+void DedicatedRoute::publish_group(int b, bool async) {
+  if (published_.size() != buffers_.size()) published_.assign(buffers_.size(), false);
+  if (published_[static_cast<size_t>(b)]) return;
+  published_[static_cast<size_t>(b)] = true;
   Mesh& mesh = rt_.mesh();
-  // TP updates arriving by scatter: synchronous publish (or nothing that would wait later) applies
-  // them now; otherwise each holder applies its own before the buffer is read or sent again
-  if (!async || !rt_.boundaries_seen()) finish_deferred();
+  auto& bufs = buffers_[static_cast<size_t>(b)];
   if (Communicator* rep = mesh.replicate(); rep && !ddp_) {
-    // HSDP: the global owner's update goes to the holders of the other replicate groups, in the
-    // recorded forward order, chunked by replicate_broadcast_bucket_mb.
+    // HSDP: the global owner's update goes to the holders of the other replicate groups, chunked by
+    // replicate_broadcast_bucket_mb; all_gather mode: its shards cross instead
     const int64_t chunk_bytes = static_cast<int64_t>(rt_.options().replicate_broadcast_bucket_mb * 1024 * 1024);
-    for (int b : rt_.publish_order())
-      for (auto& buf : buffers_[static_cast<size_t>(b)]) {
-        if (!buf.is_root || buf.gather_mode()) continue;
-        wait_publish(buf);
-        const int64_t esz = buf.flat.element_size();
-        const int64_t chunk = chunk_bytes > 0 ? std::max<int64_t>(1, chunk_bytes / esz) : buf.numel;
-        for (int64_t off = 0; off < buf.numel; off += chunk) {
-          const int64_t len = std::min(chunk, buf.numel - off);
-          buf.publish.push_back(rep->broadcast(buf.flat.narrow(0, off, len), buf.owner.replicate,
-                                               "post-step publish of '" + rt_.boundaries()[static_cast<size_t>(b)].name +
-                                                   "'"));
-        }
+    for (auto& buf : bufs) {
+      if (!buf.is_root || buf.gather_mode()) continue;
+      wait_publish(buf);
+      const int64_t esz = buf.flat.element_size();
+      const int64_t chunk = chunk_bytes > 0 ? std::max<int64_t>(1, chunk_bytes / esz) : buf.numel;
+      for (int64_t off = 0; off < buf.numel; off += chunk) {
+        const int64_t len = std::min(chunk, buf.numel - off);
+        buf.publish.push_back(rep->broadcast(buf.flat.narrow(0, off, len), buf.owner.replicate,
+                                             "post-step publish of '" + rt_.boundaries()[static_cast<size_t>(b)].name +
+                                                 "'"));
       }
-    publish_gather_hsdp(async);
-    if (!async || !rt_.boundaries_seen()) rt_.wait_publishes();
-    if (env::isolated_pg_barrier()) {
-      // strict post-step fence on dmuon's own groups (diagnosis of process-group ordering issues)
-      rt_.wait_publishes();
-      mesh.shard().barrier("DMUON_ISOLATED_PG_BARRIER post-step fence (shard)");
-      rep->barrier("DMUON_ISOLATED_PG_BARRIER post-step fence (replicate)");
     }
+    publish_gather_hsdp(b, async);
     return;
   }
   if (!ddp_) {
     // all_gather mode: the owner scatters its update into every rank's shard (waited before the
     // next all-gather of the same buffer); broadcast mode: the next forward broadcasts
-    for_each_buffer([&](int b, PackedBuffer& buf) {
-      if (!buf.gather_mode()) return;
+    for (auto& buf : bufs) {
+      if (!buf.gather_mode()) continue;
       finish_deferred(buf);
       buf.scatter.wait();
       buf.scatter = scatter_shards(buf, what("post-step scatter", b, buf));
       if (!async) buf.scatter.wait();
-    });
-    if (env::isolated_pg_barrier()) mesh.shard().barrier("DMUON_ISOLATED_PG_BARRIER post-step fence");
+    }
     return;
   }
-  // DDP path, in the recorded forward order (model order before the first pass), so the next
-  // forward finds its first boundary's publish issued first.
-  // all_gather mode: the owner scatters its update into every rank's shard, then every rank
-  // all-gathers the full value (each rank sends and receives (G-1)/G of it instead of the owner
-  // sending it whole to everyone)
+  // DDP path. all_gather mode: the owner scatters its update into every rank's shard, then every
+  // rank all-gathers the full value (each rank sends and receives (G-1)/G of it instead of the
+  // owner sending it whole to everyone)
   Communicator& comm = mesh.shard();
-  for (int b : rt_.publish_order())
-    for (auto& buf : buffers_[static_cast<size_t>(b)]) {
-      if (buf.state == PackedBuffer::State::Pending) buf.bcast.wait();
-      finish_deferred(buf);
-      if (buf.gather_mode()) {
-        scatter_shards(buf, what("post-step scatter", b, buf)).wait();
-        buf.bcast = comm.allgather_flat(buf.flat, buf.shard, what("post-step publish", b, buf) + " [all-gather mode]");
-      } else {
-        buf.bcast = comm.broadcast(buf.flat, buf.root, what("post-step publish", b, buf));
-      }
-      buf.state = PackedBuffer::State::Pending;
+  for (auto& buf : bufs) {
+    if (buf.state == PackedBuffer::State::Pending) buf.bcast.wait();
+    finish_deferred(buf);
+    if (buf.gather_mode()) {
+      scatter_shards(buf, what("post-step scatter", b, buf)).wait();
+      buf.bcast = comm.allgather_flat(buf.flat, buf.shard, what("post-step publish", b, buf) + " [all-gather mode]");
+    } else {
+      buf.bcast = comm.broadcast(buf.flat, buf.root, what("post-step publish", b, buf));
     }
-  // Without boundaries nothing would wait before the parameters are read again: drain now.
-  if (!async || !rt_.boundaries_seen())
-    for (size_t b = 0; b < buffers_.size(); ++b) wait_unshard(static_cast<int>(b));
+    buf.state = PackedBuffer::State::Pending;
+  }
 }
 
-// HSDP in all_gather mode: the global owner's replicate group scatters the update into its shard
-// ranks, then each shard crosses the replicate axis from the owner's group -- every rank moves
-// L = S/G over the replicate link instead of each holder receiving the whole unit S. The other
-// groups' holders get the new value from the next forward's all-gather, like everyone else.
-void DedicatedRoute::publish_gather_hsdp(bool async) {
+void DedicatedRoute::publish(bool async) {
+  Mesh& mesh = rt_.mesh();
+  // TP updates arriving by scatter: synchronous publish (or nothing that would wait later) applies
+  // them now; otherwise each holder applies its own before the buffer is read or sent again
+  if (!async || !rt_.boundaries_seen()) finish_deferred();
+  // in the recorded forward order (model order before the first pass), so the next forward finds its
+  // first boundary's publish issued first; groups Muon::step published already are skipped
+  for (int b : rt_.publish_order()) publish_group(b, async);
+  published_.assign(buffers_.size(), false);
+  const bool hsdp = mesh.replicate() && !ddp_;
+  if (!async || !rt_.boundaries_seen()) {
+    if (hsdp) rt_.wait_publishes();
+    // the DDP path without boundaries: nothing would wait before the parameters are read again
+    if (ddp_)
+      for (size_t b = 0; b < buffers_.size(); ++b) wait_unshard(static_cast<int>(b));
+  }
+  if (env::isolated_pg_barrier() && !ddp_) {
+    // strict post-step fence on dmuon's own groups (diagnosis of process-group ordering issues)
+    if (hsdp) rt_.wait_publishes();
+    mesh.shard().barrier(hsdp ? "DMUON_ISOLATED_PG_BARRIER post-step fence (shard)"
+                              : "DMUON_ISOLATED_PG_BARRIER post-step fence");
+    if (hsdp) mesh.replicate()->barrier("DMUON_ISOLATED_PG_BARRIER post-step fence (replicate)");
+  }
+}
+
+// HSDP in all_gather mode, boundary b: the global owner's replicate group scatters the update into
+// its shard ranks, then each shard crosses the replicate axis from the owner's group -- every rank
+// moves L = S/G over the replicate link instead of each holder receiving the whole unit S. The
+// other groups' holders get the new value from the next forward's all-gather, like everyone else.
+void DedicatedRoute::publish_gather_hsdp(int b, bool async) {
   Mesh& mesh = rt_.mesh();
   Communicator& rep = *mesh.replicate();
-  const std::vector<int> order = rt_.publish_order();
-  std::vector<PackedBuffer*> bufs;
-  std::vector<int> bs;
-  for (int b : order)
-    for (auto& buf : buffers_[static_cast<size_t>(b)])
-      if (buf.gather_mode()) bufs.push_back(&buf), bs.push_back(b);
-  // 1. scatters inside the owner's replicate group (shard-group collectives, in publish order)
-  for (size_t i = 0; i < bufs.size(); ++i) {
-    PackedBuffer& buf = *bufs[i];
+  auto& bufs = buffers_[static_cast<size_t>(b)];
+  // 1. scatters inside the owner's replicate group (shard-group collectives, in buffer order)
+  for (auto& buf : bufs) {
+    if (!buf.gather_mode()) continue;
     buf.scatter.wait();  // an earlier step's shard must have landed before it is overwritten
     buf.scatter = Pending();
     if (mesh.replicate_rank() != buf.owner.replicate) continue;
     finish_deferred(buf);
-    buf.scatter = scatter_shards(buf, what("post-step scatter", bs[i], buf));
+    buf.scatter = scatter_shards(buf, what("post-step scatter", b, buf));
   }
   // 2. each shard from the owner's group to the others (replicate-group collectives, same order)
-  for (size_t i = 0; i < bufs.size(); ++i) {
-    PackedBuffer& buf = *bufs[i];
+  for (auto& buf : bufs) {
+    if (!buf.gather_mode()) continue;
     buf.scatter.wait();
     buf.scatter = rep.broadcast(buf.shard, buf.owner.replicate,
-                                what("post-step shard publish", bs[i], buf) + " from replicate " +
+                                what("post-step shard publish", b, buf) + " from replicate " +
                                     std::to_string(buf.owner.replicate));
     if (!async) buf.scatter.wait();
   }

@@ -128,6 +128,15 @@ class DedicatedRoute final : public Route {
   void defer_update(const std::string& name, std::function<void()> apply);
   void finish_deferred();  // every deferred update, now
 
+  // Per group (hook boundary b), for Muon::step's group_prepare_ahead and prepare_muon_grads:
+  // prepare_group waits b's stage-1 reduces (HSDP holders issue stage 2); finish_group waits stage 2,
+  // installs the averaged gradients (one host read of b's flags) and returns b's ready gradients;
+  // publish_group issues b's post-step publish (publish() then skips b until the step's end).
+  // Collective in the same way as finish_reduces / publish: every rank, groups in the same order.
+  void prepare_group(int b);
+  std::vector<ReadyGrad> finish_group(int b);
+  void publish_group(int b, bool async);
+
   // ---- queries ----
   const std::vector<DedicatedEntry>& entries() const { return entries_; }
   const DedicatedEntry* find(const std::string& name) const;
@@ -139,7 +148,9 @@ class DedicatedRoute final : public Route {
   void finish_stage1(PackedBuffer& buf);  // wait stage 1; HSDP holders issue stage 2
   void finish_stage2(PackedBuffer& buf);  // wait stage 2; the global owner folds
   void wait_publish(PackedBuffer& buf);        // the buffer's deferred updates, then its publishes
-  void publish_gather_hsdp(bool async);        // HSDP, all_gather mode: scatter in the owner's group, shards across
+  void publish_gather_hsdp(int b, bool async);  // HSDP, all_gather mode: scatter in the owner's group, shards across
+  void install_buffer(PackedBuffer& buf, const float*& flag);  // the owner's averaged sums into p.grad()
+  void ready_grad_of(const DedicatedEntry& e, std::vector<ReadyGrad>& out) const;
   static void finish_deferred(PackedBuffer& buf);
   // all_gather mode: the holder's flat into every rank's shard (collective over the shard group)
   Pending scatter_shards(PackedBuffer& buf, const std::string& what);
@@ -155,6 +166,7 @@ class DedicatedRoute final : public Route {
   std::vector<DedicatedEntry> entries_;
   std::map<std::string, int> index_;                 // name -> entry
   std::vector<std::vector<PackedBuffer>> buffers_;  // per boundary
+  std::vector<bool> published_;                      // per boundary: published in this step already
 };
 
 }  // namespace dmuon

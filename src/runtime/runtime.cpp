@@ -2,11 +2,17 @@
 // the end of backward, and the optimizer interface -- each step delegated to the routes.
 #include "runtime/runtime.h"
 
+#if DMUON_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 
 #include <algorithm>
+#include <chrono>
 #include <set>
 
 #include "dmuon/host_sync.h"
@@ -116,14 +122,61 @@ void Runtime::prefetch_after(int b, bool backward) {
   for (int k = 1; k <= depth && it + k < order.end(); ++k) {
     const int nb = *(it + k);
     if (!backward && boundaries_[static_cast<size_t>(nb)].ran_forward) continue;
-    for (Route* r : routes()) r->issue_unshard(nb, backward ? "backward prefetch broadcast" : "forward prefetch broadcast");
+    issue_unshards(nb, backward ? "backward prefetch broadcast" : "forward prefetch broadcast", backward, true);
   }
+}
+
+void Runtime::issue_unshards(int b, const char* phase, bool backward, bool prefetch) {
+  if (unshard_stats_.empty()) {
+    for (Route* r : routes()) r->issue_unshard(b, phase);
+    return;
+  }
+  CommCounters& c = mesh_->counters();
+  auto received = [&] { return c.bytes(CommOp::Broadcast) + c.bytes(CommOp::AllGather); };
+  const int64_t before = received();
+  const int64_t calls = c.calls(CommOp::Broadcast) + c.calls(CommOp::AllGather);
+  for (Route* r : routes()) r->issue_unshard(b, phase);
+  if (c.calls(CommOp::Broadcast) + c.calls(CommOp::AllGather) == calls) return;  // already unsharded
+  BoundaryUnshardStats& s = unshard_stats_[static_cast<size_t>(b)];
+  (backward ? s.backward_unshards : s.forward_unshards) += 1;
+  if (prefetch && !backward) ++s.forward_prefetched;
+  (backward ? s.backward_bytes : s.forward_bytes) += received() - before;
+}
+
+void Runtime::wait_unshards(int b, bool backward) {
+  if (unshard_stats_.empty()) {
+    for (Route* r : routes()) r->wait_unshard(b);
+    return;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  for (Route* r : routes()) r->wait_unshard(b);
+  BoundaryUnshardStats& s = unshard_stats_[static_cast<size_t>(b)];
+  (backward ? s.backward_waits : s.forward_waits) += 1;
+  (backward ? s.backward_wait_ms : s.forward_wait_ms) +=
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::vector<BoundaryUnshardStats> Runtime::unshard_stats(bool clear) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  std::vector<BoundaryUnshardStats> out = unshard_stats_;
+  if (clear) {
+    for (auto& s : unshard_stats_) s = BoundaryUnshardStats{s.boundary};
+    profiled_passes_ = 0;
+  }
+  return out;
+}
+
+void Runtime::reset_post_forward_order() {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  recorded_order_.clear();
+  current_order_.clear();
 }
 
 void Runtime::begin_forward_pass() {
   if (!current_order_.empty()) recorded_order_ = current_order_;
   current_order_.clear();
   ++pass_;
+  ++profiled_passes_;
   for (auto& B : boundaries_) B.ran_forward = false;
   backward_since_forward_ = false;
 }
@@ -142,9 +195,9 @@ void Runtime::pre_forward(int b) {
   B.in_forward = true;
   boundaries_seen_ = true;
   current_order_.push_back(b);
-  for (Route* r : routes()) r->issue_unshard(b, "forward broadcast");
+  issue_unshards(b, "forward broadcast", false, false);
   prefetch_after(b, /*backward=*/false);
-  for (Route* r : routes()) r->wait_unshard(b);
+  wait_unshards(b, false);
 }
 
 void Runtime::post_forward(int b) {
@@ -184,10 +237,10 @@ void Runtime::pre_backward(int b) {
   note_backward();
   if (ddp_) return;
   if (z3()) {
-    for (Route* r : routes()) r->issue_unshard(b, "backward broadcast");
+    issue_unshards(b, "backward broadcast", true, false);
     prefetch_after(b, /*backward=*/true);
   }
-  for (Route* r : routes()) r->wait_unshard(b);
+  wait_unshards(b, true);
 }
 
 void Runtime::note_post_hook(int b) {
@@ -270,10 +323,12 @@ std::string Runtime::bypass_hint() const {
 }
 
 // ---- optimizer interface ---------------------------------------------------------------------------
-void Runtime::prepare_grads() {
+void Runtime::prepare_grads(bool dedicated) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   at::NoGradGuard ng;
-  const auto& rs = routes();
+  std::vector<Route*> rs;
+  for (Route* r : routes())
+    if (dedicated || r != dedicated_.get()) rs.push_back(r);
   for (Route* r : rs) r->finish_reduces();
   // Which parameters got a gradient on some rank: every has-gradient flag of this rank's sums in
   // one device-to-host read per step (not one per parameter), in a fixed order.
@@ -285,10 +340,22 @@ void Runtime::prepare_grads() {
   for (Route* r : rs) r->install_grads(flag);
 }
 
-std::vector<ReadyGrad> Runtime::take_ready_grads() {
+void Runtime::prepare_grads_per_group() {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  prepare_grads(/*dedicated=*/false);
+  const std::vector<int> order = publish_order();
+  if (!order.empty()) dedicated_->prepare_group(order[0]);
+  for (size_t i = 0; i < order.size(); ++i) {
+    if (i + 1 < order.size()) dedicated_->prepare_group(order[i + 1]);
+    dedicated_->finish_group(order[i]);
+  }
+}
+
+std::vector<ReadyGrad> Runtime::take_ready_grads(bool dedicated) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   std::vector<ReadyGrad> out;
-  for (Route* r : routes()) r->ready_grads(out);
+  for (Route* r : routes())
+    if (dedicated || r != dedicated_.get()) r->ready_grads(out);
   // parameters on no distributed route (a single rank without dmuon::replicate): their local gradient
   if (!local_params_) {
     local_params_.emplace();
@@ -341,6 +408,44 @@ void wait_all_post_step_broadcasts(torch::nn::Module& model) {
   detail::require_state(model, "wait_all_post_step_broadcasts")->wait_publishes();
 }
 void prepare_muon_grads(torch::nn::Module& model) { detail::require_state(model, "prepare_muon_grads")->prepare_grads(); }
+
+void prepare_muon_grads(torch::nn::Module& model, const PrepareGradsOptions& opts) {
+  auto st = detail::require_state(model, "prepare_muon_grads");
+  if (opts.coalesce_wait) st->prepare_grads();
+  else st->prepare_grads_per_group();
+}
+
+// ---- unshard profile -------------------------------------------------------------------------------
+int64_t ForwardUnshardProfile::total_bytes() const {
+  int64_t n = 0;
+  for (const auto& b : boundaries) n += b.forward_bytes + b.backward_bytes;
+  return n;
+}
+
+double ForwardUnshardProfile::total_wait_ms() const {
+  double ms = 0;
+  for (const auto& b : boundaries) ms += b.forward_wait_ms + b.backward_wait_ms;
+  return ms;
+}
+
+ForwardUnshardProfile collect_forward_unshard_profile(torch::nn::Module& model, bool clear, bool synchronize) {
+  auto st = detail::require_state(model, "collect_forward_unshard_profile");
+#if DMUON_WITH_CUDA
+  if (synchronize && at::cuda::is_available()) c10::cuda::device_synchronize();
+#else
+  (void)synchronize;  // nothing runs asynchronously on the CPU once waited
+#endif
+  ForwardUnshardProfile out;
+  out.rank = st->mesh().global_rank();
+  out.enabled = st->recording_unshards();
+  out.forward_passes = st->profiled_passes();
+  out.boundaries = st->unshard_stats(clear);
+  return out;
+}
+
+void reset_post_forward_order(torch::nn::Module& model) {
+  detail::require_state(model, "reset_post_forward_order")->reset_post_forward_order();
+}
 
 NoSync::NoSync(torch::nn::Module& model) : state_(detail::state_of_model(&model)) {
   TORCH_CHECK(state_, "no_sync: this model was not dedicated; call dmuon::dedicate_params (and dmuon::replicate) "

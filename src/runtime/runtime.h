@@ -38,6 +38,7 @@
 #include "dmuon/dedicate.h"
 #include "dmuon/mesh.h"
 #include "dmuon/owner_plan.h"
+#include "dmuon/unshard_profile.h"
 #include "runtime/precision.h"
 #include "runtime/route.h"
 
@@ -90,8 +91,13 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   std::string bypass_hint() const;             // names a boundary not entered in the current forward
 
   // ---- optimizer interface (collective: every rank) ----
-  void prepare_grads();                        // wait reduces; owners get averaged grads
-  std::vector<ReadyGrad> take_ready_grads();   // after prepare_grads: what this rank updates
+  // wait reduces; owners get averaged grads. dedicated=false leaves the dedicated route to its
+  // per-group calls (DedicatedRoute::prepare_group / finish_group: Muon::step's group_prepare_ahead)
+  void prepare_grads(bool dedicated = true);
+  // prepare_grads for every route, the dedicated one group by group in publish order (each group's
+  // stage 1 waited and stage 2 issued one group ahead of the group being finished)
+  void prepare_grads_per_group();
+  std::vector<ReadyGrad> take_ready_grads(bool dedicated = true);  // after prepare_grads: what this rank updates
   void publish(bool async);                    // after the update
   void wait_publishes();                       // local: waits every in-flight publish / unshard
   void drain_all();                            // waits every in-flight collective of this model
@@ -131,12 +137,20 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   ReplicatedRoute* replicated() const { return replicated_; }
   std::recursive_mutex& mutex() const { return mu_; }
   uint64_t id() const { return id_; }
+  // unshard_profile.h: per-boundary unshard counters (empty unless recording)
+  bool recording_unshards() const { return !unshard_stats_.empty(); }
+  std::vector<BoundaryUnshardStats> unshard_stats(bool clear);
+  int64_t profiled_passes() const { return profiled_passes_; }
+  void reset_post_forward_order();
 
  private:
   // Every TP module was built on this runtime's mesh; returns their split parameters (full name ->
   // split dimension).
   std::map<std::string, int> check_tp_modules(const torch::nn::Module& model) const;
   void begin_forward_pass();
+  // every route's unshard of boundary b (counted when recording), and the wait for it
+  void issue_unshards(int b, const char* phase, bool backward, bool prefetch);
+  void wait_unshards(int b, bool backward);
   void prefetch_after(int b, bool backward);
   void try_issue_reduces();
   void issue_reduce(int b);
@@ -178,6 +192,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   size_t next_reduce_ = 0;                // position in reduce_order_
   std::vector<int> reduce_order_;         // reverse of current_order_, fixed at the first backward hook
   bool reduce_order_fixed_ = false;
+  std::vector<BoundaryUnshardStats> unshard_stats_;  // per boundary, when recording
+  int64_t profiled_passes_ = 0;
 };
 
 namespace detail {
