@@ -250,6 +250,7 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
     std::filesystem::create_directories(a.out);
     write_file_atomic(a.out + "/bench_step_N" + std::to_string(world) + ".json", res.dump(2));
   }
+  leave_together(trainer, b.store, "bench", std::chrono::duration<double>(kDefaultCollectiveTimeout).count());
   return 0;
 }
 

@@ -329,4 +329,18 @@ void write_file_atomic(const std::string& path, const std::string& content) {
   std::filesystem::rename(tmp, p);
 }
 
+void leave_together(Communicator& group, const StorePtr& store, const std::string& who, double timeout_s) {
+  if (group.size() == 1) return;
+  group.barrier(who + ": every rank finished its collectives");
+  const std::string key = "dmuon/" + who + "/finished";
+  store->add(key, 1);
+  if (group.rank() != 0) return;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (store->add(key, 0) < group.size()) {
+    TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "rank 0: ", who, ": not every rank finished within ",
+                timeout_s, " s after the run");
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
 }  // namespace dmuon::cli

@@ -8,6 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "dmuon/communicator.h"
+#include "dmuon/process_group.h"
+
 namespace CLI {
 class App;
 }
@@ -39,6 +42,12 @@ bool launched_as_rank();
 // 2 after a parse error, with the message on `err`), nullopt to go on.
 std::optional<int> parse_args(CLI::App& app, std::vector<std::string> args, std::ostream& out,
                               std::ostream& err);
+
+// collective: every rank of `group` leaves together. Rank 0 hosts the store, and a rank that exits
+// while a peer is still inside a collective with it resets the peer's connections ("Connection
+// reset by peer" after a finished run): so all pass a barrier, then rank 0 waits (up to timeout_s)
+// until every rank has marked `who` done in the store before it exits.
+void leave_together(Communicator& group, const StorePtr& store, const std::string& who, double timeout_s);
 
 // Writes `content` to `path` atomically (temporary file in the same directory, then rename).
 void write_file_atomic(const std::string& path, const std::string& content);

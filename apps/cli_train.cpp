@@ -351,30 +351,12 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
   log.total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - log.t_start).count();
 }
 
-// collective: every rank leaves together. Rank 0 hosts the store, and a rank that exits while a peer
-// is still inside a collective with it resets the peer's connections ("Connection reset by peer"
-// after a finished run): so all pass a barrier, then rank 0 waits until every rank has said it is
-// done with its groups before it exits.
-void leave_together(TrainRun& r, const TrainArgs& a) {
-  if (r.world == 1) return;
-  r.trainer->barrier("train: every rank finished its collectives");
-  const std::string key = "dmuon/train/finished";
-  r.boot.store->add(key, 1);
-  if (r.rank != 0) return;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(a.timeout_s);
-  while (r.boot.store->add(key, 0) < r.world) {
-    TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "rank 0: train: not every rank finished within --timeout ",
-                a.timeout_s, " s after the run");
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-}
-
 int run_rank(const TrainArgs& a, std::ostream& out) {
   TrainRun r = setup_run(a, out);
   TrainLog log;
   train_loop(a, r, log, out);
   const int rc = report(a, r, log, out);
-  leave_together(r, a);
+  if (r.world > 1) leave_together(*r.trainer, r.boot.store, "train", a.timeout_s);
   return rc;
 }
 

@@ -141,7 +141,9 @@ TEST(CudaTest, OneGpuTrainingMatchesTheCpuReferenceWithFewHostReads) {
   testing::Layout l;
   l.world = 1;
   testing::dedicate_gpt(m, mesh, l);
-  Muon opt(m.ptr(), testing::muon_options(tc));
+  MuonOptions muon_opts = testing::muon_options(tc);
+  muon_opts.record_step_profile = true;  // CUDA events: read at consume time, no host read in step()
+  Muon opt(m.ptr(), muon_opts);
   int64_t most_reads = 0;
   for (const auto& tokens : batches) {
     const int64_t before = host_sync_count();
@@ -151,6 +153,14 @@ TEST(CudaTest, OneGpuTrainingMatchesTheCpuReferenceWithFewHostReads) {
     most_reads = std::max(most_reads, host_sync_count() - before);
   }
   EXPECT_LE(most_reads, 2) << "host reads per step";
+  // the last step's profile in device time: NS inside the Muon phase inside the step
+  const StepProfile p = opt.consume_last_step_profile();
+  EXPECT_EQ(p.clock, "cuda_events");
+  EXPECT_TRUE(p.valid);
+  EXPECT_GT(p.ns_ms, 0.0);
+  EXPECT_LE(p.ns_ms, p.muon_ms + 1e-3);
+  EXPECT_LE(p.muon_ms + p.adamw_ms, p.total_ms + 1e-3);
+  EXPECT_GT(p.host_total_ms, 0.0);
   for (const auto& item : m->named_parameters(true)) {
     ASSERT_TRUE(item.value().is_cuda()) << item.key();
     EXPECT_LE(testing::max_rel(item.value().cpu(), ref.params.at(item.key())), testing::kFloat64Bound) << item.key();
