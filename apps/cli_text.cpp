@@ -71,15 +71,24 @@ at::Tensor sample_batch(const std::string& text, int64_t batch, int64_t seq_len,
 
 std::string loss_svg(const std::vector<int64_t>& steps, const std::vector<double>& losses, double baseline,
                      const std::string& title) {
+  return curves_svg({{"train", steps, losses, "#1f5fbf", false}}, baseline, title);
+}
+
+std::string curves_svg(const std::vector<Curve>& curves, double baseline, const std::string& title) {
   const double W = 720, H = 420, L = 60, R = 20, T = 40, B = 50;
   double ymax = baseline, ymin = baseline;
-  for (double l : losses) {
-    ymax = std::max(ymax, l);
-    ymin = std::min(ymin, l);
+  int64_t last = 1;
+  for (const Curve& c : curves) {
+    for (double l : c.values) {
+      if (!std::isfinite(l)) continue;
+      ymax = std::max(ymax, l);
+      ymin = std::min(ymin, l);
+    }
+    if (!c.steps.empty()) last = std::max(last, c.steps.back());
   }
   ymin = std::max(0.0, ymin - 0.1 * (ymax - ymin + 1e-9));
   ymax = ymax + 0.05 * (ymax - ymin + 1e-9);
-  const double xmax = steps.empty() ? 1.0 : static_cast<double>(std::max<int64_t>(steps.back(), 1));
+  const double xmax = static_cast<double>(last);
   auto X = [&](double s) { return L + (W - L - R) * s / xmax; };
   auto Y = [&](double v) { return T + (H - T - B) * (1.0 - (v - ymin) / (ymax - ymin)); };
   std::ostringstream o;
@@ -105,10 +114,21 @@ std::string loss_svg(const std::vector<int64_t>& steps, const std::vector<double
     << "\" stroke=\"#c33\" stroke-dasharray=\"6 4\"/>\n";
   o << "<text x=\"" << W - R - 4 << "\" y=\"" << Y(baseline) - 6 << "\" text-anchor=\"end\" fill=\"#c33\">unigram "
     << "baseline " << baseline << "</text>\n";
-  o << "<polyline fill=\"none\" stroke=\"#1f5fbf\" stroke-width=\"1.6\" points=\"";
-  for (size_t i = 0; i < steps.size() && i < losses.size(); ++i)
-    o << X(static_cast<double>(steps[i])) << "," << Y(losses[i]) << " ";
-  o << "\"/>\n</svg>\n";
+  double legend_y = T + 14;
+  for (const Curve& c : curves) {
+    o << "<polyline fill=\"none\" stroke=\"" << c.color << "\" stroke-width=\"1.6\""
+      << (c.dashed ? " stroke-dasharray=\"5 3\"" : "") << " points=\"";
+    for (size_t i = 0; i < c.steps.size() && i < c.values.size(); ++i)
+      if (std::isfinite(c.values[i])) o << X(static_cast<double>(c.steps[i])) << "," << Y(c.values[i]) << " ";
+    o << "\"/>\n";
+    if (curves.size() > 1) {
+      o << "<line x1=\"" << W - R - 150 << "\" y1=\"" << legend_y << "\" x2=\"" << W - R - 126 << "\" y2=\"" << legend_y
+        << "\" stroke=\"" << c.color << "\" stroke-width=\"2\"" << (c.dashed ? " stroke-dasharray=\"5 3\"" : "")
+        << "/>\n<text x=\"" << W - R - 120 << "\" y=\"" << legend_y + 4 << "\">" << c.label << "</text>\n";
+      legend_y += 16;
+    }
+  }
+  o << "</svg>\n";
   return o.str();
 }
 

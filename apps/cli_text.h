@@ -27,5 +27,15 @@ at::Tensor sample_batch(const std::string& text, int64_t batch, int64_t seq_len,
 // A line chart of loss per step with the unigram baseline as a dashed line (SVG text).
 std::string loss_svg(const std::vector<int64_t>& steps, const std::vector<double>& losses, double baseline,
                      const std::string& title);
+// Several curves in one chart (legend when more than one), with the baseline; non-finite values
+// are skipped.
+struct Curve {
+  std::string label;
+  std::vector<int64_t> steps;
+  std::vector<double> values;
+  std::string color = "#1f5fbf";
+  bool dashed = false;
+};
+std::string curves_svg(const std::vector<Curve>& curves, double baseline, const std::string& title);
 
 }  // namespace dmuon::cli

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <numeric>
@@ -25,6 +26,8 @@
 #include "dmuon/muon.h"
 #include "model/dedicated_gpt.h"
 #include "model/gpt.h"
+#include "model/hf_decoder.h"
+#include "dmuon/safetensors.h"
 
 namespace dmuon::cli {
 
@@ -84,6 +87,28 @@ void add_options(CLI::App& app, TrainArgs& a) {
                  "continue from a checkpoint written by --checkpoint (on any number of ranks / --replicate); "
                  "--steps is the total, counting the steps already taken; the checkpoint's learning rates and "
                  "weight decay win over --lr/--adamw-lr/--weight-decay");
+  app.add_option("--hf-config", a.hf_config,
+                 "build the architecture of this Hugging Face config.json (llama, mistral, qwen2, qwen3) with its "
+                 "parameter names instead of the built-in GPT (--d-model/--layers/--heads are then ignored); tokens "
+                 "are bytes, so vocab_size must be >= 256");
+  app.add_option("--init-from", a.init_from,
+                 "initial weights: a .safetensors file or a sharded model.safetensors.index.json (Hugging Face "
+                 "names for --hf-config models; a file from --export-safetensors for either model)");
+  app.add_option("--export-safetensors", a.export_safetensors,
+                 "after the last step, write the full model (single-process shapes and names, float32 masters) "
+                 "to this .safetensors file");
+  app.add_option("--eval-every", a.eval_every,
+                 "validation loss on the held-out text every N steps and after the last (0: never)")
+      ->capture_default_str();
+  app.add_option("--val-fraction", a.val_fraction, "fraction of the text held out for validation (its tail)")
+      ->capture_default_str();
+  app.add_option("--eval-batches", a.eval_batches, "global batches of held-out text per evaluation")
+      ->capture_default_str();
+  app.add_option("--compare", a.compare,
+                 "adamw: train twice on the same model and data, DMuon into OUT/dmuon and the AdamW baseline into "
+                 "OUT/adamw, and draw both loss curves (train and validation) in OUT/compare.svg with the "
+                 "steps-to-target-loss ratio in OUT/compare.json")
+      ->check(CLI::IsMember({"adamw"}));
   app.add_option("--timeout", a.timeout_s, "collective timeout in seconds (a lost peer is an error after this)")
       ->capture_default_str();
 }
@@ -116,17 +141,32 @@ void validate(const TrainArgs& a, int world) {
   if (a.layers < 1) bad("--layers must be >= 1 (got " + std::to_string(a.layers) + ")");
   if (a.heads < 1) bad("--heads must be >= 1 (got " + std::to_string(a.heads) + ")");
   if (a.d_model < 1) bad("--d-model must be >= 1 (got " + std::to_string(a.d_model) + ")");
-  if (a.d_model % a.heads != 0)
+  if (a.hf_config.empty() && a.d_model % a.heads != 0)
     bad("--d-model " + std::to_string(a.d_model) + " must be a multiple of --heads " + std::to_string(a.heads));
   if (a.log_every < 1) bad("--log-every must be >= 1 (got " + std::to_string(a.log_every) + ")");
   if (a.timeout_s <= 0) bad("--timeout must be > 0");
   if (a.replicate < 1 || dp % a.replicate != 0)
     bad("--replicate " + std::to_string(a.replicate) + " must divide the number of data-parallel ranks " +
         std::to_string(dp) + (a.tp > 1 ? " (--ranks / --tp)" : ""));
-  if (a.tp > 1 && a.heads % a.tp != 0)
+  if (a.tp > 1 && a.hf_config.empty() && a.heads % a.tp != 0)
     bad("--tp " + std::to_string(a.tp) + " must divide --heads " + std::to_string(a.heads) +
         " (q/k/v are split over the TP ranks by heads)");
   if (a.checkpoint_every < 0) bad("--checkpoint-every must be >= 0");
+  if (a.eval_every < 0) bad("--eval-every must be >= 0 (0 = never)");
+  if (a.eval_every > 0 && !(a.val_fraction > 0 && a.val_fraction < 1))
+    bad("--val-fraction must be in (0, 1) when --eval-every is on (got " + std::to_string(a.val_fraction) + ")");
+  if (a.eval_batches < 1) bad("--eval-batches must be >= 1");
+  if (!a.hf_config.empty() && !std::filesystem::is_regular_file(a.hf_config))
+    bad("--hf-config " + a.hf_config + ": no such file");
+  if (!a.init_from.empty() && !std::filesystem::is_regular_file(a.init_from))
+    bad("--init-from " + a.init_from + ": no such file");
+  if (!a.export_safetensors.empty()) {
+    const auto dir = std::filesystem::path(a.export_safetensors).parent_path();
+    if (!dir.empty() && !std::filesystem::is_directory(dir))
+      bad("--export-safetensors " + a.export_safetensors + ": the directory " + dir.string() + " does not exist");
+  }
+  if (!a.compare.empty() && a.optimizer != "dmuon")
+    bad("--compare adamw trains DMuon against AdamW; leave --optimizer at dmuon");
   if (!(a.clip_grad >= 0)) bad("--clip-grad must be >= 0 (0 = off)");
   if (a.checkpoint_every > 0 && a.checkpoint.empty()) bad("--checkpoint-every needs --checkpoint PATH");
   if (!a.resume.empty() && !std::filesystem::is_regular_file(a.resume))
@@ -151,6 +191,44 @@ void validate(const TrainArgs& a, int world) {
         "--device cpu or rebuild against a CUDA LibTorch");
 }
 
+// The training split and the held-out tail (every rank splits the same way).
+void split_text(const TrainArgs& a, const std::string& all, std::string& train, std::string& val) {
+  if (a.eval_every == 0) {
+    train = all;
+    val.clear();
+    return;
+  }
+  const size_t need = static_cast<size_t>(a.seq_len + 2);
+  const size_t n_val = static_cast<size_t>(static_cast<double>(all.size()) * a.val_fraction);
+  if (n_val < need || all.size() - n_val < need)
+    throw std::invalid_argument("the text (" + std::to_string(all.size()) + " bytes) is too short to hold out " +
+                                std::to_string(a.val_fraction) + " of it for validation with --seq-len " +
+                                std::to_string(a.seq_len) + " (each split needs " + std::to_string(need) +
+                                " bytes); use a longer --data, a larger --val-fraction, or --eval-every 0");
+  train = all.substr(0, all.size() - n_val);
+  val = all.substr(all.size() - n_val);
+}
+
+// collective: the mean next-token loss over --eval-batches fixed global batches of held-out text
+// (the same batches at every evaluation), each rank its data-parallel slice, without gradients.
+double evaluate(const TrainArgs& a, TrainRun& r) {
+  Mesh* mesh = r.mesh.get();
+  const int dp_rank = mesh->replicate_rank() * mesh->shard_size() + mesh->shard_rank();
+  const int64_t per = a.batch / mesh->data_parallel_size(), micro = per / a.grad_accum;
+  double sum = 0;
+  {
+    at::NoGradGuard ng;
+    for (int i = 0; i < a.eval_batches; ++i) {
+      const at::Tensor batch = sample_batch(r.val_text, a.batch, a.seq_len, a.seed + 0x5EED, i).to(r.device);
+      const at::Tensor mine = batch.narrow(0, dp_rank * per, per);
+      for (int m = 0; m < a.grad_accum; ++m) sum += r.model->loss(mine.narrow(0, m * micro, micro)).item<double>();
+    }
+  }
+  at::Tensor l = at::tensor({sum / (a.eval_batches * a.grad_accum)}, at::kDouble).to(r.device);
+  r.trainer->allreduce(l, Reduction::Avg, "validation loss").wait();
+  return l.cpu().item<double>();
+}
+
 // collective: every rank (mesh, dedicate_params, the checkpoint it resumes from).
 TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   TrainRun r;
@@ -163,7 +241,7 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
                                               : at::Device(at::kCPU);
   validate(a, r.world);
   r.lead = r.rank == 0;
-  r.text = load_text(a.data, static_cast<size_t>(a.seq_len + 2));
+  split_text(a, load_text(a.data, static_cast<size_t>(a.seq_len + 2)), r.text, r.val_text);
   r.baseline = unigram_entropy_nats(r.text);
   r.use_muon = a.optimizer == "dmuon";
 
@@ -179,19 +257,28 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   r.trainer = std::make_unique<Communicator>(r.boot.world, "trainer", ranks, timeout, nullptr);
 
   models::DedicatedGptSetup gs;
-  gs.config.vocab_size = 256;
-  gs.config.d_model = a.d_model;
-  gs.config.n_layers = a.layers;
-  gs.config.n_heads = a.heads;
-  gs.config.max_seq_len = a.seq_len;
-  if (a.tp > 1) gs.config.tp_mesh = r.mesh;
-  gs.seed = static_cast<uint64_t>(a.seed);
   gs.device = r.device;
   gs.param_dtype = a.param_dtype;
   gs.muon = r.use_muon;
   gs.z3 = a.mode == "z3";
   gs.shard_base = a.shard_base;
-  r.model = models::make_dedicated_gpt(r.mesh, gs);
+  std::shared_ptr<Mesh> tp_mesh = a.tp > 1 ? r.mesh : nullptr;
+  at::manual_seed(a.seed);  // the initialisation: the same on any mesh
+  if (!a.hf_config.empty()) {
+    models::HFDecoderConfig hc = models::HFDecoderConfig::load(a.hf_config);
+    hc.tp_mesh = tp_mesh;
+    r.model = std::make_shared<models::HFCausalLMImpl>(hc);
+  } else {
+    gs.config.vocab_size = 256;
+    gs.config.d_model = a.d_model;
+    gs.config.n_layers = a.layers;
+    gs.config.n_heads = a.heads;
+    gs.config.max_seq_len = a.seq_len;
+    gs.config.tp_mesh = tp_mesh;
+    r.model = models::GPT(gs.config).ptr();
+  }
+  if (!a.init_from.empty()) models::load_weights(a.init_from, *r.model, tp_mesh);
+  models::dedicate_model(*r.model, r.mesh, gs, tp_mesh != nullptr);
   MuonOptions opts;
   opts.lr = a.lr;
   opts.adamw_lr = a.adamw_lr;
@@ -201,7 +288,7 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   // the first step's per-matrix NS lines (kernel, shape, time), rank 0's only, in the run's output
   opts.first_step_progress_log = r.lead && r.use_muon;
   opts.log = [&out](const std::string& line) { out << "  " << line << "\n"; };
-  r.opt = std::make_unique<Muon>(r.model.ptr(), opts);
+  r.opt = std::make_unique<Muon>(r.model, opts);
 
   if (r.lead) {
     std::filesystem::create_directories(a.out);
@@ -214,9 +301,11 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
         << (a.param_dtype == "fp64"   ? ", fp64 throughout"
             : a.param_dtype != "fp32" ? ", " + a.param_dtype + " compute (fp32 masters)"
                                       : std::string())
-        << ", GPT d=" << a.d_model << " layers=" << a.layers << " heads=" << a.heads << ", batch " << a.batch
-        << " x " << a.seq_len << " bytes, " << a.steps << " steps, data "
-        << (a.data.empty() ? std::string("fortunes (default)") : a.data) << " (" << r.text.size() << " bytes)\n";
+        << ", " << r.model->describe() << ", batch " << a.batch << " x " << a.seq_len << " bytes, " << a.steps
+        << " steps, data " << (a.data.empty() ? std::string("fortunes (default)") : a.data) << " (" << r.text.size()
+        << " bytes" << (r.val_text.empty() ? std::string() : ", " + std::to_string(r.val_text.size()) + " held out")
+        << ")\n";
+    if (!a.init_from.empty()) out << "  initial weights from " << a.init_from << "\n";
     if (r.use_muon)
       out << "  " << r.opt->ns().describe(r.device.type()) << "; unigram baseline " << r.baseline << " nats/byte\n";
   }
@@ -233,20 +322,34 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   return r;
 }
 
-// collective: the owners broadcast, rank 0 writes, every rank learns how it went.
-void write_checkpoint(const TrainArgs& a, TrainRun& r) {
-  const TensorDict msd = get_model_state_dict(*r.model);
-  const OptimizerStateDict osd = get_optimizer_state_dict(*r.model, *r.opt);
+// collective: rank 0 runs `write`, every rank learns whether it worked (an error names `what`).
+void lead_writes(TrainRun& r, const std::string& what, const std::function<void()>& write) {
   std::string err;
   if (r.lead) try {
-      save_checkpoint(a.checkpoint, msd, &osd);
+      write();
     } catch (const std::exception& e) {
       err = e.what();
     }
   at::Tensor ok = at::tensor({err.empty() ? 1.0 : 0.0}, at::kDouble).to(r.device);
-  r.trainer->allreduce(ok, Reduction::Sum, "checkpoint written").wait();
-  TORCH_CHECK(ok.cpu().item<double>() == static_cast<double>(r.world), "rank ", r.rank, ": writing the checkpoint ",
-              a.checkpoint, " failed", err.empty() ? std::string(" on rank 0") : ": " + err);
+  r.trainer->allreduce(ok, Reduction::Sum, what).wait();
+  TORCH_CHECK(ok.cpu().item<double>() == static_cast<double>(r.world), "rank ", r.rank, ": ", what, " failed",
+              err.empty() ? std::string(" on rank 0") : ": " + err);
+}
+
+// collective: the owners broadcast, rank 0 writes.
+void write_checkpoint(const TrainArgs& a, TrainRun& r) {
+  const TensorDict msd = get_model_state_dict(*r.model);
+  const OptimizerStateDict osd = get_optimizer_state_dict(*r.model, *r.opt);
+  lead_writes(r, "writing the checkpoint " + a.checkpoint, [&] { save_checkpoint(a.checkpoint, msd, &osd); });
+}
+
+// collective: the full state dict (single-process names and shapes) as safetensors, written by rank 0.
+void export_model(const TrainArgs& a, TrainRun& r, std::ostream& out) {
+  const TensorDict msd = get_model_state_dict(*r.model);
+  lead_writes(r, "--export-safetensors " + a.export_safetensors, [&] {
+    save_safetensors(a.export_safetensors, msd, {{"format", "pt"}, {"producer", "dmuon train"}});
+    out << "  exported the model (" << msd.size() << " tensors) to " << a.export_safetensors << "\n";
+  });
 }
 
 // rank 0: metrics.csv always, loss.svg at the end and every 50 logged steps
@@ -255,9 +358,11 @@ void write_outputs(const TrainArgs& a, const TrainRun& r, const TrainLog& log, b
   write_file_atomic(a.out + "/metrics.csv", log.csv.str());
   if (final_write || log.steps_logged.size() % 50 == 0)
     write_file_atomic(a.out + "/loss.svg",
-                      loss_svg(log.steps_logged, log.losses, r.baseline,
-                               "dmuon train: " + a.optimizer + (r.use_muon ? " " + a.mode : "") + ", " +
-                                   std::to_string(r.world) + " ranks"));
+                      curves_svg({{"train", log.steps_logged, log.losses, "#1f5fbf", false},
+                                  {"validation", log.val_steps, log.val_losses, "#e08a00", true}},
+                                 r.baseline,
+                                 "dmuon train: " + a.optimizer + (r.use_muon ? " " + a.mode : "") + ", " +
+                                     std::to_string(r.world) + " ranks"));
 }
 
 // collective: every rank, each step (forward/backward, step, the loss average, checkpoints).
@@ -270,7 +375,7 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
   // the batch is split over the data-parallel ranks; the T ranks of a TP group take the same slice
   const int dp_rank = mesh->replicate_rank() * mesh->shard_size() + mesh->shard_rank();
   const int64_t per = a.batch / mesh->data_parallel_size(), micro = per / a.grad_accum;
-  log.csv << "step,loss,lr,adamw_lr,step_ms,tokens_per_s,bytes,grad_norm\n";
+  log.csv << "step,loss,lr,adamw_lr,step_ms,tokens_per_s,bytes,grad_norm,val_loss\n";
   const bool tty = ::isatty(STDOUT_FILENO);
   log.t_start = std::chrono::steady_clock::now();
   // Fault injection for tests of the launcher: DMUON_TEST_FAIL_AT=<rank>:<step> makes that rank fail
@@ -322,20 +427,30 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
     log.bytes_per_step.push_back(bytes);
     log.muon_bytes_per_step.push_back(static_cast<double>(mesh->counters().bytes(CommOp::Broadcast) +
                                                       mesh->counters().bytes(CommOp::Reduce)));
+    // after the step's bytes are taken: validation is not part of the step
+    double val = std::nan("");
+    if (!r.val_text.empty() && (step % a.eval_every == 0 || step == a.steps)) {
+      val = evaluate(a, r);
+      log.val_steps.push_back(step);
+      log.val_losses.push_back(val);
+    }
     if (lead) {
       log.steps_logged.push_back(step);
       log.losses.push_back(gl);
       const double tok_s = static_cast<double>(a.batch * a.seq_len) / (ms / 1000.0);
       log.csv << step << "," << std::setprecision(17) << gl << std::setprecision(6) << "," << opt.param_groups()[0].options().get_lr() << ","
           << opt.param_groups()[1].options().get_lr() << "," << ms << "," << tok_s << "," << bytes << ","
-          << std::setprecision(17) << cs.total_norm << std::setprecision(6) << "\n";
+          << std::setprecision(17) << cs.total_norm << ",";
+      if (std::isfinite(val)) log.csv << val;
+      log.csv << std::setprecision(6) << "\n";
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - log.t_start).count();
       const double eta = elapsed / (step - first_step + 1) * (a.steps - step);
       const int width = 24, fill = static_cast<int>(static_cast<double>(width) * step / a.steps);
       std::ostringstream bar;
       bar << "[" << std::string(fill, '#') << std::string(width - fill, '-') << "] step " << step << "/" << a.steps
           << "  loss " << std::fixed << std::setprecision(3) << gl << "  tok/s " << std::setprecision(0) << tok_s
-          << "  ETA " << fmt_secs(eta);
+          << (std::isfinite(val) ? "  val " + std::to_string(val).substr(0, 5) : std::string()) << "  ETA "
+          << fmt_secs(eta);
       if (tty) {
         out << "\r" << bar.str() << std::flush;
         if (step == a.steps) out << "\n";
@@ -355,6 +470,7 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
   TrainRun r = setup_run(a, out);
   TrainLog log;
   train_loop(a, r, log, out);
+  if (!a.export_safetensors.empty()) export_model(a, r, out);
   const int rc = report(a, r, log, out);
   if (r.world > 1) leave_together(*r.trainer, r.boot.store, "train", a.timeout_s);
   return rc;
@@ -370,17 +486,26 @@ int run_train_command(const std::vector<std::string>& args, std::ostream& out, s
   if (auto rc = parse_args(app, args, out, err)) return *rc;
   try {
     if (!launched_as_rank()) {
-      validate(a, a.ranks);
-      load_text(a.data, static_cast<size_t>(a.seq_len + 2));  // a missing file fails here, before any rank starts
-      std::filesystem::create_directories(a.out);
-      if (a.ranks == 1) return run_rank(a, out);
-      LaunchOptions lo;
-      lo.ranks = a.ranks;
-      lo.port = a.port;
-      lo.args = args;
-      lo.subcommand = "train";
-      return launch_local_ranks(lo, err);
+      const LaunchFn launch = [&](const TrainArgs& b, const std::vector<std::string>& bargs) {
+        std::filesystem::create_directories(b.out);  // first: --checkpoint / --export-safetensors may lie in it
+        validate(b, b.ranks);
+        std::string train_text, val_text;  // a missing or short file fails here, before any rank starts
+        split_text(b, load_text(b.data, static_cast<size_t>(b.seq_len + 2)), train_text, val_text);
+        if (!b.hf_config.empty()) models::HFDecoderConfig::load(b.hf_config);  // and a bad config
+        if (b.ranks == 1) return run_rank(b, out);
+        LaunchOptions lo;
+        lo.ranks = b.ranks;
+        lo.port = b.port;
+        lo.args = bargs;
+        lo.subcommand = "train";
+        return launch_local_ranks(lo, err);
+      };
+      return a.compare.empty() ? launch(a, args) : run_compare(a, args, launch, out);
     }
+    if (!a.compare.empty())
+      throw std::invalid_argument("--compare starts two trainings one after the other, which dmuon's own launcher "
+                                  "does (--ranks N); under torchrun, run dmuon train twice (--optimizer dmuon and "
+                                  "--optimizer adamw, same --seed) and compare their metrics.csv files");
     return run_rank(a, out);
   } catch (const std::exception& e) {
     std::string msg = e.what();

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <sstream>
 #include <string>
@@ -13,7 +15,7 @@
 #include "dmuon/communicator.h"
 #include "dmuon/mesh.h"
 #include "dmuon/muon.h"
-#include "model/gpt.h"
+#include "model/language_model.h"
 
 namespace dmuon::cli::train {
 
@@ -47,6 +49,13 @@ struct TrainArgs {
   int checkpoint_every = 0;
   double clip_grad = 0;         // > 0: clip the global gradient norm (all parameters) to this
   std::string resume;           // continue from this checkpoint (any world size)
+  std::string hf_config;        // build this Hugging Face config.json's architecture instead of the GPT
+  std::string init_from;        // initial weights: a .safetensors file or a sharded *.safetensors.index.json
+  std::string export_safetensors;  // write the final model's full state dict here (safetensors)
+  int eval_every = 50;          // validation loss every N steps (and at the last); 0: never
+  double val_fraction = 0.1;    // the held-out tail of the text
+  int eval_batches = 4;         // global batches of held-out text per evaluation
+  std::string compare;          // "adamw": also train the AdamW baseline and draw both (the launcher's job)
 };
 
 // Everything a rank trains with: the process groups, the data, the dedicated model, the optimizer.
@@ -55,12 +64,13 @@ struct TrainRun {
   int rank = 0, world = 1;
   bool lead = true;
   at::Device device = at::kCPU;
-  std::string text;
+  std::string text;      // the training split
+  std::string val_text;  // the held-out split (empty: no evaluation)
   double baseline = 0;
   bool use_muon = true;
   std::shared_ptr<Mesh> mesh;
   std::unique_ptr<Communicator> trainer;  // the run's own collectives (loss, checkpoint status, summary)
-  models::GPT model{nullptr};
+  std::shared_ptr<models::LanguageModel> model;
   std::unique_ptr<Muon> opt;
   int first_step = 1;
 };
@@ -71,6 +81,8 @@ struct TrainLog {
   std::vector<double> losses, step_ms, fwd_ms, bwd_ms, ns_ms, adamw_ms, wait_ms, prep_ms;
   std::vector<double> bytes_per_step, muon_bytes_per_step;
   std::vector<double> grad_norms;  // pre-clip global gradient norm per step
+  std::vector<int64_t> val_steps;
+  std::vector<double> val_losses;
   int clipped_steps = 0;
   std::ostringstream csv;
   std::chrono::steady_clock::time_point t_start;
@@ -83,5 +95,28 @@ double mean(const std::vector<double>& v);
 void write_outputs(const TrainArgs& a, const TrainRun& r, const TrainLog& log, bool final_write);
 // collective: the per-rank figures are gathered; rank 0 writes summary.json and prints the summary.
 int report(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out);
+
+// --compare (cli_train_compare.cpp) ------------------------------------------------------------
+// `args` without any `name` (as "--x v" or "--x=v"), plus "name value" when `value` is set.
+std::vector<std::string> with_option(const std::vector<std::string>& args, const std::string& name,
+                                     const std::optional<std::string>& value);
+struct Metrics {  // the columns of a run's metrics.csv that --compare reads
+  std::vector<int64_t> steps, val_steps;
+  std::vector<double> loss, val_loss;
+};
+Metrics read_metrics(const std::string& path);
+std::vector<double> trailing_mean(const std::vector<double>& v, size_t window);
+// target: AdamW's final train loss (trailing mean over `window` = clamp(n/10, 1, 10) logged steps);
+// the first logged step at which each run's trailing mean is <= target (-1: never); ratio
+// adamw_steps / dmuon_steps (0 when either never gets there).
+struct StepsToTarget {
+  double target = 0, dmuon_final = 0, ratio = 0;
+  int64_t dmuon_steps = -1, adamw_steps = -1;
+  size_t window = 1;
+};
+StepsToTarget steps_to_target(const Metrics& dmuon, const Metrics& adamw);
+// Runs one training from the launcher (local ranks or in-process) with these arguments.
+using LaunchFn = std::function<int(const TrainArgs&, const std::vector<std::string>&)>;
+int run_compare(const TrainArgs& a, const std::vector<std::string>& args, const LaunchFn& launch, std::ostream& out);
 
 }  // namespace dmuon::cli::train

@@ -61,7 +61,8 @@ int report(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out) {
   s["first_step"] = first_step;
   s["global_batch"] = a.batch;
   s["seq_len"] = a.seq_len;
-  s["model"] = {{"d_model", a.d_model}, {"layers", a.layers}, {"heads", a.heads},
+  s["model"] = {{"description", model->describe()}, {"hf_config", a.hf_config}, {"init_from", a.init_from},
+                {"d_model", a.d_model}, {"layers", a.layers}, {"heads", a.heads},
                 {"params", [&] {
                    int64_t n = 0;
                    for (const auto& p : model->parameters()) n += p.numel();
@@ -69,6 +70,8 @@ int report(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out) {
                  }()}};
   s["first_loss"] = losses.front();
   s["final_loss"] = final_loss;
+  s["val_loss"] = log.val_losses.empty() ? nlohmann::json() : nlohmann::json(log.val_losses.back());
+  s["val_losses"] = {{"steps", log.val_steps}, {"loss", log.val_losses}};
   s["grad_norm"] = {{"first", log.grad_norms.empty() ? 0.0 : log.grad_norms.front()},
                     {"last", log.grad_norms.empty() ? 0.0 : log.grad_norms.back()},
                     {"clip", a.clip_grad},
@@ -105,6 +108,9 @@ int report(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out) {
       << std::setprecision(3) << "  loss            " << losses.front() << " -> " << final_loss
       << " (mean of last " << tail << " steps); unigram baseline " << baseline
       << (final_loss < baseline ? "  [below baseline]" : "  [NOT below baseline]") << "\n"
+      << (log.val_losses.empty() ? std::string()
+                                 : "  val loss        " + std::to_string(log.val_losses.back()).substr(0, 5) +
+                                       " (held-out text, step " + std::to_string(log.val_steps.back()) + ")\n")
       << std::setprecision(4) << "  grad norm       first " << s["grad_norm"]["first"].get<double>() << ", last "
       << s["grad_norm"]["last"].get<double>()
       << (a.clip_grad > 0 ? "; clipped to " + std::to_string(a.clip_grad) + " in " +

@@ -7,7 +7,8 @@ PKGS=(cmake g++ make git ca-certificates
       libtorch-dev libgloo-dev           # LibTorch 1.13 (CPU) + Gloo headers for ProcessGroupGloo
       libopenblas0-pthread               # optimised BLAS behind LibTorch's CPU matmul (netlib is ~10x slower)
       nlohmann-json3-dev libcli11-dev libgtest-dev
-      ccache fortunes-min)               # fortunes-min: the default training text of `dmuon train`
+      ccache fortunes-min                # fortunes-min: the default training text of `dmuon train`
+      iproute2)                          # ip netns / veth: tests/multihost_test.sh's hosts
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -23,10 +23,22 @@ if ! have; then
     exit 1
   fi
 fi
+# Python's side of the interop tests (tests/interop_test.cpp): transformers and safetensors read
+# what dmuon writes and write what dmuon reads; torchrun (from the torch wheel) launches dmuon.
+INTEROP_PKGS=("safetensors==${DMUON_SAFETENSORS_VERSION:-0.8.0}" "transformers==${DMUON_TRANSFORMERS_VERSION:-5.24.0}")
+if ! "$VENV/bin/python" -c "import safetensors, transformers" 2>/dev/null; then
+  echo "[dmuon] installing ${INTEROP_PKGS[*]} from PyPI into $VENV (interop tests)"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${INTEROP_PKGS[@]}" || {
+    echo "[dmuon] error: 'pip install ${INTEROP_PKGS[*]}' failed (see pip's message above); the interop tests" \
+         "need them. Retry when PyPI answers." >&2
+    exit 1
+  }
+fi
 TORCH_PREFIX="$("$VENV/bin/python" -c 'import torch,os;print(os.path.dirname(torch.__file__))')"
 echo "[dmuon] LibTorch $("$VENV/bin/python" -c 'import torch;print(torch.__version__)') at $TORCH_PREFIX"
 config_log="$(mktemp)"
-cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" >"$config_log" 2>&1 ||
+cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
+  -DDMUON_PYTHON="$VENV/bin/python" >"$config_log" 2>&1 ||
   { cat "$config_log"; exit 1; }
 grep -E "dmuon: (Torch|NCCL)" "$config_log"
 grep -q "dmuon: Torch 2\..*, CUDA=1, Gloo=OFF" "$config_log" ||

@@ -19,18 +19,22 @@ std::shared_ptr<Mesh> make_training_mesh(const CommPtr& world, const MeshSetup& 
   return Mesh::create(world, mo);
 }
 
-GPT make_dedicated_gpt(const std::shared_ptr<Mesh>& mesh, const DedicatedGptSetup& s) {
-  at::manual_seed(s.seed);
-  GPT model(s.config);
-  model->to(s.device);
-  if (s.param_dtype == "fp64") model->to(at::kDouble);  // verification runs: float64 end to end
+void dedicate_model(LanguageModel& model, const std::shared_ptr<Mesh>& mesh, const DedicatedModelSetup& s,
+                    bool tensor_parallel) {
+  model.to(s.device);
+  if (s.param_dtype == "fp64") model.to(at::kDouble);  // verification runs: float64 end to end
   DedicateOptions d;
   d.reshard_after_forward = s.z3;
   if (s.pack_small_params) d.plan.pack_small_params = *s.pack_small_params;
-  if (s.shard_base)
-    d.route_hint_fn = [](const std::string& n, const at::Tensor& p) -> std::string {
-      return is_muon_matrix(n, p) ? "" : "sharded_adamw";
+  const LanguageModel* m = &model;
+  if (s.shard_base) {
+    TORCH_CHECK(!model.ties_embeddings(), "--shard-base: this model ties its input and output embeddings (one tensor "
+                "used by the embedding and the head), which sharded_adamw cannot split between two hook boundaries; "
+                "drop --shard-base or use a config with tie_word_embeddings false.");
+    d.route_hint_fn = [m](const std::string& n, const at::Tensor& p) -> std::string {
+      return m->is_muon_matrix(n, p) ? "" : "sharded_adamw";
     };
+  }
   if (s.param_dtype == "bf16" || s.param_dtype == "fp16") {  // every parameter, fp32 masters and optimizer state
     ParamPolicy mp;
     mp.param_dtype = s.param_dtype == "bf16" ? at::kBFloat16 : at::kHalf;
@@ -38,14 +42,21 @@ GPT make_dedicated_gpt(const std::shared_ptr<Mesh>& mesh, const DedicatedGptSetu
     mp.optim_dtype = at::kFloat;
     d.param_policy.push_back({"", mp});
   }
-  dedicate_params(model.ptr(), mesh,
-                  s.muon ? ParamPredicate(is_muon_matrix)
+  std::shared_ptr<torch::nn::Module> ptr = model.shared_from_this();
+  dedicate_params(ptr, mesh,
+                  s.muon ? ParamPredicate([m](const std::string& n, const at::Tensor& p) { return m->is_muon_matrix(n, p); })
                          : ParamPredicate([](const std::string&, const at::Tensor&) { return false; }),
                   d);
-  if (s.config.tp_mesh)
-    replicate_tp(model.ptr(), mesh);
+  if (tensor_parallel)
+    replicate_tp(ptr, mesh);
   else
-    replicate(model.ptr(), mesh);
+    replicate(ptr, mesh);
+}
+
+GPT make_dedicated_gpt(const std::shared_ptr<Mesh>& mesh, const DedicatedGptSetup& s) {
+  at::manual_seed(s.seed);
+  GPT model(s.config);
+  dedicate_model(*model, mesh, s, s.config.tp_mesh != nullptr);
   return model;
 }
 

@@ -24,9 +24,7 @@ struct MeshSetup {
 // collective: every rank of `world`.
 std::shared_ptr<Mesh> make_training_mesh(const CommPtr& world, const MeshSetup& setup);
 
-struct DedicatedGptSetup {
-  GPTConfig config;
-  uint64_t seed = 0;                   // the model's initialisation
+struct DedicatedModelSetup {
   at::Device device = at::kCPU;
   std::string param_dtype = "fp32";    // fp32 | bf16 | fp16 (fp32 masters and optimizer state) | fp64
   bool muon = true;                    // false: every parameter on AdamW (the baseline)
@@ -34,8 +32,17 @@ struct DedicatedGptSetup {
   bool shard_base = false;             // non-matrix parameters on sharded_adamw
   std::optional<bool> pack_small_params;
 };
-// A GPT built from `setup`, dedicated on `mesh` (matrices of the blocks on Muon) and replicated
-// (replicate_tp when the config has a TP mesh).
+// Moves `model` to the setup's device and dtype, dedicates it on `mesh` (its is_muon_matrix
+// parameters on Muon) and replicates the rest (replicate_tp when `tensor_parallel`).
+// collective: every rank of the mesh.
+void dedicate_model(LanguageModel& model, const std::shared_ptr<Mesh>& mesh, const DedicatedModelSetup& setup,
+                    bool tensor_parallel);
+
+struct DedicatedGptSetup : DedicatedModelSetup {
+  GPTConfig config;
+  uint64_t seed = 0;  // the model's initialisation
+};
+// A GPT built from `setup` (seeded) and dedicated (dedicate_model).
 // collective: every rank of the mesh.
 GPT make_dedicated_gpt(const std::shared_ptr<Mesh>& mesh, const DedicatedGptSetup& setup);
 

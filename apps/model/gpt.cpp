@@ -22,14 +22,29 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
 }
 
 at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
-  return x * at::rsqrt(x.pow(2).mean({-1}, /*keepdim=*/true) + eps_) * weight;
+  // as transformers' LlamaRMSNorm: 16-bit inputs are normalised in float32
+  const at::Tensor h = x.element_size() < 4 ? x.to(at::kFloat) : x;
+  const at::Tensor w = tp_partial_grad ? tp_copy_to_parallel(weight, tp_partial_grad) : weight;
+  return w * (h * at::rsqrt(h.pow(2).mean({-1}, /*keepdim=*/true) + eps_)).to(x.scalar_type());
 }
 
 namespace {
-torch::nn::Linear linear(int64_t in, int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+torch::nn::Linear linear(int64_t in, int64_t out, bool bias = false) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
 }
 }  // namespace
+
+Projection register_projection(torch::nn::Module& owner, const std::string& name, int64_t in, int64_t out,
+                               bool column, bool bias, const std::shared_ptr<Mesh>& tp_mesh) {
+  Projection p;
+  if (!tp_mesh || tp_mesh->tp_size() == 1)
+    p.plain = owner.register_module(name, linear(in, out, bias));
+  else if (column)
+    p.column = owner.register_module(name, ColumnParallelLinear(ParallelLinearOptions(in, out).with_bias(bias), tp_mesh));
+  else
+    p.row = owner.register_module(name, RowParallelLinear(ParallelLinearOptions(in, out).with_bias(bias), tp_mesh));
+  return p;
+}
 
 at::Tensor Projection::operator()(const at::Tensor& x) {
   if (!plain.is_empty()) return plain(x);
@@ -40,20 +55,12 @@ BlockImpl::BlockImpl(const GPTConfig& cfg)
     : n_heads_(cfg.n_heads / cfg.tp_size()), head_dim_(cfg.d_model / cfg.n_heads) {
   TORCH_CHECK(cfg.d_model % cfg.n_heads == 0, "GPT: d_model ", cfg.d_model, " is not divisible by n_heads ",
               cfg.n_heads);
-  const int tp = cfg.tp_size();
-  TORCH_CHECK(cfg.n_heads % tp == 0, "GPT: n_heads ", cfg.n_heads, " is not divisible by the mesh's tp_size ", tp,
+  TORCH_CHECK(cfg.n_heads % cfg.tp_size() == 0, "GPT: n_heads ", cfg.n_heads, " is not divisible by the mesh's tp_size ", cfg.tp_size(),
               "; q/k/v are split over the TP ranks by heads. Pick a tp_size that divides ", cfg.n_heads, ".");
   const int64_t d = cfg.d_model, f = cfg.ffn_dim();
   // registered in the single-process order, so a TP model draws the same random numbers
   auto proj = [&](const char* name, int64_t in, int64_t out, bool column) {
-    Projection p;
-    if (tp == 1)
-      p.plain = register_module(name, linear(in, out));
-    else if (column)
-      p.column = register_module(name, ColumnParallelLinear(ParallelLinearOptions(in, out), cfg.tp_mesh));
-    else
-      p.row = register_module(name, RowParallelLinear(ParallelLinearOptions(in, out), cfg.tp_mesh));
-    return p;
+    return register_projection(*this, name, in, out, column, false, cfg.tp_mesh);
   };
   attn_norm = register_module("attn_norm", RMSNorm(d, cfg.norm_eps));
   q_proj = proj("q_proj", d, d, true);
@@ -92,20 +99,7 @@ GPTImpl::GPTImpl(const GPTConfig& cfg) : cfg_(cfg) {
   final_norm = register_module("final_norm", RMSNorm(cfg.d_model, cfg.norm_eps));
   head = register_module("head", linear(cfg.d_model, cfg.vocab_size));
   // GPT-2 style init: small normal weights (TP slices: the slice of the full draw).
-  at::NoGradGuard ng;
-  const std::map<std::string, int> split = tp_split_dims(*this);
-  for (auto& p : named_parameters(true)) {
-    if (p.key().find("norm") != std::string::npos) continue;
-    auto it = split.find(p.key());
-    if (it == split.end()) {
-      p.value().normal_(0.0, 0.02);
-      continue;
-    }
-    std::vector<int64_t> full = p.value().sizes().vec();
-    full[static_cast<size_t>(it->second)] *= cfg.tp_size();
-    p.value().copy_(tp_slice(at::empty(full, p.value().options()).normal_(0.0, 0.02), it->second,
-                             cfg.tp_mesh->tp_rank(), cfg.tp_size()));
-  }
+  init_weights_like_single_process(*this, 0.02, cfg.tp_mesh);
   frozen_blocks.assign(static_cast<size_t>(cfg.n_layers), false);
 }
 
@@ -132,12 +126,13 @@ at::Tensor GPTImpl::forward(const at::Tensor& tokens) {
   return dmuon::forward(head, x);
 }
 
-at::Tensor GPTImpl::loss(const at::Tensor& tokens) {
-  const int64_t T = tokens.size(1);
-  at::Tensor input = tokens.narrow(1, 0, T - 1), target = tokens.narrow(1, 1, T - 1);
-  at::Tensor logits = forward(input);
-  if (logits.element_size() < 4) logits = logits.to(at::kFloat);  // mixed precision: the loss in fp32
-  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}));
+bool GPTImpl::is_muon_matrix(const std::string& name, const at::Tensor& p) const {
+  return models::is_muon_matrix(name, p);
+}
+
+std::string GPTImpl::describe() const {
+  return "GPT d=" + std::to_string(cfg_.d_model) + " layers=" + std::to_string(cfg_.n_layers) +
+         " heads=" + std::to_string(cfg_.n_heads);
 }
 
 bool is_muon_matrix(const std::string& name, const at::Tensor& p) {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "dmuon/tensor_parallel.h"
+#include "model/language_model.h"
 
 namespace dmuon::models {
 
@@ -46,12 +47,19 @@ struct Projection {
   RowParallelLinear row{nullptr};
   at::Tensor operator()(const at::Tensor& x);
 };
+// Registers `name` on `owner`: a plain Linear (tp_mesh null or tp_size 1), else column-parallel
+// (`column`) or row-parallel over the mesh's TP axis.
+Projection register_projection(torch::nn::Module& owner, const std::string& name, int64_t in, int64_t out,
+                               bool column, bool bias, const std::shared_ptr<Mesh>& tp_mesh);
 
 class RMSNormImpl : public torch::nn::Module {
  public:
   RMSNormImpl(int64_t dim, double eps);
   at::Tensor forward(const at::Tensor& x);
   at::Tensor weight;
+  // Set when each TP rank normalises only its own slice of the input (qwen3's per-head q/k norms on
+  // this rank's heads): the weight's gradient is then partial and is summed over the TP group.
+  std::shared_ptr<Mesh> tp_partial_grad;
 
  private:
   double eps_;
@@ -72,13 +80,13 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-class GPTImpl : public torch::nn::Module {
+class GPTImpl : public LanguageModel {
  public:
   explicit GPTImpl(const GPTConfig& cfg);
   // tokens [B, T] (int64) -> logits [B, T, vocab]
-  at::Tensor forward(const at::Tensor& tokens);
-  // Mean cross-entropy of next-token prediction: logits of tokens[:, :-1] against tokens[:, 1:].
-  at::Tensor loss(const at::Tensor& tokens);
+  at::Tensor forward(const at::Tensor& tokens) override;
+  bool is_muon_matrix(const std::string& name, const at::Tensor& p) const override;
+  std::string describe() const override;
   // Blocks whose forward runs without gradient (for tests of "a block whose parameters get no
   // gradient in a step").
   std::vector<bool> frozen_blocks;

@@ -78,12 +78,23 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
 // torch::serialize archive whose "checksums" entry holds a CRC32C for every tensor (over its
 // dtype, shape and contiguous bytes, as written) and one for the optimizer metadata (param_groups'
 // names, flags and hyperparameters, steps_taken).
+//
+// A `path` ending in ".safetensors" is written as one safetensors file instead (safetensors.h), for
+// Python and other tools: `safetensors.torch.load_file(path)` returns every tensor, keyed
+// "model/<name>", "optim_muon/<name>.momentum_buffer" / "<name>.step", "optim_adamw/<name>.exp_avg" /
+// ".exp_avg_sq" / ".step"; its metadata holds "format": "dmuon-checkpoint-safetensors-v1",
+// "optimizer": JSON {"steps_taken", "param_groups": [{"name", "is_muon", "lr", "momentum",
+// "weight_decay", "beta1", "beta2", "eps", "nesterov", "ns_steps"}, ...]}, and "crc32c": JSON
+// {"<tensor key>": CRC32C of its data bytes, ..., "optimizer": CRC32C of that string}.
 void save_checkpoint(const std::string& path, const TensorDict& model, const OptimizerStateDict* optimizer = nullptr);
 
 struct Checkpoint {
   TensorDict model;
   std::optional<OptimizerStateDict> optim;
 };
+// Either format (the file's first bytes tell). A safetensors checkpoint written elsewhere (e.g. by
+// Python with the layout above) loads too: its structure is always checked, each tensor's CRC32C
+// where "crc32c" records one.
 // Every rank may call it; it changes nothing and returns the file's contents only when they are
 // intact: the whole archive and every tensor and the metadata are checked against their
 // checksums. A damaged file is an error naming the file and the damaged tensor or section (the

@@ -14,5 +14,6 @@
 #include "dmuon/newton_schulz.h"
 #include "dmuon/owner_plan.h"
 #include "dmuon/process_group.h"
+#include "dmuon/safetensors.h"
 #include "dmuon/tensor_parallel.h"
 #include "dmuon/unshard_profile.h"

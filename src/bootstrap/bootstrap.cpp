@@ -115,6 +115,30 @@ bool process_group_available(c10::DeviceType device) {
   return false;
 }
 
+#if DMUON_HAVE_GLOO
+namespace {
+bool is_loopback(const std::string& host) {
+  return host.empty() || host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+// The interface Gloo listens on: GLOO_SOCKET_IFNAME's (as torch.distributed), else `hostname`; the
+// default loopback becomes this host's own address when MASTER_ADDR names another host (a
+// multi-host job), so peers on other hosts can reach it.
+std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& hostname, int rank) {
+  const std::string ifname = getenv_str("GLOO_SOCKET_IFNAME");
+  try {
+    if (!ifname.empty()) return c10d::ProcessGroupGloo::createDeviceForInterface(ifname.substr(0, ifname.find(',')));
+    if (is_loopback(hostname) && !is_loopback(getenv_str("MASTER_ADDR")))
+      return c10d::ProcessGroupGloo::createDefaultDevice();
+    return c10d::ProcessGroupGloo::createDeviceForHostname(hostname);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rank ", rank, ": Gloo cannot listen on ",
+                ifname.empty() ? "host '" + hostname + "'" : "interface '" + ifname + "' (GLOO_SOCKET_IFNAME)", ": ",
+                e.what(), ". Set GLOO_SOCKET_IFNAME to an interface this host's peers reach (see `ip addr`).");
+  }
+}
+}  // namespace
+#endif
+
 CommPtr make_process_group(const StorePtr& store, int rank, int size, c10::DeviceType device,
                            std::chrono::milliseconds timeout, const std::string& hostname, StreamPriority priority) {
   if (device == c10::DeviceType::CPU) {
@@ -127,7 +151,7 @@ CommPtr make_process_group(const StorePtr& store, int rank, int size, c10::Devic
 #if DMUON_HAVE_GLOO
     if (choice != "store") {
       auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+      opts->devices.push_back(gloo_device(hostname, rank));
       opts->threads = 2;
       return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
     }

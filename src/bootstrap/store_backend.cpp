@@ -262,11 +262,23 @@ class StoreBackend : public CommBase {
     auto work = c10::make_intrusive<StoreWork>();
     {
       std::lock_guard<std::mutex> g(mu_);
-      queue_.push_back([work, fn = std::move(fn)] {
+      queue_.push_back([this, work, fn = std::move(fn)] {
+        // after a failed collective the group's sequence is lost (a peer died or diverged): every
+        // later one fails at once instead of waiting out its own timeout
+        if (!broken_.empty()) {
+          work->done(std::make_exception_ptr(std::runtime_error(
+              "dmuon-store: an earlier collective of this group failed, so this one cannot run: " + broken_)));
+          return;
+        }
         try {
           fn();
           work->done(nullptr);
+        } catch (const std::exception& e) {
+          broken_ = e.what();
+          broken_ = broken_.substr(0, broken_.find('\n'));
+          work->done(std::current_exception());
         } catch (...) {
+          broken_ = "unknown error";
           work->done(std::current_exception());
         }
       });
@@ -291,7 +303,8 @@ class StoreBackend : public CommBase {
 
   StorePtr store_;
   std::chrono::milliseconds timeout_;
-  int64_t seq_ = 0;  // worker thread only
+  int64_t seq_ = 0;     // worker thread only
+  std::string broken_;  // worker thread only: the first failure's message
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;

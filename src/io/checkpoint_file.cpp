@@ -15,6 +15,8 @@
 #include <sstream>
 
 #include "dmuon/checkpoint.h"
+#include "checkpoint_safetensors.h"
+#include "file_io.h"
 
 namespace dmuon {
 
@@ -148,58 +150,14 @@ c10::Dict<std::string, at::Tensor> to_dict(const TensorDict& d, const std::strin
   return out;
 }
 
-void fsync_dir(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd < 0) return;  // a directory that cannot be opened: the rename is still atomic
-  ::fsync(fd);
-  ::close(fd);
-}
-
-struct Fd {
-  int fd = -1;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
-
-// 0, or the errno of the failed write.
-int write_all(int fd, const void* data, size_t n, uint64_t offset) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(offset));
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) return errno;
-    if (w == 0) return EIO;
-    p += w;
-    n -= static_cast<size_t>(w);
-    offset += static_cast<uint64_t>(w);
-  }
-  return 0;
-}
-
-size_t read_at(int fd, void* data, size_t n, uint64_t offset) {
-  char* p = static_cast<char*>(data);
-  size_t done = 0;
-  while (done < n) {
-    const ssize_t r = ::pread(fd, p + done, n - done, static_cast<off_t>(offset + done));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) break;
-    done += static_cast<size_t>(r);
-  }
-  return done;
-}
-
-// Writes the header and the archive to `file`, flushed to disk.
-void write_file(const std::string& file, torch::serialize::OutputArchive& ar) {
-  Fd f;
-  f.fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (f.fd < 0) throw std::runtime_error(std::string("cannot create it: ") + std::strerror(errno));
+// Writes the header and the archive to the open file `fd`.
+void write_file(int fd, torch::serialize::OutputArchive& ar) {
   uint64_t len = 0;
   uint32_t crc = 0;
   int write_errno = 0;
   // torch's zip writer calls this from C code: report failures by the return value, never throw
   ar.save_to([&](const void* data, size_t n) -> size_t {
-    if (write_errno != 0 || (write_errno = write_all(f.fd, data, n, kHeaderSize + len)) != 0) return 0;
+    if (write_errno != 0 || (write_errno = io::write_all(fd, data, n, kHeaderSize + len)) != 0) return 0;
     crc = checkpoint_crc32c(data, n, crc);
     len += n;
     return n;
@@ -211,8 +169,7 @@ void write_file(const std::string& file, torch::serialize::OutputArchive& ar) {
   put_u64(h + 16, len);
   put_u32(h + 24, crc);
   put_u32(h + 28, checkpoint_crc32c(h, 28));
-  if ((write_errno = write_all(f.fd, h, kHeaderSize, 0)) != 0) throw std::runtime_error(std::strerror(write_errno));
-  if (::fsync(f.fd) != 0) throw std::runtime_error("fsync failed (is the disk full?)");
+  if ((write_errno = io::write_all(fd, h, kHeaderSize, 0)) != 0) throw std::runtime_error(std::strerror(write_errno));
 }
 
 // A file that is a torch archive (a zip) but has no dmuon header: a format-1 dmuon checkpoint or something else.
@@ -337,7 +294,9 @@ uint32_t checkpoint_crc32c(const void* data, size_t n, uint32_t crc) {
 }
 
 void save_checkpoint(const std::string& path, const TensorDict& model, const OptimizerStateDict* optim) {
-  namespace fs = std::filesystem;
+  const std::string ext = ".safetensors";
+  if (path.size() > ext.size() && path.compare(path.size() - ext.size(), ext.size(), ext) == 0)
+    return io::save_checkpoint_safetensors(path, model, optim);
   torch::serialize::OutputArchive ar;
   c10::Dict<std::string, int64_t> sums;
   ar.write("format", c10::IValue(std::string(kFormat)));
@@ -370,37 +329,23 @@ void save_checkpoint(const std::string& path, const TensorDict& model, const Opt
     ar.write("optim_steps_taken", c10::IValue(g.steps_taken));
   }
   ar.write("checksums", c10::IValue(sums));
-  const fs::path target(path);
-  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  TORCH_CHECK(fs::is_directory(dir), "save_checkpoint: the directory of '", path, "' does not exist; create it first.");
-  std::string tmp_name = target.filename().string();
-  tmp_name.insert(0, 1, '.');
-  tmp_name.append(".tmp-").append(std::to_string(::getpid()));
-  const fs::path tmp = dir / tmp_name;
-  try {
-    write_file(tmp.string(), ar);
-    fs::rename(tmp, target);  // atomic within one file system
-    fsync_dir(dir.string());
-  } catch (const std::exception& e) {
-    std::error_code ec;
-    fs::remove(tmp, ec);
-    TORCH_CHECK(false, "save_checkpoint: writing '", path, "' failed: ", e.what(), " (nothing was replaced).");
-  }
+  io::write_atomically(path, "save_checkpoint", [&](int fd) { write_file(fd, ar); });
 }
 
 Checkpoint load_checkpoint(const std::string& path) {
   TORCH_CHECK(std::filesystem::is_regular_file(path), "load_checkpoint: '", path, "' does not exist or is not a file.");
-  Fd f;
+  io::Fd f;
   f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   TORCH_CHECK(f.fd >= 0, "load_checkpoint: cannot open '", path, "': ", std::strerror(errno));
   struct stat sb {};
   TORCH_CHECK(::fstat(f.fd, &sb) == 0, "load_checkpoint: cannot stat '", path, "': ", std::strerror(errno));
   const auto size = static_cast<uint64_t>(sb.st_size);
   const char* what_fix = " Pass a file written by dmuon::save_checkpoint.";
+  if (size > 0 && io::looks_like_safetensors(path)) return io::load_checkpoint_safetensors(path);
   TORCH_CHECK(size > 0, "load_checkpoint: '", path, "' is not a readable checkpoint: it is empty (0 bytes; was "
               "it created but never written?).", what_fix);
   unsigned char h[kHeaderSize] = {};
-  const size_t got = read_at(f.fd, h, kHeaderSize, 0);
+  const size_t got = io::read_at(f.fd, h, kHeaderSize, 0);
   if (got >= 4 && std::memcmp(h, "PK\x03\x04", 4) == 0) refuse_zip(path);
   TORCH_CHECK(got >= sizeof(kMagic) && std::memcmp(h, kMagic, sizeof(kMagic)) == 0, "load_checkpoint: '", path,
               "' is not a readable checkpoint: it does not begin with the dmuon checkpoint header (a text file, "
@@ -423,7 +368,7 @@ Checkpoint load_checkpoint(const std::string& path) {
   {
     std::vector<char> buf(size_t{8} << 20);
     for (uint64_t pos = 0; pos < len;) {
-      const size_t n = read_at(f.fd, buf.data(), static_cast<size_t>(std::min<uint64_t>(buf.size(), len - pos)),
+      const size_t n = io::read_at(f.fd, buf.data(), static_cast<size_t>(std::min<uint64_t>(buf.size(), len - pos)),
                                kHeaderSize + pos);
       TORCH_CHECK(n > 0, "load_checkpoint: reading '", path, "' failed at byte ", kHeaderSize + pos, ": ",
                   std::strerror(errno));
@@ -440,7 +385,7 @@ Checkpoint load_checkpoint(const std::string& path) {
     ar.load_from(
         [&](uint64_t pos, void* buf, size_t n) -> size_t {
           if (pos >= len) return 0;
-          return read_at(f.fd, buf, static_cast<size_t>(std::min<uint64_t>(n, len - pos)), kHeaderSize + pos);
+          return io::read_at(f.fd, buf, static_cast<size_t>(std::min<uint64_t>(n, len - pos)), kHeaderSize + pos);
         },
         [&]() -> size_t { return static_cast<size_t>(len); });
     damaged = read_sections(ar, ck);

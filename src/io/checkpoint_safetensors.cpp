@@ -1,0 +1,125 @@
+// Checkpoints as one safetensors file (see include/dmuon/checkpoint.h).
+#include "checkpoint_safetensors.h"
+
+#include <c10/util/Exception.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "dmuon/safetensors.h"
+
+namespace dmuon::io {
+
+namespace {
+
+using json = nlohmann::json;
+constexpr const char* kFormat = "dmuon-checkpoint-safetensors-v1";
+constexpr const char* kSections[] = {"model/", "optim_muon/", "optim_adamw/"};
+
+uint32_t data_crc(const at::Tensor& t) {
+  const at::Tensor c = t.detach().cpu().contiguous();
+  return checkpoint_crc32c(c.data_ptr(), c.nbytes());
+}
+
+json groups_json(const OptimizerStateDict& o) {
+  json groups = json::array();
+  for (const auto& g : o.param_groups)
+    groups.push_back({{"name", g.name}, {"is_muon", g.is_muon}, {"lr", g.lr}, {"momentum", g.momentum},
+                      {"weight_decay", g.weight_decay}, {"beta1", g.beta1}, {"beta2", g.beta2}, {"eps", g.eps},
+                      {"nesterov", g.nesterov}, {"ns_steps", g.ns_steps}});
+  return {{"steps_taken", o.steps_taken}, {"param_groups", groups}};
+}
+
+}  // namespace
+
+bool looks_like_safetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  unsigned char b[9] = {};
+  if (!in.read(reinterpret_cast<char*>(b), 9)) return false;
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = n << 8 | b[i];
+  return n >= 2 && n <= (uint64_t{100} << 20) && b[8] == '{';
+}
+
+void save_checkpoint_safetensors(const std::string& path, const TensorDict& model, const OptimizerStateDict* optim) {
+  SafetensorsDict all;
+  json sums = json::object();
+  auto add = [&](const std::string& section, const TensorDict& d) {
+    for (const auto& [k, v] : d) {
+      all[section + k] = v.detach().cpu();
+      sums[section + k] = data_crc(v);
+    }
+  };
+  add(kSections[0], model);
+  std::map<std::string, std::string> meta{{"format", kFormat}};
+  if (optim) {
+    add(kSections[1], optim->muon);
+    add(kSections[2], optim->adamw);
+    meta["optimizer"] = groups_json(*optim).dump();
+    sums["optimizer"] = checkpoint_crc32c(meta["optimizer"].data(), meta["optimizer"].size());
+  }
+  meta["crc32c"] = sums.dump();
+  save_safetensors(path, all, meta);
+}
+
+Checkpoint load_checkpoint_safetensors(const std::string& path) {
+  const SafetensorsFile f(path);
+  const auto& meta = f.metadata();
+  const std::string where = "load_checkpoint: '" + path + "'";
+  auto fmt = meta.find("format");
+  TORCH_CHECK(fmt != meta.end() && fmt->second == kFormat, where, " is a safetensors file but not a dmuon checkpoint: "
+              "its metadata has no \"format\": \"", kFormat, "\" (a model's weights? load those with --init-from "
+              "or dmuon::load_safetensors).");
+  // per-tensor CRC32C: verified where the writer recorded one (dmuon always does)
+  json sums = json::object();
+  if (auto s = meta.find("crc32c"); s != meta.end()) {
+    try {
+      sums = json::parse(s->second);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, where, " is corrupt: its \"crc32c\" metadata is not JSON (", e.what(), ").");
+    }
+  }
+  auto verify = [&](const std::string& key, const void* data, size_t n) {
+    if (!sums.contains(key)) return;
+    const uint32_t got = checkpoint_crc32c(data, n);
+    TORCH_CHECK(sums[key].is_number_unsigned() && sums[key].get<uint32_t>() == got, where, " is corrupt; the damage "
+                "is in '", key, "' (stored checksum ", sums[key].dump(), ", read ", got, "). The file was damaged "
+                "after it was written: resume from another checkpoint.");
+  };
+  Checkpoint ck;
+  OptimizerStateDict o;
+  TensorDict* out[] = {&ck.model, &o.muon, &o.adamw};
+  for (const std::string& key : f.keys()) {
+    size_t s = 0;
+    while (s < 3 && key.rfind(kSections[s], 0) != 0) ++s;
+    TORCH_CHECK(s < 3, where, ": tensor '", key, "' is in no section (keys start with model/, optim_muon/ or "
+                "optim_adamw/).");
+    at::Tensor t = f.load(key);
+    verify(key, t.data_ptr(), t.nbytes());
+    (*out[s])[key.substr(std::string(kSections[s]).size())] = t;
+  }
+  auto opt = meta.find("optimizer");
+  if (opt == meta.end()) {
+    TORCH_CHECK(o.muon.empty() && o.adamw.empty(), where, " holds optimizer tensors but no \"optimizer\" metadata "
+                "(param_groups, steps_taken).");
+    return ck;
+  }
+  verify("optimizer", opt->second.data(), opt->second.size());
+  try {
+    const json j = json::parse(opt->second);
+    o.steps_taken = j.at("steps_taken").get<int64_t>();
+    for (const json& g : j.at("param_groups"))
+      o.param_groups.push_back({g.at("name").get<std::string>(), g.at("is_muon").get<bool>(), g.at("lr").get<double>(),
+                                g.at("momentum").get<double>(), g.at("weight_decay").get<double>(),
+                                g.at("beta1").get<double>(), g.at("beta2").get<double>(), g.at("eps").get<double>(),
+                                g.at("nesterov").get<bool>(), g.at("ns_steps").get<int64_t>()});
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, where, ": its \"optimizer\" metadata is not the layout dmuon writes (", e.what(), "); it "
+                "needs {\"steps_taken\": N, \"param_groups\": [{\"name\", \"is_muon\", \"lr\", \"momentum\", "
+                "\"weight_decay\", \"beta1\", \"beta2\", \"eps\", \"nesterov\", \"ns_steps\"}, ...]}.");
+  }
+  ck.optim = std::move(o);
+  return ck;
+}
+
+}  // namespace dmuon::io

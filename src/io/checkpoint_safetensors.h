@@ -1,0 +1,17 @@
+// checkpoint_safetensors.h -- the checkpoint layout for other tools: one safetensors file (see
+// include/dmuon/checkpoint.h for the layout). Internal to the io layer: save_checkpoint and
+// load_checkpoint dispatch here.
+#pragma once
+
+#include <string>
+
+#include "dmuon/checkpoint.h"
+
+namespace dmuon::io {
+
+// Whether the file's first bytes are a safetensors header (an 8-byte length, then '{').
+bool looks_like_safetensors(const std::string& path);
+void save_checkpoint_safetensors(const std::string& path, const TensorDict& model, const OptimizerStateDict* optim);
+Checkpoint load_checkpoint_safetensors(const std::string& path);
+
+}  // namespace dmuon::io

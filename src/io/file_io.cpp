@@ -1,0 +1,81 @@
+// The io layer's file primitives (see file_io.h).
+#include "file_io.h"
+
+#include <c10/util/Exception.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <stdexcept>
+
+namespace dmuon::io {
+
+Fd::~Fd() {
+  if (fd >= 0) ::close(fd);
+}
+
+int write_all(int fd, const void* data, size_t n, uint64_t offset) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(offset));
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) return errno;
+    if (w == 0) return EIO;
+    p += w;
+    n -= static_cast<size_t>(w);
+    offset += static_cast<uint64_t>(w);
+  }
+  return 0;
+}
+
+size_t read_at(int fd, void* data, size_t n, uint64_t offset) {
+  char* p = static_cast<char*>(data);
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::pread(fd, p + done, n - done, static_cast<off_t>(offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    done += static_cast<size_t>(r);
+  }
+  return done;
+}
+
+namespace {
+void fsync_dir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return;  // a directory that cannot be opened: the rename is still atomic
+  ::fsync(fd);
+  ::close(fd);
+}
+}  // namespace
+
+void write_atomically(const std::string& path, const std::string& who, const std::function<void(int fd)>& body) {
+  namespace fs = std::filesystem;
+  const fs::path target(path);
+  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  TORCH_CHECK(fs::is_directory(dir), who, ": the directory of '", path, "' does not exist; create it first.");
+  std::string tmp_name = target.filename().string();
+  tmp_name.insert(0, 1, '.');
+  tmp_name.append(".tmp-").append(std::to_string(::getpid()));
+  const fs::path tmp = dir / tmp_name;
+  try {
+    {
+      Fd f;
+      f.fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      if (f.fd < 0) throw std::runtime_error(std::string("cannot create it: ") + std::strerror(errno));
+      body(f.fd);
+      if (::fsync(f.fd) != 0) throw std::runtime_error("fsync failed (is the disk full?)");
+    }
+    fs::rename(tmp, target);  // atomic within one file system
+    fsync_dir(dir.string());
+  } catch (const std::exception& e) {
+    std::error_code ec;
+    fs::remove(tmp, ec);
+    TORCH_CHECK(false, who, ": writing '", path, "' failed: ", e.what(), " (nothing was replaced).");
+  }
+}
+
+}  // namespace dmuon::io
