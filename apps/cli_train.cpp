@@ -491,7 +491,13 @@ int run_train_command(const std::vector<std::string>& args, std::ostream& out, s
         validate(b, b.ranks);
         std::string train_text, val_text;  // a missing or short file fails here, before any rank starts
         split_text(b, load_text(b.data, static_cast<size_t>(b.seq_len + 2)), train_text, val_text);
-        if (!b.hf_config.empty()) models::HFDecoderConfig::load(b.hf_config);  // and a bad config
+        if (!b.hf_config.empty()) {  // and a bad config, or one --tp cannot split
+          const models::HFDecoderConfig hc = models::HFDecoderConfig::load(b.hf_config);
+          if (hc.num_attention_heads % b.tp != 0 || hc.num_key_value_heads % b.tp != 0)
+            throw std::invalid_argument("--tp " + std::to_string(b.tp) + " must divide the config's num_attention_heads " +
+                                        std::to_string(hc.num_attention_heads) + " and num_key_value_heads " +
+                                        std::to_string(hc.num_key_value_heads) + " (q/k/v are split by heads)");
+        }
         if (b.ranks == 1) return run_rank(b, out);
         LaunchOptions lo;
         lo.ranks = b.ranks;

@@ -500,6 +500,12 @@ TEST(CliTest, HuggingFaceConfigTrainsWithValidationExportsAndReloads) {
   r = run("train --ranks 2 --steps 2 --hf-config " + out + "/small.json --out " + out + "/c");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("vocab_size 100 is below 256"), std::string::npos) << r.output;
+  // a --tp the heads cannot be split by: refused before any rank starts
+  r = run("train --ranks 4 --tp 4 --steps 2 --hf-config " + out + "/config.json --out " + out + "/d");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(first_line(r.output).find("--tp 4 must divide the config's num_attention_heads 4 and num_key_value_heads 2"),
+            std::string::npos)
+      << r.output;
   std::filesystem::remove_all(out);
 }
 
@@ -522,7 +528,9 @@ TEST(CliTest, CompareAdamwDrawsBothCurvesAndCountsStepsToTarget) {
   const int64_t dsteps = c["dmuon_steps_to_target"], asteps = c["adamw_steps_to_target"];
   ASSERT_GT(asteps, 0);
   EXPECT_LE(asteps, 30);
-  if (dsteps > 0) EXPECT_NEAR(c["steps_ratio_adamw_over_dmuon"].get<double>(), double(asteps) / double(dsteps), 1e-12);
+  if (dsteps > 0) {
+    EXPECT_NEAR(c["steps_ratio_adamw_over_dmuon"].get<double>(), double(asteps) / double(dsteps), 1e-12);
+  }
   std::ifstream svg(out + "/compare.svg");
   std::stringstream ss;
   ss << svg.rdbuf();

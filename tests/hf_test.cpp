@@ -1,8 +1,8 @@
 // The Hugging Face decoder families (apps/model/hf_decoder.h): transformers' names and shapes (the
 // same the planner derives from a config.json), config errors, the math's closed-form pieces,
-// weights loaded by name, and dedicated training (Z3, Z2 with a sharded base, tensor parallelism by
-// heads with GQA and biases, TP x data parallel) equal to one process in float64, with validation
-// forwards in between changing nothing.
+// weights loaded by name, and dedicated training (Z3, Z2 with a sharded base, HSDP, tensor
+// parallelism by heads with GQA and biases, TP x data parallel) equal to one process in float64,
+// with validation forwards in between changing nothing.
 #include <gtest/gtest.h>
 
 #include <ATen/core/grad_mode.h>
@@ -153,11 +153,11 @@ TEST(HFDecoder, WeightsLoadByNameAndMistakesNameTheTensor) {
 // Dedicated training of an HF model: rank 0's full state after `steps` steps.
 // tp > 1: tensor parallelism over groups of tp ranks (each split parameter takes its slice).
 StateDict train_hf(const json& j, int world, bool z3, bool shard_base, bool evaluate, const StateDict& init,
-                   const std::vector<at::Tensor>& batches, int tp = 1) {
+                   const std::vector<at::Tensor>& batches, int tp = 1, int replicate = 1) {
   StateDict result;
   std::mutex mu;
   run_ranks(world, [&](RankContext& ctx) {
-    auto mesh = make_mesh(ctx, std::chrono::seconds(60), 1, tp);
+    auto mesh = make_mesh(ctx, std::chrono::seconds(60), replicate, tp);
     HFDecoderConfig cfg = HFDecoderConfig::parse(j.dump(), "test");
     if (tp > 1) cfg.tp_mesh = mesh;
     auto m = std::make_shared<HFCausalLMImpl>(cfg);
@@ -179,7 +179,8 @@ StateDict train_hf(const json& j, int world, bool z3, bool shard_base, bool eval
     models::dedicate_model(*m, mesh, s, tp > 1);
     TrainConfig tc;
     Muon opt(m, muon_options(tc));
-    const int dp = world / tp, dp_rank = mesh->shard_rank();  // the TP ranks of a group see the same rows
+    // the TP ranks of a group see the same rows
+    const int dp = world / tp, dp_rank = mesh->replicate_rank() * mesh->shard_size() + mesh->shard_rank();
     const int64_t per = batches[0].size(0) / dp;
     for (const at::Tensor& b : batches) {
       opt.zero_grad();
@@ -210,13 +211,13 @@ TEST(HFDecoder, DedicatedAndTensorParallelTrainingIsOneProcessInFloat64) {
     struct Case {
       const char* label;
       bool z3, shard, eval;
-      int tp, world;
+      int tp, world, replicate = 1;
     };
     const bool tied = j.value("tie_word_embeddings", false);
     for (const Case& c : {Case{"z3", true, false, false, 1, 2}, Case{"z3+eval", true, false, true, 1, 2},
                           Case{"z2+shard_base", false, !tied, false, 1, 2}, Case{"tp2", true, false, false, 2, 2},
-                          Case{"z3 x tp2", true, false, false, 2, 4}}) {
-      const StateDict got = train_hf(j, c.world, c.z3, c.shard, false, init, batches, c.tp);
+                          Case{"z3 x tp2", true, false, false, 2, 4}, Case{"hsdp 2x2", true, false, false, 1, 4, 2}}) {
+      const StateDict got = train_hf(j, c.world, c.z3, c.shard, false, init, batches, c.tp, c.replicate);
       double worst = 0;
       for (const auto& [k, v] : ref) worst = std::max(worst, max_rel(got.at(k), v));
       std::string at;
@@ -227,7 +228,7 @@ TEST(HFDecoder, DedicatedAndTensorParallelTrainingIsOneProcessInFloat64) {
       EXPECT_GT(max_rel(got.at("model.layers.0.mlp.up_proj.weight"), init.at("model.layers.0.mlp.up_proj.weight")),
                 1e-3);
       if (c.eval) {
-        const StateDict with_eval = train_hf(j, c.world, c.z3, c.shard, true, init, batches, c.tp);
+        const StateDict with_eval = train_hf(j, c.world, c.z3, c.shard, true, init, batches, c.tp, c.replicate);
         double d = 0;
         for (const auto& [k, v] : got) d = std::max(d, max_rel(with_eval.at(k), v));
         EXPECT_LT(d, kFloat64Bound) << "validation forwards changed the training (" << j["model_type"] << ")";
