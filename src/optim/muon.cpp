@@ -7,11 +7,15 @@
 
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <iostream>
+#include <map>
+#include <tuple>
 #include <set>
 #include <sstream>
 #include <type_traits>
 
+#include "dmuon/env.h"
 #include "dmuon/host_sync.h"
 #include "optim/phase_clock.h"
 #include "optim/tp_newton_schulz.h"
@@ -202,6 +206,101 @@ double elapsed_ms(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
+namespace {
+
+// DMUON_BATCHED_NS=0 runs Newton-Schulz one matrix at a time; DMUON_NS_BATCH_MB caps the stack of
+// one batched call (default 256 MiB; a matrix larger than the cap runs alone).
+bool batched_ns_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("DMUON_BATCHED_NS");
+    return v == nullptr || *v == '\0' || env::parse_bool("DMUON_BATCHED_NS", v);
+  }();
+  return on;
+}
+int64_t ns_batch_cap_bytes() {
+  static const int64_t cap = [] {
+    const char* v = std::getenv("DMUON_NS_BATCH_MB");
+    if (v == nullptr || *v == '\0') return int64_t{256} << 20;
+    char* end = nullptr;
+    const long long mb = std::strtoll(v, &end, 10);
+    TORCH_CHECK(end && *end == '\0' && mb >= 1, "DMUON_NS_BATCH_MB='", v, "' is not a positive number of MiB.");
+    return static_cast<int64_t>(mb) << 20;
+  }();
+  return cap;
+}
+
+// The deferred whole-matrix Newton-Schulz of a pass: the matrices are grouped by their shape after
+// orientation (wide: rows <= cols), dtype, device and NS steps; each group runs as stacked batches of
+// at most ns_batch_cap_bytes (one NS call each, every matrix normalised on its own), and each result
+// is applied in the pass's order. The TP gather jobs stay in `pending`. `log(name, rows, cols, ms)`
+// is called per matrix (ms: its share of its batch's time).
+void run_local_ns(std::vector<TpUpdate>& pending, const NewtonSchulz& ns, detail::PhaseClock& clock,
+                  const std::function<void(const at::Tensor& target, double ms)>& log) {
+  std::vector<TpUpdate> local, rest;
+  for (TpUpdate& j : pending) (j.local_input.defined() ? local : rest).push_back(std::move(j));
+  pending = std::move(rest);
+  if (local.empty()) return;
+  const auto t0 = clock.now();
+  struct Key {
+    int64_t m, n;
+    at::ScalarType dtype;
+    std::string device;
+    int steps;
+    bool operator<(const Key& o) const {
+      return std::tie(m, n, dtype, device, steps) < std::tie(o.m, o.n, o.dtype, o.device, o.steps);
+    }
+  };
+  std::map<Key, std::vector<size_t>> groups;  // in first-seen order within each key
+  std::vector<Key> order;
+  for (size_t i = 0; i < local.size(); ++i) {
+    const at::Tensor& u = local[i].local_input;
+    const Key k{std::min(u.size(0), u.size(1)), std::max(u.size(0), u.size(1)), u.scalar_type(), u.device().str(),
+                local[i].steps};
+    auto [it, fresh] = groups.try_emplace(k);
+    if (fresh) order.push_back(k);
+    it->second.push_back(i);
+  }
+  std::vector<at::Tensor> results(local.size());
+  std::vector<double> ms(local.size(), 0.0);
+  const bool batched = batched_ns_enabled();
+  const int64_t cap = ns_batch_cap_bytes();
+  for (const Key& k : order) {
+    const std::vector<size_t>& idx = groups.at(k);
+    const int64_t per = k.m * k.n * static_cast<int64_t>(c10::elementSize(k.dtype));
+    const size_t chunk = batched ? static_cast<size_t>(std::max<int64_t>(1, cap / std::max<int64_t>(per, 1))) : 1;
+    for (size_t b = 0; b < idx.size(); b += chunk) {
+      const size_t e = std::min(idx.size(), b + chunk);
+      const auto tb = std::chrono::steady_clock::now();
+      if (e - b == 1) {
+        results[idx[b]] = ns.local(local[idx[b]].local_input, k.steps);
+      } else {
+        std::vector<at::Tensor> stack;
+        for (size_t i = b; i < e; ++i) {
+          const at::Tensor& u = local[idx[i]].local_input;
+          stack.push_back(u.size(0) > u.size(1) ? u.t() : u);
+        }
+        const at::Tensor out = ns.local(at::stack(stack), k.steps);
+        for (size_t i = b; i < e; ++i) {
+          const at::Tensor& u = local[idx[i]].local_input;
+          const at::Tensor r = out.select(0, static_cast<int64_t>(i - b));
+          results[idx[i]] = u.size(0) > u.size(1) ? r.t() : r;
+        }
+      }
+      const double share = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tb).count() /
+                           static_cast<double>(e - b);
+      for (size_t i = b; i < e; ++i) ms[idx[i]] = share;
+    }
+  }
+  clock.add(detail::Phase::Ns, t0);
+  for (size_t i = 0; i < local.size(); ++i) {
+    local[i].apply(results[i]);
+    if (log) log(local[i].ready.target, ms[i]);
+  }
+  clock.add(detail::Phase::Muon, t0);
+}
+
+}  // namespace
+
 Muon::Muon(const std::shared_ptr<torch::nn::Module>& model, MuonOptions options)
     : Optimizer(lower_groups(model, options), std::make_unique<MuonGroupOptions>(options.lr)),
       model_(model),
@@ -251,8 +350,11 @@ void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh
     if (wb) param.copy_(target);
   };
   double flop_share = 1;  // of the full matrix's NS work done on this rank
-  if (r.tp_owner < 0) {
-    job.apply(ns_.local(u, steps));
+  if (r.tp_owner < 0) {  // batched with the pass's other matrices of this shape (run_local_ns)
+    job.ready = r;
+    job.steps = steps;
+    job.local_input = u;
+    tp_pending.push_back(std::move(job));
   } else {
     const bool dist = options_.tp_distributed_gram && tp_distributed_gram_applies(full, r.tp_dim) &&
                       (options_.tp_distributed_gram_policy == "always" ||
@@ -336,7 +438,18 @@ at::Tensor Muon::step(LossClosure closure) {
   const bool log_first = options_.first_step_progress_log && steps_ == 0;
   // TP updates of the last step still arriving by scatter land before this step changes anything
   state->dedicated().finish_deferred();
-  std::vector<TpUpdate> tp_pending;  // TP gather form: gathers in flight, in step order
+  std::vector<TpUpdate> tp_pending;  // deferred NS: TP gathers in flight and whole matrices, in step order
+  auto progress_line = [&](const at::Tensor& target, double ms) {
+    if (!log_first || progress_logged_ >= options_.first_step_progress_log_limit) return;
+    ++progress_logged_;
+    std::ostringstream line;
+    line << "[dmuon] rank " << state->mesh().global_rank() << ": first step: " << ns_.describe(target.device().type())
+         << " on " << target.size(0) << "x" << target.size(1) << " took " << ms << " ms";
+    if (options_.log) options_.log(line.str());
+    else std::cerr << line.str() << "\n";
+  };
+  // the whole matrices' Newton-Schulz of the updates so far, batched by shape
+  auto flush_local_ns = [&] { run_local_ns(tp_pending, ns_, clock, progress_line); };
   auto update = [&](const ReadyGrad& r) {
     auto g = group_of_.find(r.param.unsafeGetTensorImpl());
     if (g == group_of_.end()) return;  // in no parameter group: not optimized
@@ -345,15 +458,7 @@ at::Tensor Muon::step(LossClosure closure) {
     if (r.route == RouteKind::Dedicated && o.is_muon()) {
       muon_update(r, o, state->mesh(), prof, clock, tp_pending);
       clock.add(detail::Phase::Muon, t0);
-      if (log_first && progress_logged_ < options_.first_step_progress_log_limit) {
-        ++progress_logged_;
-        std::ostringstream line;
-        line << "[dmuon] rank " << state->mesh().global_rank() << ": first step: "
-             << ns_.describe(r.target.device().type()) << " on " << r.target.size(0) << "x" << r.target.size(1)
-             << " took " << elapsed_ms(t0.host) << " ms";
-        if (options_.log) options_.log(line.str());
-        else std::cerr << line.str() << "\n";
-      }
+      if (r.tp_owner >= 0) progress_line(r.target, elapsed_ms(t0.host));  // whole matrices: at run_local_ns
     } else if (r.route != RouteKind::Dedicated && !o.is_muon()) {
       at::Tensor target = r.target;
       adamw_update(target, r.grad, r.param, r.prec.optim, o);
@@ -377,6 +482,7 @@ at::Tensor Muon::step(LossClosure closure) {
       clock.add(detail::Phase::Prepare, t0);
       if (check_finite_) check_finite_grads(group, state->mesh().global_rank());
       for (const ReadyGrad& r : group) update(r);
+      flush_local_ns();  // this group's weights are final before it publishes
       if (async) {
         const auto t1 = clock.now();
         d.publish_group(order[i], /*async=*/true);
@@ -385,6 +491,7 @@ at::Tensor Muon::step(LossClosure closure) {
     }
   }
   for (const ReadyGrad& r : ready) update(r);
+  flush_local_ns();
   // TP gather form: each TP owner runs NS on its full matrices and scatters the slices (every rank of
   // the TP group in the same order); a slice is applied once it arrives, before its holder's data are
   // read or sent again (the boundary's next unshard, the post-step publish, wait_publishes)

@@ -49,13 +49,15 @@ struct TpScatter {
 // The TP owner waits its gather and runs NS; every rank issues the scatter.
 TpScatter tp_scatter_update(TpGather& g, const ReadyGrad& r, int steps, const NewtonSchulz& ns, Mesh& mesh);
 
-// Muon::step's record of one matrix in the gather form: its gather in flight and how to apply the
-// update slice once it arrives.
+// Muon::step's record of one matrix whose Newton-Schulz is deferred: in the TP gather form, its
+// gather in flight (`gather`); for a whole matrix, its NS input (`local_input`, run batched with the
+// other matrices of its shape at the end of the pass); and how to apply the update once it exists.
 struct TpUpdate {
   std::string name;
   ReadyGrad ready;
   int steps = 0;
   TpGather gather;
+  at::Tensor local_input;
   std::function<void(const at::Tensor&)> apply;
 };
 
