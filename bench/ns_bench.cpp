@@ -6,6 +6,13 @@
 // (X X^T), and the accuracy of both against a float64 reference.
 //
 //   usage: ns_bench [--reps N] [--dtype f32|bf16|f16] [--device cpu|cuda] [--shapes 512x512,...]
+//          ns_bench --batched [--reps N] [--device cpu|cuda]
+//
+// --batched: the optimizer's two ways of running many matrices, per case: one NS call per matrix
+// vs one stacked call per oriented shape (as Muon::step does; stacking and unstacking timed), their
+// ratio, and the largest difference of the results. Cases: (a) 64 matrices of 32x32, (b) 64 MoE
+// experts of [1408, 2048] scaled by 1/4 to [352, 512], (c) a mixed model (8 blocks of 4 x [256, 256],
+// 2 x [688, 256] and 1 x [256, 688]).
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -74,12 +81,76 @@ std::vector<Shape> parse_shapes(const std::string& s) {
   return out;
 }
 
+// One NS call per matrix vs one stacked call per oriented shape (Muon::step's batching).
+int run_batched(int reps, const at::Device& dev) {
+  struct Case {
+    const char* name;
+    std::vector<Shape> shapes;
+  };
+  auto repeat = [](std::vector<Shape> unit, int times) {
+    std::vector<Shape> out;
+    for (int i = 0; i < times; ++i) out.insert(out.end(), unit.begin(), unit.end());
+    return out;
+  };
+  const std::vector<Case> cases = {
+      {"(a) 64 x 32x32", repeat({{32, 32}}, 64)},
+      {"(a2) 64 x 64x64", repeat({{64, 64}}, 64)},
+      {"(a3) 64 x 128x128", repeat({{128, 128}}, 64)},
+      {"(a4) 64 x 64x256", repeat({{64, 256}}, 64)},
+      {"(b) 64 experts 352x512", repeat({{352, 512}}, 64)},
+      {"(c) mixed 8 blocks", repeat({{256, 256}, {256, 256}, {256, 256}, {256, 256}, {688, 256}, {688, 256}, {256, 688}}, 8)},
+  };
+  const dmuon::NewtonSchulz ns("gram");
+  std::printf("# ns_bench --batched: %s, device %s, fp32, %d reps (median)\n", ns.describe(dev.type()).c_str(),
+              dev.is_cuda() ? "cuda" : "cpu", reps);
+  std::printf("%-24s %8s %12s %12s %9s %10s\n", "case", "matrices", "per_matrix_ms", "batched_ms", "per/bat", "max_diff");
+  at::manual_seed(0);
+  for (const Case& c : cases) {
+    std::vector<at::Tensor> us;
+    for (const Shape& s : c.shapes) us.push_back(at::randn({s.m, s.n}, at::TensorOptions().device(dev)));
+    std::vector<at::Tensor> per(us.size()), bat(us.size());
+    const double t_per = median_seconds(
+        [&] {
+          for (size_t i = 0; i < us.size(); ++i) per[i] = ns.local(us[i]);
+        },
+        reps, dev);
+    const double t_bat = median_seconds(
+        [&] {
+          std::vector<std::pair<std::pair<int64_t, int64_t>, std::vector<size_t>>> groups;
+          for (size_t i = 0; i < us.size(); ++i) {
+            const std::pair<int64_t, int64_t> k{std::min(us[i].size(0), us[i].size(1)), std::max(us[i].size(0), us[i].size(1))};
+            auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == k; });
+            if (it == groups.end()) groups.push_back({k, {i}});
+            else it->second.push_back(i);
+          }
+          for (const auto& [k, idx] : groups) {
+            std::vector<at::Tensor> stack;
+            for (size_t i : idx) stack.push_back(us[i].size(0) > us[i].size(1) ? us[i].t() : us[i]);
+            const at::Tensor out = ns.local(at::stack(stack));
+            for (size_t j = 0; j < idx.size(); ++j) {
+              const at::Tensor r = out.select(0, static_cast<int64_t>(j));
+              bat[idx[j]] = us[idx[j]].size(0) > us[idx[j]].size(1) ? r.t() : r;
+            }
+          }
+        },
+        reps, dev);
+    double diff = 0;
+    for (size_t i = 0; i < us.size(); ++i) diff = std::max(diff, (per[i] - bat[i]).abs().max().item<double>());
+    std::printf("%-24s %8zu %12.2f %12.2f %9.3f %10.2e\n", c.name, us.size(), t_per * 1e3, t_bat * 1e3, t_per / t_bat,
+                diff);
+    std::fflush(stdout);
+  }
+  std::printf("# per/bat > 1: the stacked call is faster. max_diff: largest |per-matrix - batched| entry.\n");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int reps = 5;
   std::string dtype = "f32", device = "cpu";
   std::vector<Shape> shapes = {{512, 512}, {512, 2048}, {1024, 4096}, {2048, 2048}, {4096, 1024}};
+  bool batched = false;
   for (int i = 1; i < argc; ++i) {
     auto next = [&]() -> std::string {
       if (i + 1 >= argc) {
@@ -92,11 +163,14 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--dtype")) dtype = next();
     else if (!std::strcmp(argv[i], "--device")) device = next();
     else if (!std::strcmp(argv[i], "--shapes")) shapes = parse_shapes(next());
+    else if (!std::strcmp(argv[i], "--batched")) batched = true;
     else {
-      std::fprintf(stderr, "usage: ns_bench [--reps N] [--dtype f32|bf16|f16] [--device cpu|cuda] [--shapes MxN,...]\n");
+      std::fprintf(stderr, "usage: ns_bench [--reps N] [--dtype f32|bf16|f16] [--device cpu|cuda] [--shapes MxN,...]\n"
+                           "       ns_bench --batched [--reps N] [--device cpu|cuda]\n");
       return 2;
     }
   }
+  if (batched) return run_batched(reps, at::Device(device == "cuda" ? at::kCUDA : at::kCPU));
   const at::ScalarType dt = dtype == "bf16" ? at::kBFloat16 : dtype == "f16" ? at::kHalf : at::kFloat;
   const at::Device dev(device == "cuda" ? at::kCUDA : at::kCPU);
   std::printf("# ns_bench: %s, device %s, input %s, %d reps (median), PE x1.05 coefficients, Gram restarts {2}\n",

@@ -229,6 +229,9 @@ int64_t ns_batch_cap_bytes() {
   return cap;
 }
 
+// On the CPU, matrices whose smaller side exceeds this run one at a time (measured crossover).
+constexpr int64_t kCpuBatchMaxDim = 64;
+
 // The deferred whole-matrix Newton-Schulz of a pass: the matrices are grouped by their shape after
 // orientation (wide: rows <= cols), dtype, device and NS steps; each group runs as stacked batches of
 // at most ns_batch_cap_bytes (one NS call each, every matrix normalised on its own), and each result
@@ -267,7 +270,10 @@ void run_local_ns(std::vector<TpUpdate>& pending, const NewtonSchulz& ns, detail
   for (const Key& k : order) {
     const std::vector<size_t>& idx = groups.at(k);
     const int64_t per = k.m * k.n * static_cast<int64_t>(c10::elementSize(k.dtype));
-    const size_t chunk = batched ? static_cast<size_t>(std::max<int64_t>(1, cap / std::max<int64_t>(per, 1))) : 1;
+    // CPU: stacking pays only for small Gram sizes (ATen's batched CPU GEMM is slower than its plain
+    // one from 128 on; bench/ns_bench --batched, docs/PERF.md); CUDA: always (fewer launches)
+    const bool stack_here = batched && (k.device.rfind("cuda", 0) == 0 || k.m <= kCpuBatchMaxDim);
+    const size_t chunk = stack_here ? static_cast<size_t>(std::max<int64_t>(1, cap / std::max<int64_t>(per, 1))) : 1;
     for (size_t b = 0; b < idx.size(); b += chunk) {
       const size_t e = std::min(idx.size(), b + chunk);
       const auto tb = std::chrono::steady_clock::now();
