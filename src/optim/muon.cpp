@@ -235,7 +235,7 @@ constexpr int64_t kCpuBatchMaxDim = 64;
 // The deferred whole-matrix Newton-Schulz of a pass: the matrices are grouped by their shape after
 // orientation (wide: rows <= cols), dtype, device and NS steps; each group runs as stacked batches of
 // at most ns_batch_cap_bytes (one NS call each, every matrix normalised on its own), and each result
-// is applied in the pass's order. The TP gather jobs stay in `pending`. `log(name, rows, cols, ms)`
+// is applied in the pass's order. The TP gather jobs stay in `pending`. `log(target, ms)`
 // is called per matrix (ms: its share of its batch's time).
 void run_local_ns(std::vector<TpUpdate>& pending, const NewtonSchulz& ns, detail::PhaseClock& clock,
                   const std::function<void(const at::Tensor& target, double ms)>& log) {
