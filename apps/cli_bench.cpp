@@ -26,6 +26,7 @@
 #include "cli_text.h"
 #include "dmuon/bootstrap.h"
 #include "dmuon/dedicate.h"
+#include "dmuon/memory.h"
 #include "dmuon/muon.h"
 #include "model/dedicated_gpt.h"
 #include "model/gpt.h"
@@ -49,6 +50,7 @@ struct BenchArgs {
   uint64_t seed = 0;
   int pack = -1;  // pack_small_params for DMuon: -1 = library default
   int replicate = 1;  // HSDP replicate groups for the DMuon variants (adds dmuon_z3_1pass)
+  bool shard_base = false;  // adds dmuon_z3_sb: Z3 with the non-matrix parameters on sharded_adamw
 };
 
 double median(std::vector<double> v) {
@@ -84,7 +86,10 @@ struct SimpleAdamW {
 // One training setup; step() runs one optimizer step and reports (step ms, NS ms, bytes).
 class Variant {
  public:
-  Variant(std::string name, const BenchArgs& a, Bootstrap& b) : name_(std::move(name)), a_(a), b_(b) {
+  // `tag`: the memory tag its allocations are charged to (memory.h), one per variant
+  Variant(std::string name, const BenchArgs& a, Bootstrap& b, int tag)
+      : name_(std::move(name)), a_(a), b_(b), tag_(tag) {
+    memory::MemoryTag mt(tag_);
     models::MeshSetup ms;
     ms.store = b.store;
     ms.tag = "bench-" + name_;
@@ -100,6 +105,7 @@ class Variant {
     gs.seed = a.seed;
     gs.muon = dmuon_;
     gs.z3 = name_ != "dmuon_z2";
+    gs.shard_base = name_ == "dmuon_z3_sb";
     if (a.pack >= 0) gs.pack_small_params = a.pack == 1;
     model_ = models::make_dedicated_gpt(mesh_, gs);
     opts_.ns_backend = a.ns_backend;
@@ -118,9 +124,11 @@ class Variant {
   }
 
   const std::string& name() const { return name_; }
+  int tag() const { return tag_; }
 
   // returns {step ms, NS ms, bytes}
   std::array<double, 3> step(const at::Tensor& batch, double& loss_out) {
+    memory::MemoryTag mt(tag_);
     const int rank = b_.rank, world = b_.world_size;
     const int64_t per = a_.batch / world;
     mesh_->counters().reset();
@@ -191,6 +199,7 @@ class Variant {
   std::string name_;
   const BenchArgs& a_;
   Bootstrap& b_;
+  int tag_ = 0;
   models::GPT model_{nullptr};
   std::shared_ptr<Mesh> mesh_;
   bool dmuon_ = false;
@@ -204,6 +213,7 @@ class Variant {
 };
 
 int run_bench_rank(const BenchArgs& a, std::ostream& out) {
+  memory::install_counting_allocator();  // each variant's peak live bytes, under its own tag
   Bootstrap b = bootstrap_from_environment(c10::DeviceType::CPU);
   const int world = b.world_size;
   const std::string text = load_text("", static_cast<size_t>(a.seq_len + 2));
@@ -213,7 +223,8 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
   std::vector<std::unique_ptr<Variant>> vs;
   std::vector<std::string> names = {"dmuon_z2", "dmuon_z3", "baseline_a", "baseline_b", "adamw"};
   if (a.replicate > 1) names.insert(names.begin() + 2, "dmuon_z3_1pass");
-  for (const auto& v : names) vs.push_back(std::make_unique<Variant>(v, a, b));
+  if (a.shard_base) names.insert(names.begin() + 2, "dmuon_z3_sb");
+  for (const auto& v : names) vs.push_back(std::make_unique<Variant>(v, a, b, static_cast<int>(vs.size()) + 1));
   // Interleaved: every step runs all variants in turn on the same batch, so machine noise hits them
   // alike; per step and variant the time is the max over ranks.
   std::vector<std::vector<double>> step_ms(vs.size()), ns_ms(vs.size()), bytes(vs.size());
@@ -221,6 +232,7 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
   for (int step = 1; step <= a.warmup + a.steps; ++step) {
     const at::Tensor batch = sample_batch(text, a.batch, a.seq_len, a.seed, step);
     for (size_t v = 0; v < vs.size(); ++v) {
+      if (step == a.warmup + 1) memory::reset_peaks(vs[v]->tag());  // measured steps only
       trainer.barrier("bench step start");
       const auto r = vs[v]->step(batch, loss[v]);
       at::Tensor all = at::zeros({2 * world}, at::kDouble);
@@ -239,9 +251,18 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
     }
     if (b.rank == 0) out << "  N=" << world << " step " << step << "/" << a.warmup + a.steps << "\n" << std::flush;
   }
+  // peak live bytes per variant: the max over ranks (each rank's own tag)
+  std::vector<double> peak(vs.size());
+  for (size_t v = 0; v < vs.size(); ++v) {
+    at::Tensor all = at::zeros({world}, at::kDouble);
+    at::Tensor mine = at::tensor({static_cast<double>(memory::stats(vs[v]->tag()).peak)}, at::kDouble);
+    trainer.allgather_flat(all, mine, "bench peak memory").wait();
+    peak[v] = all.max().item<double>();
+  }
   nlohmann::json res = nlohmann::json::array();
   for (size_t v = 0; v < vs.size(); ++v)
     res.push_back({{"variant", vs[v]->name()},
+                   {"peak_bytes", peak[v]},
                    {"step_ms", median(step_ms[v])},
                    {"ns_ms", median(ns_ms[v])},
                    {"bytes", std::accumulate(bytes[v].begin(), bytes[v].end(), 0.0) / bytes[v].size()},
@@ -280,6 +301,7 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
                  "HSDP replicate groups R for the DMuon variants (N/R shard ranks each); R > 1 adds dmuon_z3_1pass, "
                  "Z3 with group_prepare_ahead off")
       ->capture_default_str();
+  app.add_flag("--shard-base", a.shard_base, "add dmuon_z3_sb: Z3 with the non-matrix parameters on sharded_adamw");
   if (auto rc = parse_args(app, std::vector<std::string>(args.begin() + 1, args.end()), out, err)) return *rc;
   try {
     if (launched_as_rank()) return run_bench_rank(a, out);
@@ -310,7 +332,8 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
     }
     out << "\n" << std::left << std::setw(4) << "N" << std::setw(12) << "variant" << std::right << std::setw(10)
         << "step_ms" << std::setw(10) << "NS_ms" << std::setw(14) << "bytes/rank" << std::setw(9) << "step/A"
-        << std::setw(9) << "NS/A" << std::setw(11) << "step/AdamW" << (a.replicate > 1 ? "  step/1pass" : "") << "\n";
+        << std::setw(9) << "NS/A" << std::setw(11) << "step/AdamW" << std::setw(11) << "peak_MB"
+        << (a.replicate > 1 ? "  step/1pass" : "") << "\n";
     for (int n : ns) {
       const auto& rows = all[std::to_string(n)];
       double a_step = 0, a_ns = 0, w_step = 0, p_step = 0;
@@ -324,7 +347,8 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
         out << std::left << std::setw(4) << n << std::setw(12) << r["variant"].get<std::string>() << std::right
             << std::fixed << std::setprecision(1) << std::setw(10) << st << std::setw(10) << nsm << std::setw(14)
             << std::setprecision(0) << by << std::setprecision(3) << std::setw(9) << (a_step > 0 ? st / a_step : 0)
-            << std::setw(9) << (a_ns > 0 ? nsm / a_ns : 0) << std::setw(11) << (w_step > 0 ? st / w_step : 0);
+            << std::setw(9) << (a_ns > 0 ? nsm / a_ns : 0) << std::setw(11) << (w_step > 0 ? st / w_step : 0)
+            << std::setprecision(2) << std::setw(11) << r["peak_bytes"].get<double>() / 1e6 << std::setprecision(3);
         if (p_step > 0) out << std::setw(12) << st / p_step;
         out << "\n";
       }

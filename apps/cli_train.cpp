@@ -23,6 +23,7 @@
 #include "dmuon/checkpoint.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"
+#include "dmuon/memory.h"
 #include "dmuon/muon.h"
 #include "model/dedicated_gpt.h"
 #include "model/gpt.h"
@@ -231,6 +232,9 @@ double evaluate(const TrainArgs& a, TrainRun& r) {
 
 // collective: every rank (mesh, dedicate_params, the checkpoint it resumes from).
 TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
+  // peak live bytes per phase (summary.json's peak_memory_bytes); the CUDA caching allocator keeps its own
+  if (a.device != "cuda") memory::install_counting_allocator();
+  memory::PhaseScope setup_phase(memory::Phase::Setup);
   TrainRun r;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   const c10::DeviceType dev_type = a.device == "cuda" ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
@@ -263,10 +267,15 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   gs.z3 = a.mode == "z3";
   gs.shard_base = a.shard_base;
   std::shared_ptr<Mesh> tp_mesh = a.tp > 1 ? r.mesh : nullptr;
-  at::manual_seed(a.seed);  // the initialisation: the same on any mesh
+  at::manual_seed(a.seed);
+  // deferred initialisation: each block is built and released at once; dedicate_params then fills
+  // only what this rank keeps, from the seeded initialisation (the same on any mesh) or the weights
+  // file (read by offset, each rank its own tensors and rows)
+  const models::DeferredInit deferred{true, a.param_dtype == "fp64" ? at::kDouble : at::kFloat, r.device};
   if (!a.hf_config.empty()) {
     models::HFDecoderConfig hc = models::HFDecoderConfig::load(a.hf_config);
     hc.tp_mesh = tp_mesh;
+    hc.deferred = deferred;
     r.model = std::make_shared<models::HFCausalLMImpl>(hc);
   } else {
     gs.config.vocab_size = 256;
@@ -275,9 +284,11 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
     gs.config.n_heads = a.heads;
     gs.config.max_seq_len = a.seq_len;
     gs.config.tp_mesh = tp_mesh;
+    gs.config.deferred = deferred;
     r.model = models::GPT(gs.config).ptr();
   }
-  if (!a.init_from.empty()) models::load_weights(a.init_from, *r.model, tp_mesh);
+  gs.param_source = a.init_from.empty() ? models::init_source(*r.model, static_cast<uint64_t>(a.seed))
+                                        : models::weights_source(a.init_from);
   models::dedicate_model(*r.model, r.mesh, gs, tp_mesh != nullptr);
   MuonOptions opts;
   opts.lr = a.lr;
@@ -310,9 +321,14 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
       out << "  " << r.opt->ns().describe(r.device.type()) << "; unigram baseline " << r.baseline << " nats/byte\n";
   }
   if (!a.resume.empty()) {  // every rank reads the file; the new owners take their matrices
-    const Checkpoint ck = load_checkpoint(a.resume);
+    // a safetensors checkpoint is read by offset: each rank only the model tensors and rows it keeps
+    const bool by_offset = a.resume.size() > 12 && a.resume.compare(a.resume.size() - 12, 12, ".safetensors") == 0;
+    const Checkpoint ck = load_checkpoint(a.resume, /*include_model=*/!by_offset);
     TORCH_CHECK(ck.optim, "--resume ", a.resume, ": the checkpoint has no optimizer state; write it with --checkpoint.");
-    set_model_state_dict(*r.model, ck.model);
+    if (by_offset)
+      set_model_state_dict(*r.model, *checkpoint_model_source(a.resume));
+    else
+      set_model_state_dict(*r.model, ck.model);
     set_optimizer_state_dict(*r.model, *r.opt, *ck.optim);
     r.first_step = static_cast<int>(r.opt->steps_taken()) + 1;
     TORCH_CHECK(r.first_step <= a.steps, "--resume ", a.resume, ": the checkpoint is at step ", r.first_step - 1,
@@ -338,6 +354,7 @@ void lead_writes(TrainRun& r, const std::string& what, const std::function<void(
 
 // collective: the owners broadcast, rank 0 writes.
 void write_checkpoint(const TrainArgs& a, TrainRun& r) {
+  memory::PhaseScope phase(memory::Phase::Checkpoint);
   const TensorDict msd = get_model_state_dict(*r.model);
   const OptimizerStateDict osd = get_optimizer_state_dict(*r.model, *r.opt);
   lead_writes(r, "writing the checkpoint " + a.checkpoint, [&] { save_checkpoint(a.checkpoint, msd, &osd); });
@@ -394,9 +411,16 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
     double loss_sum = 0, f_ms = 0, b_ms = 0;
     for (int m = 0; m < a.grad_accum; ++m) {
       const auto tf = std::chrono::steady_clock::now();
-      at::Tensor loss = model->loss(mine.narrow(0, m * micro, micro)) / a.grad_accum;
+      at::Tensor loss;
+      {
+        memory::PhaseScope phase(memory::Phase::Forward);
+        loss = model->loss(mine.narrow(0, m * micro, micro)) / a.grad_accum;
+      }
       const auto tb = std::chrono::steady_clock::now();
-      loss.backward();
+      {
+        memory::PhaseScope phase(memory::Phase::Backward);
+        loss.backward();
+      }
       const auto te = std::chrono::steady_clock::now();
       f_ms += std::chrono::duration<double, std::milli>(tb - tf).count();
       b_ms += std::chrono::duration<double, std::milli>(te - tb).count();
@@ -405,11 +429,13 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
     // the global gradient norm (each element once, every layout), clipped when --clip-grad is set
     GradClipOptions clip;
     clip.scope = ClipScope::AllParams;
+    std::optional<memory::PhaseScope> step_phase(std::in_place, memory::Phase::Step);
     const MuonGradClipStats cs =
         opt.clip_grad_norm_(a.clip_grad > 0 ? std::optional<double>(a.clip_grad) : std::nullopt, clip);
     log.grad_norms.push_back(cs.total_norm);
     log.clipped_steps += cs.clipped ? 1 : 0;
     opt.step();
+    step_phase.reset();
     const StepProfile prof = opt.consume_last_step_profile();
     // global mean loss over the whole batch: the ranks' means averaged (equal slices)
     at::Tensor l = at::tensor({loss_sum}, at::kDouble).to(r.device);

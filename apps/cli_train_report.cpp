@@ -9,6 +9,7 @@
 #include "cli_text.h"
 #include "cli_train.h"
 #include "dmuon/diagnostics.h"
+#include "dmuon/memory.h"
 
 namespace dmuon::cli::train {
 
@@ -42,7 +43,19 @@ int report(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out) {
   at::Tensor ns_all = gather(std::accumulate(ns_ms.begin(), ns_ms.end(), 0.0), "NS load");
   at::Tensor bytes_all = gather(mean(log.bytes_per_step), "bytes per step");
   at::Tensor muon_all = gather(mean(log.muon_bytes_per_step), "Muon bytes per step");
+  // peak live tensor bytes per rank: overall and per phase (CPU: the counting allocator; CUDA: the
+  // caching allocator's allocated bytes, no phases)
+  const memory::Stats mem = memory::device_stats(r.device);
+  at::Tensor peak_all = gather(static_cast<double>(mem.peak), "peak memory");
+  std::vector<at::Tensor> phase_all;
+  for (int ph = 1; ph < memory::kNumPhases; ++ph)
+    phase_all.push_back(gather(static_cast<double>(mem.peak_by_phase[static_cast<size_t>(ph)]), "peak memory by phase"));
   if (!r.lead) return 0;
+  auto per_rank = [&](const at::Tensor& t) {
+    std::vector<int64_t> v;
+    for (int q = 0; q < world; ++q) v.push_back(static_cast<int64_t>(t[q].item<double>()));
+    return v;
+  };
 
   const ModelCommPlan plan = get_comm_plan(*model);
   const size_t tail = std::min<size_t>(10, losses.size());
@@ -99,6 +112,14 @@ int report(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out) {
                      {"max", ns_max},
                      {"mean", ns_mean},
                      {"max_over_mean", ns_mean > 0 ? ns_max / ns_mean : 1.0}};
+  s["peak_memory_bytes"] = per_rank(peak_all);
+  nlohmann::json by_phase = nlohmann::json::object();
+  if (!r.device.is_cuda())
+    for (int ph = 1; ph < memory::kNumPhases; ++ph)
+      by_phase[memory::phase_name(static_cast<memory::Phase>(ph))] = per_rank(phase_all[static_cast<size_t>(ph - 1)]);
+  s["peak_memory_by_phase"] = by_phase;
+  s["peak_memory_note"] = r.device.is_cuda() ? "CUDA caching allocator: peak allocated bytes"
+                                             : "live tensor bytes (dmuon's counting CPU allocator), per rank";
   s["plan"] = {{"imbalance", plan.plan.imbalance()}, {"fingerprint", format_fingerprint(plan.plan.fingerprint)}};
   write_outputs(a, r, log, true);
   write_file_atomic(a.out + "/summary.json", s.dump(2) + "\n");
@@ -131,6 +152,20 @@ int report(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out) {
         << measured_bytes << "\n"
         << std::setprecision(2) << "  NS load         max/mean " << (ns_mean > 0 ? ns_max / ns_mean : 1.0)
         << " over ranks (plan imbalance " << plan.plan.imbalance() << ")\n";
+  }
+  {
+    const auto peaks = s["peak_memory_bytes"].get<std::vector<int64_t>>();
+    const int64_t hi = *std::max_element(peaks.begin(), peaks.end()), lo = *std::min_element(peaks.begin(), peaks.end());
+    out << std::setprecision(2) << "  peak memory     " << static_cast<double>(hi) / 1e6 << " MB per rank (max; min "
+        << static_cast<double>(lo) / 1e6 << " MB)";
+    if (!r.device.is_cuda()) {
+      out << ": setup / forward / backward / step";
+      for (const char* ph : {"setup", "forward", "backward", "step"})
+        out << (ph[0] == 's' && ph[1] == 'e' ? " " : " / ")
+            << static_cast<double>(*std::max_element(by_phase[ph].begin(), by_phase[ph].end())) / 1e6;
+      out << " MB";
+    }
+    out << "\n";
   }
   out << "  outputs         " << a.out << "/metrics.csv, " << a.out << "/summary.json, " << a.out << "/loss.svg\n";
   return 0;

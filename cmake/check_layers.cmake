@@ -7,11 +7,11 @@
 cmake_minimum_required(VERSION 3.18)
 set(_order env ns plan comm bootstrap runtime optim io)
 set(_public_env env.h)
-set(_public_ns newton_schulz.h host_sync.h)
+set(_public_ns newton_schulz.h host_sync.h memory.h)
 set(_public_plan owner_plan.h model_specs.h plan_json.h)
 set(_public_comm process_group.h communicator.h mesh.h)
 set(_public_bootstrap bootstrap.h)
-set(_public_runtime dedicate.h tensor_parallel.h)
+set(_public_runtime dedicate.h tensor_parallel.h deferred_init.h)
 set(_public_optim muon.h)
 set(_public_io checkpoint.h diagnostics.h)
 

@@ -21,10 +21,21 @@ std::shared_ptr<Mesh> make_training_mesh(const CommPtr& world, const MeshSetup& 
 
 void dedicate_model(LanguageModel& model, const std::shared_ptr<Mesh>& mesh, const DedicatedModelSetup& s,
                     bool tensor_parallel) {
-  model.to(s.device);
-  if (s.param_dtype == "fp64") model.to(at::kDouble);  // verification runs: float64 end to end
+  const at::ScalarType dtype = s.param_dtype == "fp64" ? at::kDouble : at::kFloat;  // fp64: verification runs
+  if (deferred_parameters(model).empty()) {
+    model.to(s.device);
+    if (dtype == at::kDouble) model.to(at::kDouble);
+  } else {  // a deferred model has no values to convert: it must have been built in its dtype on its device
+    for (const auto& p : model.named_parameters(true))
+      TORCH_CHECK(!p.value().is_floating_point() || (p.value().scalar_type() == dtype && p.value().device() == s.device),
+                  "dedicate_model: deferred parameter '", p.key(), "' is ", p.value().scalar_type(), " on ",
+                  p.value().device(), " but the run trains in ", dtype, " on ", s.device, "; build the model with "
+                  "DeferredInit{true, dtype, device} of the run (a deferred parameter has no values to convert).");
+    for (auto& b : model.buffers(true)) b.set_data(b.to(s.device));
+  }
   DedicateOptions d;
   d.reshard_after_forward = s.z3;
+  d.param_source = s.param_source;
   if (s.pack_small_params) d.plan.pack_small_params = *s.pack_small_params;
   const LanguageModel* m = &model;
   if (s.shard_base) {

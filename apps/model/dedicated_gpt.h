@@ -31,6 +31,8 @@ struct DedicatedModelSetup {
   bool z3 = true;                      // reshard_after_forward
   bool shard_base = false;             // non-matrix parameters on sharded_adamw
   std::optional<bool> pack_small_params;
+  // deferred models (DeferredInit): where each rank's kept parameters take their values from
+  std::shared_ptr<ParamSource> param_source;
 };
 // Moves `model` to the setup's device and dtype, dedicates it on `mesh` (its is_muon_matrix
 // parameters on Muon) and replicates the rest (replicate_tp when `tensor_parallel`).

@@ -91,15 +91,19 @@ at::Tensor BlockImpl::forward(const at::Tensor& x) {
 
 GPTImpl::GPTImpl(const GPTConfig& cfg) : cfg_(cfg) {
   tok_emb = register_module("tok_emb", torch::nn::Embedding(cfg.vocab_size, cfg.d_model));
+  cfg.deferred.apply(*tok_emb);
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < cfg.n_layers; ++i) {
     blocks.push_back(Block(cfg));
+    cfg.deferred.apply(*blocks.back());
     layers->push_back(blocks.back());
   }
   final_norm = register_module("final_norm", RMSNorm(cfg.d_model, cfg.norm_eps));
   head = register_module("head", linear(cfg.d_model, cfg.vocab_size));
-  // GPT-2 style init: small normal weights (TP slices: the slice of the full draw).
-  init_weights_like_single_process(*this, 0.02, cfg.tp_mesh);
+  cfg.deferred.apply(*this);
+  // GPT-2 style init: small normal weights (TP slices: the slice of the full draw); deferred: the
+  // source given to dedicate_params initialises (init_source)
+  if (!cfg.deferred.enabled) init_weights_like_single_process(*this, 0.02, cfg.tp_mesh);
   frozen_blocks.assign(static_cast<size_t>(cfg.n_layers), false);
 }
 

@@ -35,6 +35,7 @@ struct GPTConfig {
   int64_t max_seq_len = 128;
   double norm_eps = 1e-6;
   std::shared_ptr<Mesh> tp_mesh;  // tensor-parallel projections over its TP axis (null: none)
+  DeferredInit deferred;          // enabled: no initialisation, parameters deferred block by block
   int64_t ffn_dim() const;
   int tp_size() const { return tp_mesh ? tp_mesh->tp_size() : 1; }
 };
@@ -87,6 +88,7 @@ class GPTImpl : public LanguageModel {
   at::Tensor forward(const at::Tensor& tokens) override;
   bool is_muon_matrix(const std::string& name, const at::Tensor& p) const override;
   std::string describe() const override;
+  double init_std() const override { return 0.02; }
   // Blocks whose forward runs without gradient (for tests of "a block whose parameters get no
   // gradient in a step").
   std::vector<bool> frozen_blocks;

@@ -225,9 +225,11 @@ at::Tensor HFDecoderLayerImpl::forward(const at::Tensor& x) {
 
 HFDecoderBodyImpl::HFDecoderBodyImpl(const HFDecoderConfig& c) {
   embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
+  c.deferred.apply(*embed_tokens);
   layers_list = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     layers.push_back(HFDecoderLayer(c));
+    c.deferred.apply(*layers.back());
     layers_list->push_back(layers.back());
   }
   norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
@@ -237,7 +239,8 @@ HFCausalLMImpl::HFCausalLMImpl(const HFDecoderConfig& c) : cfg_(c) {
   model = register_module("model", HFDecoderBody(c));
   if (!c.tie_word_embeddings)
     lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.hidden_size, c.vocab_size).bias(false)));
-  init_weights_like_single_process(*this, c.initializer_range, c.tp_mesh);
+  c.deferred.apply(*this);
+  if (!c.deferred.enabled) init_weights_like_single_process(*this, c.initializer_range, c.tp_mesh);
 }
 
 at::Tensor HFCausalLMImpl::forward(const at::Tensor& tokens) {

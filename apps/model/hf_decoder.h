@@ -50,6 +50,7 @@ struct HFDecoderConfig {
   std::string rope_type = "default";                        // default | linear | llama3
   double rope_factor = 1.0, rope_low_freq_factor = 1.0, rope_high_freq_factor = 4.0;
   int64_t rope_original_max_position = 8192;
+  DeferredInit deferred;          // not in the file: build deferred (see gpt.h's GPTConfig)
   std::shared_ptr<Mesh> tp_mesh;  // not in the file: tensor parallelism of this run (null: none)
 
   // Parses transformers' config.json text; errors name `source` and the field. Unsupported
@@ -110,6 +111,7 @@ class HFCausalLMImpl : public LanguageModel {
   bool is_muon_matrix(const std::string& name, const at::Tensor& p) const override;
   bool ties_embeddings() const override { return cfg_.tie_word_embeddings; }
   std::string describe() const override;
+  double init_std() const override { return cfg_.initializer_range; }
   const HFDecoderConfig& config() const { return cfg_; }
   HFDecoderBody model{nullptr};
   torch::nn::Linear lm_head{nullptr};  // null with tie_word_embeddings

@@ -22,6 +22,18 @@ at::Tensor LanguageModel::loss(const at::Tensor& tokens) {
   return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}));
 }
 
+std::shared_ptr<ParamSource> init_source(const LanguageModel& model, uint64_t seed) {
+  const double std = model.init_std();
+  return seeded_init(seed, [std](const std::string& name, at::Tensor& full, at::Generator& gen) {
+    if (name.find("norm") != std::string::npos)
+      full.fill_(1.0);
+    else if (name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0)
+      full.zero_();
+    else
+      full.normal_(0.0, std, gen);
+  });
+}
+
 void init_weights_like_single_process(torch::nn::Module& model, double std, const std::shared_ptr<Mesh>& tp_mesh) {
   at::NoGradGuard ng;
   const std::map<std::string, int> split = tp_split_dims(model);
@@ -44,44 +56,17 @@ void init_weights_like_single_process(torch::nn::Module& model, double std, cons
   }
 }
 
+std::shared_ptr<ParamSource> weights_source(const std::string& path) {
+  SafetensorsSourceOptions o;
+  o.ignore = [](const std::string& key) {  // recomputed from rope_theta
+    return key.find("rotary_emb.inv_freq") != std::string::npos;
+  };
+  o.what = "--init-from " + path;
+  return safetensors_source(path, o);
+}
+
 void load_weights(const std::string& path, torch::nn::Module& model, const std::shared_ptr<Mesh>& tp_mesh) {
-  const std::map<std::string, int> split = tp_split_dims(model);
-  const int tp = tp_mesh ? tp_mesh->tp_size() : 1;
-  std::map<std::string, std::vector<int64_t>> want;
-  for (const auto& p : model.named_parameters(true)) {
-    std::vector<int64_t> full = p.value().sizes().vec();
-    if (auto it = split.find(p.key()); it != split.end()) full[static_cast<size_t>(it->second)] *= tp;
-    want[p.key()] = full;
-  }
-  std::map<std::string, at::Tensor> out;
-  SafetensorsDict file = load_safetensors(path);
-  std::vector<std::string> extra;
-  for (const auto& [name, t] : file) {
-    if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;  // recomputed from rope_theta
-    auto it = want.find(name);
-    if (it == want.end()) {
-      extra.push_back(name);
-      continue;
-    }
-    TORCH_CHECK(t.sizes().vec() == it->second, "--init-from ", path, ": tensor '", name, "' has shape ", t.sizes(),
-                " but the model built from the config has ", at::IntArrayRef(it->second),
-                " (weights of another model size, or the wrong config.json?).");
-    TORCH_CHECK(at::isFloatingType(t.scalar_type()), "--init-from ", path, ": tensor '", name, "' has dtype ",
-                t.scalar_type(), "; weights must be floating point (quantized exports are not read).");
-    out[name] = t;
-  }
-  TORCH_CHECK(extra.empty(), "--init-from ", path, ": ", extra.size(), " tensor(s) the model does not have, e.g. '",
-              extra.empty() ? std::string() : extra.front(), "' (weights of another family, or a config with ",
-              "tie_word_embeddings set differently?).");
-  for (const auto& [name, shape] : want)
-    TORCH_CHECK(out.count(name), "--init-from ", path, ": the model's parameter '", name,
-                "' is not in the file (an incomplete shard set, or weights of another family?).");
-  at::NoGradGuard ng;
-  for (auto& p : model.named_parameters(true)) {
-    at::Tensor full = out.at(p.key());
-    if (auto it = split.find(p.key()); it != split.end()) full = tp_slice(full, it->second, tp_mesh->tp_rank(), tp);
-    p.value().copy_(full);
-  }
+  initialize_parameters(model, *weights_source(path), tp_mesh);
 }
 
 }  // namespace dmuon::models

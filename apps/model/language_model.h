@@ -9,9 +9,22 @@
 #include <memory>
 #include <string>
 
+#include "dmuon/deferred_init.h"
 #include "dmuon/mesh.h"
 
 namespace dmuon::models {
+
+// Deferred construction (deferred_init.h): each block is built and its parameters released at
+// once, in `dtype` on `device`, so building holds at most one block; dedicate_params then
+// materialises what each rank keeps from a ParamSource (init_source, or a weights file).
+struct DeferredInit {
+  bool enabled = false;
+  at::ScalarType dtype = at::kFloat;
+  at::Device device = at::kCPU;
+  void apply(torch::nn::Module& m) const {
+    if (enabled) defer_parameters(m, dtype, device);
+  }
+};
 
 class LanguageModel : public torch::nn::Module {
  public:
@@ -26,7 +39,17 @@ class LanguageModel : public torch::nn::Module {
   virtual bool ties_embeddings() const { return false; }
   // One line for the run's banner, e.g. "GPT d=128 layers=4 heads=4".
   virtual std::string describe() const = 0;
+  // The standard deviation of the normal initialisation of the weights.
+  virtual double init_std() const = 0;
 };
+
+// The layout-independent initialisation (the default of `dmuon train`): norms are ones, biases
+// zeros, every other parameter N(0, std^2) drawn from a generator seeded by (seed, name)
+// (seeded_init), the same on any mesh, dtype and device.
+std::shared_ptr<ParamSource> init_source(const LanguageModel& model, uint64_t seed);
+// A weights file (one safetensors file or a sharded index.json) as a source: see load_weights for
+// what it must hold; each rank reads only the tensors and rows it keeps.
+std::shared_ptr<ParamSource> weights_source(const std::string& path);
 
 // The initialisation both model families use, the same on any mesh: norms keep their ones, biases
 // become zeros, every other parameter is drawn from N(0, std^2) from the global generator in

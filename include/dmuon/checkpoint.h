@@ -25,10 +25,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "dmuon/deferred_init.h"
 #include "dmuon/muon.h"
 
 namespace dmuon {
@@ -64,6 +66,10 @@ TensorDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions
 // collective. Every rank passes the full dict (e.g. each read the same checkpoint file). A missing
 // or unexpected key, or a shape that differs from the model's, is an error naming it.
 void set_model_state_dict(torch::nn::Module& model, const TensorDict& state_dict);
+// collective. Owner-local loading: each rank reads from `source` only what it keeps between steps
+// (its matrices, its sharded_adamw slices, the replicated parameters, TP slices), e.g. from
+// checkpoint_model_source or safetensors_source. The source must hold every parameter and buffer.
+void set_model_state_dict(torch::nn::Module& model, ParamSource& source);
 
 // collective: every rank, same order.
 OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon& optimizer,
@@ -101,6 +107,13 @@ struct Checkpoint {
 // archive's structure when it is elsewhere); so are a truncated, empty or foreign file and a
 // format-1 checkpoint (written before checksums, refused because it cannot be verified).
 Checkpoint load_checkpoint(const std::string& path);
+// As above; with include_model=false the model section is left out (Checkpoint::model empty): a
+// safetensors checkpoint then reads none of its model tensors (pair it with checkpoint_model_source).
+Checkpoint load_checkpoint(const std::string& path, bool include_model);
+// The model section of a checkpoint as a ParamSource for set_model_state_dict: a safetensors
+// checkpoint is read by offset, each rank only what it keeps, each tensor verified against its
+// CRC32C as it is read; the archive format (no random access) is read and verified whole.
+std::shared_ptr<ParamSource> checkpoint_model_source(const std::string& path);
 
 // CRC32C (Castagnoli) of n bytes, continuing from `crc` (0 to start): the checksum of checkpoint
 // files, table-driven, 8 bytes per step.

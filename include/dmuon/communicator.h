@@ -68,6 +68,8 @@ class Pending {
   void wait();
   bool defined() const { return static_cast<bool>(state_); }
   bool completed() const;  // wait() already returned (or nothing was issued)
+  // Non-blocking: when the collective has finished, completes it as wait() would and returns true.
+  bool poll();
 
  private:
   friend class Communicator;

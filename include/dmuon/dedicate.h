@@ -40,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include "dmuon/deferred_init.h"
 #include "dmuon/mesh.h"
 #include "dmuon/owner_plan.h"
 
@@ -118,6 +119,9 @@ struct DedicateOptions {
   // each boundary's next forward waits for its own publish; false waits in step(). No effect on a
   // 1-D mesh in broadcast mode. MuonOptions::replicate_async overrides it when set.
   bool replicate_async = true;
+  // Deferred parameters (deferred_init.h: no storage yet) take their values from this source, each
+  // rank only what it keeps. Required when the model has deferred parameters; ignored otherwise.
+  std::shared_ptr<ParamSource> param_source;
 };
 
 // One dedicated matrix, as seen from this rank.

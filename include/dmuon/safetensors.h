@@ -19,9 +19,13 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "dmuon/deferred_init.h"
 
 namespace dmuon {
 
@@ -70,5 +74,21 @@ void save_safetensors(const std::string& path, const SafetensorsDict& tensors,
 std::map<std::string, std::string> safetensors_weight_map(const std::string& path);
 // Every tensor of such a file or sharded set.
 SafetensorsDict load_safetensors(const std::string& path);
+
+// Weights in safetensors files as a ParamSource (deferred_init.h), for owner-local loading: each
+// rank reads, by offset, only the tensors it keeps, and of a tensor it keeps a slice of (a
+// tensor-parallel slice along dimension 0, a sharded_adamw slice) only those rows.
+struct SafetensorsSourceOptions {
+  std::string prefix;  // parameter <name> is tensor "<prefix><name>" (e.g. "model/" in a checkpoint)
+  // tensors of the file that serve no parameter and are not an error (e.g. rotary inv_freq buffers)
+  std::function<bool(const std::string& key)> ignore;
+  bool allow_extra = false;  // other tensors in the file are an error unless set
+  // key -> CRC32C of the tensor's bytes: each tensor read is verified first (streamed through the
+  // checksum in chunks, so a rank that keeps a few rows never holds the whole tensor)
+  std::map<std::string, uint32_t> crc32c;
+  std::string what;  // names the source in errors (default: the path)
+};
+// `path`: one `*.safetensors` file or a sharded `*.safetensors.index.json`.
+std::shared_ptr<ParamSource> safetensors_source(const std::string& path, SafetensorsSourceOptions options = {});
 
 }  // namespace dmuon

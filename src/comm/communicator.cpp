@@ -87,6 +87,17 @@ void Pending::wait() {
   if (state_->on_complete) state_->on_complete();
 }
 
+bool Pending::poll() {
+  if (!state_) return true;
+  {
+    std::lock_guard<std::mutex> g(state_->mu);
+    if (state_->done) return true;
+    if (state_->work && !state_->work->isCompleted()) return false;
+  }
+  wait();
+  return true;
+}
+
 bool Pending::completed() const {
   if (!state_) return true;
   std::lock_guard<std::mutex> g(state_->mu);

@@ -123,23 +123,54 @@ TensorDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions
   return out;
 }
 
-void set_model_state_dict(torch::nn::Module& model, const TensorDict& full_sd) {
+namespace {
+// Every parameter and buffer of a dedicated model with its full (single-process) shape, model order.
+std::vector<std::pair<std::string, std::vector<int64_t>>> full_shapes_of(torch::nn::Module& model, const Runtime& st) {
+  std::map<std::string, std::vector<int64_t>> local;
+  for (const auto& item : model.named_parameters(true)) local[item.key()] = item.value().sizes().vec();
+  st.dedicated().full_shapes(local);  // placeholders hold no shape
+  st.sharded().full_shapes(local);
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  for (const auto& item : model.named_parameters(true))
+    out.emplace_back(item.key(), st.region_of(item.key(), local.at(item.key())).full_shape);
+  for (const auto& item : model.named_buffers(true)) out.emplace_back(item.key(), item.value().sizes().vec());
+  return out;
+}
+
+// Every rank takes what it keeps from `source` (checked already).
+void assign_model(torch::nn::Module& model, Runtime& st, ParamSource& source) {
+  st.dedicated().assign_from(source);
+  st.sharded().assign_from(source);
+  for (const auto& item : model.named_parameters(true)) {
+    if (st.routed(item.key())) continue;
+    at::Tensor p = item.value().detach();
+    const TensorRegion region = st.region_of(item.key(), p.sizes());
+    if (at::Tensor m = st.master_of(item.value()); m.defined()) {
+      Runtime::fill_from(source, item.key(), region, m);
+      p.copy_(m);
+    } else {
+      Runtime::fill_from(source, item.key(), region, p);
+    }
+  }
+  for (const auto& item : model.named_buffers(true)) {
+    at::Tensor b = item.value().detach();
+    Runtime::fill_from(source, item.key(), TensorRegion::whole(b.sizes()), b);
+  }
+  // nothing from before the load survives: gradients are dropped (the routes dropped theirs)
+  for (const auto& item : model.named_parameters(true)) item.value().mutable_grad() = at::Tensor();
+}
+}  // namespace
+
+void set_model_state_dict(torch::nn::Module& model, const TensorDict& sd) {
   auto st = drained_state(model, "set_model_state_dict");
   std::lock_guard<std::recursive_mutex> g(st->mutex());
   at::NoGradGuard ng;
-  Mesh& mesh = st->mesh();
-  const TensorDict sd = TpView(*st).local(full_sd);  // TP: this rank's slices
-  const int rank = mesh.global_rank();
+  const int rank = st->mesh().global_rank();
   std::map<std::string, std::vector<int64_t>> expected;
+  for (const auto& [k, shape] : full_shapes_of(model, *st)) expected[k] = shape;
   std::map<std::string, bool> floating;
-  for (const auto& item : model.named_parameters(true)) {
-    expected[item.key()] = item.value().sizes().vec();
-    floating[item.key()] = item.value().is_floating_point();
-  }
+  for (const auto& item : model.named_parameters(true)) floating[item.key()] = item.value().is_floating_point();
   for (const auto& item : model.named_buffers(true)) floating[item.key()] = item.value().is_floating_point();
-  st->dedicated().full_shapes(expected);  // placeholders hold no shape
-  st->sharded().full_shapes(expected);
-  for (const auto& item : model.named_buffers(true)) expected[item.key()] = item.value().sizes().vec();
   for (const auto& [k, v] : sd) {
     TORCH_CHECK(expected.count(k), "rank ", rank, ": set_model_state_dict: unexpected key '", k,
                 "': the model has no parameter or buffer of that name. Load a state dict of this model "
@@ -154,18 +185,20 @@ void set_model_state_dict(torch::nn::Module& model, const TensorDict& full_sd) {
   for (const auto& [k, shape] : expected)
     TORCH_CHECK(sd.count(k), "rank ", rank, ": set_model_state_dict: the state dict has no '", k, "' (shape ",
                 shape_str(shape), "). Every rank must pass the full state dict, e.g. as read by load_checkpoint.");
+  auto source = tensor_dict_source(sd);
+  assign_model(model, *st, *source);
+}
 
-  st->dedicated().assign_full(sd);
-  st->sharded().assign_full(sd);
-  for (const auto& item : model.named_parameters(true)) {
-    if (st->routed(item.key())) continue;
-    const at::Tensor& v = sd.at(item.key());
-    if (const at::Tensor m = st->master_of(item.value()); m.defined()) m.copy_(v);
-    item.value().detach().copy_(v);
+void set_model_state_dict(torch::nn::Module& model, ParamSource& source) {
+  auto st = drained_state(model, "set_model_state_dict");
+  std::lock_guard<std::recursive_mutex> g(st->mutex());
+  at::NoGradGuard ng;
+  try {
+    source.check(full_shapes_of(model, *st));
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rank ", st->mesh().global_rank(), ": set_model_state_dict: ", e.what());
   }
-  for (const auto& item : model.named_buffers(true)) item.value().detach().copy_(sd.at(item.key()));
-  // nothing from before the load survives: gradients are dropped (the routes dropped theirs)
-  for (const auto& item : model.named_parameters(true)) item.value().mutable_grad() = at::Tensor();
+  assign_model(model, *st, source);
 }
 
 // ---- optimizer -----------------------------------------------------------------------------------

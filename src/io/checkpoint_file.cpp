@@ -332,7 +332,16 @@ void save_checkpoint(const std::string& path, const TensorDict& model, const Opt
   io::write_atomically(path, "save_checkpoint", [&](int fd) { write_file(fd, ar); });
 }
 
-Checkpoint load_checkpoint(const std::string& path) {
+Checkpoint load_checkpoint(const std::string& path) { return load_checkpoint(path, /*include_model=*/true); }
+
+std::shared_ptr<ParamSource> checkpoint_model_source(const std::string& path) {
+  TORCH_CHECK(std::filesystem::is_regular_file(path), "checkpoint_model_source: '", path,
+              "' does not exist or is not a file.");
+  if (io::looks_like_safetensors(path)) return io::checkpoint_safetensors_model_source(path);
+  return tensor_dict_source(load_checkpoint(path).model, "checkpoint '" + path + "'");
+}
+
+Checkpoint load_checkpoint(const std::string& path, bool include_model) {
   TORCH_CHECK(std::filesystem::is_regular_file(path), "load_checkpoint: '", path, "' does not exist or is not a file.");
   io::Fd f;
   f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -341,7 +350,7 @@ Checkpoint load_checkpoint(const std::string& path) {
   TORCH_CHECK(::fstat(f.fd, &sb) == 0, "load_checkpoint: cannot stat '", path, "': ", std::strerror(errno));
   const auto size = static_cast<uint64_t>(sb.st_size);
   const char* what_fix = " Pass a file written by dmuon::save_checkpoint.";
-  if (size > 0 && io::looks_like_safetensors(path)) return io::load_checkpoint_safetensors(path);
+  if (size > 0 && io::looks_like_safetensors(path)) return io::load_checkpoint_safetensors(path, include_model);
   TORCH_CHECK(size > 0, "load_checkpoint: '", path, "' is not a readable checkpoint: it is empty (0 bytes; was "
               "it created but never written?).", what_fix);
   unsigned char h[kHeaderSize] = {};
@@ -405,6 +414,7 @@ Checkpoint load_checkpoint(const std::string& path) {
               archive_ok ? std::string(".") : " [whole archive: stored checksum " + hex(get_u32(h + 24)) + ", read " +
                                                   hex(crc) + "].",
               kCorruptFix);
+  if (!include_model) ck.model.clear();  // the archive has no random access: it was read and verified whole
   return ck;
 }
 

@@ -62,15 +62,15 @@ void save_checkpoint_safetensors(const std::string& path, const TensorDict& mode
   save_safetensors(path, all, meta);
 }
 
-Checkpoint load_checkpoint_safetensors(const std::string& path) {
-  const SafetensorsFile f(path);
+namespace {
+// The checkpoint's metadata checked (format), and its per-tensor CRC32C table (empty where the
+// writer recorded none; dmuon always does).
+json checked_sums(const SafetensorsFile& f, const std::string& where) {
   const auto& meta = f.metadata();
-  const std::string where = "load_checkpoint: '" + path + "'";
   auto fmt = meta.find("format");
   TORCH_CHECK(fmt != meta.end() && fmt->second == kFormat, where, " is a safetensors file but not a dmuon checkpoint: "
               "its metadata has no \"format\": \"", kFormat, "\" (a model's weights? load those with --init-from "
               "or dmuon::load_safetensors).");
-  // per-tensor CRC32C: verified where the writer recorded one (dmuon always does)
   json sums = json::object();
   if (auto s = meta.find("crc32c"); s != meta.end()) {
     try {
@@ -79,6 +79,26 @@ Checkpoint load_checkpoint_safetensors(const std::string& path) {
       TORCH_CHECK(false, where, " is corrupt: its \"crc32c\" metadata is not JSON (", e.what(), ").");
     }
   }
+  return sums;
+}
+}  // namespace
+
+std::shared_ptr<ParamSource> checkpoint_safetensors_model_source(const std::string& path) {
+  const std::string where = "checkpoint '" + path + "'";
+  const json sums = checked_sums(SafetensorsFile(path), where);
+  SafetensorsSourceOptions o;
+  o.prefix = kSections[0];
+  o.what = where;
+  for (auto it = sums.begin(); it != sums.end(); ++it)
+    if (it.key().rfind(o.prefix, 0) == 0 && it->is_number_unsigned()) o.crc32c[it.key()] = it->get<uint32_t>();
+  return safetensors_source(path, o);
+}
+
+Checkpoint load_checkpoint_safetensors(const std::string& path, bool include_model) {
+  const SafetensorsFile f(path);
+  const auto& meta = f.metadata();
+  const std::string where = "load_checkpoint: '" + path + "'";
+  const json sums = checked_sums(f, where);
   auto verify = [&](const std::string& key, const void* data, size_t n) {
     if (!sums.contains(key)) return;
     const uint32_t got = checkpoint_crc32c(data, n);
@@ -94,6 +114,7 @@ Checkpoint load_checkpoint_safetensors(const std::string& path) {
     while (s < 3 && key.rfind(kSections[s], 0) != 0) ++s;
     TORCH_CHECK(s < 3, where, ": tensor '", key, "' is in no section (keys start with model/, optim_muon/ or "
                 "optim_adamw/).");
+    if (s == 0 && !include_model) continue;
     at::Tensor t = f.load(key);
     verify(key, t.data_ptr(), t.nbytes());
     (*out[s])[key.substr(std::string(kSections[s]).size())] = t;

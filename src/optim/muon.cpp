@@ -240,7 +240,7 @@ constexpr int64_t kCpuBatchMaxDim = 64;
 void run_local_ns(std::vector<TpUpdate>& pending, const NewtonSchulz& ns, detail::PhaseClock& clock,
                   const std::function<void(const at::Tensor& target, double ms)>& log) {
   std::vector<TpUpdate> local, rest;
-  for (TpUpdate& j : pending) (j.local_input.defined() ? local : rest).push_back(std::move(j));
+  for (TpUpdate& j : pending) (j.local_input ? local : rest).push_back(std::move(j));
   pending = std::move(rest);
   if (local.empty()) return;
   const auto t0 = clock.now();
@@ -256,17 +256,26 @@ void run_local_ns(std::vector<TpUpdate>& pending, const NewtonSchulz& ns, detail
   std::map<Key, std::vector<size_t>> groups;  // in first-seen order within each key
   std::vector<Key> order;
   for (size_t i = 0; i < local.size(); ++i) {
-    const at::Tensor& u = local[i].local_input;
+    const at::Tensor& u = local[i].input_like;
     const Key k{std::min(u.size(0), u.size(1)), std::max(u.size(0), u.size(1)), u.scalar_type(), u.device().str(),
                 local[i].steps};
     auto [it, fresh] = groups.try_emplace(k);
     if (fresh) order.push_back(k);
     it->second.push_back(i);
   }
-  std::vector<at::Tensor> results(local.size());
   std::vector<double> ms(local.size(), 0.0);
   const bool batched = batched_ns_enabled();
-  const int64_t cap = ns_batch_cap_bytes();
+  // a stack (and its NS workspace, ~4x the stack) stays a fraction of what the pass updates, so
+  // batching never doubles the step's peak memory: at most a quarter of the pass's matrices per call
+  int64_t pass_bytes = 0;
+  for (const TpUpdate& j : local) pass_bytes += j.input_like.numel() * static_cast<int64_t>(j.input_like.element_size());
+  const int64_t cap = std::min(ns_batch_cap_bytes(), pass_bytes / 4);
+  // each batch's updates are applied (and its inputs freed) as soon as they are computed
+  auto apply = [&](size_t i, const at::Tensor& update) {
+    local[i].apply(update);
+    local[i].local_input = nullptr;  // drops what the input was made from (a converted gradient)
+    local[i].input_like = at::Tensor();
+  };
   for (const Key& k : order) {
     const std::vector<size_t>& idx = groups.at(k);
     const int64_t per = k.m * k.n * static_cast<int64_t>(c10::elementSize(k.dtype));
@@ -278,18 +287,20 @@ void run_local_ns(std::vector<TpUpdate>& pending, const NewtonSchulz& ns, detail
       const size_t e = std::min(idx.size(), b + chunk);
       const auto tb = std::chrono::steady_clock::now();
       if (e - b == 1) {
-        results[idx[b]] = ns.local(local[idx[b]].local_input, k.steps);
+        apply(idx[b], ns.local(local[idx[b]].local_input(), k.steps));
       } else {
-        std::vector<at::Tensor> stack;
+        at::Tensor in = at::empty({static_cast<int64_t>(e - b), k.m, k.n}, local[idx[b]].input_like.options());
         for (size_t i = b; i < e; ++i) {
-          const at::Tensor& u = local[idx[i]].local_input;
-          stack.push_back(u.size(0) > u.size(1) ? u.t() : u);
+          const at::Tensor& like = local[idx[i]].input_like;
+          const at::Tensor u = local[idx[i]].local_input();
+          in.select(0, static_cast<int64_t>(i - b)).copy_(like.size(0) > like.size(1) ? u.t() : u);
         }
-        const at::Tensor out = ns.local(at::stack(stack), k.steps);
+        const at::Tensor out = ns.local(in, k.steps);
+        in = at::Tensor();
         for (size_t i = b; i < e; ++i) {
-          const at::Tensor& u = local[idx[i]].local_input;
+          const at::Tensor& like = local[idx[i]].input_like;
           const at::Tensor r = out.select(0, static_cast<int64_t>(i - b));
-          results[idx[i]] = u.size(0) > u.size(1) ? r.t() : r;
+          apply(idx[i], like.size(0) > like.size(1) ? r.t() : r);
         }
       }
       const double share = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tb).count() /
@@ -298,10 +309,8 @@ void run_local_ns(std::vector<TpUpdate>& pending, const NewtonSchulz& ns, detail
     }
   }
   clock.add(detail::Phase::Ns, t0);
-  for (size_t i = 0; i < local.size(); ++i) {
-    local[i].apply(results[i]);
-    if (log) log(local[i].ready.target, ms[i]);
-  }
+  if (log)
+    for (size_t i = 0; i < local.size(); ++i) log(local[i].ready.target, ms[i]);
   clock.add(detail::Phase::Muon, t0);
 }
 
@@ -337,7 +346,8 @@ void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh
   if (!st.momentum_buffer().defined()) st.momentum_buffer(at::zeros_like(g));
   at::Tensor& buf = st.momentum_buffer();
   buf.mul_(o.momentum()).add_(g);
-  const at::Tensor u = o.nesterov() ? g.add(buf, o.momentum()) : buf;
+  const bool nesterov = o.nesterov();
+  const double mu = o.momentum();
   st.step(st.step() + 1);
   const auto t0 = clock.now();
   // the full matrix's shape (TP: this rank holds a slice of it)
@@ -359,9 +369,11 @@ void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh
   if (r.tp_owner < 0) {  // batched with the pass's other matrices of this shape (run_local_ns)
     job.ready = r;
     job.steps = steps;
-    job.local_input = u;
+    job.local_input = [g, buf, nesterov, mu] { return nesterov ? g.add(buf, mu) : buf; };
+    job.input_like = buf;
     tp_pending.push_back(std::move(job));
   } else {
+    const at::Tensor u = nesterov ? g.add(buf, mu) : buf;
     const bool dist = options_.tp_distributed_gram && tp_distributed_gram_applies(full, r.tp_dim) &&
                       (options_.tp_distributed_gram_policy == "always" ||
                        tp_factor_to_scatter_ratio(full, ns_.options(), steps) <=

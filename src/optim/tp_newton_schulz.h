@@ -50,14 +50,16 @@ struct TpScatter {
 TpScatter tp_scatter_update(TpGather& g, const ReadyGrad& r, int steps, const NewtonSchulz& ns, Mesh& mesh);
 
 // Muon::step's record of one matrix whose Newton-Schulz is deferred: in the TP gather form, its
-// gather in flight (`gather`); for a whole matrix, its NS input (`local_input`, run batched with the
-// other matrices of its shape at the end of the pass); and how to apply the update once it exists.
+// gather in flight (`gather`); for a whole matrix, how to make its NS input (`local_input`, run
+// batched with the other matrices of its shape at the end of the pass; `input_like` has its shape,
+// dtype and device, so the inputs exist one batch at a time); and how to apply the update.
 struct TpUpdate {
   std::string name;
   ReadyGrad ready;
   int steps = 0;
   TpGather gather;
-  at::Tensor local_input;
+  std::function<at::Tensor()> local_input;
+  at::Tensor input_like;
   std::function<void(const at::Tensor&)> apply;
 };
 

@@ -3,6 +3,8 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include <set>
+
 #include "dmuon/env.h"
 #include "dmuon/tensor_parallel.h"
 #include "runtime/dedicated_route.h"
@@ -46,6 +48,9 @@ void Runtime::build(const ParamPredicate& predicate) {
       specs_[i].tp_split_dim = full_specs[i].tp_split_dim = it->second;
       full_specs[i].shape[static_cast<size_t>(it->second)] *= T;
     }
+  // deferred parameters (deferred_init.h): the source is checked once; which parameters are deferred
+  // is part of the fingerprint (the sharded route skips its initial broadcast for them)
+  check_deferred(*m, routing.base_digest);
 
   // 2. plan (every rank, no communication), then check that all ranks agree
   const PlanOptions& po = opts_.plan;
@@ -76,7 +81,21 @@ void Runtime::build(const ParamPredicate& predicate) {
     for (const auto& B : boundaries_) unshard_stats_.push_back(BoundaryUnshardStats{B.name});
 
   // 4. the routes take their parameters: packed buffers (owners copy their masters before any
-  // cast), then sharded slices of rank 0's value
+  // cast), then sharded slices of rank 0's value; deferred parameters are filled from the source,
+  // each rank only what it keeps (replicated and frozen ones here, whole or as their TP slice)
+  if (deferred_source_) {
+    at::NoGradGuard ng;
+    std::set<const c10::TensorImpl*> routed_here;
+    for (const auto* group : {&routing.dedicated, &routing.sharded})
+      for (const auto& r : *group) routed_here.insert(r.param.unsafeGetTensorImpl());
+    for (auto& item : m->named_parameters(/*recurse=*/true)) {
+      at::Tensor p = item.value();
+      if (!is_deferred(p) || routed_here.count(p.unsafeGetTensorImpl())) continue;
+      at::Tensor value = at::empty(p.sizes(), p.options().requires_grad(false));
+      fill_from(*deferred_source_, item.key(), region_of(item.key(), p.sizes()), value);
+      p.set_data(value);
+    }
+  }
   std::vector<DedicatedEntry> entries;
   for (size_t i = 0; i < routing.dedicated.size(); ++i) {
     const RoutedParam& r = routing.dedicated[i];
@@ -109,7 +128,9 @@ void Runtime::build(const ParamPredicate& predicate) {
       if (r.prec.has_master())
         set_master(r.param, r.param.detach().to(r.prec.master, /*non_blocking=*/false, /*copy=*/true));
     for (auto& [p, prec] : routing.to_cast) {
-      at::Tensor(p).set_data(p.detach().to(prec.param));
+      // a deferred matrix or slice this rank does not hold keeps no bytes: only its dtype changes
+      at::Tensor(p).set_data(is_deferred(p) ? detail::unallocated(p.sizes(), p.options().dtype(prec.param))
+                                            : p.detach().to(prec.param));
       p.mutable_grad() = at::Tensor();  // a gradient from before would keep the old dtype
     }
   }
@@ -118,6 +139,40 @@ void Runtime::build(const ParamPredicate& predicate) {
   // the shape)
   sharded_->install();
   dedicated_->install();
+  deferred_source_ = nullptr;  // setup only: the caller owns the source
+}
+
+void Runtime::check_deferred(const torch::nn::Module& model, uint64_t& digest) {
+  const int rank = mesh_->global_rank();
+  std::vector<std::pair<std::string, std::vector<int64_t>>> deferred;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const bool d = is_deferred(item.value());
+    digest = digest * 1099511628211ull ^ (d ? 0x5bd1e995u : 0x27d4eb2fu);
+    if (d) deferred.emplace_back(item.key(), region_of(item.key(), item.value().sizes()).full_shape);
+  }
+  if (deferred.empty()) return;
+  TORCH_CHECK(opts_.param_source, "rank ", rank, ": dedicate_params: parameter '", deferred.front().first, "' (and ",
+              deferred.size() - 1, " more) is deferred (dmuon::defer_parameters released its storage), but "
+              "DedicateOptions::param_source is unset, so there is nothing to fill it from. Pass a source: "
+              "dmuon::seeded_init(seed, rule) for a fresh model, dmuon::safetensors_source(path) for weights.");
+  deferred_source_ = opts_.param_source.get();
+  try {
+    deferred_source_->check(deferred);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rank ", rank, ": dedicate_params: the parameter source (", deferred_source_->describe(),
+                ") cannot fill this model: ", e.what());
+  }
+}
+
+TensorRegion Runtime::region_of(const std::string& name, at::IntArrayRef local_shape) const {
+  auto it = tp_split_.find(name);
+  return detail::tp_region(local_shape, it == tp_split_.end() ? -1 : it->second, mesh_->tp_rank(), mesh_->tp_size());
+}
+
+void Runtime::fill_from(ParamSource& source, const std::string& name, const TensorRegion& region, at::Tensor& out) {
+  TORCH_CHECK(out.sizes().vec() == region.size, "fill_from: '", name, "': the destination has shape ", out.sizes(),
+              " but the region ", at::IntArrayRef(region.size));
+  source.fill(name, region, out);
 }
 
 std::map<std::string, int> Runtime::check_tp_modules(const torch::nn::Module& model) const {

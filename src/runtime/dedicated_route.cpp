@@ -73,7 +73,9 @@ void DedicatedRoute::build(std::vector<DedicatedEntry> entries, const OwnerPlan&
       // all_gather mode pads the buffer to G equal shards
       if (buf.gather_mode()) buf.shard_len = (buf.numel + mesh.shard_size() - 1) / mesh.shard_size();
       const auto o = first.param.options().requires_grad(false);
-      buf.flat = at::zeros({buf.gather_mode() ? buf.shard_len * mesh.shard_size() : buf.numel}, o.dtype(buf.prec.param));
+      const bool keeps = buf.is_root || ddp_;  // holds the matrices between steps
+      const int64_t flat_numel = buf.gather_mode() ? buf.shard_len * mesh.shard_size() : buf.numel;
+      buf.flat = keeps ? at::zeros({flat_numel}, o.dtype(buf.prec.param)) : at::empty({flat_numel}, o.dtype(buf.prec.param));
       // the global owner keeps the master copy, from the parameters' values before any cast
       if (buf.is_owner && buf.prec.has_master()) buf.master = at::zeros({buf.flat.numel()}, o.dtype(buf.prec.master));
       for (size_t k = 0; k < ps.size(); ++k) {
@@ -81,12 +83,25 @@ void DedicatedRoute::build(std::vector<DedicatedEntry> entries, const OwnerPlan&
         e.buffer = static_cast<int>(buffers_[static_cast<size_t>(b)].size());
         e.slot_in_buffer = static_cast<int>(k);
         buf.views.push_back(buf.flat.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes()));
+        at::Tensor mv;
         if (buf.master.defined()) {
-          at::Tensor mv = buf.master.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes());
-          mv.copy_(e.param.detach());
+          mv = buf.master.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes());
           rt_.set_master(e.param, mv);
         }
+        if (is_deferred(e.param)) {  // only holders materialise it, straight into their buffer
+          if (!keeps) continue;
+          at::Tensor target = mv.defined() ? mv : buf.views[k];
+          Runtime::fill_from(*rt_.deferred_source(), e.name, detail::tp_region(e.shape, e.tp_dim, mesh.tp_rank(),
+                                                                               mesh.tp_size()), target);
+          if (mv.defined()) buf.views[k].copy_(mv);
+          e.preset = true;
+        } else if (mv.defined()) {
+          mv.copy_(e.param.detach());
+        }
       }
+      // a rank that does not hold the matrices gives the buffer's bytes back at once (install()
+      // would anyway; before it, every boundary's buffer would be live together)
+      if (!keeps) detail::resize_storage_bytes(buf.flat, 0);
       buffers_[static_cast<size_t>(b)].push_back(std::move(buf));
     }
   }
@@ -108,7 +123,7 @@ void DedicatedRoute::install() {
     for (size_t k = 0; k < buf.params.size(); ++k) {
       auto& e = entries_[buf.params[k]];
       if (keeps) {
-        buf.views[k].copy_(e.param.detach());  // (HSDP: replaced by the global owner's value below)
+        if (!e.preset) buf.views[k].copy_(e.param.detach());  // (HSDP: replaced by the global owner's value below)
         e.param.set_data(buf.views[k]);
       } else {
         e.param.set_data(e.placeholder);
@@ -254,6 +269,31 @@ void DedicatedRoute::issue_reduce(int b) {
     buf.reduce = comm.reduce(buf.grad_payload, buf.root, Reduction::Sum, what("gradient reduce", b, buf));
     buf.reduce_issued = true;
   }
+  sent_reduces_.push_back(b);
+  release_sent_reduces();
+}
+
+void DedicatedRoute::release_sent_reduces() {
+  // non-roots keep nothing of a reduce once it is done: free the payloads of every finished one,
+  // and wait the oldest while more than kMaxReducesInFlight boundaries are pending (issued earlier on
+  // every rank, so waiting it cannot block a peer)
+  auto finished = [&](int b, bool wait) {
+    bool done = true;
+    for (auto& buf : buffers_[static_cast<size_t>(b)]) {
+      if (!buf.reduce_issued || buf.is_root) continue;
+      if (wait || buf.reduce.poll())
+        finish_stage1(buf);
+      else
+        done = false;
+    }
+    return done;
+  };
+  for (auto it = sent_reduces_.begin(); it != sent_reduces_.end();)
+    it = finished(*it, false) ? sent_reduces_.erase(it) : ++it;
+  while (sent_reduces_.size() > kMaxReducesInFlight) {
+    finished(sent_reduces_.front(), true);
+    sent_reduces_.pop_front();
+  }
 }
 
 void DedicatedRoute::finish_stage1(PackedBuffer& buf) {
@@ -301,6 +341,7 @@ void DedicatedRoute::reset_pass() {
 }
 
 void DedicatedRoute::finish_reduces() {
+  sent_reduces_.clear();  // waited below with the rest
   // stage 1 everywhere first (HSDP holders issue stage 2 as they go), then stage 2
   for_each_buffer([&](int, PackedBuffer& buf) { finish_stage1(buf); });
   for_each_buffer([&](int, PackedBuffer& buf) { finish_stage2(buf); });
@@ -368,6 +409,7 @@ std::vector<ReadyGrad> DedicatedRoute::finish_group(int b) {
 }
 
 void DedicatedRoute::discard_grads() {
+  sent_reduces_.clear();
   for_each_buffer([&](int, PackedBuffer& buf) {
     for (auto [issued, pending] : {std::pair{&buf.reduce_issued, &buf.reduce}, {&buf.stage2_issued, &buf.stage2}})
       if (*issued) {
@@ -541,13 +583,20 @@ void DedicatedRoute::gather_full(const TensorSink& put) {
   }
 }
 
-void DedicatedRoute::assign_full(const FullValues& values) {
+void DedicatedRoute::assign_from(ParamSource& source) {
+  Mesh& mesh = rt_.mesh();
   for (auto& e : entries_) {
-    const at::Tensor& v = values.at(e.name);
     auto& buf = buffers_[static_cast<size_t>(e.boundary)][static_cast<size_t>(e.buffer)];
-    if (const at::Tensor m = rt_.master_of(e.param); m.defined()) at::Tensor(m).copy_(v);
-    // the ranks that hold the matrix between steps: its owner / holders, every rank on the DDP path
-    if (buf.is_root || ddp_) buf.views[static_cast<size_t>(e.slot_in_buffer)].copy_(v);
+    const TensorRegion region = detail::tp_region(e.shape, e.tp_dim, mesh.tp_rank(), mesh.tp_size());
+    at::Tensor view = buf.views[static_cast<size_t>(e.slot_in_buffer)];
+    // the ranks that hold the matrix between steps: its owner / holders, every rank on the DDP path;
+    // the owner's master (when it keeps one) takes the full-precision value
+    if (at::Tensor m = rt_.master_of(e.param); m.defined()) {
+      Runtime::fill_from(source, e.name, region, m);
+      if (buf.is_root || ddp_) view.copy_(m);
+    } else if (buf.is_root || ddp_) {
+      Runtime::fill_from(source, e.name, region, view);
+    }
   }
   for_each_buffer([&](int b, PackedBuffer& buf) {  // all_gather mode: every rank's shard of the new value
     if (buf.gather_mode())

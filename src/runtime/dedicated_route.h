@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <functional>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -51,6 +52,7 @@ struct DedicatedEntry {
   // per backward pass
   bool accumulated = false;
   at::Tensor placeholder;           // 0-element tensor of the param's dtype/device
+  bool preset = false;              // a deferred parameter whose holder filled its buffer slot at setup
   std::shared_ptr<torch::autograd::Node> grad_acc;  // keep alive: autograd holds it weakly
 };
 
@@ -119,7 +121,7 @@ class DedicatedRoute final : public Route {
   void publish(bool async) override;
   void wait_publishes() override;
   void gather_full(const TensorSink& put) override;
-  void assign_full(const FullValues& values) override;
+  void assign_from(ParamSource& source) override;
   void full_shapes(std::map<std::string, std::vector<int64_t>>& out) const override;
 
   // TP (Muon::step): `apply` finishes the update of `name` (its slice arrives asynchronously). It runs
@@ -166,6 +168,12 @@ class DedicatedRoute final : public Route {
   std::vector<DedicatedEntry> entries_;
   std::map<std::string, int> index_;                 // name -> entry
   std::vector<std::vector<PackedBuffer>> buffers_;  // per boundary
+  // Boundaries whose gradient reduces this rank sends without being their root, oldest first: their
+  // payloads are freed as soon as the reduce is done, and at most kMaxReducesInFlight stay pending
+  // (otherwise a rank would hold a full gradient of every matrix it does not own until step()).
+  static constexpr size_t kMaxReducesInFlight = 1;
+  std::deque<int> sent_reduces_;
+  void release_sent_reduces();
   std::vector<bool> published_;                      // per boundary: published in this step already
 };
 

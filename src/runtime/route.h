@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "dmuon/deferred_init.h"
 #include "runtime/precision.h"
 
 namespace dmuon {
@@ -82,7 +83,8 @@ class Route {
 
   // ---- checkpoints (collective: every rank, same order) ----
   virtual void gather_full(const TensorSink& /*put*/) {}             // full values (master precision)
-  virtual void assign_full(const FullValues& /*values*/) {}          // takes each parameter's full value
+  // takes each parameter's value from `source` (this rank reads only what it keeps)
+  virtual void assign_from(ParamSource& /*source*/) {}
   virtual void full_shapes(std::map<std::string, std::vector<int64_t>>& /*out*/) const {}
 };
 

@@ -124,6 +124,15 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   const std::vector<std::string>& boundary_of_param() const { return boundary_of_param_; }
   // every TP-split parameter of the model (full name -> split dimension), found once by build()
   const std::map<std::string, int>& tp_split() const { return tp_split_; }
+  // The box of `name`'s full value this TP rank holds (the whole value without a TP split).
+  TensorRegion region_of(const std::string& name, at::IntArrayRef local_shape) const;
+  // Writes the box `region` of `name` into `out` from `source` (converting dtype and device).
+  static void fill_from(ParamSource& source, const std::string& name, const TensorRegion& region, at::Tensor& out);
+  // setup only: checks the deferred parameters against the source and mixes which are deferred
+  // into the fingerprint `digest`
+  void check_deferred(const torch::nn::Module& model, uint64_t& digest);
+  // setup only: the source of deferred parameters (DedicateOptions::param_source; null when none is deferred)
+  ParamSource* deferred_source() const { return deferred_source_; }
   Precision precision_of(const at::Tensor& p) const;  // plain (own dtype) without a policy
   at::Tensor master_of(const at::Tensor& p) const;    // undefined when p has no master on this rank
   // p's gradient for the optimizer: the update targets p's master when it has one here, else p
@@ -166,6 +175,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   OwnerPlan plan_;
   std::vector<ParamSpec> specs_;               // planner input, per dedicated param
   std::vector<std::string> boundary_of_param_;  // hook boundary name, per dedicated param
+  ParamSource* deferred_source_ = nullptr;
   std::map<std::string, int> tp_split_;         // TP-split parameters (build)
   std::vector<Boundary> boundaries_;
   std::unique_ptr<DedicatedRoute> dedicated_;

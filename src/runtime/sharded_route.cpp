@@ -3,6 +3,8 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
+
 #include "runtime/runtime.h"
 
 namespace dmuon {
@@ -25,13 +27,19 @@ void ShardedRoute::add(const std::string& name, const at::Tensor& param, int bou
   e.boundary = boundary;
   e.prec = prec;
   const auto o = param.options().requires_grad(false);
-  at::Tensor full = at::zeros({e.shard_len * G}, o);  // the value before any cast
-  full.narrow(0, 0, e.numel).copy_(param.detach().reshape(-1));
-  mesh.dp().broadcast(full, 0, "initial value of sharded parameter '" + name + "' from rank 0").wait();
-  e.shard = full.narrow(0, static_cast<int64_t>(mesh.shard_rank()) * e.shard_len, e.shard_len)
-                .to(prec.master, /*non_blocking=*/false, /*copy=*/true);
+  const int64_t begin = static_cast<int64_t>(mesh.shard_rank()) * e.shard_len;
+  if (is_deferred(param)) {  // this rank reads its slice alone (every rank's source gives the same values)
+    e.shard = at::empty({e.shard_len}, o.dtype(prec.master));
+    fill_shard(e, *rt_.deferred_source());
+  } else {
+    at::Tensor full = at::zeros({e.shard_len * G}, o);  // the value before any cast
+    full.narrow(0, 0, e.numel).copy_(param.detach().reshape(-1));
+    mesh.dp().broadcast(full, 0, "initial value of sharded parameter '" + name + "' from rank 0").wait();
+    e.shard = full.narrow(0, begin, e.shard_len).to(prec.master, /*non_blocking=*/false, /*copy=*/true);
+  }
   e.full = at::empty({e.shard_len * G}, o.dtype(prec.param));
   e.view = e.full.narrow(0, 0, e.numel).view(param.sizes());
+  detail::resize_storage_bytes(e.full, 0);  // gathered only in forward/backward (before it, all would be live at once)
   e.placeholder = at::empty({0}, o.dtype(prec.param));
   if (by_boundary_.size() <= static_cast<size_t>(boundary)) by_boundary_.resize(static_cast<size_t>(boundary) + 1);
   by_boundary_[static_cast<size_t>(boundary)].push_back(static_cast<int>(entries_.size()));
@@ -206,9 +214,20 @@ void ShardedRoute::gather_full(const TensorSink& put) {
   for (auto& e : entries_) put(e.name, gather(e, e.shard, "checkpoint: slices of '" + e.name + "'"));
 }
 
-void ShardedRoute::assign_full(const FullValues& values) {
+void ShardedRoute::fill_shard(ShardedEntry& e, ParamSource& source) const {
+  const int64_t begin = static_cast<int64_t>(rt_.mesh().shard_rank()) * e.shard_len;
+  const int64_t len = std::max<int64_t>(0, std::min(e.numel - begin, e.shard_len));
+  e.shard.zero_();
+  if (len == 0) return;
+  const auto [rows, skip] = detail::rows_covering(rt_.region_of(e.name, e.shape), begin, len);
+  at::Tensor part = at::empty(rows.size, e.shard.options());
+  Runtime::fill_from(source, e.name, rows, part);
+  e.shard.narrow(0, 0, len).copy_(part.reshape(-1).narrow(0, skip, len));
+}
+
+void ShardedRoute::assign_from(ParamSource& source) {
   for (auto& e : entries_) {
-    e.shard.copy_(slice_of(e, values.at(e.name), e.shard.options()));
+    fill_shard(e, source);
     e.ready_pass = -1;  // the gathered copy is refreshed by the next forward
     e.acc.clear();      // gradients from before the load are dropped
     e.grad = at::Tensor();

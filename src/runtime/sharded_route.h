@@ -72,7 +72,7 @@ class ShardedRoute final : public Route {
   void discard_grads() override;
   void upcast_local_grads() override;
   void gather_full(const TensorSink& put) override;
-  void assign_full(const FullValues& values) override;
+  void assign_from(ParamSource& source) override;
   void full_shapes(std::map<std::string, std::vector<int64_t>>& out) const override;
 
   // ---- queries and checkpoint helpers ----
@@ -82,6 +82,8 @@ class ShardedRoute final : public Route {
   at::Tensor gather(const ShardedEntry& e, const at::Tensor& slice, const std::string& what) const;
   // this rank's zero-padded slice of a full tensor of entry `e`
   at::Tensor slice_of(const ShardedEntry& e, const at::Tensor& full, const at::TensorOptions& options) const;
+  // Writes this rank's slice of e's value, read from `source`, into e.shard (zero padding after).
+  void fill_shard(ShardedEntry& e, ParamSource& source) const;
 
  private:
   void finish(ShardedEntry& e);
