@@ -92,6 +92,18 @@ TEST(CliTest, TrainOnTwoRanksWritesLogPictureAndSummaryAndLossFalls) {
   EXPECT_GT(s["unigram_baseline"].get<double>(), 2.0);
   EXPECT_NEAR(s["muon_bytes_per_step"]["measured_over_formula"].get<double>(), 1.0, 1e-3);
   EXPECT_EQ(s["ns_load_ms"]["per_rank"].size(), 2u);
+  // peak live tensor bytes per rank (the counting allocator), overall and by phase; deferred
+  // construction keeps setup below the forward/backward working set
+  ASSERT_EQ(s["peak_memory_bytes"].size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    const auto peak = s["peak_memory_bytes"][r].get<int64_t>();
+    EXPECT_GT(peak, 0);
+    for (const char* ph : {"setup", "forward", "backward", "step"}) {
+      EXPECT_GT(s["peak_memory_by_phase"][ph][r].get<int64_t>(), 0) << ph;
+      EXPECT_LE(s["peak_memory_by_phase"][ph][r].get<int64_t>(), peak) << ph;
+    }
+    EXPECT_LT(s["peak_memory_by_phase"]["setup"][r].get<int64_t>(), s["peak_memory_by_phase"]["backward"][r].get<int64_t>());
+  }
   std::ifstream svg(out + "/loss.svg");
   std::stringstream sv;
   sv << svg.rdbuf();

@@ -77,10 +77,8 @@ bool have_sse42() {
 }
 #endif
 
-uint32_t get_u32(const unsigned char* p) {
-  return uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24;
-}
-uint64_t get_u64(const unsigned char* p) { return uint64_t{get_u32(p)} | uint64_t{get_u32(p + 4)} << 32; }
+uint32_t get_u32(const unsigned char* p) { return static_cast<uint32_t>(io::load_le(p, 4)); }
+uint64_t get_u64(const unsigned char* p) { return io::load_le(p, 8); }
 void put_u32(unsigned char* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
 }

@@ -32,15 +32,6 @@ json groups_json(const OptimizerStateDict& o) {
 
 }  // namespace
 
-bool looks_like_safetensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  unsigned char b[9] = {};
-  if (!in.read(reinterpret_cast<char*>(b), 9)) return false;
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = n << 8 | b[i];
-  return n >= 2 && n <= (uint64_t{100} << 20) && b[8] == '{';
-}
-
 void save_checkpoint_safetensors(const std::string& path, const TensorDict& model, const OptimizerStateDict* optim) {
   SafetensorsDict all;
   json sums = json::object();

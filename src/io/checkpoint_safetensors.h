@@ -9,8 +9,6 @@
 
 namespace dmuon::io {
 
-// Whether the file's first bytes are a safetensors header (an 8-byte length, then '{').
-bool looks_like_safetensors(const std::string& path);
 void save_checkpoint_safetensors(const std::string& path, const TensorDict& model, const OptimizerStateDict* optim);
 Checkpoint load_checkpoint_safetensors(const std::string& path, bool include_model);
 // Its "model/" section, read by offset and verified per tensor.

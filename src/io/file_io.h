@@ -19,6 +19,17 @@ struct Fd {
   ~Fd();
 };
 
+// Little-endian integers as the file formats store them.
+inline uint64_t load_le(const unsigned char* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = bytes - 1; i >= 0; --i) v = v << 8 | p[i];
+  return v;
+}
+// The largest safetensors header read (the Python library's own limit, 100 MB).
+inline constexpr uint64_t kMaxSafetensorsHeader = uint64_t{100} << 20;
+// Whether the file's first bytes are a safetensors header (an 8-byte length within the limit, then '{').
+bool looks_like_safetensors(const std::string& path);
+
 // 0, or the errno of the failed write.
 int write_all(int fd, const void* data, size_t n, uint64_t offset);
 // The bytes read (fewer than n only at the end of the file or on an error).

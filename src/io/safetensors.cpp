@@ -26,7 +26,7 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr uint64_t kMaxHeader = uint64_t{100} << 20;  // the Python library's own limit (100 MB)
+constexpr uint64_t kMaxHeader = io::kMaxSafetensorsHeader;
 
 struct DtypeName {
   const char* name;
@@ -45,13 +45,19 @@ const char* dtype_name(at::ScalarType t, const std::string& tensor) {
               "first, e.g. t.to(at::kFloat).");
 }
 
-uint64_t get_u64(const unsigned char* p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; --i) v = v << 8 | p[i];
-  return v;
-}
+uint64_t get_u64(const unsigned char* p) { return io::load_le(p, 8); }
 
 }  // namespace
+
+namespace io {
+bool looks_like_safetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  unsigned char b[9] = {};
+  if (!in.read(reinterpret_cast<char*>(b), 9)) return false;
+  const uint64_t n = load_le(b, 8);
+  return n >= 2 && n <= kMaxSafetensorsHeader && b[8] == '{';
+}
+}  // namespace io
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   const std::string where = "safetensors file '" + path + "'";

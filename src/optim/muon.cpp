@@ -388,8 +388,8 @@ void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh
     } else {
       job.apply(tp_orthogonalize(u, r, steps, ns_, dist, mesh));
     }
+    clock.add(detail::Phase::Ns, t0);  // (whole matrices: run_local_ns times their NS)
   }
-  clock.add(detail::Phase::Ns, t0);
   prof.ns_flops += flop_share * (20 * m * m * n + 10 * m * m * m);
   ++prof.owned_updates;
 }
