@@ -19,6 +19,7 @@
 #include "dmuon/model_specs.h"
 #include "dmuon/owner_plan.h"
 #include "dmuon/plan_json.h"
+#include "dmuon/step_simulator.h"
 
 namespace dmuon::cli {
 namespace {
@@ -103,9 +104,120 @@ struct Args {
   std::string dtype;
   std::vector<std::string> include, exclude;
   bool as_json = false;
+  // --simulate: the step simulator (step_simulator.h)
+  bool simulate = false;
+  std::string hardware = "h200";
+  int64_t tokens = 4194304;
+  std::string mode = "z3";
+  int prefetch = 1;
+  std::string sweep;  // "G=8,64,512"
+  bool shard_base = false;
   int show_slots = 16;
   int show_boundaries = 2;
 };
+
+// ---- --simulate ----------------------------------------------------------------------------------
+json estimate_json(const StepEstimate& e) {
+  return json{{"design", e.design},
+              {"step_ms", e.step_s * 1e3},
+              {"compute_ms", e.compute_s * 1e3},
+              {"exposed_comm_ms", e.exposed_comm_s * 1e3},
+              {"ns_ms", e.ns_s * 1e3},
+              {"adamw_ms", e.adamw_s * 1e3},
+              {"replicate_or_gather_ms", e.replicate_s * 1e3},
+              {"bytes_per_rank", e.bytes_per_rank},
+              {"inter_node_bytes_per_rank", e.inter_node_bytes_per_rank},
+              {"memory_bytes_per_rank", e.memory_bytes_per_rank},
+              {"dominant", e.dominant}};
+}
+
+std::vector<int> sweep_values(const std::string& sweep, int shard) {
+  if (sweep.empty()) return {shard};
+  std::string s = sweep;
+  if (s.rfind("G=", 0) == 0 || s.rfind("g=", 0) == 0) s = s.substr(2);
+  std::vector<int> out;
+  std::stringstream ss(s);
+  for (std::string tok; std::getline(ss, tok, ',');) {
+    size_t used = 0;
+    int v = 0;
+    try {
+      v = std::stoi(tok, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != tok.size() || v < 1)
+      throw UsageError("--sweep expects G=<shard sizes>, e.g. G=8,64,512; '" + tok + "' is not a size >= 1");
+    out.push_back(v);
+  }
+  if (out.empty()) throw UsageError("--sweep expects G=<shard sizes>, e.g. G=8,64,512");
+  return out;
+}
+
+int run_simulation(std::ostream& out, const ModelSpec& model, const std::vector<ParamSpec>& full,
+                   const PlanOptions& opts, const Args& a) {
+  if (a.tokens < 1) throw UsageError("--tokens must be >= 1, got " + std::to_string(a.tokens));
+  if (a.mode != "z3" && a.mode != "z2") throw UsageError("--mode must be z3 or z2, got '" + a.mode + "'");
+  if (a.prefetch < 0) throw UsageError("--prefetch must be >= 0, got " + std::to_string(a.prefetch));
+  const HardwareSpec hw = load_hardware(a.hardware);
+  json all = json::array();
+  std::ostringstream text;
+  const auto gs = sweep_values(a.sweep, a.shard);
+  bool header = false;
+  for (int G : gs) {
+    if (static_cast<int64_t>(G) * a.replicate * a.tp > kMaxCliSlots)
+      throw UsageError("--sweep: G = " + std::to_string(G) + " gives more than " + std::to_string(kMaxCliSlots) +
+                       " owner slots");
+    const OwnerPlan plan = plan_owners_tp(full, G, a.replicate, a.tp, opts);
+    std::vector<ParamSpec> params = full;
+    for (auto& p : params)
+      if (p.tp_split_dim >= 0) p.shape[static_cast<size_t>(p.tp_split_dim)] /= a.tp;
+    SimLayout l;
+    l.shard = G;
+    l.replicate = a.replicate;
+    l.tp = a.tp;
+    l.z3 = a.mode == "z3";
+    l.tokens = a.tokens;
+    l.prefetch_depth = a.prefetch;
+    l.ns_steps = a.ns_steps;
+    l.shard_base = a.shard_base;
+    const Simulation sim = simulate_step(model, params, plan, l, hw);
+    json rows = json::array();
+    for (const auto& e : sim.designs) rows.push_back(estimate_json(e));
+    all.push_back({{"shard", G}, {"replicate", a.replicate}, {"tp", a.tp}, {"devices", sim.devices},
+                   {"overhead_vs_adamw", sim.overhead_vs_adamw()}, {"designs", rows}});
+    if (!header) {
+      text << "step simulation: " << model.name << " (" << sci(static_cast<double>(sim.params)) << " params, "
+           << sci(static_cast<double>(sim.muon_params)) << " in Muon matrices), " << a.tokens
+           << " tokens per step, " << (l.z3 ? "DMuon-Z3" : "DMuon-Z2")
+           << (a.shard_base ? " with sharded base" : " with replicated base") << ", prefetch " << a.prefetch << "\n"
+           << "  hardware " << hw.name << ": " << hw.source << "\n"
+           << "  (model state only in memory: activations depend on the batch split and are not counted)\n";
+      header = true;
+    }
+    text << "\n  " << sim.devices << " x " << hw.name << " (G=" << G << " R=" << a.replicate << " T=" << a.tp
+         << ", " << hw.devices_per_node << " per node)\n"
+         << "  " << pad("design", 18) << pad("step ms", 11) << pad("compute", 10) << pad("exp.comm", 10) << pad("NS", 9)
+         << pad("AdamW", 8) << pad("repl/ag", 9) << pad("GB/rank", 9) << pad("inter GB", 9) << "mem GiB/rank\n";
+    for (const auto& e : sim.designs)
+      text << "  " << pad(e.design, 18) << pad(fixed(e.step_s * 1e3, 1), 11) << pad(fixed(e.compute_s * 1e3, 1), 10)
+           << pad(fixed(e.exposed_comm_s * 1e3, 1), 10) << pad(fixed(e.ns_s * 1e3, 1), 9)
+           << pad(fixed(e.adamw_s * 1e3, 1), 8) << pad(fixed(e.replicate_s * 1e3, 1), 9)
+           << pad(fixed(e.bytes_per_rank / 1e9, 2), 9) << pad(fixed(e.inter_node_bytes_per_rank / 1e9, 2), 9)
+           << fixed(e.memory_bytes_per_rank / (1024.0 * 1024 * 1024), 2) << "\n";
+    const double ov = sim.overhead_vs_adamw();
+    text << "  DMuon overhead over FSDP AdamW: " << (ov >= 0 ? "+" : "") << fixed(100 * ov, 2) << "% (step "
+         << fixed(sim.designs[0].step_s * 1e3, 1) << " vs " << fixed(sim.designs[1].step_s * 1e3, 1)
+         << " ms); largest term beyond compute: " << sim.designs[0].dominant << "\n";
+  }
+  if (a.as_json)
+    out << json{{"model", model.name}, {"hardware", {{"name", hw.name}, {"source", hw.source}}},
+                {"tokens", a.tokens}, {"mode", a.mode}, {"layouts", all}}
+               .dump(2)
+        << "\n";
+  else
+    out << text.str();
+  return 0;
+}
 
 json options_json(const ResolvedPlanOptions& o) {
   return json{{"owner_strategy", o.owner_strategy},
@@ -410,6 +522,14 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   app.add_option("--exclude", a.exclude, "Drop matching params from the Muon targets; repeatable")
       ->allow_extra_args(false);
   app.add_flag("--json", a.as_json, "Print the whole plan as JSON (schema: docs/PLAN_TOOL.md)");
+  app.add_flag("--simulate", a.simulate,
+               "Project the step time on a cluster: DMuon vs FSDP AdamW, naive DP Muon and round-robin owners");
+  app.add_option("--hardware", a.hardware, "--simulate: h200 (default), cpu-2core, or a JSON description file");
+  app.add_option("--tokens", a.tokens, "--simulate: tokens per optimizer step over the cluster (default 4194304)");
+  app.add_option("--mode", a.mode, "--simulate: z3 (default) or z2");
+  app.add_option("--prefetch", a.prefetch, "--simulate: forward prefetch depth (default 1)");
+  app.add_flag("--shard-base", a.shard_base, "--simulate: the non-matrix parameters on sharded_adamw (dmuon train --shard-base)");
+  app.add_option("--sweep", a.sweep, "--simulate: a list of shard sizes, e.g. G=8,64,512 (replaces -G)");
   app.add_option("--show-slots", a.show_slots, "Slots listed in the report (default 16; 0 = all)");
   app.add_option("--show-boundaries", a.show_boundaries,
                  "Hook boundaries listed with their roots (default 2)");
@@ -490,6 +610,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   const CommPlan comm = plan_comm(params, plan);
   const double ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
 
+  if (a.simulate) return run_simulation(out, model, full, opts, a);
   if (a.as_json) out << plan_json(model, params, plan, comm).dump(2) << "\n";
   else print_report(out, model, params, plan, comm, a, ms);
   return 0;

@@ -16,6 +16,7 @@
 
 #include "dmuon/model_specs.h"
 #include "dmuon/owner_plan.h"
+#include "dmuon/step_simulator.h"
 #include "plan_cmd.h"
 
 namespace dmuon {
@@ -408,6 +409,126 @@ TEST(PlanToolTp, SplitRuleAndTheTpPlan) {
   ps[0].tp_split_dim = 1;
   ps[0].shape = {4096, 4095};
   EXPECT_THROW(plan_owners_tp(ps, 1, 1, 2), std::invalid_argument);
+}
+
+// ---- the step simulator (--simulate) ---------------------------------------------------------------
+// Round numbers: 1 TFLOP/s, mfu 0.5, NS efficiency 0.25, 10 GB/s links with 1 us latency, 100 GB/s memory.
+HardwareSpec round_hardware() {
+  return hardware_from_json(R"({"name": "round", "source": "test", "devices_per_node": 8, "matmul_tflops": 1,
+    "mfu": 0.5, "ns_efficiency": 0.25, "memory_bandwidth_GBps": 100, "memory_GB": 80,
+    "intra_node": {"bandwidth_GBps": 10, "latency_us": 1}, "inter_node": {"bandwidth_GBps": 1, "latency_us": 10}})",
+                            "test");
+}
+
+ParamSpec bf16(const std::string& name, std::vector<int64_t> shape) {
+  ParamSpec p;
+  p.name = name;
+  p.shape = std::move(shape);
+  p.elem_bytes = 2;
+  return p;
+}
+
+TEST(StepSimulator, TermsHaveTheirClosedForms) {
+  // two layers of one [64, 256] matrix each (bf16) plus a [100, 64] embedding, G = 2: each matrix
+  // has its own owner, so each boundary's broadcast is one root of S = 64*256*2 bytes
+  ModelSpec m;
+  m.name = "toy";
+  m.params = {bf16("model.embed_tokens.weight", {100, 64}), bf16("model.layers.0.mlp.up_proj.weight", {64, 256}),
+              bf16("model.layers.1.mlp.up_proj.weight", {64, 256})};
+  const std::vector<ParamSpec> muon = select_muon_params(m);
+  ASSERT_EQ(muon.size(), 2u);
+  const OwnerPlan plan = plan_owners(muon, 2, 1);
+  ASSERT_NE(plan.owners[0].shard, plan.owners[1].shard);
+  SimLayout l;
+  l.shard = 2;
+  l.tokens = 1000;
+  l.prefetch_depth = 0;  // no overlap: every collective is exposed
+  const HardwareSpec hw = round_hardware();
+  const Simulation sim = simulate_step(m, muon, plan, l, hw);
+  ASSERT_EQ(sim.designs.size(), 4u);
+  const StepEstimate& d = sim.designs[0];
+  const double P = 100 * 64 + 2 * 64 * 256;
+  EXPECT_DOUBLE_EQ(d.compute_s, 6 * P * 1000 / (2 * 1e12 * 0.5));
+  // one rooted collective: 1 hop of latency + max(S, (G-1)/G S) / B
+  const double S = 64 * 256 * 2, coll = 1e-6 + S / 10e9;
+  // Z3: forward broadcast, backward broadcast + reduce, per boundary
+  EXPECT_NEAR(d.exposed_comm_s, 2 * 3 * coll, 1e-15);
+  // NS: one matrix per slot, 5 steps of 4 m^2 n + 2 m^3 (m = 64, n = 256) at 1e12 * 0.25
+  EXPECT_DOUBLE_EQ(ns_flops({64, 256}, 5), 5 * (4.0 * 64 * 64 * 256 + 2.0 * 64 * 64 * 64));
+  EXPECT_DOUBLE_EQ(d.ns_s, ns_flops({64, 256}, 5) / (1e12 * 0.25));
+  // AdamW on the replicated embedding: 32 bytes per parameter at 100 GB/s
+  EXPECT_DOUBLE_EQ(d.adamw_s, 6400 * 32 / 100e9);
+  EXPECT_NEAR(d.step_s, d.compute_s + d.exposed_comm_s + d.ns_s + d.adamw_s, 1e-15);
+  // bytes: Z3 moves 3 x (the other rank's matrix) over the shard axis, plus the base all-reduce
+  EXPECT_DOUBLE_EQ(d.bytes_per_rank, 3 * S + 2.0 * 1 / 2 * 6400 * 2);
+  // naive DP Muon: every rank runs NS on both matrices
+  EXPECT_DOUBLE_EQ(sim.designs[2].ns_s, 2 * ns_flops({64, 256}, 5) / (1e12 * 0.25));
+  // Z2: no backward broadcast
+  l.z3 = false;
+  EXPECT_NEAR(simulate_step(m, muon, plan, l, hw).designs[0].exposed_comm_s, 2 * 2 * coll, 1e-15);
+  // a broadcast from one root is root-bottlenecked: both matrices on one owner cost 2S / B per boundary
+  // of two matrices, not (G-1)/G of it
+  ModelSpec one;
+  one.name = "one layer";
+  one.params = {bf16("model.layers.0.a.weight", {64, 256}), bf16("model.layers.0.b.weight", {64, 256})};
+  PlanOptions rank0;
+  rank0.owner_strategy = "rank0";
+  const std::vector<ParamSpec> mu1 = select_muon_params(one);
+  SimLayout l1 = l;
+  l1.shard = 4;
+  const Simulation s1 = simulate_step(one, mu1, plan_owners(mu1, 4, 1, rank0), l1, hw);
+  EXPECT_NEAR(s1.designs[0].exposed_comm_s, 2 * (2e-6 + 2 * S / 10e9), 1e-15);
+}
+
+TEST(StepSimulator, HardwareDescriptionsAndTheirErrors) {
+  EXPECT_EQ(hardware_preset("H200").devices_per_node, 8);
+  EXPECT_NE(hardware_preset("h200").source.find("estimate"), std::string::npos);
+  EXPECT_GT(load_hardware("cpu-2core").matmul_tflops, 0);
+  const std::string e1 = [] {
+    try {
+      hardware_from_json(R"({"devices_per_node": 8})", "my.json");
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  }();
+  EXPECT_NE(e1.find("my.json"), std::string::npos) << e1;
+  EXPECT_NE(e1.find("matmul_tflops"), std::string::npos) << e1;
+  const std::string e2 = [] {
+    try {
+      load_hardware("a100-that-does-not-exist");
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  }();
+  EXPECT_NE(e2.find("h200"), std::string::npos) << e2;
+}
+
+TEST_F(PlanToolTest, SimulateProjectsWithDefaultsAndSweeps) {
+  // the issue's command: Llama-3-8B on 64 H200s with 4M tokens, no other argument
+  Result r = run({"--model", "llama3-8b", "-G", "64", "--simulate"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto line = r.out.find("overhead");
+  ASSERT_NE(line, std::string::npos) << r.out;
+  EXPECT_NE(r.out.find('%', line), std::string::npos) << r.out;
+  for (const char* want : {"64 x h200", "DMuon-Z3", "FSDP AdamW", "naive DP Muon", "round-robin Muon", "4194304"})
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
+  r = run({"--model", "llama3-8b", "--simulate", "--sweep", "G=8,64,512", "--json"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const json j = json::parse(r.out);
+  ASSERT_EQ(j["layouts"].size(), 3u);
+  for (const auto& lay : j["layouts"]) {
+    ASSERT_EQ(lay["designs"].size(), 4u);
+    EXPECT_EQ(lay["designs"][0]["design"], "DMuon-Z3");
+    const double dm = lay["designs"][0]["step_ms"], fs = lay["designs"][1]["step_ms"];
+    EXPECT_NEAR(lay["overhead_vs_adamw"].get<double>(), dm / fs - 1, 1e-12);
+    // naive DP Muon repeats every matrix's NS on every rank: never cheaper than DMuon's busiest owner
+    EXPECT_GE(lay["designs"][2]["ns_ms"].get<double>(), lay["designs"][0]["ns_ms"].get<double>());
+  }
+  EXPECT_EQ(j["layouts"][2]["devices"], 512);
+  ExpectOneLineError(run({"--model", "llama3-8b", "--simulate", "--sweep", "G=8,x"}), "--sweep");
+  ExpectOneLineError(run({"--model", "llama3-8b", "--simulate", "--hardware", "tpu9"}), "h200");
 }
 
 }  // namespace

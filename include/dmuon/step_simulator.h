@@ -1,0 +1,108 @@
+// step_simulator.h -- the time of one training step of any model on any cluster, before renting
+// it: DMuon's owner plan and byte plan (owner_plan.h) priced on a hardware description, next to
+// the designs users would pick instead (FSDP-style AdamW, naive data-parallel Muon, round-robin
+// owners). Pure C++, no LibTorch: `dmuon plan --simulate` runs it (docs/PLAN_TOOL.md).
+//
+// The model of one step, per rank (N = G x R x T devices, L hook boundaries, P parameters):
+//   compute   6 P tokens / (N * matmul rate * mfu), split over the boundaries by their Muon bytes
+//             (forward 1/3, backward 2/3);
+//   a boundary's broadcast (or reduce) over the shard group of G ranks is root-bottlenecked: one
+//             owner sending S bytes costs S / B, distinct owners run concurrently, and no rank can
+//             receive faster than its link: time = latency * ceil(log2 G) + max(max_root S_o,
+//             (G-1)/G * S_boundary) / B, B the intra-node link when G * T ranks fit in a node, else
+//             the inter-node one (NCCL's bus-bandwidth view of a ring broadcast);
+//   overlap   with prefetch depth >= 1 each boundary's communication hides under the neighbouring
+//             boundary's compute: a pass costs the first exposed collective + sum_b max(compute_b,
+//             comm_b) (prefetch 0: the sum of both);
+//   Z3        forward broadcast, backward broadcast + reduce; Z2 forward broadcast, backward reduce;
+//   NS        the busiest owner slot's Newton-Schulz FLOPs (5 steps of 4 m^2 n + 2 m^3, m the smaller
+//             side) / (matmul rate * ns_efficiency), a TP-split matrix's work shared by its T ranks;
+//   AdamW     element-wise, memory-bound: 32 bytes per parameter updated / memory bandwidth;
+//   HSDP      the stage-2 reduce over the replicate axis (inter-node) after backward is exposed; the
+//             post-step publish overlaps the next forward.
+// Every design is priced with the same terms, so their ratio (DMuon's overhead over AdamW) is what
+// the description's absolute numbers matter least for.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dmuon/model_specs.h"
+#include "dmuon/owner_plan.h"
+
+namespace dmuon {
+
+struct LinkSpec {
+  double bandwidth_GBps = 0;  // per device and direction (bus bandwidth a ring collective reaches)
+  double latency_us = 0;      // per hop
+};
+
+struct HardwareSpec {
+  std::string name;
+  std::string source;         // where the numbers come from ("estimate: ...", "measured: ...")
+  int devices_per_node = 8;
+  double matmul_tflops = 0;   // dense matmul rate in the training dtype, per device
+  double mfu = 0.4;           // fraction of it forward/backward reach
+  double ns_efficiency = 0.5; // fraction of it Newton-Schulz reaches
+  double memory_bandwidth_GBps = 0;  // element-wise optimizer work
+  double memory_GB = 0;
+  LinkSpec intra_node, inter_node;
+};
+
+// Built-in descriptions: "h200" (NVIDIA H200 SXM, estimates from public specifications until
+// docs/PERF.md has measured numbers) and "cpu-2core" (this project's 2-core CI box, from its
+// measurements in docs/PERF.md). Names ignore case.
+std::vector<std::string> hardware_preset_names();
+HardwareSpec hardware_preset(const std::string& name);
+// JSON: {"name", "source", "devices_per_node", "matmul_tflops", "mfu", "ns_efficiency",
+// "memory_bandwidth_GBps", "memory_GB", "intra_node": {"bandwidth_GBps", "latency_us"},
+// "inter_node": {...}}; every field but name/source required. Throws std::invalid_argument naming
+// the field and `source`.
+HardwareSpec hardware_from_json(const std::string& json_text, const std::string& source);
+// A preset name, or a path to such a JSON file.
+HardwareSpec load_hardware(const std::string& name_or_path);
+
+struct SimLayout {
+  int shard = 8, replicate = 1, tp = 1;  // G, R, T
+  bool z3 = true;
+  int64_t tokens = 4194304;              // per optimizer step, over the whole cluster
+  int prefetch_depth = 1;
+  int ns_steps = 5;
+  bool shard_base = false;               // the non-matrix parameters on sharded_adamw (else replicated)
+};
+
+// One design's step, in seconds per step (the critical path of the busiest rank).
+struct StepEstimate {
+  std::string design;          // "DMuon-Z3", "FSDP AdamW", "naive DP Muon", "round-robin Muon"
+  double step_s = 0;
+  double compute_s = 0;        // forward + backward FLOPs at the device rate
+  double exposed_comm_s = 0;   // communication not hidden under compute (shard axis)
+  double ns_s = 0;             // Newton-Schulz on the critical path
+  double adamw_s = 0;
+  double replicate_s = 0;      // exposed replicate-axis (HSDP) or post-NS all-gather time
+  double bytes_per_rank = 0;   // sent + received over the shard/data-parallel group per step
+  double inter_node_bytes_per_rank = 0;
+  double memory_bytes_per_rank = 0;  // model state (parameters, gradients, optimizer state, gathered matrices)
+  std::string dominant;        // the largest term beyond compute
+};
+
+struct Simulation {
+  SimLayout layout;
+  HardwareSpec hardware;
+  std::string model;
+  int64_t params = 0, muon_params = 0;
+  int devices = 0;
+  std::vector<StepEstimate> designs;  // DMuon first, then FSDP AdamW, naive DP Muon, round-robin Muon
+  double overhead_vs_adamw() const;   // DMuon step / FSDP AdamW step - 1
+};
+
+// `muon`: the Muon targets as planned (TP-local shapes when layout.tp > 1, tp_split_dim set),
+// `plan` their owner plan on layout's grid, `model` every parameter (for P and the AdamW part).
+Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& muon, const OwnerPlan& plan,
+                         const SimLayout& layout, const HardwareSpec& hw);
+
+// Newton-Schulz FLOPs of one matrix (ns_steps iterations of the Gram form: 4 m^2 n + 2 m^3).
+double ns_flops(const std::vector<int64_t>& shape, int ns_steps);
+
+}  // namespace dmuon

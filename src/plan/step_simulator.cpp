@@ -1,0 +1,325 @@
+// The step simulator (see include/dmuon/step_simulator.h).
+#include "dmuon/step_simulator.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+namespace dmuon {
+
+namespace {
+
+using json = nlohmann::json;
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  return s;
+}
+
+double log2_hops(int n) { return n <= 1 ? 0.0 : std::ceil(std::log2(static_cast<double>(n))); }
+
+// Time of one rooted collective (broadcast or reduce) of a boundary over a group of n ranks:
+// root-bottlenecked per owner, concurrent owners limited by each rank's receive rate.
+double rooted_time(const std::vector<double>& root_bytes, int n, const LinkSpec& link) {
+  if (n <= 1 || root_bytes.empty()) return 0.0;
+  double total = 0, largest = 0;
+  for (double b : root_bytes) {
+    total += b;
+    largest = std::max(largest, b);
+  }
+  const double bw = link.bandwidth_GBps * 1e9;
+  return link.latency_us * 1e-6 * log2_hops(n) +
+         std::max(largest, static_cast<double>(n - 1) / n * total) / bw;
+}
+
+// An all-gather / reduce-scatter of S bytes over n ranks: (n-1)/n * S / B (NCCL's bus bandwidth),
+// with the same latency model as the rooted collectives (log2 n hops), so no design is favoured.
+double ring_time(double bytes, int n, const LinkSpec& link) {
+  if (n <= 1 || bytes <= 0) return 0.0;
+  return link.latency_us * 1e-6 * log2_hops(n) + static_cast<double>(n - 1) / n * bytes / (link.bandwidth_GBps * 1e9);
+}
+
+// One pass over the boundaries: compute_b per boundary, comm_b per boundary; with prefetch the
+// first collective is exposed and then each boundary costs the larger of its compute and the next
+// boundary's communication.
+double pass_time(const std::vector<double>& compute, const std::vector<double>& comm, int prefetch) {
+  double t = 0;
+  if (prefetch <= 0) {
+    for (size_t b = 0; b < compute.size(); ++b) t += compute[b] + comm[b];
+    return t;
+  }
+  if (!comm.empty()) t += comm.front();
+  for (size_t b = 0; b < compute.size(); ++b) t += std::max(compute[b], b + 1 < comm.size() ? comm[b + 1] : 0.0);
+  return t;
+}
+
+const char* largest_term(const StepEstimate& e) {
+  const std::pair<double, const char*> terms[] = {{e.exposed_comm_s, "exposed shard-axis communication"},
+                                                  {e.ns_s, "Newton-Schulz on the busiest rank"},
+                                                  {e.adamw_s, "AdamW"},
+                                                  {e.replicate_s, "post-backward exchange (replicate axis / update all-gather)"}};
+  const auto* best = &terms[0];
+  for (const auto& t : terms)
+    if (t.first > best->first) best = &t;
+  return best->first > 0 ? best->second : "none (compute-bound)";
+}
+
+double need(const json& j, const char* key, const std::string& where) {
+  if (!j.contains(key) || !j[key].is_number())
+    throw std::invalid_argument(where + ": hardware description needs a number \"" + key + "\"");
+  const double v = j[key].get<double>();
+  if (!(v > 0)) throw std::invalid_argument(where + ": \"" + key + "\" must be > 0, got " + j[key].dump());
+  return v;
+}
+
+LinkSpec link_of(const json& j, const char* key, const std::string& where) {
+  if (!j.contains(key) || !j[key].is_object())
+    throw std::invalid_argument(where + ": hardware description needs an object \"" + key +
+                                "\" {\"bandwidth_GBps\", \"latency_us\"}");
+  return LinkSpec{need(j[key], "bandwidth_GBps", where + " " + key), need(j[key], "latency_us", where + " " + key)};
+}
+
+}  // namespace
+
+std::vector<std::string> hardware_preset_names() { return {"h200", "cpu-2core"}; }
+
+// The built-in descriptions, in the JSON format users write (hardware_from_json).
+static const char* preset_json(const std::string& n) {
+  if (n == "h200")
+    return R"({"name": "h200",
+      "source": "estimate: NVIDIA H200 SXM specifications (989 dense BF16 TFLOPS, 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s bidirectional of which NCCL buses reach ~360 GB/s per direction), one 400 Gb/s InfiniBand NIC per GPU (~45 GB/s); mfu 0.40 and NS efficiency 0.50 assumed. Not measured: docs/PERF.md has no H200 numbers yet",
+      "devices_per_node": 8, "matmul_tflops": 989, "mfu": 0.40, "ns_efficiency": 0.50,
+      "memory_bandwidth_GBps": 4800, "memory_GB": 141,
+      "intra_node": {"bandwidth_GBps": 360, "latency_us": 5}, "inter_node": {"bandwidth_GBps": 45, "latency_us": 10}})";
+  if (n == "cpu-2core" || n == "cpu")
+    return R"({"name": "cpu-2core",
+      "source": "this project's 2-core Debian CI box, one rank per core: OpenBLAS fp32 GEMM 92-215 GFLOP/s in bench/ns_bench (docs/PERF.md), about 60 GFLOP/s per rank reached by a training step; Gloo over 127.0.0.1 about 1 GB/s; estimates from those runs, not a --calibrate measurement",
+      "devices_per_node": 64, "matmul_tflops": 0.1, "mfu": 0.6, "ns_efficiency": 0.6,
+      "memory_bandwidth_GBps": 10, "memory_GB": 24,
+      "intra_node": {"bandwidth_GBps": 1.0, "latency_us": 50}, "inter_node": {"bandwidth_GBps": 1.0, "latency_us": 50}})";
+  return nullptr;
+}
+
+HardwareSpec hardware_preset(const std::string& name) {
+  if (const char* j = preset_json(lower(name))) return hardware_from_json(j, "built-in " + lower(name));
+  std::string names;
+  for (const auto& p : hardware_preset_names()) names += (names.empty() ? "" : ", ") + p;
+  throw std::invalid_argument("unknown hardware '" + name + "'; built-in descriptions: " + names +
+                              ", or a path to a JSON description (docs/PLAN_TOOL.md)");
+}
+
+HardwareSpec hardware_from_json(const std::string& text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(source + ": hardware description is not JSON: " + e.what());
+  }
+  if (!j.is_object()) throw std::invalid_argument(source + ": hardware description must be a JSON object");
+  HardwareSpec h;
+  h.name = j.value("name", source);
+  h.source = j.value("source", "file " + source);
+  h.devices_per_node = static_cast<int>(need(j, "devices_per_node", source));
+  h.matmul_tflops = need(j, "matmul_tflops", source);
+  h.mfu = need(j, "mfu", source);
+  h.ns_efficiency = need(j, "ns_efficiency", source);
+  h.memory_bandwidth_GBps = need(j, "memory_bandwidth_GBps", source);
+  h.memory_GB = need(j, "memory_GB", source);
+  h.intra_node = link_of(j, "intra_node", source);
+  h.inter_node = link_of(j, "inter_node", source);
+  if (h.mfu > 1 || h.ns_efficiency > 1)
+    throw std::invalid_argument(source + ": mfu and ns_efficiency are fractions of the matmul rate (<= 1)");
+  return h;
+}
+
+HardwareSpec load_hardware(const std::string& name_or_path) {
+  if (preset_json(lower(name_or_path))) return hardware_preset(name_or_path);
+  std::ifstream in(name_or_path);
+  if (!in) return hardware_preset(name_or_path);  // the error lists the presets
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return hardware_from_json(ss.str(), name_or_path);
+}
+
+double ns_flops(const std::vector<int64_t>& shape, int ns_steps) {
+  if (shape.size() < 2) return 0.0;
+  const double a = static_cast<double>(shape[0]), b = static_cast<double>(shape[1]);
+  const double m = std::min(a, b), n = std::max(a, b);
+  return ns_steps * (4 * m * m * n + 2 * m * m * m);
+}
+
+double Simulation::overhead_vs_adamw() const {
+  if (designs.size() < 2 || designs[1].step_s <= 0) return 0.0;
+  return designs[0].step_s / designs[1].step_s - 1.0;
+}
+
+Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& muon, const OwnerPlan& plan,
+                         const SimLayout& l, const HardwareSpec& hw) {
+  if (l.shard < 1 || l.replicate < 1 || l.tp < 1 || l.tokens < 1)
+    throw std::invalid_argument("simulate_step: G, R, T and tokens must be >= 1");
+  if (static_cast<int>(plan.owners.size()) != static_cast<int>(muon.size()))
+    throw std::invalid_argument("simulate_step: the plan has " + std::to_string(plan.owners.size()) +
+                                " owners for " + std::to_string(muon.size()) + " Muon matrices");
+  Simulation sim;
+  sim.layout = l;
+  sim.hardware = hw;
+  sim.model = model.name;
+  const int G = l.shard, R = l.replicate, T = l.tp, N = G * R * T, DP = G * R;
+  sim.devices = N;
+  double P_bytes = 0, PM_bytes_full = 0;
+  int64_t e = 2;
+  for (const auto& p : model.params) {
+    sim.params += p.numel();
+    P_bytes += static_cast<double>(p.bytes());
+    e = p.elem_bytes;
+  }
+  // the Muon targets' full sizes (TP slices times T)
+  std::vector<double> full_numel(muon.size());
+  for (size_t i = 0; i < muon.size(); ++i) {
+    full_numel[i] = static_cast<double>(muon[i].numel()) * (muon[i].tp_split_dim >= 0 ? T : 1);
+    sim.muon_params += static_cast<int64_t>(full_numel[i]);
+    PM_bytes_full += full_numel[i] * static_cast<double>(muon[i].elem_bytes);
+  }
+  const double PB_bytes = std::max(0.0, P_bytes - PM_bytes_full);
+  const double P = static_cast<double>(sim.params), PB = PB_bytes / static_cast<double>(e);
+  const double rate = hw.matmul_tflops * 1e12;
+  const LinkSpec& shard_link = G * T <= hw.devices_per_node ? hw.intra_node : hw.inter_node;
+  const LinkSpec& dp_link = DP * T <= hw.devices_per_node ? hw.intra_node : hw.inter_node;
+  const double compute = 6.0 * P * static_cast<double>(l.tokens) / (N * rate * hw.mfu);
+  const double adamw_per_param = 32.0 / (hw.memory_bandwidth_GBps * 1e9);  // read p, g, m, v; write p, m, v (+ master)
+
+  // boundaries in model order: Muon bytes (this TP rank's slices) and their roots
+  const CommPlan comm = plan_comm(muon, plan);
+  const size_t L = comm.boundaries.size();
+  std::vector<double> fwd_c(L), bwd_c(L), bcast(L), reduce(L), ring(L);
+  double local_PM = 0;
+  for (const auto& b : comm.boundaries) local_PM += static_cast<double>(b.payload_bytes);
+  for (size_t b = 0; b < L; ++b) {
+    const auto& bc = comm.boundaries[b];
+    const double share = local_PM > 0 ? static_cast<double>(bc.payload_bytes) / local_PM : 1.0 / L;
+    fwd_c[b] = compute / 3.0 * share;
+    bwd_c[b] = 2.0 * compute / 3.0 * share;
+    // one root per (shard) owner in this replicate group: the roots of every replicate group are
+    // the same shard columns, so the shard-axis collective is the same in each
+    std::map<int, double> by_shard;
+    for (const auto& r : bc.roots) by_shard[r.root.shard] += static_cast<double>(r.bytes);
+    std::vector<double> roots;
+    for (const auto& [s, bytes] : by_shard) roots.push_back(bytes);
+    bcast[b] = reduce[b] = rooted_time(roots, G, shard_link);
+    ring[b] = ring_time(static_cast<double>(bc.payload_bytes), DP, dp_link);  // FSDP: the same bytes sharded N ways
+  }
+
+  // ---- DMuon ----
+  StepEstimate dm;
+  dm.design = l.z3 ? "DMuon-Z3" : "DMuon-Z2";
+  dm.compute_s = compute;
+  {
+    std::vector<double> bwd_comm(L);
+    for (size_t b = 0; b < L; ++b) bwd_comm[b] = reduce[b] + (l.z3 ? bcast[b] : 0.0);
+    // backward runs the boundaries in reverse
+    std::vector<double> rc(bwd_c.rbegin(), bwd_c.rend()), rm(bwd_comm.rbegin(), bwd_comm.rend());
+    const double fwd = pass_time(fwd_c, bcast, l.prefetch_depth);
+    // with prefetch, the reduce of the last boundary backward reaches (boundary 0) is exposed too
+    const double bwd = pass_time(rc, rm, l.prefetch_depth) + (L && l.prefetch_depth > 0 ? reduce.front() : 0.0);
+    dm.exposed_comm_s = fwd + bwd - compute;
+    // Newton-Schulz: the busiest slot's full-matrix work (a split matrix's NS shared by T ranks)
+    std::vector<double> slot(static_cast<size_t>(plan.num_slots()), 0.0);
+    for (size_t i = 0; i < muon.size(); ++i) {
+      std::vector<int64_t> full = muon[i].shape;
+      if (muon[i].tp_split_dim >= 0) full[static_cast<size_t>(muon[i].tp_split_dim)] *= T;
+      slot[static_cast<size_t>(OwnerPlan::slot_index(plan.owners[i], G))] += ns_flops(full, l.ns_steps) / T;
+    }
+    const double busiest = slot.empty() ? 0.0 : *std::max_element(slot.begin(), slot.end());
+    dm.ns_s = busiest / (rate * hw.ns_efficiency);
+    dm.adamw_s = PB / T / (l.shard_base ? DP : 1) * adamw_per_param;
+    // HSDP: the stage-2 reduce of the owners' gradients over the replicate axis (inter-node)
+    if (R > 1) {
+      const double rep = static_cast<double>(comm.max_replicate()) / 2.0;  // the reduce half; the publish overlaps
+      dm.replicate_s = hw.inter_node.latency_us * 1e-6 * log2_hops(R) + rep / (hw.inter_node.bandwidth_GBps * 1e9);
+      dm.inter_node_bytes_per_rank = static_cast<double>(comm.max_replicate());
+    }
+    // + the base: an all-reduce of the replicated parameters' gradients, or (sharded) an all-gather in
+    // forward and backward and a reduce-scatter
+    dm.bytes_per_rank = static_cast<double>(l.z3 ? comm.max_z3() : comm.max_z2()) +
+                        (l.shard_base ? 3.0 : 2.0) * (DP - 1) / DP * PB_bytes / T;
+    if (G * T > hw.devices_per_node) dm.inter_node_bytes_per_rank += dm.bytes_per_rank;
+    // memory: parameters held (1/G of P_M), the owner's fp32 master, momentum and gradient (1/(G R)),
+    // the gathered window (Z3: the prefetched boundaries; Z2: every other rank's matrices), the base
+    const double held = local_PM / G, owned = local_PM / (G * R) / e * 12.0;
+    const double window = l.z3 ? (L ? 2.0 * (1 + l.prefetch_depth) * local_PM / L : 0.0) : (G - 1.0) / G * local_PM;
+    dm.memory_bytes_per_rank = held + owned + window + PB_bytes / T / (l.shard_base ? DP : 1) * (1.0 + 16.0 / e);
+    dm.step_s = compute + dm.exposed_comm_s + dm.ns_s + dm.adamw_s + dm.replicate_s;
+  }
+
+  // ---- FSDP-style AdamW (ZeRO-3 over the data-parallel ranks, all parameters sharded) ----
+  StepEstimate fs;
+  fs.design = "FSDP AdamW";
+  fs.compute_s = compute;
+  {
+    std::vector<double> bwd_comm(L);
+    for (size_t b = 0; b < L; ++b) bwd_comm[b] = 2.0 * ring[b];  // all-gather + reduce-scatter
+    std::vector<double> rc(bwd_c.rbegin(), bwd_c.rend()), rm(bwd_comm.rbegin(), bwd_comm.rend());
+    const double fwd = pass_time(fwd_c, ring, l.prefetch_depth);
+    const double bwd = pass_time(rc, rm, l.prefetch_depth) + (L && l.prefetch_depth > 0 ? ring.front() : 0.0);
+    fs.exposed_comm_s = fwd + bwd - compute;
+    fs.adamw_s = P / N * adamw_per_param;
+    fs.bytes_per_rank = 3.0 * (DP - 1) / DP * P_bytes / T;
+    if (DP * T > hw.devices_per_node) fs.inter_node_bytes_per_rank = fs.bytes_per_rank;
+    fs.memory_bytes_per_rank = P_bytes / N * (1.0 + 16.0 / e) + (L ? 2.0 * (1 + l.prefetch_depth) * local_PM / L : 0.0);
+    fs.step_s = compute + fs.exposed_comm_s + fs.adamw_s;
+  }
+
+  // ---- naive data-parallel Muon / round-robin owners (DDP: replicated parameters) ----
+  auto ddp_base = [&](StepEstimate& s) {
+    s.compute_s = compute;
+    // the gradient all-reduce (2(N-1)/N P) in buckets under the backward; the forward has none
+    const double allreduce = 2.0 * ring_time(P_bytes / T, DP, dp_link);
+    const double bwd = std::max(2.0 * compute / 3.0, allreduce) + allreduce / std::max<size_t>(L, 1);
+    s.exposed_comm_s = bwd - 2.0 * compute / 3.0;
+    s.adamw_s = PB / T * adamw_per_param;
+    s.bytes_per_rank = 2.0 * (DP - 1) / DP * P_bytes / T;
+    if (DP * T > hw.devices_per_node) s.inter_node_bytes_per_rank = s.bytes_per_rank;
+  };
+  StepEstimate nv;
+  nv.design = "naive DP Muon";
+  ddp_base(nv);
+  double all_ns = 0;
+  std::vector<double> ns_each(muon.size());
+  for (size_t i = 0; i < muon.size(); ++i) {
+    std::vector<int64_t> full = muon[i].shape;
+    if (muon[i].tp_split_dim >= 0) full[static_cast<size_t>(muon[i].tp_split_dim)] *= T;
+    ns_each[i] = ns_flops(full, l.ns_steps) / T;
+    all_ns += ns_each[i];
+  }
+  nv.ns_s = all_ns / (rate * hw.ns_efficiency);
+  nv.memory_bytes_per_rank = P_bytes / T * (2.0 + 4.0 / e) + PM_bytes_full / T * 4.0 / e + PB_bytes / T * 8.0 / e;
+  nv.step_s = compute + nv.exposed_comm_s + nv.ns_s + nv.adamw_s;
+
+  StepEstimate rr;
+  rr.design = "round-robin Muon";
+  ddp_base(rr);
+  {
+    // matrices sorted by size, matrix k on rank k mod DP; then an all-gather of every update
+    std::vector<size_t> order(muon.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return full_numel[a] > full_numel[b]; });
+    std::vector<double> per_rank(static_cast<size_t>(DP), 0.0);
+    for (size_t k = 0; k < order.size(); ++k) per_rank[k % static_cast<size_t>(DP)] += ns_each[order[k]];
+    rr.ns_s = (per_rank.empty() ? 0.0 : *std::max_element(per_rank.begin(), per_rank.end())) / (rate * hw.ns_efficiency);
+    rr.replicate_s = ring_time(PM_bytes_full / T, DP, dp_link);
+    rr.bytes_per_rank += static_cast<double>(DP - 1) / DP * PM_bytes_full / T;
+    rr.memory_bytes_per_rank = P_bytes / T * (2.0 + 4.0 / e) + PM_bytes_full / T * (4.0 / e / DP + 1.0) +
+                               PB_bytes / T * 8.0 / e;
+    rr.step_s = compute + rr.exposed_comm_s + rr.ns_s + rr.adamw_s + rr.replicate_s;
+  }
+  for (StepEstimate* s : {&dm, &fs, &nv, &rr}) s->dominant = largest_term(*s);
+  sim.designs = {dm, fs, nv, rr};
+  return sim;
+}
+
+}  // namespace dmuon
