@@ -95,7 +95,9 @@ for v in ("muon", "adamw"):
     if os.path.exists(p):
         rows[v] = json.load(open(p))
 for v, s in rows.items():
-    print(f"- {v}: step {s.get('step_ms', {})}, tokens/s {s.get('tokens_per_s')}")
+    peak = s.get("peak_memory_bytes") or [0]
+    print(f"- {v}: step {s.get('step_ms', {})}, tokens/s {s.get('tokens_per_s')}, "
+          f"peak CUDA memory {max(peak) / 2**30:.2f} GiB (caching allocator, allocated bytes)")
 if len(rows) == 2:
     def mean_step(s):
         st = s.get("step_ms")
