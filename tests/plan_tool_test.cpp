@@ -451,8 +451,10 @@ TEST(StepSimulator, TermsHaveTheirClosedForms) {
   EXPECT_DOUBLE_EQ(d.compute_s, 6 * P * 1000 / (2 * 1e12 * 0.5));
   // one rooted collective: 1 hop of latency + max(S, (G-1)/G S) / B
   const double S = 64 * 256 * 2, coll = 1e-6 + S / 10e9;
+  // the replicated embedding's gradient all-reduce at the end of backward: 2 x (1 hop + (G-1)/G S_B / B)
+  const double base = 2 * (1e-6 + 0.5 * 6400 * 2 / 10e9);
   // Z3: forward broadcast, backward broadcast + reduce, per boundary
-  EXPECT_NEAR(d.exposed_comm_s, 2 * 3 * coll, 1e-15);
+  EXPECT_NEAR(d.exposed_comm_s, 2 * 3 * coll + base, 1e-15);
   // NS: one matrix per slot, 5 steps of 4 m^2 n + 2 m^3 (m = 64, n = 256) at 1e12 * 0.25
   EXPECT_DOUBLE_EQ(ns_flops({64, 256}, 5), 5 * (4.0 * 64 * 64 * 256 + 2.0 * 64 * 64 * 64));
   EXPECT_DOUBLE_EQ(d.ns_s, ns_flops({64, 256}, 5) / (1e12 * 0.25));
@@ -465,7 +467,12 @@ TEST(StepSimulator, TermsHaveTheirClosedForms) {
   EXPECT_DOUBLE_EQ(sim.designs[2].ns_s, 2 * ns_flops({64, 256}, 5) / (1e12 * 0.25));
   // Z2: no backward broadcast
   l.z3 = false;
-  EXPECT_NEAR(simulate_step(m, muon, plan, l, hw).designs[0].exposed_comm_s, 2 * 2 * coll, 1e-15);
+  EXPECT_NEAR(simulate_step(m, muon, plan, l, hw).designs[0].exposed_comm_s, 2 * 2 * coll + base, 1e-15);
+  // with prefetch: forward hides boundary 1's broadcast under boundary 0's compute, backward hides
+  // boundary 0's gather and boundary 1's reduce under boundary 1's and 0's compute (compute-bound here)
+  l.z3 = true;
+  l.prefetch_depth = 1;
+  EXPECT_NEAR(simulate_step(m, muon, plan, l, hw).designs[0].exposed_comm_s, 3 * coll + base, 1e-15);
   // a broadcast from one root is root-bottlenecked: both matrices on one owner cost 2S / B per boundary
   // of two matrices, not (G-1)/G of it
   ModelSpec one;
@@ -476,6 +483,8 @@ TEST(StepSimulator, TermsHaveTheirClosedForms) {
   const std::vector<ParamSpec> mu1 = select_muon_params(one);
   SimLayout l1 = l;
   l1.shard = 4;
+  l1.z3 = false;  // Z2, no prefetch: one forward broadcast and one backward reduce, both exposed
+  l1.prefetch_depth = 0;
   const Simulation s1 = simulate_step(one, mu1, plan_owners(mu1, 4, 1, rank0), l1, hw);
   EXPECT_NEAR(s1.designs[0].exposed_comm_s, 2 * (2e-6 + 2 * S / 10e9), 1e-15);
 }

@@ -22,8 +22,9 @@
 // full (single-process) value, so the values do not depend on the layout: seeded_init draws every
 // parameter from a generator seeded by (seed, name), the same on 1 rank or 64.
 // initialize_parameters does the same for an undedicated model (a single-process reference).
-// Reading a deferred parameter's data before that is undefined (it has no bytes): dmuon's own
-// entry points (replicate, Module::to to another dtype) refuse a deferred parameter with an error.
+// Reading a deferred parameter's data before that is undefined (it has no bytes): do not call
+// Module::to with another dtype or device on it (build it in its final dtype and device instead),
+// print it or compute with it; replicate() without a param_source refuses a deferred model.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -11,12 +11,15 @@
 //             receive faster than its link: time = latency * ceil(log2 G) + max(max_root S_o,
 //             (G-1)/G * S_boundary) / B, B the intra-node link when G * T ranks fit in a node, else
 //             the inter-node one (NCCL's bus-bandwidth view of a ring broadcast);
-//   overlap   with prefetch depth >= 1 each boundary's communication hides under the neighbouring
-//             boundary's compute: a pass costs the first exposed collective + sum_b max(compute_b,
-//             comm_b) (prefetch 0: the sum of both);
+//   overlap   with prefetch depth >= 1: forward costs the first broadcast + sum_b max(compute_b,
+//             broadcast_{b+1}); backward (in reverse) the first gather (Z3) + sum_k max(compute_k,
+//             gather_{k-1} + reduce_{k+1}) + the last reduce; prefetch 0: every term added;
 //   Z3        forward broadcast, backward broadcast + reduce; Z2 forward broadcast, backward reduce;
+//   base      the non-matrix parameters' collectives (replicated: an all-reduce at the end of
+//             backward; sharded: gathers and a reduce-scatter), exposed;
 //   NS        the busiest owner slot's Newton-Schulz FLOPs (5 steps of 4 m^2 n + 2 m^3, m the smaller
-//             side) / (matmul rate * ns_efficiency), a TP-split matrix's work shared by its T ranks;
+//             side) / (matmul rate * ns_efficiency), a TP-split matrix's work shared by its T ranks
+//             (a whole matrix runs on every TP rank);
 //   AdamW     element-wise, memory-bound: 32 bytes per parameter updated / memory bandwidth;
 //   HSDP      the stage-2 reduce over the replicate axis (inter-node) after backward is exposed; the
 //             post-step publish overlaps the next forward.

@@ -146,18 +146,19 @@ void assign_model(torch::nn::Module& model, Runtime& st, ParamSource& source) {
     at::Tensor p = item.value().detach();
     const TensorRegion region = st.region_of(item.key(), p.sizes());
     if (at::Tensor m = st.master_of(item.value()); m.defined()) {
-      Runtime::fill_from(source, item.key(), region, m);
+      st.fill_from(source, item.key(), region, m);
       p.copy_(m);
     } else {
-      Runtime::fill_from(source, item.key(), region, p);
+      st.fill_from(source, item.key(), region, p);
     }
   }
   for (const auto& item : model.named_buffers(true)) {
     at::Tensor b = item.value().detach();
-    Runtime::fill_from(source, item.key(), TensorRegion::whole(b.sizes()), b);
+    st.fill_from(source, item.key(), TensorRegion::whole(b.sizes()), b);
   }
   // nothing from before the load survives: gradients are dropped (the routes dropped theirs)
   for (const auto& item : model.named_parameters(true)) item.value().mutable_grad() = at::Tensor();
+  st.agree_fills("set_model_state_dict");
 }
 }  // namespace
 

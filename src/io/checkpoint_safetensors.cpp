@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <fstream>
+#include <stdexcept>
 #include <nlohmann/json.hpp>
 
 #include "dmuon/safetensors.h"
@@ -80,8 +81,13 @@ std::shared_ptr<ParamSource> checkpoint_safetensors_model_source(const std::stri
   SafetensorsSourceOptions o;
   o.prefix = kSections[0];
   o.what = where;
-  for (auto it = sums.begin(); it != sums.end(); ++it)
-    if (it.key().rfind(o.prefix, 0) == 0 && it->is_number_unsigned()) o.crc32c[it.key()] = it->get<uint32_t>();
+  for (auto it = sums.begin(); it != sums.end(); ++it) {
+    if (it.key().rfind(o.prefix, 0) != 0) continue;
+    if (!it->is_number_unsigned())
+      throw std::invalid_argument(where + " is corrupt: its \"crc32c\" metadata records " + it->dump() + " for '" +
+                                  it.key() + "', which is not a checksum.");
+    o.crc32c[it.key()] = it->get<uint32_t>();
+  }
   return safetensors_source(path, o);
 }
 

@@ -234,8 +234,8 @@ constexpr int64_t kCpuBatchMaxDim = 64;
 
 // The deferred whole-matrix Newton-Schulz of a pass: the matrices are grouped by their shape after
 // orientation (wide: rows <= cols), dtype, device and NS steps; each group runs as stacked batches of
-// at most ns_batch_cap_bytes (one NS call each, every matrix normalised on its own), and each result
-// is applied in the pass's order. The TP gather jobs stay in `pending`. `log(target, ms)`
+// at most ns_batch_cap_bytes (one NS call each, every matrix normalised on its own); each batch's
+// results are applied as soon as they exist (the updates are independent, so the order is free). The TP gather jobs stay in `pending`. `log(target, ms)`
 // is called per matrix (ms: its share of its batch's time).
 void run_local_ns(std::vector<TpUpdate>& pending, const NewtonSchulz& ns, detail::PhaseClock& clock,
                   const std::function<void(const at::Tensor& target, double ms)>& log) {
@@ -369,7 +369,10 @@ void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh
   if (r.tp_owner < 0) {  // batched with the pass's other matrices of this shape (run_local_ns)
     job.ready = r;
     job.steps = steps;
-    job.local_input = [g, buf, nesterov, mu] { return nesterov ? g.add(buf, mu) : buf; };
+    if (nesterov)
+      job.local_input = [g, buf, mu] { return g.add(buf, mu); };
+    else
+      job.local_input = [buf] { return buf; };
     job.input_like = buf;
     tp_pending.push_back(std::move(job));
   } else {

@@ -58,6 +58,27 @@ double pass_time(const std::vector<double>& compute, const std::vector<double>& 
   return t;
 }
 
+// Backward over the boundaries in reverse: boundary k needs its gather (Z3 re-broadcast, FSDP
+// all-gather; 0 under Z2) before its compute and reduces after it. With prefetch the first gather is
+// exposed, then boundary k's compute hides the next boundary's gather and the previous one's reduce,
+// and the last reduce (boundary 0's) is exposed.
+double backward_time(const std::vector<double>& compute, const std::vector<double>& gather,
+                     const std::vector<double>& reduce, int prefetch) {
+  const size_t L = compute.size();
+  double t = 0;
+  if (L == 0) return 0.0;
+  if (prefetch <= 0) {
+    for (size_t b = 0; b < L; ++b) t += compute[b] + gather[b] + reduce[b];
+    return t;
+  }
+  t += gather[L - 1];
+  for (size_t k = L; k-- > 0;) {
+    const double hidden = (k > 0 ? gather[k - 1] : 0.0) + (k + 1 < L ? reduce[k + 1] : 0.0);
+    t += std::max(compute[k], hidden);
+  }
+  return t + reduce[0];
+}
+
 const char* largest_term(const StepEstimate& e) {
   const std::pair<double, const char*> terms[] = {{e.exposed_comm_s, "exposed shard-axis communication"},
                                                   {e.ns_s, "Newton-Schulz on the busiest rank"},
@@ -218,25 +239,31 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
   StepEstimate dm;
   dm.design = l.z3 ? "DMuon-Z3" : "DMuon-Z2";
   dm.compute_s = compute;
+  // the non-matrix parameters: replicated (a gradient all-reduce at the end of backward) or
+  // sharded_adamw (1/G per rank: all-gathers in forward and backward and a reduce-scatter over the
+  // shard axis, an all-reduce of the slices over the replicate axis); exposed (embedding and head
+  // sit at the ends of the passes)
+  const double base_comm = l.shard_base ? 3.0 * ring_time(PB_bytes / T, G, shard_link) +
+                                              2.0 * ring_time(PB_bytes / (G * T), R, hw.inter_node)
+                                        : 2.0 * ring_time(PB_bytes / T, DP, dp_link);
   {
-    std::vector<double> bwd_comm(L);
-    for (size_t b = 0; b < L; ++b) bwd_comm[b] = reduce[b] + (l.z3 ? bcast[b] : 0.0);
-    // backward runs the boundaries in reverse
-    std::vector<double> rc(bwd_c.rbegin(), bwd_c.rend()), rm(bwd_comm.rbegin(), bwd_comm.rend());
+    std::vector<double> none(L, 0.0);
     const double fwd = pass_time(fwd_c, bcast, l.prefetch_depth);
-    // with prefetch, the reduce of the last boundary backward reaches (boundary 0) is exposed too
-    const double bwd = pass_time(rc, rm, l.prefetch_depth) + (L && l.prefetch_depth > 0 ? reduce.front() : 0.0);
-    dm.exposed_comm_s = fwd + bwd - compute;
+    const double bwd = backward_time(bwd_c, l.z3 ? bcast : none, reduce, l.prefetch_depth);
+    dm.exposed_comm_s = fwd + bwd - compute + base_comm;
     // Newton-Schulz: the busiest slot's full-matrix work (a split matrix's NS shared by T ranks)
     std::vector<double> slot(static_cast<size_t>(plan.num_slots()), 0.0);
     for (size_t i = 0; i < muon.size(); ++i) {
       std::vector<int64_t> full = muon[i].shape;
       if (muon[i].tp_split_dim >= 0) full[static_cast<size_t>(muon[i].tp_split_dim)] *= T;
-      slot[static_cast<size_t>(OwnerPlan::slot_index(plan.owners[i], G))] += ns_flops(full, l.ns_steps) / T;
+      // a split matrix's NS is shared by its T ranks (its TP owner, or the distributed Gram); a whole
+      // one runs on every TP rank
+      slot[static_cast<size_t>(OwnerPlan::slot_index(plan.owners[i], G))] +=
+          ns_flops(full, l.ns_steps) / (muon[i].tp_split_dim >= 0 ? T : 1);
     }
     const double busiest = slot.empty() ? 0.0 : *std::max_element(slot.begin(), slot.end());
     dm.ns_s = busiest / (rate * hw.ns_efficiency);
-    dm.adamw_s = PB / T / (l.shard_base ? DP : 1) * adamw_per_param;
+    dm.adamw_s = PB / T / (l.shard_base ? G : 1) * adamw_per_param;
     // HSDP: the stage-2 reduce of the owners' gradients over the replicate axis (inter-node)
     if (R > 1) {
       const double rep = static_cast<double>(comm.max_replicate()) / 2.0;  // the reduce half; the publish overlaps
@@ -246,13 +273,14 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
     // + the base: an all-reduce of the replicated parameters' gradients, or (sharded) an all-gather in
     // forward and backward and a reduce-scatter
     dm.bytes_per_rank = static_cast<double>(l.z3 ? comm.max_z3() : comm.max_z2()) +
-                        (l.shard_base ? 3.0 : 2.0) * (DP - 1) / DP * PB_bytes / T;
+                        (l.shard_base ? 3.0 * (G - 1) / G * PB_bytes / T + 2.0 * (R - 1) / R * PB_bytes / (G * T)
+                                      : 2.0 * (DP - 1) / DP * PB_bytes / T);
     if (G * T > hw.devices_per_node) dm.inter_node_bytes_per_rank += dm.bytes_per_rank;
     // memory: parameters held (1/G of P_M), the owner's fp32 master, momentum and gradient (1/(G R)),
     // the gathered window (Z3: the prefetched boundaries; Z2: every other rank's matrices), the base
     const double held = local_PM / G, owned = local_PM / (G * R) / e * 12.0;
     const double window = l.z3 ? (L ? 2.0 * (1 + l.prefetch_depth) * local_PM / L : 0.0) : (G - 1.0) / G * local_PM;
-    dm.memory_bytes_per_rank = held + owned + window + PB_bytes / T / (l.shard_base ? DP : 1) * (1.0 + 16.0 / e);
+    dm.memory_bytes_per_rank = held + owned + window + PB_bytes / T / (l.shard_base ? G : 1) * (1.0 + 16.0 / e);
     dm.step_s = compute + dm.exposed_comm_s + dm.ns_s + dm.adamw_s + dm.replicate_s;
   }
 
@@ -261,12 +289,11 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
   fs.design = "FSDP AdamW";
   fs.compute_s = compute;
   {
-    std::vector<double> bwd_comm(L);
-    for (size_t b = 0; b < L; ++b) bwd_comm[b] = 2.0 * ring[b];  // all-gather + reduce-scatter
-    std::vector<double> rc(bwd_c.rbegin(), bwd_c.rend()), rm(bwd_comm.rbegin(), bwd_comm.rend());
+    // all-gather in forward; all-gather before and reduce-scatter after each boundary's backward; the
+    // non-matrix parameters sharded like the rest (gathers and reduce-scatter at the ends, exposed)
     const double fwd = pass_time(fwd_c, ring, l.prefetch_depth);
-    const double bwd = pass_time(rc, rm, l.prefetch_depth) + (L && l.prefetch_depth > 0 ? ring.front() : 0.0);
-    fs.exposed_comm_s = fwd + bwd - compute;
+    const double bwd = backward_time(bwd_c, ring, ring, l.prefetch_depth);
+    fs.exposed_comm_s = fwd + bwd - compute + 3.0 * ring_time(PB_bytes / T, DP, dp_link);
     fs.adamw_s = P / N * adamw_per_param;
     fs.bytes_per_rank = 3.0 * (DP - 1) / DP * P_bytes / T;
     if (DP * T > hw.devices_per_node) fs.inter_node_bytes_per_rank = fs.bytes_per_rank;
@@ -293,7 +320,7 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
   for (size_t i = 0; i < muon.size(); ++i) {
     std::vector<int64_t> full = muon[i].shape;
     if (muon[i].tp_split_dim >= 0) full[static_cast<size_t>(muon[i].tp_split_dim)] *= T;
-    ns_each[i] = ns_flops(full, l.ns_steps) / T;
+    ns_each[i] = ns_flops(full, l.ns_steps) / (muon[i].tp_split_dim >= 0 ? T : 1);
     all_ns += ns_each[i];
   }
   nv.ns_s = all_ns / (rate * hw.ns_efficiency);

@@ -137,9 +137,13 @@ void Runtime::build(const ParamPredicate& predicate) {
 
   // 6. hooks and initial data (while every parameter is still full-size: the accumulator caches
   // the shape)
+  // before the installs' broadcasts: every rank has its values, or all throw (whether any parameter
+  // is deferred is the same on every rank: it is part of the fingerprint)
+  const bool deferred = deferred_source_ != nullptr;
+  deferred_source_ = nullptr;  // setup only: the caller owns the source
+  if (deferred) agree_fills("dedicate_params");
   sharded_->install();
   dedicated_->install();
-  deferred_source_ = nullptr;  // setup only: the caller owns the source
 }
 
 void Runtime::check_deferred(const torch::nn::Module& model, uint64_t& digest) {
@@ -170,9 +174,32 @@ TensorRegion Runtime::region_of(const std::string& name, at::IntArrayRef local_s
 }
 
 void Runtime::fill_from(ParamSource& source, const std::string& name, const TensorRegion& region, at::Tensor& out) {
-  TORCH_CHECK(out.sizes().vec() == region.size, "fill_from: '", name, "': the destination has shape ", out.sizes(),
-              " but the region ", at::IntArrayRef(region.size));
-  source.fill(name, region, out);
+  if (!fill_error_.empty()) return;  // the first failure is the one reported
+  try {
+    TORCH_CHECK(out.sizes().vec() == region.size, "'", name, "': the destination has shape ", out.sizes(),
+                " but the region ", at::IntArrayRef(region.size));
+    source.fill(name, region, out);
+  } catch (const std::exception& e) {
+    const auto* ce = dynamic_cast<const c10::Error*>(&e);
+    fill_error_ = "reading '" + name + "' from " + source.describe() + ": " +
+                  (ce ? ce->what_without_backtrace() : std::string(e.what()));
+  }
+}
+
+void Runtime::agree_fills(const std::string& what) {
+  const int n = mesh_->world_size();
+  auto opt = at::TensorOptions().dtype(at::kLong);
+  at::Tensor mine = at::tensor({fill_error_.empty() ? int64_t{0} : int64_t{1}}, opt);
+  at::Tensor all = at::empty({n}, opt);
+  mesh_->world().allgather_flat(all, mine, what + ": parameter values read").wait();
+  const at::Tensor host = all.cpu();
+  std::string failed;
+  for (int r = 0; r < n; ++r)
+    if (host.data_ptr<int64_t>()[r] != 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+  std::string mine_err = std::move(fill_error_);
+  fill_error_.clear();
+  TORCH_CHECK(failed.empty(), "rank ", mesh_->global_rank(), ": ", what, ": reading the parameter values failed on rank(s) ",
+              failed, mine_err.empty() ? std::string(" (this rank read its share; see their errors)") : ": " + mine_err);
 }
 
 std::map<std::string, int> Runtime::check_tp_modules(const torch::nn::Module& model) const {

@@ -91,7 +91,7 @@ void DedicatedRoute::build(std::vector<DedicatedEntry> entries, const OwnerPlan&
         if (is_deferred(e.param)) {  // only holders materialise it, straight into their buffer
           if (!keeps) continue;
           at::Tensor target = mv.defined() ? mv : buf.views[k];
-          Runtime::fill_from(*rt_.deferred_source(), e.name, detail::tp_region(e.shape, e.tp_dim, mesh.tp_rank(),
+          rt_.fill_from(*rt_.deferred_source(), e.name, detail::tp_region(e.shape, e.tp_dim, mesh.tp_rank(),
                                                                                mesh.tp_size()), target);
           if (mv.defined()) buf.views[k].copy_(mv);
           e.preset = true;
@@ -592,10 +592,10 @@ void DedicatedRoute::assign_from(ParamSource& source) {
     // the ranks that hold the matrix between steps: its owner / holders, every rank on the DDP path;
     // the owner's master (when it keeps one) takes the full-precision value
     if (at::Tensor m = rt_.master_of(e.param); m.defined()) {
-      Runtime::fill_from(source, e.name, region, m);
+      rt_.fill_from(source, e.name, region, m);
       if (buf.is_root || ddp_) view.copy_(m);
     } else if (buf.is_root || ddp_) {
-      Runtime::fill_from(source, e.name, region, view);
+      rt_.fill_from(source, e.name, region, view);
     }
   }
   for_each_buffer([&](int b, PackedBuffer& buf) {  // all_gather mode: every rank's shard of the new value

@@ -126,8 +126,13 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   const std::map<std::string, int>& tp_split() const { return tp_split_; }
   // The box of `name`'s full value this TP rank holds (the whole value without a TP split).
   TensorRegion region_of(const std::string& name, at::IntArrayRef local_shape) const;
-  // Writes the box `region` of `name` into `out` from `source` (converting dtype and device).
-  static void fill_from(ParamSource& source, const std::string& name, const TensorRegion& region, at::Tensor& out);
+  // Writes the box `region` of `name` into `out` from `source` (converting dtype and device). A
+  // failure (a missing or damaged tensor, a read error) is recorded, not thrown, so every rank still
+  // reaches the same collectives; agree_fills() then throws on every rank when any rank failed.
+  void fill_from(ParamSource& source, const std::string& name, const TensorRegion& region, at::Tensor& out);
+  // collective (the world): throws on every rank, naming the ranks that failed and this rank's
+  // error, when a fill_from since the last call failed anywhere.
+  void agree_fills(const std::string& what);
   // setup only: checks the deferred parameters against the source and mixes which are deferred
   // into the fingerprint `digest`
   void check_deferred(const torch::nn::Module& model, uint64_t& digest);
@@ -175,6 +180,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   OwnerPlan plan_;
   std::vector<ParamSpec> specs_;               // planner input, per dedicated param
   std::vector<std::string> boundary_of_param_;  // hook boundary name, per dedicated param
+  std::string fill_error_;  // the first failed fill_from since agree_fills
   ParamSource* deferred_source_ = nullptr;
   std::map<std::string, int> tp_split_;         // TP-split parameters (build)
   std::vector<Boundary> boundaries_;

@@ -221,7 +221,7 @@ void ShardedRoute::fill_shard(ShardedEntry& e, ParamSource& source) const {
   if (len == 0) return;
   const auto [rows, skip] = detail::rows_covering(rt_.region_of(e.name, e.shape), begin, len);
   at::Tensor part = at::empty(rows.size, e.shard.options());
-  Runtime::fill_from(source, e.name, rows, part);
+  rt_.fill_from(source, e.name, rows, part);
   e.shard.narrow(0, 0, len).copy_(part.reshape(-1).narrow(0, skip, len));
 }
 
