@@ -19,6 +19,7 @@
 #include <iostream>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <sstream>
 
 #include "cli_commands.h"
@@ -28,6 +29,8 @@
 #include "dmuon/dedicate.h"
 #include "dmuon/memory.h"
 #include "dmuon/muon.h"
+#include "dmuon/ns_calibration.h"
+#include "dmuon/step_simulator.h"
 #include "model/dedicated_gpt.h"
 #include "model/gpt.h"
 
@@ -51,6 +54,7 @@ struct BenchArgs {
   int pack = -1;  // pack_small_params for DMuon: -1 = library default
   int replicate = 1;  // HSDP replicate groups for the DMuon variants (adds dmuon_z3_1pass)
   bool shard_base = false;  // adds dmuon_z3_sb: Z3 with the non-matrix parameters on sharded_adamw
+  std::string predict;      // a hardware description: price every variant with the step simulator
 };
 
 double median(std::vector<double> v) {
@@ -125,6 +129,103 @@ class Variant {
 
   const std::string& name() const { return name_; }
   int tag() const { return tag_; }
+
+  // The matrices' shapes, fp32 (what --predict calibrates).
+  std::vector<NsShape> matrix_shapes() const {
+    std::vector<NsShape> out;
+    for (const auto& [n, t] : matrices_) out.push_back({t.size(0), t.numel() / t.size(0), 4});
+    return out;
+  }
+
+  // The step simulator's price of this variant on `hw` (step_simulator.h), from this rank's view: the
+  // runtime's own plan (DMuon) and the model's real parameter list, `tokens` per step. Bytes are this
+  // rank's: its share of the comm plan (Z2/Z3, replicate axis) plus the base all-reduce, and the
+  // runtime's has-gradient flags (one fp32 element per parameter in every gradient payload: a matrix's
+  // reduce, a replicated bucket). Empty for the variants the simulator has no design for (DDP AdamW).
+  std::optional<nlohmann::json> predict(const HardwareSpec& hw, int64_t tokens) const {
+    const int world = b_.world_size, rank = b_.rank;
+    ModelSpec spec;
+    spec.name = "bench GPT";
+    std::vector<ParamSpec> muon;
+    std::vector<std::string> boundary;
+    for (const auto& item : model_->named_parameters(true)) {
+      ParamSpec p;
+      p.name = item.key();
+      p.elem_bytes = static_cast<int64_t>(item.value().element_size());
+      p.shape = item.value().sizes().vec();
+      spec.params.push_back(p);
+    }
+    OwnerPlan plan;
+    if (dmuon_) {
+      for (const DedicatedParam& d : get_dedicated_params(*model_)) {
+        ParamSpec p;
+        p.name = d.name;
+        p.shape = d.shape;
+        p.elem_bytes = static_cast<int64_t>(d.param.element_size());
+        muon.push_back(p);
+        boundary.push_back(d.boundary);
+      }
+      for (auto& p : spec.params)  // placeholders on non-owners: the full shapes
+        for (const auto& m : muon)
+          if (m.name == p.name) p.shape = m.shape;
+      plan = *get_owner_plan(*model_);
+    } else {
+      for (const auto& [n, t] : matrices_) {
+        ParamSpec p;
+        p.name = n;
+        p.shape = t.sizes().vec();
+        p.elem_bytes = static_cast<int64_t>(t.element_size());
+        muon.push_back(p);
+      }
+      plan = plan_owners(muon, world, 1, PlanOptions{});  // the designs below do not use its owners
+    }
+    SimLayout l;
+    l.replicate = dmuon_ ? a_.replicate : 1;
+    l.shard = world / l.replicate;
+    l.z3 = name_ != "dmuon_z2";
+    l.tokens = tokens;
+    l.prefetch_depth = DedicateOptions{}.forward_prefetch_depth;  // make_dedicated_gpt keeps the default
+    l.ns_steps = opts_.ns_steps;
+    l.shard_base = name_ == "dmuon_z3_sb";
+    const Simulation sim = simulate_step(spec, muon, plan, l, hw);
+    const StepEstimate* e = nullptr;
+    if (dmuon_) e = &sim.designs[0];
+    if (name_ == "baseline_a") e = &sim.designs[2];
+    if (name_ == "baseline_b") e = &sim.designs[3];
+    if (!e) return std::nullopt;
+    double pb = 0, base = 0;
+    for (const auto& p : spec.params) pb += static_cast<double>(ParamSpec(p).numel() * p.elem_bytes);
+    for (const auto& m : muon) base -= static_cast<double>(m.numel() * m.elem_bytes);
+    base += pb;
+    double bytes = 0;
+    const double flag = 4.0, ring = 2.0 * (world - 1) / world;
+    const double n_base = static_cast<double>(spec.params.size() - muon.size());
+    if (dmuon_) {
+      const CommPlan comm = plan_comm(muon, plan, boundary);
+      bytes = static_cast<double>(l.z3 ? comm.per_rank_bytes_z3[static_cast<size_t>(rank)]
+                                       : comm.per_rank_bytes_z2[static_cast<size_t>(rank)]);
+      if (l.replicate > 1) bytes += static_cast<double>(comm.per_rank_replicate_bytes[static_cast<size_t>(rank)]);
+      bytes += l.shard_base ? e->bytes_per_rank - static_cast<double>(l.z3 ? comm.max_z3() : comm.max_z2())
+                            : ring * (base + flag * n_base);
+      // flags: every matrix this rank reduces to another shard's owner, and (HSDP) to another replicate's
+      const int shard = rank % l.shard, rep = rank / l.shard;
+      for (const OwnerCoord& o : plan.owners) {
+        if (o.shard != shard) bytes += flag;
+        else if (o.replicate != rep) bytes += flag;
+      }
+    } else {
+      bytes = 2.0 * (world - 1) / world * pb + ring * flag * static_cast<double>(spec.params.size());
+      if (name_ == "baseline_b")  // this implementation's all-gather: rounds of N matrices, padded to the largest
+        for (size_t r0 = 0; r0 < order_.size(); r0 += static_cast<size_t>(world)) {
+          int64_t maxn = 0;
+          for (size_t k = r0; k < std::min(order_.size(), r0 + world); ++k)
+            maxn = std::max<int64_t>(maxn, matrices_[static_cast<size_t>(order_[k])].second.numel());
+          bytes += static_cast<double>(world - 1) * static_cast<double>(maxn) * 4.0;
+        }
+    }
+    return nlohmann::json{{"step_ms", e->step_s * 1e3}, {"ns_ms", e->ns_s * 1e3}, {"bytes", bytes},
+                          {"compute_ms", e->compute_s * 1e3}, {"exposed_comm_ms", e->exposed_comm_s * 1e3}};
+  }
 
   // returns {step ms, NS ms, bytes}
   std::array<double, 3> step(const at::Tensor& batch, double& loss_out) {
@@ -260,13 +361,52 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
     peak[v] = all.max().item<double>();
   }
   nlohmann::json res = nlohmann::json::array();
-  for (size_t v = 0; v < vs.size(); ++v)
+  std::optional<HardwareSpec> hw;
+  if (!a.predict.empty()) {
+    // every rank measures at once, so the rates are those of the box loaded as the steps load it
+    hw = load_hardware(a.predict);
+    trainer.barrier("bench calibration");
+    NsCalibrationOptions co;
+    co.reps = 3;
+    const DeviceRates rates = measure_device_rates(at::kCPU, 3);
+    // mfu: this model's forward + backward on one rank's micro-batch (a plain GPT, no hooks) against
+    // the matmul rate, as the simulator prices compute (6 P tokens / rate / mfu)
+    {
+      models::GPTConfig cfg;
+      cfg.vocab_size = 256;
+      cfg.d_model = a.d_model;
+      cfg.n_layers = a.layers;
+      cfg.n_heads = a.heads;
+      cfg.d_ff = a.d_ff;
+      models::GPT plain(cfg);
+      const at::Tensor batch = sample_batch(text, a.batch, a.seq_len, a.seed, 0).narrow(0, 0, a.batch / world);
+      std::vector<double> t;
+      for (int r = 0; r < 4; ++r) {
+        const auto t0 = std::chrono::steady_clock::now();
+        plain->zero_grad();
+        plain->loss(batch).backward();
+        if (r > 0) t.push_back(elapsed_ms(t0) * 1e-3);
+      }
+      double P = 0;
+      for (const auto& p : plain->parameters()) P += static_cast<double>(p.numel());
+      const double tokens = static_cast<double>(a.batch / world * a.seq_len);
+      hw->mfu = std::min(1.0, 6.0 * P * tokens / median(t) / (rates.matmul_tflops * 1e12));
+    }
+    hw->ns_profile = std::make_shared<const NsProfile>(measure_ns_profile(vs.back()->matrix_shapes(), co));
+    hw->matmul_tflops = rates.matmul_tflops;
+    hw->memory_bandwidth_GBps = rates.memory_bandwidth_GBps;
+    trainer.barrier("bench calibration done");
+  }
+  for (size_t v = 0; v < vs.size(); ++v) {
     res.push_back({{"variant", vs[v]->name()},
                    {"peak_bytes", peak[v]},
                    {"step_ms", median(step_ms[v])},
                    {"ns_ms", median(ns_ms[v])},
                    {"bytes", std::accumulate(bytes[v].begin(), bytes[v].end(), 0.0) / bytes[v].size()},
                    {"loss", loss[v]}});
+    if (hw)
+      if (auto p = vs[v]->predict(*hw, a.batch * a.seq_len)) res.back()["predicted"] = *p;
+  }
   if (b.rank == 0) {
     std::filesystem::create_directories(a.out);
     write_file_atomic(a.out + "/bench_step_N" + std::to_string(world) + ".json", res.dump(2));
@@ -302,6 +442,10 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
                  "Z3 with group_prepare_ahead off")
       ->capture_default_str();
   app.add_flag("--shard-base", a.shard_base, "add dmuon_z3_sb: Z3 with the non-matrix parameters on sharded_adamw");
+  app.add_option("--predict", a.predict,
+                 "a hardware description (its links, mfu): print the step simulator's prediction of every variant "
+                 "next to the measurement, with the matmul rate, memory bandwidth and NS profile measured by all "
+                 "ranks at once after the steps");
   if (auto rc = parse_args(app, std::vector<std::string>(args.begin() + 1, args.end()), out, err)) return *rc;
   try {
     if (launched_as_rank()) return run_bench_rank(a, out);
@@ -352,6 +496,23 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
         if (p_step > 0) out << std::setw(12) << st / p_step;
         out << "\n";
       }
+    }
+    if (!a.predict.empty()) {
+      out << "\npredicted by the step simulator (--predict " << a.predict << "), rank 0's bytes\n"
+          << std::left << std::setw(4) << "N" << std::setw(12) << "variant" << std::right << std::setw(10) << "step_ms"
+          << std::setw(10) << "pred_ms" << std::setw(10) << "pred/meas" << std::setw(10) << "NS_ms" << std::setw(10)
+          << "pred_NS" << std::setw(14) << "bytes" << std::setw(14) << "pred_bytes" << std::setw(10) << "diff" << "\n";
+      for (int n : ns)
+        for (const auto& r : all[std::to_string(n)]) {
+          if (!r.contains("predicted")) continue;
+          const auto& p = r["predicted"];
+          const double st = r["step_ms"], ps = p["step_ms"], by = r["bytes"], pby = p["bytes"];
+          out << std::left << std::setw(4) << n << std::setw(12) << r["variant"].get<std::string>() << std::right
+              << std::fixed << std::setprecision(1) << std::setw(10) << st << std::setw(10) << ps << std::setprecision(3)
+              << std::setw(10) << (st > 0 ? ps / st : 0) << std::setprecision(1) << std::setw(10)
+              << r["ns_ms"].get<double>() << std::setw(10) << p["ns_ms"].get<double>() << std::setprecision(0)
+              << std::setw(14) << by << std::setw(14) << pby << std::setw(10) << by - pby << "\n";
+        }
     }
     write_file_atomic(a.out + "/bench_step.json", all.dump(2));
     return 0;

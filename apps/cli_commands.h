@@ -5,7 +5,12 @@
 #include <string>
 #include <vector>
 
+#include "plan_cmd.h"
+
 namespace dmuon::cli {
+
+// `dmuon plan --calibrate`'s measurement (NS per shape, matmul rate, memory bandwidth on one device).
+CalibrationResult calibrate_device(const CalibrationRequest& req, std::ostream& log);
 
 // `dmuon train ...`: trains a small GPT on N local ranks (or as one rank under a launcher).
 int run_train_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);

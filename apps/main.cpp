@@ -30,7 +30,11 @@ int main(int argc, char** argv) {
   }
   const std::string cmd = argv[1];
   std::vector<std::string> rest(argv + 2, argv + argc);
+#ifdef DMUON_CLI_FULL
+  if (cmd == "plan") return dmuon::cli::run_plan_command(rest, std::cout, std::cerr, &dmuon::cli::calibrate_device);
+#else
   if (cmd == "plan") return dmuon::cli::run_plan_command(rest, std::cout, std::cerr);
+#endif
 #ifdef DMUON_CLI_FULL
   if (cmd == "train") return dmuon::cli::run_train_command(rest, std::cout, std::cerr);
   if (cmd == "bench") return dmuon::cli::run_bench_command(rest, std::cout, std::cerr);

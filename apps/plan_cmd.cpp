@@ -6,7 +6,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <map>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -16,6 +18,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "dmuon/env.h"
 #include "dmuon/model_specs.h"
 #include "dmuon/owner_plan.h"
 #include "dmuon/plan_json.h"
@@ -114,7 +117,80 @@ struct Args {
   bool shard_base = false;
   int show_slots = 16;
   int show_boundaries = 2;
+  std::string ns_profile;  // --ns-profile FILE
+  // --calibrate FILE: measure this device, write a hardware description with an NS profile
+  std::string calibrate, device = "cpu";
+  int reps = 5, batch = 8, threads = 0;
 };
+
+// ---- --calibrate ---------------------------------------------------------------------------------
+// Measures the model's Muon shapes (and the device's matmul rate and memory bandwidth), and writes a
+// hardware description: the --hardware one with the measured numbers in place and an "ns_profile".
+// The links stay the base description's (named in "source"): --calibrate measures one device.
+int run_calibration(std::ostream& out, const std::vector<ParamSpec>& full, const Args& a, const CalibrateFn& fn) {
+  if (!fn)
+    throw UsageError("--calibrate measures this device with LibTorch; this dmuon was built without it "
+                     "(plan-only). Use the full build's `dmuon plan --calibrate`");
+  if (a.reps < 1 || a.batch < 2 || a.threads < 0)
+    throw UsageError("--reps must be >= 1, --batch >= 2 and --threads >= 0");
+  if (full.empty()) throw UsageError("--calibrate: the model has no Muon targets to measure");
+  CalibrationRequest req;
+  req.device = a.device;
+  req.reps = a.reps;
+  req.batch = a.batch;
+  req.ns_steps = a.ns_steps;
+  req.threads = a.threads;
+  for (const ParamSpec& p : full) {
+    const int64_t m = p.shape.size() >= 2 ? p.shape[0] : 1;
+    req.shapes.push_back({m, m > 0 ? p.numel() / m : 0, p.elem_bytes});
+  }
+  const CalibrationResult r = fn(req, out);
+  const HardwareSpec base = load_hardware(a.hardware);
+  // NS efficiency: the largest measured shape's multiply rate against the matmul rate (<= 1)
+  double eff = base.ns_efficiency, best = 0;
+  for (const NsTiming& t : r.profile.timings) {
+    const double fl = ns_flops({t.rows, t.cols}, r.profile.ns_steps);
+    if (fl > best && r.matmul_tflops > 0) {
+      best = fl;
+      eff = std::min(1.0, fl / (t.single_us * 1e-6) / (r.matmul_tflops * 1e12));
+    }
+  }
+  json j = {{"name", "calibrated-" + r.profile.device},
+            {"source", "measured by `dmuon plan --calibrate` on " + r.profile.device + ": " + r.describe +
+                           "; NS efficiency from the largest measured shape; links, mfu, devices per node and memory "
+                           "from '" + base.name + "' (" + base.source + ")"},
+            {"devices_per_node", base.devices_per_node},
+            {"matmul_tflops", r.matmul_tflops},
+            {"mfu", base.mfu},
+            {"ns_efficiency", eff},
+            {"memory_bandwidth_GBps", r.memory_bandwidth_GBps},
+            {"memory_GB", base.memory_GB},
+            {"intra_node", {{"bandwidth_GBps", base.intra_node.bandwidth_GBps}, {"latency_us", base.intra_node.latency_us}}},
+            {"inter_node", {{"bandwidth_GBps", base.inter_node.bandwidth_GBps}, {"latency_us", base.inter_node.latency_us}}},
+            {"ns_profile", json::parse(ns_profile_to_json(r.profile))}};
+  const std::string tmp = a.calibrate + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << j.dump(2) << "\n";
+    if (!f.flush()) throw std::runtime_error("--calibrate: cannot write '" + tmp + "'");
+  }
+  if (std::rename(tmp.c_str(), a.calibrate.c_str()) != 0)
+    throw std::runtime_error("--calibrate: cannot move '" + tmp + "' to '" + a.calibrate + "'");
+  hardware_from_json(j.dump(), a.calibrate);  // what was written reads back
+  out << "calibration: " << r.describe << ", NS efficiency " << fixed(eff, 3) << "\n"
+      << "  " << pad("shape", 16) << pad("elem", 6) << pad("single us", 12) << pad("batch", 7) << pad("batch us", 12)
+      << pad("fixed us", 10) << "per-matrix us\n";
+  for (const NsTiming& t : r.profile.timings) {
+    const NsCost c = r.profile.cost_of(t.rows, t.cols, t.elem_bytes);
+    out << "  " << pad(std::to_string(t.rows) + "x" + std::to_string(t.cols), 16) << pad(std::to_string(t.elem_bytes), 6)
+        << pad(fixed(t.single_us, 1), 12) << pad(std::to_string(t.batch), 7)
+        << pad(t.batch >= 2 ? fixed(t.batch_us, 1) : "-", 12) << pad(fixed(c.fixed_us, 1), 10)
+        << fixed(c.per_matrix_us, 1) << "\n";
+  }
+  out << "wrote " << a.calibrate << " (use: --hardware " << a.calibrate << " --simulate, --owner-cost-model profiled "
+      << "--ns-profile " << a.calibrate << ", or DMUON_NS_PROFILE=" << a.calibrate << ")\n";
+  return 0;
+}
 
 // ---- --simulate ----------------------------------------------------------------------------------
 json estimate_json(const StepEstimate& e) {
@@ -368,7 +444,10 @@ void print_report(std::ostream& out, const ModelSpec& model, const std::vector<P
       << (o.max_owners_per_group ? std::to_string(*o.max_owners_per_group) : "none")
       << " pack_threshold=" << o.pack_threshold_numel << " ns_steps=" << o.ns_steps << "\n\n";
 
-  out << "balance (cost = " << (o.owner_cost_model == "numel" ? "elements" : "NS multiply-adds + bytes")
+  out << "balance (cost = "
+      << (o.owner_cost_model == "numel"      ? "elements"
+          : o.owner_cost_model == "profiled" ? "measured NS ns, batched per shape (" + o.ns_profile->source + ")"
+                                             : "NS multiply-adds + bytes")
       << ")\n";
   out << "  makespan " << sci(plan.makespan) << ", lower bound " << sci(plan.lower_bound)
       << " = max(total/slots, largest matrix)\n";
@@ -485,7 +564,7 @@ void print_report(std::ostream& out, const ModelSpec& model, const std::vector<P
   out << "\nplanned in " << fixed(plan_ms, 2) << " ms\n";
 }
 
-int run(const std::vector<std::string>& argv, std::ostream& out) {
+int run(const std::vector<std::string>& argv, std::ostream& out, const CalibrateFn& calibrate) {
   Args a;
   CLI::App app{"Plan which rank owns each Muon matrix, offline, for any model and cluster size.\n"
                "Model: a preset (--model), a Hugging Face config.json (--hf-config) or a parameter\n"
@@ -504,7 +583,16 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   app.add_option("-R,--replicate", a.replicate, "Replicate groups R (HSDP; default 1)");
   app.add_option("-T,--tp", a.tp, "Tensor-parallel ranks T (Megatron split of q/k/v, gate/up, o, down; default 1)");
   app.add_option("--owner-strategy", a.strategy, "lpt (default) | round_robin | rank0");
-  app.add_option("--owner-cost-model", a.cost_model, "optimizer (default) | numel");
+  app.add_option("--owner-cost-model", a.cost_model,
+                 "optimizer (default) | numel | profiled (measured NS times: --ns-profile, or the --hardware file's)");
+  app.add_option("--ns-profile", a.ns_profile, "NS profile (or calibrated hardware description) for --owner-cost-model profiled");
+  app.add_option("--calibrate", a.calibrate,
+                 "Measure this device (NS per shape of the model's Muon targets, matmul rate, memory bandwidth) and write "
+                 "a hardware description with an NS profile to FILE");
+  app.add_option("--device", a.device, "--calibrate: cpu (default) or cuda[:N]");
+  app.add_option("--reps", a.reps, "--calibrate: timed repetitions per shape (median; default 5)");
+  app.add_option("--batch", a.batch, "--calibrate: matrices in a shape's batched measurement (default 8)");
+  app.add_option("--threads", a.threads, "--calibrate: LibTorch threads (0 = its default; a rank of N on one box: cores / N)");
   app.add_option("--hsdp-column-balance", a.column_balance, "true (default) | false");
   app.add_option("--pack-small-params", a.pack, "true (default) | false");
   auto* mo = app.add_option("--max-owners-per-group", a.max_owners,
@@ -587,6 +675,13 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   opts.hsdp_column_balance = parse_flag_bool("--hsdp-column-balance", a.column_balance);
   opts.pack_small_params = parse_flag_bool("--pack-small-params", a.pack);
   if (a.max_owners_set) opts.max_owners_per_group = a.max_owners;
+  if (!a.ns_profile.empty()) {
+    opts.ns_profile = std::make_shared<const NsProfile>(load_ns_profile(a.ns_profile));
+  } else if (a.cost_model == "profiled" || (a.cost_model.empty() && env::owner_cost_model() == "profiled")) {
+    // no --ns-profile: DMUON_NS_PROFILE (read by the planner), else a calibrated --hardware file's
+    if (env::ns_profile().empty())
+      if (const HardwareSpec hw = load_hardware(a.hardware); hw.ns_profile) opts.ns_profile = hw.ns_profile;
+  }
   opts.pack_threshold_numel = a.pack_threshold;
   opts.ns_steps = a.ns_steps;
 
@@ -601,6 +696,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   std::vector<ParamSpec> full = select_muon_params(model, selector);
   for (auto& p : full) p.tp_split_dim = megatron_tp_split_dim(p, a.tp);
 
+  if (!a.calibrate.empty()) return run_calibration(out, full, a, calibrate);
   const auto t0 = std::chrono::steady_clock::now();
   const OwnerPlan plan = plan_owners_tp(full, a.shard, a.replicate, a.tp, opts);
   const auto t1 = std::chrono::steady_clock::now();
@@ -618,9 +714,10 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
 
 }  // namespace
 
-int run_plan_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+int run_plan_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err,
+                     const CalibrateFn& calibrate) {
   try {
-    return run(args, out);
+    return run(args, out, calibrate);
   } catch (const CLI::ParseError& e) {
     err << "error: " << one_line(e.what()) << " (dmuon plan --help lists the options)\n";
     return 2;

@@ -24,11 +24,9 @@
 #include <string>
 #include <vector>
 
+#include "dmuon/host_sync.h"
 #include "dmuon/newton_schulz.h"
 
-#if DMUON_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#endif
 
 namespace {
 
@@ -36,13 +34,7 @@ struct Shape {
   int64_t m, n;
 };
 
-void sync(const at::Device& d) {
-#if DMUON_WITH_CUDA
-  if (d.is_cuda()) at::cuda::getCurrentCUDAStream().synchronize();
-#else
-  (void)d;
-#endif
-}
+void sync(const at::Device& d) { dmuon::wait_for_device(d); }
 
 double median_seconds(const std::function<void()>& fn, int reps, const at::Device& dev) {
   fn();  // warm-up

@@ -381,6 +381,30 @@ TEST(CliTest, BenchStepPrintsRatiosForEveryVariant) {
   std::filesystem::remove_all(out);
 }
 
+// The step simulator's bytes for this rank (comm plan + base all-reduce + has-gradient flags) equal
+// what the ranks measure, for every design it prices: 1-D with an uneven owner split (N = 3) and HSDP.
+TEST(CliTest, BenchStepPredictionMatchesTheMeasuredBytesExactly) {
+  const std::string out = temp_dir();
+  for (const std::string layout : {"--ranks 3 --batch 6", "--ranks 4 --replicate 2 --batch 4"}) {
+    const Result r = run("bench step " + layout + " --steps 1 --warmup 1 --seq-len 16 --d-model 32 --layers 3 --heads 4 "
+                         "--d-ff 64 --predict cpu-2core --out " + out, 300);
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("pred/meas"), std::string::npos) << r.output;
+    std::ifstream f(out + "/bench_step.json");
+    const nlohmann::json j = nlohmann::json::parse(f);
+    int priced = 0;
+    for (const auto& [n, rows] : j.items())
+      for (const auto& row : rows) {
+        if (!row.contains("predicted")) continue;
+        ++priced;
+        EXPECT_NEAR(row["predicted"]["bytes"].get<double>(), row["bytes"].get<double>(), 0.5) << layout << " " << row.dump();
+        EXPECT_GT(row["predicted"]["step_ms"].get<double>(), 0.0) << row.dump();
+      }
+    EXPECT_GE(priced, 4) << j.dump();  // DMuon Z2, Z3, naive DP Muon, round-robin
+  }
+  std::filesystem::remove_all(out);
+}
+
 TEST(CliTest, PortInUseIsAClearError) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -443,6 +467,37 @@ TEST(CliTest, PlanToolBadInputExitsNonZeroWithOneLine) {
   EXPECT_EQ(r.status, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output);
   EXPECT_TRUE(j.contains("fingerprint"));
+}
+
+TEST(CliTest, PlanCalibrateWritesADescriptionThePlannerAndSimulatorRead) {
+  const std::string dir = temp_dir();
+  {
+    std::ofstream f(dir + "/params.json");
+    f << R"([{"name": "layers.0.a", "shape": [32, 32], "dtype": "fp32"}, {"name": "layers.0.b", "shape": [8, 256], "dtype": "fp32"},
+             {"name": "layers.1.a", "shape": [32, 32], "dtype": "fp32"}, {"name": "layers.1.b", "shape": [256, 8], "dtype": "fp32"},
+             {"name": "layers.1.c", "shape": [96, 128], "dtype": "fp32"}, {"name": "norm", "shape": [32], "dtype": "fp32"}])";
+  }
+  Result r = run("plan --params " + dir + "/params.json --calibrate " + dir + "/cpu.json --reps 1 --batch 2 --hardware cpu-2core");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("wrote " + dir + "/cpu.json"), std::string::npos) << r.output;
+  std::ifstream in(dir + "/cpu.json");
+  const auto j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["ns_profile"]["timings"].size(), 3u) << j.dump();  // 32x32, 8x256, 96x128
+  EXPECT_GT(j["matmul_tflops"].get<double>(), 0.0);
+  EXPECT_NE(j["source"].get<std::string>().find("measured"), std::string::npos);
+  r = run("plan --params " + dir + "/params.json -G 2 --owner-cost-model profiled --ns-profile " + dir + "/cpu.json");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("owner_cost_model=profiled"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("measured NS ns"), std::string::npos) << r.output;
+  // the calibrated description's own profile, with no --ns-profile
+  r = run("plan --params " + dir + "/params.json -G 2 --simulate --tokens 256 --hardware " + dir +
+          "/cpu.json --owner-cost-model profiled");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("overhead"), std::string::npos) << r.output;
+  r = run("plan --params " + dir + "/params.json -G 2 --owner-cost-model profiled");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("--calibrate"), std::string::npos) << r.output;
+  std::filesystem::remove_all(dir);
 }
 
 // The columns of metrics.csv by name, one map per row.

@@ -10,6 +10,7 @@
 
 #include "dmuon/communicator.h"  // the column-sharded Gram NS over a process group
 #include "dmuon/newton_schulz.h"
+#include "dmuon/ns_calibration.h"
 #include "support/multirank.h"
 
 namespace dmuon {
@@ -230,6 +231,52 @@ TEST(NewtonSchulzTest, BatchEqualsPerMatrix) {
         EXPECT_LE(rel(out_g[i][j], reference_ns(B[i][j], POLAR_EXPRESS_COEFFICIENTS)), 1e-10);
       }
   }
+}
+
+TEST(NewtonSchulzTest, ManyMatricesEqualOneCallEachWhateverTheGrouping) {
+  at::manual_seed(11);
+  // stacked groups (wide and tall 16 x 40 together, square 24 x 24), a lone shape, and a shape above
+  // the CPU's stacking limit (one call each)
+  std::vector<at::Tensor> in;
+  for (auto [m, n] : std::vector<std::pair<int64_t, int64_t>>{{16, 40}, {40, 16}, {24, 24}, {16, 40}, {24, 24},
+                                                               {100, 80}, {80, 100}, {7, 3}})
+    in.push_back(at::randn({m, n}, at::kDouble));
+  const NewtonSchulz ns("gram");
+  const std::vector<at::Tensor> out = newton_schulz_many(ns, in, 5);
+  ASSERT_EQ(out.size(), in.size());
+  for (size_t i = 0; i < in.size(); ++i) {
+    ASSERT_EQ(out[i].sizes(), in[i].sizes()) << i;
+    EXPECT_LE(rel(out[i], ns.local(in[i], 5)), 1e-12) << i;
+  }
+  EXPECT_TRUE(ns_stacking_pays(c10::DeviceType::CPU, kCpuStackMaxSide));
+  EXPECT_FALSE(ns_stacking_pays(c10::DeviceType::CPU, kCpuStackMaxSide + 1));
+  EXPECT_TRUE(ns_stacking_pays(c10::DeviceType::CUDA, 4096));
+  EXPECT_THROW(newton_schulz_many(ns, {at::randn({2, 3, 4})}), c10::Error);
+}
+
+TEST(NsCalibration, MeasuresEachShapeOnceTheWayTheStepRunsIt) {
+  NsCalibrationOptions o;
+  o.reps = 1;
+  o.batch = 3;
+  // 32 x 32 twice and 8 x 200 / 200 x 8 (one shape), 100 x 120 above the CPU stacking limit, fp64
+  const NsProfile p = measure_ns_profile({{32, 32, 4}, {8, 200, 4}, {32, 32, 4}, {200, 8, 4}, {100, 120, 8}}, o);
+  ASSERT_EQ(p.timings.size(), 3u);
+  EXPECT_EQ(p.device, "cpu");
+  EXPECT_EQ(p.timings[0].rows, 32);
+  EXPECT_EQ(p.timings[1].rows, 8);
+  EXPECT_EQ(p.timings[1].cols, 200);
+  EXPECT_EQ(p.timings[2].elem_bytes, 8);
+  for (const NsTiming& t : p.timings) EXPECT_GT(t.single_us, 0.0);
+  EXPECT_EQ(p.timings[0].batch, 3);  // stacks on the CPU: measured batched
+  EXPECT_GT(p.timings[0].batch_us, 0.0);
+  EXPECT_EQ(p.timings[2].batch, 1);  // does not stack: k matrices cost k single calls
+  EXPECT_GT(p.cost_of(120, 100, 8).per_matrix_us, 0.0);
+  // what was measured reads back
+  EXPECT_EQ(ns_profile_from_json(ns_profile_to_json(p), "rt").digest(), p.digest());
+  EXPECT_THROW(measure_ns_profile({{4, 4, 3}}, o), std::invalid_argument);
+  const DeviceRates r = measure_device_rates(at::kCPU, 1);
+  EXPECT_GT(r.matmul_tflops, 0.0);
+  EXPECT_GT(r.memory_bandwidth_GBps, 0.0);
 }
 
 TEST(NewtonSchulzTest, SquareInputUsesDirectForm) {

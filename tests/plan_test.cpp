@@ -5,16 +5,20 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "dmuon/model_specs.h"
+#include "dmuon/ns_profile.h"
 #include "dmuon/owner_plan.h"
+#include "dmuon/step_simulator.h"
 
 namespace dmuon {
 namespace {
@@ -51,7 +55,7 @@ class EnvGuard {
   }
   static constexpr const char* kVars[] = {"DMUON_OWNER_STRATEGY", "DMUON_OWNER_COST_MODEL",
                                           "DMUON_HSDP_COLUMN_BALANCE",
-                                          "DMUON_OWNER_PACK_SMALL_PARAMS"};
+                                          "DMUON_OWNER_PACK_SMALL_PARAMS", "DMUON_NS_PROFILE"};
 
  private:
   std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
@@ -68,6 +72,7 @@ void ExpectWellFormed(const std::vector<ParamSpec>& params, const OwnerPlan& pla
   std::vector<int> seen(params.size(), 0);
   double total = 0;
   int64_t bytes = 0;
+  const std::vector<double> pc = param_costs(params, plan.options, G * R);
   for (size_t u = 0; u < plan.units.size(); ++u) {
     const AllocationUnit& unit = plan.units[u];
     ASSERT_FALSE(unit.params.empty());
@@ -78,7 +83,7 @@ void ExpectWellFormed(const std::vector<ParamSpec>& params, const OwnerPlan& pla
       EXPECT_EQ(plan.unit_of_param[i], static_cast<int>(u));
       EXPECT_EQ(plan.owners[i], unit.owner);
       EXPECT_EQ(plan.groups[i], unit.group);
-      c += param_cost(params[i], plan.options);
+      c += pc[static_cast<size_t>(i)];
     }
     EXPECT_NEAR(unit.cost, c, 1e-9 * std::max(1.0, c));
     total += unit.cost;
@@ -1290,6 +1295,203 @@ TEST(ModelSpecsTest, ParamsJson) {
             std::string::npos);
   EXPECT_NE(msg(R"({"a": 1})").find("expected a JSON array"), std::string::npos);
   EXPECT_NE(msg("[{]").find("malformed JSON"), std::string::npos);
+}
+
+TEST(ModelSpecs, MoeActiveParametersCountTheTopKExpertsAndDriveTheSimulatedCompute) {
+  EnvGuard env;
+  auto total = [](const ModelSpec& m) {
+    int64_t n = 0;
+    for (const auto& p : m.params) n += p.numel();
+    return n;
+  };
+  const ModelSpec mix = model_preset("mixtral-8x7b"), q3 = model_preset("qwen3-30b-a3b");
+  // 32 sparse layers, 8 experts, top 2, experts of 3 x [14336, 4096]
+  EXPECT_EQ(mix.active_params, total(mix) - int64_t{32} * 6 * 3 * 14336 * 4096);
+  // 48 sparse layers, 128 experts, top 8, experts of 3 x [768, 2048]: the "A3B" of its name
+  EXPECT_EQ(q3.active_params, total(q3) - int64_t{48} * 120 * 3 * 768 * 2048);
+  EXPECT_NEAR(static_cast<double>(q3.active_params), 3.3e9, 0.1e9);
+  EXPECT_EQ(model_preset("llama3-8b").active_params, 0);
+  const std::vector<ParamSpec> ps = select_muon_params(mix);
+  const OwnerPlan plan = plan_owners(ps, 8, 1, PlanOptions{});
+  SimLayout l;
+  l.shard = 8;
+  const HardwareSpec hw = hardware_preset("h200");
+  const Simulation sim = simulate_step(mix, ps, plan, l, hw);
+  EXPECT_NEAR(sim.designs[0].compute_s,
+              6.0 * static_cast<double>(mix.active_params) * static_cast<double>(l.tokens) /
+                  (8 * hw.matmul_tflops * 1e12 * hw.mfu),
+              1e-9);
+}
+
+// ---- owner_cost_model = "profiled" (ns_profile.h) ----------------------------------------------
+
+NsTiming timing(int64_t r, int64_t c, int64_t eb, double single, int batch = 1, double batched = 0) {
+  NsTiming t;
+  t.rows = r, t.cols = c, t.elem_bytes = eb, t.single_us = single, t.batch = batch, t.batch_us = batched;
+  return t;
+}
+
+TEST(NsProfile, TwoPointCostsAndALeastSquaresFitForUnmeasuredShapes) {
+  NsProfile p;
+  p.timings = {timing(32, 32, 4, 60, 8, 200), timing(64, 64, 4, 200)};
+  const NsCost a = p.cost_of(32, 32, 4);
+  EXPECT_TRUE(a.measured);
+  EXPECT_DOUBLE_EQ(a.per_matrix_us, 20.0);  // (200 - 60) / 7
+  EXPECT_DOUBLE_EQ(a.fixed_us, 40.0);       // 60 - 20
+  EXPECT_DOUBLE_EQ(a.of(8), 200.0);
+  EXPECT_DOUBLE_EQ(a.of(0), 0.0);
+  const NsCost b = p.cost_of(64, 64, 2);  // same shape, another element size: the measured one
+  EXPECT_DOUBLE_EQ(b.per_matrix_us, 200.0);
+  EXPECT_DOUBLE_EQ(b.fixed_us, 0.0);
+  // unmeasured: single_us = icept + slope * work through both points (work = 5 * s * 3 s b)
+  const double xa = 5.0 * 32 * 3 * 32 * 32, xb = 5.0 * 64 * 3 * 64 * 64, x = 5.0 * 48 * 3 * 48 * 96;
+  const double slope = 140.0 / (xb - xa), icept = 60.0 - slope * xa;
+  const NsCost c = p.cost_of(96, 48, 4);
+  EXPECT_FALSE(c.measured);
+  EXPECT_NEAR(c.per_matrix_us, icept + slope * x, 1e-9);
+  EXPECT_DOUBLE_EQ(c.fixed_us, 0.0);
+  // orientation-free
+  EXPECT_DOUBLE_EQ(p.cost_of(96, 48, 4).per_matrix_us, p.cost_of(48, 96, 4).per_matrix_us);
+  EXPECT_THROW(NsProfile{}.cost_of(4, 4, 4), std::invalid_argument);
+}
+
+TEST(NsProfile, JsonRoundTripAndErrorsNameTheEntry) {
+  NsProfile p;
+  p.device = "cpu";
+  p.source = "test";
+  p.timings = {timing(8, 512, 4, 100, 8, 380), timing(256, 256, 2, 10000)};
+  const NsProfile q = ns_profile_from_json(ns_profile_to_json(p), "rt");
+  ASSERT_EQ(q.timings.size(), 2u);
+  EXPECT_EQ(q.digest(), p.digest());
+  EXPECT_DOUBLE_EQ(q.cost_of(512, 8, 4).per_matrix_us, 40.0);
+  NsProfile r = p;
+  r.timings[1].single_us = 10001;
+  EXPECT_NE(r.digest(), p.digest());
+  // inside a hardware description
+  const std::string hw = R"({"devices_per_node": 2, "matmul_tflops": 0.1, "mfu": 0.5, "ns_efficiency": 0.5,
+      "memory_bandwidth_GBps": 10, "memory_GB": 8, "intra_node": {"bandwidth_GBps": 1, "latency_us": 50},
+      "inter_node": {"bandwidth_GBps": 1, "latency_us": 50}, "ns_profile": )" + ns_profile_to_json(p) + "}";
+  EXPECT_EQ(ns_profile_from_json(hw, "hw.json").digest(), p.digest());
+  const HardwareSpec h = hardware_from_json(hw, "hw.json");
+  ASSERT_TRUE(h.ns_profile);
+  EXPECT_EQ(h.ns_profile->digest(), p.digest());
+  auto msg = [](const std::string& text) {
+    try {
+      ns_profile_from_json(text, "prof.json");
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no throw");
+  };
+  EXPECT_NE(msg(R"({"timings": [{"rows": 4, "cols": 4, "single_us": 1}, {"rows": 4, "cols": 8, "single_us": -1}]})")
+                .find("prof.json: timings[1]: single_us"),
+            std::string::npos);
+  EXPECT_NE(msg(R"({"timings": [{"rows": 4, "single_us": 1}]})").find("timings[0] needs a number \"cols\""),
+            std::string::npos);
+  EXPECT_NE(msg(R"({"timings": []})").find("empty"), std::string::npos);
+  EXPECT_NE(msg(R"([1, 2])").find("--calibrate"), std::string::npos);
+  EXPECT_NE(msg("{").find("not JSON"), std::string::npos);
+}
+
+// The batched time of each slot's matrices under the profile (what the step would take per owner).
+std::vector<double> profiled_slot_us(const std::vector<ParamSpec>& ps, const OwnerPlan& plan, const NsProfile& prof) {
+  std::vector<std::map<std::tuple<int64_t, int64_t, int64_t>, int64_t>> per(static_cast<size_t>(plan.num_slots()));
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const int64_t m = ps[i].shape[0], n = ps[i].shape[1];
+    ++per[static_cast<size_t>(OwnerPlan::slot_index(plan.owners[i], plan.shard_size))]
+         [{std::min(m, n), std::max(m, n), ps[i].elem_bytes}];
+  }
+  std::vector<double> out;
+  for (const auto& slot : per) {
+    double us = 0;
+    for (const auto& [k, c] : slot) us += prof.cost_of(std::get<0>(k), std::get<1>(k), std::get<2>(k)).of(c);
+    out.push_back(us);
+  }
+  return out;
+}
+
+double max_over_mean(const std::vector<double>& v) {
+  double mx = 0, sum = 0;
+  for (double x : v) mx = std::max(mx, x), sum += x;
+  return mx / (sum / static_cast<double>(v.size()));
+}
+
+TEST(ProfiledCostModel, BalancesMeasuredTimeWhereTheFlopModelMisjudgesSkinnyMatrices) {
+  EnvGuard env;
+  // 5 square 256 x 256 matrices and 600 skinny 8 x 512 ones (each its own group: no layer constraint).
+  // The FLOP model prices a skinny one at 1/512 of a square one; measured (this profile) it is 1/50
+  // alone and 1/125 in a batch of 8 -- per-call overhead, not multiply-adds (bench/owner_cost_bench
+  // measures the same on this CPU).
+  std::vector<ParamSpec> ps;
+  for (int i = 0; i < 5; ++i) ps.push_back(P("sq" + std::to_string(i), {256, 256}, 4));
+  for (int i = 0; i < 600; ++i) ps.push_back(P("sk" + std::to_string(i), {8, 512}, 4));
+  auto prof = std::make_shared<NsProfile>();
+  prof->timings = {timing(256, 256, 4, 10000), timing(8, 512, 4, 200, 8, 760)};
+  PlanOptions flops;
+  PlanOptions profiled;
+  profiled.owner_cost_model = "profiled";
+  profiled.ns_profile = prof;
+  const OwnerPlan a = plan_owners(ps, 4, 1, flops), b = plan_owners(ps, 4, 1, profiled);
+  ExpectWellFormed(ps, b);
+  const double ra = max_over_mean(profiled_slot_us(ps, a, *prof)), rb = max_over_mean(profiled_slot_us(ps, b, *prof));
+  EXPECT_LE(rb, 1.01) << "profiled plan's measured max/mean";
+  EXPECT_GT(ra, rb + 0.04) << "the FLOP plan should misjudge the skinny matrices here";
+  // unit costs: per_matrix + fixed / max(1, k / S), in ns; 600 skinny over 4 slots batch 150 each
+  const std::vector<double> c = param_costs(ps, b.options, 4);
+  EXPECT_DOUBLE_EQ(c[0], 1e7);
+  EXPECT_DOUBLE_EQ(c[5], 1e3 * (80.0 + 120.0 / 150.0));
+  EXPECT_DOUBLE_EQ(param_cost(ps[5], b.options), 1e3 * 200.0);  // alone
+  // the profile is part of the fingerprint: ranks that read different files disagree loudly
+  auto other = std::make_shared<NsProfile>(*prof);
+  other->timings[1].batch_us = 761;
+  PlanOptions profiled2 = profiled;
+  profiled2.ns_profile = other;
+  EXPECT_NE(plan_owners(ps, 4, 1, profiled2).fingerprint, b.fingerprint);
+  EXPECT_EQ(plan_owners(ps, 4, 1, profiled).fingerprint, b.fingerprint);
+}
+
+TEST(ProfiledCostModel, NeedsAProfileAndSaysWhereToGetOne) {
+  EnvGuard env;
+  PlanOptions o;
+  o.owner_cost_model = "profiled";
+  try {
+    resolve_plan_options(o);
+    FAIL() << "no throw";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("DMUON_NS_PROFILE"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("dmuon plan --calibrate"), std::string::npos) << e.what();
+  }
+  ::setenv("DMUON_NS_PROFILE", "/nonexistent/prof.json", 1);
+  try {
+    resolve_plan_options(o);
+    FAIL() << "no throw";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/prof.json"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ProfiledCostModel, SimulatorPricesEachOwnersBatchFromTheProfile) {
+  EnvGuard env;
+  HardwareSpec hw = hardware_preset("cpu-2core");
+  auto prof = std::make_shared<NsProfile>();
+  prof->timings = {timing(256, 256, 4, 10000), timing(8, 512, 4, 100, 8, 380)};
+  hw.ns_profile = prof;
+  ModelSpec m;
+  m.name = "t";
+  std::vector<ParamSpec> ps;
+  for (int i = 0; i < 4; ++i) ps.push_back(P("layers." + std::to_string(i) + ".sq", {256, 256}, 4));
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 6; ++j) ps.push_back(P("layers." + std::to_string(i) + ".sk" + std::to_string(j), {8, 512}, 4));
+  m.params = ps;
+  const OwnerPlan plan = plan_owners(ps, 2, 1, PlanOptions{});
+  SimLayout l;
+  l.shard = 2;
+  l.tokens = 256;
+  const Simulation sim = simulate_step(m, ps, plan, l, hw);
+  const std::vector<double> slots = profiled_slot_us(ps, plan, *prof);
+  EXPECT_NEAR(sim.designs[0].ns_s, *std::max_element(slots.begin(), slots.end()) * 1e-6, 1e-12);
+  // naive DP Muon: every matrix on every rank, each shape one batch
+  EXPECT_NEAR(sim.designs[2].ns_s, (4 * 10000.0 + (60.0 + 40.0 * 24)) * 1e-6, 1e-12);
 }
 
 }  // namespace

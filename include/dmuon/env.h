@@ -11,7 +11,8 @@
 namespace dmuon::env {
 
 std::string owner_strategy();               // DMUON_OWNER_STRATEGY: "lpt" | "round_robin" | "rank0"
-std::string owner_cost_model();             // DMUON_OWNER_COST_MODEL: "optimizer" | "numel"
+std::string owner_cost_model();             // DMUON_OWNER_COST_MODEL: "optimizer" | "numel" | "profiled"
+std::string ns_profile();                   // DMUON_NS_PROFILE: path of the profile "profiled" uses
 std::optional<bool> hsdp_column_balance();  // DMUON_HSDP_COLUMN_BALANCE: 0/1, true/false
 std::optional<bool> pack_small_params();    // DMUON_OWNER_PACK_SMALL_PARAMS: 0/1, true/false
 std::string ns_kernel();                    // DMUON_NS_KERNEL: "auto" | "cublas" | "syrk"

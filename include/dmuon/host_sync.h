@@ -17,6 +17,10 @@ namespace dmuon {
 // that calls it).
 int64_t host_sync_count();
 
+// Waits until `device`'s current stream has run everything queued on it (CUDA); nothing on the CPU.
+// For timing (benchmarks, calibration): not counted as a host read.
+void wait_for_device(const at::Device& device);
+
 namespace detail {
 // `t` copied to the host (a host synchronisation on CUDA; a plain copy on the CPU), counted.
 at::Tensor read_to_host(const at::Tensor& t);

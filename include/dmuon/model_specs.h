@@ -20,6 +20,9 @@ namespace dmuon {
 struct ModelSpec {
   std::string name;              // preset name, or the file it was loaded from
   std::vector<ParamSpec> params;
+  // Parameters one token's forward passes through: an MoE counts only its num_experts_per_tok routed
+  // experts per sparse layer (the step simulator's compute). 0: every parameter (dense models).
+  int64_t active_params = 0;
 };
 
 // Bytes per element of a dtype name: bf16/bfloat16, fp16/float16/half = 2; fp32/float32/float = 4;

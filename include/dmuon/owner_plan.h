@@ -11,9 +11,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "dmuon/ns_profile.h"
 
 namespace dmuon {
 
@@ -44,7 +47,10 @@ struct OwnerCoord {
 // DMUON_HSDP_COLUMN_BALANCE, DMUON_OWNER_PACK_SMALL_PARAMS), else the default.
 struct PlanOptions {
   std::optional<std::string> owner_strategy;    // "lpt" (default) | "round_robin" | "rank0"
-  std::optional<std::string> owner_cost_model;  // "optimizer" (default) | "numel"
+  std::optional<std::string> owner_cost_model;  // "optimizer" (default) | "numel" | "profiled"
+  // The measured NS times "profiled" balances by (ns_profile.h); unset: the file named by
+  // DMUON_NS_PROFILE. Required by "profiled", ignored by the other cost models.
+  std::shared_ptr<const NsProfile> ns_profile;
   std::optional<bool> hsdp_column_balance;      // default true (only matters when R > 1)
   std::optional<bool> pack_small_params;        // default true
   std::optional<int> max_owners_per_group;      // cap on distinct slots per assignment group
@@ -58,6 +64,12 @@ struct PlanOptions {
 //                                              more bytes weigh more, and slot ties are broken
 //                                              by bytes, so publish bytes spread too)
 //   "numel":     m*n
+//   "profiled":  measured time in ns (ns_profile.h) of the matrix in the batch its owner runs:
+//                per_matrix + fixed / max(1, k / S), k the matrices of its shape (and element size)
+//                in the plan, S = G*R slots -- a shape's k matrices spread over min(k, S) owners,
+//                each running its share as one batch, pay the per-batch cost once per owner. So
+//                owners of many small same-shape matrices (MoE experts) are balanced on what the
+//                batched step costs, and small and skinny matrices on their real per-call cost.
 //
 // Packing (pack_small_params, default on): a group's parameters with numel < pack_threshold_numel
 // share allocation units. Packing never costs more than 1% of makespan: plan_owners computes the
@@ -92,6 +104,7 @@ struct PlanOptions {
 struct ResolvedPlanOptions {
   std::string owner_strategy = "lpt";
   std::string owner_cost_model = "optimizer";
+  std::shared_ptr<const NsProfile> ns_profile;  // set when owner_cost_model == "profiled"
   bool hsdp_column_balance = true;
   bool pack_small_params = true;
   std::optional<int> max_owners_per_group;
@@ -109,8 +122,11 @@ ResolvedPlanOptions resolve_plan_options(const PlanOptions& opts);
 std::string layer_key_of(const std::string& param_name);
 
 // Cost of one parameter under a cost model ("optimizer": shape-aware Newton-Schulz FLOP estimate
-// plus a byte term; "numel": element count).
+// plus a byte term; "numel": element count; "profiled": its measured time alone, k = 1).
 double param_cost(const ParamSpec& p, const ResolvedPlanOptions& opts);
+// The planner's cost of each parameter of a plan over `slots` owner slots: param_cost, except that
+// "profiled" shares a shape's per-batch time among the matrices of that shape an owner batches.
+std::vector<double> param_costs(const std::vector<ParamSpec>& params, const ResolvedPlanOptions& opts, int slots);
 
 struct AllocationUnit {
   std::vector<int> params;  // indices into the input list, model order

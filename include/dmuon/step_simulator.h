@@ -4,7 +4,8 @@
 // owners). Pure C++, no LibTorch: `dmuon plan --simulate` runs it (docs/PLAN_TOOL.md).
 //
 // The model of one step, per rank (N = G x R x T devices, L hook boundaries, P parameters):
-//   compute   6 P tokens / (N * matmul rate * mfu), split over the boundaries by their Muon bytes
+//   compute   6 P_active tokens / (N * matmul rate * mfu) (P_active: ModelSpec::active_params, an MoE
+//             token's top-k experts; else P), split over the boundaries by their Muon bytes
 //             (forward 1/3, backward 2/3);
 //   a boundary's broadcast (or reduce) over the shard group of G ranks is root-bottlenecked: one
 //             owner sending S bytes costs S / B, distinct owners run concurrently, and no rank can
@@ -28,10 +29,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "dmuon/model_specs.h"
+#include "dmuon/ns_profile.h"
 #include "dmuon/owner_plan.h"
 
 namespace dmuon {
@@ -51,6 +54,9 @@ struct HardwareSpec {
   double memory_bandwidth_GBps = 0;  // element-wise optimizer work
   double memory_GB = 0;
   LinkSpec intra_node, inter_node;
+  // Measured NS times per shape (`dmuon plan --calibrate`): when set, an owner's NS time is priced
+  // from it (the batch the step runs per shape) instead of FLOPs / (rate x ns_efficiency).
+  std::shared_ptr<const NsProfile> ns_profile;
 };
 
 // Built-in descriptions: "h200" (NVIDIA H200 SXM, estimates from public specifications until
@@ -60,7 +66,8 @@ std::vector<std::string> hardware_preset_names();
 HardwareSpec hardware_preset(const std::string& name);
 // JSON: {"name", "source", "devices_per_node", "matmul_tflops", "mfu", "ns_efficiency",
 // "memory_bandwidth_GBps", "memory_GB", "intra_node": {"bandwidth_GBps", "latency_us"},
-// "inter_node": {...}}; every field but name/source required. Throws std::invalid_argument naming
+// "inter_node": {...}, "ns_profile": {...} (optional, ns_profile.h)}; every field but name/source and
+// ns_profile required. Throws std::invalid_argument naming
 // the field and `source`.
 HardwareSpec hardware_from_json(const std::string& json_text, const std::string& source);
 // A preset name, or a path to such a JSON file.

@@ -30,6 +30,7 @@ bool parse_bool(const std::string& var, const std::string& value) {
 
 std::string owner_strategy() { return get("DMUON_OWNER_STRATEGY"); }
 std::string owner_cost_model() { return get("DMUON_OWNER_COST_MODEL"); }
+std::string ns_profile() { return get("DMUON_NS_PROFILE"); }
 std::optional<bool> hsdp_column_balance() { return get_bool("DMUON_HSDP_COLUMN_BALANCE"); }
 std::optional<bool> pack_small_params() { return get_bool("DMUON_OWNER_PACK_SMALL_PARAMS"); }
 std::string ns_kernel() { return get("DMUON_NS_KERNEL"); }

@@ -2,12 +2,14 @@
 // The math follows shared/docs/NEWTON_SCHULZ.md; see include/dmuon/newton_schulz.h for contracts.
 #include "dmuon/newton_schulz.h"
 
+#include "dmuon/env.h"
 #include "dmuon/host_sync.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <set>
 #include <sstream>
 
@@ -323,6 +325,54 @@ std::string NewtonSchulz::describe(c10::DeviceType device) const {
   s << (backend_ == "gram" ? "Gram NS" : "Direct NS")
     << " · kernel=" << detail::kernels::kernel_label(resolved_kernel(device), device);
   return s.str();
+}
+
+}  // namespace dmuon
+
+namespace dmuon {
+
+bool ns_stacking_pays(c10::DeviceType device, int64_t small_side) {
+  static const bool on = [] {
+    const char* v = std::getenv("DMUON_BATCHED_NS");
+    return v == nullptr || *v == '\0' || env::parse_bool("DMUON_BATCHED_NS", v);
+  }();
+  return on && (device == c10::DeviceType::CUDA || small_side <= kCpuStackMaxSide);
+}
+
+std::vector<at::Tensor> newton_schulz_many(const NewtonSchulz& ns, const std::vector<at::Tensor>& inputs, int steps) {
+  struct Group {
+    int64_t m, n;
+    at::ScalarType dtype;
+    at::Device device;
+    std::vector<size_t> idx;
+  };
+  std::vector<Group> groups;  // first-seen order
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& u = inputs[i];
+    TORCH_CHECK(u.dim() == 2, "newton_schulz_many: input ", i, " has shape ", u.sizes(), "; expected a matrix");
+    const int64_t m = std::min(u.size(0), u.size(1)), n = std::max(u.size(0), u.size(1));
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) {
+      return g.m == m && g.n == n && g.dtype == u.scalar_type() && g.device == u.device();
+    });
+    if (it == groups.end()) groups.push_back(Group{m, n, u.scalar_type(), u.device(), {i}});
+    else it->idx.push_back(i);
+  }
+  std::vector<at::Tensor> out(inputs.size());
+  auto oriented = [&](size_t i) { return inputs[i].size(0) > inputs[i].size(1) ? inputs[i].t() : inputs[i]; };
+  for (const Group& g : groups) {
+    if (g.idx.size() == 1 || !ns_stacking_pays(g.device.type(), g.m)) {
+      for (size_t i : g.idx) out[i] = ns.local(inputs[i], steps);
+      continue;
+    }
+    at::Tensor in = at::empty({static_cast<int64_t>(g.idx.size()), g.m, g.n}, inputs[g.idx[0]].options());
+    for (size_t j = 0; j < g.idx.size(); ++j) in.select(0, static_cast<int64_t>(j)).copy_(oriented(g.idx[j]));
+    const at::Tensor r = ns.local(in, steps);
+    for (size_t j = 0; j < g.idx.size(); ++j) {
+      const at::Tensor o = r.select(0, static_cast<int64_t>(j));
+      out[g.idx[j]] = inputs[g.idx[j]].size(0) > inputs[g.idx[j]].size(1) ? o.t() : o;
+    }
+  }
+  return out;
 }
 
 }  // namespace dmuon

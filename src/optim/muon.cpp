@@ -208,15 +208,8 @@ double elapsed_ms(std::chrono::steady_clock::time_point t0) {
 
 namespace {
 
-// DMUON_BATCHED_NS=0 runs Newton-Schulz one matrix at a time; DMUON_NS_BATCH_MB caps the stack of
-// one batched call (default 256 MiB; a matrix larger than the cap runs alone).
-bool batched_ns_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("DMUON_BATCHED_NS");
-    return v == nullptr || *v == '\0' || env::parse_bool("DMUON_BATCHED_NS", v);
-  }();
-  return on;
-}
+// DMUON_NS_BATCH_MB caps the stack of one batched call (default 256 MiB; a matrix larger than the cap
+// runs alone); DMUON_BATCHED_NS=0 runs Newton-Schulz one matrix at a time (ns_stacking_pays).
 int64_t ns_batch_cap_bytes() {
   static const int64_t cap = [] {
     const char* v = std::getenv("DMUON_NS_BATCH_MB");
@@ -228,9 +221,6 @@ int64_t ns_batch_cap_bytes() {
   }();
   return cap;
 }
-
-// On the CPU, matrices whose smaller side exceeds this run one at a time (measured crossover).
-constexpr int64_t kCpuBatchMaxDim = 64;
 
 // The deferred whole-matrix Newton-Schulz of a pass: the matrices are grouped by their shape after
 // orientation (wide: rows <= cols), dtype, device and NS steps; each group runs as stacked batches of
@@ -264,7 +254,6 @@ void run_local_ns(std::vector<TpUpdate>& pending, const NewtonSchulz& ns, detail
     it->second.push_back(i);
   }
   std::vector<double> ms(local.size(), 0.0);
-  const bool batched = batched_ns_enabled();
   // a stack (and its NS workspace, ~4x the stack) stays a fraction of what the pass updates, so
   // batching never doubles the step's peak memory: at most a quarter of the pass's matrices per call
   int64_t pass_bytes = 0;
@@ -279,9 +268,8 @@ void run_local_ns(std::vector<TpUpdate>& pending, const NewtonSchulz& ns, detail
   for (const Key& k : order) {
     const std::vector<size_t>& idx = groups.at(k);
     const int64_t per = k.m * k.n * static_cast<int64_t>(c10::elementSize(k.dtype));
-    // CPU: stacking pays only for small Gram sizes (ATen's batched CPU GEMM is slower than its plain
-    // one from 128 on; bench/ns_bench --batched, docs/PERF.md); CUDA: always (fewer launches)
-    const bool stack_here = batched && (k.device.rfind("cuda", 0) == 0 || k.m <= kCpuBatchMaxDim);
+    const bool stack_here =
+        ns_stacking_pays(k.device.rfind("cuda", 0) == 0 ? c10::DeviceType::CUDA : c10::DeviceType::CPU, k.m);
     const size_t chunk = stack_here ? static_cast<size_t>(std::max<int64_t>(1, cap / std::max<int64_t>(per, 1))) : 1;
     for (size_t b = 0; b < idx.size(); b += chunk) {
       const size_t e = std::min(idx.size(), b + chunk);

@@ -47,6 +47,7 @@ const std::vector<Preset>& presets() {
     json mix = llama_cfg(4096, 32, 32, 8, 14336, 32000);
     mix["model_type"] = "mixtral";
     mix["num_local_experts"] = 8;
+    mix["num_experts_per_tok"] = 2;
     v.push_back({"mixtral-8x7b", "Mixtral 8x7B: 32 layers, 8 experts x (w1, w2, w3), d 4096",
                  mix});
     // The MoE presets are the size fields of the published config.json files.
@@ -56,7 +57,7 @@ const std::vector<Preset>& presets() {
                  json::parse(R"({"model_type": "deepseek_v2", "hidden_size": 2048,
                    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
                    "intermediate_size": 10944, "moe_intermediate_size": 1408,
-                   "n_routed_experts": 64, "n_shared_experts": 2, "first_k_dense_replace": 1,
+                   "n_routed_experts": 64, "n_shared_experts": 2, "first_k_dense_replace": 1, "num_experts_per_tok": 6,
                    "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": null,
                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
                    "vocab_size": 102400, "tie_word_embeddings": false})")});
@@ -66,7 +67,7 @@ const std::vector<Preset>& presets() {
                  json::parse(R"({"model_type": "deepseek_v3", "hidden_size": 7168,
                    "num_hidden_layers": 61, "num_attention_heads": 128,
                    "num_key_value_heads": 128, "intermediate_size": 18432,
-                   "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
+                   "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
                    "first_k_dense_replace": 3, "moe_layer_freq": 1, "kv_lora_rank": 512,
                    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                    "v_head_dim": 128, "topk_method": "noaux_tc", "vocab_size": 129280,
@@ -76,7 +77,7 @@ const std::vector<Preset>& presets() {
                  "shared expert 5632, d 2048",
                  json::parse(R"({"model_type": "qwen2_moe", "hidden_size": 2048,
                    "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
-                   "intermediate_size": 5632, "moe_intermediate_size": 1408, "num_experts": 60,
+                   "intermediate_size": 5632, "moe_intermediate_size": 1408, "num_experts": 60, "num_experts_per_tok": 4,
                    "shared_expert_intermediate_size": 5632, "decoder_sparse_step": 1,
                    "mlp_only_layers": [], "vocab_size": 151936, "tie_word_embeddings": false})")});
     v.push_back({"qwen3-30b-a3b",
@@ -85,7 +86,7 @@ const std::vector<Preset>& presets() {
                  json::parse(R"({"model_type": "qwen3_moe", "hidden_size": 2048,
                    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
                    "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
-                   "num_experts": 128, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                   "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
                    "vocab_size": 151936, "tie_word_embeddings": false})")});
     v.push_back({"vit-l16", "ViT-L/16 (timm): 24 x blocks.N, d 1024, mlp 4096", json()});
     return v;

@@ -335,7 +335,16 @@ ModelSpec build_decoder(const json& cfg, const std::string& type, const std::str
   }
   b.add("model.norm.weight", {d});
   if (!tie) b.add("lm_head.weight", {V, d});
-  return b.take();
+  ModelSpec spec = b.take();
+  // a token passes through its top-k routed experts only (num_experts_per_tok; absent: all E)
+  const int64_t n_sparse = std::count(sparse.begin(), sparse.end(), 1);
+  if (E > 0 && n_sparse > 0) {
+    const int64_t k = std::min(E, cfg_int(cfg, "num_experts_per_tok", src, E));
+    int64_t total = 0;
+    for (const ParamSpec& p : spec.params) total += p.numel();
+    spec.active_params = total - n_sparse * (E - k) * 3 * moe_ffn * d;
+  }
+  return spec;
 }
 
 ModelSpec build_gpt2(const json& cfg, const std::string& name, int64_t eb, const std::string& src) {

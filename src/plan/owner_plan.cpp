@@ -91,6 +91,37 @@ std::string format_fingerprint(uint64_t fingerprint) {
   return buf;
 }
 
+namespace {
+// "profiled": the matrix's measured time in ns within the batch its owner runs (`same` matrices of its
+// shape in the plan over `slots` owners; see owner_plan.h).
+double profiled_cost(const ParamSpec& p, const ResolvedPlanOptions& opts, int64_t same, int slots) {
+  if (!opts.ns_profile)
+    throw std::invalid_argument("owner_cost_model 'profiled' has no NS profile (resolve_plan_options sets it from "
+                                "PlanOptions::ns_profile or DMUON_NS_PROFILE)");
+  const int64_t m = p.shape.size() >= 2 ? p.shape[0] : 1;
+  const NsCost c = opts.ns_profile->cost_of(m, m > 0 ? p.numel() / m : 0, p.elem_bytes);
+  const double per_owner = std::max(1.0, static_cast<double>(same) / std::max(1, slots));
+  return 1e3 * (c.per_matrix_us + c.fixed_us / per_owner);
+}
+}  // namespace
+
+std::vector<double> param_costs(const std::vector<ParamSpec>& params, const ResolvedPlanOptions& opts, int slots) {
+  std::vector<double> out(params.size());
+  if (opts.owner_cost_model != "profiled") {
+    for (size_t i = 0; i < params.size(); ++i) out[i] = param_cost(params[i], opts);
+    return out;
+  }
+  // matrices of one shape (orientation-free, as NS transposes tall ones) and element size
+  std::map<std::tuple<int64_t, int64_t, int64_t>, int64_t> count;
+  auto key = [](const ParamSpec& p) {
+    const int64_t m = p.shape.size() >= 2 ? p.shape[0] : 1, n = m > 0 ? p.numel() / m : 0;
+    return std::make_tuple(std::min(m, n), std::max(m, n), p.elem_bytes);
+  };
+  for (const ParamSpec& p : params) ++count[key(p)];
+  for (size_t i = 0; i < params.size(); ++i) out[i] = profiled_cost(params[i], opts, count[key(params[i])], slots);
+  return out;
+}
+
 // Costs are computed exactly in 128-bit integers and rounded to double once, so no compiler
 // contraction (FMA) or evaluation order can make two machines disagree on them.
 double param_cost(const ParamSpec& p, const ResolvedPlanOptions& opts) {
@@ -99,9 +130,10 @@ double param_cost(const ParamSpec& p, const ResolvedPlanOptions& opts) {
   const int64_t m = p.shape.size() >= 2 ? p.shape[0] : 1;
   const int64_t n = m > 0 ? numel / m : 0;
   if (opts.owner_cost_model == "numel") return static_cast<double>(numel);
+  if (opts.owner_cost_model == "profiled") return profiled_cost(p, opts, 1, 1);
   if (opts.owner_cost_model != "optimizer")
     throw std::invalid_argument("Invalid owner_cost_model: '" + opts.owner_cost_model +
-                                "'. Must be one of: optimizer, numel.");
+                                "'. Must be one of: optimizer, numel, profiled.");
   const i128 s = std::min(m, n), b = std::max(m, n);
   i128 ns = 0;
   const bool overflow = __builtin_mul_overflow(b * s, static_cast<i128>(2), &ns) ||
@@ -198,8 +230,7 @@ OwnerPlan plan_search(const std::vector<ParamSpec>& params, int G, int R,
   };
   if (!opts.pack_small_params || params.empty()) return baseline();
   double total = 0, largest = 0;
-  for (const ParamSpec& p : params) {
-    const double c = param_cost(p, opts);
+  for (const double c : param_costs(params, opts, G * R)) {
     total += c;
     largest = std::max(largest, c);
   }

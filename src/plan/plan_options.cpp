@@ -36,7 +36,7 @@ std::string choice(const std::string& what, const std::string& value,
 }
 
 const std::vector<std::string> kStrategies = {"lpt", "round_robin", "rank0"};
-const std::vector<std::string> kCostModels = {"optimizer", "numel"};
+const std::vector<std::string> kCostModels = {"optimizer", "numel", "profiled"};
 
 }  // namespace
 
@@ -53,6 +53,22 @@ ResolvedPlanOptions resolve_plan_options(const PlanOptions& opts) {
     r.owner_cost_model = choice("owner_cost_model", *opts.owner_cost_model, kCostModels);
   } else if (const std::string v = env::owner_cost_model(); !v.empty()) {
     r.owner_cost_model = choice("DMUON_OWNER_COST_MODEL", v, kCostModels);
+  }
+
+  if (r.owner_cost_model == "profiled") {
+    if (opts.ns_profile) {
+      r.ns_profile = opts.ns_profile;
+    } else if (const std::string path = env::ns_profile(); !path.empty()) {
+      r.ns_profile = std::make_shared<const NsProfile>(load_ns_profile(path));
+    } else {
+      throw std::invalid_argument(
+          "owner_cost_model 'profiled' needs measured NS times, and none were given: set "
+          "PlanOptions::ns_profile (dmuon plan --ns-profile FILE) or DMUON_NS_PROFILE=FILE, after measuring "
+          "them on the target device with `dmuon plan --calibrate FILE`");
+    }
+    if (r.ns_profile->timings.empty())
+      throw std::invalid_argument("owner_cost_model 'profiled': the NS profile '" + r.ns_profile->source +
+                                  "' has no timings");
   }
 
   if (opts.hsdp_column_balance) {

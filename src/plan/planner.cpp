@@ -14,8 +14,9 @@ void Planner::build_units() {
   pgroup_.resize(P);
   std::map<std::string, int> group_id;  // ordered map: lookups only, ids by first appearance
   std::vector<std::vector<int>> members;
+  const std::vector<double> costs = param_costs(params_, opts_, S_);
   for (int i = 0; i < P; ++i) {
-    pcost_[i] = param_cost(params_[i], opts_);
+    pcost_[i] = costs[static_cast<size_t>(i)];
     pgroup_[i] = assignment_group_of(params_[i]);
     auto [it, fresh] = group_id.emplace(pgroup_[i], static_cast<int>(groups_.size()));
     if (fresh) {

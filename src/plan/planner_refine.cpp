@@ -333,6 +333,7 @@ uint64_t Planner::fingerprint(const OwnerPlan& plan) const {
   h.i64(R_);
   h.str(opts_.owner_strategy);
   h.str(opts_.owner_cost_model);
+  if (opts_.ns_profile) h.u64(opts_.ns_profile->digest());
   h.i64(opts_.hsdp_column_balance ? 1 : 0);
   h.i64(opts_.pack_small_params ? 1 : 0);
   h.i64(opts_.max_owners_per_group.value_or(-1));

@@ -6,9 +6,11 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
+#include <tuple>
 
 namespace dmuon {
 
@@ -153,6 +155,8 @@ HardwareSpec hardware_from_json(const std::string& text, const std::string& sour
   h.memory_GB = need(j, "memory_GB", source);
   h.intra_node = link_of(j, "intra_node", source);
   h.inter_node = link_of(j, "inter_node", source);
+  if (j.contains("ns_profile"))
+    h.ns_profile = std::make_shared<const NsProfile>(ns_profile_from_json(j["ns_profile"].dump(), source + " ns_profile"));
   if (h.mfu > 1 || h.ns_efficiency > 1)
     throw std::invalid_argument(source + ": mfu and ns_efficiency are fractions of the matmul rate (<= 1)");
   return h;
@@ -208,11 +212,38 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
   }
   const double PB_bytes = std::max(0.0, P_bytes - PM_bytes_full);
   const double P = static_cast<double>(sim.params), PB = PB_bytes / static_cast<double>(e);
+  // compute: the parameters a token passes through (an MoE's top-k experts, not all of them)
+  const double P_active = model.active_params > 0 ? static_cast<double>(model.active_params) : P;
   const double rate = hw.matmul_tflops * 1e12;
   const LinkSpec& shard_link = G * T <= hw.devices_per_node ? hw.intra_node : hw.inter_node;
   const LinkSpec& dp_link = DP * T <= hw.devices_per_node ? hw.intra_node : hw.inter_node;
-  const double compute = 6.0 * P * static_cast<double>(l.tokens) / (N * rate * hw.mfu);
+  const double compute = 6.0 * P_active * static_cast<double>(l.tokens) / (N * rate * hw.mfu);
   const double adamw_per_param = 32.0 / (hw.memory_bandwidth_GBps * 1e9);  // read p, g, m, v; write p, m, v (+ master)
+  // Newton-Schulz time of the matrices `idx` on one rank, full-size (a TP-split matrix's NS shared by
+  // its T ranks: its TP owner, or the distributed Gram; a whole one runs on every TP rank). With a
+  // measured NS profile: per shape, the batch the step runs (fixed + per matrix x k); else FLOPs at
+  // the device rate times the NS efficiency.
+  auto ns_time = [&](const std::vector<size_t>& idx) {
+    std::map<std::tuple<int64_t, int64_t, int64_t>, std::pair<int64_t, double>> shapes;  // count, 1/T share
+    double flops = 0;
+    for (size_t i : idx) {
+      std::vector<int64_t> full = muon[i].shape;
+      if (muon[i].tp_split_dim >= 0) full[static_cast<size_t>(muon[i].tp_split_dim)] *= T;
+      const double share = muon[i].tp_split_dim >= 0 ? 1.0 / T : 1.0;
+      flops += ns_flops(full, l.ns_steps) * share;
+      int64_t numel = 1;
+      for (int64_t d : full) numel *= d;
+      const int64_t m = full.size() >= 2 ? full[0] : 1, n = m > 0 ? numel / m : 0;
+      auto& [k, w] = shapes[{std::min(m, n), std::max(m, n), muon[i].elem_bytes}];
+      ++k;
+      w = share;
+    }
+    if (!hw.ns_profile) return flops / (rate * hw.ns_efficiency);
+    double us = 0;
+    for (const auto& [key, kw] : shapes)
+      us += hw.ns_profile->cost_of(std::get<0>(key), std::get<1>(key), std::get<2>(key)).of(kw.first) * kw.second;
+    return us * 1e-6;
+  };
 
   // boundaries in model order: Muon bytes (this TP rank's slices) and their roots
   const CommPlan comm = plan_comm(muon, plan);
@@ -251,18 +282,11 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
     const double fwd = pass_time(fwd_c, bcast, l.prefetch_depth);
     const double bwd = backward_time(bwd_c, l.z3 ? bcast : none, reduce, l.prefetch_depth);
     dm.exposed_comm_s = fwd + bwd - compute + base_comm;
-    // Newton-Schulz: the busiest slot's full-matrix work (a split matrix's NS shared by T ranks)
-    std::vector<double> slot(static_cast<size_t>(plan.num_slots()), 0.0);
-    for (size_t i = 0; i < muon.size(); ++i) {
-      std::vector<int64_t> full = muon[i].shape;
-      if (muon[i].tp_split_dim >= 0) full[static_cast<size_t>(muon[i].tp_split_dim)] *= T;
-      // a split matrix's NS is shared by its T ranks (its TP owner, or the distributed Gram); a whole
-      // one runs on every TP rank
-      slot[static_cast<size_t>(OwnerPlan::slot_index(plan.owners[i], G))] +=
-          ns_flops(full, l.ns_steps) / (muon[i].tp_split_dim >= 0 ? T : 1);
-    }
-    const double busiest = slot.empty() ? 0.0 : *std::max_element(slot.begin(), slot.end());
-    dm.ns_s = busiest / (rate * hw.ns_efficiency);
+    // Newton-Schulz: the busiest slot's full-matrix work
+    std::vector<std::vector<size_t>> slot(static_cast<size_t>(plan.num_slots()));
+    for (size_t i = 0; i < muon.size(); ++i)
+      slot[static_cast<size_t>(OwnerPlan::slot_index(plan.owners[i], G))].push_back(i);
+    for (const auto& on : slot) dm.ns_s = std::max(dm.ns_s, ns_time(on));
     dm.adamw_s = PB / T / (l.shard_base ? G : 1) * adamw_per_param;
     // HSDP: the stage-2 reduce of the owners' gradients over the replicate axis (inter-node)
     if (R > 1) {
@@ -315,15 +339,11 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
   StepEstimate nv;
   nv.design = "naive DP Muon";
   ddp_base(nv);
-  double all_ns = 0;
-  std::vector<double> ns_each(muon.size());
-  for (size_t i = 0; i < muon.size(); ++i) {
-    std::vector<int64_t> full = muon[i].shape;
-    if (muon[i].tp_split_dim >= 0) full[static_cast<size_t>(muon[i].tp_split_dim)] *= T;
-    ns_each[i] = ns_flops(full, l.ns_steps) / (muon[i].tp_split_dim >= 0 ? T : 1);
-    all_ns += ns_each[i];
+  {
+    std::vector<size_t> all(muon.size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+    nv.ns_s = ns_time(all);
   }
-  nv.ns_s = all_ns / (rate * hw.ns_efficiency);
   nv.memory_bytes_per_rank = P_bytes / T * (2.0 + 4.0 / e) + PM_bytes_full / T * 4.0 / e + PB_bytes / T * 8.0 / e;
   nv.step_s = compute + nv.exposed_comm_s + nv.ns_s + nv.adamw_s;
 
@@ -335,9 +355,9 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
     std::vector<size_t> order(muon.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return full_numel[a] > full_numel[b]; });
-    std::vector<double> per_rank(static_cast<size_t>(DP), 0.0);
-    for (size_t k = 0; k < order.size(); ++k) per_rank[k % static_cast<size_t>(DP)] += ns_each[order[k]];
-    rr.ns_s = (per_rank.empty() ? 0.0 : *std::max_element(per_rank.begin(), per_rank.end())) / (rate * hw.ns_efficiency);
+    std::vector<std::vector<size_t>> per_rank(static_cast<size_t>(DP));
+    for (size_t k = 0; k < order.size(); ++k) per_rank[k % static_cast<size_t>(DP)].push_back(order[k]);
+    for (const auto& on : per_rank) rr.ns_s = std::max(rr.ns_s, ns_time(on));
     rr.replicate_s = ring_time(PM_bytes_full / T, DP, dp_link);
     rr.bytes_per_rank += static_cast<double>(DP - 1) / DP * PM_bytes_full / T;
     rr.memory_bytes_per_rank = P_bytes / T * (2.0 + 4.0 / e) + PM_bytes_full / T * (4.0 / e / DP + 1.0) +

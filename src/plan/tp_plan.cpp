@@ -41,10 +41,9 @@ OwnerPlan plan_owners_tp(const std::vector<ParamSpec>& params, int shard_size, i
   plan.tp_size = T;
   plan.tp_owners.assign(params.size(), 0);
   plan.tp_slot_cost.assign(static_cast<size_t>(plan.num_slots()) * static_cast<size_t>(T), 0.0);
-  std::vector<double> cost(params.size());
+  const std::vector<double> cost = param_costs(params, plan.options, plan.num_slots() * T);
   double total = 0, largest = 0;
   for (size_t i = 0; i < params.size(); ++i) {
-    cost[i] = param_cost(params[i], plan.options);
     total += cost[i];
     largest = std::max(largest, cost[i]);
   }
