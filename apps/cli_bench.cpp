@@ -224,6 +224,7 @@ class Variant {
         }
     }
     return nlohmann::json{{"step_ms", e->step_s * 1e3}, {"ns_ms", e->ns_s * 1e3}, {"bytes", bytes},
+                          {"memory_bytes", e->memory_bytes_per_rank},
                           {"compute_ms", e->compute_s * 1e3}, {"exposed_comm_ms", e->exposed_comm_s * 1e3}};
   }
 
@@ -498,10 +499,12 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
       }
     }
     if (!a.predict.empty()) {
-      out << "\npredicted by the step simulator (--predict " << a.predict << "), rank 0's bytes\n"
+      out << "\npredicted by the step simulator (--predict " << a.predict << "), rank 0's bytes; peak_MB measured "
+          << "(live tensors, max over ranks) against the simulator's model state per rank (no activations)\n"
           << std::left << std::setw(4) << "N" << std::setw(12) << "variant" << std::right << std::setw(10) << "step_ms"
           << std::setw(10) << "pred_ms" << std::setw(10) << "pred/meas" << std::setw(10) << "NS_ms" << std::setw(10)
-          << "pred_NS" << std::setw(14) << "bytes" << std::setw(14) << "pred_bytes" << std::setw(10) << "diff" << "\n";
+          << "pred_NS" << std::setw(14) << "bytes" << std::setw(14) << "pred_bytes" << std::setw(10) << "diff"
+          << std::setw(10) << "peak_MB" << std::setw(10) << "state_MB" << "\n";
       for (int n : ns)
         for (const auto& r : all[std::to_string(n)]) {
           if (!r.contains("predicted")) continue;
@@ -511,7 +514,9 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
               << std::fixed << std::setprecision(1) << std::setw(10) << st << std::setw(10) << ps << std::setprecision(3)
               << std::setw(10) << (st > 0 ? ps / st : 0) << std::setprecision(1) << std::setw(10)
               << r["ns_ms"].get<double>() << std::setw(10) << p["ns_ms"].get<double>() << std::setprecision(0)
-              << std::setw(14) << by << std::setw(14) << pby << std::setw(10) << by - pby << "\n";
+              << std::setw(14) << by << std::setw(14) << pby << std::setw(10) << std::abs(by - pby) << std::setprecision(2)
+              << std::setw(10) << r["peak_bytes"].get<double>() / 1e6 << std::setw(10)
+              << p["memory_bytes"].get<double>() / 1e6 << "\n";
         }
     }
     write_file_atomic(a.out + "/bench_step.json", all.dump(2));

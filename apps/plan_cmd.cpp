@@ -146,18 +146,21 @@ int run_calibration(std::ostream& out, const std::vector<ParamSpec>& full, const
   }
   const CalibrationResult r = fn(req, out);
   const HardwareSpec base = load_hardware(a.hardware);
-  // NS efficiency: the largest measured shape's multiply rate against the matmul rate (<= 1)
-  double eff = base.ns_efficiency, best = 0;
+  // NS efficiency: the largest measured shape's multiply rate against the matmul rate (<= 1); square
+  // shapes first (they run the direct form, whose FLOPs ns_flops counts; the Gram form needs fewer)
+  double eff = base.ns_efficiency;
+  std::pair<bool, double> best{false, 0};
   for (const NsTiming& t : r.profile.timings) {
     const double fl = ns_flops({t.rows, t.cols}, r.profile.ns_steps);
-    if (fl > best && r.matmul_tflops > 0) {
-      best = fl;
+    const std::pair<bool, double> rank{t.rows == t.cols, fl};
+    if (rank > best && r.matmul_tflops > 0) {
+      best = rank;
       eff = std::min(1.0, fl / (t.single_us * 1e-6) / (r.matmul_tflops * 1e12));
     }
   }
   json j = {{"name", "calibrated-" + r.profile.device},
             {"source", "measured by `dmuon plan --calibrate` on " + r.profile.device + ": " + r.describe +
-                           "; NS efficiency from the largest measured shape; links, mfu, devices per node and memory "
+                           "; NS efficiency from the largest measured (square, if any) shape; links, mfu, devices per node and memory "
                            "from '" + base.name + "' (" + base.source + ")"},
             {"devices_per_node", base.devices_per_node},
             {"matmul_tflops", r.matmul_tflops},

@@ -26,6 +26,7 @@
 
 #include "dmuon/host_sync.h"
 #include "dmuon/newton_schulz.h"
+#include "dmuon/ns_graphs.h"
 
 
 namespace {
@@ -136,13 +137,54 @@ int run_batched(int reps, const at::Device& dev) {
   return 0;
 }
 
+// --graphs (CUDA): host microseconds per NS call, eager vs replayed from a CUDA graph (ns_graphs.h),
+// per (shape, batch): the time to issue `reps` calls without waiting, then the device time per call.
+int run_graphs(int reps, const at::Device& dev) {
+  if (!dev.is_cuda() || !dmuon::NsGraphs::supported()) {
+    std::printf("# ns_bench --graphs: CUDA graphs need a CUDA build and --device cuda; nothing to measure here\n");
+    return 0;
+  }
+  dmuon::NewtonSchulz ns("gram");
+  ns.set_check_finite(false);
+  dmuon::NsGraphs graphs(ns);
+  std::printf("# ns_bench --graphs: %s, fp32 input, %d calls per case\n", ns.describe(dev.type()).c_str(), reps);
+  std::printf("%-16s %8s %14s %14s %9s %14s %14s\n", "shape", "batch", "eager_host_us", "graph_host_us", "host e/g",
+              "eager_dev_us", "graph_dev_us");
+  struct Case {
+    int64_t batch, m, n;
+  };
+  for (const Case c : {Case{1, 32, 32}, Case{64, 32, 32}, Case{1, 1024, 4096}, Case{8, 1408, 2048}, Case{64, 128, 512}}) {
+    const at::Tensor G = c.batch == 1 ? at::randn({c.m, c.n}, at::TensorOptions().device(dev))
+                                      : at::randn({c.batch, c.m, c.n}, at::TensorOptions().device(dev));
+    auto issue = [&](const std::function<void()>& fn) {
+      fn();
+      sync(dev);
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < reps; ++i) fn();
+      const double host = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      sync(dev);
+      const double all = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      return std::pair<double, double>{host / reps * 1e6, all / reps * 1e6};
+    };
+    at::Tensor out;
+    const auto [eh, ed] = issue([&] { out = ns.local(G); });
+    const auto [gh, gd] = issue([&] { out = graphs.run(G); });
+    std::printf("%-16s %8lld %14.1f %14.1f %9.2f %14.1f %14.1f\n",
+                (std::to_string(c.m) + "x" + std::to_string(c.n)).c_str(), static_cast<long long>(c.batch), eh, gh,
+                eh / gh, ed, gd);
+    std::fflush(stdout);
+  }
+  std::printf("# host e/g > 1: the graph issues the call faster; dev_us: issue + run, per call.\n");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int reps = 5;
   std::string dtype = "f32", device = "cpu";
   std::vector<Shape> shapes = {{512, 512}, {512, 2048}, {1024, 4096}, {2048, 2048}, {4096, 1024}};
-  bool batched = false;
+  bool batched = false, graphs = false;
   for (int i = 1; i < argc; ++i) {
     auto next = [&]() -> std::string {
       if (i + 1 >= argc) {
@@ -156,13 +198,16 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--device")) device = next();
     else if (!std::strcmp(argv[i], "--shapes")) shapes = parse_shapes(next());
     else if (!std::strcmp(argv[i], "--batched")) batched = true;
+    else if (!std::strcmp(argv[i], "--graphs")) graphs = true;
     else {
       std::fprintf(stderr, "usage: ns_bench [--reps N] [--dtype f32|bf16|f16] [--device cpu|cuda] [--shapes MxN,...]\n"
-                           "       ns_bench --batched [--reps N] [--device cpu|cuda]\n");
+                           "       ns_bench --batched [--reps N] [--device cpu|cuda]\n"
+                           "       ns_bench --graphs [--reps N] --device cuda\n");
       return 2;
     }
   }
   if (batched) return run_batched(reps, at::Device(device == "cuda" ? at::kCUDA : at::kCPU));
+  if (graphs) return run_graphs(reps, at::Device(device == "cuda" ? at::kCUDA : at::kCPU));
   const at::ScalarType dt = dtype == "bf16" ? at::kBFloat16 : dtype == "f16" ? at::kHalf : at::kFloat;
   const at::Device dev(device == "cuda" ? at::kCUDA : at::kCPU);
   std::printf("# ns_bench: %s, device %s, input %s, %d reps (median), PE x1.05 coefficients, Gram restarts {2}\n",

@@ -7,7 +7,7 @@
 cmake_minimum_required(VERSION 3.18)
 set(_order env ns plan comm bootstrap runtime optim io)
 set(_public_env env.h)
-set(_public_ns newton_schulz.h host_sync.h memory.h)
+set(_public_ns newton_schulz.h host_sync.h memory.h ns_graphs.h)
 set(_public_plan owner_plan.h model_specs.h plan_json.h step_simulator.h ns_profile.h)
 set(_public_comm process_group.h communicator.h mesh.h)
 set(_public_bootstrap bootstrap.h)

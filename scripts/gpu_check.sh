@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's check (one H200, PyTorch 2.11 + CUDA 13 + NCCL, 16 cores, no network): builds
 # dmuon against that machine's torch, runs the CUDA tests and the CPU unit tests, ns_bench on the
-# Llama-3-8B shapes (bf16 direct / fp16 Gram) and on one layer's 7 matrices, a one-GPU `dmuon train`,
+# Llama-3-8B shapes (bf16 direct / fp16 Gram) and on one layer's 7 matrices, NS CUDA graphs vs eager
+# (host us per call) and batched vs per-matrix NS, a one-GPU `dmuon train`,
 # and a one-GPU step benchmark (Muon vs AdamW step time on a GPT-2-small-sized model). Writes one
 # report, OUT/gpu_report.md (and the logs beside it). Each phase has its own time limit, so the
 # whole script ends within 8 minutes whatever fails.
@@ -76,6 +77,11 @@ run 60 ns_bench_bf16 "$BUILD/bench/ns_bench" --device cuda --dtype bf16 --reps 2
 run 60 ns_bench_fp16 "$BUILD/bench/ns_bench" --device cuda --dtype f16 --reps 20 --shapes "$LLAMA_SHAPES"
 section "ns_bench --device cuda, one Llama-3-8B layer (7 matrices; the total row)"
 run 60 ns_bench_layer "$BUILD/bench/ns_bench" --device cuda --dtype bf16 --reps 10 --shapes "$LAYER"
+
+section "ns_bench --graphs: host us per NS call, CUDA graph vs eager (issue 19)"
+run 60 ns_bench_graphs "$BUILD/bench/ns_bench" --graphs --device cuda --reps 50
+section "ns_bench --batched --device cuda: one stacked NS call per shape vs one per matrix"
+run 60 ns_bench_batched "$BUILD/bench/ns_bench" --batched --device cuda --reps 5
 
 section "dmuon train --device cuda (one GPU)"
 run 90 train "$BUILD/apps/dmuon" train --device cuda --ranks 1 --steps 60 --batch 16 --seq-len 128 --d-model 256 \

@@ -11,6 +11,7 @@
 #include "dmuon/communicator.h"  // the column-sharded Gram NS over a process group
 #include "dmuon/newton_schulz.h"
 #include "dmuon/ns_calibration.h"
+#include "dmuon/ns_graphs.h"
 #include "support/multirank.h"
 
 namespace dmuon {
@@ -252,6 +253,18 @@ TEST(NewtonSchulzTest, ManyMatricesEqualOneCallEachWhateverTheGrouping) {
   EXPECT_FALSE(ns_stacking_pays(c10::DeviceType::CPU, kCpuStackMaxSide + 1));
   EXPECT_TRUE(ns_stacking_pays(c10::DeviceType::CUDA, 4096));
   EXPECT_THROW(newton_schulz_many(ns, {at::randn({2, 3, 4})}), c10::Error);
+}
+
+TEST(NewtonSchulzTest, GraphRunnerIsTheEagerNsOffCuda) {
+  at::manual_seed(12);
+  NewtonSchulz ns("gram");
+  ns.set_check_finite(false);
+  NsGraphs graphs(ns);
+  EXPECT_EQ(NsGraphs::supported(), DMUON_WITH_CUDA != 0);
+  const at::Tensor G = at::randn({3, 16, 40}, at::kDouble);
+  EXPECT_TRUE(at::equal(graphs.run(G, 5), ns.local(G, 5)));
+  EXPECT_EQ(graphs.stats().eager, 1);  // a CPU tensor is never captured
+  EXPECT_EQ(graphs.stats().captures, 0);
 }
 
 TEST(NsCalibration, MeasuresEachShapeOnceTheWayTheStepRunsIt) {

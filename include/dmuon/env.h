@@ -16,6 +16,7 @@ std::string ns_profile();                   // DMUON_NS_PROFILE: path of the pro
 std::optional<bool> hsdp_column_balance();  // DMUON_HSDP_COLUMN_BALANCE: 0/1, true/false
 std::optional<bool> pack_small_params();    // DMUON_OWNER_PACK_SMALL_PARAMS: 0/1, true/false
 std::string ns_kernel();                    // DMUON_NS_KERNEL: "auto" | "cublas" | "syrk"
+std::optional<bool> ns_cuda_graphs();       // DMUON_NS_CUDA_GRAPHS: 0 turns Muon's NS CUDA graphs off
 std::string process_group_policy();         // DMUON_PROCESS_GROUP_POLICY: "isolated" | "shared"
 bool isolated_pg_barrier();                 // DMUON_ISOLATED_PG_BARRIER=1: strict post-step fence
 bool record_forward_profile();              // DMUON_RECORD_FORWARD_PROFILE=1

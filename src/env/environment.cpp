@@ -34,6 +34,7 @@ std::string ns_profile() { return get("DMUON_NS_PROFILE"); }
 std::optional<bool> hsdp_column_balance() { return get_bool("DMUON_HSDP_COLUMN_BALANCE"); }
 std::optional<bool> pack_small_params() { return get_bool("DMUON_OWNER_PACK_SMALL_PARAMS"); }
 std::string ns_kernel() { return get("DMUON_NS_KERNEL"); }
+std::optional<bool> ns_cuda_graphs() { return get_bool("DMUON_NS_CUDA_GRAPHS"); }
 std::string cpu_backend() { return get("DMUON_CPU_BACKEND"); }
 std::string process_group_policy() { return get("DMUON_PROCESS_GROUP_POLICY"); }
 bool isolated_pg_barrier() { return get_bool("DMUON_ISOLATED_PG_BARRIER").value_or(false); }

@@ -227,7 +227,7 @@ int64_t ns_batch_cap_bytes() {
 // at most ns_batch_cap_bytes (one NS call each, every matrix normalised on its own); each batch's
 // results are applied as soon as they exist (the updates are independent, so the order is free). The TP gather jobs stay in `pending`. `log(target, ms)`
 // is called per matrix (ms: its share of its batch's time).
-void run_local_ns(std::vector<TpUpdate>& pending, const NewtonSchulz& ns, detail::PhaseClock& clock,
+void run_local_ns(std::vector<TpUpdate>& pending, NsGraphs& ns, detail::PhaseClock& clock,
                   const std::function<void(const at::Tensor& target, double ms)>& log) {
   std::vector<TpUpdate> local, rest;
   for (TpUpdate& j : pending) (j.local_input ? local : rest).push_back(std::move(j));
@@ -275,7 +275,7 @@ void run_local_ns(std::vector<TpUpdate>& pending, const NewtonSchulz& ns, detail
       const size_t e = std::min(idx.size(), b + chunk);
       const auto tb = std::chrono::steady_clock::now();
       if (e - b == 1) {
-        apply(idx[b], ns.local(local[idx[b]].local_input(), k.steps));
+        apply(idx[b], ns.run(local[idx[b]].local_input(), k.steps));
       } else {
         at::Tensor in = at::empty({static_cast<int64_t>(e - b), k.m, k.n}, local[idx[b]].input_like.options());
         for (size_t i = b; i < e; ++i) {
@@ -283,7 +283,7 @@ void run_local_ns(std::vector<TpUpdate>& pending, const NewtonSchulz& ns, detail
           const at::Tensor u = local[idx[i]].local_input();
           in.select(0, static_cast<int64_t>(i - b)).copy_(like.size(0) > like.size(1) ? u.t() : u);
         }
-        const at::Tensor out = ns.local(in, k.steps);
+        const at::Tensor out = ns.run(in, k.steps);
         in = at::Tensor();
         for (size_t i = b; i < e; ++i) {
           const at::Tensor& like = local[idx[i]].input_like;
@@ -311,6 +311,9 @@ Muon::Muon(const std::shared_ptr<torch::nn::Module>& model, MuonOptions options)
       ns_(options_.ns ? *options_.ns : NewtonSchulz(options_.ns_backend)) {
   check_finite_ = ns_.options().check_finite;
   ns_.set_check_finite(false);  // checked for all matrices at once in step()
+  NsGraphOptions go;
+  go.enabled = env::ns_cuda_graphs().value_or(options_.ns_cuda_graphs);
+  ns_graphs_ = std::make_shared<NsGraphs>(ns_, go);
   auto state = detail::state_of_model(model.get());
   require_replicated(*model, *state);
 }
@@ -458,7 +461,7 @@ at::Tensor Muon::step(LossClosure closure) {
     else std::cerr << line.str() << "\n";
   };
   // the whole matrices' Newton-Schulz of the updates so far, batched by shape
-  auto flush_local_ns = [&] { run_local_ns(tp_pending, ns_, clock, progress_line); };
+  auto flush_local_ns = [&] { run_local_ns(tp_pending, *ns_graphs_, clock, progress_line); };
   auto update = [&](const ReadyGrad& r) {
     auto g = group_of_.find(r.param.unsafeGetTensorImpl());
     if (g == group_of_.end()) return;  // in no parameter group: not optimized

@@ -121,9 +121,9 @@ static const char* preset_json(const std::string& n) {
       "intra_node": {"bandwidth_GBps": 360, "latency_us": 5}, "inter_node": {"bandwidth_GBps": 45, "latency_us": 10}})";
   if (n == "cpu-2core" || n == "cpu")
     return R"({"name": "cpu-2core",
-      "source": "this project's 2-core Debian CI box, one rank per core: OpenBLAS fp32 GEMM 92-215 GFLOP/s in bench/ns_bench (docs/PERF.md), about 60 GFLOP/s per rank reached by a training step; Gloo over 127.0.0.1 about 1 GB/s; estimates from those runs, not a --calibrate measurement",
-      "devices_per_node": 64, "matmul_tflops": 0.1, "mfu": 0.6, "ns_efficiency": 0.6,
-      "memory_bandwidth_GBps": 10, "memory_GB": 24,
+      "source": "this project's 2-core Debian CI box, one rank per core: measured by `dmuon plan --calibrate --hardware cpu-2core --threads 1` on 2026-12-02 (fp32 1024^2 GEMM 85 GFLOP/s on one thread, an fp32 add 11.8 GB/s, NS of a 256x256 matrix 7.4 ms = 0.80 of the GEMM rate); mfu 0.6 and Gloo over 127.0.0.1 at about 1 GB/s and 50 us are estimates from docs/PERF.md runs",
+      "devices_per_node": 64, "matmul_tflops": 0.085, "mfu": 0.6, "ns_efficiency": 0.8,
+      "memory_bandwidth_GBps": 11.8, "memory_GB": 24,
       "intra_node": {"bandwidth_GBps": 1.0, "latency_us": 50}, "inter_node": {"bandwidth_GBps": 1.0, "latency_us": 50}})";
   return nullptr;
 }
