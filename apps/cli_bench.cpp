@@ -369,6 +369,7 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
     trainer.barrier("bench calibration");
     NsCalibrationOptions co;
     co.reps = 3;
+    co.backend = a.ns_backend;  // the NS every variant runs (MuonOptions' default steps)
     const DeviceRates rates = measure_device_rates(at::kCPU, 3);
     // mfu: this model's forward + backward on one rank's micro-batch (a plain GPT, no hooks) against
     // the matmul rate, as the simulator prices compute (6 P tokens / rate / mfu)

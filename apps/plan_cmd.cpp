@@ -134,6 +134,7 @@ int run_calibration(std::ostream& out, const std::vector<ParamSpec>& full, const
   if (a.reps < 1 || a.batch < 2 || a.threads < 0)
     throw UsageError("--reps must be >= 1, --batch >= 2 and --threads >= 0");
   if (full.empty()) throw UsageError("--calibrate: the model has no Muon targets to measure");
+  const HardwareSpec base = load_hardware(a.hardware);  // before measuring: a typo costs nothing
   CalibrationRequest req;
   req.device = a.device;
   req.reps = a.reps;
@@ -143,9 +144,16 @@ int run_calibration(std::ostream& out, const std::vector<ParamSpec>& full, const
   for (const ParamSpec& p : full) {
     const int64_t m = p.shape.size() >= 2 ? p.shape[0] : 1;
     req.shapes.push_back({m, m > 0 ? p.numel() / m : 0, p.elem_bytes});
+    if (p.tp_split_dim >= 0 && a.tp > 1) {  // the TP slice the DP stage plans, too
+      std::vector<int64_t> local = p.shape;
+      local[static_cast<size_t>(p.tp_split_dim)] /= a.tp;
+      const int64_t lm = local.size() >= 2 ? local[0] : 1;
+      int64_t numel = 1;
+      for (int64_t d : local) numel *= d;
+      req.shapes.push_back({lm, lm > 0 ? numel / lm : 0, p.elem_bytes});
+    }
   }
   const CalibrationResult r = fn(req, out);
-  const HardwareSpec base = load_hardware(a.hardware);
   // NS efficiency: the largest measured shape's multiply rate against the matmul rate (<= 1); square
   // shapes first (they run the direct form, whose FLOPs ns_flops counts; the Gram form needs fewer)
   double eff = base.ns_efficiency;
@@ -356,13 +364,14 @@ json plan_json(const ModelSpec& model, const std::vector<ParamSpec>& params, con
   j["num_slots"] = plan.num_slots();
   j["options"] = options_json(plan.options);
   json jp = json::array();
+  const std::vector<double> costs = param_costs(params, plan.options, plan.num_slots());  // the planner's
   for (size_t i = 0; i < params.size(); ++i) {
     const ParamSpec& p = params[i];
     jp.push_back(json{{"name", p.name},
                       {"shape", p.shape},
                       {"elem_bytes", p.elem_bytes},
                       {"bytes", p.bytes()},
-                      {"cost", param_cost(p, plan.options)},
+                      {"cost", costs[i]},
                       {"group", plan.groups[i]},
                       {"boundary", default_boundary_of(p.name)},
                       {"unit", plan.unit_of_param[i]},

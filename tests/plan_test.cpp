@@ -1441,6 +1441,10 @@ TEST(ProfiledCostModel, BalancesMeasuredTimeWhereTheFlopModelMisjudgesSkinnyMatr
   EXPECT_DOUBLE_EQ(c[0], 1e7);
   EXPECT_DOUBLE_EQ(c[5], 1e3 * (80.0 + 120.0 / 150.0));
   EXPECT_DOUBLE_EQ(param_cost(ps[5], b.options), 1e3 * 200.0);  // alone
+  // a plan at 10 NS steps scales the profile's 5-step times
+  PlanOptions ten = profiled;
+  ten.ns_steps = 10;
+  EXPECT_DOUBLE_EQ(param_costs(ps, resolve_plan_options(ten), 4)[5], 2e3 * (80.0 + 120.0 / 150.0));
   // the profile is part of the fingerprint: ranks that read different files disagree loudly
   auto other = std::make_shared<NsProfile>(*prof);
   other->timings[1].batch_us = 761;
@@ -1461,6 +1465,17 @@ TEST(ProfiledCostModel, NeedsAProfileAndSaysWhereToGetOne) {
     EXPECT_NE(std::string(e.what()).find("DMUON_NS_PROFILE"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("dmuon plan --calibrate"), std::string::npos) << e.what();
   }
+  // a profile built in code is validated like a file
+  auto bad = std::make_shared<NsProfile>();
+  bad->timings = {timing(4, 4, 4, std::nan(""))};
+  o.ns_profile = bad;
+  try {
+    resolve_plan_options(o);
+    FAIL() << "no throw";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("timings[0]: single_us"), std::string::npos) << e.what();
+  }
+  o.ns_profile = nullptr;
   ::setenv("DMUON_NS_PROFILE", "/nonexistent/prof.json", 1);
   try {
     resolve_plan_options(o);

@@ -29,9 +29,10 @@ struct NsCalibrationOptions {
   std::string backend = "gram";
 };
 
-// One timing per distinct shape (orientation-free) and element size, in the order first seen.
-// The batched figure runs `batch` matrices through newton_schulz_many: one stacked call where
-// ns_stacking_pays on this device, else `batch` calls (so its per-matrix cost is the single one).
+// One timing per distinct shape (orientation-free) and element size, in the order first seen, of the
+// NS Muon::step runs: finite check off, through NsGraphs (CUDA graphs on CUDA). The batched figure is
+// `batch` matrices stacked into one call where ns_stacking_pays on this device; elsewhere the shape
+// has no batched figure (k matrices cost k single calls).
 NsProfile measure_ns_profile(const std::vector<NsShape>& shapes, const NsCalibrationOptions& opts = {});
 
 struct DeviceRates {

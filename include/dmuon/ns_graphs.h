@@ -9,7 +9,9 @@
 // first call captures it (after `warmup` eager calls on a side stream, which also settle cuBLAS
 // workspaces and the "auto" kernel choice); later calls copy the input into the graph's static
 // input, replay, and return a copy of its static output. Replayed results equal the eager ones bit
-// for bit (the same kernels on the same data).
+// for bit (the same kernels on the same data). Captures run on a stream of their own in thread-local
+// capture mode, so communication other threads issue meanwhile is neither waited for nor captured; a
+// capture that fails is logged once and turns graphs off for this runner (NS continues eagerly).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -52,10 +54,12 @@ class NsGraphs {
 
  private:
   struct Entry;
+  struct Streams;  // CUDA: one capture stream per device, owned here
   using Key = std::tuple<std::vector<int64_t>, int, int, int>;  // sizes, dtype, device index, steps
   NewtonSchulz ns_;
   NsGraphOptions opts_;
   std::map<Key, std::unique_ptr<Entry>> graphs_;
+  std::unique_ptr<Streams> streams_;
   int64_t bytes_ = 0;
   Stats stats_;
 };

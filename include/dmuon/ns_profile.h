@@ -53,6 +53,9 @@ struct NsProfile {
   uint64_t digest() const;
 };
 
+// Throws std::invalid_argument naming `source` and the bad entry: ns_steps < 1, no timings, a side,
+// element size or batch < 1, a time that is not finite and > 0.
+void validate_ns_profile(const NsProfile& profile, const std::string& source);
 // Parse / write the JSON above. Errors name `source` and the bad entry (index, field).
 NsProfile ns_profile_from_json(const std::string& json_text, const std::string& source);
 std::string ns_profile_to_json(const NsProfile& profile);

@@ -2,6 +2,7 @@
 #include "dmuon/ns_calibration.h"
 
 #include "dmuon/host_sync.h"
+#include "dmuon/ns_graphs.h"
 
 #include <algorithm>
 #include <chrono>
@@ -47,7 +48,11 @@ at::ScalarType dtype_of(int64_t elem_bytes) {
 
 NsProfile measure_ns_profile(const std::vector<NsShape>& shapes, const NsCalibrationOptions& o) {
   if (o.batch < 2) throw std::invalid_argument("measure_ns_profile: batch must be >= 2, got " + std::to_string(o.batch));
-  const NewtonSchulz ns(o.backend);
+  // the NS Muon::step runs: finite check off (Muon checks all gradients in one read), CUDA graphs on CUDA
+  NewtonSchulz ns(o.backend);
+  ns.set_check_finite(false);
+  NsGraphs graphs(ns);
+  auto run = [&](const at::Tensor& x) { return graphs.run(x, o.ns_steps); };
   NsProfile p;
   p.device = o.device.str();
   p.ns_steps = o.ns_steps;
@@ -70,13 +75,20 @@ NsProfile measure_ns_profile(const std::vector<NsShape>& shapes, const NsCalibra
     t.rows = m, t.cols = n, t.elem_bytes = s.elem_bytes;
     const at::Tensor one = at::randn({m, n}, opts);
     at::Tensor sink;
-    t.single_us = 1e6 * median_s([&] { sink = ns.local(one, o.ns_steps); }, o.reps, o.device, o.max_shape_s);
+    t.single_us = 1e6 * median_s([&] { sink = run(one); }, o.reps, o.device, o.max_shape_s);
     // batched only where Muon::step would stack this shape; elsewhere k matrices cost k single calls
     if (ns_stacking_pays(o.device.type(), m) && t.single_us * o.batch < 1e6 * o.max_shape_s) {
       std::vector<at::Tensor> many;
       for (int i = 0; i < o.batch; ++i) many.push_back(at::randn({m, n}, opts));
       t.batch = o.batch;
-      t.batch_us = 1e6 * median_s([&] { (void)newton_schulz_many(ns, many, o.ns_steps); }, o.reps, o.device);
+      t.batch_us = 1e6 * median_s(
+                       [&] {  // stacked, one call, results unstacked (as Muon::step)
+                         at::Tensor in = at::empty({o.batch, m, n}, opts);
+                         for (int i = 0; i < o.batch; ++i) in.select(0, i).copy_(many[static_cast<size_t>(i)]);
+                         const at::Tensor r = run(in);
+                         for (int i = 0; i < o.batch; ++i) sink = r.select(0, i);
+                       },
+                       o.reps, o.device);
     }
     p.timings.push_back(t);
   }

@@ -98,6 +98,21 @@ uint64_t NsProfile::digest() const {
   return h;
 }
 
+void validate_ns_profile(const NsProfile& p, const std::string& source) {
+  if (p.ns_steps < 1) throw std::invalid_argument(source + ": \"ns_steps\" must be >= 1, got " + std::to_string(p.ns_steps));
+  if (p.timings.empty())
+    throw std::invalid_argument(source + ": the NS profile has no timings (`dmuon plan --calibrate FILE` measures them)");
+  for (size_t i = 0; i < p.timings.size(); ++i) {
+    const NsTiming& t = p.timings[i];
+    const std::string where = source + ": timings[" + std::to_string(i) + "]";
+    if (t.rows < 1 || t.cols < 1 || t.elem_bytes < 1 || t.batch < 1)
+      throw std::invalid_argument(where + ": rows, cols, elem_bytes and batch must be >= 1");
+    if (!(t.single_us > 0) || !std::isfinite(t.single_us) || (t.batch >= 2 && !(t.batch_us > 0)) ||
+        !std::isfinite(t.batch_us))
+      throw std::invalid_argument(where + ": single_us (and batch_us when batch >= 2) must be finite and > 0");
+  }
+}
+
 NsProfile ns_profile_from_json(const std::string& text, const std::string& source) {
   json j;
   try {
@@ -113,7 +128,6 @@ NsProfile ns_profile_from_json(const std::string& text, const std::string& sourc
   p.device = j.value("device", "cpu");
   p.source = j.value("source", "file " + source);
   p.ns_steps = j.value("ns_steps", 5);
-  if (p.ns_steps < 1) throw std::invalid_argument(source + ": \"ns_steps\" must be >= 1");
   for (size_t i = 0; i < j["timings"].size(); ++i) {
     const json& e = j["timings"][i];
     const std::string where = source + ": timings[" + std::to_string(i) + "]";
@@ -129,14 +143,10 @@ NsProfile ns_profile_from_json(const std::string& text, const std::string& sourc
     t.single_us = num("single_us");
     t.batch = e.contains("batch") ? static_cast<int>(num("batch")) : 1;
     t.batch_us = t.batch >= 2 ? num("batch_us") : 0.0;
-    if (t.rows < 1 || t.cols < 1 || t.elem_bytes < 1 || t.batch < 1)
-      throw std::invalid_argument(where + ": rows, cols, elem_bytes and batch must be >= 1");
-    if (!(t.single_us > 0) || !std::isfinite(t.single_us) || (t.batch >= 2 && !(t.batch_us > 0)) ||
-        !std::isfinite(t.batch_us))
-      throw std::invalid_argument(where + ": single_us (and batch_us when batch >= 2) must be finite and > 0");
     p.timings.push_back(t);
   }
   if (p.timings.empty()) throw std::invalid_argument(source + ": the NS profile's \"timings\" array is empty");
+  validate_ns_profile(p, source);
   return p;
 }
 

@@ -101,7 +101,10 @@ double profiled_cost(const ParamSpec& p, const ResolvedPlanOptions& opts, int64_
   const int64_t m = p.shape.size() >= 2 ? p.shape[0] : 1;
   const NsCost c = opts.ns_profile->cost_of(m, m > 0 ? p.numel() / m : 0, p.elem_bytes);
   const double per_owner = std::max(1.0, static_cast<double>(same) / std::max(1, slots));
-  return 1e3 * (c.per_matrix_us + c.fixed_us / per_owner);
+  // NS time scales with its step count: a profile measured at other steps is scaled to the plan's;
+  // whole ns, so last-bit differences between machines' floating point never reach the planner
+  const double steps = static_cast<double>(opts.ns_steps) / opts.ns_profile->ns_steps;
+  return std::round(1e3 * steps * (c.per_matrix_us + c.fixed_us / per_owner));
 }
 }  // namespace
 

@@ -66,9 +66,7 @@ ResolvedPlanOptions resolve_plan_options(const PlanOptions& opts) {
           "PlanOptions::ns_profile (dmuon plan --ns-profile FILE) or DMUON_NS_PROFILE=FILE, after measuring "
           "them on the target device with `dmuon plan --calibrate FILE`");
     }
-    if (r.ns_profile->timings.empty())
-      throw std::invalid_argument("owner_cost_model 'profiled': the NS profile '" + r.ns_profile->source +
-                                  "' has no timings");
+    validate_ns_profile(*r.ns_profile, "owner_cost_model 'profiled': NS profile '" + r.ns_profile->source + "'");
   }
 
   if (opts.hsdp_column_balance) {

@@ -224,7 +224,7 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
   // measured NS profile: per shape, the batch the step runs (fixed + per matrix x k); else FLOPs at
   // the device rate times the NS efficiency.
   auto ns_time = [&](const std::vector<size_t>& idx) {
-    std::map<std::tuple<int64_t, int64_t, int64_t>, std::pair<int64_t, double>> shapes;  // count, 1/T share
+    std::map<std::tuple<int64_t, int64_t, int64_t, double>, int64_t> shapes;  // (s, b, elem, 1/T share): count
     double flops = 0;
     for (size_t i : idx) {
       std::vector<int64_t> full = muon[i].shape;
@@ -234,15 +234,13 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
       int64_t numel = 1;
       for (int64_t d : full) numel *= d;
       const int64_t m = full.size() >= 2 ? full[0] : 1, n = m > 0 ? numel / m : 0;
-      auto& [k, w] = shapes[{std::min(m, n), std::max(m, n), muon[i].elem_bytes}];
-      ++k;
-      w = share;
+      ++shapes[{std::min(m, n), std::max(m, n), muon[i].elem_bytes, share}];
     }
     if (!hw.ns_profile) return flops / (rate * hw.ns_efficiency);
     double us = 0;
-    for (const auto& [key, kw] : shapes)
-      us += hw.ns_profile->cost_of(std::get<0>(key), std::get<1>(key), std::get<2>(key)).of(kw.first) * kw.second;
-    return us * 1e-6;
+    for (const auto& [key, k] : shapes)
+      us += hw.ns_profile->cost_of(std::get<0>(key), std::get<1>(key), std::get<2>(key)).of(k) * std::get<3>(key);
+    return us * 1e-6 * l.ns_steps / hw.ns_profile->ns_steps;  // measured at the profile's step count
   };
 
   // boundaries in model order: Muon bytes (this TP rank's slices) and their roots
