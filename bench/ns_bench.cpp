@@ -7,6 +7,7 @@
 //
 //   usage: ns_bench [--reps N] [--dtype f32|bf16|f16] [--device cpu|cuda] [--shapes 512x512,...]
 //          ns_bench --batched [--reps N] [--device cpu|cuda]
+//          ns_bench --fused [--reps N]      (CPU: the fused small-matrix kernel vs ATen calls)
 //
 // --batched: the optimizer's two ways of running many matrices, per case: one NS call per matrix
 // vs one stacked call per oriented shape (as Muon::step does; stacking and unstacking timed), their
@@ -27,6 +28,7 @@
 #include "dmuon/host_sync.h"
 #include "dmuon/newton_schulz.h"
 #include "dmuon/ns_graphs.h"
+#include "ns/fused_cpu.h"  // internal: which copy of the fused CPU kernel runs
 
 
 namespace {
@@ -137,6 +139,47 @@ int run_batched(int reps, const at::Device& dev) {
   return 0;
 }
 
+// --fused (CPU): the fused small-matrix NS kernel (NsOptions::cpu_fused, the default) against one
+// ATen call per GEMM (cpu_fused = false), per shape and batch, interleaved rep by rep: microseconds
+// per matrix, the ratio, and the relative difference of the results (rounding only).
+int run_fused(int reps) {
+  std::printf("# ns_bench --fused: Gram NS (direct for square), fp32, CPU, fused kernel copy '%s', %d reps "
+              "(median), check_finite off as in Muon::step\n",
+              dmuon::detail::fused_cpu::isa(), reps);
+  std::printf("%-16s %6s %12s %12s %9s %10s\n", "shape", "batch", "aten_us/mat", "fused_us/mat", "aten/fused",
+              "rel_diff");
+  struct Case {
+    int64_t batch, m, n;
+  };
+  dmuon::NsOptions fused, aten;
+  fused.check_finite = aten.check_finite = false;
+  aten.cpu_fused = false;
+  at::manual_seed(0);
+  for (const Case c : {Case{1, 16, 16}, Case{1, 32, 32}, Case{64, 32, 32}, Case{1, 8, 512}, Case{64, 8, 512},
+                       Case{1, 48, 128}, Case{32, 48, 128}, Case{1, 64, 64}, Case{16, 64, 256}, Case{1, 64, 1024}}) {
+    const at::Tensor G = c.batch == 1 ? at::randn({c.m, c.n}) : at::randn({c.batch, c.m, c.n});
+    at::Tensor a = dmuon::gram_newton_schulz(G, aten), f = dmuon::gram_newton_schulz(G, fused);  // warm-up
+    std::vector<double> ta, tf;
+    for (int r = 0; r < reps; ++r) {
+      auto t0 = std::chrono::steady_clock::now();
+      a = dmuon::gram_newton_schulz(G, aten);
+      auto t1 = std::chrono::steady_clock::now();
+      f = dmuon::gram_newton_schulz(G, fused);
+      auto t2 = std::chrono::steady_clock::now();
+      ta.push_back(std::chrono::duration<double>(t1 - t0).count());
+      tf.push_back(std::chrono::duration<double>(t2 - t1).count());
+    }
+    std::sort(ta.begin(), ta.end());
+    std::sort(tf.begin(), tf.end());
+    const double ma = ta[ta.size() / 2] / c.batch * 1e6, mf = tf[tf.size() / 2] / c.batch * 1e6;
+    std::printf("%-16s %6lld %12.1f %12.1f %9.2f %10.2e\n", (std::to_string(c.m) + "x" + std::to_string(c.n)).c_str(),
+                static_cast<long long>(c.batch), ma, mf, ma / mf, rel(f, a));
+    std::fflush(stdout);
+  }
+  std::printf("# aten/fused > 1: the fused kernel is faster. rel_diff: |fused - aten|_F / |aten|_F.\n");
+  return 0;
+}
+
 // --graphs (CUDA): host microseconds per NS call, eager vs replayed from a CUDA graph (ns_graphs.h),
 // per (shape, batch): the time to issue `reps` calls without waiting, then the device time per call.
 int run_graphs(int reps, const at::Device& dev) {
@@ -184,7 +227,7 @@ int main(int argc, char** argv) {
   int reps = 5;
   std::string dtype = "f32", device = "cpu";
   std::vector<Shape> shapes = {{512, 512}, {512, 2048}, {1024, 4096}, {2048, 2048}, {4096, 1024}};
-  bool batched = false, graphs = false;
+  bool batched = false, graphs = false, fused = false;
   for (int i = 1; i < argc; ++i) {
     auto next = [&]() -> std::string {
       if (i + 1 >= argc) {
@@ -199,6 +242,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--shapes")) shapes = parse_shapes(next());
     else if (!std::strcmp(argv[i], "--batched")) batched = true;
     else if (!std::strcmp(argv[i], "--graphs")) graphs = true;
+    else if (!std::strcmp(argv[i], "--fused")) fused = true;
     else {
       std::fprintf(stderr, "usage: ns_bench [--reps N] [--dtype f32|bf16|f16] [--device cpu|cuda] [--shapes MxN,...]\n"
                            "       ns_bench --batched [--reps N] [--device cpu|cuda]\n"
@@ -206,6 +250,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (fused) return run_fused(reps);
   if (batched) return run_batched(reps, at::Device(device == "cuda" ? at::kCUDA : at::kCPU));
   if (graphs) return run_graphs(reps, at::Device(device == "cuda" ? at::kCUDA : at::kCPU));
   const at::ScalarType dt = dtype == "bf16" ? at::kBFloat16 : dtype == "f16" ? at::kHalf : at::kFloat;

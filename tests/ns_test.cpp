@@ -2,9 +2,12 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -12,6 +15,7 @@
 #include "dmuon/newton_schulz.h"
 #include "dmuon/ns_calibration.h"
 #include "dmuon/ns_graphs.h"
+#include "ns/fused_cpu.h"  // internal: the fused CPU kernel
 #include "support/multirank.h"
 
 namespace dmuon {
@@ -299,6 +303,131 @@ TEST(NewtonSchulzTest, SquareInputUsesDirectForm) {
   EXPECT_TRUE(at::equal(newton_schulz(G), direct_newton_schulz(G)));
 }
 
+// ---- fused CPU kernel ---------------------------------------------------------------------------
+NsOptions aten_path(NsOptions o = {}) {
+  o.cpu_fused = false;
+  return o;
+}
+
+// Restores the process-wide ISA choice and an environment variable when a test ends.
+struct FusedTestScope {
+  ~FusedTestScope() {
+    detail::fused_cpu::select_isa("");
+    unsetenv("DMUON_NS_CPU_FUSED");
+  }
+};
+
+// The fused kernel against the ATen path (one ATen call per GEMM) on the shapes it takes: wide,
+// tall (oriented), square (direct form), odd sizes (padding), a 1-row matrix, batches, Gram restart
+// sets and both backends. float64: the two differ by rounding only (measured <= 3e-15 relative; bound
+// 1e-12, margin > 300x). float32: see the bounds above.
+// fp32 bounds, measured on this project's AVX2 box (ns_test prints them): the fused kernel's error
+// against the float64 SVD reference exceeds the ATen path's by <= 5.4e-6 (bound 1e-4: 18x), and the
+// two differ by <= 8.2e-5 (Gram NS without restarts amplifies rounding most; bound 1e-3: 12x).
+constexpr double kFp32RefBound = 1e-4;
+constexpr double kFp32PathBound = 1e-3;
+TEST(NewtonSchulzTest, FusedCpuKernelMatchesTheAtenPath) {
+  FusedTestScope scope;
+  at::manual_seed(31);
+  double worst_vs_ref = 0, worst_vs_aten = 0;
+  const std::vector<std::vector<int64_t>> shapes = {{32, 32}, {8, 512}, {512, 8}, {48, 128}, {20, 21}, {21, 20},
+                                                    {64, 64}, {1, 7},   {64, 1000}, {5, 24, 40}, {3, 33, 17}};
+  for (const auto& shape : shapes) {
+    for (const std::string backend : {"gram", "direct"}) {
+      for (const auto& rs : std::vector<std::vector<int>>{{2}, {}, {1, 3}}) {
+        NsOptions o;
+        o.restart_iterations = rs;
+        const at::Tensor G64 = at::randn(shape, at::kDouble);
+        ASSERT_TRUE(detail::fused_cpu::supports(
+            (shape[shape.size() - 2] > shape.back() ? G64.transpose(-2, -1) : G64).contiguous()))
+            << at::IntArrayRef(shape);
+        auto ns = [&](const at::Tensor& G, const NsOptions& opts) {
+          return backend == "gram" ? gram_newton_schulz(G, opts) : direct_newton_schulz(G, opts);
+        };
+        const at::Tensor fused64 = ns(G64, o), aten64 = ns(G64, aten_path(o));
+        EXPECT_EQ(fused64.sizes(), G64.sizes());
+        EXPECT_LT(rel(fused64, aten64), 1e-12) << backend << " " << at::IntArrayRef(shape);
+        if (shape.size() == 2) {
+          const at::Tensor G32 = G64.to(at::kFloat);
+          const at::Tensor ref = reference_ns(G64, POLAR_EXPRESS_COEFFICIENTS);
+          const at::Tensor fused32 = ns(G32, o), aten32 = ns(G32, aten_path(o));
+          EXPECT_EQ(fused32.scalar_type(), at::kFloat);
+          worst_vs_ref = std::max(worst_vs_ref, rel(fused32, ref) - rel(aten32, ref));
+          worst_vs_aten = std::max(worst_vs_aten, rel(fused32, aten32));
+          EXPECT_LT(rel(fused32, ref) - rel(aten32, ref), kFp32RefBound) << backend << " " << at::IntArrayRef(shape);
+          EXPECT_LT(rel(fused32, aten32), kFp32PathBound) << backend << " " << at::IntArrayRef(shape);
+        }
+      }
+    }
+  }
+  std::cout << "[ measured ] fp32: fused error - ATen error vs the float64 reference <= " << worst_vs_ref
+            << " (bound " << kFp32RefBound << "), fused vs ATen <= " << worst_vs_aten << " (bound " << kFp32PathBound
+            << ")\n";
+}
+
+// The portable copy and the AVX2 copy compute the same thing (float64: rounding only); each is
+// deterministic for any thread count, and a stacked matrix gets what it gets alone (to rounding).
+TEST(NewtonSchulzTest, FusedCpuKernelIsDeterministicAcrossIsaCopiesBatchesAndThreads) {
+  FusedTestScope scope;
+  at::manual_seed(32);
+  const at::Tensor G = at::randn({6, 24, 72}, at::kDouble);
+  const at::Tensor best = gram_newton_schulz(G);
+  ASSERT_TRUE(detail::fused_cpu::select_isa("generic"));
+  EXPECT_STREQ(detail::fused_cpu::isa(), "generic");
+  const at::Tensor generic = gram_newton_schulz(G);
+  EXPECT_LT(rel(generic, best), 1e-12);
+  EXPECT_LT(rel(generic, gram_newton_schulz(G, aten_path())), 1e-12);
+  detail::fused_cpu::select_isa("");
+  EXPECT_FALSE(detail::fused_cpu::select_isa("sve"));
+  for (auto dt : {at::kFloat, at::kDouble}) {
+    const at::Tensor Gd = G.to(dt);
+    const int threads = at::get_num_threads();
+    at::set_num_threads(1);
+    const at::Tensor one = gram_newton_schulz(Gd);
+    at::set_num_threads(2);
+    const at::Tensor two = gram_newton_schulz(Gd);
+    at::set_num_threads(threads);
+    EXPECT_TRUE(at::equal(one, two));
+    // alone, a matrix differs only by its norm's summation order (ATen's reduction over a stack)
+    for (int64_t b = 0; b < G.size(0); ++b)
+      EXPECT_LT(rel(one[b], gram_newton_schulz(Gd[b])), dt == at::kDouble ? 1e-12 : 1e-5) << b;
+    EXPECT_TRUE(at::equal(one, gram_newton_schulz(Gd)));  // run to run
+  }
+}
+
+// What the fused kernel does not take runs the ATen path, bit for bit: a Gram side over 64, too many
+// columns, half precision, the SYRK kernel, cpu_fused = false and DMUON_NS_CPU_FUSED=0.
+TEST(NewtonSchulzTest, FusedCpuKernelStepsAsideWhereItDoesNotApply) {
+  FusedTestScope scope;
+  at::manual_seed(33);
+  using detail::fused_cpu::supports;
+  EXPECT_FALSE(supports(at::zeros({65, 70})));
+  EXPECT_FALSE(supports(at::zeros({64, 1100})));
+  EXPECT_FALSE(supports(at::zeros({16, 16}, at::kBFloat16)));
+  EXPECT_FALSE(supports(at::zeros({40, 20})));  // not oriented
+  EXPECT_FALSE(supports(at::zeros({2, 3, 16, 16})));
+  EXPECT_TRUE(supports(at::zeros({64, 1024})));
+  EXPECT_TRUE(supports(at::zeros({7, 16, 16}, at::kDouble)));
+  for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{{65, 70}, {16, 5000}}) {
+    const at::Tensor G = at::randn(shape);
+    EXPECT_TRUE(at::equal(gram_newton_schulz(G), gram_newton_schulz(G, aten_path())));
+  }
+  const at::Tensor G = at::randn({24, 48});
+  const at::Tensor aten = gram_newton_schulz(G, aten_path());
+  EXPECT_FALSE(at::equal(gram_newton_schulz(G), aten));  // the fused kernel did run (different rounding)
+  setenv("DMUON_NS_CPU_FUSED", "0", 1);
+  EXPECT_TRUE(at::equal(gram_newton_schulz(G), aten));
+  unsetenv("DMUON_NS_CPU_FUSED");
+  NsOptions syrk;
+  syrk.kernel = "syrk";
+  NsOptions syrk_aten = aten_path(syrk);
+  EXPECT_TRUE(at::equal(gram_newton_schulz(G, syrk), gram_newton_schulz(G, syrk_aten)));
+  NsOptions half;  // a 16-bit compute dtype
+  half.compute_dtype = at::kBFloat16;
+  const at::Tensor H = at::randn({16, 40});
+  EXPECT_TRUE(at::equal(gram_newton_schulz(H, half), gram_newton_schulz(H, aten_path(half))));
+}
+
 // ---- factors -------------------------------------------------------------------------------------
 TEST(NewtonSchulzTest, FactorSegmentsReproduceGramBitForBit) {
   at::manual_seed(9);
@@ -316,6 +445,9 @@ TEST(NewtonSchulzTest, FactorSegmentsReproduceGramBitForBit) {
         EXPECT_NEAR(f.normalizer.item<double>(), G.to(at::kDouble).norm().item<double>() + 1e-7,
                     dt == at::kDouble ? 1e-12 : 1e-4);
         EXPECT_TRUE(at::equal(apply_gram_factors(G, f, o), gram_newton_schulz(G, forced(o))));
+        const NsOptions a = aten_path(o);  // and on the ATen path (the fused kernel takes these shapes)
+        EXPECT_TRUE(at::equal(apply_gram_factors(G, gram_newton_schulz_factors(G, a), a),
+                              gram_newton_schulz(G, forced(a))));
       }
     }
   }

@@ -17,6 +17,9 @@ std::optional<bool> hsdp_column_balance();  // DMUON_HSDP_COLUMN_BALANCE: 0/1, t
 std::optional<bool> pack_small_params();    // DMUON_OWNER_PACK_SMALL_PARAMS: 0/1, true/false
 std::string ns_kernel();                    // DMUON_NS_KERNEL: "auto" | "cublas" | "syrk"
 std::optional<bool> ns_cuda_graphs();       // DMUON_NS_CUDA_GRAPHS: 0 turns Muon's NS CUDA graphs off
+std::optional<bool> ns_cpu_fused();         // DMUON_NS_CPU_FUSED: 0 keeps small CPU NS on ATen calls
+std::optional<bool> batched_ns();           // DMUON_BATCHED_NS: 0 runs Muon's NS one matrix at a time
+std::string ns_batch_mb();                  // DMUON_NS_BATCH_MB: cap of one stacked NS call, MiB
 std::string process_group_policy();         // DMUON_PROCESS_GROUP_POLICY: "isolated" | "shared"
 bool isolated_pg_barrier();                 // DMUON_ISOLATED_PG_BARRIER=1: strict post-step fence
 bool record_forward_profile();              // DMUON_RECORD_FORWARD_PROFILE=1

@@ -70,6 +70,14 @@ struct NsOptions {
   // update for X X^T via cuBLAS on CUDA or the system BLAS on CPU, fp32/fp64 compute, 2-D only).
   std::string kernel = "auto";
   bool check_finite = true;
+  // CPU, kernel "cublas" (what "auto" resolves to there): matrices whose Gram side is at most 64
+  // (float32/float64, a few thousand columns at most) run through a fused kernel -- every NS step of
+  // one matrix in a single pass on cache-resident buffers, one register-tiled GEMM loop (AVX2 + FMA
+  // where the CPU has them), a stack matrix by matrix over ATen's intra-op threads -- instead of ~30
+  // ATen calls whose per-call cost is most of a small matrix's NS time (docs/PERF.md). Same math;
+  // deterministic; equal to the ATen path to rounding (float64 ~1e-15 relative). false, or
+  // DMUON_NS_CPU_FUSED=0, keeps one ATen call per GEMM.
+  bool cpu_fused = true;
   // Gram only: run the Gram algorithm on square inputs too (normally they go to the direct form,
   // which is as fast and more accurate there). For tests and benchmarks.
   bool force_gram = false;

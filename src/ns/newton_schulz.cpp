@@ -13,6 +13,7 @@
 #include <set>
 #include <sstream>
 
+#include "ns/fused_cpu.h"
 #include "ns/kernels.h"
 
 namespace dmuon {
@@ -190,6 +191,7 @@ at::Tensor direct_newton_schulz(const at::Tensor& G, const NsOptions& opts) {
   const Coefficients coeffs = resolve_coefficients(opts);
   detail::Prepared p = detail::prepare(G, opts, /*gram=*/false, "direct_newton_schulz");
   const std::string kernel = detail::kernels::resolve_kernel(opts.kernel, p.X);
+  if (detail::fused_cpu::applies(opts, kernel, p.X)) return detail::finish(detail::fused_cpu::direct(p.X, coeffs), p);
   return detail::finish(detail::direct_core(p.X, coeffs, kernel), p);
 }
 
@@ -213,6 +215,7 @@ at::Tensor gram_newton_schulz(const at::Tensor& G, const NsOptions& opts) {
   const std::vector<bool> restart = detail::restart_mask(opts, coeffs.size());
   detail::Prepared p = detail::prepare(G, opts, /*gram=*/true, "gram_newton_schulz");
   const std::string kernel = detail::kernels::resolve_kernel(opts.kernel, p.X);
+  if (detail::fused_cpu::applies(opts, kernel, p.X)) return detail::finish(detail::fused_cpu::gram(p.X, coeffs, restart, nullptr), p);
   at::Tensor X = p.X;
   detail::gram_core(X, coeffs, restart, [&](const at::Tensor& x) { return detail::kernels::gram(x, kernel); });
   return detail::finish(X, p);
@@ -239,8 +242,11 @@ GramFactors gram_newton_schulz_factors(const at::Tensor& G, const NsOptions& opt
   const std::string kernel = detail::kernels::resolve_kernel(opts.kernel, p.X);
   at::Tensor X = p.X;
   GramFactors f;
-  f.segments =
-      detail::gram_core(X, coeffs, restart, [&](const at::Tensor& x) { return detail::kernels::gram(x, kernel); });
+  if (detail::fused_cpu::applies(opts, kernel, X))
+    detail::fused_cpu::gram(X, coeffs, restart, &f.segments);
+  else
+    f.segments =
+        detail::gram_core(X, coeffs, restart, [&](const at::Tensor& x) { return detail::kernels::gram(x, kernel); });
   f.transposed = p.transposed;
   f.normalizer = p.normalizer;
   return f;
@@ -248,6 +254,9 @@ GramFactors gram_newton_schulz_factors(const at::Tensor& G, const NsOptions& opt
 
 at::Tensor apply_gram_factors(const at::Tensor& G, const GramFactors& f, const NsOptions& opts) {
   detail::Prepared p = detail::prepare(G, opts, /*gram=*/true, "apply_gram_factors", f.transposed);
+  // The same GEMMs as gram_newton_schulz with these options, so the result is bit for bit its output.
+  if (detail::fused_cpu::applies(opts, detail::kernels::resolve_kernel(opts.kernel, p.X), p.X))
+    return detail::finish(detail::fused_cpu::apply(p.X, f.segments), p);
   at::Tensor X = p.X;
   for (const auto& seg : f.segments) X = detail::kernels::mm(seg, X);
   return detail::finish(X, p);
@@ -332,11 +341,7 @@ std::string NewtonSchulz::describe(c10::DeviceType device) const {
 namespace dmuon {
 
 bool ns_stacking_pays(c10::DeviceType device, int64_t small_side) {
-  static const bool on = [] {
-    const char* v = std::getenv("DMUON_BATCHED_NS");
-    return v == nullptr || *v == '\0' || env::parse_bool("DMUON_BATCHED_NS", v);
-  }();
-  return on && (device == c10::DeviceType::CUDA || small_side <= kCpuStackMaxSide);
+  return env::batched_ns().value_or(true) && (device == c10::DeviceType::CUDA || small_side <= kCpuStackMaxSide);
 }
 
 std::vector<at::Tensor> newton_schulz_many(const NewtonSchulz& ns, const std::vector<at::Tensor>& inputs, int steps) {

@@ -211,15 +211,14 @@ namespace {
 // DMUON_NS_BATCH_MB caps the stack of one batched call (default 256 MiB; a matrix larger than the cap
 // runs alone); DMUON_BATCHED_NS=0 runs Newton-Schulz one matrix at a time (ns_stacking_pays).
 int64_t ns_batch_cap_bytes() {
-  static const int64_t cap = [] {
-    const char* v = std::getenv("DMUON_NS_BATCH_MB");
-    if (v == nullptr || *v == '\0') return int64_t{256} << 20;
-    char* end = nullptr;
-    const long long mb = std::strtoll(v, &end, 10);
-    TORCH_CHECK(end && *end == '\0' && mb >= 1, "DMUON_NS_BATCH_MB='", v, "' is not a positive number of MiB.");
-    return static_cast<int64_t>(mb) << 20;
-  }();
-  return cap;
+  const std::string v = env::ns_batch_mb();
+  if (v.empty()) return int64_t{256} << 20;
+  char* end = nullptr;
+  const long long mb = std::strtoll(v.c_str(), &end, 10);
+  TORCH_CHECK(end && *end == '\0' && mb >= 1, "DMUON_NS_BATCH_MB='", v,
+              "' is not a positive number of MiB: set it to the largest stacked Newton-Schulz call in MiB (e.g. "
+              "256, the default), or unset it.");
+  return static_cast<int64_t>(mb) << 20;
 }
 
 // The deferred whole-matrix Newton-Schulz of a pass: the matrices are grouped by their shape after
@@ -275,13 +274,13 @@ void run_local_ns(std::vector<TpUpdate>& pending, NsGraphs& ns, detail::PhaseClo
       const size_t e = std::min(idx.size(), b + chunk);
       const auto tb = std::chrono::steady_clock::now();
       if (e - b == 1) {
-        apply(idx[b], ns.run(local[idx[b]].local_input(), k.steps));
+        apply(idx[b], ns.run(local[idx[b]].local_input(at::Tensor()), k.steps));
       } else {
         at::Tensor in = at::empty({static_cast<int64_t>(e - b), k.m, k.n}, local[idx[b]].input_like.options());
         for (size_t i = b; i < e; ++i) {
           const at::Tensor& like = local[idx[i]].input_like;
-          const at::Tensor u = local[idx[i]].local_input();
-          in.select(0, static_cast<int64_t>(i - b)).copy_(like.size(0) > like.size(1) ? u.t() : u);
+          const at::Tensor slot = in.select(0, static_cast<int64_t>(i - b));
+          local[idx[i]].local_input(like.size(0) > like.size(1) ? slot.t() : slot);  // computed in place
         }
         const at::Tensor out = ns.run(in, k.steps);
         in = at::Tensor();
@@ -361,9 +360,17 @@ void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh
     job.ready = r;
     job.steps = steps;
     if (nesterov)
-      job.local_input = [g, buf, mu] { return g.add(buf, mu); };
+      job.local_input = [g, buf, mu](const at::Tensor& out) {
+        if (!out.defined()) return g.add(buf, mu);
+        at::Tensor o = out;
+        return at::add_out(o, g, buf, mu);
+      };
     else
-      job.local_input = [buf] { return buf; };
+      job.local_input = [buf](const at::Tensor& out) {
+        if (!out.defined()) return buf;
+        at::Tensor o = out;
+        return o.copy_(buf);
+      };
     job.input_like = buf;
     tp_pending.push_back(std::move(job));
   } else {

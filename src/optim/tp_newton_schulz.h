@@ -58,7 +58,9 @@ struct TpUpdate {
   ReadyGrad ready;
   int steps = 0;
   TpGather gather;
-  std::function<at::Tensor()> local_input;
+  // The NS input of a whole matrix: written into `out` and returned when `out` is defined (a slice
+  // of the stacked batch, in the matrix's own layout), else returned as a tensor of its own.
+  std::function<at::Tensor(const at::Tensor& out)> local_input;
   at::Tensor input_like;
   std::function<void(const at::Tensor&)> apply;
 };
