@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
@@ -547,38 +548,45 @@ TEST(RuntimeTest, HostReadsPerStepDoNotGrowWithTheParameterCount) {
   }
 }
 
-// NaN in a gradient: every owner of a non-finite matrix stops with an error naming it, before any
-// weight changes.
+// NaN or Inf in a gradient (NaN; +Inf; -Inf; +Inf and -Inf together, whose sum is NaN): every owner
+// of a non-finite matrix stops with an error naming it, before any weight changes.
 TEST(RuntimeTest, NonFiniteMuonGradientIsAnErrorNamingTheMatrix) {
-  testing::run_ranks(2, [](testing::RankContext& ctx) {
-    const GPTConfig cfg = small_config(1);
-    GPT m(cfg);
-    auto mesh = make_mesh(ctx);
-    DistConfig dc;
-    dc.pack_small_params = false;
-    testing::dedicate_gpt(m, mesh, dc);
-    Muon opt(m.ptr(), testing::muon_options(TrainConfig{}));
-    const auto tokens = make_batches(1, 4, 8, cfg.vocab_size, 3)[0];
-    m->loss(tokens.narrow(0, ctx.rank * 2, 2)).backward();
-    prepare_muon_grads(*m);
-    std::map<std::string, at::Tensor> before;
-    for (const auto& d : get_dedicated_params(*m))
-      if (d.is_owner) {
-        before[d.name] = d.param.detach().clone();
-        if (d.name == "layers.0.k_proj.weight") d.param.grad()[0][0] = std::nan("");
-      }
-    const bool owns_k = before.count("layers.0.k_proj.weight") > 0;
-    const std::string err = error_of([&] { opt.step(); });
-    if (owns_k) {
-      testing::expect(err.find("gradient of 'layers.0.k_proj.weight'") != std::string::npos &&
-                          err.find("NaN or Inf") != std::string::npos && err.find("rank ") != std::string::npos,
-                      "unexpected message: " + err);
+  const double inf = std::numeric_limits<double>::infinity();
+  for (const std::pair<double, double>& poison :
+       std::vector<std::pair<double, double>>{{std::nan(""), 0.0}, {inf, 0.0}, {-inf, 0.0}, {inf, -inf}}) {
+    testing::run_ranks(2, [&](testing::RankContext& ctx) {
+      const GPTConfig cfg = small_config(1);
+      GPT m(cfg);
+      auto mesh = make_mesh(ctx);
+      DistConfig dc;
+      dc.pack_small_params = false;
+      testing::dedicate_gpt(m, mesh, dc);
+      Muon opt(m.ptr(), testing::muon_options(TrainConfig{}));
+      const auto tokens = make_batches(1, 4, 8, cfg.vocab_size, 3)[0];
+      m->loss(tokens.narrow(0, ctx.rank * 2, 2)).backward();
+      prepare_muon_grads(*m);
+      std::map<std::string, at::Tensor> before;
       for (const auto& d : get_dedicated_params(*m))
-        if (d.is_owner) testing::expect(d.param.equal(before.at(d.name)), d.name + " changed before the error");
-    } else {
-      testing::expect(err.empty(), "a rank without the NaN matrix failed: " + err);
-    }
-  });
+        if (d.is_owner) {
+          before[d.name] = d.param.detach().clone();
+          if (d.name == "layers.0.k_proj.weight") {
+            d.param.grad()[0][0] = poison.first;
+            if (poison.second != 0) d.param.grad()[1][1] = poison.second;
+          }
+        }
+      const bool owns_k = before.count("layers.0.k_proj.weight") > 0;
+      const std::string err = error_of([&] { opt.step(); });
+      if (owns_k) {
+        testing::expect(err.find("gradient of 'layers.0.k_proj.weight'") != std::string::npos &&
+                            err.find("NaN or Inf") != std::string::npos && err.find("rank ") != std::string::npos,
+                        "unexpected message: " + err);
+        for (const auto& d : get_dedicated_params(*m))
+          if (d.is_owner) testing::expect(d.param.equal(before.at(d.name)), d.name + " changed before the error");
+      } else {
+        testing::expect(err.empty(), "a rank without the NaN matrix failed: " + err);
+      }
+    });
+  }
 }
 
 TEST(RuntimeTest, EquivalenceWithLrSchedulerAndPackedUnits) {

@@ -175,24 +175,36 @@ void require_replicated(const torch::nn::Module& model, const Runtime& state) {
 }
 
 // NaN/Inf in any averaged Muon gradient this rank updates is an error naming it (one host read for
-// all of them).
+// all of them). One reduction per gradient: its sum (accumulated in fp32, fp64 for fp64) is finite
+// iff every element is finite -- NaN and Inf propagate -- unless the sum overflows, and a gradient
+// that large would overflow Newton-Schulz's Frobenius normalisation too (|sum|^2 / numel <= |G|_F^2),
+// so the check names exactly the gradients NS cannot orthogonalise. (isfinite(g).all() costs ~5
+// element-wise passes per matrix: a visible share of the step for many small matrices.)
+void check_finite_grad(bool ok, const ReadyGrad& r, int rank) {
+  TORCH_CHECK(ok, "rank ", rank, ": Muon::step: the averaged gradient of '", r.name, "' (shape ",
+                r.grad.sizes(), ") contains NaN or Inf (or values so large that its norm overflows), so "
+                "Newton-Schulz cannot orthogonalise it. A non-finite gradient usually means the loss diverged: lower "
+                "the learning rate or clip gradients; or pass MuonOptions::ns a NewtonSchulz with "
+                "set_check_finite(false) to let NaN propagate.");
+}
+
 void check_finite_grads(const std::vector<ReadyGrad>& ready, int rank) {
-  std::vector<at::Tensor> finite;
-  std::vector<const ReadyGrad*> which;
+  std::vector<at::Tensor> sums[2];  // fp32 sums, fp64 sums (one stack each: no per-matrix cast)
+  std::vector<const ReadyGrad*> which[2];
   for (const auto& r : ready)
     if (r.route == RouteKind::Dedicated) {
-      finite.push_back(at::isfinite(r.grad).all());
-      which.push_back(&r);
+      const int k = r.grad.scalar_type() == at::kDouble ? 1 : 0;
+      sums[k].push_back(r.grad.sum(k ? at::kDouble : at::kFloat));
+      which[k].push_back(&r);
     }
-  if (finite.empty()) return;
-  const at::Tensor host = detail::read_to_host(at::stack(finite));
-  const bool* ok = host.data_ptr<bool>();
-  for (size_t i = 0; i < which.size(); ++i)
-    TORCH_CHECK(ok[i], "rank ", rank, ": Muon::step: the averaged gradient of '", which[i]->name, "' (shape ",
-                which[i]->grad.sizes(), ") contains NaN or Inf, so Newton-Schulz cannot orthogonalise it. A "
-                "non-finite gradient usually means the loss diverged: lower the learning rate or clip gradients; or "
-                "pass MuonOptions::ns a NewtonSchulz with set_check_finite(false) to let NaN propagate.");
+  for (int k = 0; k < 2; ++k) {
+    if (sums[k].empty()) continue;
+    const at::Tensor host = detail::read_to_host(at::isfinite(at::stack(sums[k])));
+    const bool* ok = host.data_ptr<bool>();
+    for (size_t i = 0; i < which[k].size(); ++i) check_finite_grad(ok[i], *which[k][i], rank);
+  }
 }
+
 
 bool first_param_is_cuda(const torch::nn::Module& model) {
   for (const auto& p : model.parameters(true))
@@ -335,7 +347,7 @@ void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh
   MuonParamState& st = state_for(r.param);
   if (!st.momentum_buffer().defined()) st.momentum_buffer(at::zeros_like(g));
   at::Tensor& buf = st.momentum_buffer();
-  buf.mul_(o.momentum()).add_(g);
+  at::add_out(buf, g, buf, o.momentum());  // buf <- mu buf + g, one pass
   const bool nesterov = o.nesterov();
   const double mu = o.momentum();
   st.step(st.step() + 1);

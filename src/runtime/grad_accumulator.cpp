@@ -8,13 +8,24 @@ namespace dmuon {
 at::Tensor pack_grads(const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets, int64_t total,
                       int64_t flags_at, const at::TensorOptions& options) {
   at::NoGradGuard ng;
-  at::Tensor payload = at::zeros({total}, options);
+  // Every gradient defined and the payload exactly [gradients back to back | one flag each] (the
+  // usual case): no zero fill, and the flags set by one fill -- a boundary of many small matrices
+  // pays per op, not per byte. Anything else: zeros, then a flag per gradient present.
+  bool dense = flags_at + static_cast<int64_t>(params.size()) == total;
+  for (size_t k = 0, at_ = 0; dense && k < params.size(); ++k) {
+    dense = params[k].grad().defined() && offsets[k] == static_cast<int64_t>(at_);
+    at_ += static_cast<size_t>(params[k].numel());
+    if (k + 1 == params.size()) dense = dense && static_cast<int64_t>(at_) == flags_at;
+  }
+  const bool all = dense && !params.empty();
+  at::Tensor payload = all ? at::empty({total}, options) : at::zeros({total}, options);
+  if (all) payload.narrow(0, flags_at, static_cast<int64_t>(params.size())).fill_(1);
   for (size_t k = 0; k < params.size(); ++k) {
     at::Tensor p = params[k];
     const at::Tensor& g = p.grad();
     if (g.defined()) {
       payload.narrow(0, offsets[k], p.numel()).copy_(g.reshape(-1));
-      payload[flags_at + static_cast<int64_t>(k)] = 1;
+      if (!all) payload[flags_at + static_cast<int64_t>(k)] = 1;
     }
     p.mutable_grad() = at::Tensor();
   }
