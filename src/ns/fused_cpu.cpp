@@ -48,6 +48,7 @@ T* scratch(int64_t count) {
   if (count > capacity) {
     const auto bytes = static_cast<size_t>(round_up(count * static_cast<int64_t>(sizeof(T)), 64));
     buf.reset();
+    capacity = 0;  // (a failed allocation below leaves no stale capacity behind)
     void* p = std::aligned_alloc(64, bytes);
     TORCH_CHECK(p != nullptr, "newton_schulz (fused CPU kernel): could not allocate ", bytes,
                 " bytes of scratch memory.");

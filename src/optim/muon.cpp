@@ -175,36 +175,40 @@ void require_replicated(const torch::nn::Module& model, const Runtime& state) {
 }
 
 // NaN/Inf in any averaged Muon gradient this rank updates is an error naming it (one host read for
-// all of them). One reduction per gradient: its sum (accumulated in fp32, fp64 for fp64) is finite
-// iff every element is finite -- NaN and Inf propagate -- unless the sum overflows, and a gradient
-// that large would overflow Newton-Schulz's Frobenius normalisation too (|sum|^2 / numel <= |G|_F^2),
-// so the check names exactly the gradients NS cannot orthogonalise. (isfinite(g).all() costs ~5
+// all of them). One reduction per gradient: its sum (accumulated in fp32, fp64 for fp64) is not
+// finite whenever an element is NaN or Inf (they propagate; +Inf with -Inf gives NaN). A finite
+// gradient whose sum overflows is reported too: its Frobenius norm overflows as well (|sum|^2 /
+// numel <= |G|_F^2), so Newton-Schulz could not normalise it. (isfinite(g).all() costs ~5
 // element-wise passes per matrix: a visible share of the step for many small matrices.)
 void check_finite_grad(bool ok, const ReadyGrad& r, int rank) {
-  TORCH_CHECK(ok, "rank ", rank, ": Muon::step: the averaged gradient of '", r.name, "' (shape ",
-                r.grad.sizes(), ") contains NaN or Inf (or values so large that its norm overflows), so "
-                "Newton-Schulz cannot orthogonalise it. A non-finite gradient usually means the loss diverged: lower "
-                "the learning rate or clip gradients; or pass MuonOptions::ns a NewtonSchulz with "
-                "set_check_finite(false) to let NaN propagate.");
+  TORCH_CHECK(ok, "rank ", rank, ": Muon::step: the averaged gradient of '", r.name, "' (shape ", r.grad.sizes(),
+              ") contains NaN or Inf (or values so large that its norm overflows), so Newton-Schulz cannot "
+              "orthogonalise it. A non-finite gradient usually means the loss diverged: lower the learning rate or "
+              "clip gradients; or pass MuonOptions::ns a NewtonSchulz with set_check_finite(false) to let NaN "
+              "propagate.");
 }
 
 void check_finite_grads(const std::vector<ReadyGrad>& ready, int rank) {
   std::vector<at::Tensor> sums[2];  // fp32 sums, fp64 sums (one stack each: no per-matrix cast)
-  std::vector<const ReadyGrad*> which[2];
+  std::vector<const ReadyGrad*> which;  // in `ready` order
+  std::vector<std::pair<int, size_t>> where;
   for (const auto& r : ready)
     if (r.route == RouteKind::Dedicated) {
       const int k = r.grad.scalar_type() == at::kDouble ? 1 : 0;
+      where.emplace_back(k, sums[k].size());
       sums[k].push_back(r.grad.sum(k ? at::kDouble : at::kFloat));
-      which[k].push_back(&r);
+      which.push_back(&r);
     }
-  for (int k = 0; k < 2; ++k) {
-    if (sums[k].empty()) continue;
-    const at::Tensor host = detail::read_to_host(at::isfinite(at::stack(sums[k])));
-    const bool* ok = host.data_ptr<bool>();
-    for (size_t i = 0; i < which[k].size(); ++i) check_finite_grad(ok[i], *which[k][i], rank);
-  }
+  if (which.empty()) return;
+  std::vector<at::Tensor> finite;
+  for (const auto& s : sums)
+    if (!s.empty()) finite.push_back(at::isfinite(at::stack(s)));
+  const at::Tensor host = detail::read_to_host(finite.size() == 1 ? finite[0] : at::cat(finite));
+  const bool* ok = host.data_ptr<bool>();
+  const size_t fp64_at = sums[0].size();  // the fp64 flags follow the fp32 ones
+  for (size_t i = 0; i < which.size(); ++i)
+    check_finite_grad(ok[where[i].first ? fp64_at + where[i].second : where[i].second], *which[i], rank);
 }
-
 
 bool first_param_is_cuda(const torch::nn::Module& model) {
   for (const auto& p : model.parameters(true))

@@ -2,6 +2,7 @@
 #include "runtime/grad_accumulator.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
 
 namespace dmuon {
 
@@ -26,6 +27,8 @@ at::Tensor pack_grads(const std::vector<at::Tensor>& params, const std::vector<i
     if (g.defined()) {
       payload.narrow(0, offsets[k], p.numel()).copy_(g.reshape(-1));
       if (!all) payload[flags_at + static_cast<int64_t>(k)] = 1;
+    } else {
+      TORCH_INTERNAL_ASSERT(!all, "pack_grads: parameter ", k, " is listed twice");  // its gradient was taken
     }
     p.mutable_grad() = at::Tensor();
   }
