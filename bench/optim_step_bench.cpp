@@ -2,6 +2,7 @@
 // small matrices, on one process.
 //
 //   optim_step_bench [--blocks 32] [--dim 32] [--batch 4] [--reps 200] [--threads 1]
+//                    [--variants adamw,dmuon-adamw,muon-aten,muon]
 //
 // The model: `--blocks` residual blocks h <- h + W2 relu(W1 h), each W a --dim x --dim matrix without
 // bias, run as dmuon hook boundaries; loss = mean(h^2) on a fixed random batch. One training step =
@@ -12,7 +13,8 @@
 //                (DMUON_NS_CPU_FUSED=0 around its step);
 //   muon         dmuon Muon as configured by default (small matrices on the fused CPU NS kernel).
 // Prints each variant's ms per step, its ratio to adamw, and the NS share Muon's step profile
-// measured. Issue 19's goal: muon at <= 1.5x adamw for 32 blocks of 32 x 32, batch 4.
+// measured. --variants runs a subset (adamw, the baseline of the ratios, always runs): e.g. one
+// variant under perf. Issue 19's goal: muon at <= 1.5x adamw for 32 blocks of 32 x 32, batch 4.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/nn/module.h>
@@ -86,6 +88,7 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   int64_t blocks = 32, dim = 32, batch = 4;
   int reps = 200, threads = 1;
+  std::string only = "adamw,dmuon-adamw,muon-aten,muon";
   for (int i = 1; i < argc; ++i) {
     auto next = [&]() -> const char* {
       if (i + 1 >= argc) {
@@ -99,9 +102,11 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--batch")) batch = std::atoll(next());
     else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(next());
     else if (!std::strcmp(argv[i], "--threads")) threads = std::atoi(next());
+    else if (!std::strcmp(argv[i], "--variants")) only = next();
     else {
       std::fprintf(stderr,
-                   "usage: optim_step_bench [--blocks N] [--dim D] [--batch B] [--reps R] [--threads T]\n");
+                   "usage: optim_step_bench [--blocks N] [--dim D] [--batch B] [--reps R] [--threads T] "
+                   "[--variants adamw,dmuon-adamw,muon-aten,muon]\n");
       return 2;
     }
   }
@@ -138,7 +143,7 @@ int main(int argc, char** argv) {
     Probe model{nullptr};
     std::shared_ptr<dmuon::Muon> opt;
   };
-  auto make = [&](bool muon, const std::string& kernel) {
+  auto make = [&](bool muon) {
     Dedicated d{Probe(blocks, dim), nullptr};
     copy_params(reference, d.model);
     dmuon::dedicate_params(d.model.ptr(), mesh, [muon](const std::string&, const at::Tensor& p) {
@@ -146,15 +151,29 @@ int main(int argc, char** argv) {
     });
     dmuon::replicate(d.model.ptr(), mesh);
     dmuon::MuonOptions o;
-    o.ns = dmuon::NewtonSchulz("gram", kernel);
+    o.ns = dmuon::NewtonSchulz("gram", "auto");
     o.record_step_profile = true;
     d.opt = std::make_shared<dmuon::Muon>(d.model.ptr(), o);
     return d;
   };
-  std::vector<Dedicated> dedicated = {make(false, "auto"), make(true, "auto"), make(true, "auto")};
   const char* names[] = {"dmuon-adamw", "muon-aten", "muon"};
-  for (size_t k = 0; k < dedicated.size(); ++k) {
-    Dedicated* d = &dedicated[k];
+  auto wanted = [&](const std::string& name) { return ("," + only + ",").find("," + name + ",") != std::string::npos; };
+  for (size_t a = 0, b = 0; a <= only.size(); a = b + 1) {
+    b = only.find(',', a);
+    if (b == std::string::npos) b = only.size();
+    const std::string v = only.substr(a, b - a);
+    if (v != "adamw" && v != names[0] && v != names[1] && v != names[2]) {
+      std::fprintf(stderr, "optim_step_bench: unknown variant '%s' in --variants (adamw, dmuon-adamw, muon-aten, muon)\n",
+                   v.c_str());
+      return 2;
+    }
+  }
+  std::vector<Dedicated> dedicated;
+  dedicated.reserve(3);  // the step closures hold pointers into it
+  for (size_t k = 0; k < 3; ++k) {
+    if (!wanted(names[k])) continue;
+    dedicated.push_back(make(/*muon=*/k > 0));
+    Dedicated* d = &dedicated.back();
     const bool aten = k == 1;  // the fused CPU kernel off for this variant (read per NS call)
     variants.push_back({names[k], [d, &x, aten] {
                           d->opt->zero_grad();

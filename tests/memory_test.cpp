@@ -8,8 +8,11 @@
 #include <ATen/core/grad_mode.h>
 
 #include <ATen/native/Resize.h>
+#include <c10/core/CPUAllocator.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <iostream>
 #include <filesystem>
 #include <fstream>
@@ -100,6 +103,32 @@ TEST(CountingAllocator, ChargesLiveBytesToTheAllocatingTagAndPhase) {
   mem::reset_peaks();
   EXPECT_EQ(mem::stats().peak - base, 2048);
   EXPECT_NE(testing::error_of([] { mem::MemoryTag bad(mem::kMaxTags); }).find("out of range"), std::string::npos);
+}
+
+// LibTorch's raw interface (oneDNN's scratch buffers on CPUs with avx512_bf16 allocate through it):
+// the pointer is its own context, raw_deleter frees it, and both are counted; every allocation
+// keeps LibTorch's 64-byte alignment.
+TEST(CountingAllocator, RawAllocateAndAlignmentWorkThroughIt) {
+  mem::install_counting_allocator();
+  mem::MemoryTag tag(42);
+  const int64_t base = mem::stats().current;
+  c10::Allocator* a = c10::GetCPUAllocator();
+  void* p = a->raw_allocate(3000);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u);
+  std::memset(p, 7, 3000);
+  EXPECT_EQ(mem::stats().current - base, 3000);
+  ASSERT_NE(a->raw_deleter(), nullptr);
+  a->raw_deallocate(p);
+  EXPECT_EQ(mem::stats().current - base, 0);
+  for (int64_t n : {1, 63, 64, 65, 4097}) {
+    at::Tensor t = at::empty({n}, at::kByte);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data_ptr()) % 64, 0u) << n;
+    EXPECT_EQ(mem::stats().current - base, n);
+  }
+  EXPECT_EQ(mem::stats().current - base, 0);
+  at::Tensor empty = at::empty({0}, at::kFloat);  // no bytes, nothing charged
+  EXPECT_EQ(mem::stats().current - base, 0);
 }
 
 // ---- peaks of a training step per layout ---------------------------------------------------------

@@ -19,6 +19,7 @@
 #include <map>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -32,6 +33,7 @@
 #include "dmuon/muon.h"
 #include "dmuon/newton_schulz.h"
 #include "model/gpt.h"
+#include "optim/host_ops.h"
 #include "support/multirank.h"
 
 namespace dmuon {
@@ -154,6 +156,65 @@ double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // ============================== validation ============================================================
+
+// The host loops of Muon::step equal the ATen ops they replace (float64: to rounding; every
+// operand layout the step hands them: contiguous, a transposed stack slot, aliased in and out), and
+// decline what they do not handle, so the caller's ATen path runs.
+TEST(MuonHostOps, MatchTheAtenOpsAndDeclineWhatTheyDoNotHandle) {
+  namespace d = dmuon::detail;
+  at::manual_seed(3);
+  for (const auto dtype : {at::kDouble, at::kFloat}) {
+    // relative to the result's size: one or two roundings (ATen may fuse the multiply-add)
+    const double tol = dtype == at::kDouble ? 1e-15 : 1e-6;
+    auto err = [](const at::Tensor& x, const at::Tensor& ref) {
+      return (x - ref).abs().max().item<double>() / (1 + ref.abs().max().item<double>());
+    };
+    const at::Tensor a = at::randn({7, 5}, dtype), b = at::randn({7, 5}, dtype);
+    at::Tensor out = at::empty({7, 5}, dtype);
+    ASSERT_TRUE(d::host_add(out, a, b, 0.95));
+    EXPECT_LT(err(out, at::add(a, b, 0.95)), tol);
+    // aliased (the momentum: buf <- g + mu buf) and into a transposed slot (a tall matrix's stack slot)
+    at::Tensor buf = b.clone();
+    ASSERT_TRUE(d::host_add(buf, a, buf, 0.9));
+    EXPECT_LT(err(buf, at::add(a, b, 0.9)), tol);
+    at::Tensor stack = at::zeros({2, 5, 7}, dtype);
+    at::Tensor slot = stack.select(0, 1).t();
+    ASSERT_TRUE(d::host_add(slot, a, b.t().contiguous().t(), -2.0));
+    EXPECT_LT(err(stack.select(0, 1).t(), at::add(a, b, -2.0)), tol);
+    EXPECT_EQ(stack.select(0, 0).abs().max().item<double>(), 0.0);
+    // the update: t <- t (1 - lr wd) - lr s u, u transposed
+    at::Tensor t = a.clone();
+    const at::Tensor u = at::randn({5, 7}, dtype).t();
+    ASSERT_TRUE(d::host_scale_add(t, 0.99, u, -0.03));
+    EXPECT_LT(err(t, (a * 0.99).add(u, -0.03)), tol);
+    at::Tensor t1 = a.clone();
+    ASSERT_TRUE(d::host_scale_add(t1, 1.0, u, 0.5));
+    EXPECT_LT(err(t1, a.add(u, 0.5)), tol);
+    // finiteness of the sum
+    EXPECT_EQ(d::host_sum_finite(a), std::optional<bool>(true));
+    for (const double bad : {std::nan(""), double{INFINITY}, -double{INFINITY}}) {
+      at::Tensor x = a.clone();
+      x[3][1] = bad;
+      EXPECT_EQ(d::host_sum_finite(x), std::optional<bool>(false)) << bad;
+      EXPECT_EQ(d::host_sum_finite(x.t()), std::optional<bool>(false)) << bad;
+    }
+  }
+  // an fp32 sum that overflows although every element is finite (as the ATen sum in fp32 does)
+  EXPECT_EQ(d::host_sum_finite(at::full({4, 4}, 3e38, at::kFloat)), std::optional<bool>(false));
+  EXPECT_EQ(d::host_sum_finite(at::full({4, 4}, 3e38, at::kDouble)), std::optional<bool>(true));
+  // declined: other dtypes, mixed dtypes, not 2-D, shapes that differ, an output that overlaps itself
+  const at::Tensor f = at::randn({4, 4}), g = at::randn({4, 4}, at::kDouble);
+  at::Tensor o = at::empty({4, 4});
+  EXPECT_FALSE(d::host_add(o, f, g, 1.0));
+  at::Tensor h = at::empty({4, 4}, at::kBFloat16);
+  EXPECT_FALSE(d::host_add(h, f.to(at::kBFloat16), f.to(at::kBFloat16), 1.0));
+  EXPECT_FALSE(d::host_sum_finite(f.to(at::kHalf)).has_value());
+  at::Tensor v = at::empty({16});
+  EXPECT_FALSE(d::host_add(v, f.reshape(-1), f.reshape(-1), 1.0));
+  EXPECT_FALSE(d::host_add(o, f, at::randn({4, 3}), 1.0));
+  at::Tensor expanded = at::zeros({1, 4}).expand({4, 4});
+  EXPECT_FALSE(d::host_scale_add(expanded, 1.0, f, 1.0));
+}
 
 TEST(MuonTest, InvalidHyperparametersNameFieldAndValue) {
   const StateDict init = random_like_model(1, -0.5, 0.5);

@@ -423,43 +423,48 @@ TEST(RuntimeTest, GradDtypeSetsTheReducePayload) {
   const StateDict init = init_state(cfg, 1234);
   const auto batches = make_batches(tc.steps, 8, 12, cfg.vocab_size, 99);
   const RefResult ref = reference_train(cfg, init, batches, tc);
-  std::mutex mu;
-  double worst = 0;
-  testing::run_ranks(2, [&](testing::RankContext& ctx) {
-    GPT m(cfg);
-    load_state(m, init);
-    auto mesh = make_mesh(ctx);
-    DedicateOptions o;
-    ParamPolicy fp32_grads;
-    fp32_grads.grad_dtype = at::kFloat;
-    o.param_policy.push_back({"layers.", fp32_grads});
-    DistConfig dc;
-    dc.pack_small_params = false;
-    testing::dedicate_gpt(m, mesh, dc, o);
-    Muon opt(m.ptr(), testing::muon_options(tc));
-    for (const auto& tokens : batches) {
-      opt.zero_grad();
-      mesh->counters().reset();
-      m->loss(tokens.narrow(0, ctx.rank * 4, 4)).backward();
-      opt.step();
-      int64_t want = 0;  // every matrix this rank does not own, and its has-gradient flag, in fp32
-      for (const auto& d : get_dedicated_params(*m))
-        if (!d.is_owner) want += 4 * (d.shape[0] * d.shape[1] + 1);
-      const int64_t got = mesh->counters().bytes(CommOp::Reduce);
-      testing::expect(got == want, "reduce bytes " + std::to_string(got) + " != " + std::to_string(want));
-    }
-    for (const auto& d : get_dedicated_params(*m)) {
-      if (!d.is_owner) continue;
-      testing::expect(d.param.scalar_type() == at::kDouble, d.name + " stays float64");
-      const double e = max_rel(d.param, ref.params.at(d.name));
-      std::lock_guard<std::mutex> g(mu);
-      worst = std::max(worst, e);
-    }
-  });
-  std::fprintf(stderr, "[grad_dtype] fp32 reduce of float64 matrices: worst relative difference %.2e\n", worst);
-  // fp32 rounding of the gradient (2^-24 relative) amplified by NS: measured 1.6e-7
-  EXPECT_GT(worst, 1e-12) << "the reduce did not run in fp32";
-  EXPECT_LT(worst, 1e-4);
+  // two ranks reduce in fp32; one rank reduces nothing and still rounds its gradients as the reduce would
+  for (const int world : {2, 1}) {
+    std::mutex mu;
+    double worst = 0;
+    testing::run_ranks(world, [&](testing::RankContext& ctx) {
+      GPT m(cfg);
+      load_state(m, init);
+      auto mesh = make_mesh(ctx);
+      DedicateOptions o;
+      ParamPolicy fp32_grads;
+      fp32_grads.grad_dtype = at::kFloat;
+      o.param_policy.push_back({"layers.", fp32_grads});
+      DistConfig dc;
+      dc.pack_small_params = false;
+      testing::dedicate_gpt(m, mesh, dc, o);
+      Muon opt(m.ptr(), testing::muon_options(tc));
+      for (const auto& tokens : batches) {
+        opt.zero_grad();
+        mesh->counters().reset();
+        const int64_t per = 8 / world;
+        m->loss(tokens.narrow(0, ctx.rank * per, per)).backward();
+        opt.step();
+        int64_t want = 0;  // every matrix this rank does not own, and its has-gradient flag, in fp32
+        for (const auto& d : get_dedicated_params(*m))
+          if (!d.is_owner) want += 4 * (d.shape[0] * d.shape[1] + 1);
+        const int64_t got = mesh->counters().bytes(CommOp::Reduce);
+        testing::expect(got == want, "reduce bytes " + std::to_string(got) + " != " + std::to_string(want));
+      }
+      for (const auto& d : get_dedicated_params(*m)) {
+        if (!d.is_owner) continue;
+        testing::expect(d.param.scalar_type() == at::kDouble, d.name + " stays float64");
+        const double e = max_rel(d.param, ref.params.at(d.name));
+        std::lock_guard<std::mutex> g(mu);
+        worst = std::max(worst, e);
+      }
+    });
+    std::fprintf(stderr, "[grad_dtype] N=%d, fp32 reduce of float64 matrices: worst relative difference %.2e\n", world,
+                 worst);
+    // fp32 rounding of the gradient (2^-24 relative) amplified by NS: measured 1.6e-7 (N=2)
+    EXPECT_GT(worst, 1e-12) << "N=" << world << ": the reduce did not run in fp32";
+    EXPECT_LT(worst, 1e-4) << "N=" << world;
+  }
 }
 
 // get_owned_params: each rank's owned matrices, by 1-D shard or by (shard, replicate) coordinate;
@@ -597,35 +602,42 @@ TEST(RuntimeTest, EquivalenceWithLrSchedulerAndPackedUnits) {
   check_equivalence(small_config(), tc, dc);  // packed: one unit per layer
 }
 
-TEST(RuntimeTest, GradientAccumulationEqualsOneBigBatch) {
-  for (int accum : {2, 3}) {
-    for (bool z3 : {true, false}) {
-      TrainConfig tc;
-      tc.steps = 4;
-      tc.accum = accum;
-      DistConfig dc;
-      dc.world = 2;
-      dc.z3 = z3;
-      dc.pack_small_params = false;
-      check_equivalence(small_config(2), tc, dc);
-    }
+// `accum` micro-batches per step (inside NoSync when `no_sync`) on `world` ranks against the
+// reference's one big batch, Z3 and Z2, a layer's matrices spread over the ranks.
+void check_accumulation(int world, int accum, bool no_sync, int64_t global_batch = 12) {
+  for (bool z3 : {true, false}) {
+    TrainConfig tc;
+    tc.steps = 4;
+    tc.accum = accum;
+    tc.no_sync = no_sync;
+    DistConfig dc;
+    dc.world = world;
+    dc.z3 = z3;
+    dc.pack_small_params = false;
+    check_equivalence(small_config(2), tc, dc, global_batch);
   }
 }
 
+TEST(RuntimeTest, GradientAccumulationEqualsOneBigBatch) {
+  for (int accum : {2, 3}) check_accumulation(2, accum, /*no_sync=*/false);
+}
+
+// One data-parallel rank folds its gradients straight into the accumulators (no payload, no
+// collective): accumulation over three backward passes, with and without NoSync, Z2 and Z3, and the
+// one-rank DDP path match the single-process reference in float64.
+TEST(RuntimeTest, OneRankAccumulatesWithoutAPayload) {
+  for (bool no_sync : {false, true}) check_accumulation(1, 3, no_sync);
+  TrainConfig tc;
+  tc.steps = 3;
+  tc.accum = 2;
+  DistConfig dc;
+  dc.world = 1;
+  dc.ddp = true;
+  check_equivalence(small_config(2), tc, dc);
+}
+
 TEST(RuntimeTest, NoSyncAccumulationEqualsOneBigBatch) {
-  for (int accum : {2, 4}) {
-    for (bool z3 : {true, false}) {
-      TrainConfig tc;
-      tc.steps = 4;
-      tc.accum = accum;
-      tc.no_sync = true;
-      DistConfig dc;
-      dc.world = 3;
-      dc.z3 = z3;
-      dc.pack_small_params = false;
-      check_equivalence(small_config(2), tc, dc, /*global_batch=*/12);
-    }
-  }
+  for (int accum : {2, 4}) check_accumulation(3, accum, /*no_sync=*/true, /*global_batch=*/12);
 }
 
 TEST(RuntimeTest, NoSyncReducesOnceAndRejectsMisuse) {

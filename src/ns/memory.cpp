@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <new>
 
 #if DMUON_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -45,17 +46,25 @@ void charge(int tag, int64_t bytes) {
   raise(c.phase_peak[static_cast<size_t>(c.phase.load(std::memory_order_relaxed))], now);
 }
 
-// What the counting DataPtr owns: the wrapped allocation and who to credit when it is freed.
-struct Allocation {
+// Each counted allocation carries a header in front of the caller's bytes: the wrapped allocation
+// and who to credit when it is freed. The caller's pointer is the DataPtr's context too, so LibTorch's
+// raw_allocate / raw_deleter (oneDNN's scratch buffers, e.g. bf16 matmuls on CPUs with avx512_bf16)
+// work through the counting allocator like through the default one.
+struct Header {
   c10::DataPtr inner;
   int64_t bytes;
   int tag;
 };
+constexpr size_t kHeaderBytes = 64;  // keeps the caller's bytes at LibTorch's 64-byte alignment
+static_assert(sizeof(Header) <= kHeaderBytes, "the allocation header must fit in front of the data");
 
-void free_allocation(void* ctx) {
-  auto* a = static_cast<Allocation*>(ctx);
-  charge(a->tag, -a->bytes);
-  delete a;  // frees the wrapped allocation
+void free_counted(void* data) {
+  if (!data) return;
+  auto* h = reinterpret_cast<Header*>(static_cast<char*>(data) - kHeaderBytes);
+  charge(h->tag, -h->bytes);
+  c10::DataPtr inner = std::move(h->inner);  // owns the memory the header lives in
+  h->~Header();
+  inner.clear();
 }
 
 class CountingAllocator final : public c10::Allocator {
@@ -67,16 +76,19 @@ class CountingAllocator final : public c10::Allocator {
 #else
   c10::DataPtr allocate(size_t n) const override { return wrap(n); }
 #endif
+  c10::DeleterFnPtr raw_deleter() const override { return &free_counted; }
 
  private:
   c10::DataPtr wrap(size_t n) const {
-    c10::DataPtr d = inner_->allocate(n);
-    void* data = d.get();
+    if (n == 0) return c10::DataPtr(nullptr, c10::Device(c10::DeviceType::CPU));
+    c10::DataPtr d = inner_->allocate(n + kHeaderBytes);
+    char* base = static_cast<char*>(d.get());
     const c10::Device dev = d.device();
     const int tag = t_tag;
-    auto* a = new Allocation{std::move(d), static_cast<int64_t>(n), tag};
-    charge(tag, a->bytes);
-    return c10::DataPtr(data, a, &free_allocation, dev);
+    new (base) Header{std::move(d), static_cast<int64_t>(n), tag};
+    charge(tag, static_cast<int64_t>(n));
+    void* data = base + kHeaderBytes;
+    return c10::DataPtr(data, data, &free_counted, dev);
   }
   c10::Allocator* inner_;
 };

@@ -17,6 +17,7 @@
 
 #include "dmuon/env.h"
 #include "dmuon/host_sync.h"
+#include "optim/host_ops.h"
 #include "optim/phase_clock.h"
 #include "optim/tp_newton_schulz.h"
 #include "runtime/dedicated_route.h"
@@ -189,25 +190,33 @@ void check_finite_grad(bool ok, const ReadyGrad& r, int rank) {
 }
 
 void check_finite_grads(const std::vector<ReadyGrad>& ready, int rank) {
-  std::vector<at::Tensor> sums[2];  // fp32 sums, fp64 sums (one stack each: no per-matrix cast)
-  std::vector<const ReadyGrad*> which;  // in `ready` order
-  std::vector<std::pair<int, size_t>> where;
-  for (const auto& r : ready)
-    if (r.route == RouteKind::Dedicated) {
-      const int k = r.grad.scalar_type() == at::kDouble ? 1 : 0;
-      where.emplace_back(k, sums[k].size());
-      sums[k].push_back(r.grad.sum(k ? at::kDouble : at::kFloat));
-      which.push_back(&r);
+  std::vector<at::Tensor> sums[2];  // device sums in fp32, in fp64 (one stack each: no per-matrix cast)
+  // per dedicated gradient, in `ready` order: k 0 / 1: the i-th fp32 / fp64 device sum; k 2: summed
+  // on the host (small CPU matrices: no op per matrix), i = finite
+  struct At {
+    const ReadyGrad* r;
+    int k;
+    size_t i;
+  };
+  std::vector<At> where;
+  for (const auto& r : ready) {
+    if (r.route != RouteKind::Dedicated) continue;
+    if (const std::optional<bool> h = detail::host_sum_finite(r.grad)) {
+      where.push_back({&r, 2, *h ? size_t{1} : size_t{0}});
+      continue;
     }
-  if (which.empty()) return;
+    const int k = r.grad.scalar_type() == at::kDouble ? 1 : 0;
+    where.push_back({&r, k, sums[k].size()});
+    sums[k].push_back(r.grad.sum(k ? at::kDouble : at::kFloat));
+  }
   std::vector<at::Tensor> finite;
   for (const auto& s : sums)
     if (!s.empty()) finite.push_back(at::isfinite(at::stack(s)));
-  const at::Tensor host = detail::read_to_host(finite.size() == 1 ? finite[0] : at::cat(finite));
-  const bool* ok = host.data_ptr<bool>();
+  at::Tensor host;  // one host read for every device sum
+  if (!finite.empty()) host = detail::read_to_host(finite.size() == 1 ? finite[0] : at::cat(finite));
   const size_t fp64_at = sums[0].size();  // the fp64 flags follow the fp32 ones
-  for (size_t i = 0; i < which.size(); ++i)
-    check_finite_grad(ok[where[i].first ? fp64_at + where[i].second : where[i].second], *which[i], rank);
+  for (const At& a : where)
+    check_finite_grad(a.k == 2 ? a.i != 0 : host.data_ptr<bool>()[a.k ? fp64_at + a.i : a.i], *a.r, rank);
 }
 
 bool first_param_is_cuda(const torch::nn::Module& model) {
@@ -347,11 +356,12 @@ const MuonParamState* Muon::state_of(const at::Tensor& p) const {
 
 void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh, StepProfile& prof,
                        detail::PhaseClock& clock, std::vector<TpUpdate>& tp_pending) {
-  const at::Tensor g = r.grad.to(r.prec.optim);
+  const at::Tensor g = r.grad.scalar_type() == r.prec.optim ? r.grad : r.grad.to(r.prec.optim);
   MuonParamState& st = state_for(r.param);
   if (!st.momentum_buffer().defined()) st.momentum_buffer(at::zeros_like(g));
   at::Tensor& buf = st.momentum_buffer();
-  at::add_out(buf, g, buf, o.momentum());  // buf <- mu buf + g, one pass
+  // buf <- mu buf + g, one pass (small CPU matrices: one host loop, no op)
+  if (!detail::host_add(buf, g, buf, o.momentum())) at::add_out(buf, g, buf, o.momentum());
   const bool nesterov = o.nesterov();
   const double mu = o.momentum();
   st.step(st.step() + 1);
@@ -367,8 +377,10 @@ void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh
   job.name = r.name;
   job.apply = [target = r.target, param = r.param, wb = r.write_back, lr = o.lr(), wd = o.weight_decay(),
                scale = 0.2 * std::sqrt(n)](const at::Tensor& update) mutable {
-    if (wd != 0) target.mul_(1.0 - lr * wd);
-    target.add_(update.to(target.scalar_type()), -lr * scale);
+    if (!detail::host_scale_add(target, 1.0 - lr * wd, update, -lr * scale)) {
+      if (wd != 0) target.mul_(1.0 - lr * wd);
+      target.add_(update.to(target.scalar_type()), -lr * scale);
+    }
     if (wb) param.copy_(target);
   };
   double flop_share = 1;  // of the full matrix's NS work done on this rank
@@ -379,7 +391,7 @@ void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh
       job.local_input = [g, buf, mu](const at::Tensor& out) {
         if (!out.defined()) return g.add(buf, mu);
         at::Tensor o = out;
-        return at::add_out(o, g, buf, mu);
+        return detail::host_add(o, g, buf, mu) ? o : at::add_out(o, g, buf, mu);
       };
     else
       job.local_input = [buf](const at::Tensor& out) {

@@ -188,7 +188,8 @@ void DedicatedRoute::issue_unshard(int b, const char* phase) {
         buf.bcast_payload = buf.is_root ? buf.flat.to(*compute) : at::empty({buf.numel}, buf.flat.options().dtype(*compute));
         payload = buf.bcast_payload;
       }
-      buf.bcast = comm.broadcast(payload, buf.root, what(phase, b, buf));
+      // (a one-rank shard group sends nothing: no description to build every forward)
+      buf.bcast = comm.broadcast(payload, buf.root, comm.size() > 1 ? what(phase, b, buf) : std::string());
     }
     buf.state = PackedBuffer::State::Pending;
     buf.ready_pass = rt_.pass();
@@ -253,8 +254,24 @@ std::string DedicatedRoute::bypass_hint(int b) const {
 
 // ---- gradients ------------------------------------------------------------------------------------
 void DedicatedRoute::issue_reduce(int b) {
-  Communicator& comm = rt_.mesh().shard();
+  Mesh& mesh = rt_.mesh();
+  Communicator& comm = mesh.shard();
   at::NoGradGuard ng;
+  std::vector<at::Tensor> ps;
+  auto params_of = [&](const PackedBuffer& buf) -> const std::vector<at::Tensor>& {
+    ps.clear();
+    for (int p : buf.params) ps.push_back(entries_[p].param);
+    return ps;
+  };
+  if (comm.size() == 1 && !mesh.replicate()) {
+    // one data-parallel rank: it owns every matrix and there is nothing to sum, so the gradients go
+    // straight into the accumulator (no payload, no collective, nothing to wait)
+    for (auto& buf : buffers_[static_cast<size_t>(b)]) {
+      TORCH_INTERNAL_ASSERT(buf.is_owner && !buf.reduce_issued && !buf.stage2_issued);
+      buf.acc.fold_grads(params_of(buf), buf.offsets, buf.numel, buf.prec.reduce, buf.prec.master, buf.flat.options());
+    }
+    return;
+  }
   for (auto& buf : buffers_[static_cast<size_t>(b)]) {
     if (buf.reduce_issued || buf.stage2_issued) {  // an earlier pass (accumulation)
       finish_stage1(buf);
@@ -262,11 +279,11 @@ void DedicatedRoute::issue_reduce(int b) {
     }
     // Every rank hands its local gradient to the reduce; the owner gets the average back in
     // prepare_grads, non-owners keep nothing.
-    std::vector<at::Tensor> ps;
-    for (int p : buf.params) ps.push_back(entries_[p].param);
-    const int64_t np = static_cast<int64_t>(ps.size());
-    buf.grad_payload = pack_grads(ps, buf.offsets, buf.numel + np, buf.numel, buf.flat.options().dtype(buf.prec.reduce));
-    buf.reduce = comm.reduce(buf.grad_payload, buf.root, Reduction::Sum, what("gradient reduce", b, buf));
+    const int64_t np = static_cast<int64_t>(buf.params.size());
+    buf.grad_payload = pack_grads(params_of(buf), buf.offsets, buf.numel + np, buf.numel,
+                                  buf.flat.options().dtype(buf.prec.reduce));
+    buf.reduce = comm.reduce(buf.grad_payload, buf.root, Reduction::Sum,
+                             comm.size() > 1 ? what("gradient reduce", b, buf) : std::string());
     buf.reduce_issued = true;
   }
   sent_reduces_.push_back(b);

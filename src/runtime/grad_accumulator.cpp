@@ -4,21 +4,53 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include <cstring>
+
 namespace dmuon {
+
+namespace {
+
+// Every gradient defined and the slots [offsets[k], offsets[k] + numel) back to back from 0 to `end`
+// (the usual case: no zero fill, and the flags set by one op -- a boundary of many small matrices
+// pays per op, not per byte).
+bool dense_grads(const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets, int64_t end) {
+  int64_t at_ = 0;
+  for (size_t k = 0; k < params.size(); ++k) {
+    if (!params[k].grad().defined() || offsets[k] != at_) return false;
+    at_ += params[k].numel();
+  }
+  return !params.empty() && at_ == end;
+}
+
+// CPU, contiguous and already in the sum's dtype (float / double): copied or added by a host loop
+// instead of narrow + reshape + copy_ / add_ (three ops for a few KB)
+bool host_fold(const at::Tensor& sum, int64_t offset, const at::Tensor& g, bool add) {
+  const at::ScalarType t = sum.scalar_type();
+  if (!sum.device().is_cpu() || !g.device().is_cpu() || g.scalar_type() != t || !g.is_contiguous() ||
+      !sum.is_contiguous() || (t != at::kFloat && t != at::kDouble))
+    return false;
+  auto run = [&](auto* dst, const auto* src) {
+    dst += offset;
+    const int64_t n = g.numel();
+    if (add)
+      for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+    else
+      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(*src));
+  };
+  if (t == at::kFloat)
+    run(sum.data_ptr<float>(), g.data_ptr<float>());
+  else
+    run(sum.data_ptr<double>(), g.data_ptr<double>());
+  return true;
+}
+
+}  // namespace
 
 at::Tensor pack_grads(const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets, int64_t total,
                       int64_t flags_at, const at::TensorOptions& options) {
   at::NoGradGuard ng;
-  // Every gradient defined and the payload exactly [gradients back to back | one flag each] (the
-  // usual case): no zero fill, and the flags set by one fill -- a boundary of many small matrices
-  // pays per op, not per byte. Anything else: zeros, then a flag per gradient present.
-  bool dense = flags_at + static_cast<int64_t>(params.size()) == total;
-  for (size_t k = 0, at_ = 0; dense && k < params.size(); ++k) {
-    dense = params[k].grad().defined() && offsets[k] == static_cast<int64_t>(at_);
-    at_ += static_cast<size_t>(params[k].numel());
-    if (k + 1 == params.size()) dense = dense && static_cast<int64_t>(at_) == flags_at;
-  }
-  const bool all = dense && !params.empty();
+  // dense: [gradients back to back | one flag each]; anything else: zeros, then a flag per gradient present
+  const bool all = flags_at + static_cast<int64_t>(params.size()) == total && dense_grads(params, offsets, flags_at);
   at::Tensor payload = all ? at::empty({total}, options) : at::zeros({total}, options);
   if (all) payload.narrow(0, flags_at, static_cast<int64_t>(params.size())).fill_(1);
   for (size_t k = 0; k < params.size(); ++k) {
@@ -45,14 +77,51 @@ void upcast_local_grad(const at::Tensor& param, const Precision& prec) {
 void GradAccumulator::fold(const at::Tensor& payload, int64_t numel, int64_t nflags, at::ScalarType master,
                            double divisor) {
   at::NoGradGuard ng;
-  const at::Tensor avg = payload.narrow(0, 0, numel).to(master).div(divisor);
+  at::Tensor avg = payload.narrow(0, 0, numel).to(master);
+  if (divisor != 1.0) avg = avg.div(divisor);
   const at::Tensor flags = payload.narrow(0, numel, nflags).to(master);
   if (!sum_.defined()) {  // the first backward pass defines the sum, later ones add to it
+    // (a view of the payload when no cast or division made a copy: the payload is dropped after)
     sum_ = avg;
     flags_ = flags;
   } else {
     sum_.add_(avg);
     flags_.add_(flags);
+  }
+}
+
+void GradAccumulator::fold_grads(const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets,
+                                 int64_t numel, at::ScalarType reduce, at::ScalarType master,
+                                 const at::TensorOptions& options) {
+  at::NoGradGuard ng;
+  const int64_t np = static_cast<int64_t>(params.size());
+  const bool all = dense_grads(params, offsets, numel);
+  const bool first = !sum_.defined();
+  if (first) {
+    const auto o = options.dtype(master);
+    sum_ = all ? at::empty({numel}, o) : at::zeros({numel}, o);
+    flags_ = all ? at::ones({np}, o) : at::zeros({np}, o);
+  } else if (all) {
+    flags_.add_(1);
+  }
+  for (size_t k = 0; k < params.size(); ++k) {
+    at::Tensor p = params[k];
+    const at::Tensor& g = p.grad();
+    if (!g.defined()) {
+      TORCH_INTERNAL_ASSERT(!all, "fold_grads: parameter ", k, " is listed twice");  // its gradient was taken
+      continue;
+    }
+    const bool copy = first && all;
+    if (g.scalar_type() != reduce || !host_fold(sum_, offsets[k], g, !copy)) {
+      const at::Tensor v = (g.scalar_type() == reduce ? g : g.to(reduce)).reshape(-1);
+      at::Tensor slot = sum_.narrow(0, offsets[k], p.numel());
+      if (copy)
+        slot.copy_(v);
+      else
+        slot.add_(v);
+    }
+    if (!all) flags_.narrow(0, static_cast<int64_t>(k), 1).add_(1);
+    p.mutable_grad() = at::Tensor();
   }
 }
 

@@ -32,6 +32,12 @@ class GradAccumulator {
   // Adds payload[0, numel) / divisor (in `master`) to the sum and payload[numel, numel + nflags) to
   // the flags.
   void fold(const at::Tensor& payload, int64_t numel, int64_t nflags, at::ScalarType master, double divisor);
+  // One rank, nothing to reduce: the local gradients are the sum over ranks. Adds params[k]'s
+  // gradient (rounded through `reduce` where it differs, as the payload would) at [offsets[k],
+  // offsets[k] + numel) of the sum and 1 to flag k where it has one, then drops the gradient: the
+  // sums and flags of pack_grads + fold with divisor 1, without the payload or its extra passes.
+  void fold_grads(const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets, int64_t numel,
+                  at::ScalarType reduce, at::ScalarType master, const at::TensorOptions& options);
   bool has_value() const { return sum_.defined(); }
   const at::Tensor& sum() const { return sum_; }
   const at::Tensor& flags() const { return flags_; }

@@ -93,6 +93,10 @@ void ReplicatedRoute::end_of_backward() {
     Bucket& b = buckets_[bi];
     std::vector<at::Tensor> ps;
     for (int i : b.params) ps.push_back(params_[static_cast<size_t>(i)]);
+    if (comm.size() == 1) {  // one data-parallel rank: nothing to sum, the gradients are the average
+      b.acc.fold_grads(ps, b.offsets, b.numel, b.prec.reduce, b.prec.master, ps.front().options());
+      continue;
+    }
     const int64_t np = static_cast<int64_t>(ps.size());
     // the average comes back in prepare_grads
     b.payload = pack_grads(ps, b.offsets, b.numel + np, b.numel,
@@ -107,6 +111,7 @@ void ReplicatedRoute::finish_reduces() {
   if (!issued_) return;
   const double world = rt_.mesh().data_parallel_size();
   for (auto& b : buckets_) {
+    if (!b.payload.defined()) continue;  // folded at once (one rank)
     b.pending.wait();
     b.pending = Pending();
     b.acc.fold(b.payload, b.numel, static_cast<int64_t>(b.params.size()), b.prec.master, world);
