@@ -214,6 +214,21 @@ TEST(MuonHostOps, MatchTheAtenOpsAndDeclineWhatTheyDoNotHandle) {
   EXPECT_FALSE(d::host_add(o, f, at::randn({4, 3}), 1.0));
   at::Tensor expanded = at::zeros({1, 4}).expand({4, 4});
   EXPECT_FALSE(d::host_scale_add(expanded, 1.0, f, 1.0));
+  // an input sharing the output's memory other than as the same view; a matrix past the size limit
+  at::Tensor sq = at::randn({4, 4});
+  EXPECT_FALSE(d::host_add(sq, f, sq.t(), 1.0));
+  EXPECT_FALSE(d::host_scale_add(sq, 1.0, sq.t(), 1.0));
+  at::Tensor big = at::zeros({2, d::kHostMaxElems / 2 + 1});
+  EXPECT_FALSE(d::host_add(big, big, big, 1.0));
+  EXPECT_FALSE(d::host_sum_finite(big).has_value());
+  at::Tensor limit = at::zeros({2, d::kHostMaxElems / 2});
+  EXPECT_TRUE(d::host_add(limit, limit, limit, 1.0));
+  // the written tensor's version moves, as with an in-place op (autograd's saved-tensor check)
+  const auto v0 = sq._version();
+  ASSERT_TRUE(d::host_scale_add(sq, 0.5, f, 1.0));
+  EXPECT_EQ(sq._version(), v0 + 1);
+  ASSERT_TRUE(d::host_add(sq, f, sq, 1.0));
+  EXPECT_EQ(sq._version(), v0 + 2);
 }
 
 TEST(MuonTest, InvalidHyperparametersNameFieldAndValue) {

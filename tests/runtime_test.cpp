@@ -626,7 +626,7 @@ TEST(RuntimeTest, GradientAccumulationEqualsOneBigBatch) {
 // collective): accumulation over three backward passes, with and without NoSync, Z2 and Z3, and the
 // one-rank DDP path match the single-process reference in float64.
 TEST(RuntimeTest, OneRankAccumulatesWithoutAPayload) {
-  for (bool no_sync : {false, true}) check_accumulation(1, 3, no_sync);
+  for (bool no_sync : {false, true}) check_accumulation(1, 3, no_sync);  // (a boundary's matrices in one buffer)
   TrainConfig tc;
   tc.steps = 3;
   tc.accum = 2;
@@ -1175,13 +1175,14 @@ TEST(RuntimeTest, BlockWithoutGradientIsSkippedLikeSingleProcess) {
   TrainConfig tc;
   tc.steps = 4;
   tc.frozen = {false, true, false};  // layers.1 runs under no_grad: its matrices get no gradient
-  for (bool z3 : {true, false}) {
-    DistConfig dc;
-    dc.world = 3;
-    dc.z3 = z3;
-    dc.pack_small_params = false;
-    check_equivalence(small_config(), tc, dc);
-  }
+  for (int world : {3, 1})  // (one rank: no payload, its flags stay 0)
+    for (bool z3 : {true, false}) {
+      DistConfig dc;
+      dc.world = world;
+      dc.z3 = z3;
+      dc.pack_small_params = false;
+      check_equivalence(small_config(), tc, dc);
+    }
 }
 
 TEST(RuntimeTest, Rank0StrategyPutsEverythingOnRankZero) {

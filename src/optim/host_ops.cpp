@@ -9,19 +9,27 @@ namespace dmuon::detail {
 
 namespace {
 
-// CPU, strided, 2-D, all of `dtype`
+// CPU, strided, 2-D, all of `dtype`, small: above ATen's grain size its multi-threaded, vectorised
+// kernels win and the dispatch is noise
 bool host_matrix(const at::Tensor& t, at::ScalarType dtype) {
   return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && t.dim() == 2 &&
-         t.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kDouble);
+         t.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kDouble) &&
+         t.numel() <= kHostMaxElems;
 }
 
-// `out` written element by element: no two elements may share memory
+// `out` written element by element: no two of its elements share memory, and an input shares
+// memory with it only as the very same view (element (i, j) read before it is written)
 bool host_operands(const at::Tensor& out, std::initializer_list<const at::Tensor*> in) {
   if (!host_matrix(out, out.scalar_type()) || !out.is_non_overlapping_and_dense()) return false;
-  for (const at::Tensor* t : in)
+  for (const at::Tensor* t : in) {
     if (!host_matrix(*t, out.scalar_type()) || t->sizes() != out.sizes()) return false;
+    if (t->is_alias_of(out) && (t->data_ptr() != out.data_ptr() || t->strides() != out.strides())) return false;
+  }
   return true;
 }
+
+// what ATen's in-place ops do: autograd then sees that a saved tensor changed
+void bump_version(const at::Tensor& t) { t.unsafeGetTensorImpl()->bump_version(); }
 
 // element (i, j) of a matrix; Flat: every operand contiguous, the matrix one row of numel elements
 // (a loop the compiler vectorises)
@@ -86,6 +94,7 @@ bool host_add(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, d
     flat ? add_loop<float, true>(out, a, b, alpha) : add_loop<float, false>(out, a, b, alpha);
   else
     flat ? add_loop<double, true>(out, a, b, alpha) : add_loop<double, false>(out, a, b, alpha);
+  bump_version(out);
   return true;
 }
 
@@ -96,6 +105,7 @@ bool host_scale_add(const at::Tensor& t, double decay, const at::Tensor& u, doub
     flat ? scale_add_loop<float, true>(t, decay, u, alpha) : scale_add_loop<float, false>(t, decay, u, alpha);
   else
     flat ? scale_add_loop<double, true>(t, decay, u, alpha) : scale_add_loop<double, false>(t, decay, u, alpha);
+  bump_version(t);
   return true;
 }
 

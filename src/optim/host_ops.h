@@ -4,8 +4,9 @@
 // so a rank that owns dozens of small matrices (MoE experts, the many-block probe of
 // bench/optim_step_bench) pays per op, not per byte. These helpers run the same arithmetic in one
 // loop over the elements where they apply -- CPU, float or double, every operand of one dtype, 2-D
-// (any strides; `out` / `t` contiguous) -- and return false (nullopt) elsewhere, where the caller
-// takes the ATen ops. Each result element is computed as the ATen ops compute it in that dtype, up
+// (any strides; the written operand without overlap, an input sharing its memory only as the same
+// view), at most kHostMaxElems elements -- and return false (nullopt) elsewhere, where the caller
+// takes the ATen ops. The written tensor's version counter is bumped, as an in-place op does. Each result element is computed as the ATen ops compute it in that dtype, up
 // to the order of rounding (ATen may fuse a multiply-add).
 #pragma once
 
@@ -14,6 +15,9 @@
 #include <optional>
 
 namespace dmuon::detail {
+
+// the largest matrix the loops take (ATen's grain size: beyond it ATen's threads pay off)
+inline constexpr int64_t kHostMaxElems = 32768;
 
 // out <- a + alpha * b (out may be a or b)
 bool host_add(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double alpha);

@@ -267,7 +267,10 @@ void DedicatedRoute::issue_reduce(int b) {
     // one data-parallel rank: it owns every matrix and there is nothing to sum, so the gradients go
     // straight into the accumulator (no payload, no collective, nothing to wait)
     for (auto& buf : buffers_[static_cast<size_t>(b)]) {
-      TORCH_INTERNAL_ASSERT(buf.is_owner && !buf.reduce_issued && !buf.stage2_issued);
+      TORCH_INTERNAL_ASSERT(buf.is_owner && !buf.reduce_issued && !buf.stage2_issued, "rank ", mesh.global_rank(),
+                            ": the only data-parallel rank does not own, or has a reduce in flight for, '",
+                            entries_[buf.params.front()].name, "' of boundary '",
+                            rt_.boundaries()[static_cast<size_t>(b)].name, "'");
       buf.acc.fold_grads(params_of(buf), buf.offsets, buf.numel, buf.prec.reduce, buf.prec.master, buf.flat.options());
     }
     return;

@@ -22,12 +22,14 @@ bool dense_grads(const std::vector<at::Tensor>& params, const std::vector<int64_
   return !params.empty() && at_ == end;
 }
 
-// CPU, contiguous and already in the sum's dtype (float / double): copied or added by a host loop
-// instead of narrow + reshape + copy_ / add_ (three ops for a few KB)
+// CPU, contiguous, small and already in the sum's dtype (float / double): copied or added by a host
+// loop instead of narrow + reshape + copy_ / add_ (three ops for a few KB); larger ones take ATen's
+// multi-threaded copy and add
+constexpr int64_t kHostFoldMaxElems = 32768;
 bool host_fold(const at::Tensor& sum, int64_t offset, const at::Tensor& g, bool add) {
   const at::ScalarType t = sum.scalar_type();
   if (!sum.device().is_cpu() || !g.device().is_cpu() || g.scalar_type() != t || !g.is_contiguous() ||
-      !sum.is_contiguous() || (t != at::kFloat && t != at::kDouble))
+      !sum.is_contiguous() || (t != at::kFloat && t != at::kDouble) || g.numel() > kHostFoldMaxElems)
     return false;
   auto run = [&](auto* dst, const auto* src) {
     dst += offset;
@@ -108,7 +110,8 @@ void GradAccumulator::fold_grads(const std::vector<at::Tensor>& params, const st
     at::Tensor p = params[k];
     const at::Tensor& g = p.grad();
     if (!g.defined()) {
-      TORCH_INTERNAL_ASSERT(!all, "fold_grads: parameter ", k, " is listed twice");  // its gradient was taken
+      TORCH_INTERNAL_ASSERT(!all, "fold_grads: parameter ", k, " (shape ", p.sizes(),
+                            ") is listed twice in one accumulator");  // its gradient was taken
       continue;
     }
     const bool copy = first && all;
