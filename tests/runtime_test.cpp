@@ -1528,5 +1528,22 @@ TEST(RuntimeTest, PlanFingerprintMismatchIsAnErrorNotAHang) {
   });
 }
 
+// A setup failure on one rank only (here: rank 1's planner options are invalid) fails every rank at
+// the plan check, naming the rank, instead of leaving the others in its collective until the timeout.
+TEST(RuntimeTest, SetupFailureOnOneRankFailsEveryRankNotAHang) {
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    GPT m(small_config(2));
+    auto mesh = make_mesh(ctx, std::chrono::seconds(60));
+    DedicateOptions o;
+    if (ctx.rank == 1) o.plan.owner_strategy = "no-such-strategy";
+    const std::string err = error_of([&] { dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o); });
+    const std::string want = ctx.rank == 1 ? "owner planning failed" : "setup failed on rank(s) 1";
+    if (err.find(want) == std::string::npos || err.find("rank " + std::to_string(ctx.rank)) == std::string::npos)
+      throw std::runtime_error("rank " + std::to_string(ctx.rank) + ": unexpected message: " + err);
+    if (ctx.rank == 1 && err.find("no-such-strategy") == std::string::npos)
+      throw std::runtime_error("rank 1's error does not name the bad strategy: " + err);
+  });
+}
+
 }  // namespace
 }  // namespace dmuon

@@ -3,6 +3,7 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include <exception>
 #include <set>
 
 #include "dmuon/env.h"
@@ -31,37 +32,46 @@ Runtime::~Runtime() = default;
 void Runtime::build(const ParamPredicate& predicate) {
   auto m = model_.lock();
   const int rank = mesh_->global_rank();
-  // 1. routes, precision, boundaries (pure)
-  Routing routing = route_params(*m, predicate, opts_, RoutingContext{rank, mesh_->is_2d(), ddp_, mesh_->has_tp()});
-  for (const auto* group : {&routing.dedicated, &routing.sharded, &routing.base})
-    for (const auto& r : *group) precision_[r.param.unsafeGetTensorImpl()] = r.prec;
-  specs_ = routing.specs;
-  for (const auto& r : routing.dedicated) boundary_of_param_.push_back(r.boundary);
-  // tensor parallelism: which dedicated matrices are TP slices (specs_ keep the local shapes the
-  // routes move; the planner sees the full ones)
-  tp_split_ = check_tp_modules(*m);
-  const std::map<std::string, int>& tp_split = tp_split_;
-  const int T = mesh_->tp_size();
-  std::vector<ParamSpec> full_specs = specs_;
-  for (size_t i = 0; i < specs_.size(); ++i)
-    if (auto it = tp_split.find(specs_[i].name); it != tp_split.end()) {
-      specs_[i].tp_split_dim = full_specs[i].tp_split_dim = it->second;
-      full_specs[i].shape[static_cast<size_t>(it->second)] *= T;
-    }
-  // deferred parameters (deferred_init.h): the source is checked once; which parameters are deferred
-  // is part of the fingerprint (the sharded route skips its initial broadcast for them)
-  check_deferred(*m, routing.base_digest);
-
-  // 2. plan (every rank, no communication), then check that all ranks agree
+  // 1.-2. the pure steps. A failure on some ranks only is shared at the plan check below: every
+  // rank then fails, naming the ranks that failed, instead of the others waiting in the check's
+  // collective until the timeout.
+  Routing routing;
+  std::vector<ParamSpec> full_specs;
+  std::vector<Precision> precisions;
+  std::exception_ptr setup_failure;
   const PlanOptions& po = opts_.plan;
   try {
-    plan_ = plan_owners_tp(full_specs, mesh_->shard_size(), mesh_->replicate_size(), T, po);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "rank ", rank, ": dedicate_params: owner planning failed: ", e.what());
+    // 1. routes, precision, boundaries
+    routing = route_params(*m, predicate, opts_, RoutingContext{rank, mesh_->is_2d(), ddp_, mesh_->has_tp()});
+    for (const auto* group : {&routing.dedicated, &routing.sharded, &routing.base})
+      for (const auto& r : *group) precision_[r.param.unsafeGetTensorImpl()] = r.prec;
+    specs_ = routing.specs;
+    for (const auto& r : routing.dedicated) boundary_of_param_.push_back(r.boundary);
+    // tensor parallelism: which dedicated matrices are TP slices (specs_ keep the local shapes the
+    // routes move; the planner sees the full ones)
+    tp_split_ = check_tp_modules(*m);
+    const int T = mesh_->tp_size();
+    full_specs = specs_;
+    for (size_t i = 0; i < specs_.size(); ++i)
+      if (auto it = tp_split_.find(specs_[i].name); it != tp_split_.end()) {
+        specs_[i].tp_split_dim = full_specs[i].tp_split_dim = it->second;
+        full_specs[i].shape[static_cast<size_t>(it->second)] *= T;
+      }
+    // deferred parameters (deferred_init.h): the source is checked once; which parameters are
+    // deferred is part of the fingerprint (the sharded route skips its initial broadcast for them)
+    check_deferred(*m, routing.base_digest);
+    // 2. plan (every rank, no communication)
+    try {
+      plan_ = plan_owners_tp(full_specs, mesh_->shard_size(), mesh_->replicate_size(), T, po);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "rank ", rank, ": dedicate_params: owner planning failed: ", e.what());
+    }
+    for (const auto& r : routing.dedicated) precisions.push_back(r.prec);
+  } catch (...) {
+    setup_failure = std::current_exception();
   }
-  std::vector<Precision> precisions;
-  for (const auto& r : routing.dedicated) precisions.push_back(r.prec);
-  check_plan_agreement(*mesh_, plan_, specs_, precisions, routing.base_digest, po);
+  // every rank agrees on the plan, or all throw
+  check_plan_agreement(*mesh_, plan_, specs_, precisions, routing.base_digest, po, setup_failure);
 
   // 3. boundaries in model order of first appearance
   std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;

@@ -11,25 +11,34 @@
 namespace dmuon {
 
 void check_plan_agreement(Mesh& mesh, const OwnerPlan& plan, const std::vector<ParamSpec>& specs,
-                          const std::vector<Precision>& precisions, uint64_t base_digest, const PlanOptions& po) {
+                          const std::vector<Precision>& precisions, uint64_t base_digest, const PlanOptions& po,
+                          const std::exception_ptr& failure) {
   const int rank = mesh.global_rank();
-  // [fingerprint, count] from every rank; a mismatch names the first differing parameter.
+  // [fingerprint, count, setup failed] from every rank; a mismatch names the first differing parameter.
   auto opt = at::TensorOptions().dtype(at::kLong);
   uint64_t fp = plan.fingerprint ^ base_digest;
   for (const auto& pr : precisions) fp = fp * 1099511628211ull ^ precision_digest(pr);
-  at::Tensor mine = at::tensor({static_cast<int64_t>(fp), static_cast<int64_t>(specs.size())}, opt);
+  at::Tensor mine = at::tensor(
+      {static_cast<int64_t>(fp), static_cast<int64_t>(specs.size()), failure ? int64_t{1} : int64_t{0}}, opt);
   const int n = mesh.world_size();
-  at::Tensor all = at::empty({2 * n}, opt);
+  at::Tensor all = at::empty({3 * n}, opt);
   mesh.world().allgather_flat(all, mine, "plan fingerprint check").wait();
   const at::Tensor host = all.cpu();
   const int64_t* a = host.data_ptr<int64_t>();
+  std::string failed;
+  for (int r = 0; r < n; ++r)
+    if (a[3 * r + 2] != 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+  if (failure) std::rethrow_exception(failure);
+  TORCH_CHECK(failed.empty(), "rank ", rank, ": dedicate_params: setup failed on rank(s) ", failed,
+              " before the ranks compared their owner plans (this rank's setup succeeded; see their errors). Every "
+              "rank must build the same model and pass the same options before dedicate_params.");
   bool same = true;
-  for (int r = 0; r < n; ++r) same = same && a[2 * r] == a[0];
+  for (int r = 0; r < n; ++r) same = same && a[3 * r] == a[0];
   if (same) return;
   int64_t max_count = 0, min_count = INT64_MAX;
   for (int r = 0; r < n; ++r) {
-    max_count = std::max(max_count, a[2 * r + 1]);
-    min_count = std::min(min_count, a[2 * r + 1]);
+    max_count = std::max(max_count, a[3 * r + 1]);
+    min_count = std::min(min_count, a[3 * r + 1]);
   }
   std::string detail;
   if (max_count != min_count) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <vector>
 
 #include "dmuon/mesh.h"
@@ -14,7 +15,10 @@ namespace dmuon {
 
 // collective: all-gathers over the world (a second one only to diagnose a mismatch).
 // `precisions[i]` belongs to specs[i]; `base_digest` covers everything else that must agree.
+// `failure`: this rank's setup failed before the check (the rest is then ignored); every rank
+// learns which ranks failed, the failing ones rethrow their own error.
 void check_plan_agreement(Mesh& mesh, const OwnerPlan& plan, const std::vector<ParamSpec>& specs,
-                          const std::vector<Precision>& precisions, uint64_t base_digest, const PlanOptions& options);
+                          const std::vector<Precision>& precisions, uint64_t base_digest, const PlanOptions& options,
+                          const std::exception_ptr& failure = nullptr);
 
 }  // namespace dmuon
