@@ -1528,6 +1528,20 @@ TEST(RuntimeTest, PlanFingerprintMismatchIsAnErrorNotAHang) {
   });
 }
 
+// Ranks whose planner options differ (here the owner strategy) are told so: no parameter is blamed.
+TEST(RuntimeTest, PlannerOptionsMismatchIsNamedNotBlamedOnAParameter) {
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    GPT m(small_config(2));
+    auto mesh = make_mesh(ctx, std::chrono::seconds(60));
+    DedicateOptions o;
+    o.plan.owner_strategy = ctx.rank == 1 ? "round_robin" : "lpt";
+    const std::string err = error_of([&] { dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o); });
+    if (err.find("the planner options differ between rank 0 and rank 1") == std::string::npos ||
+        err.find("parameter #") != std::string::npos)
+      throw std::runtime_error("rank " + std::to_string(ctx.rank) + ": unexpected message: " + err);
+  });
+}
+
 // A setup failure on one rank only (here: rank 1's planner options are invalid) fails every rank at
 // the plan check, naming the rank, instead of leaving the others in its collective until the timeout.
 TEST(RuntimeTest, SetupFailureOnOneRankFailsEveryRankNotAHang) {

@@ -10,6 +10,33 @@
 
 namespace dmuon {
 
+namespace {
+
+// FNV-1a 64 of what must agree per parameter, independent of the planner's options
+uint64_t spec_digest(const ParamSpec& s, const Precision& prec) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  auto bytes = [&](const void* p, size_t n) {
+    for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const unsigned char*>(p)[i]) * 0x100000001b3ULL;
+  };
+  auto str = [&](const std::string& v) {
+    const uint64_t n = v.size();
+    bytes(&n, sizeof n);
+    bytes(v.data(), v.size());
+  };
+  auto i64 = [&](int64_t v) { bytes(&v, sizeof v); };
+  str(s.name);
+  i64(static_cast<int64_t>(s.shape.size()));
+  for (int64_t v : s.shape) i64(v);
+  i64(s.elem_bytes);
+  str(s.group_key);
+  str(s.route);
+  i64(s.tp_split_dim);
+  i64(static_cast<int64_t>(precision_digest(prec)));
+  return h;
+}
+
+}  // namespace
+
 void check_plan_agreement(Mesh& mesh, const OwnerPlan& plan, const std::vector<ParamSpec>& specs,
                           const std::vector<Precision>& precisions, uint64_t base_digest, const PlanOptions& po,
                           const std::exception_ptr& failure) {
@@ -47,31 +74,35 @@ void check_plan_agreement(Mesh& mesh, const OwnerPlan& plan, const std::vector<P
       << min_count << " and " << max_count << ")";
     detail = o.str();
   } else {
-    // per-parameter digests: find the first parameter whose spec differs from rank 0's
+    // per-parameter digests of the specs alone, then one of the resolved planner options (a plan of
+    // no parameters): the first parameter whose spec differs from rank 0's, else the options
     const int64_t np = static_cast<int64_t>(specs.size());
-    at::Tensor d = at::empty({np}, opt);
-    for (int64_t i = 0; i < np; ++i) {
-      OwnerPlan one = plan_owners({specs[static_cast<size_t>(i)]}, 1, 1, po);
-      d[i] = static_cast<int64_t>((one.fingerprint ^ precision_digest(precisions[static_cast<size_t>(i)])) * 31 +
-                                  static_cast<uint64_t>(specs[static_cast<size_t>(i)].tp_split_dim + 1));
-    }
-    at::Tensor alld = at::empty({np * n}, opt);
+    at::Tensor d = at::empty({np + 1}, opt);
+    for (int64_t i = 0; i < np; ++i)
+      d[i] = static_cast<int64_t>(spec_digest(specs[static_cast<size_t>(i)], precisions[static_cast<size_t>(i)]));
+    d[np] = static_cast<int64_t>(plan_owners({}, 1, 1, po).fingerprint);
+    at::Tensor alld = at::empty({(np + 1) * n}, opt);
     mesh.world().allgather_flat(alld, d, "plan fingerprint diagnosis").wait();
     const at::Tensor hd = alld.cpu();
     const int64_t* dd = hd.data_ptr<int64_t>();
-    for (int64_t i = 0; i < np && detail.empty(); ++i)
+    for (int64_t i = 0; i <= np && detail.empty(); ++i)
       for (int r = 1; r < n; ++r)
-        if (dd[r * np + i] != dd[i]) {
+        if (dd[r * (np + 1) + i] != dd[i]) {
           std::ostringstream o;
-          o << "parameter #" << i << " ('" << specs[static_cast<size_t>(i)].name << "' on this rank, shape "
-            << at::IntArrayRef(specs[static_cast<size_t>(i)].shape) << ") differs between rank 0 and rank " << r
-            << " (its shape, name, boundary, tensor-parallel split or mixed-precision policy)";
+          if (i < np)
+            o << "parameter #" << i << " ('" << specs[static_cast<size_t>(i)].name << "' on this rank, shape "
+              << at::IntArrayRef(specs[static_cast<size_t>(i)].shape) << ") differs between rank 0 and rank " << r
+              << " (its shape, name, assignment group, tensor-parallel split or mixed-precision policy)";
+          else
+            o << "the planner options differ between rank 0 and rank " << r << " (PlanOptions or the DMUON_OWNER_* "
+              << "environment: strategy, cost model, packing; with owner_cost_model \"profiled\", the NS profile: "
+              << "PlanOptions::ns_profile / DMUON_NS_PROFILE must hold the same measurements on every rank)";
           detail = o.str();
           break;
         }
     if (detail.empty())
-      detail = "the planner options, the environment (DMUON_OWNER_*) or the mixed-precision policy (dtypes of "
-               "the non-dedicated parameters, the boundaries' cast_forward_inputs/output_dtype) differ between ranks";
+      detail = "the mixed-precision policy (dtypes of the non-dedicated parameters, the boundaries' "
+               "cast_forward_inputs/output_dtype), the boundaries or the deferred parameters differ between ranks";
   }
   TORCH_CHECK(false, "rank ", rank, ": dedicate_params: the owner plan differs between ranks: ", detail,
               ". Every rank must build the same model and pass the same options before dedicate_params.");
