@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 namespace dmuon::detail {
 
@@ -70,11 +71,24 @@ void add_loop(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, d
 template <class T, bool Flat>
 void scale_add_loop(const at::Tensor& t, double decay, const at::Tensor& u, double alpha) {
   const Acc<T, Flat> o(t), x(u);
-  const T d = static_cast<T>(decay), al = static_cast<T>(alpha);
-  if (decay == 1.0)
-    for_each_element<Flat>(t, [&](int64_t i, int64_t j) { o(i, j) = o(i, j) + al * x(i, j); });
+  const T d = static_cast<T>(decay), al = static_cast<T>(alpha);  // (decay 1: o * 1 is exact)
+  for_each_element<Flat>(t, [&](int64_t i, int64_t j) { o(i, j) = o(i, j) * d + al * x(i, j); });
+}
+
+// kernel(T{}, std::bool_constant<Flat>{}) for the written tensor's dtype (float / double) and
+// whether every operand is contiguous
+template <class K>
+void dispatch(const at::Tensor& out, std::initializer_list<const at::Tensor*> operands, K&& kernel) {
+  auto typed = [&](auto zero) {
+    if (all_contiguous(operands))
+      kernel(zero, std::true_type{});
+    else
+      kernel(zero, std::false_type{});
+  };
+  if (out.scalar_type() == at::kFloat)
+    typed(float{});
   else
-    for_each_element<Flat>(t, [&](int64_t i, int64_t j) { o(i, j) = o(i, j) * d + al * x(i, j); });
+    typed(double{});
 }
 
 template <class T>
@@ -89,22 +103,18 @@ bool sum_finite(const at::Tensor& t) {
 
 bool host_add(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double alpha) {
   if (!host_operands(out, {&a, &b})) return false;
-  const bool flat = all_contiguous({&out, &a, &b});
-  if (out.scalar_type() == at::kFloat)
-    flat ? add_loop<float, true>(out, a, b, alpha) : add_loop<float, false>(out, a, b, alpha);
-  else
-    flat ? add_loop<double, true>(out, a, b, alpha) : add_loop<double, false>(out, a, b, alpha);
+  dispatch(out, {&out, &a, &b}, [&](auto zero, auto flat) {
+    add_loop<decltype(zero), decltype(flat)::value>(out, a, b, alpha);
+  });
   bump_version(out);
   return true;
 }
 
 bool host_scale_add(const at::Tensor& t, double decay, const at::Tensor& u, double alpha) {
   if (!host_operands(t, {&u})) return false;
-  const bool flat = all_contiguous({&t, &u});
-  if (t.scalar_type() == at::kFloat)
-    flat ? scale_add_loop<float, true>(t, decay, u, alpha) : scale_add_loop<float, false>(t, decay, u, alpha);
-  else
-    flat ? scale_add_loop<double, true>(t, decay, u, alpha) : scale_add_loop<double, false>(t, decay, u, alpha);
+  dispatch(t, {&t, &u}, [&](auto zero, auto flat) {
+    scale_add_loop<decltype(zero), decltype(flat)::value>(t, decay, u, alpha);
+  });
   bump_version(t);
   return true;
 }

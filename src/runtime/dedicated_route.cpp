@@ -263,7 +263,7 @@ void DedicatedRoute::issue_reduce(int b) {
     for (int p : buf.params) ps.push_back(entries_[p].param);
     return ps;
   };
-  if (comm.size() == 1 && !mesh.replicate()) {
+  if (mesh.data_parallel_size() == 1) {
     // one data-parallel rank: it owns every matrix and there is nothing to sum, so the gradients go
     // straight into the accumulator (no payload, no collective, nothing to wait)
     for (auto& buf : buffers_[static_cast<size_t>(b)]) {

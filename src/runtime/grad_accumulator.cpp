@@ -1,6 +1,7 @@
 // The gradient accumulator (see grad_accumulator.h).
 #include "runtime/grad_accumulator.h"
 
+#include <ATen/TensorIterator.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
@@ -24,12 +25,11 @@ bool dense_grads(const std::vector<at::Tensor>& params, const std::vector<int64_
 
 // CPU, contiguous, small and already in the sum's dtype (float / double): copied or added by a host
 // loop instead of narrow + reshape + copy_ / add_ (three ops for a few KB); larger ones take ATen's
-// multi-threaded copy and add
-constexpr int64_t kHostFoldMaxElems = 32768;
+// multi-threaded copy and add (past its grain size)
 bool host_fold(const at::Tensor& sum, int64_t offset, const at::Tensor& g, bool add) {
   const at::ScalarType t = sum.scalar_type();
   if (!sum.device().is_cpu() || !g.device().is_cpu() || g.scalar_type() != t || !g.is_contiguous() ||
-      !sum.is_contiguous() || (t != at::kFloat && t != at::kDouble) || g.numel() > kHostFoldMaxElems)
+      !sum.is_contiguous() || (t != at::kFloat && t != at::kDouble) || g.numel() > at::internal::GRAIN_SIZE)
     return false;
   auto run = [&](auto* dst, const auto* src) {
     dst += offset;
@@ -106,6 +106,7 @@ void GradAccumulator::fold_grads(const std::vector<at::Tensor>& params, const st
   } else if (all) {
     flags_.add_(1);
   }
+  const bool copy = first && all;  // every slot written once: copied, not added to zeros
   for (size_t k = 0; k < params.size(); ++k) {
     at::Tensor p = params[k];
     const at::Tensor& g = p.grad();
@@ -114,7 +115,6 @@ void GradAccumulator::fold_grads(const std::vector<at::Tensor>& params, const st
                             ") is listed twice in one accumulator");  // its gradient was taken
       continue;
     }
-    const bool copy = first && all;
     if (g.scalar_type() != reduce || !host_fold(sum_, offsets[k], g, !copy)) {
       const at::Tensor v = (g.scalar_type() == reduce ? g : g.to(reduce)).reshape(-1);
       at::Tensor slot = sum_.narrow(0, offsets[k], p.numel());
