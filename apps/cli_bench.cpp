@@ -6,6 +6,7 @@
 //   AdamW only (DDP)
 // Every variant trains the same model from the same init on the same batches; the baselines use
 // the same NS backend and coefficients (tall matrices are transposed inside the NS kernel).
+#include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -21,6 +22,8 @@
 #include <numeric>
 #include <optional>
 #include <sstream>
+
+#include <unistd.h>
 
 #include "cli_commands.h"
 #include "cli_launch.h"
@@ -225,11 +228,12 @@ class Variant {
     }
     return nlohmann::json{{"step_ms", e->step_s * 1e3}, {"ns_ms", e->ns_s * 1e3}, {"bytes", bytes},
                           {"memory_bytes", e->memory_bytes_per_rank},
-                          {"compute_ms", e->compute_s * 1e3}, {"exposed_comm_ms", e->exposed_comm_s * 1e3}};
+                          {"compute_ms", e->compute_s * 1e3}, {"exposed_comm_ms", e->exposed_comm_s * 1e3},
+                          {"forward_ms", e->forward_s * 1e3}, {"backward_ms", e->backward_s * 1e3}};
   }
 
-  // returns {step ms, NS ms, bytes}
-  std::array<double, 3> step(const at::Tensor& batch, double& loss_out) {
+  // returns {step ms, NS ms, forward ms, backward ms, bytes}
+  std::array<double, 5> step(const at::Tensor& batch, double& loss_out) {
     memory::MemoryTag mt(tag_);
     const int rank = b_.rank, world = b_.world_size;
     const int64_t per = a_.batch / world;
@@ -237,7 +241,9 @@ class Variant {
     const auto t0 = std::chrono::steady_clock::now();
     for (auto& p : model_->parameters()) p.mutable_grad() = at::Tensor();
     at::Tensor loss = model_->loss(batch.narrow(0, rank * per, per));
+    const double fwd_ms = elapsed_ms(t0);
     loss.backward();
+    const double bwd_ms = elapsed_ms(t0) - fwd_ms;
     double ns_time = 0;
     if (opt_) {
       opt_->step();
@@ -247,7 +253,7 @@ class Variant {
     }
     const double ms = elapsed_ms(t0);
     loss_out = loss.item<double>();
-    return {ms, ns_time, static_cast<double>(mesh_->counters().snapshot().total_bytes())};
+    return {ms, ns_time, fwd_ms, bwd_ms, static_cast<double>(mesh_->counters().snapshot().total_bytes())};
   }
 
  private:
@@ -314,6 +320,137 @@ class Variant {
   std::map<std::string, at::Tensor> bufs_;
 };
 
+// The max over the group's ranks of each rank's x.
+double max_over_ranks(Communicator& group, double x) {
+  at::Tensor all = at::zeros({group.size()}, at::kDouble);
+  group.allgather_flat(all, at::tensor({x}, at::kDouble), "bench calibration timing").wait();
+  return all.max().item<double>();
+}
+
+// What --predict measures, in the same run as the steps and interleaved with them (after each
+// measured round), so that the box's drift hits both alike; medians over the rounds.
+//   * Rank 0 alone, the others waiting at a barrier (one rank on a core, what a description's rates
+//     mean; HardwareSpec::cores_per_node prices the sharing): the matmul rate, the memory bandwidth,
+//     the mfu of a plain forward + backward of the same model on one rank's micro-batch (no hooks),
+//     and the NS profile of the model's shapes.
+//   * Every rank at once: the link, from broadcasts and reduces rooted at rank 0 of a small and a
+//     large payload (latency from the small one over ceil(log2 N) hops, bandwidth from the
+//     difference), as the simulator prices a rooted collective; once every core has a rank (where
+//     the simulator hides no collective) the large one is timed while every rank computes.
+class Calibration {
+ public:
+  Calibration(const BenchArgs& a, const std::string& text, int world, std::vector<NsShape> shapes)
+      : shapes_(std::move(shapes)), world_(world) {
+    models::GPTConfig cfg;
+    cfg.vocab_size = 256;
+    cfg.d_model = a.d_model;
+    cfg.n_layers = a.layers;
+    cfg.n_heads = a.heads;
+    cfg.d_ff = a.d_ff;
+    plain_ = models::GPT(cfg);
+    batch_ = sample_batch(text, a.batch, a.seq_len, a.seed, 0).narrow(0, 0, a.batch / world);
+    for (const auto& p : plain_->parameters()) flops_ += static_cast<double>(p.numel());
+    flops_ *= 6.0 * static_cast<double>(a.batch / world * a.seq_len);
+    ns_opts_.reps = 3;
+    ns_opts_.backend = a.ns_backend;  // the NS every variant runs (MuonOptions' default steps)
+  }
+
+  void round(Communicator& group, int rank) {
+    group.barrier("bench calibration");
+    if (rank == 0) {
+      const DeviceRates r = measure_device_rates(at::kCPU, 3);
+      tflops_.push_back(r.matmul_tflops);
+      gbps_.push_back(r.memory_bandwidth_GBps);
+      std::vector<double> t;
+      for (int k = 0; k < 4; ++k) {
+        const auto t0 = std::chrono::steady_clock::now();
+        plain_->zero_grad();
+        plain_->loss(batch_).backward();
+        if (k > 0) t.push_back(elapsed_ms(t0) * 1e-3);
+      }
+      mfu_.push_back(std::min(1.0, flops_ / median(t) / (r.matmul_tflops * 1e12)));
+      ns_.push_back(measure_ns_profile(shapes_, ns_opts_));
+    }
+    group.barrier("bench calibration: the link");
+    const double hops = world_ > 1 ? std::ceil(std::log2(static_cast<double>(world_))) : 1.0;
+    const bool busy = world_ >= cores_per_node();
+    const double small = rooted_ms(group, kSmall, false), large = rooted_ms(group, kLarge, busy);
+    latency_us_.push_back(small * 1e3 / hops);
+    link_GBps_.push_back(static_cast<double>(kLarge - kSmall) * 4.0 / std::max(1e-6, (large - small) * 1e-3) / 1e9);
+  }
+
+  // `hw` with the medians in place of its rates, mfu, links and NS profile.
+  HardwareSpec apply(HardwareSpec hw) const {
+    hw.matmul_tflops = median(tflops_);
+    hw.memory_bandwidth_GBps = median(gbps_);
+    hw.mfu = median(mfu_);
+    hw.intra_node = hw.inter_node = LinkSpec{median(link_GBps_), median(latency_us_)};
+    hw.devices_per_node = std::max(hw.devices_per_node, world_);  // one host
+    // the ranks this host runs at once at one rank's rates: its cores over each rank's threads
+    hw.cores_per_node = cores_per_node();
+    NsProfile p = ns_.front();
+    for (size_t i = 0; i < p.timings.size(); ++i) {
+      std::vector<double> single, batch;
+      for (const auto& q : ns_) {
+        single.push_back(q.timings[i].single_us);
+        batch.push_back(q.timings[i].batch_us);
+      }
+      p.timings[i].single_us = median(single);
+      p.timings[i].batch_us = median(batch);
+    }
+    hw.ns_profile = std::make_shared<const NsProfile>(std::move(p));
+    return hw;
+  }
+
+ private:
+  static constexpr int64_t kSmall = 1024, kLarge = 1 << 20;  // fp32 elements
+
+  // the ranks this host runs at once at one rank's rates: its cores over each rank's threads
+  static int cores_per_node() {
+    return static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN) / std::max(1, at::get_num_threads())));
+  }
+
+  // Broadcasts and reduces of n floats from rank 0, alternately: the median of kReps, max over ranks.
+  // `busy`: every rank multiplies matrices meanwhile, and what counts is the time the collective adds
+  // to the same multiplications alone (each rank's own difference, timed back to back).
+  double rooted_ms(Communicator& group, int64_t n, bool busy) {
+    at::Tensor x = at::ones({n});
+    const at::Tensor a = at::ones({256, 256});
+    auto work = [&] {
+      for (int i = 0; i < kBusyGemms; ++i) (void)at::mm(a, a);
+    };
+    std::vector<double> t;
+    for (int k = 0; k < kReps; ++k) {
+      double alone = 0;
+      if (busy) {
+        group.barrier("bench calibration: compute alone");
+        const auto t0 = std::chrono::steady_clock::now();
+        work();
+        alone = elapsed_ms(t0);
+      }
+      group.barrier("bench calibration: rooted collective");
+      const auto t0 = std::chrono::steady_clock::now();
+      Pending p = k % 2 == 0 ? group.broadcast(x, 0, "bench calibration broadcast")
+                             : group.reduce(x, 0, Reduction::Sum, "bench calibration reduce");
+      if (busy) work();
+      p.wait();
+      t.push_back(max_over_ranks(group, std::max(0.0, elapsed_ms(t0) - alone)));
+    }
+    return median(t);
+  }
+  static constexpr int kReps = 8;
+  static constexpr int kBusyGemms = 24;  // ~8 ms of one core's multiplications, longer than the collective
+
+  std::vector<NsShape> shapes_;
+  int world_ = 1;
+  models::GPT plain_{nullptr};
+  at::Tensor batch_;
+  double flops_ = 0;
+  NsCalibrationOptions ns_opts_;
+  std::vector<double> tflops_, gbps_, mfu_, latency_us_, link_GBps_;
+  std::vector<NsProfile> ns_;
+};
+
 int run_bench_rank(const BenchArgs& a, std::ostream& out) {
   memory::install_counting_allocator();  // each variant's peak live bytes, under its own tag
   Bootstrap b = bootstrap_from_environment(c10::DeviceType::CPU);
@@ -329,7 +466,12 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
   for (const auto& v : names) vs.push_back(std::make_unique<Variant>(v, a, b, static_cast<int>(vs.size()) + 1));
   // Interleaved: every step runs all variants in turn on the same batch, so machine noise hits them
   // alike; per step and variant the time is the max over ranks.
-  std::vector<std::vector<double>> step_ms(vs.size()), ns_ms(vs.size()), bytes(vs.size());
+  std::optional<Calibration> calibration;
+  if (!a.predict.empty()) calibration.emplace(a, text, world, vs.back()->matrix_shapes());
+  // per variant and measured step, the max over ranks of: step, NS, forward, backward ms
+  constexpr int kCols = 4;
+  std::vector<std::vector<std::array<double, kCols>>> times(vs.size());
+  std::vector<std::vector<double>> bytes(vs.size());
   std::vector<double> loss(vs.size());
   for (int step = 1; step <= a.warmup + a.steps; ++step) {
     const at::Tensor batch = sample_batch(text, a.batch, a.seq_len, a.seed, step);
@@ -337,20 +479,18 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
       if (step == a.warmup + 1) memory::reset_peaks(vs[v]->tag());  // measured steps only
       trainer.barrier("bench step start");
       const auto r = vs[v]->step(batch, loss[v]);
-      at::Tensor all = at::zeros({2 * world}, at::kDouble);
-      at::Tensor mine = at::tensor({r[0], r[1]}, at::kDouble);
+      at::Tensor all = at::zeros({kCols * world}, at::kDouble);
+      at::Tensor mine = at::tensor({r[0], r[1], r[2], r[3]}, at::kDouble);
       trainer.allgather_flat(all, mine, "bench timings").wait();
-      double ms_max = 0, ns_max = 0;
-      for (int q = 0; q < world; ++q) {
-        ms_max = std::max(ms_max, all[2 * q].item<double>());
-        ns_max = std::max(ns_max, all[2 * q + 1].item<double>());
-      }
+      const at::Tensor per_col = all.view({world, kCols}).amax(0);
+      std::array<double, kCols> m{};
+      for (int c = 0; c < kCols; ++c) m[static_cast<size_t>(c)] = per_col[c].item<double>();
       if (step > a.warmup) {
-        step_ms[v].push_back(ms_max);
-        ns_ms[v].push_back(ns_max);
-        bytes[v].push_back(r[2]);
+        times[v].push_back(m);
+        bytes[v].push_back(r[4]);
       }
     }
+    if (calibration && step > a.warmup) calibration->round(trainer, b.rank);
     if (b.rank == 0) out << "  N=" << world << " step " << step << "/" << a.warmup + a.steps << "\n" << std::flush;
   }
   // peak live bytes per variant: the max over ranks (each rank's own tag)
@@ -363,47 +503,26 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
   }
   nlohmann::json res = nlohmann::json::array();
   std::optional<HardwareSpec> hw;
-  if (!a.predict.empty()) {
-    // every rank measures at once, so the rates are those of the box loaded as the steps load it
-    hw = load_hardware(a.predict);
-    trainer.barrier("bench calibration");
-    NsCalibrationOptions co;
-    co.reps = 3;
-    co.backend = a.ns_backend;  // the NS every variant runs (MuonOptions' default steps)
-    const DeviceRates rates = measure_device_rates(at::kCPU, 3);
-    // mfu: this model's forward + backward on one rank's micro-batch (a plain GPT, no hooks) against
-    // the matmul rate, as the simulator prices compute (6 P tokens / rate / mfu)
-    {
-      models::GPTConfig cfg;
-      cfg.vocab_size = 256;
-      cfg.d_model = a.d_model;
-      cfg.n_layers = a.layers;
-      cfg.n_heads = a.heads;
-      cfg.d_ff = a.d_ff;
-      models::GPT plain(cfg);
-      const at::Tensor batch = sample_batch(text, a.batch, a.seq_len, a.seed, 0).narrow(0, 0, a.batch / world);
-      std::vector<double> t;
-      for (int r = 0; r < 4; ++r) {
-        const auto t0 = std::chrono::steady_clock::now();
-        plain->zero_grad();
-        plain->loss(batch).backward();
-        if (r > 0) t.push_back(elapsed_ms(t0) * 1e-3);
-      }
-      double P = 0;
-      for (const auto& p : plain->parameters()) P += static_cast<double>(p.numel());
-      const double tokens = static_cast<double>(a.batch / world * a.seq_len);
-      hw->mfu = std::min(1.0, 6.0 * P * tokens / median(t) / (rates.matmul_tflops * 1e12));
-    }
-    hw->ns_profile = std::make_shared<const NsProfile>(measure_ns_profile(vs.back()->matrix_shapes(), co));
-    hw->matmul_tflops = rates.matmul_tflops;
-    hw->memory_bandwidth_GBps = rates.memory_bandwidth_GBps;
-    trainer.barrier("bench calibration done");
+  if (calibration && b.rank == 0) {
+    hw = calibration->apply(load_hardware(a.predict));
+    hw->source = "measured by `dmuon bench step --predict` interleaved with its steps: rates, mfu (a plain forward + "
+                 "backward) and NS profile by one rank alone, links by broadcasts and reduces over all " +
+                 std::to_string(world) + " ranks (under load once every core has a rank), cores_per_node = this host's "
+                 "cores over a rank's threads; ns_efficiency and memory_GB from '" + hw->name + "'";
+    hw->name = "calibrated " + hw->name + " (dmuon bench step, N=" + std::to_string(world) + ")";
   }
   for (size_t v = 0; v < vs.size(); ++v) {
+    auto col = [&](int c) {
+      std::vector<double> x;
+      for (const auto& t : times[v]) x.push_back(t[static_cast<size_t>(c)]);
+      return median(x);
+    };
     res.push_back({{"variant", vs[v]->name()},
                    {"peak_bytes", peak[v]},
-                   {"step_ms", median(step_ms[v])},
-                   {"ns_ms", median(ns_ms[v])},
+                   {"step_ms", col(0)},
+                   {"ns_ms", col(1)},
+                   {"forward_ms", col(2)},
+                   {"backward_ms", col(3)},
                    {"bytes", std::accumulate(bytes[v].begin(), bytes[v].end(), 0.0) / bytes[v].size()},
                    {"loss", loss[v]}});
     if (hw)
@@ -412,6 +531,8 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
   if (b.rank == 0) {
     std::filesystem::create_directories(a.out);
     write_file_atomic(a.out + "/bench_step_N" + std::to_string(world) + ".json", res.dump(2));
+    if (hw)  // the calibrated description, for `dmuon plan --simulate --hardware FILE`
+      write_file_atomic(a.out + "/hardware_N" + std::to_string(world) + ".json", hardware_to_json(*hw));
   }
   leave_together(trainer, b.store, "bench", std::chrono::duration<double>(kDefaultCollectiveTimeout).count());
   return 0;
@@ -445,9 +566,10 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
       ->capture_default_str();
   app.add_flag("--shard-base", a.shard_base, "add dmuon_z3_sb: Z3 with the non-matrix parameters on sharded_adamw");
   app.add_option("--predict", a.predict,
-                 "a hardware description (its links, mfu): print the step simulator's prediction of every variant "
-                 "next to the measurement, with the matmul rate, memory bandwidth and NS profile measured by all "
-                 "ranks at once after the steps");
+                 "a hardware description: print the step simulator's prediction of every variant next to the "
+                 "measurement, priced with the matmul rate, memory bandwidth, mfu, NS profile (one rank alone), links "
+                 "(all ranks) and cores measured between the steps; the calibrated description goes to "
+                 "OUT/hardware_N<n>.json");
   if (auto rc = parse_args(app, std::vector<std::string>(args.begin() + 1, args.end()), out, err)) return *rc;
   try {
     if (launched_as_rank()) return run_bench_rank(a, out);
@@ -503,7 +625,8 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
       out << "\npredicted by the step simulator (--predict " << a.predict << "), rank 0's bytes; peak_MB measured "
           << "(live tensors, max over ranks) against the simulator's model state per rank (no activations)\n"
           << std::left << std::setw(4) << "N" << std::setw(12) << "variant" << std::right << std::setw(10) << "step_ms"
-          << std::setw(10) << "pred_ms" << std::setw(10) << "pred/meas" << std::setw(10) << "NS_ms" << std::setw(10)
+          << std::setw(10) << "pred_ms" << std::setw(10) << "pred/meas" << std::setw(10) << "fwdbwd_ms"
+          << std::setw(10) << "pred_fb" << std::setw(10) << "NS_ms" << std::setw(10)
           << "pred_NS" << std::setw(14) << "bytes" << std::setw(14) << "pred_bytes" << std::setw(10) << "diff"
           << std::setw(10) << "peak_MB" << std::setw(10) << "state_MB" << "\n";
       for (int n : ns)
@@ -514,6 +637,8 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
           out << std::left << std::setw(4) << n << std::setw(12) << r["variant"].get<std::string>() << std::right
               << std::fixed << std::setprecision(1) << std::setw(10) << st << std::setw(10) << ps << std::setprecision(3)
               << std::setw(10) << (st > 0 ? ps / st : 0) << std::setprecision(1) << std::setw(10)
+              << r["forward_ms"].get<double>() + r["backward_ms"].get<double>() << std::setw(10)
+              << p["forward_ms"].get<double>() + p["backward_ms"].get<double>() << std::setw(10)
               << r["ns_ms"].get<double>() << std::setw(10) << p["ns_ms"].get<double>() << std::setprecision(0)
               << std::setw(14) << by << std::setw(14) << pby << std::setw(10) << std::abs(by - pby) << std::setprecision(2)
               << std::setw(10) << r["peak_bytes"].get<double>() / 1e6 << std::setw(10)

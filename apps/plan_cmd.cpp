@@ -84,8 +84,8 @@ std::string shape_str(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-std::string pad(std::string s, size_t w) {
-  if (s.size() < w) s.append(w - s.size(), ' ');
+std::string pad(std::string s, size_t w) {  // at least one space after s, so wide numbers stay apart
+  s.append(s.size() < w ? w - s.size() : 1, ' ');
   return s;
 }
 std::string lpad(std::string s, size_t w) {
@@ -166,19 +166,16 @@ int run_calibration(std::ostream& out, const std::vector<ParamSpec>& full, const
       eff = std::min(1.0, fl / (t.single_us * 1e-6) / (r.matmul_tflops * 1e12));
     }
   }
-  json j = {{"name", "calibrated-" + r.profile.device},
-            {"source", "measured by `dmuon plan --calibrate` on " + r.profile.device + ": " + r.describe +
-                           "; NS efficiency from the largest measured (square, if any) shape; links, mfu, devices per node and memory "
-                           "from '" + base.name + "' (" + base.source + ")"},
-            {"devices_per_node", base.devices_per_node},
-            {"matmul_tflops", r.matmul_tflops},
-            {"mfu", base.mfu},
-            {"ns_efficiency", eff},
-            {"memory_bandwidth_GBps", r.memory_bandwidth_GBps},
-            {"memory_GB", base.memory_GB},
-            {"intra_node", {{"bandwidth_GBps", base.intra_node.bandwidth_GBps}, {"latency_us", base.intra_node.latency_us}}},
-            {"inter_node", {{"bandwidth_GBps", base.inter_node.bandwidth_GBps}, {"latency_us", base.inter_node.latency_us}}},
-            {"ns_profile", json::parse(ns_profile_to_json(r.profile))}};
+  HardwareSpec h = base;
+  h.name = "calibrated-" + r.profile.device;
+  h.source = "measured by `dmuon plan --calibrate` on " + r.profile.device + ": " + r.describe +
+             "; NS efficiency from the largest measured (square, if any) shape; links, mfu, devices per node and memory "
+             "from '" + base.name + "' (" + base.source + ")";
+  h.matmul_tflops = r.matmul_tflops;
+  h.ns_efficiency = eff;
+  h.memory_bandwidth_GBps = r.memory_bandwidth_GBps;
+  h.ns_profile = std::make_shared<const NsProfile>(r.profile);
+  const json j = json::parse(hardware_to_json(h));
   const std::string tmp = a.calibrate + ".tmp";
   {
     std::ofstream f(tmp, std::ios::trunc);
@@ -209,6 +206,8 @@ json estimate_json(const StepEstimate& e) {
               {"step_ms", e.step_s * 1e3},
               {"compute_ms", e.compute_s * 1e3},
               {"exposed_comm_ms", e.exposed_comm_s * 1e3},
+              {"forward_ms", e.forward_s * 1e3},
+              {"backward_ms", e.backward_s * 1e3},
               {"ns_ms", e.ns_s * 1e3},
               {"adamw_ms", e.adamw_s * 1e3},
               {"replicate_or_gather_ms", e.replicate_s * 1e3},
@@ -282,7 +281,9 @@ int run_simulation(std::ostream& out, const ModelSpec& model, const std::vector<
       header = true;
     }
     text << "\n  " << sim.devices << " x " << hw.name << " (G=" << G << " R=" << a.replicate << " T=" << a.tp
-         << ", " << hw.devices_per_node << " per node)\n"
+         << ", " << hw.devices_per_node << " per node"
+         << (hw.cores_per_node > 0 ? ", time-sharing " + std::to_string(hw.cores_per_node) + " cores per node" : "")
+         << ")\n"
          << "  " << pad("design", 18) << pad("step ms", 11) << pad("compute", 10) << pad("exp.comm", 10) << pad("NS", 9)
          << pad("AdamW", 8) << pad("repl/ag", 9) << pad("GB/rank", 9) << pad("inter GB", 9) << "mem GiB/rank\n";
     for (const auto& e : sim.designs)

@@ -401,6 +401,28 @@ TEST(CliTest, BenchStepPredictionMatchesTheMeasuredBytesExactly) {
         EXPECT_GT(row["predicted"]["step_ms"].get<double>(), 0.0) << row.dump();
       }
     EXPECT_GE(priced, 4) << j.dump();  // DMuon Z2, Z3, naive DP Muon, round-robin
+    // the description --predict calibrated in the run: measured rates and links, the box's cores,
+    // and one NS timing per matrix shape (here [32, 32] and [32, 64]); `dmuon plan` reads it back
+    const std::string file = out + "/hardware_N" + std::string(1, layout[8]) + ".json";
+    std::ifstream hf(file);
+    ASSERT_TRUE(hf.good()) << file;
+    const nlohmann::json hw = nlohmann::json::parse(hf);
+    EXPECT_GT(hw["matmul_tflops"].get<double>(), 0.0) << hw.dump();
+    EXPECT_GT(hw["mfu"].get<double>(), 0.0) << hw.dump();
+    EXPECT_LE(hw["mfu"].get<double>(), 1.0) << hw.dump();
+    EXPECT_GT(hw["intra_node"]["bandwidth_GBps"].get<double>(), 0.0) << hw.dump();
+    EXPECT_GT(hw["intra_node"]["latency_us"].get<double>(), 0.0) << hw.dump();
+    // the cores over each rank's threads (the launcher gives a rank max(1, cores / N) threads)
+    const long cores = ::sysconf(_SC_NPROCESSORS_ONLN), n = layout[8] - '0';
+    EXPECT_GE(hw["cores_per_node"].get<long>(), 1) << hw.dump();
+    EXPECT_LE(hw["cores_per_node"].get<long>(), cores) << hw.dump();
+    if (!std::getenv("OMP_NUM_THREADS")) {
+      EXPECT_EQ(hw["cores_per_node"].get<long>(), std::max(1L, cores / std::max(1L, cores / n))) << hw.dump();
+    }
+    EXPECT_EQ(hw["ns_profile"]["timings"].size(), 2u) << hw.dump();
+    const Result plan = run("plan --model gpt2-small -G 4 --simulate --hardware " + file, 60);
+    ASSERT_EQ(plan.status, 0) << plan.output;
+    EXPECT_NE(plan.output.find("overhead"), std::string::npos) << plan.output;
   }
   std::filesystem::remove_all(out);
 }

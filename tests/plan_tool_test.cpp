@@ -428,13 +428,19 @@ ParamSpec bf16(const std::string& name, std::vector<int64_t> shape) {
   return p;
 }
 
-TEST(StepSimulator, TermsHaveTheirClosedForms) {
-  // two layers of one [64, 256] matrix each (bf16) plus a [100, 64] embedding, G = 2: each matrix
-  // has its own owner, so each boundary's broadcast is one root of S = 64*256*2 bytes
+// Two layers of one [64, 256] matrix each (bf16) plus a [100, 64] embedding.
+ModelSpec toy_model() {
   ModelSpec m;
   m.name = "toy";
   m.params = {bf16("model.embed_tokens.weight", {100, 64}), bf16("model.layers.0.mlp.up_proj.weight", {64, 256}),
               bf16("model.layers.1.mlp.up_proj.weight", {64, 256})};
+  return m;
+}
+
+TEST(StepSimulator, TermsHaveTheirClosedForms) {
+  // the toy model, G = 2: each matrix has its own owner, so each boundary's broadcast is one root of
+  // S = 64*256*2 bytes
+  const ModelSpec m = toy_model();
   const std::vector<ParamSpec> muon = select_muon_params(m);
   ASSERT_EQ(muon.size(), 2u);
   const OwnerPlan plan = plan_owners(muon, 2, 1);
@@ -489,7 +495,76 @@ TEST(StepSimulator, TermsHaveTheirClosedForms) {
   EXPECT_NEAR(s1.designs[0].exposed_comm_s, 2 * (2e-6 + 2 * S / 10e9), 1e-15);
 }
 
+TEST(StepSimulator, SharedCoresMakespanIsFairProcessorSharing) {
+  // two cores, jobs of 1, 1, 1, 3: all four at half a core until t = 2 (the short ones done), then the
+  // long one alone on a core for its last 2
+  EXPECT_DOUBLE_EQ(shared_cores_makespan({3, 1, 1, 1}, 2), 4.0);
+  EXPECT_DOUBLE_EQ(shared_cores_makespan({2, 2, 2}, 2), 3.0);  // n equal jobs: n w / C
+  EXPECT_DOUBLE_EQ(shared_cores_makespan({5, 1}, 4), 5.0);     // fewer jobs than cores: the longest
+  EXPECT_DOUBLE_EQ(shared_cores_makespan({}, 2), 0.0);
+  EXPECT_THROW(shared_cores_makespan({1}, 0), std::invalid_argument);
+}
+
+// Ranks time-sharing a host's cores (a CPU box): the toy model, G = 2.
+TEST(StepSimulator, RanksSharingCoresSlowComputeShareNsAndExposeEveryCollective) {
+  const ModelSpec m = toy_model();
+  const std::vector<ParamSpec> muon = select_muon_params(m);
+  const OwnerPlan plan = plan_owners(muon, 2, 1);
+  SimLayout l;
+  l.shard = 2;
+  l.tokens = 1000;
+  l.prefetch_depth = 1;
+  HardwareSpec hw = round_hardware();
+  const Simulation own = simulate_step(m, muon, plan, l, hw);  // every device its own compute
+  SimLayout no_overlap = l;
+  no_overlap.prefetch_depth = 0;
+  const Simulation exposed = simulate_step(m, muon, plan, no_overlap, hw);
+  ASSERT_LT(own.designs[0].exposed_comm_s, exposed.designs[0].exposed_comm_s);  // prefetch hides something
+  // more cores than ranks: nothing changes
+  hw.cores_per_node = 4;
+  const Simulation roomy = simulate_step(m, muon, plan, l, hw);
+  for (size_t d = 0; d < 4; ++d) EXPECT_DOUBLE_EQ(roomy.designs[d].step_s, own.designs[d].step_s) << d;
+  // a core per rank: the same compute and NS, but no idle core moves bytes under compute
+  hw.cores_per_node = 2;
+  const Simulation even = simulate_step(m, muon, plan, l, hw);
+  EXPECT_DOUBLE_EQ(even.designs[0].compute_s, own.designs[0].compute_s);
+  EXPECT_DOUBLE_EQ(even.designs[0].ns_s, own.designs[0].ns_s);
+  for (size_t d = 0; d < 2; ++d)
+    EXPECT_NEAR(even.designs[d].exposed_comm_s, exposed.designs[d].exposed_comm_s, 1e-15) << d;
+  // two ranks on one core: compute and AdamW twice as long; the two owners' NS (one matrix each) run
+  // one after the other, naive DP Muon's four matrices (two per rank) too
+  hw.cores_per_node = 1;
+  const Simulation one = simulate_step(m, muon, plan, l, hw);
+  EXPECT_DOUBLE_EQ(one.designs[0].compute_s, 2 * own.designs[0].compute_s);
+  EXPECT_DOUBLE_EQ(one.designs[0].adamw_s, 2 * own.designs[0].adamw_s);
+  EXPECT_DOUBLE_EQ(one.designs[0].ns_s, 2 * own.designs[0].ns_s);
+  EXPECT_DOUBLE_EQ(one.designs[2].ns_s, 2 * own.designs[2].ns_s);
+  EXPECT_DOUBLE_EQ(one.designs[2].ns_s, 4 * ns_flops({64, 256}, 5) / (1e12 * 0.25));
+  EXPECT_NEAR(one.designs[0].exposed_comm_s, exposed.designs[0].exposed_comm_s, 1e-15);
+  EXPECT_NEAR(one.designs[0].forward_s + one.designs[0].backward_s,
+              one.designs[0].compute_s + one.designs[0].exposed_comm_s, 1e-15);
+  // the bytes do not depend on who computes
+  EXPECT_DOUBLE_EQ(one.designs[0].bytes_per_rank, own.designs[0].bytes_per_rank);
+}
+
 TEST(StepSimulator, HardwareDescriptionsAndTheirErrors) {
+  // a description written by hardware_to_json reads back equal, cores and NS profile included
+  HardwareSpec h = round_hardware();
+  h.cores_per_node = 2;
+  NsProfile prof;
+  prof.timings = {NsTiming{32, 32, 4, 8, 100.0, 400.0}};
+  h.ns_profile = std::make_shared<const NsProfile>(prof);
+  const HardwareSpec back = hardware_from_json(hardware_to_json(h), "round trip");
+  EXPECT_EQ(back.name, h.name);
+  EXPECT_EQ(back.cores_per_node, 2);
+  EXPECT_EQ(back.devices_per_node, h.devices_per_node);
+  EXPECT_DOUBLE_EQ(back.intra_node.latency_us, h.intra_node.latency_us);
+  EXPECT_DOUBLE_EQ(back.inter_node.bandwidth_GBps, h.inter_node.bandwidth_GBps);
+  ASSERT_TRUE(back.ns_profile);
+  EXPECT_EQ(back.ns_profile->digest(), prof.digest());
+  EXPECT_EQ(hardware_from_json(hardware_to_json(round_hardware()), "t").cores_per_node, 0);
+  EXPECT_EQ(hardware_preset("cpu-2core").cores_per_node, 2);
+  EXPECT_EQ(hardware_preset("h200").cores_per_node, 0);
   EXPECT_EQ(hardware_preset("H200").devices_per_node, 8);
   EXPECT_NE(hardware_preset("h200").source.find("estimate"), std::string::npos);
   EXPECT_GT(load_hardware("cpu-2core").matmul_tflops, 0);

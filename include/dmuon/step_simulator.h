@@ -23,7 +23,10 @@
 //             (a whole matrix runs on every TP rank);
 //   AdamW     element-wise, memory-bound: 32 bytes per parameter updated / memory bandwidth;
 //   HSDP      the stage-2 reduce over the replicate axis (inter-node) after backward is exposed; the
-//             post-step publish overlaps the next forward.
+//             post-step publish overlaps the next forward;
+//   shared    ranks time-sharing a host's cores (HardwareSpec::cores_per_node): compute and AdamW
+//   cores     slowed by ranks / cores, NS by fair processor sharing of the node's owners, and no
+//             collective hidden once every core has a rank.
 // Every design is priced with the same terms, so their ratio (DMuon's overhead over AdamW) is what
 // the description's absolute numbers matter least for.
 #pragma once
@@ -54,6 +57,12 @@ struct HardwareSpec {
   double memory_bandwidth_GBps = 0;  // element-wise optimizer work
   double memory_GB = 0;
   LinkSpec intra_node, inter_node;
+  // A host whose ranks time-share its cores (a CPU box; 0 = every device computes on its own, as a
+  // GPU does): C = how many ranks it runs at once at the rates above (its cores over each rank's
+  // threads), the rates being one rank's alone. With n ranks on a node (n = min(N, devices_per_node)): compute and AdamW take max(1, n / C) times as long; Newton-Schulz
+  // is the node's owners' work shared fairly by its C cores (a finished owner frees its share); and
+  // once n >= C no core is idle to move bytes under compute, so every collective is exposed.
+  int cores_per_node = 0;
   // Measured NS times per shape (`dmuon plan --calibrate`): when set, an owner's NS time is priced
   // from it (the batch the step runs per shape) instead of FLOPs / (rate x ns_efficiency).
   std::shared_ptr<const NsProfile> ns_profile;
@@ -66,10 +75,12 @@ std::vector<std::string> hardware_preset_names();
 HardwareSpec hardware_preset(const std::string& name);
 // JSON: {"name", "source", "devices_per_node", "matmul_tflops", "mfu", "ns_efficiency",
 // "memory_bandwidth_GBps", "memory_GB", "intra_node": {"bandwidth_GBps", "latency_us"},
-// "inter_node": {...}, "ns_profile": {...} (optional, ns_profile.h)}; every field but name/source and
-// ns_profile required. Throws std::invalid_argument naming
+// "inter_node": {...}, "cores_per_node" (optional), "ns_profile": {...} (optional, ns_profile.h)};
+// every field but name/source, cores_per_node and ns_profile required. Throws std::invalid_argument naming
 // the field and `source`.
 HardwareSpec hardware_from_json(const std::string& json_text, const std::string& source);
+// The JSON above (hardware_from_json reads it back to an equal description).
+std::string hardware_to_json(const HardwareSpec& hw);
 // A preset name, or a path to such a JSON file.
 HardwareSpec load_hardware(const std::string& name_or_path);
 
@@ -87,6 +98,8 @@ struct StepEstimate {
   std::string design;          // "DMuon-Z3", "FSDP AdamW", "naive DP Muon", "round-robin Muon"
   double step_s = 0;
   double compute_s = 0;        // forward + backward FLOPs at the device rate
+  double forward_s = 0;        // the forward pass: its compute and the communication it exposes
+  double backward_s = 0;       // the backward pass, to its last gradient collective (compute + exposed comm)
   double exposed_comm_s = 0;   // communication not hidden under compute (shard axis)
   double ns_s = 0;             // Newton-Schulz on the critical path
   double adamw_s = 0;
@@ -111,6 +124,10 @@ struct Simulation {
 // `plan` their owner plan on layout's grid, `model` every parameter (for P and the AdamW part).
 Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& muon, const OwnerPlan& plan,
                          const SimLayout& layout, const HardwareSpec& hw);
+
+// The time C cores shared fairly (each job at most one core, a finished job's share passing to the
+// rest) take to finish jobs of the given single-core times: the processor-sharing makespan.
+double shared_cores_makespan(std::vector<double> work, double cores);
 
 // Newton-Schulz FLOPs of one matrix (ns_steps iterations of the Gram form: 4 m^2 n + 2 m^3).
 double ns_flops(const std::vector<int64_t>& shape, int ns_steps);

@@ -121,8 +121,8 @@ static const char* preset_json(const std::string& n) {
       "intra_node": {"bandwidth_GBps": 360, "latency_us": 5}, "inter_node": {"bandwidth_GBps": 45, "latency_us": 10}})";
   if (n == "cpu-2core" || n == "cpu")
     return R"({"name": "cpu-2core",
-      "source": "this project's 2-core Debian CI box, one rank per core: measured by `dmuon plan --calibrate --hardware cpu-2core --threads 1` on 2026-12-02 (fp32 1024^2 GEMM 85 GFLOP/s on one thread, an fp32 add 11.8 GB/s, NS of a 256x256 matrix 7.4 ms = 0.80 of the GEMM rate); mfu 0.6 and Gloo over 127.0.0.1 at about 1 GB/s and 50 us are estimates from docs/PERF.md runs",
-      "devices_per_node": 64, "matmul_tflops": 0.085, "mfu": 0.6, "ns_efficiency": 0.8,
+      "source": "this project's 2-core Debian CI box, one rank per core (more ranks share the 2 cores): measured by `dmuon plan --calibrate --hardware cpu-2core --threads 1` on 2026-12-02 (fp32 1024^2 GEMM 85 GFLOP/s on one thread, an fp32 add 11.8 GB/s, NS of a 256x256 matrix 7.4 ms = 0.80 of the GEMM rate); mfu 0.6 and Gloo over 127.0.0.1 at about 1 GB/s and 50 us are estimates from docs/PERF.md runs",
+      "devices_per_node": 64, "cores_per_node": 2, "matmul_tflops": 0.085, "mfu": 0.6, "ns_efficiency": 0.8,
       "memory_bandwidth_GBps": 11.8, "memory_GB": 24,
       "intra_node": {"bandwidth_GBps": 1.0, "latency_us": 50}, "inter_node": {"bandwidth_GBps": 1.0, "latency_us": 50}})";
   return nullptr;
@@ -155,11 +155,29 @@ HardwareSpec hardware_from_json(const std::string& text, const std::string& sour
   h.memory_GB = need(j, "memory_GB", source);
   h.intra_node = link_of(j, "intra_node", source);
   h.inter_node = link_of(j, "inter_node", source);
+  if (j.contains("cores_per_node")) h.cores_per_node = static_cast<int>(need(j, "cores_per_node", source));
   if (j.contains("ns_profile"))
     h.ns_profile = std::make_shared<const NsProfile>(ns_profile_from_json(j["ns_profile"].dump(), source + " ns_profile"));
   if (h.mfu > 1 || h.ns_efficiency > 1)
     throw std::invalid_argument(source + ": mfu and ns_efficiency are fractions of the matmul rate (<= 1)");
   return h;
+}
+
+std::string hardware_to_json(const HardwareSpec& h) {
+  auto link = [](const LinkSpec& l) { return json{{"bandwidth_GBps", l.bandwidth_GBps}, {"latency_us", l.latency_us}}; };
+  json j = {{"name", h.name},
+            {"source", h.source},
+            {"devices_per_node", h.devices_per_node},
+            {"matmul_tflops", h.matmul_tflops},
+            {"mfu", h.mfu},
+            {"ns_efficiency", h.ns_efficiency},
+            {"memory_bandwidth_GBps", h.memory_bandwidth_GBps},
+            {"memory_GB", h.memory_GB},
+            {"intra_node", link(h.intra_node)},
+            {"inter_node", link(h.inter_node)}};
+  if (h.cores_per_node > 0) j["cores_per_node"] = h.cores_per_node;
+  if (h.ns_profile) j["ns_profile"] = json::parse(ns_profile_to_json(*h.ns_profile));
+  return j.dump(2);
 }
 
 HardwareSpec load_hardware(const std::string& name_or_path) {
@@ -176,6 +194,18 @@ double ns_flops(const std::vector<int64_t>& shape, int ns_steps) {
   const double a = static_cast<double>(shape[0]), b = static_cast<double>(shape[1]);
   const double m = std::min(a, b), n = std::max(a, b);
   return ns_steps * (4 * m * m * n + 2 * m * m * m);
+}
+
+double shared_cores_makespan(std::vector<double> work, double cores) {
+  if (!(cores > 0)) throw std::invalid_argument("shared_cores_makespan: cores must be > 0");
+  std::sort(work.begin(), work.end());
+  double t = 0, done = 0;  // done: the work every unfinished job has received
+  for (size_t i = 0; i < work.size(); ++i) {
+    const double rate = std::min(1.0, cores / static_cast<double>(work.size() - i));
+    t += std::max(0.0, work[i] - done) / rate;
+    done = std::max(done, work[i]);
+  }
+  return t;
 }
 
 double Simulation::overhead_vs_adamw() const {
@@ -217,8 +247,13 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
   const double rate = hw.matmul_tflops * 1e12;
   const LinkSpec& shard_link = G * T <= hw.devices_per_node ? hw.intra_node : hw.inter_node;
   const LinkSpec& dp_link = DP * T <= hw.devices_per_node ? hw.intra_node : hw.inter_node;
-  const double compute = 6.0 * P_active * static_cast<double>(l.tokens) / (N * rate * hw.mfu);
-  const double adamw_per_param = 32.0 / (hw.memory_bandwidth_GBps * 1e9);  // read p, g, m, v; write p, m, v (+ master)
+  // ranks time-sharing a host's cores: n per node on C cores
+  const int per_node = std::min(N, std::max(1, hw.devices_per_node));
+  const bool shared = hw.cores_per_node > 0;
+  const double slowdown = shared ? std::max(1.0, static_cast<double>(per_node) / hw.cores_per_node) : 1.0;
+  const int prefetch = shared && per_node >= hw.cores_per_node ? 0 : l.prefetch_depth;  // no idle core
+  const double compute = 6.0 * P_active * static_cast<double>(l.tokens) / (N * rate * hw.mfu) * slowdown;
+  const double adamw_per_param = 32.0 / (hw.memory_bandwidth_GBps * 1e9) * slowdown;  // read p, g, m, v; write p, m, v (+ master)
   // Newton-Schulz time of the matrices `idx` on one rank, full-size (a TP-split matrix's NS shared by
   // its T ranks: its TP owner, or the distributed Gram; a whole one runs on every TP rank). With a
   // measured NS profile: per shape, the batch the step runs (fixed + per matrix x k); else FLOPs at
@@ -241,6 +276,23 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
     for (const auto& [key, k] : shapes)
       us += hw.ns_profile->cost_of(std::get<0>(key), std::get<1>(key), std::get<2>(key)).of(k) * std::get<3>(key);
     return us * 1e-6 * l.ns_steps / hw.ns_profile->ns_steps;  // measured at the profile's step count
+  };
+
+  // the step's NS: each data-parallel rank's matrices (`per_rank[r]`, rank r = replicate * G + shard),
+  // the slowest rank's time, or on shared cores each node's ranks' work shared by its cores
+  auto ns_critical = [&](const std::vector<std::vector<size_t>>& per_rank) {
+    std::vector<double> t;
+    for (const auto& on : per_rank) t.push_back(ns_time(on));
+    if (!shared) return t.empty() ? 0.0 : *std::max_element(t.begin(), t.end());
+    std::vector<double> device;  // the T TP ranks of a data-parallel rank each run its share
+    for (double x : t) device.insert(device.end(), static_cast<size_t>(T), x);
+    double worst = 0;
+    for (size_t n0 = 0; n0 < device.size(); n0 += static_cast<size_t>(per_node)) {
+      const auto first = device.begin() + static_cast<std::ptrdiff_t>(n0);
+      const auto last = device.begin() + static_cast<std::ptrdiff_t>(std::min(device.size(), n0 + per_node));
+      worst = std::max(worst, shared_cores_makespan(std::vector<double>(first, last), hw.cores_per_node));
+    }
+    return worst;
   };
 
   // boundaries in model order: Muon bytes (this TP rank's slices) and their roots
@@ -272,19 +324,21 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
   // sharded_adamw (1/G per rank: all-gathers in forward and backward and a reduce-scatter over the
   // shard axis, an all-reduce of the slices over the replicate axis); exposed (embedding and head
   // sit at the ends of the passes)
-  const double base_comm = l.shard_base ? 3.0 * ring_time(PB_bytes / T, G, shard_link) +
-                                              2.0 * ring_time(PB_bytes / (G * T), R, hw.inter_node)
-                                        : 2.0 * ring_time(PB_bytes / T, DP, dp_link);
+  // (sharded: one gather in forward, the rest in backward)
+  const double base_fwd = l.shard_base ? ring_time(PB_bytes / T, G, shard_link) : 0.0;
+  const double base_bwd = l.shard_base ? 2.0 * ring_time(PB_bytes / T, G, shard_link) +
+                                             2.0 * ring_time(PB_bytes / (G * T), R, hw.inter_node)
+                                       : 2.0 * ring_time(PB_bytes / T, DP, dp_link);
   {
     std::vector<double> none(L, 0.0);
-    const double fwd = pass_time(fwd_c, bcast, l.prefetch_depth);
-    const double bwd = backward_time(bwd_c, l.z3 ? bcast : none, reduce, l.prefetch_depth);
-    dm.exposed_comm_s = fwd + bwd - compute + base_comm;
+    dm.forward_s = pass_time(fwd_c, bcast, prefetch) + base_fwd;
+    dm.backward_s = backward_time(bwd_c, l.z3 ? bcast : none, reduce, prefetch) + base_bwd;
+    dm.exposed_comm_s = dm.forward_s + dm.backward_s - compute;
     // Newton-Schulz: the busiest slot's full-matrix work
     std::vector<std::vector<size_t>> slot(static_cast<size_t>(plan.num_slots()));
     for (size_t i = 0; i < muon.size(); ++i)
       slot[static_cast<size_t>(OwnerPlan::slot_index(plan.owners[i], G))].push_back(i);
-    for (const auto& on : slot) dm.ns_s = std::max(dm.ns_s, ns_time(on));
+    dm.ns_s = ns_critical(slot);
     dm.adamw_s = PB / T / (l.shard_base ? G : 1) * adamw_per_param;
     // HSDP: the stage-2 reduce of the owners' gradients over the replicate axis (inter-node)
     if (R > 1) {
@@ -313,9 +367,10 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
   {
     // all-gather in forward; all-gather before and reduce-scatter after each boundary's backward; the
     // non-matrix parameters sharded like the rest (gathers and reduce-scatter at the ends, exposed)
-    const double fwd = pass_time(fwd_c, ring, l.prefetch_depth);
-    const double bwd = backward_time(bwd_c, ring, ring, l.prefetch_depth);
-    fs.exposed_comm_s = fwd + bwd - compute + 3.0 * ring_time(PB_bytes / T, DP, dp_link);
+    const double base = ring_time(PB_bytes / T, DP, dp_link);
+    fs.forward_s = pass_time(fwd_c, ring, prefetch) + base;
+    fs.backward_s = backward_time(bwd_c, ring, ring, prefetch) + 2.0 * base;
+    fs.exposed_comm_s = fs.forward_s + fs.backward_s - compute;
     fs.adamw_s = P / N * adamw_per_param;
     fs.bytes_per_rank = 3.0 * (DP - 1) / DP * P_bytes / T;
     if (DP * T > hw.devices_per_node) fs.inter_node_bytes_per_rank = fs.bytes_per_rank;
@@ -328,8 +383,10 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
     s.compute_s = compute;
     // the gradient all-reduce (2(N-1)/N P) in buckets under the backward; the forward has none
     const double allreduce = 2.0 * ring_time(P_bytes / T, DP, dp_link);
-    const double bwd = std::max(2.0 * compute / 3.0, allreduce) + allreduce / std::max<size_t>(L, 1);
-    s.exposed_comm_s = bwd - 2.0 * compute / 3.0;
+    s.forward_s = compute / 3.0;
+    s.backward_s = prefetch > 0 ? std::max(2.0 * compute / 3.0, allreduce) + allreduce / std::max<size_t>(L, 1)
+                                : 2.0 * compute / 3.0 + allreduce;  // shared cores: nothing hides it
+    s.exposed_comm_s = s.backward_s - 2.0 * compute / 3.0;
     s.adamw_s = PB / T * adamw_per_param;
     s.bytes_per_rank = 2.0 * (DP - 1) / DP * P_bytes / T;
     if (DP * T > hw.devices_per_node) s.inter_node_bytes_per_rank = s.bytes_per_rank;
@@ -340,7 +397,7 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
   {
     std::vector<size_t> all(muon.size());
     for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-    nv.ns_s = ns_time(all);
+    nv.ns_s = ns_critical(std::vector<std::vector<size_t>>(static_cast<size_t>(DP), all));
   }
   nv.memory_bytes_per_rank = P_bytes / T * (2.0 + 4.0 / e) + PM_bytes_full / T * 4.0 / e + PB_bytes / T * 8.0 / e;
   nv.step_s = compute + nv.exposed_comm_s + nv.ns_s + nv.adamw_s;
@@ -355,7 +412,7 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return full_numel[a] > full_numel[b]; });
     std::vector<std::vector<size_t>> per_rank(static_cast<size_t>(DP));
     for (size_t k = 0; k < order.size(); ++k) per_rank[k % static_cast<size_t>(DP)].push_back(order[k]);
-    for (const auto& on : per_rank) rr.ns_s = std::max(rr.ns_s, ns_time(on));
+    rr.ns_s = ns_critical(per_rank);
     rr.replicate_s = ring_time(PM_bytes_full / T, DP, dp_link);
     rr.bytes_per_rank += static_cast<double>(DP - 1) / DP * PM_bytes_full / T;
     rr.memory_bytes_per_rank = P_bytes / T * (2.0 + 4.0 / e) + PM_bytes_full / T * (4.0 / e / DP + 1.0) +
