@@ -339,8 +339,13 @@ double max_over_ranks(Communicator& group, double x) {
 //     the simulator hides no collective) the large one is timed while every rank computes.
 class Calibration {
  public:
-  Calibration(const BenchArgs& a, const std::string& text, int world, std::vector<NsShape> shapes)
-      : shapes_(std::move(shapes)), world_(world) {
+  // `base`: the description whose links, mfu and cores the measurements replace
+  Calibration(const BenchArgs& a, const std::string& text, int world, int rank, std::vector<NsShape> shapes,
+              HardwareSpec base)
+      : shapes_(std::move(shapes)), world_(world), base_(std::move(base)) {
+    ns_opts_.reps = 3;
+    ns_opts_.backend = a.ns_backend;  // the NS every variant runs (MuonOptions' default steps)
+    if (rank != 0) return;  // rank 0 alone times the model
     models::GPTConfig cfg;
     cfg.vocab_size = 256;
     cfg.d_model = a.d_model;
@@ -351,8 +356,6 @@ class Calibration {
     batch_ = sample_batch(text, a.batch, a.seq_len, a.seed, 0).narrow(0, 0, a.batch / world);
     for (const auto& p : plain_->parameters()) flops_ += static_cast<double>(p.numel());
     flops_ *= 6.0 * static_cast<double>(a.batch / world * a.seq_len);
-    ns_opts_.reps = 3;
-    ns_opts_.backend = a.ns_backend;  // the NS every variant runs (MuonOptions' default steps)
   }
 
   void round(Communicator& group, int rank) {
@@ -372,26 +375,34 @@ class Calibration {
       ns_.push_back(measure_ns_profile(shapes_, ns_opts_));
     }
     group.barrier("bench calibration: the link");
+    // every rank must agree on `busy` (it adds collectives): the fewest cores any rank reports
+    if (cores_ == 0) cores_ = static_cast<int>(-max_over_ranks(group, -static_cast<double>(local_cores())));
     const double hops = world_ > 1 ? std::ceil(std::log2(static_cast<double>(world_))) : 1.0;
-    const bool busy = world_ >= cores_per_node();
+    const bool busy = world_ >= cores_;
     const double small = rooted_ms(group, kSmall, false), large = rooted_ms(group, kLarge, busy);
     latency_us_.push_back(small * 1e3 / hops);
     link_GBps_.push_back(static_cast<double>(kLarge - kSmall) * 4.0 / std::max(1e-6, (large - small) * 1e-3) / 1e9);
   }
 
-  // `hw` with the medians in place of its rates, mfu, links and NS profile.
-  HardwareSpec apply(HardwareSpec hw) const {
+  // Rank 0, after at least one round: the base description with the medians in place of its rates,
+  // mfu, links and NS profile, and this host's cores.
+  HardwareSpec apply() const {
+    HardwareSpec hw = base_;
     hw.matmul_tflops = median(tflops_);
     hw.memory_bandwidth_GBps = median(gbps_);
     hw.mfu = median(mfu_);
-    hw.intra_node = hw.inter_node = LinkSpec{median(link_GBps_), median(latency_us_)};
+    // a transfer on one host is at least one copy: no faster than the memory (a collective that the
+    // busy measurement saw fully hidden reads as no cost at all)
+    hw.intra_node = hw.inter_node =
+        LinkSpec{std::min(median(link_GBps_), hw.memory_bandwidth_GBps), median(latency_us_)};
     hw.devices_per_node = std::max(hw.devices_per_node, world_);  // one host
-    // the ranks this host runs at once at one rank's rates: its cores over each rank's threads
-    hw.cores_per_node = cores_per_node();
+    hw.cores_per_node = cores_;
     NsProfile p = ns_.front();
     for (size_t i = 0; i < p.timings.size(); ++i) {
+      // over the rounds that measured the shape the same way (batched or not: that is a measured choice)
       std::vector<double> single, batch;
       for (const auto& q : ns_) {
+        if (q.timings[i].batch != p.timings[i].batch) continue;
         single.push_back(q.timings[i].single_us);
         batch.push_back(q.timings[i].batch_us);
       }
@@ -406,7 +417,7 @@ class Calibration {
   static constexpr int64_t kSmall = 1024, kLarge = 1 << 20;  // fp32 elements
 
   // the ranks this host runs at once at one rank's rates: its cores over each rank's threads
-  static int cores_per_node() {
+  static int local_cores() {
     return static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN) / std::max(1, at::get_num_threads())));
   }
 
@@ -443,6 +454,8 @@ class Calibration {
 
   std::vector<NsShape> shapes_;
   int world_ = 1;
+  HardwareSpec base_;
+  int cores_ = 0;  // agreed in the first round
   models::GPT plain_{nullptr};
   at::Tensor batch_;
   double flops_ = 0;
@@ -467,7 +480,8 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
   // Interleaved: every step runs all variants in turn on the same batch, so machine noise hits them
   // alike; per step and variant the time is the max over ranks.
   std::optional<Calibration> calibration;
-  if (!a.predict.empty()) calibration.emplace(a, text, world, vs.back()->matrix_shapes());
+  // every rank reads the description first, so a bad one fails them all here
+  if (!a.predict.empty()) calibration.emplace(a, text, world, b.rank, vs.back()->matrix_shapes(), load_hardware(a.predict));
   // per variant and measured step, the max over ranks of: step, NS, forward, backward ms
   constexpr int kCols = 4;
   std::vector<std::vector<std::array<double, kCols>>> times(vs.size());
@@ -504,7 +518,7 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
   nlohmann::json res = nlohmann::json::array();
   std::optional<HardwareSpec> hw;
   if (calibration && b.rank == 0) {
-    hw = calibration->apply(load_hardware(a.predict));
+    hw = calibration->apply();
     hw->source = "measured by `dmuon bench step --predict` interleaved with its steps: rates, mfu (a plain forward + "
                  "backward) and NS profile by one rank alone, links by broadcasts and reduces over all " +
                  std::to_string(world) + " ranks (under load once every core has a rank), cores_per_node = this host's "
@@ -573,6 +587,12 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
   if (auto rc = parse_args(app, std::vector<std::string>(args.begin() + 1, args.end()), out, err)) return *rc;
   try {
     if (launched_as_rank()) return run_bench_rank(a, out);
+    if (!a.predict.empty()) {
+      load_hardware(a.predict);  // a bad description fails here, before any rank starts
+      if (a.steps < 1)
+        throw std::invalid_argument("--predict calibrates between measured steps: it needs --steps >= 1, got " +
+                                    std::to_string(a.steps));
+    }
     std::vector<int> ns;
     std::stringstream ss(a.ranks);
     for (std::string tok; std::getline(ss, tok, ',');) ns.push_back(std::stoi(tok));

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include "dmuon/env.h"
@@ -175,6 +176,13 @@ int run_calibration(std::ostream& out, const std::vector<ParamSpec>& full, const
   h.ns_efficiency = eff;
   h.memory_bandwidth_GBps = r.memory_bandwidth_GBps;
   h.ns_profile = std::make_shared<const NsProfile>(r.profile);
+  if (req.device == "cpu" && base.cores_per_node > 0) {
+    // the rates are one rank's of `threads` threads: the host runs cores / threads such ranks at once
+    const long cores = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
+    h.cores_per_node = static_cast<int>(std::max(1L, cores / (a.threads > 0 ? a.threads : cores)));
+    h.source += "; cores_per_node " + std::to_string(h.cores_per_node) + " (this host's " + std::to_string(cores) +
+                " cores over --threads " + std::to_string(a.threads) + ")";
+  }
   const json j = json::parse(hardware_to_json(h));
   const std::string tmp = a.calibrate + ".tmp";
   {

@@ -385,7 +385,8 @@ TEST(CliTest, BenchStepPrintsRatiosForEveryVariant) {
 // what the ranks measure, for every design it prices: 1-D with an uneven owner split (N = 3) and HSDP.
 TEST(CliTest, BenchStepPredictionMatchesTheMeasuredBytesExactly) {
   const std::string out = temp_dir();
-  for (const std::string layout : {"--ranks 3 --batch 6", "--ranks 4 --replicate 2 --batch 4"}) {
+  for (const auto& [n, layout] : {std::pair<long, std::string>{3, "--ranks 3 --batch 6"},
+                                  std::pair<long, std::string>{4, "--ranks 4 --replicate 2 --batch 4"}}) {
     const Result r = run("bench step " + layout + " --steps 1 --warmup 1 --seq-len 16 --d-model 32 --layers 3 --heads 4 "
                          "--d-ff 64 --predict cpu-2core --out " + out, 300);
     ASSERT_EQ(r.status, 0) << r.output;
@@ -403,7 +404,7 @@ TEST(CliTest, BenchStepPredictionMatchesTheMeasuredBytesExactly) {
     EXPECT_GE(priced, 4) << j.dump();  // DMuon Z2, Z3, naive DP Muon, round-robin
     // the description --predict calibrated in the run: measured rates and links, the box's cores,
     // and one NS timing per matrix shape (here [32, 32] and [32, 64]); `dmuon plan` reads it back
-    const std::string file = out + "/hardware_N" + std::string(1, layout[8]) + ".json";
+    const std::string file = out + "/hardware_N" + std::to_string(n) + ".json";
     std::ifstream hf(file);
     ASSERT_TRUE(hf.good()) << file;
     const nlohmann::json hw = nlohmann::json::parse(hf);
@@ -412,11 +413,13 @@ TEST(CliTest, BenchStepPredictionMatchesTheMeasuredBytesExactly) {
     EXPECT_LE(hw["mfu"].get<double>(), 1.0) << hw.dump();
     EXPECT_GT(hw["intra_node"]["bandwidth_GBps"].get<double>(), 0.0) << hw.dump();
     EXPECT_GT(hw["intra_node"]["latency_us"].get<double>(), 0.0) << hw.dump();
+    // measured, not the preset's: no link on one host is faster than its memory
+    EXPECT_LE(hw["intra_node"]["bandwidth_GBps"].get<double>(), hw["memory_bandwidth_GBps"].get<double>()) << hw.dump();
     // the cores over each rank's threads (the launcher gives a rank max(1, cores / N) threads)
-    const long cores = ::sysconf(_SC_NPROCESSORS_ONLN), n = layout[8] - '0';
+    const long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
     EXPECT_GE(hw["cores_per_node"].get<long>(), 1) << hw.dump();
     EXPECT_LE(hw["cores_per_node"].get<long>(), cores) << hw.dump();
-    if (!std::getenv("OMP_NUM_THREADS")) {
+    if (!std::getenv("OMP_NUM_THREADS") && !std::getenv("MKL_NUM_THREADS")) {
       EXPECT_EQ(hw["cores_per_node"].get<long>(), std::max(1L, cores / std::max(1L, cores / n))) << hw.dump();
     }
     EXPECT_EQ(hw["ns_profile"]["timings"].size(), 2u) << hw.dump();
@@ -424,6 +427,13 @@ TEST(CliTest, BenchStepPredictionMatchesTheMeasuredBytesExactly) {
     ASSERT_EQ(plan.status, 0) << plan.output;
     EXPECT_NE(plan.output.find("overhead"), std::string::npos) << plan.output;
   }
+  // --predict's mistakes fail before any rank starts
+  const Result bad_hw = run("bench step --ranks 2 --batch 2 --predict no-such-box --out " + out, 60);
+  EXPECT_EQ(bad_hw.status, 1) << bad_hw.output;
+  EXPECT_NE(bad_hw.output.find("unknown hardware 'no-such-box'"), std::string::npos) << bad_hw.output;
+  const Result no_steps = run("bench step --ranks 2 --batch 2 --steps 0 --predict cpu-2core --out " + out, 60);
+  EXPECT_EQ(no_steps.status, 1) << no_steps.output;
+  EXPECT_NE(no_steps.output.find("--steps >= 1"), std::string::npos) << no_steps.output;
   std::filesystem::remove_all(out);
 }
 

@@ -545,6 +545,45 @@ TEST(StepSimulator, RanksSharingCoresSlowComputeShareNsAndExposeEveryCollective)
               one.designs[0].compute_s + one.designs[0].exposed_comm_s, 1e-15);
   // the bytes do not depend on who computes
   EXPECT_DOUBLE_EQ(one.designs[0].bytes_per_rank, own.designs[0].bytes_per_rank);
+  // DDP's bucket overlap (naive DP, round-robin) is not DMuon's prefetch: only saturated cores undo it
+  hw.cores_per_node = 0;
+  for (size_t d = 2; d < 4; ++d) {
+    EXPECT_DOUBLE_EQ(exposed.designs[d].exposed_comm_s, own.designs[d].exposed_comm_s) << d;
+    EXPECT_GT(even.designs[d].exposed_comm_s, own.designs[d].exposed_comm_s) << d;
+  }
+  // HSDP (G = 1, R = 2): the publish overlaps the next forward unless every core has a rank
+  SimLayout hsdp = l;
+  hsdp.shard = 1;
+  hsdp.replicate = 2;
+  const OwnerPlan plan12 = plan_owners(muon, 1, 2);
+  const double lat = hw.inter_node.latency_us * 1e-6;  // one hop over R = 2
+  const double rep_own = simulate_step(m, muon, plan12, hsdp, hw).designs[0].replicate_s;
+  hw.cores_per_node = 2;
+  const double rep_shared = simulate_step(m, muon, plan12, hsdp, hw).designs[0].replicate_s;
+  ASSERT_GT(rep_own, lat);
+  EXPECT_NEAR(rep_shared - lat, 2 * (rep_own - lat), 1e-15);
+  // a plan for another grid is refused, not misread
+  EXPECT_THROW(simulate_step(m, muon, plan12, l, hw), std::invalid_argument);
+}
+
+// A model with no Muon matrix (no boundary) still computes: the step is its compute and the base.
+TEST(StepSimulator, AModelWithoutMatricesKeepsItsCompute) {
+  ModelSpec m;
+  m.name = "embedding only";
+  m.params = {bf16("model.embed_tokens.weight", {100, 64})};
+  const std::vector<ParamSpec> muon = select_muon_params(m);
+  ASSERT_TRUE(muon.empty());
+  SimLayout l;
+  l.shard = 2;
+  l.tokens = 1000;
+  const Simulation sim = simulate_step(m, muon, plan_owners(muon, 2, 1), l, round_hardware());
+  for (const StepEstimate& d : sim.designs) {
+    EXPECT_DOUBLE_EQ(d.compute_s, 6.0 * 6400 * 1000 / (2 * 1e12 * 0.5)) << d.design;
+    EXPECT_GE(d.exposed_comm_s, 0.0) << d.design;
+    EXPECT_NEAR(d.forward_s + d.backward_s, d.compute_s + d.exposed_comm_s, 1e-15) << d.design;
+    EXPECT_GE(d.step_s, d.compute_s) << d.design;
+    EXPECT_EQ(d.ns_s, 0.0) << d.design;
+  }
 }
 
 TEST(StepSimulator, HardwareDescriptionsAndTheirErrors) {
@@ -565,6 +604,17 @@ TEST(StepSimulator, HardwareDescriptionsAndTheirErrors) {
   EXPECT_EQ(hardware_from_json(hardware_to_json(round_hardware()), "t").cores_per_node, 0);
   EXPECT_EQ(hardware_preset("cpu-2core").cores_per_node, 2);
   EXPECT_EQ(hardware_preset("h200").cores_per_node, 0);
+  for (const char* bad : {"1.5", "-1", "0"}) {
+    std::string j = hardware_to_json(round_hardware());
+    j.insert(j.find('{') + 1, std::string("\"cores_per_node\": ") + bad + ", ");
+    try {
+      hardware_from_json(j, "cores.json");
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("cores_per_node"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("cores.json"), std::string::npos) << e.what();
+    }
+  }
   EXPECT_EQ(hardware_preset("H200").devices_per_node, 8);
   EXPECT_NE(hardware_preset("h200").source.find("estimate"), std::string::npos);
   EXPECT_GT(load_hardware("cpu-2core").matmul_tflops, 0);

@@ -61,7 +61,8 @@ struct HardwareSpec {
   // GPU does): C = how many ranks it runs at once at the rates above (its cores over each rank's
   // threads), the rates being one rank's alone. With n ranks on a node (n = min(N, devices_per_node)): compute and AdamW take max(1, n / C) times as long; Newton-Schulz
   // is the node's owners' work shared fairly by its C cores (a finished owner frees its share); and
-  // once n >= C no core is idle to move bytes under compute, so every collective is exposed.
+  // once n >= C no core is idle to move bytes under compute, so every collective is exposed (the
+  // prefetch overlap, DDP's bucket overlap and HSDP's publish under the next forward).
   int cores_per_node = 0;
   // Measured NS times per shape (`dmuon plan --calibrate`): when set, an owner's NS time is priced
   // from it (the batch the step runs per shape) instead of FLOPs / (rate x ns_efficiency).
@@ -99,7 +100,8 @@ struct StepEstimate {
   double step_s = 0;
   double compute_s = 0;        // forward + backward FLOPs at the device rate
   double forward_s = 0;        // the forward pass: its compute and the communication it exposes
-  double backward_s = 0;       // the backward pass, to its last gradient collective (compute + exposed comm)
+  double backward_s = 0;       // the backward pass: compute + the shard-axis / data-parallel collectives it
+                               // exposes (HSDP's replicate-axis exchange is replicate_s)
   double exposed_comm_s = 0;   // communication not hidden under compute (shard axis)
   double ns_s = 0;             // Newton-Schulz on the critical path
   double adamw_s = 0;

@@ -155,7 +155,13 @@ HardwareSpec hardware_from_json(const std::string& text, const std::string& sour
   h.memory_GB = need(j, "memory_GB", source);
   h.intra_node = link_of(j, "intra_node", source);
   h.inter_node = link_of(j, "inter_node", source);
-  if (j.contains("cores_per_node")) h.cores_per_node = static_cast<int>(need(j, "cores_per_node", source));
+  if (j.contains("cores_per_node")) {
+    const double c = need(j, "cores_per_node", source);
+    if (c != std::floor(c) || c > 1e6)
+      throw std::invalid_argument(source + ": \"cores_per_node\" must be a whole number of ranks the host runs at "
+                                  "once (its cores over each rank's threads), got " + j["cores_per_node"].dump());
+    h.cores_per_node = static_cast<int>(c);
+  }
   if (j.contains("ns_profile"))
     h.ns_profile = std::make_shared<const NsProfile>(ns_profile_from_json(j["ns_profile"].dump(), source + " ns_profile"));
   if (h.mfu > 1 || h.ns_efficiency > 1)
@@ -220,6 +226,10 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
   if (static_cast<int>(plan.owners.size()) != static_cast<int>(muon.size()))
     throw std::invalid_argument("simulate_step: the plan has " + std::to_string(plan.owners.size()) +
                                 " owners for " + std::to_string(muon.size()) + " Muon matrices");
+  if (plan.shard_size != l.shard || plan.replicate_size != l.replicate)
+    throw std::invalid_argument("simulate_step: the plan is for a G x R = " + std::to_string(plan.shard_size) + " x " +
+                                std::to_string(plan.replicate_size) + " grid, the layout is " + std::to_string(l.shard) +
+                                " x " + std::to_string(l.replicate));
   Simulation sim;
   sim.layout = l;
   sim.hardware = hw;
@@ -251,7 +261,8 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
   const int per_node = std::min(N, std::max(1, hw.devices_per_node));
   const bool shared = hw.cores_per_node > 0;
   const double slowdown = shared ? std::max(1.0, static_cast<double>(per_node) / hw.cores_per_node) : 1.0;
-  const int prefetch = shared && per_node >= hw.cores_per_node ? 0 : l.prefetch_depth;  // no idle core
+  const bool saturated = shared && per_node >= hw.cores_per_node;  // no idle core to move bytes under compute
+  const int prefetch = saturated ? 0 : l.prefetch_depth;
   const double compute = 6.0 * P_active * static_cast<double>(l.tokens) / (N * rate * hw.mfu) * slowdown;
   const double adamw_per_param = 32.0 / (hw.memory_bandwidth_GBps * 1e9) * slowdown;  // read p, g, m, v; write p, m, v (+ master)
   // Newton-Schulz time of the matrices `idx` on one rank, full-size (a TP-split matrix's NS shared by
@@ -298,7 +309,9 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
   // boundaries in model order: Muon bytes (this TP rank's slices) and their roots
   const CommPlan comm = plan_comm(muon, plan);
   const size_t L = comm.boundaries.size();
-  std::vector<double> fwd_c(L), bwd_c(L), bcast(L), reduce(L), ring(L);
+  // no Muon matrix (no boundary): one pass of the whole compute, with no matrix traffic
+  std::vector<double> fwd_c(std::max<size_t>(L, 1), compute / 3.0), bwd_c(fwd_c.size(), 2.0 * compute / 3.0),
+      bcast(fwd_c.size()), reduce(fwd_c.size()), ring(fwd_c.size());
   double local_PM = 0;
   for (const auto& b : comm.boundaries) local_PM += static_cast<double>(b.payload_bytes);
   for (size_t b = 0; b < L; ++b) {
@@ -330,7 +343,7 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
                                              2.0 * ring_time(PB_bytes / (G * T), R, hw.inter_node)
                                        : 2.0 * ring_time(PB_bytes / T, DP, dp_link);
   {
-    std::vector<double> none(L, 0.0);
+    std::vector<double> none(fwd_c.size(), 0.0);
     dm.forward_s = pass_time(fwd_c, bcast, prefetch) + base_fwd;
     dm.backward_s = backward_time(bwd_c, l.z3 ? bcast : none, reduce, prefetch) + base_bwd;
     dm.exposed_comm_s = dm.forward_s + dm.backward_s - compute;
@@ -342,7 +355,8 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
     dm.adamw_s = PB / T / (l.shard_base ? G : 1) * adamw_per_param;
     // HSDP: the stage-2 reduce of the owners' gradients over the replicate axis (inter-node)
     if (R > 1) {
-      const double rep = static_cast<double>(comm.max_replicate()) / 2.0;  // the reduce half; the publish overlaps
+      // the reduce half; the publish overlaps the next forward, except on saturated shared cores
+      const double rep = static_cast<double>(comm.max_replicate()) / (saturated ? 1.0 : 2.0);
       dm.replicate_s = hw.inter_node.latency_us * 1e-6 * log2_hops(R) + rep / (hw.inter_node.bandwidth_GBps * 1e9);
       dm.inter_node_bytes_per_rank = static_cast<double>(comm.max_replicate());
     }
@@ -384,7 +398,7 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
     // the gradient all-reduce (2(N-1)/N P) in buckets under the backward; the forward has none
     const double allreduce = 2.0 * ring_time(P_bytes / T, DP, dp_link);
     s.forward_s = compute / 3.0;
-    s.backward_s = prefetch > 0 ? std::max(2.0 * compute / 3.0, allreduce) + allreduce / std::max<size_t>(L, 1)
+    s.backward_s = !saturated ? std::max(2.0 * compute / 3.0, allreduce) + allreduce / std::max<size_t>(L, 1)
                                 : 2.0 * compute / 3.0 + allreduce;  // shared cores: nothing hides it
     s.exposed_comm_s = s.backward_s - 2.0 * compute / 3.0;
     s.adamw_s = PB / T * adamw_per_param;
