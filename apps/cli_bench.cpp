@@ -283,10 +283,10 @@ class Variant {
         int64_t maxn = 0;
         for (size_t k = r0; k < std::min(order_.size(), r0 + world); ++k)
           maxn = std::max<int64_t>(maxn, matrices_[order_[k]].second.numel());
-        at::Tensor mine = at::zeros({maxn});
+        at::Tensor mine = at::zeros({maxn}, mesh_->options(matrices_[order_[r0]].second.scalar_type()));
         const size_t my = r0 + static_cast<size_t>(rank);
         if (my < order_.size()) mine.narrow(0, 0, updates[order_[my]].numel()).copy_(updates[order_[my]].reshape(-1));
-        at::Tensor all = at::empty({maxn * world});
+        at::Tensor all = at::empty({maxn * world}, mine.options());
         mesh_->world().allgather_flat(all, mine, "baseline B update all-gather").wait();
         for (size_t k = r0; k < std::min(order_.size(), r0 + world); ++k) {
           const auto& p = matrices_[order_[k]].second;
@@ -322,8 +322,8 @@ class Variant {
 
 // The max over the group's ranks of each rank's x.
 double max_over_ranks(Communicator& group, double x) {
-  at::Tensor all = at::zeros({group.size()}, at::kDouble);
-  group.allgather_flat(all, at::tensor({x}, at::kDouble), "bench calibration timing").wait();
+  at::Tensor all = at::zeros({group.size()}, group.options(at::kDouble));
+  group.allgather_flat(all, at::tensor({x}, at::kDouble).to(group.device()), "bench calibration timing").wait_host();
   return all.max().item<double>();
 }
 
@@ -493,9 +493,9 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
       if (step == a.warmup + 1) memory::reset_peaks(vs[v]->tag());  // measured steps only
       trainer.barrier("bench step start");
       const auto r = vs[v]->step(batch, loss[v]);
-      at::Tensor all = at::zeros({kCols * world}, at::kDouble);
-      at::Tensor mine = at::tensor({r[0], r[1], r[2], r[3]}, at::kDouble);
-      trainer.allgather_flat(all, mine, "bench timings").wait();
+      at::Tensor all = at::zeros({kCols * world}, trainer.options(at::kDouble));
+      at::Tensor mine = at::tensor({r[0], r[1], r[2], r[3]}, at::kDouble).to(trainer.device());
+      trainer.allgather_flat(all, mine, "bench timings").wait_host();
       const at::Tensor per_col = all.view({world, kCols}).amax(0);
       std::array<double, kCols> m{};
       for (int c = 0; c < kCols; ++c) m[static_cast<size_t>(c)] = per_col[c].item<double>();
@@ -510,9 +510,10 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
   // peak live bytes per variant: the max over ranks (each rank's own tag)
   std::vector<double> peak(vs.size());
   for (size_t v = 0; v < vs.size(); ++v) {
-    at::Tensor all = at::zeros({world}, at::kDouble);
-    at::Tensor mine = at::tensor({static_cast<double>(memory::stats(vs[v]->tag()).peak)}, at::kDouble);
-    trainer.allgather_flat(all, mine, "bench peak memory").wait();
+    at::Tensor all = at::zeros({world}, trainer.options(at::kDouble));
+    at::Tensor mine =
+        at::tensor({static_cast<double>(memory::stats(vs[v]->tag()).peak)}, at::kDouble).to(trainer.device());
+    trainer.allgather_flat(all, mine, "bench peak memory").wait_host();
     peak[v] = all.max().item<double>();
   }
   nlohmann::json res = nlohmann::json::array();

@@ -494,12 +494,25 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
 
 int run_rank(const TrainArgs& a, std::ostream& out) {
   TrainRun r = setup_run(a, out);
-  TrainLog log;
-  train_loop(a, r, log, out);
-  if (!a.export_safetensors.empty()) export_model(a, r, out);
-  const int rc = report(a, r, log, out);
-  if (r.world > 1) leave_together(*r.trainer, r.boot.store, "train", a.timeout_s);
-  return rc;
+  try {
+    TrainLog log;
+    train_loop(a, r, log, out);
+    if (!a.export_safetensors.empty()) export_model(a, r, out);
+    const int rc = report(a, r, log, out);
+    // the end of the run: no asynchronous publish left in flight, then every group torn down cleanly
+    // (NCCL: communicators destroyed, no watchdog outliving the run)
+    if (r.model && r.use_muon) wait_all_post_step_broadcasts(*r.model);
+    if (r.world > 1) leave_together(*r.trainer, r.boot.store, "train", a.timeout_s);
+    r.mesh->shutdown();
+    r.trainer->shutdown();
+    return rc;
+  } catch (...) {
+    // the error path: abort the groups so peers stuck in a collective with this rank fail within
+    // their timeout and no NCCL watchdog kills this process after dmuon's message
+    if (r.mesh) r.mesh->abort();
+    if (r.trainer) r.trainer->abort();
+    throw;
+  }
 }
 
 }  // namespace train

@@ -37,7 +37,7 @@ int report(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out) {
   auto gather = [&](double v, const char* what) {
     at::Tensor all = at::zeros({world}, at::TensorOptions().dtype(at::kDouble).device(r.device));
     at::Tensor mine = at::tensor({v}, at::kDouble).to(r.device);
-    r.trainer->allgather_flat(all, mine, what).wait();
+    r.trainer->allgather_flat(all, mine, what).wait_host();
     return all.cpu();
   };
   at::Tensor ns_all = gather(std::accumulate(ns_ms.begin(), ns_ms.end(), 0.0), "NS load");

@@ -278,7 +278,8 @@ int main(int argc, char** argv) {
     const double t_g = median_seconds([&] { out_g = dmuon::gram_newton_schulz(G, forced); }, reps, dev);
     const double flops_d = 20 * m * m * n + 10 * m * m * m;  // plain GEMMs, T = 5
     const double flops_g = 8 * m * m * n + 28 * m * m * m;   // Gram, restart {2}, T = 5
-    const at::Tensor ref = dmuon::direct_newton_schulz(G.to(at::kDouble).cpu());
+    // the float64 reference on the same device (no CPU float64 NS on a GPU machine)
+    const at::Tensor ref = dmuon::direct_newton_schulz(G.to(at::kDouble));
     std::printf("%-11s %10.2f %10.2f %7.3f %7.3f %9.1f %9.1f %9.1f %8.2f %8.2f %9.2e %9.2e\n",
                 (std::to_string(s.m) + "x" + std::to_string(s.n)).c_str(), t_d * 1e3, t_g * 1e3, t_g / t_d,
                 flops_g / flops_d, mm_rate, flops_d / t_d / 1e9, flops_g / t_g / 1e9, flops_d / t_d / 1e9 / mm_rate,

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -1023,7 +1024,11 @@ TEST_F(BootstrapTest, SingleProcessWorldWhenEnvironmentIsUnset) {
 // dmuon's store backend (CPU groups where LibTorch has no Gloo): rank-order sums give every rank the
 // same bits; broadcast, reduce, all-gather, reduce-scatter, scatter and barrier move the right data;
 // a peer that never arrives is an error after the timeout, not a hang.
-TEST(StoreBackendTest, CollectivesAreExactAndALostPeerTimesOut) {
+// Every collective dmuon uses, on 3 ranks (threads), exact; then rank 2 leaves and the next
+// collective fails on the others within the backend's 5 s timeout. `make(store, rank, size)`
+// creates the backend under test.
+void check_backend_collectives(const std::string& name,
+                               const std::function<CommPtr(const StorePtr&, int, int)>& make) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   constexpr int n = 3;
   std::vector<at::Tensor> sums(n);
@@ -1032,8 +1037,8 @@ TEST(StoreBackendTest, CollectivesAreExactAndALostPeerTimesOut) {
   for (int r = 0; r < n; ++r)
     ts.emplace_back([&, r] {
       try {
-        CommPtr pg = make_store_process_group(store, r, n, std::chrono::seconds(5));
-        EXPECT_EQ(pg->getBackendName(), "dmuon-store");
+        CommPtr pg = make(store, r, n);
+        EXPECT_EQ(pg->getBackendName(), name);
         at::Tensor x = at::randn({1000}, at::TensorOptions().dtype(at::kFloat)).mul_(1e3 * (r + 1));
         std::vector<at::Tensor> v{x};
         pg->allreduce(v)->wait();
@@ -1065,6 +1070,17 @@ TEST(StoreBackendTest, CollectivesAreExactAndALostPeerTimesOut) {
         if (r == 0) si = {{at::full({2}, 5.0), at::full({2}, 6.0), at::full({2}, 7.0)}};
         pg->scatter(so, si)->wait();
         EXPECT_TRUE(so[0].equal(at::full({2}, 5.0 + r))) << "scatter on rank " << r;
+        std::vector<at::Tensor> gi{at::full({2}, 1.0 + r)};
+        std::vector<std::vector<at::Tensor>> go;
+        if (r == 1) go = {{at::zeros({2}), at::zeros({2}), at::zeros({2})}};
+        c10d::GatherOptions gopt;
+        gopt.rootRank = 1;
+        pg->gather(go, gi, gopt)->wait();
+        if (r == 1) {
+          for (int i = 0; i < n; ++i) {
+            EXPECT_TRUE(go[0][static_cast<size_t>(i)].equal(at::full({2}, 1.0 + i))) << "gather " << i;
+          }
+        }
         pg->barrier()->wait();
         if (r == 2) return;  // rank 2 leaves: the next collective cannot complete
         std::vector<at::Tensor> w{at::ones({1})};
@@ -1077,6 +1093,106 @@ TEST(StoreBackendTest, CollectivesAreExactAndALostPeerTimesOut) {
   for (int r = 1; r < n; ++r) EXPECT_TRUE(sums[r].equal(sums[0])) << "rank " << r << " summed other bits";
   EXPECT_TRUE(errors[2].empty()) << errors[2];
   for (int r = 0; r < 2; ++r) EXPECT_FALSE(errors[r].empty()) << "rank " << r << " did not time out";
+  for (int r = 0; r < 2; ++r) EXPECT_NE(errors[r].find("2"), std::string::npos) << "names the lost rank: " << errors[r];
+}
+
+TEST(StoreBackendTest, CollectivesAreExactAndALostPeerTimesOut) {
+  check_backend_collectives("dmuon-store", [](const StorePtr& store, int r, int n) {
+    return make_store_process_group(store, r, n, std::chrono::seconds(5));
+  });
+}
+
+TEST(LoopbackBackendTest, CollectivesAreExactAndALostPeerTimesOut) {
+  check_backend_collectives("dmuon-loopback", [](const StorePtr& store, int r, int n) {
+    return make_loopback_process_group(store, r, n, LoopbackOptions{}, std::chrono::seconds(5));
+  });
+}
+
+// The loopback backend on the CPU refuses tensors of another device, and ranks that issue different
+// collectives get an error naming both, not a hang or a silent copy.
+TEST(LoopbackBackendTest, RefusesOtherDevicesAndMismatchedCollectives) {
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    std::vector<at::Tensor> meta{at::empty({4}, at::TensorOptions().device(at::kMeta))};
+    const std::string dev = error_of([&] { ctx.pg->allreduce(meta); });
+    testing::expect(dev.find("CPU tensors only") != std::string::npos, "device refusal: " + dev);
+    std::vector<at::Tensor> t{at::ones({ctx.rank == 0 ? 4 : 5})};
+    const std::string mis = error_of([&] { ctx.pg->allreduce(t)->wait(); });
+    testing::expect(mis.find("rank 0 sends 4 elements, rank 1 sends 5") != std::string::npos, "mismatch: " + mis);
+  }, 60s, LoopbackOptions{});
+}
+
+// Every collective checks its tensors against the group's device before anything else, on a group
+// of one too (so one GPU, or a CPU test, catches what would crash a multi-GPU NCCL run).
+TEST(CommunicatorTest, WrongDeviceTensorIsAnErrorEvenOnAGroupOfOne) {
+  for (int n : {1, 2}) {
+    testing::run_ranks(n, [&](testing::RankContext& ctx) {
+      auto comm = make_comm(ctx);
+      testing::expect(comm->device() == at::Device(at::kCPU), "a CPU group carries CPU tensors");
+      const at::Tensor meta = at::empty({4}, at::TensorOptions().device(at::kMeta));
+      const at::Tensor cpu = at::zeros({4 * ctx.world});
+      for (const std::string& err : {error_of([&] { comm->broadcast(meta, 0, "the flags"); }),
+                                     error_of([&] { comm->reduce(meta, 0, Reduction::Sum, "the flags"); }),
+                                     error_of([&] { comm->allreduce(meta, Reduction::Sum, "the flags"); }),
+                                     error_of([&] { comm->allgather_flat(cpu, meta, "the flags"); })}) {
+        testing::expect(err.find("rank " + std::to_string(ctx.rank)) != std::string::npos &&
+                            err.find("(the flags) on dmuon group 'test'") != std::string::npos &&
+                            err.find("is on meta but this group carries cpu tensors") != std::string::npos,
+                        "wrong-device message: " + err);
+      }
+      testing::expect(comm->counters().total_bytes() == 0, "nothing was counted");
+    });
+  }
+}
+
+// DMUON_FORCE_COLLECTIVES=1: a group of one issues real collectives (what lets one GPU run NCCL's
+// multi-rank code), with the results a group of one has, and still counts no bytes.
+TEST(CommunicatorTest, ForcedCollectivesOnAGroupOfOneAreIssued) {
+  EnvGuard force("DMUON_FORCE_COLLECTIVES", "1");
+  testing::run_ranks(1, [&](testing::RankContext& ctx) {
+    auto comm = make_comm(ctx);
+    testing::expect(!comm->local_only(), "a forced group of one is not local-only");
+    at::Tensor t = at::arange(5, at::kFloat) + 3;
+    const at::Tensor orig = t.clone();
+    Pending p = comm->broadcast(t, 0, "b");
+    testing::expect(p.defined(), "broadcast issued");
+    p.wait_host();
+    comm->allreduce(t, Reduction::Avg, "a").wait();
+    comm->reduce(t, 0, Reduction::Avg, "r").wait();
+    at::Tensor out = at::zeros({5});
+    comm->allgather_flat(out, t, "g").wait();
+    comm->barrier("b");
+    testing::expect(at::equal(t, orig) && at::equal(out, orig), "a group of one keeps its values");
+    testing::expect(comm->counters().calls(CommOp::Broadcast) == 1 && comm->counters().calls(CommOp::AllGather) == 1 &&
+                        comm->counters().calls(CommOp::Barrier) == 1,
+                    "the collectives were counted as calls");
+    testing::expect(comm->counters().total_bytes() == 0, "a group of one moves no bytes");
+  });
+}
+
+TEST(MeshTest, ZeroTimeoutIsRefusedNotNoTimeout) {
+  testing::run_ranks(1, [&](testing::RankContext& ctx) {
+    MeshOptions mo;
+    mo.process_group_policy = "shared";
+    mo.timeout = std::chrono::milliseconds(0);
+    const std::string err = error_of([&] { Mesh::create(ctx.pg, mo); });
+    testing::expect(err.find("MeshOptions::timeout is 0 ms; it must be > 0") != std::string::npos, err);
+    const std::string c = error_of([&] { make_comm(ctx, nullptr, std::chrono::milliseconds(0)); });
+    testing::expect(c.find("the collective timeout is 0 ms; it must be > 0") != std::string::npos, c);
+  });
+}
+
+// A mesh carries its world's device (CPU here) and hands out options on it; shutdown is a barrier
+// and then the groups' teardown, once.
+TEST(MeshTest, DeviceAndShutdown) {
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    auto mesh = make_isolated_mesh(ctx);
+    testing::expect(mesh->device() == at::Device(at::kCPU) && mesh->options(at::kLong).device().is_cpu(),
+                    "the mesh's device");
+    mesh->counters().reset();
+    mesh->shutdown();
+    mesh->shutdown();  // idempotent
+    testing::expect(mesh->counters().calls(CommOp::Barrier) == 1, "one barrier at shutdown");
+  });
 }
 
 TEST_F(BootstrapTest, BackendAvailability) {

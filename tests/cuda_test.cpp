@@ -5,13 +5,21 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#if DMUON_WITH_CUDA
+#include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 
 #include <chrono>
+#include <cstdlib>
+#include <optional>
 #include <cmath>
 #include <string>
 #include <vector>
 
 #include "dmuon/bootstrap.h"
+#include "dmuon/communicator.h"
+#include "dmuon/mesh.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/host_sync.h"
 #include "dmuon/muon.h"
@@ -144,13 +152,53 @@ TEST(CudaTest, AutoKernelPicksAKernelPerShapeAndKeepsTheResult) {
   EXPECT_EQ(ns.describe(c10::DeviceType::CUDA).find("cpu"), std::string::npos) << ns.describe(c10::DeviceType::CUDA);
 }
 
-// One GPU, NCCL with world size 1: float64 training on the GPU equals float64 training on the CPU
-// (the independent single-process reference), and a step reads the device at most twice.
-TEST(CudaTest, OneGpuTrainingMatchesTheCpuReferenceWithFewHostReads) {
-  DMUON_REQUIRE_CUDA();
-  ASSERT_TRUE(process_group_available(c10::DeviceType::CUDA)) << "CUDA build without NCCL";
+// CUDA's sync debug mode: L_ERROR makes every synchronising call throw.
+void set_sync_debug(bool on) {
+#if DMUON_WITH_CUDA
+  c10::cuda::warning_state().set_sync_debug_mode(on ? c10::cuda::SyncDebugMode::L_ERROR
+                                                    : c10::cuda::SyncDebugMode::L_DISABLED);
+#else
+  (void)on;
+#endif
+}
+// Queues `cycles` of spinning on the current CUDA stream.
+void queue_sleep(int64_t cycles) {
+#if DMUON_WITH_CUDA
+  at::cuda::sleep(cycles);
+#else
+  (void)cycles;
+#endif
+}
+
+// Sets an environment variable for the guard's lifetime (main thread, before any rank starts).
+class EnvGuard {
+ public:
+  EnvGuard(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    ::setenv(name, value, 1);
+  }
+  ~EnvGuard() { old_ ? (void)::setenv(name_.c_str(), old_->c_str(), 1) : (void)::unsetenv(name_.c_str()); }
+
+ private:
+  std::string name_;
+  std::optional<std::string> old_;
+};
+
+struct OneGpuRun {
+  int64_t most_reads = 0;
+  CommCounters::Snapshot comm;
+  StepProfile profile;
+  std::vector<std::string> unbound_groups;  // process groups without a bound device
+  double worst = 0;                         // vs the CPU reference
+};
+
+// One GPU, NCCL with world size 1: `steps` of float64 training on the GPU, compared with float64
+// training on the CPU (the independent single-process reference). `sync_debug`: CUDA's sync debug
+// mode at L_ERROR around backward and step(), so any synchronisation outside dmuon's counted host
+// reads throws.
+OneGpuRun train_on_one_gpu(int steps, bool sync_debug) {
   testing::TrainConfig tc;
-  tc.steps = 4;
+  tc.steps = steps;
   const models::GPTConfig cfg = testing::small_config(2);
   const auto init = testing::init_state(cfg, 1234);  // float64
   const auto batches = testing::make_batches(tc.steps, 8, 12, cfg.vocab_size, 99);
@@ -162,6 +210,13 @@ TEST(CudaTest, OneGpuTrainingMatchesTheCpuReferenceWithFewHostReads) {
   mo.store = store;
   mo.factory = process_group_factory(c10::DeviceType::CUDA);
   auto mesh = Mesh::create(pg, mo);
+  OneGpuRun out;
+  EXPECT_EQ(mesh->device(), kGpu);
+#if DMUON_TORCH_AT_LEAST(2, 0)
+  for (auto* c : {&mesh->world(), &mesh->shard(), &mesh->dp()})
+    if (c->process_group()->getBoundDeviceId() != std::optional<at::Device>(kGpu)) out.unbound_groups.push_back(c->name());
+  if (pg->getBoundDeviceId() != std::optional<at::Device>(kGpu)) out.unbound_groups.push_back("world (bootstrap)");
+#endif
   models::GPT m(cfg);
   testing::load_state(m, init);
   m->to(kGpu);
@@ -171,27 +226,102 @@ TEST(CudaTest, OneGpuTrainingMatchesTheCpuReferenceWithFewHostReads) {
   MuonOptions muon_opts = testing::muon_options(tc);
   muon_opts.record_step_profile = true;  // CUDA events: read at consume time, no host read in step()
   Muon opt(m.ptr(), muon_opts);
-  int64_t most_reads = 0;
+  mesh->counters().reset();
   for (const auto& tokens : batches) {
+    const at::Tensor x = tokens.to(kGpu);
     const int64_t before = host_sync_count();
     opt.zero_grad();
-    m->loss(tokens.to(kGpu)).backward();
-    opt.step();
-    most_reads = std::max(most_reads, host_sync_count() - before);
+    if (sync_debug) set_sync_debug(true);
+    try {
+      m->loss(x).backward();
+      opt.step();
+    } catch (...) {
+      set_sync_debug(false);
+      throw;
+    }
+    set_sync_debug(false);
+    out.most_reads = std::max(out.most_reads, host_sync_count() - before);
   }
-  EXPECT_LE(most_reads, 2) << "host reads per step";
+  out.comm = mesh->counters().snapshot();
+  out.profile = opt.consume_last_step_profile();
+  for (const auto& item : m->named_parameters(true)) {
+    EXPECT_TRUE(item.value().is_cuda()) << item.key();
+    out.worst = std::max(out.worst, testing::max_rel(item.value(), ref.params.at(item.key())));
+  }
+  mesh->shutdown();
+  return out;
+}
+
+TEST(CudaTest, OneGpuTrainingMatchesTheCpuReferenceWithFewHostReads) {
+  DMUON_REQUIRE_CUDA();
+  ASSERT_TRUE(process_group_available(c10::DeviceType::CUDA)) << "CUDA build without NCCL";
+  const OneGpuRun r = train_on_one_gpu(4, /*sync_debug=*/false);
+  EXPECT_LE(r.most_reads, 2) << "host reads per step";
+  EXPECT_LE(r.worst, testing::kFloat64Bound);
+  EXPECT_TRUE(r.unbound_groups.empty()) << "groups without a bound device: " << r.unbound_groups.front();
   // the last step's profile in device time: NS inside the Muon phase inside the step
-  const StepProfile p = opt.consume_last_step_profile();
+  const StepProfile& p = r.profile;
   EXPECT_EQ(p.clock, "cuda_events");
   EXPECT_TRUE(p.valid);
   EXPECT_GT(p.ns_ms, 0.0);
   EXPECT_LE(p.ns_ms, p.muon_ms + 1e-3);
   EXPECT_LE(p.muon_ms + p.adamw_ms, p.total_ms + 1e-3);
   EXPECT_GT(p.host_total_ms, 0.0);
-  for (const auto& item : m->named_parameters(true)) {
-    ASSERT_TRUE(item.value().is_cuda()) << item.key();
-    EXPECT_LE(testing::max_rel(item.value().cpu(), ref.params.at(item.key())), testing::kFloat64Bound) << item.key();
+}
+
+// DMUON_FORCE_COLLECTIVES=1: the same training through NCCL's real collectives on a group of one
+// (forward broadcasts, gradient reduces, the plan check), under CUDA's sync debug mode at L_ERROR:
+// the same result, no synchronisation outside the counted host reads, every group bound to the GPU.
+TEST(CudaTest, ForcedCollectivesOnOneGpuRunTheMultiRankPathWithoutHiddenSyncs) {
+  DMUON_REQUIRE_CUDA();
+  ASSERT_TRUE(process_group_available(c10::DeviceType::CUDA)) << "CUDA build without NCCL";
+  EnvGuard force("DMUON_FORCE_COLLECTIVES", "1");
+  const OneGpuRun r = train_on_one_gpu(3, /*sync_debug=*/true);
+  EXPECT_LE(r.worst, testing::kFloat64Bound);
+  EXPECT_GT(r.comm.calls[static_cast<int>(CommOp::Broadcast)], 0) << "forward broadcasts were issued";
+  EXPECT_GT(r.comm.calls[static_cast<int>(CommOp::Reduce)], 0) << "gradient reduces were issued";
+  EXPECT_EQ(r.comm.total_bytes(), 0) << "a group of one moves no bytes";
+  EXPECT_TRUE(r.unbound_groups.empty()) << "groups without a bound device: " << r.unbound_groups.front();
+}
+
+// A collective waited through the Communicator on a CUDA group is a stream dependency: with about a
+// second of work queued before it, the host returns from wait() at once, and the next host read sees
+// the reduced value. Over NCCL (world size 1, forced) and over the loopback backend (2 ranks).
+TEST(CudaTest, StreamOrderedWaitDoesNotBlockTheHost) {
+  DMUON_REQUIRE_CUDA();
+  constexpr int64_t kSleepCycles = 1'500'000'000;  // ~0.75 s at the H200's 1.98 GHz
+  auto probe = [&](Communicator& comm, int world, int rank) {
+    at::Tensor t = at::full({1024}, static_cast<double>(rank + 1), at::TensorOptions().device(kGpu).dtype(at::kDouble));
+    queue_sleep(kSleepCycles);
+    t.mul_(2);  // queued behind the sleep
+    const auto t0 = std::chrono::steady_clock::now();
+    Pending p = comm.allreduce(t, Reduction::Sum, "host-blocking probe");
+    p.wait();
+    const double wait_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double got = t.sum().item<double>() / 1024;  // the host read waits for the device
+    const double read_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    double want = 0;
+    for (int r = 0; r < world; ++r) want += 2.0 * (r + 1);
+    testing::expect(wait_ms < 5.0, "wait() blocked the host " + std::to_string(wait_ms) + " ms");
+    testing::expect(read_ms > 100.0, "the queued sleep was not ahead of the read (" + std::to_string(read_ms) + " ms)");
+    testing::expect(got == want, "read " + std::to_string(got) + ", expected " + std::to_string(want));
+  };
+  {
+    EnvGuard force("DMUON_FORCE_COLLECTIVES", "1");
+    const std::string dir = testing::fresh_temp_dir("dmuon-cuda");
+    auto store = make_file_store(dir + "/store", 1);
+    auto pg = make_process_group(store, 0, 1, c10::DeviceType::CUDA, std::chrono::seconds(60));
+    Communicator comm(pg, "nccl-probe", {0}, std::chrono::seconds(60), nullptr);
+    comm.allreduce(at::zeros({1}, at::TensorOptions().device(kGpu)), Reduction::Sum, "warm-up").wait_host();
+    probe(comm, 1, 0);
+    comm.shutdown();
   }
+  LoopbackOptions lo;
+  lo.device = kGpu;
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    Communicator comm(ctx.pg, "loopback-probe", {0, 1}, std::chrono::seconds(60), nullptr);
+    probe(comm, 2, ctx.rank);
+  }, std::chrono::seconds(60), lo);
 }
 
 }  // namespace

@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/optim/schedulers/step_lr.h>
 #include <torch/optim/sgd.h>
 
@@ -62,6 +64,10 @@ struct DistConfig : testing::Layout {
   bool delay_stage2 = true;
   double bucket_mb = 0.0;
   int min_idle_ranks = 0;  // ranks that must own no Muon matrix in this layout
+  // dmuon's loopback backend for every group (unset: Gloo / the store backend on the CPU); on a
+  // device, the model and the data live there too
+  std::optional<LoopbackOptions> loopback;
+  bool side_stream = false;  // a device: each rank trains on a side stream (not the default stream)
 };
 
 // Runs the distributed training and compares every rank's view with the reference.
@@ -86,8 +92,14 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
   ASSERT_EQ(global_batch % dc.world, 0) << "the global batch must split evenly";
   ASSERT_EQ((global_batch / dc.world) % tc.accum, 0) << "the per-rank batch must split into micro-batches";
   testing::run_ranks(dc.world, [&](testing::RankContext& ctx) {
+    std::optional<c10::StreamGuard> on_side_stream;
+    if (dc.side_stream) {
+      const c10::impl::VirtualGuardImpl impl(ctx.device.type());
+      on_side_stream.emplace(impl.getStreamFromGlobalPool(ctx.device));
+    }
     GPT m(cfg);
     load_state(m, init);
+    if (!ctx.device.is_cpu()) m->to(ctx.device);
     if (!tc.frozen.empty()) m->frozen_blocks = tc.frozen;
     m->block_order = tc.block_order;
     auto mesh = make_mesh(ctx, std::chrono::seconds(60), dc.replicate);
@@ -105,7 +117,7 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
     const int64_t per = global_batch / ctx.world;
     for (const auto& tokens : batches) {
       opt.zero_grad(tc.zero_grad_to_none);
-      const at::Tensor mine = tokens.narrow(0, ctx.rank * per, per);
+      const at::Tensor mine = tokens.narrow(0, ctx.rank * per, per).to(ctx.device);
       if (tc.discarded_backward) {  // a backward whose gradients zero_grad must discard
         std::optional<NoSync> ns;
         if (tc.discarded_in_no_sync) ns.emplace(*m);
@@ -226,7 +238,7 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
         within(em, name + " exp_avg differs");
       }
     }
-  });
+  }, std::chrono::seconds(60), dc.loopback);
   std::fprintf(stderr, "[equivalence] %s: worst relative difference %.2e (bound %.0e)\n",
                tc.dtype == at::kDouble ? "float64" : "float32", worst, bound);
   // every Muon matrix was checked exactly once, on its owner
@@ -255,6 +267,67 @@ INSTANTIATE_TEST_SUITE_P(Ranks, EquivalenceTest,
                            return "N" + std::to_string(std::get<0>(info.param)) +
                                   (std::get<1>(info.param) ? "_Z3" : "_Z2");
                          });
+
+// ---- the same equivalence through dmuon's loopback backend ----------------------------------------
+// Every group is the loopback backend (ranks as threads, copies and rank-order sums on one device):
+// on the CPU here, and on CUDA tensors where a GPU is present, where it behaves as NCCL (its own
+// stream per group, stream-dependency waits, tensors held until the wait) and sleeps before every
+// copy, so a wait dmuon forgot (or a buffer freed on the wrong stream) becomes a wrong result. The
+// side-stream variants train each rank on a non-default stream.
+enum class Transport { Cpu, Cuda, CudaSideStream };
+struct LoopbackCase {
+  std::string name;
+  Transport transport;
+  DistConfig dc;
+  TrainConfig tc;
+};
+
+std::vector<LoopbackCase> loopback_cases() {
+  std::vector<std::pair<std::string, std::pair<DistConfig, TrainConfig>>> layouts;
+  auto add = [&](const std::string& name, auto&& set) {
+    DistConfig dc;
+    TrainConfig tc;
+    tc.steps = 4;
+    dc.pack_small_params = false;
+    set(dc, tc);
+    layouts.push_back({name, {dc, tc}});
+  };
+  add("Z3_N3", [](DistConfig& d, TrainConfig&) { d.world = 3; });
+  add("Z2_N2", [](DistConfig& d, TrainConfig&) { d.world = 2, d.z3 = false; });
+  add("Hsdp2x2AsyncPublishPrepareAhead", [](DistConfig& d, TrainConfig&) { d.world = 4, d.replicate = 2; });
+  add("Hsdp2x2Synchronous", [](DistConfig& d, TrainConfig&) {
+    d.world = 4, d.replicate = 2, d.replicate_async = false, d.group_prepare_ahead = false;
+  });
+  add("DdpPath", [](DistConfig& d, TrainConfig&) { d.world = 2, d.ddp = true; });
+  add("AllGatherMode", [](DistConfig& d, TrainConfig&) { d.world = 2, d.unshard = "all_gather"; });
+  add("ShardedAdamw", [](DistConfig& d, TrainConfig&) { d.world = 2, d.sharded = true; });
+  add("NoSyncAccumulation", [](DistConfig& d, TrainConfig& t) { d.world = 2, t.accum = 2, t.no_sync = true; });
+  std::vector<LoopbackCase> out;
+  for (const auto& [name, cfg] : layouts)
+    for (const auto& [tname, t] : std::vector<std::pair<std::string, Transport>>{
+             {"Cpu", Transport::Cpu}, {"Cuda", Transport::Cuda}, {"CudaSideStream", Transport::CudaSideStream}})
+      out.push_back({tname + "_" + name, t, cfg.first, cfg.second});
+  return out;
+}
+
+class LoopbackEquivalenceTest : public ::testing::TestWithParam<LoopbackCase> {};
+
+TEST_P(LoopbackEquivalenceTest, TrainingMatchesSingleProcess) {
+  LoopbackCase c = GetParam();
+  LoopbackOptions lo;
+  if (c.transport != Transport::Cpu) {
+    if (!DMUON_WITH_CUDA) GTEST_SKIP() << "this dmuon build has no CUDA (CPU LibTorch)";
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";
+    lo.device = at::Device(at::kCUDA, 0);
+    lo.sleep_cycles = 200000;  // ~0.1 ms before every copy: a missing wait reads stale data
+  }
+  c.dc.loopback = lo;
+  c.dc.side_stream = c.transport == Transport::CudaSideStream;
+  check_equivalence(small_config(), c.tc, c.dc);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, LoopbackEquivalenceTest, ::testing::ValuesIn(loopback_cases()),
+                         [](const auto& info) { return info.param.name; });
 
 // Global-norm clipping (ClipScope::AllParams) before every step, against the reference clipping
 // its whole model: the norm counts each element once on every layout, so the scaled gradients, and
@@ -1305,7 +1378,9 @@ TEST(RuntimeTest, SummariesReportRoutingAndPlannedBytes) {
   });
 }
 
-TEST(RuntimeTest, WorldSizeOneHasNoCommunication) {
+// One rank (a world of one): dedicate + replicate the GPT, one step; the counters of that step.
+CommCounters::Snapshot one_rank_step_counters(bool* owns_everything = nullptr) {
+  CommCounters::Snapshot c;
   testing::run_ranks(1, [&](testing::RankContext& ctx) {
     GPT m(small_config());
     auto mesh = make_mesh(ctx);
@@ -1317,10 +1392,46 @@ TEST(RuntimeTest, WorldSizeOneHasNoCommunication) {
     mesh->counters().reset();
     m->loss(at::randint(32, {2, 8}, at::kLong)).backward();
     opt.step();
-    if (mesh->counters().total_bytes() != 0) throw std::runtime_error("world size 1 communicated");
-    for (const auto& d : get_dedicated_params(*m))
-      if (!d.is_owner || d.param.numel() == 0) throw std::runtime_error("world size 1 must own everything");
+    c = mesh->counters().snapshot();
+    if (owns_everything) {
+      *owns_everything = true;
+      for (const auto& d : get_dedicated_params(*m)) *owns_everything &= d.is_owner && d.param.numel() > 0;
+    }
   });
+  return c;
+}
+
+TEST(RuntimeTest, WorldSizeOneHasNoCommunication) {
+  bool owns = false;
+  const auto c = one_rank_step_counters(&owns);
+  EXPECT_EQ(c.total_bytes(), 0) << "world size 1 communicated";
+  EXPECT_TRUE(owns) << "world size 1 must own everything";
+}
+
+// DMUON_FORCE_COLLECTIVES=1 at world size 1 (what one GPU runs with NCCL): the groups issue real
+// collectives, the dedicated route takes its reduce path instead of the one-rank shortcut, and the
+// training still equals the single-process reference in float64 (Z3 and Z2, with accumulation).
+TEST(RuntimeTest, ForcedCollectivesAtWorldSizeOneTakeTheMultiRankPath) {
+  setenv("DMUON_FORCE_COLLECTIVES", "1", 1);
+  struct Unset {
+    ~Unset() { unsetenv("DMUON_FORCE_COLLECTIVES"); }
+  } unset;
+  for (const bool z3 : {true, false}) {
+    SCOPED_TRACE(z3 ? "Z3" : "Z2");
+    TrainConfig tc;
+    tc.steps = 4;
+    DistConfig dc;
+    dc.world = 1;
+    dc.z3 = z3;
+    check_equivalence(small_config(), tc, dc);
+    tc.accum = 2;
+    check_equivalence(small_config(), tc, dc);
+  }
+  const auto c = one_rank_step_counters();
+  EXPECT_GT(c.calls[static_cast<int>(CommOp::Broadcast)], 0) << "forward broadcasts issued";
+  EXPECT_GT(c.calls[static_cast<int>(CommOp::Reduce)], 0) << "gradient reduces issued";
+  EXPECT_GT(c.calls[static_cast<int>(CommOp::AllReduce)], 0) << "replicated all-reduces issued";
+  EXPECT_EQ(c.total_bytes(), 0) << "a group of one moves no bytes";
 }
 
 // ---- bad input ------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ struct TpLayout {
   int accum = 1;
   bool no_sync = false;
   at::ScalarType dtype = at::kDouble;
+  std::optional<LoopbackOptions> loopback;  // every group on dmuon's loopback backend (model and data on its device)
 };
 
 struct TpOutcome {
@@ -66,6 +67,7 @@ TpOutcome check_tp_equivalence(const TpLayout& l) {
     c.tp_mesh = mesh;
     GPT m(c);
     load_state(m, init);
+    if (!ctx.device.is_cpu()) m->to(ctx.device);
     DedicateOptions o;
     o.reshard_after_forward = l.z3;
     o.plan.pack_small_params = false;
@@ -89,7 +91,7 @@ TpOutcome check_tp_equivalence(const TpLayout& l) {
     int gathered = 0, distributed = 0;
     for (const auto& tokens : batches) {
       opt.zero_grad();
-      const at::Tensor mine = tokens.narrow(0, dp_rank * per, per);
+      const at::Tensor mine = tokens.narrow(0, dp_rank * per, per).to(ctx.device);
       for (int a = 0; a < l.accum; ++a) {
         std::optional<NoSync> ns;
         if (l.no_sync && a + 1 < l.accum) ns.emplace(*m);
@@ -148,7 +150,7 @@ TpOutcome check_tp_equivalence(const TpLayout& l) {
     out.worst = std::max(out.worst, worst);
     out.gathered += gathered;
     out.distributed += distributed;
-  });
+  }, std::chrono::seconds(60), l.loopback);
   int muon = 0;
   for (const auto& [k, v] : ref.params) muon += models::is_muon_matrix(k, v) ? 1 : 0;
   EXPECT_EQ(static_cast<int>(checked.size()), muon * l.tp);  // every slice checked once, on its owner
@@ -221,6 +223,31 @@ TEST(TpEquivalence, Tp2GatherZ3) {
   const auto r = check_tp_equivalence(l);
   EXPECT_GT(r.gathered, 0);
   EXPECT_EQ(r.distributed, 0);
+}
+
+// TP 2 x DP 2 (Z3, gather and distributed Gram) through dmuon's loopback backend: on the CPU here, on
+// CUDA tensors where a GPU is present (its own stream per group, a sleep before every copy).
+TEST(TpEquivalence, LoopbackCpuDp2Tp2Z3DistributedGram) {
+  TpLayout l;
+  l.world = 4;
+  l.dgram = true;
+  l.loopback = LoopbackOptions{};
+  const auto r = check_tp_equivalence(l);
+  EXPECT_GT(r.distributed, 0);
+}
+
+TEST(TpEquivalence, LoopbackCudaDp2Tp2Z3DistributedGram) {
+  if (!DMUON_WITH_CUDA) GTEST_SKIP() << "this dmuon build has no CUDA (CPU LibTorch)";
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";
+  TpLayout l;
+  l.world = 4;
+  l.dgram = true;
+  LoopbackOptions lo;
+  lo.device = at::Device(at::kCUDA, 0);
+  lo.sleep_cycles = 200000;
+  l.loopback = lo;
+  const auto r = check_tp_equivalence(l);
+  EXPECT_GT(r.distributed, 0);
 }
 
 TEST(TpEquivalence, Tp2SyncPublishNeedsNoWait) {

@@ -51,12 +51,30 @@ bool gloo_available();
 // available or DMUON_CPU_BACKEND=store.
 CommPtr make_store_process_group(const StorePtr& store, int rank, int size,
                                  std::chrono::milliseconds timeout = kDefaultCollectiveTimeout);
+// dmuon's loopback backend, for ranks that are threads of one process (tests; one GPU proving the
+// multi-rank code): the ranks' tensors are copied and summed directly on `device` (sums in rank order,
+// bit-identical on every rank). On CUDA it runs each collective on the group's own stream after the
+// issuing ranks' streams (events), sleeps `sleep_cycles` (at::cuda::sleep) before each copy when
+// asked, so a result read without a wait is wrong, holds the tensors until wait(), and its
+// Work::wait() is a stream dependency (with a timeout: a host wait too), as NCCL's. Tensors of
+// another device are refused. Every rank of a group creates it over the same store, in one process.
+struct LoopbackOptions {
+  at::Device device{at::kCPU};
+  int64_t sleep_cycles = 0;  // CUDA only
+};
+CommPtr make_loopback_process_group(const StorePtr& store, int rank, int size, const LoopbackOptions& opts,
+                                    std::chrono::milliseconds timeout = kDefaultCollectiveTimeout);
+ProcessGroupFactory loopback_process_group_factory(const LoopbackOptions& opts);
 // CUDA: the priority of the group's NCCL stream. Collectives run on the group's own stream, ordered
-// against compute by events (Work::wait makes the current stream wait; the host never blocks).
+// against compute by events (Pending::wait makes the current stream wait; the host blocks only in
+// Pending::wait_host, where it must: host reads of a result, barriers, checkpoint I/O).
 enum class StreamPriority { High, Normal };
 // A concrete group over `store`. CPU -> Gloo on `hostname` (127.0.0.1 by default; the store backend
-// where Gloo is missing or DMUON_CPU_BACKEND=store), CUDA -> NCCL. Throws with the reason when the
-// backend is not compiled in.
+// where Gloo is missing or DMUON_CPU_BACKEND=store), CUDA -> NCCL on the current CUDA device: the
+// group is bound to it (setBoundDeviceId) and connected at once (eagerConnectSingleDevice), so a
+// mesh's NCCL communicators are created in the mesh's fixed creation order at setup, never lazily
+// mid-training, and a peer lost before a group's first use fails setup within the timeout. Throws
+// with the reason when the backend is not compiled in.
 CommPtr make_process_group(const StorePtr& store, int rank, int size, c10::DeviceType device,
                            std::chrono::milliseconds timeout = kDefaultCollectiveTimeout,
                            const std::string& hostname = "127.0.0.1", StreamPriority priority = StreamPriority::High);

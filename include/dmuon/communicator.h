@@ -6,23 +6,45 @@
 //   * fall back to portable forms of all-gather / reduce-scatter on Gloo 1.13,
 //   * give every collective a timeout and turn a failure into an error that names the group, the
 //     op, what it carried and the rank (a lost peer is an error, never a hang),
-//   * hand out async handles (Pending) that the runtime waits on later.
+//   * hand out async handles (Pending) that the runtime waits on later,
+//   * check that every tensor lives on the group's device (NCCL: CUDA; Gloo, the store backend: CPU)
+//     before anything else, on groups of one too, so a wrong-device tensor fails on a CPU box and on
+//     one GPU exactly as it would on a multi-GPU run.
+//
+// Waiting (Pending): on a CPU group wait() blocks the host, at most the timeout. On a CUDA group
+// wait() is a stream dependency: the calling thread's current stream (and the stream the collective
+// was issued on, where buffers are allocated) waits for the collective, the host does not block, and
+// a dead peer is caught by the process group's own timeout (ProcessGroupNCCL's watchdog; see
+// docs/GPU.md). wait_host() is the bounded host wait, for the places where the host must block
+// anyway: before a host read of the result, barriers, checkpoint I/O. Time blocked (CPU: host
+// time in wait(); CUDA: the device time the current stream stalled at the wait, by CUDA events) is
+// counted in CommCounters::wait_ms().
+//
+// Reductions of bf16 payloads sum in bf16 where the backend can (NCCL, the store and loopback
+// backends) and in fp32 on Gloo, which cannot (cast up, reduce, round once); see docs/GPU.md.
+//
+// DMUON_FORCE_COLLECTIVES=1 makes groups of one issue real collectives (and the dedicated route take
+// its reduce path at world size 1), so one GPU with NCCL's world size 1 runs the multi-rank code.
 //
 // Byte convention (per rank, what crosses this rank's link): broadcast and reduce of S bytes cost S
 // on every rank except the root; all-reduce 2(N-1)/N*S; all-gather and reduce-scatter of a total S
 // (N-1)/N*S; scatter of a total S from the root S/N on every other rank, gather of a total S to the
 // root the same. A group of one costs nothing
-// and issues nothing.
+// and issues nothing (unless DMUON_FORCE_COLLECTIVES=1: then it issues and still counts nothing).
 #pragma once
 
 #include <ATen/ATen.h>
+
+#include <c10/core/Event.h>
 
 #include <array>
 #include <chrono>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dmuon/newton_schulz.h"
@@ -45,6 +67,10 @@ class CommCounters {
   void reset();
   // Time callers spent blocked in Pending::wait (communication not hidden behind compute).
   void add_wait_ns(int64_t ns);
+  // A stream stall on a device: the events recorded on the waiting stream just before and after its
+  // wait; their elapsed time is added once the second has completed.
+  void add_stall(c10::Event before, c10::Event after);
+  // Includes every stall recorded so far (waits for the device events still pending).
   double wait_ms() const;
   struct Snapshot {
     std::array<int64_t, static_cast<int>(CommOp::kCount)> bytes{};
@@ -52,11 +78,13 @@ class CommCounters {
     int64_t wait_ns = 0;
     int64_t total_bytes() const;
   };
-  Snapshot snapshot() const;
+  Snapshot snapshot() const;  // wait_ns includes every stall recorded so far
 
  private:
+  void settle_locked() const;  // adds the elapsed time of the recorded stalls to s_.wait_ns
   mutable std::mutex mu_;
-  Snapshot s_;
+  mutable Snapshot s_;
+  mutable std::vector<std::pair<c10::Event, c10::Event>> stalls_;
 };
 
 // An in-flight collective. wait() blocks at most the communicator's timeout, then runs the
@@ -65,7 +93,14 @@ class CommCounters {
 class Pending {
  public:
   Pending() = default;
+  // CPU group: blocks the host at most the timeout. CUDA group: the current stream (and the issuing
+  // stream) wait for the collective; the host does not block. Then the completion step runs, on the
+  // current stream. Idempotent.
   void wait();
+  // wait(), then blocks the host until the collective itself has finished, at most the timeout:
+  // before a host read of the result (which then waits for the current stream), a barrier,
+  // checkpoint I/O. The same as wait() on a CPU group.
+  void wait_host();
   bool defined() const { return static_cast<bool>(state_); }
   bool completed() const;  // wait() already returned (or nothing was issued)
   // Non-blocking: when the collective has finished, completes it as wait() would and returns true.
@@ -79,9 +114,11 @@ class Pending {
 
 class Communicator {
  public:
-  // `global_ranks[i]` is the global rank of group rank i (for messages and root mapping).
+  // `global_ranks[i]` is the global rank of group rank i (for messages and root mapping). `device`:
+  // where this group's tensors live; unset, the process group's bound device (LibTorch 2.x), else the
+  // current CUDA device for NCCL and the CPU for every other backend. timeout must be > 0.
   Communicator(CommPtr pg, std::string name, std::vector<int> global_ranks, std::chrono::milliseconds timeout,
-               std::shared_ptr<CommCounters> counters);
+               std::shared_ptr<CommCounters> counters, std::optional<at::Device> device = std::nullopt);
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -94,6 +131,13 @@ class Communicator {
   CommCounters& own_counters() { return *own_; }   // this group alone (e.g. one mesh axis)
   // Whether the backend supports ReduceOp::AVG natively (NCCL; Gloo from LibTorch 2.8).
   bool native_avg() const { return native_avg_; }
+  // Where this group's tensors live; every collective checks its tensors against it first.
+  const at::Device& device() const { return device_; }
+  // A group of one that issues nothing (DMUON_FORCE_COLLECTIVES unset): callers may skip the
+  // collective's bookkeeping entirely.
+  bool local_only() const { return size_ == 1 && !force_; }
+  // A tensor of this group's device for a small exchange (flags, digests, norms).
+  at::TensorOptions options(at::ScalarType dtype) const { return at::TensorOptions().dtype(dtype).device(device_); }
 
   // collective: all ranks of this group, same order. Each returns at once; `what` names the
   // payload in error messages (e.g. "forward broadcast of model.layers.3 from rank 2").
@@ -113,10 +157,17 @@ class Communicator {
   // at offset i*in.numel(); other ranks' `out` is not touched (pass an empty tensor). Costs in bytes on
   // every non-root rank.
   Pending gather_flat(at::Tensor out, at::Tensor in, int root, std::string what);
-  // collective: blocking barrier with this group's timeout.
+  // collective: blocking barrier with this group's timeout (the host waits).
   void barrier(const std::string& what);
 
+  // The process group's teardown (LibTorch 2.x backends; nothing on 1.13): shutdown() after every
+  // collective finished, abort() on an error path so no watchdog fires later. Idempotent.
+  void shutdown();
+  void abort();
+
  private:
+  // every tensor of a collective must live on device(): `role` names it in the error
+  void check_device(const at::Tensor& t, const char* op, const char* role, const std::string& what) const;
   Pending issue(CommOp op, const std::string& what, const std::function<WorkPtr()>& launch,
                 std::function<void()> on_complete);
   [[noreturn]] void rethrow(const std::string& op_what, const std::exception& e) const;
@@ -132,6 +183,9 @@ class Communicator {
   std::shared_ptr<CommCounters> own_ = std::make_shared<CommCounters>();
   bool native_avg_ = false;
   bool is_gloo_ = true;
+  bool force_ = false;
+  bool closed_ = false;
+  at::Device device_{at::kCPU};
 };
 
 // ---- the column-sharded Gram NS over a group (newton_schulz.h takes an all-reduce function) ----

@@ -24,6 +24,9 @@ std::string process_group_policy();         // DMUON_PROCESS_GROUP_POLICY: "isol
 bool isolated_pg_barrier();                 // DMUON_ISOLATED_PG_BARRIER=1: strict post-step fence
 bool record_forward_profile();              // DMUON_RECORD_FORWARD_PROFILE=1
 std::string cpu_backend();                  // DMUON_CPU_BACKEND: "gloo" | "store" (CPU process groups)
+// DMUON_FORCE_COLLECTIVES=1: groups of one issue real collectives and the dedicated route takes the
+// reduce path at world size 1, so one GPU (NCCL, world size 1) exercises the multi-rank code.
+bool force_collectives();
 
 // Parses a boolean flag value ("1", "0", "true", "false", "on", "off", "yes", "no", any case).
 // Throws std::invalid_argument naming `var` and the value when it is none of those.

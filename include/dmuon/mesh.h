@@ -21,6 +21,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "dmuon/communicator.h"
 #include "dmuon/process_group.h"
@@ -41,8 +42,12 @@ struct MeshOptions {
   ProcessGroupFactory replicate_factory;
   int replicate_size = 1;            // R; world size must be a multiple of R x T
   int tp_size = 1;                   // T: tensor-parallel ranks per group (innermost axis)
-  std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
+  std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;  // > 0: there is no "no timeout"
   std::string tag = "dmuon";         // PrefixStore namespace of dmuon's groups
+  // Where the mesh's tensors live (every collective's tensors, every small exchange dmuon makes).
+  // Unset: the world group's (its bound device on LibTorch 2.x, the current CUDA device for NCCL,
+  // else the CPU).
+  std::optional<at::Device> device;
 };
 
 class Mesh {
@@ -71,6 +76,18 @@ class Mesh {
   Communicator& dp() { return dp_ ? *dp_ : *world_; }
   CommCounters& counters() { return *counters_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
+  // Where this mesh's tensors live; small exchanges (flags, digests, norms) allocate there.
+  const at::Device& device() const { return world_->device(); }
+  at::TensorOptions options(at::ScalarType dtype) const { return world_->options(dtype); }
+
+  // End of a run, after the last collective: a barrier over the world (the host waits, at most the
+  // timeout), then every group's shutdown (NCCL: communicators destroyed cleanly, no watchdog left).
+  // collective: all ranks. Call it once every asynchronous publish has been waited
+  // (dmuon::wait_all_post_step_broadcasts). Idempotent.
+  void shutdown();
+  // Error path: aborts every group dmuon built at once (NCCL: ncclCommAbort), so peers stuck in a collective
+  // with this rank fail within their own timeout and no watchdog kills this process later. Local.
+  void abort();
 
   // Global rank of slot (shard, replicate) on this rank's TP position.
   int global_rank_of(int shard, int replicate) const {
@@ -84,7 +101,10 @@ class Mesh {
   std::string policy_;
   std::chrono::milliseconds timeout_{kDefaultCollectiveTimeout};
   std::shared_ptr<CommCounters> counters_;
+  std::vector<Communicator*> groups();  // each distinct process group once
   std::unique_ptr<Communicator> world_, shard_, replicate_, tp_, dp_;
+  bool owns_groups_ = false;  // dmuon built its groups (isolated policy, HSDP, TP)
+  bool closed_ = false;
 };
 
 }  // namespace dmuon

@@ -166,7 +166,14 @@ CommPtr make_process_group(const StorePtr& store, int rank, int size, c10::Devic
     // that stream on the tensors so the caching allocator keeps them until the collective is done.
     auto opts = c10d::ProcessGroupNCCL::Options::create(priority == StreamPriority::High);
     opts->timeout = timeout;
-    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
+    auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
+    // bound to this rank's GPU (the barrier and eager init use it instead of guessing from the rank)
+    // and connected now: every rank creates its groups in the same order, so this is the
+    // communicators' one creation order, at setup
+    const at::Device gpu(at::kCUDA, c10::cuda::current_device());
+    pg->setBoundDeviceId(gpu);
+    pg->eagerConnectSingleDevice(gpu);
+    return pg;
 #else
     (void)priority;
     TORCH_CHECK(false, "rank ", rank, ": this dmuon build has no NCCL; CUDA tensors cannot be communicated. Build "

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "bootstrap/reduce_ops.h"
 #include "dmuon/bootstrap.h"
 
 namespace dmuon {
@@ -201,21 +202,9 @@ class StoreBackend : public CommBase {
         acc = x;
         continue;
       }
-      switch (op) {
-        case c10d::ReduceOp::SUM:
-        case c10d::ReduceOp::AVG: acc.add_(x); break;
-        case c10d::ReduceOp::MAX: acc = at::maximum(acc, x); break;
-        case c10d::ReduceOp::MIN: acc = at::minimum(acc, x); break;
-        case c10d::ReduceOp::PRODUCT: acc.mul_(x); break;
-        default: TORCH_CHECK(false, "dmuon-store: unsupported reduce op");
-      }
+      detail::combine(acc, x, op, "dmuon-store");
     }
-    if (op == c10d::ReduceOp::AVG) {
-      if (at::isIntegralType(acc.scalar_type(), /*includeBool=*/true))
-        acc.div_(static_cast<int64_t>(all.size()), "floor");
-      else
-        acc.div_(static_cast<double>(all.size()));
-    }
+    detail::finish(acc, op, static_cast<int64_t>(all.size()));
     t.copy_(acc);
   }
 

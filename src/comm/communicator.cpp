@@ -1,9 +1,13 @@
 // The one place dmuon issues collectives (see include/dmuon/communicator.h).
 #include "dmuon/communicator.h"
 
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <sstream>
+
+#include "dmuon/env.h"
 
 namespace dmuon {
 
@@ -39,8 +43,37 @@ void CommCounters::add_wait_ns(int64_t ns) {
   std::lock_guard<std::mutex> g(mu_);
   s_.wait_ns += ns;
 }
+void CommCounters::add_stall(c10::Event before, c10::Event after) {
+  std::lock_guard<std::mutex> g(mu_);
+  stalls_.emplace_back(std::move(before), std::move(after));
+  // settle what has finished now and then, so a long run holds a bounded number of events
+  if (stalls_.size() < 256) return;
+  std::vector<std::pair<c10::Event, c10::Event>> open;
+  for (auto& st : stalls_) {
+    if (!st.second.query()) {
+      open.push_back(std::move(st));
+      continue;
+    }
+#if DMUON_TORCH_AT_LEAST(2, 0)
+    s_.wait_ns += static_cast<int64_t>(st.first.elapsedTime(st.second) * 1e6);
+#endif
+  }
+  stalls_ = std::move(open);
+}
+void CommCounters::settle_locked() const {
+  for (auto& st : stalls_) {
+#if DMUON_TORCH_AT_LEAST(2, 0)
+    st.second.synchronize();
+    s_.wait_ns += static_cast<int64_t>(st.first.elapsedTime(st.second) * 1e6);
+#else
+    (void)st;  // no device events on LibTorch 1.13 (a CPU-only build here)
+#endif
+  }
+  stalls_.clear();
+}
 double CommCounters::wait_ms() const {
   std::lock_guard<std::mutex> g(mu_);
+  settle_locked();
   return static_cast<double>(s_.wait_ns) / 1e6;
 }
 int64_t CommCounters::Snapshot::total_bytes() const {
@@ -51,10 +84,12 @@ int64_t CommCounters::Snapshot::total_bytes() const {
 int64_t CommCounters::total_bytes() const { return snapshot().total_bytes(); }
 void CommCounters::reset() {
   std::lock_guard<std::mutex> g(mu_);
+  settle_locked();
   s_ = Snapshot{};
 }
 CommCounters::Snapshot CommCounters::snapshot() const {
   std::lock_guard<std::mutex> g(mu_);
+  settle_locked();
   return s_;
 }
 
@@ -65,9 +100,36 @@ struct Pending::State {
   std::function<void(const std::exception&)> on_error;
   std::chrono::milliseconds timeout{0};
   std::shared_ptr<CommCounters> counters;
+  at::Device device{at::kCPU};
+  std::optional<c10::Stream> issue_stream;  // a device group: the stream current at issue
   bool done = false;
+  bool host_done = false;  // wait_host() returned
   std::mutex mu;
 };
+
+namespace {
+// The device side of Pending::wait: the current stream waits for the collective (NCCL's
+// Work::wait() without a timeout), and so does the issuing stream where it differs (buffers were
+// allocated there: a free on that stream must not overtake the collective). The stall is timed by
+// events on the current stream.
+void wait_on_streams(const WorkPtr& work, const at::Device& dev, const std::optional<c10::Stream>& issue_stream,
+                     CommCounters* counters) {
+  const c10::impl::VirtualGuardImpl impl(dev.type());
+  const c10::DeviceGuard guard(dev);
+  const c10::Stream cur = impl.getStream(dev);
+  c10::Event before(dev.type(), c10::EventFlag::BACKEND_DEFAULT);
+  before.record(cur);
+  work->wait();  // kNoTimeout: a stream dependency, the host does not block
+  if (issue_stream && *issue_stream != cur) {
+    c10::Event e(dev.type());
+    e.record(cur);
+    e.block(*issue_stream);
+  }
+  c10::Event after(dev.type(), c10::EventFlag::BACKEND_DEFAULT);
+  after.record(cur);
+  if (counters) counters->add_stall(std::move(before), std::move(after));
+}
+}  // namespace
 
 void Pending::wait() {
   if (!state_) return;
@@ -75,16 +137,41 @@ void Pending::wait() {
   if (state_->done) return;
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    if (state_->work) state_->work->wait(state_->timeout);
-    if (state_->counters)
-      state_->counters->add_wait_ns(
-          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+    if (state_->work) {
+      if (state_->device.is_cpu()) {
+        state_->work->wait(state_->timeout);
+        if (state_->counters)
+          state_->counters->add_wait_ns(
+              std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+      } else {
+        wait_on_streams(state_->work, state_->device, state_->issue_stream, state_->counters.get());
+      }
+    }
   } catch (const std::exception& e) {
     state_->done = true;  // a failed collective is not retried; the error says what happened
     state_->on_error(e);
   }
   state_->done = true;
-  if (state_->on_complete) state_->on_complete();
+  if (state_->on_complete) {
+    const c10::DeviceGuard guard(state_->device);
+    state_->on_complete();
+  }
+}
+
+void Pending::wait_host() {
+  wait();
+  if (!state_ || state_->device.is_cpu()) return;
+  std::lock_guard<std::mutex> g(state_->mu);
+  if (state_->host_done || !state_->work) return;
+  try {
+    // with a timeout, Work::wait blocks the host until the collective finished, or throws; the
+    // completion step wait() queued on the current stream is the host read's to wait for
+    state_->work->wait(state_->timeout);
+  } catch (const std::exception& e) {
+    state_->host_done = true;
+    state_->on_error(e);
+  }
+  state_->host_done = true;
 }
 
 bool Pending::poll() {
@@ -105,8 +192,24 @@ bool Pending::completed() const {
 }
 
 // ---- communicator --------------------------------------------------------------------------------
+namespace {
+at::Device infer_device(const CommPtr& pg, const std::string& backend) {
+#if DMUON_TORCH_AT_LEAST(2, 0)
+  if (const auto bound = pg->getBoundDeviceId()) return *bound;
+#else
+  (void)pg;
+#endif
+  if (backend == "nccl") {
+    const c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    return impl.getDevice();
+  }
+  return at::Device(at::kCPU);
+}
+}  // namespace
+
 Communicator::Communicator(CommPtr pg, std::string name, std::vector<int> global_ranks,
-                           std::chrono::milliseconds timeout, std::shared_ptr<CommCounters> counters)
+                           std::chrono::milliseconds timeout, std::shared_ptr<CommCounters> counters,
+                           std::optional<at::Device> device)
     : pg_(std::move(pg)),
       name_(std::move(name)),
       global_ranks_(std::move(global_ranks)),
@@ -117,13 +220,44 @@ Communicator::Communicator(CommPtr pg, std::string name, std::vector<int> global
   size_ = pg_->getSize();
   TORCH_CHECK(static_cast<int>(global_ranks_.size()) == size_, "Communicator '", name_, "': ", global_ranks_.size(),
               " global ranks given for a group of ", size_);
-#if DMUON_TORCH_AT_LEAST(2, 0)
+  TORCH_CHECK(timeout_.count() > 0, "rank ", global_ranks_[static_cast<size_t>(rank_)], ": dmuon group '", name_,
+              "': the collective timeout is ", timeout_.count(), " ms; it must be > 0 (there is no \"no timeout\": "
+              "a lost peer must end in an error). Pass a positive MeshOptions::timeout / --timeout.");
   const std::string backend = pg_->getBackendName();
-#else
-  const std::string backend = pg_->getBackendName();
-#endif
   is_gloo_ = backend == "gloo";
   native_avg_ = !is_gloo_ || DMUON_TORCH_AT_LEAST(2, 8);
+  force_ = env::force_collectives();
+  device_ = device ? *device : infer_device(pg_, backend);
+  if (device_.is_cuda() && !device_.has_index()) {
+    const c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    device_ = impl.getDevice();
+  }
+}
+
+void Communicator::check_device(const at::Tensor& t, const char* op, const char* role, const std::string& what) const {
+  if (!t.defined()) return;
+  if (t.device() == device_ || (device_.is_cpu() && t.device().is_cpu())) return;
+  TORCH_CHECK(false, "rank ", global_rank(), ": ", op, " (", what, ") on dmuon group '", name_, "' (backend ",
+              pg_->getBackendName(), ", ", size_, " rank", size_ == 1 ? "" : "s", "): the ", role, " tensor is on ",
+              t.device(), " but this group carries ", device_, " tensors. Allocate every tensor a collective carries "
+              "on the group's device (Mesh::device(), Communicator::options()); ",
+              device_.is_cuda() ? "NCCL takes CUDA tensors only." : "Gloo and dmuon's store backend take CPU tensors only.");
+}
+
+void Communicator::shutdown() {
+  if (closed_) return;
+  closed_ = true;
+#if DMUON_TORCH_AT_LEAST(2, 0)
+  pg_->shutdown();
+#endif
+}
+
+void Communicator::abort() {
+  if (closed_) return;
+  closed_ = true;
+#if DMUON_TORCH_AT_LEAST(2, 0)
+  pg_->abort();
+#endif
 }
 
 void Communicator::count(CommOp op, int64_t bytes) {
@@ -145,14 +279,17 @@ Pending Communicator::issue(CommOp op, const std::string& what, const std::funct
   p.state_ = std::make_shared<Pending::State>();
   p.state_->timeout = timeout_;
   p.state_->counters = counters_;
+  p.state_->device = device_;
+  if (!device_.is_cpu()) {
+    const c10::impl::VirtualGuardImpl impl(device_.type());
+    p.state_->issue_stream = impl.getStream(device_);
+  }
   p.state_->on_complete = std::move(on_complete);
   const std::string op_what = std::string(comm_op_name(op)) + " (" + what + ")";
-  const Communicator* self = this;
-  // Copy what the error path needs: the Pending may outlive nothing, but keep it self-contained.
+  // Copy what the error path needs: the Pending may outlive the communicator's caller.
   const std::string name = name_;
   const int grank = global_rank(), size = size_;
   const auto timeout = timeout_;
-  (void)self;
   p.state_->on_error = [name, grank, size, timeout, op_what](const std::exception& e) {
     TORCH_CHECK(false, "rank ", grank, ": collective failed on dmuon group '", name, "' (", size, " ranks): ",
                 op_what, ": ", e.what(),
@@ -177,7 +314,8 @@ at::Tensor wire(bool is_gloo, const at::Tensor& t) { return gloo_bf16(is_gloo, t
 }  // namespace
 
 Pending Communicator::broadcast(at::Tensor tensor_in, int root, std::string what) {
-  if (size_ == 1) return Pending();
+  check_device(tensor_in, "broadcast", "payload", what);
+  if (local_only()) return Pending();
   at::Tensor tensor = wire(is_gloo_, tensor_in);
   const int64_t bytes = static_cast<int64_t>(tensor.numel()) * tensor.element_size();
   count(CommOp::Broadcast, rank_ == root ? 0 : bytes);
@@ -192,7 +330,8 @@ Pending Communicator::broadcast(at::Tensor tensor_in, int root, std::string what
 }
 
 Pending Communicator::reduce(at::Tensor tensor_in, int root, Reduction op, std::string what) {
-  if (size_ == 1) return Pending();
+  check_device(tensor_in, "reduce", "payload", what);
+  if (local_only()) return Pending();
   if (gloo_bf16(is_gloo_, tensor_in)) {  // reduce in float32, then write the result back on the root
     at::Tensor up = tensor_in.to(at::kFloat);
     Pending p = reduce(up, root, op, what + " [bf16 reduced in fp32 on Gloo]");
@@ -225,7 +364,8 @@ Pending Communicator::reduce(at::Tensor tensor_in, int root, Reduction op, std::
 }
 
 Pending Communicator::allreduce(at::Tensor tensor_in, Reduction op, std::string what) {
-  if (size_ == 1) return Pending();
+  check_device(tensor_in, "all_reduce", "payload", what);
+  if (local_only()) return Pending();
   if (gloo_bf16(is_gloo_, tensor_in)) {
     at::Tensor up = tensor_in.to(at::kFloat);
     Pending p = allreduce(up, op, what + " [bf16 reduced in fp32 on Gloo]");
@@ -254,17 +394,27 @@ Pending Communicator::allreduce(at::Tensor tensor_in, Reduction op, std::string 
 }
 
 Pending Communicator::allgather_flat(at::Tensor out_in, at::Tensor in_in, std::string what) {
+  check_device(out_in, "all_gather", "output", what);
+  check_device(in_in, "all_gather", "input", what);
   at::Tensor out = wire(is_gloo_, out_in), in = wire(is_gloo_, in_in);
   TORCH_CHECK(out.numel() == in.numel() * size_, "allgather_flat (", what, "): output has ", out.numel(),
               " elements, expected ", in.numel() * size_, " = ", size_, " ranks x ", in.numel());
-  if (size_ == 1) {
+  if (local_only()) {
     out.view(-1).copy_(in.reshape(-1));
     return Pending();
   }
   const int64_t total = static_cast<int64_t>(out.numel()) * out.element_size();
   count(CommOp::AllGather, (size_ - 1) * total / size_);
   return issue(CommOp::AllGather, what, [&] {
-    // allgather into views of one buffer (Gloo 1.13 has no _allgather_base).
+    if (!is_gloo_) {
+      // straight into the flat output: a list of views would make NCCL allocate a flat temporary of
+      // the whole output and copy it back (twice the unshard memory)
+      at::Tensor o_flat = out.view(-1), i_flat = in.reshape(-1);
+      c10d::AllgatherOptions opts;
+      opts.timeout = timeout_;
+      return pg_->_allgather_base(o_flat, i_flat, opts);
+    }
+    // Gloo (1.13 has no _allgather_base): into views of one buffer
     std::vector<at::Tensor> outs;
     const int64_t n = in.numel();
     for (int r = 0; r < size_; ++r) outs.push_back(out.view(-1).narrow(0, r * n, n));
@@ -277,9 +427,11 @@ Pending Communicator::allgather_flat(at::Tensor out_in, at::Tensor in_in, std::s
 }
 
 Pending Communicator::reduce_scatter_flat(at::Tensor out, at::Tensor in, Reduction op, std::string what) {
+  check_device(out, "reduce_scatter", "output", what);
+  check_device(in, "reduce_scatter", "input", what);
   TORCH_CHECK(in.numel() == out.numel() * size_, "reduce_scatter_flat (", what, "): input has ", in.numel(),
               " elements, expected ", out.numel() * size_, " = ", size_, " ranks x ", out.numel());
-  if (size_ == 1) {
+  if (local_only()) {
     out.view(-1).copy_(in.reshape(-1));
     return Pending();
   }
@@ -316,11 +468,13 @@ Pending Communicator::reduce_scatter_flat(at::Tensor out, at::Tensor in, Reducti
 }
 
 Pending Communicator::scatter_flat(at::Tensor out_in, at::Tensor in_in, int root, std::string what) {
+  check_device(out_in, "scatter", "output", what);
+  if (rank_ == root) check_device(in_in, "scatter", "input", what);
   at::Tensor out = wire(is_gloo_, out_in), in = in_in.numel() > 0 ? wire(is_gloo_, in_in) : in_in;
   if (rank_ == root)
     TORCH_CHECK(in.numel() == out.numel() * size_, "scatter_flat (", what, "): input has ", in.numel(),
                 " elements, expected ", out.numel() * size_, " = ", size_, " ranks x ", out.numel());
-  if (size_ == 1) {
+  if (local_only()) {
     out.view(-1).copy_(in.reshape(-1));
     return Pending();
   }
@@ -342,11 +496,13 @@ Pending Communicator::scatter_flat(at::Tensor out_in, at::Tensor in_in, int root
 }
 
 Pending Communicator::gather_flat(at::Tensor out_in, at::Tensor in_in, int root, std::string what) {
+  check_device(in_in, "gather", "input", what);
+  if (rank_ == root) check_device(out_in, "gather", "output", what);
   at::Tensor in = wire(is_gloo_, in_in), out = out_in.numel() > 0 ? wire(is_gloo_, out_in) : out_in;
   if (rank_ == root)
     TORCH_CHECK(out.numel() == in.numel() * size_, "gather_flat (", what, "): output has ", out.numel(),
                 " elements, expected ", in.numel() * size_, " = ", size_, " ranks x ", in.numel());
-  if (size_ == 1) {
+  if (local_only()) {
     out.view(-1).copy_(in.reshape(-1));
     return Pending();
   }
@@ -368,19 +524,21 @@ Pending Communicator::gather_flat(at::Tensor out_in, at::Tensor in_in, int root,
 }
 
 void Communicator::barrier(const std::string& what) {
-  if (size_ == 1) return;
+  if (local_only()) return;
   count(CommOp::Barrier, 0);
   issue(CommOp::Barrier, what, [&] {
     c10d::BarrierOptions o;
     o.timeout = timeout_;
+    // NCCL's barrier is an all-reduce on a device: name ours instead of letting it guess from the rank
+    if (device_.is_cuda()) o.device_ids = {device_.index()};
     return pg_->barrier(o);
-  }, nullptr).wait();
+  }, nullptr).wait_host();
 }
 
 // ---- the column-sharded Gram NS over a group ----------------------------------------------------
 AllReduceSumFn allreduce_sum_fn(Communicator& comm, std::string what) {
   return [&comm, what = std::move(what)](at::Tensor& t) {
-    if (comm.size() == 1) return;
+    if (comm.local_only()) return;
     comm.allreduce(t, Reduction::Sum, what).wait();
   };
 }

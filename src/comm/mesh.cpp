@@ -34,6 +34,9 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
   TORCH_CHECK(R >= 1 && (n / T) % R == 0, "rank ", rank, ": replicate size ", R, " does not divide the world size ",
               n, T > 1 ? " over the tp_size" : "", ". An HSDP mesh needs world = R x G", T > 1 ? " x T" : "",
               "; pick R among the divisors of ", n / T, ".");
+  TORCH_CHECK(opts.timeout.count() > 0, "rank ", rank, ": MeshOptions::timeout is ", opts.timeout.count(),
+              " ms; it must be > 0. Every collective waits at most this long, so a lost peer is an error instead "
+              "of a hang; there is no \"no timeout\" (the default is ", kDefaultCollectiveTimeout.count(), " ms).");
   const int G = n / R / T;
   const bool need_groups = policy == "isolated" || R > 1 || T > 1;
   TORCH_CHECK(!need_groups || (opts.store && opts.factory), "rank ", rank, ": ",
@@ -52,20 +55,26 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
 
   if (!need_groups) {
     mesh->world_ = std::make_unique<Communicator>(world, opts.tag + "/world", iota_ranks(n, 0, 1), opts.timeout,
-                                                  mesh->counters_);
+                                                  mesh->counters_, opts.device);
     mesh->shard_ = std::make_unique<Communicator>(world, opts.tag + "/shard", iota_ranks(n, 0, 1), opts.timeout,
-                                                  mesh->counters_);
+                                                  mesh->counters_, mesh->world_->device());
     return mesh;
   }
+  mesh->owns_groups_ = true;
   // A generation number per rank and tag keeps the PrefixStore keys of a second mesh (another
   // model) apart from the first; ranks create meshes in the same order, so they agree on it.
   const int64_t gen = opts.store->add(opts.tag + "/mesh_generation/rank" + std::to_string(rank), 1);
   const std::string base = opts.tag + "/g" + std::to_string(gen);
+  // every group carries the world's device: the caller's, else the one the world group is bound to
+  const std::optional<at::Device> device =
+      opts.device ? opts.device
+                  : std::optional<at::Device>(Communicator(world, "world", iota_ranks(n, 0, 1), opts.timeout, nullptr)
+                                                  .device());
   auto make = [&](const std::string& name, const std::vector<int>& ranks, const ProcessGroupFactory& factory) {
     const int sub = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
     auto store = c10::make_intrusive<c10d::PrefixStore>(base + "/" + name, opts.store);
     CommPtr pg = factory(store, sub, static_cast<int>(ranks.size()), opts.timeout);
-    return std::make_unique<Communicator>(pg, opts.tag + "/" + name, ranks, opts.timeout, mesh->counters_);
+    return std::make_unique<Communicator>(pg, opts.tag + "/" + name, ranks, opts.timeout, mesh->counters_, device);
   };
   // Same global order on every rank: world, then all shard groups, then all replicate groups, then
   // all TP groups, then all data-parallel groups (each rank builds only the groups it belongs to; groups of one kind are disjoint,
@@ -74,7 +83,7 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
   const int t = rank % T, rs = rank / T, r = rs / G, s = rs % G;
   if (R == 1 && T == 1) {
     mesh->shard_ = std::make_unique<Communicator>(mesh->world_->process_group(), opts.tag + "/shard",
-                                                  iota_ranks(n, 0, 1), opts.timeout, mesh->counters_);
+                                                  iota_ranks(n, 0, 1), opts.timeout, mesh->counters_, device);
   } else {
     const std::string at_t = T > 1 ? "t" + std::to_string(t) : std::string();
     mesh->shard_ = make("shard" + std::to_string(r) + at_t, iota_ranks(G, r * G * T + t, T), opts.factory);
@@ -91,6 +100,33 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
   // still connecting ("Connection closed by peer" on the peer).
   mesh->world_->barrier("mesh setup: every rank built its process groups");
   return mesh;
+}
+
+std::vector<Communicator*> Mesh::groups() {
+  std::vector<Communicator*> out;
+  for (Communicator* c : {world_.get(), shard_.get(), replicate_.get(), tp_.get(), dp_.get()}) {
+    if (!c) continue;
+    bool seen = false;
+    for (Communicator* o : out) seen = seen || o->process_group().get() == c->process_group().get();
+    if (!seen) out.push_back(c);
+  }
+  return out;
+}
+
+void Mesh::shutdown() {
+  if (closed_) return;
+  world_->barrier("mesh shutdown: every rank finished its collectives");
+  closed_ = true;
+  // a 1-D "shared" mesh runs on the caller's world group, which is the caller's to shut down
+  if (owns_groups_)
+    for (Communicator* c : groups()) c->shutdown();
+}
+
+void Mesh::abort() {
+  if (closed_) return;
+  closed_ = true;
+  if (owns_groups_)
+    for (Communicator* c : groups()) c->abort();
 }
 
 }  // namespace dmuon

@@ -41,6 +41,7 @@ std::string ns_batch_mb() { return get("DMUON_NS_BATCH_MB"); }
 std::string cpu_backend() { return get("DMUON_CPU_BACKEND"); }
 std::string process_group_policy() { return get("DMUON_PROCESS_GROUP_POLICY"); }
 bool isolated_pg_barrier() { return get_bool("DMUON_ISOLATED_PG_BARRIER").value_or(false); }
+bool force_collectives() { return get_bool("DMUON_FORCE_COLLECTIVES").value_or(false); }
 bool record_forward_profile() { return get_bool("DMUON_RECORD_FORWARD_PROFILE").value_or(false); }
 
 }  // namespace dmuon::env

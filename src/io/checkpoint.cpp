@@ -227,11 +227,11 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
     if (ps && ps->momentum_buffer().defined()) header = at::tensor({int64_t{1}, ps->step()}, header.options());
     // over the data-parallel ranks of this TP position (the world without TP), from the owner
     const int root = OwnerPlan::slot_index(e.owner, mesh.shard_size());
-    mesh.dp().broadcast(header, root, "checkpoint: momentum header of '" + e.name + "'").wait();
+    mesh.dp().broadcast(header, root, "checkpoint: momentum header of '" + e.name + "'").wait_host();
     const at::Tensor h = header.cpu();
     if (h[0].item<int64_t>() == 0) continue;
     at::Tensor buf = ps ? ps->momentum_buffer() : at::empty(e.shape, e.param.options().dtype(e.prec.optim));
-    mesh.dp().broadcast(buf, root, "checkpoint: momentum of '" + e.name + "'").wait();
+    mesh.dp().broadcast(buf, root, "checkpoint: momentum of '" + e.name + "'").wait_host();
     muon.put(e.name + ".momentum_buffer", buf);
     muon.put(e.name + ".step", step_tensor(h[1].item<int64_t>()));
   }

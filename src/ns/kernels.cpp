@@ -11,6 +11,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/Exceptions.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include <map>
 #include <mutex>
@@ -74,6 +75,7 @@ at::Tensor cpu_syrk_impl(const at::Tensor& X, Fn fn) {
 
 #if DMUON_WITH_CUDA
 at::Tensor cuda_syrk(const at::Tensor& X) {
+  const c10::cuda::CUDAGuard guard(X.device());  // the handle and stream of X's device
   const at::Tensor Xc = X.contiguous();
   const int m = static_cast<int>(Xc.size(0)), k = static_cast<int>(Xc.size(1));
   at::Tensor C = at::empty({m, m}, Xc.options());
@@ -192,6 +194,7 @@ std::string measured_cuda_choice(const at::Tensor& X) {
     auto it = chosen.find(key);
     if (it != chosen.end()) return it->second;
   }
+  const c10::cuda::CUDAGuard guard(X.device());  // events and stream of X's device
   auto best_ms = [&](const std::string& kernel) {
     (void)gram(X, kernel);  // warm-up (cuBLAS heuristics, allocator)
     float best = 1e30f;

@@ -213,9 +213,8 @@ MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const Gr
     mine_counted.push_back(c.grad);
     count += c.counts_param ? 1 : 0;
   }
-  // on the model's device (NCCL groups take CUDA tensors), whatever this rank owns
-  const auto params = model->parameters();
-  const at::Device dev = params.empty() ? at::Device(at::kCPU) : params.front().device();
+  // on the mesh's device (NCCL groups take CUDA tensors), whatever this rank owns or holds
+  const at::Device dev = mesh.device();
   const int64_t chunk = resolve_chunk(std::nullopt);
   bool fused = false;
   const at::Tensor part = local_partial(mine_counted, p, opts.foreach, chunk, dev, fused);
@@ -223,7 +222,7 @@ MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const Gr
   const int n = mesh.world_size();
   const at::Tensor mine = at::stack({part, at::scalar_tensor(static_cast<double>(count), part.options())});
   const at::Tensor all = at::empty({2 * n}, mine.options());
-  mesh.world().allgather_flat(all, mine, "clip_grad_norm_: partial norms").wait();
+  mesh.world().allgather_flat(all, mine, "clip_grad_norm_: partial norms").wait_host();
   const at::Tensor host = detail::read_to_host(all);
   const double* a = host.data_ptr<double>();
   double acc = 0;
@@ -268,7 +267,7 @@ SegmentedGradClipResult clip_grad_norm_buckets_(const std::vector<GradClipBucket
   const int64_t nb = static_cast<int64_t>(buckets.size());
   std::vector<const std::vector<at::Tensor>*> lists;
   for (const auto& b : buckets) lists.push_back(&b.grads), lists.push_back(&b.scale_only);
-  const at::Device dev = device_of(lists, at::Device(at::kCPU));
+  const at::Device dev = group ? group->device() : device_of(lists, at::Device(at::kCPU));
   const auto f64 = at::TensorOptions().dtype(at::kDouble).device(dev);
   const int rank = group ? group->global_rank() : 0;
   // 1. the layout every rank must share: bucket count and reduce flags (a mismatch is an error, not a hang)
@@ -278,7 +277,7 @@ SegmentedGradClipResult clip_grad_norm_buckets_(const std::vector<GradClipBucket
   if (n > 1) {
     const at::Tensor mine = at::tensor({static_cast<double>(nb), layout_code}, at::kDouble).to(dev);
     const at::Tensor all = at::empty({2 * n}, f64);
-    group->allgather_flat(all, mine, "clip_grad_norm_buckets_: bucket layout").wait();
+    group->allgather_flat(all, mine, "clip_grad_norm_buckets_: bucket layout").wait_host();
     const at::Tensor h = detail::read_to_host(all);
     const double* a = h.data_ptr<double>();
     for (int r = 0; r < n; ++r)
@@ -304,7 +303,7 @@ SegmentedGradClipResult clip_grad_norm_buckets_(const std::vector<GradClipBucket
     at::Tensor host;
     if (n > 1) {
       const at::Tensor all = at::empty({2 * nb * n}, f64);
-      group->allgather_flat(all, mine, "clip_grad_norm_buckets_: partial norms").wait();
+      group->allgather_flat(all, mine, "clip_grad_norm_buckets_: partial norms").wait_host();
       host = detail::read_to_host(all);
     } else {
       host = detail::read_to_host(mine);

@@ -219,10 +219,11 @@ void check_finite_grads(const std::vector<ReadyGrad>& ready, int rank) {
     check_finite_grad(a.k == 2 ? a.i != 0 : host.data_ptr<bool>()[a.k ? fp64_at + a.i : a.i], *a.r, rank);
 }
 
-bool first_param_is_cuda(const torch::nn::Module& model) {
+// The device of the model's first parameter when it is a GPU (step profiles time by its events).
+std::optional<at::Device> first_param_cuda_device(const torch::nn::Module& model) {
   for (const auto& p : model.parameters(true))
-    if (p.defined()) return p.is_cuda();
-  return false;
+    if (p.defined()) return p.is_cuda() ? std::optional<at::Device>(p.device()) : std::nullopt;
+  return std::nullopt;
 }
 
 double elapsed_ms(std::chrono::steady_clock::time_point t0) {
@@ -458,7 +459,7 @@ at::Tensor Muon::step(LossClosure closure) {
   TORCH_CHECK(state, "Muon::step: the model is no longer dedicated.");
   StepProfile prof;
   // CUDA events only when profiling a CUDA model; host clocks otherwise (cheap, always on)
-  detail::PhaseClock clock(options_.record_step_profile && first_param_is_cuda(*model));
+  detail::PhaseClock clock(options_.record_step_profile ? first_param_cuda_device(*model) : std::nullopt);
   const auto t_start = clock.now();
   const bool async = options_.replicate_async.value_or(state->options().replicate_async);
   // group_prepare_ahead: the dedicated route group by group (below) where there is a stage-2 reduce

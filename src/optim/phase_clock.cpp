@@ -7,27 +7,33 @@
 
 #if DMUON_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
 #endif
 
 namespace dmuon::detail {
 
 struct PhaseClock::Events {
 #if DMUON_WITH_CUDA
+  c10::DeviceIndex device = 0;
   std::vector<std::unique_ptr<at::cuda::CUDAEvent>> events;
   std::vector<std::pair<Phase, std::pair<int, int>>> spans;  // phase, (start event, end event)
   int record() {
+    const c10::cuda::CUDAGuard guard(device);  // the parameters' device, not whichever is current
     events.push_back(std::make_unique<at::cuda::CUDAEvent>(cudaEventDefault));  // timing enabled
-    events.back()->record();
+    events.back()->record(at::cuda::getCurrentCUDAStream(device));
     return static_cast<int>(events.size()) - 1;
   }
 #endif
 };
 
-PhaseClock::PhaseClock(bool cuda_events) {
+PhaseClock::PhaseClock(std::optional<at::Device> cuda_device) {
 #if DMUON_WITH_CUDA
-  if (cuda_events) events_ = std::make_unique<Events>();
+  if (cuda_device && cuda_device->is_cuda()) {
+    events_ = std::make_unique<Events>();
+    events_->device = cuda_device->has_index() ? cuda_device->index() : c10::cuda::current_device();
+  }
 #else
-  (void)cuda_events;
+  (void)cuda_device;
 #endif
 }
 

@@ -4,6 +4,10 @@
 // to the step itself (2 event records per span: ~2 us of host time each on the H200 class of GPUs).
 #pragma once
 
+#include <c10/core/Device.h>
+
+#include <optional>
+
 #include <array>
 #include <chrono>
 #include <memory>
@@ -21,7 +25,9 @@ class PhaseClock {
     std::chrono::steady_clock::time_point host;
     int event = -1;  // index of the start event (CUDA events only)
   };
-  explicit PhaseClock(bool cuda_events);
+  // `cuda_device`: time by CUDA events on that device's current stream (a device guard makes that
+  // so whatever device is current); unset: host time only.
+  explicit PhaseClock(std::optional<at::Device> cuda_device);
   ~PhaseClock();
   PhaseClock(PhaseClock&&) noexcept;
   PhaseClock& operator=(PhaseClock&&) noexcept;

@@ -198,10 +198,9 @@ void Runtime::fill_from(ParamSource& source, const std::string& name, const Tens
 
 void Runtime::agree_fills(const std::string& what) {
   const int n = mesh_->world_size();
-  auto opt = at::TensorOptions().dtype(at::kLong);
-  at::Tensor mine = at::tensor({fill_error_.empty() ? int64_t{0} : int64_t{1}}, opt);
-  at::Tensor all = at::empty({n}, opt);
-  mesh_->world().allgather_flat(all, mine, what + ": parameter values read").wait();
+  const at::Tensor mine = at::full({1}, fill_error_.empty() ? int64_t{0} : int64_t{1}, mesh_->options(at::kLong));
+  at::Tensor all = at::empty({n}, mesh_->options(at::kLong));
+  mesh_->world().allgather_flat(all, mine, what + ": parameter values read").wait_host();
   const at::Tensor host = all.cpu();
   std::string failed;
   for (int r = 0; r < n; ++r)

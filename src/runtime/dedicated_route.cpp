@@ -189,7 +189,7 @@ void DedicatedRoute::issue_unshard(int b, const char* phase) {
         payload = buf.bcast_payload;
       }
       // (a one-rank shard group sends nothing: no description to build every forward)
-      buf.bcast = comm.broadcast(payload, buf.root, comm.size() > 1 ? what(phase, b, buf) : std::string());
+      buf.bcast = comm.broadcast(payload, buf.root, comm.local_only() ? std::string() : what(phase, b, buf));
     }
     buf.state = PackedBuffer::State::Pending;
     buf.ready_pass = rt_.pass();
@@ -263,9 +263,10 @@ void DedicatedRoute::issue_reduce(int b) {
     for (int p : buf.params) ps.push_back(entries_[p].param);
     return ps;
   };
-  if (mesh.data_parallel_size() == 1) {
+  if (mesh.data_parallel_size() == 1 && comm.local_only()) {
     // one data-parallel rank: it owns every matrix and there is nothing to sum, so the gradients go
-    // straight into the accumulator (no payload, no collective, nothing to wait)
+    // straight into the accumulator (no payload, no collective, nothing to wait; with
+    // DMUON_FORCE_COLLECTIVES the reduce path below runs instead, with real collectives)
     for (auto& buf : buffers_[static_cast<size_t>(b)]) {
       TORCH_INTERNAL_ASSERT(buf.is_owner && !buf.reduce_issued && !buf.stage2_issued, "rank ", mesh.global_rank(),
                             ": the only data-parallel rank does not own, or has a reduce in flight for, '",
@@ -286,7 +287,7 @@ void DedicatedRoute::issue_reduce(int b) {
     buf.grad_payload = pack_grads(params_of(buf), buf.offsets, buf.numel + np, buf.numel,
                                   buf.flat.options().dtype(buf.prec.reduce));
     buf.reduce = comm.reduce(buf.grad_payload, buf.root, Reduction::Sum,
-                             comm.size() > 1 ? what("gradient reduce", b, buf) : std::string());
+                             comm.local_only() ? std::string() : what("gradient reduce", b, buf));
     buf.reduce_issued = true;
   }
   sent_reduces_.push_back(b);
@@ -598,7 +599,7 @@ void DedicatedRoute::gather_full(const TensorSink& put) {
     }
     // over the data-parallel ranks of this TP position (the world without TP)
     mesh.dp().broadcast(t, OwnerPlan::slot_index(e.owner, mesh.shard_size()), "checkpoint: '" + e.name +
-                                                                               "' from its owner").wait();
+                                                                               "' from its owner").wait_host();
     put(e.name, t);
   }
 }

@@ -42,14 +42,17 @@ void check_plan_agreement(Mesh& mesh, const OwnerPlan& plan, const std::vector<P
                           const std::exception_ptr& failure) {
   const int rank = mesh.global_rank();
   // [fingerprint, count, setup failed] from every rank; a mismatch names the first differing parameter.
-  auto opt = at::TensorOptions().dtype(at::kLong);
+  // built on the host, exchanged on the mesh's device (NCCL takes CUDA tensors only)
+  const auto host_opt = at::TensorOptions().dtype(at::kLong);
   uint64_t fp = plan.fingerprint ^ base_digest;
   for (const auto& pr : precisions) fp = fp * 1099511628211ull ^ precision_digest(pr);
-  at::Tensor mine = at::tensor(
-      {static_cast<int64_t>(fp), static_cast<int64_t>(specs.size()), failure ? int64_t{1} : int64_t{0}}, opt);
+  const at::Tensor mine =
+      at::tensor({static_cast<int64_t>(fp), static_cast<int64_t>(specs.size()), failure ? int64_t{1} : int64_t{0}},
+                 host_opt)
+          .to(mesh.device());
   const int n = mesh.world_size();
-  at::Tensor all = at::empty({3 * n}, opt);
-  mesh.world().allgather_flat(all, mine, "plan fingerprint check").wait();
+  at::Tensor all = at::empty({3 * n}, mesh.options(at::kLong));
+  mesh.world().allgather_flat(all, mine, "plan fingerprint check").wait_host();
   const at::Tensor host = all.cpu();
   const int64_t* a = host.data_ptr<int64_t>();
   std::string failed;
@@ -77,12 +80,12 @@ void check_plan_agreement(Mesh& mesh, const OwnerPlan& plan, const std::vector<P
     // per-parameter digests of the specs alone, then one of the resolved planner options (a plan of
     // no parameters): the first parameter whose spec differs from rank 0's, else the options
     const int64_t np = static_cast<int64_t>(specs.size());
-    at::Tensor d = at::empty({np + 1}, opt);
+    at::Tensor d = at::empty({np + 1}, host_opt);
     for (int64_t i = 0; i < np; ++i)
       d[i] = static_cast<int64_t>(spec_digest(specs[static_cast<size_t>(i)], precisions[static_cast<size_t>(i)]));
     d[np] = static_cast<int64_t>(plan_owners({}, 1, 1, po).fingerprint);
-    at::Tensor alld = at::empty({(np + 1) * n}, opt);
-    mesh.world().allgather_flat(alld, d, "plan fingerprint diagnosis").wait();
+    at::Tensor alld = at::empty({(np + 1) * n}, mesh.options(at::kLong));
+    mesh.world().allgather_flat(alld, d.to(mesh.device()), "plan fingerprint diagnosis").wait_host();
     const at::Tensor hd = alld.cpu();
     const int64_t* dd = hd.data_ptr<int64_t>();
     for (int64_t i = 0; i <= np && detail.empty(); ++i)

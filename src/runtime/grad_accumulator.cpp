@@ -81,7 +81,8 @@ void GradAccumulator::fold(const at::Tensor& payload, int64_t numel, int64_t nfl
   at::NoGradGuard ng;
   at::Tensor avg = payload.narrow(0, 0, numel).to(master);
   if (divisor != 1.0) avg = avg.div(divisor);
-  const at::Tensor flags = payload.narrow(0, numel, nflags).to(master);
+  // a copy of the few flags: a view would keep the whole payload alive beside a sum that was copied
+  const at::Tensor flags = payload.narrow(0, numel, nflags).to(master, /*non_blocking=*/false, /*copy=*/true);
   if (!sum_.defined()) {  // the first backward pass defines the sum, later ones add to it
     // (a view of the payload when no cast or division made a copy: the payload is dropped after)
     sum_ = avg;

@@ -93,7 +93,7 @@ void ReplicatedRoute::end_of_backward() {
     Bucket& b = buckets_[bi];
     std::vector<at::Tensor> ps;
     for (int i : b.params) ps.push_back(params_[static_cast<size_t>(i)]);
-    if (comm.size() == 1) {  // one data-parallel rank: nothing to sum, the gradients are the average
+    if (comm.local_only()) {  // one data-parallel rank: nothing to sum, the gradients are the average
       b.acc.fold_grads(ps, b.offsets, b.numel, b.prec.reduce, b.prec.master, ps.front().options());
       continue;
     }

@@ -25,13 +25,15 @@ std::string fresh_temp_dir(const std::string& prefix) {
   return std::string(buf.data());
 }
 
-void run_ranks(int world, const std::function<void(RankContext&)>& fn, std::chrono::milliseconds timeout) {
+void run_ranks(int world, const std::function<void(RankContext&)>& fn, std::chrono::milliseconds timeout,
+               const std::optional<LoopbackOptions>& loopback) {
   const std::string dir = fresh_temp_dir("dmuon-store");
   const std::string path = dir + "/store";
   // dmuon's store backend (no Gloo in this LibTorch, or DMUON_CPU_BACKEND=store) moves every payload
   // through the store: one in-memory HashStore shared by the rank threads keeps that fast.
-  const StorePtr shared =
-      gloo_available() && env::cpu_backend() != "store" ? StorePtr() : StorePtr(c10::make_intrusive<c10d::HashStore>());
+  const StorePtr shared = gloo_available() && env::cpu_backend() != "store" && !loopback
+                             ? StorePtr()
+                             : StorePtr(c10::make_intrusive<c10d::HashStore>());
   std::vector<std::thread> threads;
   std::mutex mu;
   std::string first_error;
@@ -53,7 +55,14 @@ void run_ranks(int world, const std::function<void(RankContext&)>& fn, std::chro
         ctx.rank = r;
         ctx.world = world;
         ctx.store = shared ? shared : make_file_store(path, world);
-        ctx.pg = make_process_group(ctx.store, r, world, c10::DeviceType::CPU, timeout);
+        if (loopback) {
+          ctx.pg = make_loopback_process_group(ctx.store, r, world, *loopback, timeout);
+          ctx.factory = loopback_process_group_factory(*loopback);
+          ctx.device = loopback->device;
+        } else {
+          ctx.pg = make_process_group(ctx.store, r, world, c10::DeviceType::CPU, timeout);
+          ctx.factory = process_group_factory(c10::DeviceType::CPU);
+        }
         fn(ctx);
       } catch (const std::exception& e) {
         std::lock_guard<std::mutex> g(mu);

@@ -4,10 +4,12 @@
 
 #include <chrono>
 #include <functional>
+#include <optional>
 #include <exception>
 #include <stdexcept>
 #include <string>
 
+#include "dmuon/bootstrap.h"
 #include "dmuon/process_group.h"
 
 namespace dmuon::testing {
@@ -36,12 +38,16 @@ struct RankContext {
   int world = 1;
   StorePtr store;     // the FileStore all ranks share
   CommPtr pg;         // a Gloo world group
+  ProcessGroupFactory factory;  // what the rank's meshes build their groups with
+  at::Device device{at::kCPU};  // where the groups' tensors live
 };
 
 // Runs fn on `world` threads, one per rank, each with its own Gloo group over one fresh FileStore.
 // Rethrows the first failure as a std::runtime_error prefixed with the rank. Collective timeouts
-// are `timeout` so a broken test fails instead of hanging.
+// are `timeout` so a broken test fails instead of hanging. With `loopback`, every group (the world
+// and the meshes') is dmuon's loopback backend on loopback->device instead (one in-memory store).
 void run_ranks(int world, const std::function<void(RankContext&)>& fn,
-               std::chrono::milliseconds timeout = std::chrono::seconds(60));
+               std::chrono::milliseconds timeout = std::chrono::seconds(60),
+               const std::optional<LoopbackOptions>& loopback = std::nullopt);
 
 }  // namespace dmuon::testing

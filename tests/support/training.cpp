@@ -172,14 +172,15 @@ void dedicate_gpt(GPT& m, const std::shared_ptr<Mesh>& mesh, const Layout& l, De
 }
 
 double max_rel(const at::Tensor& a, const at::Tensor& b) {
-  const double scale = std::max(b.to(at::kDouble).norm().item<double>(), 1e-12);
-  return (a.to(at::kDouble) - b.to(at::kDouble)).norm().item<double>() / scale;
+  const at::Tensor A = a.to(at::kDouble).cpu(), B = b.to(at::kDouble).cpu();  // either may be on a GPU
+  const double scale = std::max(B.norm().item<double>(), 1e-12);
+  return (A - B).norm().item<double>() / scale;
 }
 
 std::shared_ptr<Mesh> make_mesh(RankContext& ctx, std::chrono::milliseconds timeout, int replicate, int tp) {
   MeshOptions mo;
   mo.store = ctx.store;
-  mo.factory = process_group_factory(c10::DeviceType::CPU);
+  mo.factory = ctx.factory;
   mo.timeout = timeout;
   mo.replicate_size = replicate;
   mo.tp_size = tp;
