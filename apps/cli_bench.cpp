@@ -22,6 +22,7 @@
 #include <numeric>
 #include <optional>
 #include <sstream>
+#include <tuple>
 
 #include <unistd.h>
 
@@ -595,9 +596,23 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
     }
     std::vector<int> ns;
     std::stringstream ss(a.ranks);
-    for (std::string tok; std::getline(ss, tok, ',');) ns.push_back(std::stoi(tok));
+    for (std::string tok; std::getline(ss, tok, ',');) {
+      if (tok.empty() || tok.size() > 3 || tok.find_first_not_of("0123456789") != std::string::npos ||
+          std::stoi(tok) < 1 || std::stoi(tok) > 64)
+        throw std::invalid_argument("--ranks '" + a.ranks + "': '" + tok + "' is not a rank count; --ranks is a "
+                                    "comma-separated list of rank counts from 1 to 64, e.g. 2,4");
+      ns.push_back(std::stoi(tok));
+    }
+    if (ns.empty()) throw std::invalid_argument("--ranks is empty; pass rank counts, e.g. --ranks 2,4");
+    for (const auto& [flag, v, min] : {std::tuple<const char*, int64_t, int64_t>{"--steps", a.steps, 1},
+                                       {"--warmup", a.warmup, 0}, {"--batch", a.batch, 1}, {"--seq-len", a.seq_len, 2},
+                                       {"--d-model", a.d_model, 1}, {"--layers", a.layers, 1}, {"--heads", a.heads, 1},
+                                       {"--d-ff", a.d_ff, 0}})
+      if (v < min)
+        throw std::invalid_argument(std::string(flag) + " must be >= " + std::to_string(min) + " (got " +
+                                    std::to_string(v) + ")");
     for (int n : ns) {
-      if (n < 1 || a.batch % n != 0)
+      if (a.batch % n != 0)
         throw std::invalid_argument("--batch " + std::to_string(a.batch) + " must split evenly over " +
                                     std::to_string(n) + " ranks");
       if (a.replicate < 1 || n % a.replicate != 0)
@@ -668,7 +683,7 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
     write_file_atomic(a.out + "/bench_step.json", all.dump(2));
     return 0;
   } catch (const std::exception& e) {
-    err << "error: " << e.what() << "\n";
+    err << "error: " << error_text(e) << "\n";
     return 1;
   }
 }

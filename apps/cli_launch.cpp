@@ -1,6 +1,7 @@
 #include "cli_launch.h"
 
 #include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -54,7 +55,7 @@ class StderrRelay {
  public:
   explicit StderrRelay(std::ostream& err) : err_(err) {}
   ~StderrRelay() { close_all(); }
-  void add(int rank, int fd) { chans_.push_back(Chan{rank, fd, "", {}, -1, ""}); }
+  void add(int rank, int fd) { chans_.push_back(Chan{rank, fd, "", {}, -1, "", false}); }
   void close_all() {
     for (auto& c : chans_)
       if (c.fd >= 0) {
@@ -63,11 +64,12 @@ class StderrRelay {
       }
   }
   // A rank ended; `failure` says how when it failed ("exited with status 1"), "" when it succeeded.
-  void exited(int rank, const std::string& failure) {
+  void exited(int rank, const std::string& failure, bool signaled = false) {
     for (auto& c : chans_)
       if (c.rank == rank && !failure.empty()) {
         c.exit_order = next_exit_++;
         c.failure = failure;
+        c.signaled = signaled;
       }
   }
   // Waits up to `ms` for output and relays it.
@@ -110,9 +112,13 @@ class StderrRelay {
     std::string all;
     for (const Chan* c : order)
       for (const auto& l : c->errors) all += l + "\n";
-    // the summary names the first failure: the rank whose error comes first in that order (it may
-    // have been stopped by us while it was exiting), else the first rank seen failing
-    const Chan* first = order.empty() ? nullptr : order.front();
+    // the summary names the first failure: a rank killed by a signal we did not send (it could say
+    // nothing; the others' errors are the consequence), else the rank whose error comes first in
+    // that order (it may have been stopped by us while it was exiting), else the first rank seen failing
+    const Chan* first = nullptr;
+    for (const auto& c : chans_)
+      if (c.signaled && (!first || c.exit_order < first->exit_order)) first = &c;
+    if (!first && !order.empty()) first = order.front();
     if (!first)
       for (const auto& c : chans_)
         if (!c.failure.empty() && (!first || c.exit_order < first->exit_order)) first = &c;
@@ -130,6 +136,7 @@ class StderrRelay {
     std::vector<std::string> errors;
     int exit_order;
     std::string failure;
+    bool signaled;  // killed by a signal the launcher did not send
   };
   void read_from(Chan& c) {
     char buf[4096];
@@ -159,6 +166,20 @@ class StderrRelay {
 };
 
 std::atomic<int> g_signal{0};
+std::string signal_name(int sig) {
+  switch (sig) {
+    case SIGKILL: return "SIGKILL";
+    case SIGTERM: return "SIGTERM";
+    case SIGINT: return "SIGINT";
+    case SIGSEGV: return "SIGSEGV";
+    case SIGABRT: return "SIGABRT";
+    case SIGBUS: return "SIGBUS";
+    case SIGFPE: return "SIGFPE";
+    case SIGILL: return "SIGILL";
+    case SIGHUP: return "SIGHUP";
+    default: return "signal " + std::to_string(sig);
+  }
+}
 void on_signal(int sig) { g_signal = sig; }
 }  // namespace
 
@@ -242,8 +263,9 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
   int status_out = 0;
   int remaining = static_cast<int>(kids.size());
   std::vector<bool> done(kids.size(), false);
-  bool stopping = false;
+  bool stopping = false, sent_kill = false;
   auto stop_all = [&](int sig) {
+    sent_kill = sent_kill || sig == SIGKILL;
     for (size_t i = 0; i < kids.size(); ++i)
       if (!done[i]) ::kill(kids[i], sig);
   };
@@ -257,11 +279,15 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
         done[i] = true;
         --remaining;
         const bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
-        // ranks the launcher stopped (SIGTERM/SIGKILL after the first failure) are not failures
-        const bool stopped_by_us = stopping && WIFSIGNALED(st);
+        // ranks the launcher stopped (SIGTERM, then SIGKILL, after the first failure) are not failures;
+        // a rank killed by another signal (SIGKILL before ours, SIGSEGV, ...) is the cause
+        const int sig = WIFSIGNALED(st) ? WTERMSIG(st) : 0;
+        const bool stopped_by_us = stopping && (sig == SIGTERM || (sig == SIGKILL && sent_kill));
         if (!ok && !stopped_by_us)
-          relay.exited(static_cast<int>(i), WIFSIGNALED(st) ? "was killed by signal " + std::to_string(WTERMSIG(st))
-                                                            : "exited with status " + std::to_string(WEXITSTATUS(st)));
+          relay.exited(static_cast<int>(i),
+                       sig ? "was killed by signal " + std::to_string(sig) + " (" + signal_name(sig) + ")"
+                           : "exited with status " + std::to_string(WEXITSTATUS(st)),
+                       sig != 0);
         if (!ok && !stopping) {
           status_out = WIFEXITED(st) ? WEXITSTATUS(st) : 1;
           if (status_out == 0) status_out = 1;
@@ -273,9 +299,9 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
       continue;
     }
     if (g_signal != 0 && !stopping) {
-      err << "\ninterrupted (signal " << g_signal.load() << "): stopping " << remaining << " rank(s)\n";
+      err << "\ninterrupted (" << signal_name(g_signal.load()) << "): stopping " << remaining << " rank(s)\n";
       stopping = true;
-      status_out = 130;
+      status_out = 128 + g_signal.load();  // the shell's convention: 130 for SIGINT, 143 for SIGTERM
       stop_all(SIGTERM);
       stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     }
@@ -310,6 +336,13 @@ std::optional<int> parse_args(CLI::App& app, std::vector<std::string> args, std:
     return 2;
   }
   return std::nullopt;
+}
+
+std::string error_text(const std::exception& e) {
+  const auto* ce = dynamic_cast<const c10::Error*>(&e);
+  std::string msg = ce ? ce->what_without_backtrace() : e.what();
+  if (const auto cut = msg.find("\nException raised from"); cut != std::string::npos) msg = msg.substr(0, cut);
+  return msg;
 }
 
 void write_file_atomic(const std::string& path, const std::string& content) {

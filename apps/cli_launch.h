@@ -2,6 +2,7 @@
 // launcher that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT).
 #pragma once
 
+#include <exception>
 #include <functional>
 #include <optional>
 #include <ostream>
@@ -48,6 +49,10 @@ std::optional<int> parse_args(CLI::App& app, std::vector<std::string> args, std:
 // reset by peer" after a finished run): so all pass a barrier, then rank 0 waits (up to timeout_s)
 // until every rank has marked `who` done in the store before it exits.
 void leave_together(Communicator& group, const StorePtr& store, const std::string& who, double timeout_s);
+
+// What the CLI prints for a failure: the message without a C++ backtrace (c10::Error's frames and
+// "Exception raised from ..." lines are for developers, not for the user who passed a bad flag).
+std::string error_text(const std::exception& e);
 
 // Writes `content` to `path` atomically (temporary file in the same directory, then rename).
 void write_file_atomic(const std::string& path, const std::string& content);

@@ -3,6 +3,7 @@
 
 #include <c10/util/Exception.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -50,6 +51,24 @@ void fsync_dir(const std::string& dir) {
   ::fsync(fd);
   ::close(fd);
 }
+// Removes the temporary files earlier writes of `target` left behind when their process died
+// mid-write (kill -9, a crash, SIGTERM): ".NAME.tmp-PID" beside it whose PID no longer runs. Those of
+// live processes (another writer right now) are left alone.
+void remove_stale_temps(const std::filesystem::path& dir, const std::string& prefix) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string digits = name.substr(prefix.size());
+    if (digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 9) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(digits));
+    if (pid == ::getpid() || pid <= 0) continue;
+    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)
+    std::error_code rm;
+    fs::remove(it->path(), rm);
+  }
+}
 }  // namespace
 
 void write_atomically(const std::string& path, const std::string& who, const std::function<void(int fd)>& body) {
@@ -57,9 +76,11 @@ void write_atomically(const std::string& path, const std::string& who, const std
   const fs::path target(path);
   const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
   TORCH_CHECK(fs::is_directory(dir), who, ": the directory of '", path, "' does not exist; create it first.");
-  std::string tmp_name = target.filename().string();
-  tmp_name.insert(0, 1, '.');
-  tmp_name.append(".tmp-").append(std::to_string(::getpid()));
+  std::string prefix = target.filename().string();  // ".NAME.tmp-" (built so: GCC 12 misreads "." + s as overlapping)
+  prefix.insert(0, 1, '.');
+  prefix.append(".tmp-");
+  remove_stale_temps(dir, prefix);
+  const std::string tmp_name = prefix + std::to_string(::getpid());
   const fs::path tmp = dir / tmp_name;
   try {
     {
