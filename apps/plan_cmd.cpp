@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -710,7 +711,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out, const Calibrate
 
   for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--hf-config", a.hf_config},
                                    {"--params", a.params_file}})
-    if (!path.empty())
+    if (!path.empty() && std::filesystem::exists(path))  // a missing one: the loader's "cannot open"
       if (const std::string why = input_file_problem(path); !why.empty())
         throw UsageError(std::string(flag) + " " + path + ": " + why);
   if (!a.calibrate.empty())  // before minutes of measuring

@@ -76,7 +76,10 @@ void check_hyperparameter(const std::string& what, double v, HparamRange range) 
     case HparamRange::NonNegative: ok = ok && v >= 0; must = ">= 0"; break;
     case HparamRange::UnitInterval: ok = ok && v >= 0 && v < 1; must = "in [0, 1)"; break;
     case HparamRange::Positive: ok = ok && v > 0; must = "> 0"; break;
-    case HparamRange::Count: ok = ok && v >= 1 && v <= 1000 && v == std::floor(v); must = "an integer in [1, 1000]"; break;
+    case HparamRange::Count:
+      ok = ok && v >= 1 && v <= 1000 && v == std::floor(v);
+      must = v < 1 ? ">= 1" : "an integer in [1, 1000]";
+      break;
   }
   TORCH_CHECK(ok, what, ": ", v, ". Must be ", std::isfinite(v) ? "" : "a finite number ", must, ".");
 }
