@@ -1,5 +1,7 @@
 #include "cli_launch.h"
 
+#include "dmuon/files.h"
+
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
@@ -346,20 +348,7 @@ std::string error_text(const std::exception& e) {
 }
 
 void write_file_atomic(const std::string& path, const std::string& content) {
-  const std::filesystem::path p(path);
-  std::string name(1, '.');
-  name += p.filename().string();
-  name += ".tmp";
-  name += std::to_string(::getpid());
-  const std::filesystem::path tmp = p.parent_path() / name;
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw std::runtime_error("cannot write " + tmp.string());
-    f << content;
-    f.flush();
-    if (!f) throw std::runtime_error("write failed for " + tmp.string());
-  }
-  std::filesystem::rename(tmp, p);
+  write_file_atomically(path, content, "writing " + path);
 }
 
 void leave_together(Communicator& group, const StorePtr& store, const std::string& who, double timeout_s) {

@@ -54,7 +54,7 @@ void leave_together(Communicator& group, const StorePtr& store, const std::strin
 // "Exception raised from ..." lines are for developers, not for the user who passed a bad flag).
 std::string error_text(const std::exception& e);
 
-// Writes `content` to `path` atomically (temporary file in the same directory, then rename).
+// Writes `content` to `path` atomically (dmuon::write_file_atomically).
 void write_file_atomic(const std::string& path, const std::string& content);
 
 }  // namespace dmuon::cli

@@ -27,6 +27,7 @@
 #include "dmuon/checkpoint.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"
+#include "dmuon/files.h"
 #include "dmuon/memory.h"
 #include "dmuon/muon.h"
 #include "model/dedicated_gpt.h"
@@ -824,7 +825,12 @@ int run_train_command(const std::vector<std::string>& args, std::ostream& out, s
         lo.port = b.port;
         lo.args = bargs;
         lo.subcommand = "train";
-        return launch_local_ranks(lo, err);
+        const int rc = launch_local_ranks(lo, err);
+        if (rc != 0)  // ranks stopped mid-write leave temporaries beside their outputs
+          for (const std::string& p : {b.checkpoint, b.export_safetensors, b.out + "/metrics.csv", b.out + "/loss.svg",
+                                       b.out + "/summary.json"})
+            if (!p.empty()) remove_stale_temporaries(p);
+        return rc;
       };
       if (!a.compare.empty() && a.optimizer != "dmuon")
         bad("--compare adamw trains DMuon against AdamW itself; leave --optimizer out (or at dmuon)");

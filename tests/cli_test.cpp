@@ -599,10 +599,18 @@ TEST(CliTest, AFailingRankIsReportedFirstAndLinesAreWhole) {
 }
 
 // Item 8: a rank killed by a signal is the cause, whatever the survivors say after it.
+// Item 10: after stopping its ranks the launcher removes the temporaries dead writers left beside the outputs.
 TEST(CliTest, ARankKilledBySignalIsNamedNotASurvivor) {
   const std::string out = temp_dir();
-  const Result r = run("train --ranks 3 --steps 20 --batch 6 --seq-len 16 --d-model 32 --layers 2 --timeout 20 --out " +
-                           out, 120, "DMUON_TEST_FAIL_AT=2:3:kill");
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // a PID of no process, as a killed rank's
+  const std::string stale = out + "/.ck.pt.tmp-" + std::to_string(child);
+  std::ofstream(stale) << "half a checkpoint";
+  const Result r = run("train --ranks 3 --steps 20 --batch 6 --seq-len 16 --d-model 32 --layers 2 --timeout 20 "
+                       "--checkpoint " + out + "/ck.pt --out " + out, 120, "DMUON_TEST_FAIL_AT=2:3:kill");
+  EXPECT_FALSE(std::filesystem::exists(stale)) << "a dead writer's temporary file was left";
   EXPECT_NE(r.status, 0) << r.output;
   const auto at = r.output.rfind("error: rank ");
   ASSERT_NE(at, std::string::npos) << r.output;

@@ -401,6 +401,11 @@ Checkpoint load_checkpoint(const std::string& path, bool include_model, bool all
   unsigned char h[kHeaderSize] = {};
   const size_t got = io::read_at(f.fd, h, kHeaderSize, 0);
   if (got >= 4 && std::memcmp(h, "PK\x03\x04", 4) == 0) refuse_zip(path);
+  // a safetensors file whose header length is out of bounds (damaged): the safetensors reader says so
+  const std::string ext = ".safetensors";
+  if ((got > 8 && h[8] == '{') ||
+      (path.size() > ext.size() && path.compare(path.size() - ext.size(), ext.size(), ext) == 0))
+    return io::load_checkpoint_safetensors(path, include_model, allow_unverified);
   TORCH_CHECK(got >= sizeof(kMagic) && std::memcmp(h, kMagic, sizeof(kMagic)) == 0, "load_checkpoint: '", path,
               "' is not a readable checkpoint: it does not begin with the dmuon checkpoint header (a text file, "
               "another format, or a checkpoint whose first bytes are damaged?).", what_fix);

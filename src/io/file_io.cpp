@@ -1,6 +1,8 @@
 // The io layer's file primitives (see file_io.h).
 #include "file_io.h"
 
+#include "dmuon/files.h"
+
 #include <c10/util/Exception.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -69,6 +71,13 @@ void remove_stale_temps(const std::filesystem::path& dir, const std::string& pre
     fs::remove(it->path(), rm);
   }
 }
+// ".NAME.tmp-" of the temporary files beside `target` (built so: GCC 12 misreads "." + s as overlapping)
+std::string temp_prefix(const std::filesystem::path& target) {
+  std::string prefix = target.filename().string();
+  prefix.insert(0, 1, '.');
+  prefix.append(".tmp-");
+  return prefix;
+}
 }  // namespace
 
 void write_atomically(const std::string& path, const std::string& who, const std::function<void(int fd)>& body) {
@@ -76,9 +85,7 @@ void write_atomically(const std::string& path, const std::string& who, const std
   const fs::path target(path);
   const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
   TORCH_CHECK(fs::is_directory(dir), who, ": the directory of '", path, "' does not exist; create it first.");
-  std::string prefix = target.filename().string();  // ".NAME.tmp-" (built so: GCC 12 misreads "." + s as overlapping)
-  prefix.insert(0, 1, '.');
-  prefix.append(".tmp-");
+  const std::string prefix = temp_prefix(target);
   remove_stale_temps(dir, prefix);
   const std::string tmp_name = prefix + std::to_string(::getpid());
   const fs::path tmp = dir / tmp_name;
@@ -100,3 +107,20 @@ void write_atomically(const std::string& path, const std::string& who, const std
 }
 
 }  // namespace dmuon::io
+
+namespace dmuon {
+
+void write_file_atomically(const std::string& path, const std::string& content, const std::string& who) {
+  io::write_atomically(path, who, [&](int fd) {
+    if (const int e = io::write_all(fd, content.data(), content.size(), 0); e != 0)
+      throw std::runtime_error(std::strerror(e));
+  });
+}
+
+void remove_stale_temporaries(const std::string& path) {
+  const std::filesystem::path target(path);
+  const std::filesystem::path dir = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
+  io::remove_stale_temps(dir, io::temp_prefix(target));
+}
+
+}  // namespace dmuon
