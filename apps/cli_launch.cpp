@@ -269,7 +269,10 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
   auto stop_all = [&](int sig) {
     sent_kill = sent_kill || sig == SIGKILL;
     for (size_t i = 0; i < kids.size(); ++i)
-      if (!done[i]) ::kill(kids[i], sig);
+      if (!done[i]) {
+        ::kill(kids[i], sig);
+        ::kill(kids[i], SIGCONT);  // a stopped rank (SIGSTOP, ^Z) takes the signal now, not when continued
+      }
   };
   auto stop_deadline = std::chrono::steady_clock::now();
   while (remaining > 0) {

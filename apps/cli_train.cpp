@@ -508,7 +508,18 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   TrainRun r;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   const c10::DeviceType dev_type = a.device == "cuda" ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
-  r.boot = bootstrap_from_environment(dev_type, timeout);
+  // fault injection for tests: DMUON_TEST_FAIL_AT=<rank>:0:stop stops that rank (SIGSTOP) before it connects
+  if (const char* f = std::getenv("DMUON_TEST_FAIL_AT"); f && std::getenv("RANK"))
+    if (std::string(f) == std::string(std::getenv("RANK")) + ":0:stop") ::raise(SIGSTOP);
+  try {
+    r.boot = bootstrap_from_environment(dev_type, timeout);
+  } catch (const std::exception& e) {  // the phase and the flag that bounds it (the library names no phase)
+    const char* rank = std::getenv("RANK");
+    std::ostringstream m;
+    m << "setup: rank " << (rank ? rank : "0") << " could not connect to the other ranks within --timeout "
+      << a.timeout_s << " s (is a rank stopped, crashed or unreachable?): " << error_text(e);
+    bad(m.str());
+  }
   r.rank = r.boot.rank;
   r.world = r.boot.world_size;
   r.device = dev_type == c10::DeviceType::CUDA ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(r.boot.local_rank))

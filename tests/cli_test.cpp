@@ -618,6 +618,16 @@ TEST(CliTest, ARankKilledBySignalIsNamedNotASurvivor) {
   std::filesystem::remove_all(out);
 }
 
+// Item 9 (the CLI's part): a rank that never connects fails setup within --timeout, naming the phase.
+TEST(CliTest, ARankStoppedBeforeSetupFailsWithinTheTimeoutNamingThePhase) {
+  const std::string out = temp_dir();
+  const Result r = run("train --ranks 2 --steps 5 --batch 2 --seq-len 16 --d-model 32 --layers 1 --timeout 5 --out " +
+                           out, 120, "DMUON_TEST_FAIL_AT=1:0:stop");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("could not connect to the other ranks within --timeout 5 s"), std::string::npos) << r.output;
+  std::filesystem::remove_all(out);
+}
+
 TEST(CliTest, AdamwBaselineAndGradientAccumulation) {
   // --optimizer adamw: no Muon matrix, no NS; trains
   const std::string o1 = temp_dir();
