@@ -100,7 +100,8 @@ void add_options(CLI::App& app, TrainArgs& a) {
                  "data, split, seed and batch must be the checkpoint's run's; metrics.csv in the same --out keeps "
                  "its earlier rows");
   app.add_flag("--allow-data-change", a.allow_data_change,
-               "--resume on other data or another validation split than the run that wrote the checkpoint");
+               "--resume with other data or sampling than the run that wrote the checkpoint: --data, the held-out "
+               "split (--eval-every 0 / --val-fraction), --seed, --batch, --seq-len");
   app.add_flag("--allow-unverified-checkpoint", a.allow_unverified,
                "--resume a .safetensors checkpoint that has no \"crc32c\" metadata (written by another tool; "
                "dmuon's own always have it): its tensors cannot be verified");
@@ -374,10 +375,12 @@ class CheckedSource : public ParamSource {
     inner_->fill(name, region, out);
     if (!out.is_floating_point() || out.numel() == 0) return;
     const at::Tensor v = out.detach();
-    if (const int64_t n = at::logical_not(at::isfinite(v)).sum().item<int64_t>(); n > 0)
-      bad(what_ + ": tensor '" + name + "' holds " + std::to_string(n) + " NaN or infinite value(s); the file is "
-          "damaged or was written by a run that diverged");
-    if (const double peak = v.abs().max().item<double>(); peak > kMaxMagnitude) {
+    const double hi = v.max().item<double>(), lo = v.min().item<double>();  // NaN propagates; no copy of v
+    if (!std::isfinite(hi) || !std::isfinite(lo))
+      bad(what_ + ": tensor '" + name + "' holds " +
+          std::to_string(at::logical_not(at::isfinite(v)).sum().item<int64_t>()) + " NaN or infinite value(s); the "
+          "file is damaged or was written by a run that diverged");
+    if (const double peak = std::max(std::abs(hi), std::abs(lo)); peak > kMaxMagnitude) {
       std::ostringstream m;
       m << what_ << ": tensor '" << name << "' holds a value of magnitude " << peak << " (above " << kMaxMagnitude
         << ", which no trained model's weights reach); the file is damaged or is not a model's weights";
@@ -392,7 +395,8 @@ class CheckedSource : public ParamSource {
 };
 
 // What defines a run, stored in its checkpoints (metadata "dmuon.run.<key>") and compared on
-// --resume: the architecture, the data (digest, size, held-out split), the seed and the batch.
+// --resume: the architecture and optimizer, and the data and its sampling (digest, size, held-out
+// split, seed, batch, sequence length; --allow-data-change accepts a change of those).
 struct RunKey {
   std::string key, flag, value;
   bool data;  // a difference --allow-data-change accepts
@@ -413,10 +417,11 @@ std::vector<RunKey> run_identity(const TrainArgs& a, const TrainRun& r) {
     crc << "hf config.json crc32c " << std::hex << checkpoint_crc32c(text.data(), text.size());
     k.push_back({"model", "--hf-config", crc.str(), false});
   }
-  k.push_back({"seq_len", "--seq-len", std::to_string(a.seq_len), false});
   k.push_back({"optimizer", "--optimizer", a.optimizer, false});
-  k.push_back({"seed", "--seed", std::to_string(a.seed), false});
-  k.push_back({"batch", "--batch", std::to_string(a.batch), false});
+  // the data and how it is sampled (sample_batch: seed, step, batch, seq_len)
+  k.push_back({"seq_len", "--seq-len", std::to_string(a.seq_len), true});
+  k.push_back({"seed", "--seed", std::to_string(a.seed), true});
+  k.push_back({"batch", "--batch", std::to_string(a.batch), true});
   std::ostringstream d;
   d << r.data_bytes << " bytes, crc32c " << std::hex << r.data_crc32c;
   k.push_back({"data", "--data", d.str(), true});
@@ -454,8 +459,8 @@ void check_same_run(const TrainArgs& a, const TrainRun& r, const Checkpoint& ck,
   }
   bad("--resume " + a.resume + " was written by another run; it differs in:" + diffs + "\nResume with the same "
       "values" + (only_data ? std::string(" (or pass --allow-data-change to continue on other data)") :
-                              std::string(" (a changed model cannot resume; start a new run with --init-from the "
-                                          "exported weights)")));
+                              std::string(" (a changed model or optimizer cannot resume; start a new run with "
+                                          "--init-from the exported weights)")));
 }
 
 // --resume: learning rates and weight decay are the checkpoint's, unless given (then logged as overrides).
