@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "cli_commands.h"
+#include "cli_files.h"
 #include "cli_launch.h"
 #include "cli_text.h"
 #include "dmuon/bootstrap.h"
@@ -589,6 +590,9 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
   try {
     if (launched_as_rank()) return run_bench_rank(a, out);
     if (!a.predict.empty()) {
+      if (std::filesystem::exists(a.predict))  // a file, not a preset name
+        if (const std::string why = input_file_problem(a.predict); !why.empty())
+          throw std::invalid_argument("--predict " + a.predict + ": " + why);
       load_hardware(a.predict);  // a bad description fails here, before any rank starts
       if (a.steps < 1)
         throw std::invalid_argument("--predict calibrates between measured steps: it needs --steps >= 1, got " +

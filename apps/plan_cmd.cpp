@@ -710,7 +710,8 @@ int run(const std::vector<std::string>& argv, std::ostream& out, const Calibrate
   opts.ns_steps = a.ns_steps;
 
   for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--hf-config", a.hf_config},
-                                   {"--params", a.params_file}})
+                                   {"--params", a.params_file}, {"--ns-profile", a.ns_profile},
+                                   {"--hardware", a.hardware}})
     if (!path.empty() && std::filesystem::exists(path))  // a missing one: the loader's "cannot open"
       if (const std::string why = input_file_problem(path); !why.empty())
         throw UsageError(std::string(flag) + " " + path + ": " + why);

@@ -494,6 +494,8 @@ TEST(CliTest, BadInputsOfIssue34AreRefusedNamingTheCause) {
            {"plan --hf-config " + d + "/adir", "--hf-config " + d + "/adir: is a directory", 2},
            {"plan --hf-config " + fifo, "is not a regular file", 2},
            {"plan --params " + d + "/empty.json", "has no parameters", 2},
+           {"plan --model llama3-8b --simulate --hardware " + d + "/adir", "--hardware " + d + "/adir: is a directory", 2},
+           {"bench step --predict " + d + "/adir", "--predict " + d + "/adir: is a directory", 1},
            {"plan --model llama3-8b --include no_such_param", "--include matches no parameter", 2},
            {"plan --model llama3-8b --calibrate " + d + "/adir", "--calibrate " + d + "/adir: is a directory", 2},
            {"bench step --ranks 0", "'0' is not a rank count", 1},
