@@ -514,8 +514,9 @@ TEST(CliTest, BadInputsOfIssue34AreRefusedNamingTheCause) {
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("is a dmuon checkpoint (model and optimizer state), not a weights file; continue that run "
                           "with --resume"), std::string::npos) << r.output;
-  r = run(t + "--init-from " + d + "/ck.pt --resume " + d + "/ck.pt", 60);
+  r = run(t + "--init-from " + d + "/cfg.json --resume " + d + "/ck.pt", 60);
   EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("--init-from and --resume both set the weights"), std::string::npos) << r.output;
   std::filesystem::remove_all(d);
 }
 
