@@ -49,6 +49,25 @@ int bind_port(int port) {
   return got;
 }
 
+std::string signal_name(int sig) {
+  switch (sig) {
+    case SIGKILL: return "SIGKILL";
+    case SIGTERM: return "SIGTERM";
+    case SIGINT: return "SIGINT";
+    case SIGSEGV: return "SIGSEGV";
+    case SIGABRT: return "SIGABRT";
+    case SIGBUS: return "SIGBUS";
+    case SIGFPE: return "SIGFPE";
+    case SIGILL: return "SIGILL";
+    case SIGHUP: return "SIGHUP";
+    case SIGSTOP: return "SIGSTOP";
+    case SIGTSTP: return "SIGTSTP";
+    case SIGTTIN: return "SIGTTIN";
+    case SIGTTOU: return "SIGTTOU";
+    default: return "signal " + std::to_string(sig);
+  }
+}
+
 // Relays the children's stderr: complete lines, each written whole. A rank's error lines (those
 // starting with "error") are held until the end and then shown first-failure-first: errors of
 // ranks whose message is not a consequence of another rank's death (a lost peer, a failed
@@ -57,7 +76,7 @@ class StderrRelay {
  public:
   explicit StderrRelay(std::ostream& err) : err_(err) {}
   ~StderrRelay() { close_all(); }
-  void add(int rank, int fd) { chans_.push_back(Chan{rank, fd, "", {}, -1, "", false}); }
+  void add(int rank, int fd) { chans_.push_back(Chan{rank, fd, "", {}, -1, "", false, 0}); }
   void close_all() {
     for (auto& c : chans_)
       if (c.fd >= 0) {
@@ -66,6 +85,12 @@ class StderrRelay {
       }
   }
   // A rank ended; `failure` says how when it failed ("exited with status 1"), "" when it succeeded.
+  // A rank was stopped by `sig` (SIGSTOP, SIGTSTP, ...; 0: it was continued): while stopped it is
+  // the likely cause of the others' timeouts.
+  void stopped(int rank, int sig) {
+    for (auto& c : chans_)
+      if (c.rank == rank) c.stopped_by = sig;
+  }
   void exited(int rank, const std::string& failure, bool signaled = false) {
     for (auto& c : chans_)
       if (c.rank == rank && !failure.empty()) {
@@ -120,6 +145,13 @@ class StderrRelay {
     const Chan* first = nullptr;
     for (const auto& c : chans_)
       if (c.signaled && (!first || c.exit_order < first->exit_order)) first = &c;
+    for (const auto& c : chans_)
+      if (!first && c.stopped_by != 0) {
+        all += "error: rank " + std::to_string(c.rank) + " was stopped (" + signal_name(c.stopped_by) +
+               ") and answered no one; stopped the other ranks\n";
+        err_ << all << std::flush;
+        return;
+      }
     if (!first && !order.empty()) first = order.front();
     if (!first)
       for (const auto& c : chans_)
@@ -139,6 +171,7 @@ class StderrRelay {
     int exit_order;
     std::string failure;
     bool signaled;  // killed by a signal the launcher did not send
+    int stopped_by;  // the signal that stopped it while the run failed (0: not stopped)
   };
   void read_from(Chan& c) {
     char buf[4096];
@@ -168,20 +201,6 @@ class StderrRelay {
 };
 
 std::atomic<int> g_signal{0};
-std::string signal_name(int sig) {
-  switch (sig) {
-    case SIGKILL: return "SIGKILL";
-    case SIGTERM: return "SIGTERM";
-    case SIGINT: return "SIGINT";
-    case SIGSEGV: return "SIGSEGV";
-    case SIGABRT: return "SIGABRT";
-    case SIGBUS: return "SIGBUS";
-    case SIGFPE: return "SIGFPE";
-    case SIGILL: return "SIGILL";
-    case SIGHUP: return "SIGHUP";
-    default: return "signal " + std::to_string(sig);
-  }
-}
 void on_signal(int sig) { g_signal = sig; }
 }  // namespace
 
@@ -277,7 +296,12 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
   auto stop_deadline = std::chrono::steady_clock::now();
   while (remaining > 0) {
     int st = 0;
-    const pid_t pid = ::waitpid(-1, &st, WNOHANG);
+    const pid_t pid = ::waitpid(-1, &st, WNOHANG | WUNTRACED | WCONTINUED);
+    if (pid > 0 && (WIFSTOPPED(st) || WIFCONTINUED(st))) {  // a stopped rank answers nobody: remember which
+      for (size_t i = 0; i < kids.size(); ++i)
+        if (kids[i] == pid && !stopping) relay.stopped(static_cast<int>(i), WIFSTOPPED(st) ? WSTOPSIG(st) : 0);
+      continue;
+    }
     if (pid > 0) {
       for (size_t i = 0; i < kids.size(); ++i) {
         if (kids[i] != pid || done[i]) continue;

@@ -628,6 +628,7 @@ TEST(CliTest, ARankStoppedBeforeSetupFailsWithinTheTimeoutNamingThePhase) {
                            out, 120, "DMUON_TEST_FAIL_AT=1:0:stop");
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("could not connect to the other ranks within --timeout 5 s"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("error: rank 1 was stopped (SIGSTOP) and answered no one"), std::string::npos) << r.output;
   std::filesystem::remove_all(out);
 }
 
