@@ -260,6 +260,7 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
       ::setenv("RANK", std::to_string(r).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(opts.ranks).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(opts.ranks).c_str(), 1);  // all on this host (as torchrun says)
       ::setenv("MASTER_ADDR", "127.0.0.1", 1);
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       // Like torchrun: do not let N ranks oversubscribe the cores with their own thread pools.

@@ -203,9 +203,10 @@ std::string gib(double bytes) {
 }
 
 // A lower bound of the memory the run takes on this machine (all its local ranks together), from
-// the sizes alone, before anything is allocated: the parameters with their gradients and optimizer
-// state (16 bytes each in fp32, 32 in fp64), the activations of one micro-batch, every rank's copy of
-// the global batch. More than the machine has is refused with the estimate instead of a bad_alloc.
+// the sizes alone, before anything is allocated: this host's share (local ranks / world) of the
+// parameters with their gradients and optimizer state (16 bytes each in fp32, 32 in fp64) and of one
+// micro-batch's activations, and every local rank's copy of the global batch. More than the machine
+// has is refused with the estimate instead of a bad_alloc.
 void check_memory(const TrainArgs& a, int world) {
   if (a.device != "cpu") return;  // on a GPU the model lives in device memory; its allocator says so
   double params = 0, d = 0, layers = 0, vocab = 256;
@@ -226,17 +227,21 @@ void check_memory(const TrainArgs& a, int world) {
     params = vocab * d * (c.tie_word_embeddings ? 1 : 2) +
              layers * (2 * d * q + 2 * d * kv + 3 * d * static_cast<double>(c.intermediate_size) + 2 * d) + d;
   }
-  const double state = params * (a.param_dtype == "fp64" ? 32 : 16);
-  const double tokens = static_cast<double>(a.batch) / a.grad_accum * a.tp * static_cast<double>(a.seq_len);
+  // ranks on this host: torchrun's LOCAL_WORLD_SIZE (dmuon's launcher sets it too), else all of them
+  const char* lws = std::getenv("LOCAL_WORLD_SIZE");
+  const double local = std::clamp(lws ? std::atof(lws) : static_cast<double>(world), 1.0, static_cast<double>(world));
+  const double share = local / world;
+  const double state = params * (a.param_dtype == "fp64" ? 32 : 16) * share;
+  const double tokens = static_cast<double>(a.batch) / a.grad_accum * a.tp * static_cast<double>(a.seq_len) * share;
   const double activations = tokens * (layers * d * 8 + vocab * 2) * 4;
-  const double batches = static_cast<double>(world) * static_cast<double>(a.batch) * static_cast<double>(a.seq_len + 1) * 8;
+  const double batches = local * static_cast<double>(a.batch) * static_cast<double>(a.seq_len + 1) * 8;
   const double need = state + activations + batches;
   const double have = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGE_SIZE));
   if (have > 0 && need > have) {
     std::ostringstream m;
     m << "this run needs at least " << gib(need) << " of memory (" << std::setprecision(3) << params
       << " parameters with gradients and optimizer state: " << gib(state) << "; activations of one micro-batch: "
-      << gib(activations) << "; the global batch on each of " << world << " rank(s): " << gib(batches)
+      << gib(activations) << "; the global batch on each of " << local << " local rank(s): " << gib(batches)
       << "), but this machine has " << gib(have)
       << "; use smaller --layers/--d-model (or config sizes), --batch or --seq-len, or more --grad-accum";
     bad(m.str());
