@@ -22,10 +22,12 @@
 #include <numeric>
 #include <optional>
 #include <sstream>
+#include <tuple>
 
 #include <unistd.h>
 
 #include "cli_commands.h"
+#include "cli_files.h"
 #include "cli_launch.h"
 #include "cli_text.h"
 #include "dmuon/bootstrap.h"
@@ -589,6 +591,9 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
   try {
     if (launched_as_rank()) return run_bench_rank(a, out);
     if (!a.predict.empty()) {
+      if (std::filesystem::exists(a.predict))  // a file, not a preset name
+        if (const std::string why = input_file_problem(a.predict); !why.empty())
+          throw std::invalid_argument("--predict " + a.predict + ": " + why);
       load_hardware(a.predict);  // a bad description fails here, before any rank starts
       if (a.steps < 1)
         throw std::invalid_argument("--predict calibrates between measured steps: it needs --steps >= 1, got " +
@@ -596,9 +601,23 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
     }
     std::vector<int> ns;
     std::stringstream ss(a.ranks);
-    for (std::string tok; std::getline(ss, tok, ',');) ns.push_back(std::stoi(tok));
+    for (std::string tok; std::getline(ss, tok, ',');) {
+      if (tok.empty() || tok.size() > 3 || tok.find_first_not_of("0123456789") != std::string::npos ||
+          std::stoi(tok) < 1 || std::stoi(tok) > 64)
+        throw std::invalid_argument("--ranks '" + a.ranks + "': '" + tok + "' is not a rank count; --ranks is a "
+                                    "comma-separated list of rank counts from 1 to 64, e.g. 2,4");
+      ns.push_back(std::stoi(tok));
+    }
+    if (ns.empty()) throw std::invalid_argument("--ranks is empty; pass rank counts, e.g. --ranks 2,4");
+    for (const auto& [flag, v, min] : {std::tuple<const char*, int64_t, int64_t>{"--steps", a.steps, 1},
+                                       {"--warmup", a.warmup, 0}, {"--batch", a.batch, 1}, {"--seq-len", a.seq_len, 2},
+                                       {"--d-model", a.d_model, 1}, {"--layers", a.layers, 1}, {"--heads", a.heads, 1},
+                                       {"--d-ff", a.d_ff, 0}})
+      if (v < min)
+        throw std::invalid_argument(std::string(flag) + " must be >= " + std::to_string(min) + " (got " +
+                                    std::to_string(v) + ")");
     for (int n : ns) {
-      if (n < 1 || a.batch % n != 0)
+      if (a.batch % n != 0)
         throw std::invalid_argument("--batch " + std::to_string(a.batch) + " must split evenly over " +
                                     std::to_string(n) + " ranks");
       if (a.replicate < 1 || n % a.replicate != 0)
@@ -669,7 +688,7 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
     write_file_atomic(a.out + "/bench_step.json", all.dump(2));
     return 0;
   } catch (const std::exception& e) {
-    err << "error: " << e.what() << "\n";
+    err << "error: " << error_text(e) << "\n";
     return 1;
   }
 }

@@ -1,6 +1,9 @@
 #include "cli_launch.h"
 
+#include "dmuon/files.h"
+
 #include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -46,6 +49,25 @@ int bind_port(int port) {
   return got;
 }
 
+std::string signal_name(int sig) {
+  switch (sig) {
+    case SIGKILL: return "SIGKILL";
+    case SIGTERM: return "SIGTERM";
+    case SIGINT: return "SIGINT";
+    case SIGSEGV: return "SIGSEGV";
+    case SIGABRT: return "SIGABRT";
+    case SIGBUS: return "SIGBUS";
+    case SIGFPE: return "SIGFPE";
+    case SIGILL: return "SIGILL";
+    case SIGHUP: return "SIGHUP";
+    case SIGSTOP: return "SIGSTOP";
+    case SIGTSTP: return "SIGTSTP";
+    case SIGTTIN: return "SIGTTIN";
+    case SIGTTOU: return "SIGTTOU";
+    default: return "signal " + std::to_string(sig);
+  }
+}
+
 // Relays the children's stderr: complete lines, each written whole. A rank's error lines (those
 // starting with "error") are held until the end and then shown first-failure-first: errors of
 // ranks whose message is not a consequence of another rank's death (a lost peer, a failed
@@ -54,7 +76,7 @@ class StderrRelay {
  public:
   explicit StderrRelay(std::ostream& err) : err_(err) {}
   ~StderrRelay() { close_all(); }
-  void add(int rank, int fd) { chans_.push_back(Chan{rank, fd, "", {}, -1, ""}); }
+  void add(int rank, int fd) { chans_.push_back(Chan{rank, fd, "", {}, -1, "", false, 0}); }
   void close_all() {
     for (auto& c : chans_)
       if (c.fd >= 0) {
@@ -63,11 +85,18 @@ class StderrRelay {
       }
   }
   // A rank ended; `failure` says how when it failed ("exited with status 1"), "" when it succeeded.
-  void exited(int rank, const std::string& failure) {
+  // A rank was stopped by `sig` (SIGSTOP, SIGTSTP, ...; 0: it was continued): while stopped it is
+  // the likely cause of the others' timeouts.
+  void stopped(int rank, int sig) {
+    for (auto& c : chans_)
+      if (c.rank == rank) c.stopped_by = sig;
+  }
+  void exited(int rank, const std::string& failure, bool signaled = false) {
     for (auto& c : chans_)
       if (c.rank == rank && !failure.empty()) {
         c.exit_order = next_exit_++;
         c.failure = failure;
+        c.signaled = signaled;
       }
   }
   // Waits up to `ms` for output and relays it.
@@ -110,9 +139,20 @@ class StderrRelay {
     std::string all;
     for (const Chan* c : order)
       for (const auto& l : c->errors) all += l + "\n";
-    // the summary names the first failure: the rank whose error comes first in that order (it may
-    // have been stopped by us while it was exiting), else the first rank seen failing
-    const Chan* first = order.empty() ? nullptr : order.front();
+    // the summary names the first failure: a rank killed by a signal we did not send (it could say
+    // nothing; the others' errors are the consequence), else the rank whose error comes first in
+    // that order (it may have been stopped by us while it was exiting), else the first rank seen failing
+    const Chan* first = nullptr;
+    for (const auto& c : chans_)
+      if (c.signaled && (!first || c.exit_order < first->exit_order)) first = &c;
+    for (const auto& c : chans_)
+      if (!first && c.stopped_by != 0) {
+        all += "error: rank " + std::to_string(c.rank) + " was stopped (" + signal_name(c.stopped_by) +
+               ") and answered no one; stopped the other ranks\n";
+        err_ << all << std::flush;
+        return;
+      }
+    if (!first && !order.empty()) first = order.front();
     if (!first)
       for (const auto& c : chans_)
         if (!c.failure.empty() && (!first || c.exit_order < first->exit_order)) first = &c;
@@ -130,6 +170,8 @@ class StderrRelay {
     std::vector<std::string> errors;
     int exit_order;
     std::string failure;
+    bool signaled;  // killed by a signal the launcher did not send
+    int stopped_by;  // the signal that stopped it while the run failed (0: not stopped)
   };
   void read_from(Chan& c) {
     char buf[4096];
@@ -218,6 +260,7 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
       ::setenv("RANK", std::to_string(r).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(opts.ranks).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(opts.ranks).c_str(), 1);  // all on this host (as torchrun says)
       ::setenv("MASTER_ADDR", "127.0.0.1", 1);
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       // Like torchrun: do not let N ranks oversubscribe the cores with their own thread pools.
@@ -242,26 +285,39 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
   int status_out = 0;
   int remaining = static_cast<int>(kids.size());
   std::vector<bool> done(kids.size(), false);
-  bool stopping = false;
+  bool stopping = false, sent_kill = false;
   auto stop_all = [&](int sig) {
+    sent_kill = sent_kill || sig == SIGKILL;
     for (size_t i = 0; i < kids.size(); ++i)
-      if (!done[i]) ::kill(kids[i], sig);
+      if (!done[i]) {
+        ::kill(kids[i], sig);
+        ::kill(kids[i], SIGCONT);  // a stopped rank (SIGSTOP, ^Z) takes the signal now, not when continued
+      }
   };
   auto stop_deadline = std::chrono::steady_clock::now();
   while (remaining > 0) {
     int st = 0;
-    const pid_t pid = ::waitpid(-1, &st, WNOHANG);
+    const pid_t pid = ::waitpid(-1, &st, WNOHANG | WUNTRACED | WCONTINUED);
+    if (pid > 0 && (WIFSTOPPED(st) || WIFCONTINUED(st))) {  // a stopped rank answers nobody: remember which
+      for (size_t i = 0; i < kids.size(); ++i)
+        if (kids[i] == pid && !stopping) relay.stopped(static_cast<int>(i), WIFSTOPPED(st) ? WSTOPSIG(st) : 0);
+      continue;
+    }
     if (pid > 0) {
       for (size_t i = 0; i < kids.size(); ++i) {
         if (kids[i] != pid || done[i]) continue;
         done[i] = true;
         --remaining;
         const bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
-        // ranks the launcher stopped (SIGTERM/SIGKILL after the first failure) are not failures
-        const bool stopped_by_us = stopping && WIFSIGNALED(st);
+        // ranks the launcher stopped (SIGTERM, then SIGKILL, after the first failure) are not failures;
+        // a rank killed by another signal (SIGKILL before ours, SIGSEGV, ...) is the cause
+        const int sig = WIFSIGNALED(st) ? WTERMSIG(st) : 0;
+        const bool stopped_by_us = stopping && (sig == SIGTERM || (sig == SIGKILL && sent_kill));
         if (!ok && !stopped_by_us)
-          relay.exited(static_cast<int>(i), WIFSIGNALED(st) ? "was killed by signal " + std::to_string(WTERMSIG(st))
-                                                            : "exited with status " + std::to_string(WEXITSTATUS(st)));
+          relay.exited(static_cast<int>(i),
+                       sig ? "was killed by signal " + std::to_string(sig) + " (" + signal_name(sig) + ")"
+                           : "exited with status " + std::to_string(WEXITSTATUS(st)),
+                       sig != 0);
         if (!ok && !stopping) {
           status_out = WIFEXITED(st) ? WEXITSTATUS(st) : 1;
           if (status_out == 0) status_out = 1;
@@ -273,9 +329,9 @@ int launch_local_ranks(const LaunchOptions& opts, std::ostream& err) {
       continue;
     }
     if (g_signal != 0 && !stopping) {
-      err << "\ninterrupted (signal " << g_signal.load() << "): stopping " << remaining << " rank(s)\n";
+      err << "\ninterrupted (" << signal_name(g_signal.load()) << "): stopping " << remaining << " rank(s)\n";
       stopping = true;
-      status_out = 130;
+      status_out = 128 + g_signal.load();  // the shell's convention: 130 for SIGINT, 143 for SIGTERM
       stop_all(SIGTERM);
       stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     }
@@ -312,21 +368,15 @@ std::optional<int> parse_args(CLI::App& app, std::vector<std::string> args, std:
   return std::nullopt;
 }
 
+std::string error_text(const std::exception& e) {
+  const auto* ce = dynamic_cast<const c10::Error*>(&e);
+  std::string msg = ce ? ce->what_without_backtrace() : e.what();
+  if (const auto cut = msg.find("\nException raised from"); cut != std::string::npos) msg = msg.substr(0, cut);
+  return msg;
+}
+
 void write_file_atomic(const std::string& path, const std::string& content) {
-  const std::filesystem::path p(path);
-  std::string name(1, '.');
-  name += p.filename().string();
-  name += ".tmp";
-  name += std::to_string(::getpid());
-  const std::filesystem::path tmp = p.parent_path() / name;
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw std::runtime_error("cannot write " + tmp.string());
-    f << content;
-    f.flush();
-    if (!f) throw std::runtime_error("write failed for " + tmp.string());
-  }
-  std::filesystem::rename(tmp, p);
+  write_file_atomically(path, content, "writing " + path);
 }
 
 void leave_together(Communicator& group, const StorePtr& store, const std::string& who, double timeout_s) {

@@ -2,6 +2,7 @@
 // launcher that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT).
 #pragma once
 
+#include <exception>
 #include <functional>
 #include <optional>
 #include <ostream>
@@ -49,7 +50,11 @@ std::optional<int> parse_args(CLI::App& app, std::vector<std::string> args, std:
 // until every rank has marked `who` done in the store before it exits.
 void leave_together(Communicator& group, const StorePtr& store, const std::string& who, double timeout_s);
 
-// Writes `content` to `path` atomically (temporary file in the same directory, then rename).
+// What the CLI prints for a failure: the message without a C++ backtrace (c10::Error's frames and
+// "Exception raised from ..." lines are for developers, not for the user who passed a bad flag).
+std::string error_text(const std::exception& e);
+
+// Writes `content` to `path` atomically (dmuon::write_file_atomically).
 void write_file_atomic(const std::string& path, const std::string& content);
 
 }  // namespace dmuon::cli

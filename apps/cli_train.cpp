@@ -1,13 +1,16 @@
 // `dmuon train`: a small GPT on real text, N ranks, dedicated-ownership Muon (or an AdamW baseline).
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iomanip>
 #include <iostream>
@@ -16,6 +19,7 @@
 #include <thread>
 
 #include "cli_commands.h"
+#include "cli_files.h"
 #include "cli_launch.h"
 #include "cli_text.h"
 #include "cli_train.h"
@@ -23,6 +27,7 @@
 #include "dmuon/checkpoint.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"
+#include "dmuon/files.h"
 #include "dmuon/memory.h"
 #include "dmuon/muon.h"
 #include "model/dedicated_gpt.h"
@@ -33,6 +38,8 @@
 namespace dmuon::cli {
 
 namespace train {
+
+constexpr const char* kMetricsHeader = "step,loss,lr,adamw_lr,step_ms,tokens_per_s,bytes,grad_norm,val_loss";
 
 void add_options(CLI::App& app, TrainArgs& a) {
   app.add_option("--ranks", a.ranks, "number of local ranks to start (Gloo on CPU)")->capture_default_str();
@@ -54,7 +61,9 @@ void add_options(CLI::App& app, TrainArgs& a) {
   app.add_option("--adamw-lr", a.adamw_lr, "AdamW learning rate")->capture_default_str();
   app.add_option("--weight-decay", a.weight_decay, "Muon weight decay")->capture_default_str();
   app.add_option("--grad-accum", a.grad_accum, "micro-batches per optimizer step on every rank")->capture_default_str();
-  app.add_option("--seed", a.seed, "seed of the model init and the data order")->capture_default_str();
+  app.add_option("--seed", a.seed, "seed of the model init and the data order")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--port", a.port, "rendezvous port on 127.0.0.1 (default: a free one)");
   app.add_option("--log-every", a.log_every, "progress/metrics interval in steps")->capture_default_str();
   app.add_option("--ns-backend", a.ns_backend, "Newton-Schulz form: gram or direct")
@@ -86,8 +95,16 @@ void add_options(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   app.add_option("--resume", a.resume,
                  "continue from a checkpoint written by --checkpoint (on any number of ranks / --replicate); "
-                 "--steps is the total, counting the steps already taken; the checkpoint's learning rates and "
-                 "weight decay win over --lr/--adamw-lr/--weight-decay");
+                 "--steps is the total, counting the steps already taken; the learning rates and weight decay are "
+                 "the checkpoint's unless --lr/--adamw-lr/--weight-decay are given (an override, logged); the model, "
+                 "data, split, seed and batch must be the checkpoint's run's; metrics.csv in the same --out keeps "
+                 "its earlier rows");
+  app.add_flag("--allow-data-change", a.allow_data_change,
+               "--resume with other data or sampling than the run that wrote the checkpoint: --data, the held-out "
+               "split (--eval-every 0 / --val-fraction), --seed, --batch, --seq-len");
+  app.add_flag("--allow-unverified-checkpoint", a.allow_unverified,
+               "--resume a .safetensors checkpoint that has no \"crc32c\" metadata (written by another tool; "
+               "dmuon's own always have it): its tensors cannot be verified");
   app.add_option("--hf-config", a.hf_config,
                  "build the architecture of this Hugging Face config.json (llama, mistral, qwen2, qwen3) with its "
                  "parameter names instead of the built-in GPT (--d-model/--layers/--heads are then ignored); tokens "
@@ -114,9 +131,125 @@ void add_options(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
 }
 
+[[noreturn]] void bad(const std::string& m) { throw std::invalid_argument(m); }
+
+// An input every rank reads by itself: a regular file (a directory, a pipe or a device is named as such).
+void check_input_file(const std::string& flag, const std::string& path) {
+  if (const std::string why = input_file_problem(path); !why.empty()) bad(flag + " " + path + ": " + why);
+}
+
+// The path as the file system resolves it (symlinks and "..", for files that do not exist yet too).
+std::filesystem::path resolved(const std::string& p) {
+  std::error_code ec;
+  std::filesystem::path r = std::filesystem::weakly_canonical(p, ec);
+  return ec ? std::filesystem::absolute(p).lexically_normal() : r;
+}
+
+// --out: a directory (made if missing) that this process may write.
+void check_out_dir(const TrainArgs& a) {
+  namespace fs = std::filesystem;
+  if (a.out.empty()) bad("--out must name a directory");
+  if (fs::exists(a.out) && !fs::is_directory(a.out))
+    bad("--out " + a.out + " exists and is not a directory; --out names the directory for metrics.csv, "
+        "summary.json and loss.svg");
+  if (fs::is_directory(a.out) && ::access(a.out.c_str(), W_OK) != 0)
+    bad("--out " + a.out + ": the directory is not writable");
+}
+
+// Every output path before step 1: a file (not a directory) in a writable directory, never an input
+// (the data, the config, the initial weights or the checkpoint resumed from) nor another output.
+void check_paths(const TrainArgs& a) {
+  namespace fs = std::filesystem;
+  check_out_dir(a);
+  const std::vector<std::pair<std::string, std::string>> inputs{
+      {"--data", a.data}, {"--hf-config", a.hf_config}, {"--init-from", a.init_from}, {"--resume", a.resume}};
+  std::vector<std::pair<std::string, std::string>> outputs{{"--checkpoint", a.checkpoint},
+                                                           {"--export-safetensors", a.export_safetensors}};
+  for (const auto& [flag, path] : outputs) {
+    if (path.empty()) continue;
+    if (resolved(path) == resolved(a.out))
+      bad(flag + " " + path + " is the --out directory; name a file, e.g. " + (fs::path(a.out) / "ckpt.pt").string());
+    if (const std::string why = output_file_problem(path); !why.empty()) bad(flag + " " + path + ": " + why);
+  }
+  if (!a.resume.empty()) {  // the resumed rows are appended to metrics.csv: it must be one of ours
+    std::ifstream in(fs::path(a.out) / "metrics.csv");
+    std::string header;
+    if (in && std::getline(in, header) && header != kMetricsHeader)
+      bad("--resume into --out " + a.out + ": its metrics.csv is not a dmuon train metrics file of this version "
+          "(the header differs), so the resumed rows cannot be appended to it; move it away or pick another --out");
+  }
+  for (const char* f : {"metrics.csv", "summary.json", "loss.svg"})
+    outputs.emplace_back("--out (its " + std::string(f) + ")", (fs::path(a.out) / f).string());
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const auto& [oflag, out] = outputs[i];
+    if (out.empty()) continue;
+    for (size_t j = i + 1; j < outputs.size(); ++j)
+      if (!outputs[j].second.empty() && resolved(out) == resolved(outputs[j].second))
+        bad(oflag + " and " + outputs[j].first + " are the same file " + out + "; give them different paths");
+    for (const auto& [iflag, in] : inputs) {
+      // resuming from the checkpoint the run keeps writing is fine: it is read whole before step 1
+      // and every write replaces it atomically
+      if (in.empty() || (oflag == "--checkpoint" && iflag == "--resume")) continue;
+      if (resolved(out) == resolved(in))
+        bad(oflag + " " + out + " is also " + iflag + ": the run would overwrite its own input; write to another path");
+    }
+  }
+}
+
+std::string gib(double bytes) {
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(bytes < 1e8 ? 3 : 1) << bytes / (1024.0 * 1024 * 1024) << " GiB";
+  return o.str();
+}
+
+// A lower bound of the memory the run takes on this machine (all its local ranks together), from
+// the sizes alone, before anything is allocated: this host's share (local ranks / world) of the
+// parameters with their gradients and optimizer state (16 bytes each in fp32, 32 in fp64) and of one
+// micro-batch's activations, and every local rank's copy of the global batch. More than the machine
+// has is refused with the estimate instead of a bad_alloc.
+void check_memory(const TrainArgs& a, int world) {
+  if (a.device != "cpu") return;  // on a GPU the model lives in device memory; its allocator says so
+  double params = 0, d = 0, layers = 0, vocab = 256;
+  if (a.hf_config.empty()) {
+    models::GPTConfig g;
+    g.d_model = a.d_model;
+    d = static_cast<double>(a.d_model);
+    layers = static_cast<double>(a.layers);
+    const double ff = static_cast<double>(g.ffn_dim());
+    params = 2 * vocab * d + layers * (4 * d * d + 3 * d * ff + 2 * d) + d;
+  } else {
+    const models::HFDecoderConfig c = models::HFDecoderConfig::load(a.hf_config);
+    d = static_cast<double>(c.hidden_size);
+    layers = static_cast<double>(c.num_hidden_layers);
+    vocab = static_cast<double>(c.vocab_size);
+    const double q = static_cast<double>(c.num_attention_heads * c.head_dim),
+                 kv = static_cast<double>(c.num_key_value_heads * c.head_dim);
+    params = vocab * d * (c.tie_word_embeddings ? 1 : 2) +
+             layers * (2 * d * q + 2 * d * kv + 3 * d * static_cast<double>(c.intermediate_size) + 2 * d) + d;
+  }
+  // ranks on this host: torchrun's LOCAL_WORLD_SIZE (dmuon's launcher sets it too), else all of them
+  const char* lws = std::getenv("LOCAL_WORLD_SIZE");
+  const double local = std::clamp(lws ? std::atof(lws) : static_cast<double>(world), 1.0, static_cast<double>(world));
+  const double share = local / world;
+  const double state = params * (a.param_dtype == "fp64" ? 32 : 16) * share;
+  const double tokens = static_cast<double>(a.batch) / a.grad_accum * a.tp * static_cast<double>(a.seq_len) * share;
+  const double activations = tokens * (layers * d * 8 + vocab * 2) * 4;
+  const double batches = local * static_cast<double>(a.batch) * static_cast<double>(a.seq_len + 1) * 8;
+  const double need = state + activations + batches;
+  const double have = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGE_SIZE));
+  if (have > 0 && need > have) {
+    std::ostringstream m;
+    m << "this run needs at least " << gib(need) << " of memory (" << std::setprecision(3) << params
+      << " parameters with gradients and optimizer state: " << gib(state) << "; activations of one micro-batch: "
+      << gib(activations) << "; the global batch on each of " << local << " local rank(s): " << gib(batches)
+      << "), but this machine has " << gib(have)
+      << "; use smaller --layers/--d-model (or config sizes), --batch or --seq-len, or more --grad-accum";
+    bad(m.str());
+  }
+}
+
 // Checks that need no process group: done once in the parent, again in every rank.
 void validate(const TrainArgs& a, int world) {
-  auto bad = [](const std::string& m) { throw std::invalid_argument(m); };
   if (world < 1) bad("--ranks must be >= 1 (got " + std::to_string(world) + ")");
   if (world > 64) bad("--ranks " + std::to_string(world) + " is more than this local launcher supports (64)");
   if (a.steps < 1) bad("--steps must be >= 1 (got " + std::to_string(a.steps) + ")");
@@ -145,7 +278,14 @@ void validate(const TrainArgs& a, int world) {
   if (a.hf_config.empty() && a.d_model % a.heads != 0)
     bad("--d-model " + std::to_string(a.d_model) + " must be a multiple of --heads " + std::to_string(a.heads));
   if (a.log_every < 1) bad("--log-every must be >= 1 (got " + std::to_string(a.log_every) + ")");
-  if (a.timeout_s <= 0) bad("--timeout must be > 0");
+  // the one range check of every hyperparameter (Muon's own, also applied to a checkpoint's values)
+  check_hyperparameter("--lr", a.lr, HparamRange::NonNegative);
+  check_hyperparameter("--adamw-lr", a.adamw_lr, HparamRange::NonNegative);
+  check_hyperparameter("--weight-decay", a.weight_decay, HparamRange::NonNegative);
+  if (!(a.val_fraction >= 0 && a.val_fraction < 1)) bad("--val-fraction must be in [0, 1)");
+  if (a.port < 0 || a.port > 65535)
+    bad("--port " + std::to_string(a.port) + " is out of range 1-65535 (leave it unset for a free port)");
+  if (!(a.timeout_s > 0 && a.timeout_s <= 7 * 24 * 3600.0)) bad("--timeout must be > 0 seconds (and at most a week)");
   if (a.replicate < 1 || dp % a.replicate != 0)
     bad("--replicate " + std::to_string(a.replicate) + " must divide the number of data-parallel ranks " +
         std::to_string(dp) + (a.tp > 1 ? " (--ranks / --tp)" : ""));
@@ -157,26 +297,24 @@ void validate(const TrainArgs& a, int world) {
   if (a.eval_every > 0 && !(a.val_fraction > 0 && a.val_fraction < 1))
     bad("--val-fraction must be in (0, 1) when --eval-every is on (got " + std::to_string(a.val_fraction) + ")");
   if (a.eval_batches < 1) bad("--eval-batches must be >= 1");
-  if (!a.hf_config.empty() && !std::filesystem::is_regular_file(a.hf_config))
-    bad("--hf-config " + a.hf_config + ": no such file");
-  if (!a.init_from.empty() && !std::filesystem::is_regular_file(a.init_from))
-    bad("--init-from " + a.init_from + ": no such file");
-  if (!a.export_safetensors.empty()) {
-    const auto dir = std::filesystem::path(a.export_safetensors).parent_path();
-    if (!dir.empty() && !std::filesystem::is_directory(dir))
-      bad("--export-safetensors " + a.export_safetensors + ": the directory " + dir.string() + " does not exist");
+  if (!a.data.empty()) check_input_file("--data", a.data);
+  if (!a.hf_config.empty()) check_input_file("--hf-config", a.hf_config);
+  if (!a.init_from.empty()) {
+    check_input_file("--init-from", a.init_from);
+    if (is_dmuon_checkpoint(a.init_from))
+      bad("--init-from " + a.init_from + " is a dmuon checkpoint (model and optimizer state), not a weights file; "
+          "continue that run with --resume " + a.init_from + ", or export its weights with --export-safetensors");
   }
+  if (!a.resume.empty()) check_input_file("--resume", a.resume);
+  if (!a.resume.empty() && !a.init_from.empty())
+    bad("--init-from and --resume both set the weights; --resume continues a run (its weights and optimizer "
+        "state), --init-from starts a new one: pass one of them");
   if (!a.compare.empty() && a.optimizer != "dmuon")
-    bad("--compare adamw trains DMuon against AdamW; leave --optimizer at dmuon");
-  if (!(a.clip_grad >= 0)) bad("--clip-grad must be >= 0 (0 = off)");
+    bad("--compare adamw trains DMuon against AdamW itself; leave --optimizer out (or at dmuon)");
+  if (!(a.clip_grad >= 0) || !std::isfinite(a.clip_grad)) bad("--clip-grad must be a finite number >= 0 (0 = off)");
   if (a.checkpoint_every > 0 && a.checkpoint.empty()) bad("--checkpoint-every needs --checkpoint PATH");
-  if (!a.resume.empty() && !std::filesystem::is_regular_file(a.resume))
-    bad("--resume " + a.resume + ": no such checkpoint file");
-  if (!a.checkpoint.empty()) {
-    const auto dir = std::filesystem::path(a.checkpoint).parent_path();
-    if (!dir.empty() && !std::filesystem::is_directory(dir))
-      bad("--checkpoint " + a.checkpoint + ": the directory " + dir.string() + " does not exist");
-  }
+  check_paths(a);
+  check_memory(a, world);
   if ((a.param_dtype == "bf16" || a.param_dtype == "fp16") && a.device == "cpu") {
     // LibTorch builds differ in which 16-bit CPU kernels they have (1.13 has no float16 matmul)
     const auto t = a.param_dtype == "bf16" ? at::kBFloat16 : at::kHalf;
@@ -230,6 +368,148 @@ double evaluate(const TrainArgs& a, TrainRun& r) {
   return l.cpu().item<double>();
 }
 
+// Weights read from a file (--init-from, --resume), each value checked as it is read (each rank its
+// share): a NaN, an inf or a magnitude no trained model has is an error naming the tensor, before
+// step 1, instead of a loss of NaN or a gradient norm of 1e21 later.
+class CheckedSource : public ParamSource {
+ public:
+  static constexpr double kMaxMagnitude = 1e6;
+  CheckedSource(std::shared_ptr<ParamSource> inner, std::string what) : inner_(std::move(inner)), what_(std::move(what)) {}
+  void check(const std::vector<std::pair<std::string, std::vector<int64_t>>>& params) override { inner_->check(params); }
+  void fill(const std::string& name, const TensorRegion& region, at::Tensor& out) override {
+    inner_->fill(name, region, out);
+    if (!out.is_floating_point() || out.numel() == 0) return;
+    const at::Tensor v = out.detach();
+    const double hi = v.max().item<double>(), lo = v.min().item<double>();  // NaN propagates; no copy of v
+    if (!std::isfinite(hi) || !std::isfinite(lo))
+      bad(what_ + ": tensor '" + name + "' holds " +
+          std::to_string(at::logical_not(at::isfinite(v)).sum().item<int64_t>()) + " NaN or infinite value(s); the "
+          "file is damaged or was written by a run that diverged");
+    if (const double peak = std::max(std::abs(hi), std::abs(lo)); peak > kMaxMagnitude) {
+      std::ostringstream m;
+      m << what_ << ": tensor '" << name << "' holds a value of magnitude " << peak << " (above " << kMaxMagnitude
+        << ", which no trained model's weights reach); the file is damaged or is not a model's weights";
+      bad(m.str());
+    }
+  }
+  std::string describe() const override { return inner_->describe(); }
+
+ private:
+  std::shared_ptr<ParamSource> inner_;
+  std::string what_;
+};
+
+// What defines a run, stored in its checkpoints (metadata "dmuon.run.<key>") and compared on
+// --resume: the architecture and optimizer, and the data and its sampling (digest, size, held-out
+// split, seed, batch, sequence length; --allow-data-change accepts a change of those).
+struct RunKey {
+  std::string key, flag, value;
+  bool data;  // a difference --allow-data-change accepts
+};
+std::vector<RunKey> run_identity(const TrainArgs& a, const TrainRun& r) {
+  std::vector<RunKey> k;
+  if (a.hf_config.empty()) {
+    k.push_back({"model", "--hf-config", "gpt", false});
+    k.push_back({"d_model", "--d-model", std::to_string(a.d_model), false});
+    k.push_back({"layers", "--layers", std::to_string(a.layers), false});
+    k.push_back({"heads", "--heads", std::to_string(a.heads), false});
+  } else {
+    std::ifstream in(a.hf_config, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const std::string text = ss.str();
+    std::ostringstream crc;
+    crc << "hf config.json crc32c " << std::hex << checkpoint_crc32c(text.data(), text.size());
+    k.push_back({"model", "--hf-config", crc.str(), false});
+  }
+  k.push_back({"optimizer", "--optimizer", a.optimizer, false});
+  // the data and how it is sampled (sample_batch: seed, step, batch, seq_len)
+  k.push_back({"seq_len", "--seq-len", std::to_string(a.seq_len), true});
+  k.push_back({"seed", "--seed", std::to_string(a.seed), true});
+  k.push_back({"batch", "--batch", std::to_string(a.batch), true});
+  std::ostringstream d;
+  d << r.data_bytes << " bytes, crc32c " << std::hex << r.data_crc32c;
+  k.push_back({"data", "--data", d.str(), true});
+  k.push_back({"held_out", "--eval-every/--val-fraction",
+               a.eval_every == 0 ? std::string("none") : std::to_string(a.val_fraction) + " of the text", true});
+  return k;
+}
+std::map<std::string, std::string> run_metadata(const TrainArgs& a, const TrainRun& r) {
+  std::map<std::string, std::string> m;
+  for (const RunKey& k : run_identity(a, r)) m["dmuon.run." + k.key] = k.value;
+  return m;
+}
+// --resume: the checkpoint's run must be this one (the data may differ with --allow-data-change).
+void check_same_run(const TrainArgs& a, const TrainRun& r, const Checkpoint& ck, std::ostream& out) {
+  std::string diffs;
+  bool any = false, only_data = true;
+  for (const RunKey& k : run_identity(a, r)) {
+    auto it = ck.metadata.find("dmuon.run." + k.key);
+    if (it == ck.metadata.end()) continue;
+    any = true;
+    if (it->second == k.value) continue;
+    diffs += "\n  " + k.flag + ": checkpoint " + it->second + ", now " + k.value;
+    only_data = only_data && k.data;
+  }
+  if (!any) {
+    if (r.lead)
+      out << "  note: " << a.resume << " records no run description (written by an older dmuon or by the library), "
+          << "so its model, data and seed are not compared with this run's\n";
+    return;
+  }
+  if (diffs.empty()) return;
+  if (only_data && a.allow_data_change) {
+    if (r.lead) out << "  --allow-data-change: resuming on other data than the checkpoint's run:" << diffs << "\n";
+    return;
+  }
+  bad("--resume " + a.resume + " was written by another run; it differs in:" + diffs + "\nResume with the same "
+      "values" + (only_data ? std::string(" (or pass --allow-data-change to continue on other data)") :
+                              std::string(" (a changed model or optimizer cannot resume; start a new run with "
+                                          "--init-from the exported weights)")));
+}
+
+// --resume: learning rates and weight decay are the checkpoint's, unless given (then logged as overrides).
+void apply_overrides(const TrainArgs& a, TrainRun& r, std::ostream& out) {
+  std::ostringstream note;
+  for (auto& g : r.opt->param_groups()) {
+    auto& o = static_cast<MuonGroupOptions&>(g.options());
+    auto set = [&](bool given, const char* flag, const char* what, double now, double v, auto setter) {
+      if (!given || now == v) return;
+      note << "  " << flag << " " << v << " overrides the checkpoint's " << what << " " << now << " (group '"
+           << o.group_name() << "')\n";
+      setter(v);
+    };
+    if (o.is_muon()) {
+      set(a.lr_given, "--lr", "Muon learning rate", o.lr(), a.lr, [&](double v) { o.lr(v); });
+      set(a.weight_decay_given, "--weight-decay", "Muon weight decay", o.weight_decay(), a.weight_decay,
+          [&](double v) { o.weight_decay(v); });
+    } else {
+      set(a.adamw_lr_given, "--adamw-lr", "AdamW learning rate", o.lr(), a.adamw_lr, [&](double v) { o.lr(v); });
+    }
+  }
+  if (!r.lead) return;
+  out << note.str();
+  if (!a.lr_given || !a.adamw_lr_given) {
+    const auto& gs = r.opt->param_groups();
+    out << "  learning rates from the checkpoint: Muon " << gs[0].options().get_lr() << ", AdamW "
+        << gs[1].options().get_lr() << " (--lr / --adamw-lr override them)\n";
+  }
+}
+
+// --resume into the same --out: metrics.csv keeps the rows of the steps before this run's first.
+std::string earlier_metrics(const TrainArgs& a, int first_step) {
+  const std::string path = a.out + "/metrics.csv";
+  std::ifstream in(path);
+  if (!in) return "";
+  std::string header, line, kept;
+  std::getline(in, header);  // checked by check_paths
+  while (std::getline(in, line)) {
+    const long step = std::strtol(line.c_str(), nullptr, 10);
+    if (step >= 1 && step < first_step) kept += line + "\n";
+  }
+  return kept;
+}
+
 // collective: every rank (mesh, dedicate_params, the checkpoint it resumes from).
 TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   // peak live bytes per phase (summary.json's peak_memory_bytes); the CUDA caching allocator keeps its own
@@ -238,14 +518,30 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   TrainRun r;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   const c10::DeviceType dev_type = a.device == "cuda" ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
-  r.boot = bootstrap_from_environment(dev_type, timeout);
+  // fault injection for tests: DMUON_TEST_FAIL_AT=<rank>:0:stop stops that rank (SIGSTOP) before it connects
+  if (const char* f = std::getenv("DMUON_TEST_FAIL_AT"); f && std::getenv("RANK"))
+    if (std::string(f) == std::string(std::getenv("RANK")) + ":0:stop") ::raise(SIGSTOP);
+  try {
+    r.boot = bootstrap_from_environment(dev_type, timeout);
+  } catch (const std::exception& e) {  // the phase and the flag that bounds it (the library names no phase)
+    const char* rank = std::getenv("RANK");
+    std::ostringstream m;
+    m << "setup: rank " << (rank ? rank : "0") << " could not connect to the other ranks within --timeout "
+      << a.timeout_s << " s (is a rank stopped, crashed or unreachable?): " << error_text(e);
+    bad(m.str());
+  }
   r.rank = r.boot.rank;
   r.world = r.boot.world_size;
   r.device = dev_type == c10::DeviceType::CUDA ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(r.boot.local_rank))
                                               : at::Device(at::kCPU);
   validate(a, r.world);
   r.lead = r.rank == 0;
-  split_text(a, load_text(a.data, static_cast<size_t>(a.seq_len + 2)), r.text, r.val_text);
+  {
+    const std::string all = load_text(a.data, static_cast<size_t>(a.seq_len + 2));
+    r.data_bytes = all.size();
+    r.data_crc32c = checkpoint_crc32c(all.data(), all.size());
+    split_text(a, all, r.text, r.val_text);
+  }
   r.baseline = unigram_entropy_nats(r.text);
   r.use_muon = a.optimizer == "dmuon";
 
@@ -287,8 +583,9 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
     gs.config.deferred = deferred;
     r.model = models::GPT(gs.config).ptr();
   }
-  gs.param_source = a.init_from.empty() ? models::init_source(*r.model, static_cast<uint64_t>(a.seed))
-                                        : models::weights_source(a.init_from);
+  gs.param_source = a.init_from.empty()
+                        ? models::init_source(*r.model, static_cast<uint64_t>(a.seed))
+                        : std::make_shared<CheckedSource>(models::weights_source(a.init_from), "--init-from " + a.init_from);
   models::dedicate_model(*r.model, r.mesh, gs, tp_mesh != nullptr);
   MuonOptions opts;
   opts.lr = a.lr;
@@ -323,17 +620,28 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   if (!a.resume.empty()) {  // every rank reads the file; the new owners take their matrices
     // a safetensors checkpoint is read by offset: each rank only the model tensors and rows it keeps
     const bool by_offset = a.resume.size() > 12 && a.resume.compare(a.resume.size() - 12, 12, ".safetensors") == 0;
-    const Checkpoint ck = load_checkpoint(a.resume, /*include_model=*/!by_offset);
+    const Checkpoint ck = load_checkpoint(a.resume, /*include_model=*/!by_offset, a.allow_unverified);
     TORCH_CHECK(ck.optim, "--resume ", a.resume, ": the checkpoint has no optimizer state; write it with --checkpoint.");
-    if (by_offset)
-      set_model_state_dict(*r.model, *checkpoint_model_source(a.resume));
-    else
-      set_model_state_dict(*r.model, ck.model);
+    check_same_run(a, r, ck, out);
+    TORCH_CHECK(ck.optim->steps_taken < a.steps, "--resume ", a.resume, ": the checkpoint is at step ",
+                ck.optim->steps_taken, ", so --steps ", a.steps,
+                " leaves nothing to do; --steps counts all steps, pass a larger one.");
+    if (r.lead && a.allow_unverified && by_offset && !SafetensorsFile(a.resume).metadata().count("crc32c"))
+      out << "  note: " << a.resume << " has no checksums (another tool wrote it); loaded unverified "
+          << "(--allow-unverified-checkpoint)\n";
+    const std::string what = "--resume " + a.resume;
+    CheckedSource source(by_offset ? checkpoint_model_source(a.resume, a.allow_unverified)
+                                   : tensor_dict_source(ck.model, "checkpoint '" + a.resume + "'"),
+                         what);
+    set_model_state_dict(*r.model, source);
     set_optimizer_state_dict(*r.model, *r.opt, *ck.optim);
     r.first_step = static_cast<int>(r.opt->steps_taken()) + 1;
-    TORCH_CHECK(r.first_step <= a.steps, "--resume ", a.resume, ": the checkpoint is at step ", r.first_step - 1,
-                ", so --steps ", a.steps, " leaves nothing to do; --steps counts all steps, pass a larger one.");
-    if (r.lead) out << "  resumed from " << a.resume << " at step " << r.first_step - 1 << "\n";
+    apply_overrides(a, r, out);
+    if (r.lead) {
+      out << "  resumed from " << a.resume << " at step " << r.first_step - 1 << "\n";
+      r.earlier_metrics = earlier_metrics(a, r.first_step);
+      if (!r.earlier_metrics.empty()) out << "  " << a.out << "/metrics.csv keeps its rows before step " << r.first_step << "\n";
+    }
   }
   return r;
 }
@@ -357,7 +665,8 @@ void write_checkpoint(const TrainArgs& a, TrainRun& r) {
   memory::PhaseScope phase(memory::Phase::Checkpoint);
   const TensorDict msd = get_model_state_dict(*r.model);
   const OptimizerStateDict osd = get_optimizer_state_dict(*r.model, *r.opt);
-  lead_writes(r, "writing the checkpoint " + a.checkpoint, [&] { save_checkpoint(a.checkpoint, msd, &osd); });
+  const auto meta = run_metadata(a, r);
+  lead_writes(r, "writing the checkpoint " + a.checkpoint, [&] { save_checkpoint(a.checkpoint, msd, &osd, meta); });
 }
 
 // collective: the full state dict (single-process names and shapes) as safetensors, written by rank 0.
@@ -392,15 +701,18 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
   // the batch is split over the data-parallel ranks; the T ranks of a TP group take the same slice
   const int dp_rank = mesh->replicate_rank() * mesh->shard_size() + mesh->shard_rank();
   const int64_t per = a.batch / mesh->data_parallel_size(), micro = per / a.grad_accum;
-  log.csv << "step,loss,lr,adamw_lr,step_ms,tokens_per_s,bytes,grad_norm,val_loss\n";
+  log.csv << kMetricsHeader << "\n" << r.earlier_metrics;
   const bool tty = ::isatty(STDOUT_FILENO);
   log.t_start = std::chrono::steady_clock::now();
   // Fault injection for tests of the launcher: DMUON_TEST_FAIL_AT=<rank>:<step> makes that rank fail
-  // at the start of that step, as a crash of one rank in a real run would.
+  // at the start of that step, as a crash of one rank in a real run would; <rank>:<step>:kill makes
+  // it die by SIGKILL there instead (no last words, as under the OOM killer or kill -9).
   int fail_rank = -1, fail_step = -1;
+  char how[8] = "";
   if (const char* f = std::getenv("DMUON_TEST_FAIL_AT"))
-    if (std::sscanf(f, "%d:%d", &fail_rank, &fail_step) != 2) fail_rank = -1;
+    if (std::sscanf(f, "%d:%d:%7s", &fail_rank, &fail_step, how) < 2) fail_rank = -1;
   for (int step = first_step; step <= a.steps; ++step) {
+    if (rank == fail_rank && step == fail_step && std::string(how) == "kill") ::raise(SIGKILL);
     if (rank == fail_rank && step == fail_step)
       throw std::runtime_error("injected failure at step " + std::to_string(step) + " (DMUON_TEST_FAIL_AT)");
     const auto t0 = std::chrono::steady_clock::now();
@@ -523,9 +835,13 @@ int run_train_command(const std::vector<std::string>& args, std::ostream& out, s
   TrainArgs a;
   add_options(app, a);
   if (auto rc = parse_args(app, args, out, err)) return *rc;
+  a.lr_given = app.get_option("--lr")->count() > 0;
+  a.adamw_lr_given = app.get_option("--adamw-lr")->count() > 0;
+  a.weight_decay_given = app.get_option("--weight-decay")->count() > 0;
   try {
     if (!launched_as_rank()) {
       const LaunchFn launch = [&](const TrainArgs& b, const std::vector<std::string>& bargs) {
+        check_out_dir(b);
         std::filesystem::create_directories(b.out);  // first: --checkpoint / --export-safetensors may lie in it
         validate(b, b.ranks);
         std::string train_text, val_text;  // a missing or short file fails here, before any rank starts
@@ -543,8 +859,15 @@ int run_train_command(const std::vector<std::string>& args, std::ostream& out, s
         lo.port = b.port;
         lo.args = bargs;
         lo.subcommand = "train";
-        return launch_local_ranks(lo, err);
+        const int rc = launch_local_ranks(lo, err);
+        if (rc != 0)  // ranks stopped mid-write leave temporaries beside their outputs
+          for (const std::string& p : {b.checkpoint, b.export_safetensors, b.out + "/metrics.csv", b.out + "/loss.svg",
+                                       b.out + "/summary.json"})
+            if (!p.empty()) remove_stale_temporaries(p);
+        return rc;
       };
+      if (!a.compare.empty() && a.optimizer != "dmuon")
+        bad("--compare adamw trains DMuon against AdamW itself; leave --optimizer out (or at dmuon)");
       return a.compare.empty() ? launch(a, args) : run_compare(a, args, launch, out);
     }
     if (!a.compare.empty())
@@ -553,8 +876,7 @@ int run_train_command(const std::vector<std::string>& args, std::ostream& out, s
                                   "--optimizer adamw, same --seed) and compare their metrics.csv files");
     return run_rank(a, out);
   } catch (const std::exception& e) {
-    std::string msg = e.what();
-    if (const auto cut = msg.find("\nException raised from"); cut != std::string::npos) msg = msg.substr(0, cut);
+    const std::string msg = error_text(e);
     const char* r = std::getenv("RANK");
     err << "error" << (r ? std::string(" (rank ") + r + ")" : std::string()) << ": " << msg << "\n";
     return 1;

@@ -56,6 +56,10 @@ struct TrainArgs {
   double val_fraction = 0.1;    // the held-out tail of the text
   int eval_batches = 4;         // global batches of held-out text per evaluation
   std::string compare;          // "adamw": also train the AdamW baseline and draw both (the launcher's job)
+  bool allow_unverified = false;   // --resume a safetensors checkpoint without "crc32c" (another tool's)
+  bool allow_data_change = false;  // --resume with other data or another split than the checkpoint's run
+  // given on the command line (not defaults): on --resume they override the checkpoint's values
+  bool lr_given = false, adamw_lr_given = false, weight_decay_given = false;
 };
 
 // Everything a rank trains with: the process groups, the data, the dedicated model, the optimizer.
@@ -73,6 +77,9 @@ struct TrainRun {
   std::shared_ptr<models::LanguageModel> model;
   std::unique_ptr<Muon> opt;
   int first_step = 1;
+  uint32_t data_crc32c = 0;  // of the whole text (before the split): part of what defines the run
+  size_t data_bytes = 0;
+  std::string earlier_metrics;  // --resume into the same --out: metrics.csv's rows before first_step
 };
 
 // What the loop measured, per step (rank 0 logs the loss and writes the outputs).

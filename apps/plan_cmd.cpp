@@ -2,10 +2,13 @@
 // owners on a G x R grid and print a report or the whole plan as JSON (docs/PLAN_TOOL.md).
 #include "plan_cmd.h"
 
+#include "cli_files.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -706,6 +709,16 @@ int run(const std::vector<std::string>& argv, std::ostream& out, const Calibrate
   opts.pack_threshold_numel = a.pack_threshold;
   opts.ns_steps = a.ns_steps;
 
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--hf-config", a.hf_config},
+                                   {"--params", a.params_file}, {"--ns-profile", a.ns_profile},
+                                   {"--hardware", a.hardware}})
+    if (!path.empty() && std::filesystem::exists(path))  // a missing one: the loader's "cannot open"
+      if (const std::string why = input_file_problem(path); !why.empty())
+        throw UsageError(std::string(flag) + " " + path + ": " + why);
+  if (!a.calibrate.empty())  // before minutes of measuring
+    if (const std::string why = output_file_problem(a.calibrate); !why.empty())
+      throw UsageError("--calibrate " + a.calibrate + ": " + why);
+
   ModelSpec model;
   if (!a.model.empty()) model = model_preset(a.model, a.dtype.empty() ? "bf16" : a.dtype);
   else if (!a.hf_config.empty()) model = load_hf_config(a.hf_config, a.dtype);
@@ -714,7 +727,14 @@ int run(const std::vector<std::string>& argv, std::ostream& out, const Calibrate
   MuonTargetSelector selector;
   selector.include = a.include;
   selector.exclude = a.exclude;
+  if (model.params.empty())
+    throw UsageError((a.params_file.empty() ? std::string("the model") : "--params " + a.params_file) +
+                     " has no parameters; a parameter list needs at least one entry");
   std::vector<ParamSpec> full = select_muon_params(model, selector);
+  if (full.empty() && !a.include.empty())
+    throw UsageError("--include matches no parameter of at least 2 dimensions of the model (" +
+                     std::to_string(model.params.size()) + " parameters, e.g. '" + model.params.front().name +
+                     "'); patterns are substrings or globs with * and ?");
   for (auto& p : full) p.tp_split_dim = megatron_tp_split_dim(p, a.tp);
 
   if (!a.calibrate.empty()) return run_calibration(out, full, a, calibrate);

@@ -5,7 +5,13 @@
 #include <ATen/ATen.h>
 #include <torch/optim/schedulers/step_lr.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <filesystem>
+#include <functional>
+#include <limits>
+#include <map>
 #include <fstream>
 #include <mutex>
 #include <string>
@@ -167,13 +173,21 @@ TEST(CheckpointTest, MixedPrecisionStateDictsCarryTheMasters) {
   });
 }
 
-TEST(CheckpointTest, LearningRatesAndGroupsAreRestored) {
+// A 2-layer GPT (testing::small_config(2)) dedicated on a 2-rank mesh with its Muon optimizer, on every rank.
+void with_small_gpt_on_2_ranks(
+    const std::function<void(testing::RankContext&, GPT&, const std::shared_ptr<Mesh>&, Muon&)>& body) {
   testing::run_ranks(2, [&](testing::RankContext& ctx) {
-    const GPTConfig cfg = testing::small_config(2);
-    GPT m(cfg);
+    GPT m(testing::small_config(2));
     auto mesh = make_mesh(ctx);
     dedicate(m, mesh, {"N2", 2});
     Muon opt(m.ptr(), testing::muon_options({}));
+    body(ctx, m, mesh, opt);
+  });
+}
+
+TEST(CheckpointTest, LearningRatesAndGroupsAreRestored) {
+  with_small_gpt_on_2_ranks([&](testing::RankContext& ctx, GPT& m, const std::shared_ptr<Mesh>& mesh, Muon& opt) {
+    const GPTConfig cfg = testing::small_config(2);
     torch::optim::StepLR sched(opt, 1, 0.5);
     testing::train_slices(m, opt, testing::make_batches(2, 8, 9, cfg.vocab_size, 4), ctx.rank, 4);
     sched.step();
@@ -243,6 +257,52 @@ TEST(CheckpointTest, BadStateDictsAndFilesAreClearErrors) {
     }
   });
   std::filesystem::remove_all(dir);
+}
+
+// issue 34: a state dict is either complete and in range, or loading it is an error naming what is wrong
+TEST(CheckpointTest, IncompleteOrOutOfRangeOptimizerStateIsRefusedNamingIt) {
+  with_small_gpt_on_2_ranks([&](testing::RankContext& ctx, GPT& m, const std::shared_ptr<Mesh>&, Muon& opt) {
+    const GPTConfig cfg = testing::small_config(2);
+    testing::train_slices(m, opt, testing::make_batches(1, 8, 9, cfg.vocab_size, 4), ctx.rank, 4);
+    StateDictOptions all;
+    all.rank0_only = false;
+    const OptimizerStateDict good = get_optimizer_state_dict(*m, opt, all);
+    auto refused = [&](const OptimizerStateDict& sd, const std::string& want) {
+      const std::string err = error_of([&] { set_optimizer_state_dict(*m, opt, sd); });
+      expect(err.find(want) != std::string::npos, "want '" + want + "', got: " + err);
+    };
+    OptimizerStateDict sd = good;  // every optimizer tensor removed, steps_taken kept
+    sd.muon.clear();
+    sd.adamw.clear();
+    refused(sd, "the state dict is at step 1 but holds no optimizer state for");
+    sd = good;  // one parameter's AdamW moments removed
+    for (const char* f : {".exp_avg", ".exp_avg_sq", ".step"}) sd.adamw.erase(std::string("final_norm.weight") + f);
+    refused(sd, "holds no optimizer state for 1 trained parameter(s): 'final_norm.weight (AdamW");
+    sd = good;  // one momentum buffer removed: its '.step' is left, the buffer is what is missing
+    sd.muon.erase("layers.0.q_proj.weight.momentum_buffer");
+    refused(sd, "the Muon state of 'layers.0.q_proj.weight' is incomplete: 'layers.0.q_proj.weight.momentum_buffer' missing");
+    sd = good;
+    sd.param_groups[0].lr = -1;
+    refused(sd, "param_groups[0] ('default', Muon) has lr: -1. Must be >= 0.");
+    sd = good;
+    sd.param_groups[1].lr = std::numeric_limits<double>::infinity();
+    refused(sd, "param_groups[1] ('default', AdamW) has lr: inf. Must be a finite number >= 0.");
+    sd = good;
+    sd.adamw.at("final_norm.weight.step") = at::scalar_tensor(-7, at::kLong);
+    refused(sd, "'final_norm.weight.step' is -7; a step count must be >= 0.");
+    sd = good;
+    sd.steps_taken = -3;
+    refused(sd, "steps_taken is -3; a step count must be >= 0.");
+    sd = good;
+    sd.adamw.at("final_norm.weight.exp_avg") = at::full_like(good.adamw.at("final_norm.weight.exp_avg"), NAN);
+    refused(sd, "optimizer state 'final_norm.weight.exp_avg' holds 32 non-finite value(s)");
+    set_optimizer_state_dict(*m, opt, good);  // the intact one still loads
+    OptimizerStateDict fresh = good;  // and so does a fresh optimizer's empty state
+    fresh.muon.clear();
+    fresh.adamw.clear();
+    fresh.steps_taken = 0;
+    set_optimizer_state_dict(*m, opt, fresh);
+  });
 }
 
 // ---- checkpoint integrity ------------------------------------------------------------------------
@@ -430,6 +490,51 @@ TEST(CheckpointTest, TruncatedEmptyForeignAndFormat1FilesAreClearErrors) {
     err = error_of([&] { load_checkpoint(bad); });
     EXPECT_TRUE(has(err, "'" + bad + "' is a torch archive but not a dmuon checkpoint")) << err;
   }
+  std::filesystem::remove_all(dir);
+}
+
+// issue 34: what a file says is checked as strictly as a state dict (both formats), and the
+// caller's metadata round-trips under the checksums
+TEST(CheckpointTest, FilesWithOutOfRangeHyperparametersAreRefusedAndMetadataRoundTrips) {
+  const std::string dir = testing::fresh_temp_dir("dmuon-ckpt-hp");
+  SmallCheckpoint sc = small_checkpoint();
+  const std::map<std::string, std::string> meta{{"run", "{\"seed\": 3}"}, {"by", "test"}};
+  for (const std::string ext : {".pt", ".safetensors"}) {
+    const std::string path = dir + "/ck" + ext;
+    save_checkpoint(path, sc.model, &sc.optim, meta);
+    const Checkpoint ck = load_checkpoint(path);
+    EXPECT_EQ(ck.metadata, meta) << ext;
+    OptimizerStateDict bad = sc.optim;
+    bad.param_groups[0].lr = -1;
+    save_checkpoint(path, sc.model, &bad);
+    const std::string err = error_of([&] { load_checkpoint(path); });
+    EXPECT_NE(err.find("'" + path + "': param_groups[0] ('hidden_matrices_muon', Muon) has lr: -1. Must be >= 0."),
+              std::string::npos) << err;
+    bad = sc.optim;
+    bad.param_groups[1].eps = 0;
+    save_checkpoint(path, sc.model, &bad);
+    EXPECT_NE(error_of([&] { load_checkpoint(path); }).find("('embeddings_adamw', AdamW) has eps: 0. Must be > 0."),
+              std::string::npos) << ext;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// issue 34 item 10: a save removes the temporary files of earlier saves whose process died mid-write
+TEST(CheckpointTest, ASaveRemovesStaleTemporaryFilesOfDeadWriters) {
+  const std::string dir = testing::fresh_temp_dir("dmuon-ckpt-tmp");
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // its PID now names no process
+  const std::string dead = dir + "/.ck.pt.tmp-" + std::to_string(child), live = dir + "/.ck.pt.tmp-1",
+                    other = dir + "/.other.pt.tmp-" + std::to_string(child);
+  for (const auto& f : {dead, live, other}) std::ofstream(f) << "partial";
+  const SmallCheckpoint sc = small_checkpoint();
+  save_checkpoint(dir + "/ck.pt", sc.model);
+  EXPECT_FALSE(std::filesystem::exists(dead)) << "a dead writer's temporary file was left";
+  EXPECT_TRUE(std::filesystem::exists(live)) << "a live process's temporary file was removed";
+  EXPECT_TRUE(std::filesystem::exists(other)) << "another file's temporary was removed";
+  EXPECT_TRUE(load_checkpoint(dir + "/ck.pt").model.count("embed.weight"));
   std::filesystem::remove_all(dir);
 }
 

@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <set>
@@ -23,6 +25,7 @@
 #include <vector>
 #include <thread>
 
+#include "dmuon/checkpoint.h"
 #include "dmuon/safetensors.h"
 
 namespace {
@@ -247,6 +250,276 @@ TEST(CliTest, CheckpointOfATensorParallelRunResumesWithoutTpAndBack) {
   for (const auto& d : {straight, first, second, third}) std::filesystem::remove_all(d);
 }
 
+// ---- issue 34: nothing silently wrong --------------------------------------------------------------
+const std::string kTiny = " --ranks 1 --batch 2 --seq-len 16 --d-model 32 --layers 1 --heads 4 --log-every 1";
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Rewrites a safetensors checkpoint as another tool would: `edit` changes its tensors and metadata,
+// then the "crc32c" table is recomputed (as a careful forger would) unless `keep_crc` is false.
+void rewrite_checkpoint(const std::string& path,
+                        const std::function<void(dmuon::SafetensorsDict&, std::map<std::string, std::string>&)>& edit,
+                        bool recompute_crc = true) {
+  dmuon::SafetensorsDict t;
+  std::map<std::string, std::string> meta;
+  {
+    const dmuon::SafetensorsFile f(path);
+    t = f.load_all();
+    meta = f.metadata();
+  }
+  edit(t, meta);
+  if (recompute_crc && meta.count("crc32c")) {
+    nlohmann::json sums = nlohmann::json::object();
+    for (const auto& [k, v] : t) {
+      const at::Tensor c = v.contiguous();
+      sums[k] = dmuon::checkpoint_crc32c(c.data_ptr(), c.nbytes());
+    }
+    for (const char* k : {"optimizer", "user"})
+      if (meta.count(k)) sums[k] = dmuon::checkpoint_crc32c(meta[k].data(), meta[k].size());
+    meta["crc32c"] = sums.dump();
+  }
+  dmuon::save_safetensors(path, t, meta);
+}
+
+int64_t csv_rows(const std::string& path, std::vector<std::string>* lr_column = nullptr) {
+  std::ifstream csv(path);
+  std::string line;
+  int64_t n = 0;
+  std::getline(csv, line);
+  while (std::getline(csv, line)) {
+    ++n;
+    if (lr_column) {
+      std::stringstream ss(line);
+      std::string cell;
+      for (int i = 0; i < 3; ++i) std::getline(ss, cell, ',');
+      lr_column->push_back(cell);
+    }
+  }
+  return n;
+}
+
+// Item 1: a checkpoint's hyperparameters are checked as the command line's; a given --lr overrides.
+TEST(CliTest, ResumeChecksTheCheckpointsHyperparametersAndLogsOverrides) {
+  const std::string d = temp_dir(), ck = d + "/ck.safetensors", bad = d + "/bad.safetensors";
+  Result r = run("train --steps 2" + kTiny + " --checkpoint " + ck + " --out " + d);
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::filesystem::copy_file(ck, bad);
+  rewrite_checkpoint(bad, [](dmuon::SafetensorsDict&, std::map<std::string, std::string>& meta) {
+    auto j = nlohmann::json::parse(meta.at("optimizer"));
+    j["param_groups"][0]["lr"] = -1;
+    meta["optimizer"] = j.dump();
+  });
+  r = run("train --steps 4" + kTiny + " --resume " + bad + " --out " + d + "/b");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("param_groups[0] ('default', Muon) has lr: -1. Must be >= 0."), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << "a C++ backtrace: " << r.output;
+  for (const auto& [args, want] : std::vector<std::pair<std::string, std::string>>{
+           {"--lr -1", "--lr: -1. Must be >= 0."},
+           {"--lr inf", "--lr: inf. Must be a finite number >= 0."},
+           {"--adamw-lr inf", "--adamw-lr: inf. Must be a finite number >= 0."},
+           {"--weight-decay nan", "--weight-decay: nan. Must be a finite number >= 0."}}) {
+    r = run("train --steps 2" + kTiny + " " + args + " --out " + d + "/c", 60);
+    EXPECT_EQ(r.status, 1) << args << ": " << r.output;
+    EXPECT_NE(r.output.find(want), std::string::npos) << args << ": " << r.output;
+  }
+  // --lr on resume is applied and said, never ignored
+  r = run("train --steps 4" + kTiny + " --lr 0.01 --resume " + ck + " --out " + d);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("--lr 0.01 overrides the checkpoint's Muon learning rate 0.02"), std::string::npos) << r.output;
+  std::vector<std::string> lrs;
+  ASSERT_EQ(csv_rows(d + "/metrics.csv", &lrs), 4);
+  EXPECT_EQ(lrs[1], "0.02");
+  EXPECT_EQ(lrs[3], "0.01");
+  std::filesystem::remove_all(d);
+}
+
+// Item 2: a checkpoint missing optimizer state (or its checksums) does not load silently.
+TEST(CliTest, ResumeRefusesMissingOptimizerStateAndUncheckedFiles) {
+  const std::string d = temp_dir(), ck = d + "/ck.safetensors", bad = d + "/bad.safetensors";
+  Result r = run("train --steps 2" + kTiny + " --checkpoint " + ck + " --out " + d);
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::filesystem::copy_file(ck, bad);
+  rewrite_checkpoint(bad, [](dmuon::SafetensorsDict& t, std::map<std::string, std::string>&) {
+    for (auto it = t.begin(); it != t.end();) it = it->first.rfind("optim_", 0) == 0 ? t.erase(it) : std::next(it);
+  });
+  r = run("train --steps 4" + kTiny + " --resume " + bad + " --out " + d + "/b");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("the state dict is at step 2 but holds no optimizer state for"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("resumed from"), std::string::npos) << r.output;
+  // one parameter's AdamW moments removed
+  std::filesystem::copy_file(ck, bad, std::filesystem::copy_options::overwrite_existing);
+  rewrite_checkpoint(bad, [](dmuon::SafetensorsDict& t, std::map<std::string, std::string>&) {
+    for (const char* f : {".exp_avg", ".exp_avg_sq", ".step"}) t.erase(std::string("optim_adamw/final_norm.weight") + f);
+  });
+  r = run("train --steps 4" + kTiny + " --resume " + bad + " --out " + d + "/b");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("'final_norm.weight (AdamW exp_avg, exp_avg_sq)'"), std::string::npos) << r.output;
+  // no "crc32c" (another tool's file): refused unless allowed, and then said
+  std::filesystem::copy_file(ck, bad, std::filesystem::copy_options::overwrite_existing);
+  rewrite_checkpoint(bad, [](dmuon::SafetensorsDict&, std::map<std::string, std::string>& meta) { meta.erase("crc32c"); });
+  r = run("train --steps 4" + kTiny + " --resume " + bad + " --out " + d + "/b");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("has no \"crc32c\" metadata"), std::string::npos) << r.output;
+  r = run("train --steps 3" + kTiny + " --resume " + bad + " --allow-unverified-checkpoint --out " + d + "/b");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("loaded unverified"), std::string::npos) << r.output;
+  std::filesystem::remove_all(d);
+}
+
+// Item 3: non-finite or absurd weights and config values are refused at load time, naming them.
+TEST(CliTest, NonFiniteWeightsAndConfigValuesAreRefusedNamingThem) {
+  const std::string d = temp_dir(), w = d + "/w.safetensors", ck = d + "/ck.safetensors";
+  Result r = run("train --steps 1" + kTiny + " --export-safetensors " + w + " --checkpoint " + ck + " --out " + d);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const dmuon::SafetensorsDict good = dmuon::SafetensorsFile(w).load_all();
+  for (const double v : {std::nan(""), 1e30}) {
+    dmuon::SafetensorsDict t = good;
+    t.at("layers.0.q_proj.weight").view(-1)[3] = v;
+    dmuon::save_safetensors(d + "/bad.safetensors", t);
+    r = run("train --steps 2" + kTiny + " --init-from " + d + "/bad.safetensors --out " + d + "/b");
+    EXPECT_EQ(r.status, 1) << r.output;
+    EXPECT_NE(r.output.find("tensor 'layers.0.q_proj.weight' holds"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("step 1/"), std::string::npos) << "trained on damaged weights: " << r.output;
+  }
+  rewrite_checkpoint(ck, [](dmuon::SafetensorsDict& t, std::map<std::string, std::string>&) {
+    t.at("model/layers.0.q_proj.weight").view(-1)[0] = INFINITY;
+  });
+  r = run("train --steps 2" + kTiny + " --resume " + ck + " --out " + d + "/c");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("tensor 'layers.0.q_proj.weight' holds 1 NaN or infinite value(s)"), std::string::npos)
+      << r.output;
+  const std::string cfg = R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+      "num_hidden_layers": 1, "num_attention_heads": 4)";
+  for (const auto& [extra, want] : std::vector<std::pair<std::string, std::string>>{
+           {R"(, "rms_norm_eps": -1})", "rms_norm_eps -1 must be in (0, 1)"},
+           {R"(, "rope_theta": 0})", "rope_theta 0 must be a finite number > 1"}}) {
+    std::ofstream(d + "/config.json") << cfg << extra;
+    r = run("train --steps 2" + kTiny + " --hf-config " + d + "/config.json --out " + d + "/h", 60);
+    EXPECT_EQ(r.status, 1) << extra << ": " << r.output;
+    EXPECT_NE(r.output.find(want), std::string::npos) << extra << ": " << r.output;
+  }
+  std::filesystem::remove_all(d);
+}
+
+// Items 4 and 6: outputs that would overwrite an input, or that cannot be written, fail before step 1.
+TEST(CliTest, OutputPathsAreCheckedBeforeTheFirstStep) {
+  const std::string d = temp_dir(), data = d + "/text.txt";
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i) + "\n";
+  std::ofstream(data) << text;
+  std::filesystem::create_directories(d + "/adir");
+  struct Case {
+    std::string args, want;
+  };
+  for (const Case& c : {Case{"--checkpoint " + data, "--checkpoint " + data + " is also --data"},
+                        Case{"--export-safetensors " + data, "--export-safetensors " + data + " is also --data"},
+                        Case{"--checkpoint " + d + "/adir", "--checkpoint " + d + "/adir: is a directory"},
+                        Case{"--export-safetensors " + d + "/adir", ": is a directory"},
+                        Case{"--checkpoint " + d + "/o", "is the --out directory"},
+                        Case{"--checkpoint " + d + "/x.pt --export-safetensors " + d + "/x.pt", "are the same file"}}) {
+    const Result r = run("train --steps 3" + kTiny + " --data " + data + " " + c.args + " --out " + d + "/o", 60);
+    EXPECT_EQ(r.status, 1) << c.args << ": " << r.output;
+    EXPECT_NE(r.output.find(c.want), std::string::npos) << c.args << ": " << r.output;
+    EXPECT_EQ(r.output.find("step 1/"), std::string::npos) << c.args << ": trained first: " << r.output;
+  }
+  EXPECT_EQ(read_text(data), text) << "the training text was overwritten";
+  // inputs that are not regular files are named as such
+  Result r = run("train --steps 3" + kTiny + " --data " + d + "/adir --out " + d + "/o", 60);
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("--data " + d + "/adir: is a directory"), std::string::npos) << r.output;
+  std::filesystem::remove_all(d);
+}
+
+// Items 5 and 7: resuming into the same --out keeps the earlier metrics; a changed run is refused.
+TEST(CliTest, ResumeKeepsEarlierMetricsAndRefusesAChangedRun) {
+  const std::string d = temp_dir(), ck = d + "/ck.pt";
+  Result r = run("train --steps 3" + kTiny + " --checkpoint " + ck + " --out " + d);
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run("train --steps 5" + kTiny + " --resume " + ck + " --checkpoint " + ck + " --out " + d);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string csv = read_text(d + "/metrics.csv");
+  EXPECT_EQ(csv.find("step,loss"), 0u);
+  EXPECT_EQ(csv.find("step,loss", 1), std::string::npos) << "the header twice: " << csv;
+  EXPECT_EQ(csv_rows(d + "/metrics.csv"), 5) << csv;
+  const std::string tiny2 = " --ranks 1 --batch 2 --seq-len 16 --d-model 32 --layers 1 --log-every 1";
+  r = run("train --steps 8" + tiny2 + " --heads 2 --resume " + ck + " --out " + d + "/b", 60);
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("was written by another run; it differs in:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--heads: checkpoint 4, now 2"), std::string::npos) << r.output;
+  r = run("train --steps 8" + kTiny + " --eval-every 0 --resume " + ck + " --out " + d + "/b", 60);
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("--eval-every/--val-fraction: checkpoint 0.100000 of the text, now none"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("--allow-data-change"), std::string::npos) << r.output;
+  r = run("train --steps 6" + kTiny + " --eval-every 0 --allow-data-change --resume " + ck + " --out " + d + "/b", 60);
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("resuming on other data"), std::string::npos) << r.output;
+  std::filesystem::remove_all(d);
+}
+
+// Items 11-14: sizes, non-regular files, messages and conflicts, each refused at once with a message
+// that names the flag (no C++ backtrace, no allocator error).
+TEST(CliTest, BadInputsOfIssue34AreRefusedNamingTheCause) {
+  const std::string d = temp_dir();
+  std::filesystem::create_directories(d + "/adir");
+  const std::string fifo = d + "/fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::ofstream(d + "/cfg.json") << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+      "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 3})";
+  std::ofstream(d + "/empty.json") << "[]";
+  struct Case {
+    std::string args, want;
+    int status;
+  };
+  const std::string t = "train --ranks 1 --steps 2 --seq-len 16 --d-model 32 --out " + d + "/o ";
+  for (const Case& c : std::vector<Case>{
+           {t + "--layers 100000000", "this run needs at least", 1},
+           {"train --ranks 1 --batch 2 --seq-len 16 --d-model 1048576 --layers 2 --steps 2 --out " + d + "/o",
+            "but this machine has", 1},
+           {t + "--batch 1000000000", "this run needs at least", 1},
+           {t + "--data " + fifo, "--data " + fifo + ": is not a regular file", 1},
+           {t + "--hf-config " + d + "/adir", "--hf-config " + d + "/adir: is a directory", 1},
+           {t + "--resume " + d + "/adir", "--resume " + d + "/adir: is a directory", 1},
+           {t + "--port 70000", "--port 70000 is out of range 1-65535", 1},
+           {t + "--port -1", "--port -1 is out of range 1-65535", 1},
+           {t + "--seed -1", "--seed", 2},
+           {t + "--compare adamw --optimizer adamw", "leave --optimizer out", 1},
+           {t + "--hf-config " + d + "/cfg.json", "num_attention_heads 4 is not a multiple of num_key_value_heads 3", 1},
+           {"plan --hf-config " + d + "/cfg.json", "num_attention_heads 4 is not a multiple of num_key_value_heads 3", 1},
+           {"plan --hf-config " + d + "/adir", "--hf-config " + d + "/adir: is a directory", 2},
+           {"plan --hf-config " + fifo, "is not a regular file", 2},
+           {"plan --params " + d + "/empty.json", "has no parameters", 2},
+           {"plan --model llama3-8b --simulate --hardware " + d + "/adir", "--hardware " + d + "/adir: is a directory", 2},
+           {"bench step --predict " + d + "/adir", "--predict " + d + "/adir: is a directory", 1},
+           {"plan --model llama3-8b --include no_such_param", "--include matches no parameter", 2},
+           {"plan --model llama3-8b --calibrate " + d + "/adir", "--calibrate " + d + "/adir: is a directory", 2},
+           {"bench step --ranks 0", "'0' is not a rank count", 1},
+           {"bench step --ranks 2,x", "'x' is not a rank count", 1},
+           {"bench step --steps 0", "--steps must be >= 1 (got 0)", 1}}) {
+    const Result r = run(c.args, 60);
+    EXPECT_EQ(r.status, c.status) << c.args << ": " << r.output;
+    EXPECT_NE(r.output.find(c.want), std::string::npos) << c.args << ": " << r.output;
+    EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << c.args << ": " << r.output;
+    EXPECT_EQ(r.output.find("bad_alloc"), std::string::npos) << c.args << ": " << r.output;
+  }
+  // a dmuon checkpoint given as initial weights: said so, with the flag to use instead
+  Result r = run("train" + kTiny + " --steps 1 --checkpoint " + d + "/ck.pt --out " + d + "/o");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run(t + "--init-from " + d + "/ck.pt", 60);
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("is a dmuon checkpoint (model and optimizer state), not a weights file; continue that run "
+                          "with --resume"), std::string::npos) << r.output;
+  r = run(t + "--init-from " + d + "/cfg.json --resume " + d + "/ck.pt", 60);
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("--init-from and --resume both set the weights"), std::string::npos) << r.output;
+  std::filesystem::remove_all(d);
+}
+
 TEST(CliTest, Fp16OnACpuWithoutHalfKernelsIsAClearError) {
   const std::string out = temp_dir();
   const Result r = run("train --ranks 1 --param-dtype fp16 --steps 2 --batch 2 --seq-len 16 --d-model 32 --layers 1 "
@@ -270,7 +543,7 @@ TEST(CliTest, Fp16OnACpuWithoutHalfKernelsIsAClearError) {
 TEST(CliTest, MissingDataFileIsAClearError) {
   const Result r = run("train --ranks 2 --steps 2 --data /no/such/file.txt --out " + temp_dir());
   EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.output.find("data file '/no/such/file.txt'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--data /no/such/file.txt: no such file"), std::string::npos) << r.output;
 }
 
 TEST(CliTest, UnevenBatchAndTooManyRanksAreClearErrors) {
@@ -325,6 +598,37 @@ TEST(CliTest, AFailingRankIsReportedFirstAndLinesAreWhole) {
   EXPECT_NE(errors.front().find("error (rank 1): injected failure at step 3"), std::string::npos) << r.output;
   EXPECT_EQ(errors.back().rfind("error: rank 1 failed", 0), 0u) << r.output;
   EXPECT_NE(errors.back().find("; stopped the other ranks"), std::string::npos) << r.output;
+  std::filesystem::remove_all(out);
+}
+
+// Item 8: a rank killed by a signal is the cause, whatever the survivors say after it.
+// Item 10: after stopping its ranks the launcher removes the temporaries dead writers left beside the outputs.
+TEST(CliTest, ARankKilledBySignalIsNamedNotASurvivor) {
+  const std::string out = temp_dir();
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // a PID of no process, as a killed rank's
+  const std::string stale = out + "/.ck.pt.tmp-" + std::to_string(child);
+  std::ofstream(stale) << "half a checkpoint";
+  const Result r = run("train --ranks 3 --steps 20 --batch 6 --seq-len 16 --d-model 32 --layers 2 --timeout 20 "
+                       "--checkpoint " + out + "/ck.pt --out " + out, 120, "DMUON_TEST_FAIL_AT=2:3:kill");
+  EXPECT_FALSE(std::filesystem::exists(stale)) << "a dead writer's temporary file was left";
+  EXPECT_NE(r.status, 0) << r.output;
+  const auto at = r.output.rfind("error: rank ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  EXPECT_EQ(r.output.substr(at).rfind("error: rank 2 failed (was killed by signal 9 (SIGKILL))", 0), 0u) << r.output;
+  std::filesystem::remove_all(out);
+}
+
+// Item 9 (the CLI's part): a rank that never connects fails setup within --timeout, naming the phase.
+TEST(CliTest, ARankStoppedBeforeSetupFailsWithinTheTimeoutNamingThePhase) {
+  const std::string out = temp_dir();
+  const Result r = run("train --ranks 2 --steps 5 --batch 2 --seq-len 16 --d-model 32 --layers 1 --timeout 5 --out " +
+                           out, 120, "DMUON_TEST_FAIL_AT=1:0:stop");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("could not connect to the other ranks within --timeout 5 s"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("error: rank 1 was stopped (SIGSTOP) and answered no one"), std::string::npos) << r.output;
   std::filesystem::remove_all(out);
 }
 
@@ -455,38 +759,42 @@ TEST(CliTest, PortInUseIsAClearError) {
 }
 
 TEST(CliTest, InterruptedRunStopsAllRanksAndExitsNonZero) {
-  const std::string out = temp_dir();
-  const pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    const std::string bin = cli();
-    ::execl(bin.c_str(), bin.c_str(), "train", "--ranks", "2", "--steps", "100000", "--out", out.c_str(),
-            static_cast<char*>(nullptr));
-    ::_exit(127);
+  // the shell's convention: 128 + the signal (130 for SIGINT, 143 for SIGTERM)
+  for (const auto& [sig, want] : {std::pair{SIGINT, 130}, std::pair{SIGTERM, 143}}) {
+    SCOPED_TRACE("signal " + std::to_string(sig));
+    const std::string out = temp_dir();
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      const std::string bin = cli();
+      ::execl(bin.c_str(), bin.c_str(), "train", "--ranks", "2", "--steps", "100000", "--out", out.c_str(),
+              static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(6));
+    ::kill(pid, sig);
+    int st = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    pid_t done = 0;
+    while ((done = ::waitpid(pid, &st, WNOHANG)) == 0 &&
+           std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30))
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (done == 0) ::kill(pid, SIGKILL);
+    ASSERT_EQ(done, pid) << "dmuon train did not stop within 30 s of SIGINT";
+    ASSERT_TRUE(WIFEXITED(st));
+    EXPECT_EQ(WEXITSTATUS(st), want);
+    // no rank outlives the parent: nothing named dmuon with our out dir is left
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const Result ps = {0, ""};
+    FILE* f = popen(("pgrep -f -- '--ou[t] " + out + "'").c_str(), "r");
+    std::array<char, 256> buf{};
+    std::string left;
+    while (size_t n = fread(buf.data(), 1, buf.size(), f)) left.append(buf.data(), n);
+    pclose(f);
+    EXPECT_TRUE(left.empty()) << "ranks still running: " << left;
+    (void)ps;
+    std::filesystem::remove_all(out);
   }
-  std::this_thread::sleep_for(std::chrono::seconds(6));
-  ::kill(pid, SIGINT);
-  int st = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  pid_t done = 0;
-  while ((done = ::waitpid(pid, &st, WNOHANG)) == 0 &&
-         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30))
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  if (done == 0) ::kill(pid, SIGKILL);
-  ASSERT_EQ(done, pid) << "dmuon train did not stop within 30 s of SIGINT";
-  ASSERT_TRUE(WIFEXITED(st));
-  EXPECT_EQ(WEXITSTATUS(st), 130);
-  // no rank outlives the parent: nothing named dmuon with our out dir is left
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  const Result ps = {0, ""};
-  FILE* f = popen(("pgrep -f -- '--ou[t] " + out + "'").c_str(), "r");
-  std::array<char, 256> buf{};
-  std::string left;
-  while (size_t n = fread(buf.data(), 1, buf.size(), f)) left.append(buf.data(), n);
-  pclose(f);
-  EXPECT_TRUE(left.empty()) << "ranks still running: " << left;
-  (void)ps;
-  std::filesystem::remove_all(out);
 }
 
 TEST(CliTest, PlanToolBadInputExitsNonZeroWithOneLine) {

@@ -207,6 +207,33 @@ TEST(Safetensors, CheckpointsRoundTripAndDamageNamesTheTensor) {
   std::ofstream(path, std::ios::binary) << b;
   EXPECT_NE(error_of([&] { load_checkpoint(path); }).find("damage is in 'optim_adamw/norm.weight.exp_avg'"),
             std::string::npos);
+  // a header length out of bounds (1e12) is reported as the safetensors file's, not as another format
+  {
+    std::string h = read_all(path);
+    const uint64_t huge = 1000000000000ull;
+    for (int i = 0; i < 8; ++i) h[static_cast<size_t>(i)] = static_cast<char>(huge >> (8 * i));
+    std::ofstream(dir + "/long.safetensors", std::ios::binary) << h;
+    const std::string err = error_of([&] { load_checkpoint(dir + "/long.safetensors"); });
+    EXPECT_NE(err.find("announce a 1000000000000-byte header"), std::string::npos) << err;
+  }
+  // no "crc32c": refused unless allowed (another tool's file); a recorded tensor that is gone: refused
+  {
+    const std::string ok = dir + "/ok.safetensors";
+    save_checkpoint(ok, model, &o);
+    SafetensorsDict t = SafetensorsFile(ok).load_all();
+    std::map<std::string, std::string> meta = SafetensorsFile(ok).metadata();
+    meta.erase("crc32c");
+    save_safetensors(dir + "/nocrc.safetensors", t, meta);
+    EXPECT_NE(error_of([&] { load_checkpoint(dir + "/nocrc.safetensors"); }).find("has no \"crc32c\" metadata"),
+              std::string::npos);
+    EXPECT_EQ(load_checkpoint(dir + "/nocrc.safetensors", true, /*allow_unverified=*/true).optim->steps_taken, 7);
+    meta = SafetensorsFile(ok).metadata();
+    t.erase("optim_adamw/norm.weight.exp_avg_sq");
+    save_safetensors(dir + "/gone.safetensors", t, meta);
+    EXPECT_NE(error_of([&] { load_checkpoint(dir + "/gone.safetensors"); })
+                  .find("records tensor 'optim_adamw/norm.weight.exp_avg_sq', which is not in the file"),
+              std::string::npos);
+  }
   // plain weights are not a checkpoint
   save_safetensors(dir + "/w.safetensors", {{"x", at::ones({1})}});
   EXPECT_NE(error_of([&] { load_checkpoint(dir + "/w.safetensors"); }).find("not a dmuon checkpoint"),

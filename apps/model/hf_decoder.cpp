@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "dmuon/dedicate.h"
+#include "dmuon/model_specs.h"
 
 namespace dmuon::models {
 
@@ -78,17 +79,26 @@ HFDecoderConfig HFDecoderConfig::parse(const std::string& text, const std::strin
   c.num_hidden_layers = int_field(j, "num_hidden_layers", src);
   c.num_attention_heads = int_field(j, "num_attention_heads", src);
   c.num_key_value_heads = int_field(j, "num_key_value_heads", src, c.num_attention_heads);
-  TORCH_CHECK(c.num_attention_heads % c.num_key_value_heads == 0, src, ": num_attention_heads ", c.num_attention_heads,
-              " is not a multiple of num_key_value_heads ", c.num_key_value_heads, " (grouped-query attention).");
-  if (!field(j, "head_dim"))
-    TORCH_CHECK(c.hidden_size % c.num_attention_heads == 0, src, ": hidden_size ", c.hidden_size,
-                " is not divisible by num_attention_heads ", c.num_attention_heads, "; set \"head_dim\".");
+  try {  // the check `dmuon plan` makes
+    check_attention_heads(c.num_attention_heads, c.num_key_value_heads, c.hidden_size, field(j, "head_dim") != nullptr,
+                          src);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, e.what());
+  }
   c.head_dim = int_field(j, "head_dim", src, c.hidden_size / c.num_attention_heads);
   TORCH_CHECK(c.head_dim % 2 == 0, src, ": head_dim ", c.head_dim, " is odd; rotary embeddings rotate pairs.");
   c.max_position_embeddings = int_field(j, "max_position_embeddings", src, 4096);
   c.rms_norm_eps = num_field(j, "rms_norm_eps", src, 1e-6);
   c.rope_theta = num_field(j, "rope_theta", src, 10000.0);
   c.initializer_range = num_field(j, "initializer_range", src, 0.02);
+  // values that would make every loss NaN (or train a degenerate model) without another word
+  TORCH_CHECK(std::isfinite(c.rms_norm_eps) && c.rms_norm_eps > 0 && c.rms_norm_eps < 1, src, ": rms_norm_eps ",
+              c.rms_norm_eps, " must be in (0, 1) (a small positive number such as 1e-6; the norm divides by "
+              "sqrt(mean(x^2) + eps)).");
+  TORCH_CHECK(std::isfinite(c.rope_theta) && c.rope_theta > 1, src, ": rope_theta ", c.rope_theta, " must be a finite "
+              "number > 1 (the base of the rotary frequencies, 10000 or more in published configs).");
+  TORCH_CHECK(std::isfinite(c.initializer_range) && c.initializer_range >= 0, src, ": initializer_range ",
+              c.initializer_range, " must be a finite number >= 0.");
   c.tie_word_embeddings = bool_field(j, "tie_word_embeddings", src, false);
   if (const json* act = field(j, "hidden_act"))
     TORCH_CHECK(act->is_string() && act->get<std::string>() == "silu", src, ": hidden_act ", act->dump(),
@@ -121,7 +131,12 @@ HFDecoderConfig HFDecoderConfig::parse(const std::string& text, const std::strin
       c.rope_high_freq_factor = num_field(*rs, "high_freq_factor", src, 4.0);
       c.rope_original_max_position = int_field(*rs, "original_max_position_embeddings", src, 8192);
     }
-    TORCH_CHECK(c.rope_factor > 0, src, ": rope_scaling factor must be > 0.");
+    TORCH_CHECK(std::isfinite(c.rope_factor) && c.rope_factor > 0, src, ": rope_scaling factor must be a finite "
+                "number > 0, got ", c.rope_factor, ".");
+    TORCH_CHECK(std::isfinite(c.rope_low_freq_factor) && std::isfinite(c.rope_high_freq_factor) &&
+                    c.rope_high_freq_factor > c.rope_low_freq_factor && c.rope_low_freq_factor > 0,
+                src, ": rope_scaling needs 0 < low_freq_factor < high_freq_factor (got ", c.rope_low_freq_factor,
+                " and ", c.rope_high_freq_factor, ").");
   }
   return c;
 }

@@ -71,11 +71,20 @@ void set_model_state_dict(torch::nn::Module& model, const TensorDict& state_dict
 // checkpoint_model_source or safetensors_source. The source must hold every parameter and buffer.
 void set_model_state_dict(torch::nn::Module& model, ParamSource& source);
 
+// The values of a state dict, before anything uses them: every group's hyperparameters (a Muon
+// group's lr, momentum, weight_decay, ns_steps; an AdamW group's lr, beta1, beta2, eps,
+// weight_decay) through check_hyperparameter, steps_taken and every "<name>.step" >= 0, and every
+// state tensor finite (exp_avg_sq also >= 0). Throws c10::Error naming `where` and the group or
+// tensor. load_checkpoint and set_optimizer_state_dict call it.
+void check_optimizer_state_dict(const OptimizerStateDict& state_dict, const std::string& where);
+
 // collective: every rank, same order.
 OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon& optimizer,
                                             const StateDictOptions& options = {});
 // collective. Restores momentum buffers (on the new owners), AdamW moments (sliced for
-// sharded_adamw), step counts and the groups' hyperparameters (learning rates included).
+// sharded_adamw), step counts and the groups' hyperparameters (learning rates included). After a
+// step (steps_taken > 0) the state dict must hold the state of every parameter the optimizer
+// trains; a missing one is an error naming it (a fresh optimizer's empty state loads).
 void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const OptimizerStateDict& state_dict);
 
 // One file: written to a temporary name in the same directory, flushed to disk, then renamed over
@@ -92,28 +101,40 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
 // "optimizer": JSON {"steps_taken", "param_groups": [{"name", "is_muon", "lr", "momentum",
 // "weight_decay", "beta1", "beta2", "eps", "nesterov", "ns_steps"}, ...]}, and "crc32c": JSON
 // {"<tensor key>": CRC32C of its data bytes, ..., "optimizer": CRC32C of that string}.
-void save_checkpoint(const std::string& path, const TensorDict& model, const OptimizerStateDict* optimizer = nullptr);
+//
+// `metadata` (optional) is stored with the checkpoint and covered by its checksums: the archive's
+// "metadata" entry, or the safetensors metadata "user" (a JSON object of strings). A caller keeps
+// there what defines its run (the CLI: the architecture, the data's digest, the seed, the batch).
+void save_checkpoint(const std::string& path, const TensorDict& model, const OptimizerStateDict* optimizer = nullptr,
+                     const std::map<std::string, std::string>& metadata = {});
 
 struct Checkpoint {
   TensorDict model;
   std::optional<OptimizerStateDict> optim;
+  std::map<std::string, std::string> metadata;  // as passed to save_checkpoint
 };
 // Either format (the file's first bytes tell). A safetensors checkpoint written elsewhere (e.g. by
-// Python with the layout above) loads too: its structure is always checked, each tensor's CRC32C
-// where "crc32c" records one.
+// Python with the layout above) loads too, but only with allow_unverified = true when it has no
+// "crc32c" metadata (dmuon always writes it); with "crc32c", every tensor in the file must have its
+// entry and every entry its tensor.
 // Every rank may call it; it changes nothing and returns the file's contents only when they are
 // intact: the whole archive and every tensor and the metadata are checked against their
 // checksums. A damaged file is an error naming the file and the damaged tensor or section (the
 // archive's structure when it is elsewhere); so are a truncated, empty or foreign file and a
-// format-1 checkpoint (written before checksums, refused because it cannot be verified).
+// format-1 checkpoint (written before checksums, refused because it cannot be verified). The
+// optimizer section's values are checked too (check_optimizer_state_dict).
 Checkpoint load_checkpoint(const std::string& path);
 // As above; with include_model=false the model section is left out (Checkpoint::model empty): a
 // safetensors checkpoint then reads none of its model tensors (pair it with checkpoint_model_source).
-Checkpoint load_checkpoint(const std::string& path, bool include_model);
+Checkpoint load_checkpoint(const std::string& path, bool include_model, bool allow_unverified = false);
 // The model section of a checkpoint as a ParamSource for set_model_state_dict: a safetensors
 // checkpoint is read by offset, each rank only what it keeps, each tensor verified against its
 // CRC32C as it is read; the archive format (no random access) is read and verified whole.
-std::shared_ptr<ParamSource> checkpoint_model_source(const std::string& path);
+std::shared_ptr<ParamSource> checkpoint_model_source(const std::string& path, bool allow_unverified = false);
+
+// Whether `path` is a dmuon checkpoint of either format (by its first bytes and, for safetensors, its
+// "format" metadata); false for anything else, a missing file included. Reads only the header.
+bool is_dmuon_checkpoint(const std::string& path);
 
 // CRC32C (Castagnoli) of n bytes, continuing from `crc` (0 to start): the checksum of checkpoint
 // files, table-driven, 8 bytes per step.

@@ -54,6 +54,12 @@ ModelSpec model_preset(const std::string& name, const std::string& dtype = "bf16
 // Sizes are checked against sane limits before anything is built (layers <= 10,000, experts <=
 // 65,536, other sizes <= 2^20, <= 2,000,000 tensors and 1e15 elements): the error names the field.
 // `dtype` empty means the config's torch_dtype, else bf16. `source` names the input in errors.
+// The attention heads of a decoder config.json, checked the same way by `dmuon plan` and `dmuon
+// train`: num_key_value_heads divides num_attention_heads (grouped-query attention), and without a
+// "head_dim" the hidden size divides into the heads. Throws std::invalid_argument naming `source`.
+void check_attention_heads(int64_t heads, int64_t kv_heads, int64_t hidden_size, bool has_head_dim,
+                           const std::string& source);
+
 ModelSpec model_from_hf_config(const std::string& json_text, const std::string& source,
                                const std::string& dtype = "");
 ModelSpec load_hf_config(const std::string& path, const std::string& dtype = "");

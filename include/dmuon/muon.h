@@ -79,6 +79,18 @@ struct MuonParamState : torch::optim::OptimizerCloneableParamState<MuonParamStat
   void serialize(torch::serialize::InputArchive& archive) override;
 };
 
+// The range of a hyperparameter. check_hyperparameter is the one check of every value Muon uses,
+// wherever it comes from: MuonOptions, a checkpoint (load_checkpoint, set_optimizer_state_dict) or
+// the command line.
+enum class HparamRange {
+  NonNegative,   // a learning rate or a weight decay: finite and >= 0
+  UnitInterval,  // a momentum or an Adam beta: in [0, 1)
+  Positive,      // Adam's eps: finite and > 0
+  Count,         // ns_steps: an integer in [1, 1000]
+};
+// Throws c10::Error "<what>: <v>. Must be <range>." when v is outside `range` (NaN and +-inf always are).
+void check_hyperparameter(const std::string& what, double v, HparamRange range);
+
 // A user parameter group (PyTorch style): its parameters and the hyperparameters it overrides.
 struct MuonParamGroup {
   std::string name;

@@ -203,6 +203,47 @@ void set_model_state_dict(torch::nn::Module& model, ParamSource& source) {
 }
 
 // ---- optimizer -----------------------------------------------------------------------------------
+void check_optimizer_state_dict(const OptimizerStateDict& sd, const std::string& where) {
+  for (size_t i = 0; i < sd.param_groups.size(); ++i) {
+    const OptimizerGroupState& g = sd.param_groups[i];
+    auto check = [&](const char* field, double v, HparamRange range) {
+      check_hyperparameter(where + ": param_groups[" + std::to_string(i) + "] ('" + g.name + "', " +
+                               (g.is_muon ? "Muon" : "AdamW") + ") has " + field,
+                           v, range);
+    };
+    check("lr", g.lr, HparamRange::NonNegative);
+    check("weight_decay", g.weight_decay, HparamRange::NonNegative);
+    if (g.is_muon) {
+      check("momentum", g.momentum, HparamRange::UnitInterval);
+      check("ns_steps", static_cast<double>(g.ns_steps), HparamRange::Count);
+    } else {
+      check("beta1", g.beta1, HparamRange::UnitInterval);
+      check("beta2", g.beta2, HparamRange::UnitInterval);
+      check("eps", g.eps, HparamRange::Positive);
+    }
+  }
+  TORCH_CHECK(sd.steps_taken >= 0, where, ": steps_taken is ", sd.steps_taken, "; a step count must be >= 0.");
+  for (const TensorDict* d : {&sd.muon, &sd.adamw})
+    for (const auto& [k, v] : *d) {
+      const bool is_step = k.size() > 5 && k.compare(k.size() - 5, 5, ".step") == 0;
+      if (is_step) {
+        TORCH_CHECK(v.defined() && v.numel() == 1 && !v.is_floating_point() && !v.is_complex(), where, ": '", k,
+                    "' is not a step count (one integer).");
+        const int64_t step = v.item<int64_t>();
+        TORCH_CHECK(step >= 0, where, ": '", k, "' is ", step, "; a step count must be >= 0.");
+        continue;
+      }
+      TORCH_CHECK(v.defined() && v.is_floating_point(), where, ": optimizer state '", k, "' is not a floating-point tensor.");
+      const at::Tensor bad = at::logical_not(at::isfinite(v.detach()));
+      if (const int64_t n = bad.sum().item<int64_t>(); n > 0)
+        TORCH_CHECK(false, where, ": optimizer state '", k, "' holds ", n, " non-finite value(s) (NaN or inf) of ",
+                    v.numel(), "; the run that wrote it had diverged. Resume from an earlier checkpoint.");
+      const bool second_moment = k.size() > 11 && k.compare(k.size() - 11, 11, ".exp_avg_sq") == 0;
+      TORCH_CHECK(!second_moment || v.numel() == 0 || v.min().item<double>() >= 0, where, ": optimizer state '", k,
+                  "' has negative values (", v.min().item<double>(), "); a second moment is >= 0.");
+    }
+}
+
 OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon& optimizer,
                                             const StateDictOptions& options) {
   auto st = drained_state(model, "get_optimizer_state_dict");
@@ -258,6 +299,7 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
 void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const OptimizerStateDict& full_sd) {
   auto st = drained_state(model, "set_optimizer_state_dict");
   std::lock_guard<std::recursive_mutex> g(st->mutex());
+  check_optimizer_state_dict(full_sd, "rank " + std::to_string(st->mesh().global_rank()) + ": set_optimizer_state_dict");
   OptimizerStateDict sd = full_sd;  // TP: this rank's slices
   {
     const TpView tp(*st);
@@ -295,10 +337,14 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
                   ": set_optimizer_state_dict: '", it->first, "' has shape ", shape_str(it->second.sizes()), " (",
                   it->second.scalar_type(), ") but the parameter has shape ", shape_str(shape), ".", fix);
     }
-    if (found == 0) return false;
-    TORCH_CHECK(found == static_cast<int>(fields.size()) && d.count(name + ".step"), "rank ", rank,
-                ": set_optimizer_state_dict: the ", section, " state of '", name,
-                "' is incomplete (some of its entries or '.step' are missing).");
+    const bool has_step = d.count(name + ".step") > 0;
+    if (found == 0 && !has_step) return false;
+    std::string missing;
+    for (const char* f : fields)
+      if (!d.count(name + f)) missing += (missing.empty() ? "'" : ", '") + name + f + "'";
+    if (!has_step) missing += (missing.empty() ? "'" : ", '") + name + ".step'";
+    TORCH_CHECK(missing.empty(), "rank ", rank, ": set_optimizer_state_dict: the ", section, " state of '", name,
+                "' is incomplete: ", missing, " missing.");
     used.insert(name + ".step");
     return true;
   };
@@ -320,6 +366,24 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
     TORCH_CHECK(used_adamw.count(k), "rank ", rank, ": set_optimizer_state_dict: AdamW state '", k,
                 "' belongs to no AdamW-trained parameter of this model (a parameter now routed to Muon, or "
                 "another model).", fix);
+
+  // after a step every trained parameter has its state: a missing one would restart from nothing, silently
+  if (sd.steps_taken > 0) {
+    std::vector<std::string> missing;
+    for (size_t i = 0; i < entries.size(); ++i)
+      if (!muon_has[i]) missing.push_back(entries[i].name + " (Muon momentum_buffer)");
+    for (size_t i = 0; i < base.size(); ++i)
+      if (!adamw_has[i]) missing.push_back(base[i].first + " (AdamW exp_avg, exp_avg_sq)");
+    if (!missing.empty()) {
+      std::string list;
+      for (size_t i = 0; i < missing.size() && i < 5; ++i) list += (i ? ", '" : "'") + missing[i] + "'";
+      if (missing.size() > 5) list += " and " + std::to_string(missing.size() - 5) + " more";
+      TORCH_CHECK(false, "rank ", rank, ": set_optimizer_state_dict: the state dict is at step ", sd.steps_taken,
+                  " but holds no optimizer state for ", missing.size(), " trained parameter(s): ", list,
+                  ". Loading it would restart them from fresh state; the state dict is incomplete (damaged or "
+                  "written by another tool).");
+    }
+  }
 
   // 2. apply
   for (size_t i = 0; i < groups.size(); ++i) {

@@ -16,6 +16,7 @@
 
 #include "dmuon/checkpoint.h"
 #include "checkpoint_safetensors.h"
+#include "dmuon/safetensors.h"
 #include "file_io.h"
 
 namespace dmuon {
@@ -42,6 +43,7 @@ constexpr char kMagic[8] = {'D', 'M', 'U', 'O', 'N', 'C', 'K', 'P'};
 constexpr uint32_t kVersion = 2;
 constexpr size_t kHeaderSize = 32;
 constexpr const char* kMetaKey = "optimizer metadata";
+constexpr const char* kUserKey = "metadata";  // the caller's metadata (save_checkpoint's `metadata`)
 constexpr const char* kCorruptFix =
     " The file was damaged after it was written (disk, copy or transfer): resume from another checkpoint, or "
     "re-save this one from a run that still holds the state.";
@@ -137,6 +139,16 @@ uint32_t meta_crc(const GroupLists& g) {
   return checkpoint_crc32c(b.b.data(), b.b.size(), tensor_crc(g.hparams));
 }
 
+uint32_t user_crc(const std::map<std::string, std::string>& m) {
+  Bytes b;
+  b.u64(m.size());
+  for (const auto& [k, v] : m) {
+    b.str(k);
+    b.str(v);
+  }
+  return b.crc();
+}
+
 c10::Dict<std::string, at::Tensor> to_dict(const TensorDict& d, const std::string& section,
                                            c10::Dict<std::string, int64_t>& sums) {
   c10::Dict<std::string, at::Tensor> out;
@@ -222,6 +234,17 @@ std::string read_sections(torch::serialize::InputArchive& ar, Checkpoint& ck) {
     }
   };
   section("model", "model state", ck.model);
+  if (sums.count(kUserKey)) {
+    seen.insert(kUserKey);
+    c10::IValue m;
+    if (!ar.try_read(kUserKey, m) || !m.isGenericDict()) {
+      if (damaged.empty()) damaged = "the caller's metadata (\"metadata\": missing or of the wrong type)";
+    } else {
+      for (const auto& it : m.toGenericDict()) ck.metadata[it.key().toStringRef()] = it.value().toStringRef();
+      if (damaged.empty() && user_crc(ck.metadata) != sums.at(kUserKey))
+        damaged = "the caller's metadata (\"metadata\")";
+    }
+  }
   const bool has_optim = sums.count(kMetaKey) > 0;
   if (has_optim) {
     OptimizerStateDict o;
@@ -291,10 +314,11 @@ uint32_t checkpoint_crc32c(const void* data, size_t n, uint32_t crc) {
   return ~c;
 }
 
-void save_checkpoint(const std::string& path, const TensorDict& model, const OptimizerStateDict* optim) {
+void save_checkpoint(const std::string& path, const TensorDict& model, const OptimizerStateDict* optim,
+                     const std::map<std::string, std::string>& metadata) {
   const std::string ext = ".safetensors";
   if (path.size() > ext.size() && path.compare(path.size() - ext.size(), ext.size(), ext) == 0)
-    return io::save_checkpoint_safetensors(path, model, optim);
+    return io::save_checkpoint_safetensors(path, model, optim, metadata);
   torch::serialize::OutputArchive ar;
   c10::Dict<std::string, int64_t> sums;
   ar.write("format", c10::IValue(std::string(kFormat)));
@@ -326,20 +350,43 @@ void save_checkpoint(const std::string& path, const TensorDict& model, const Opt
     ar.write("optim_group_hparams", c10::IValue(g.hparams));
     ar.write("optim_steps_taken", c10::IValue(g.steps_taken));
   }
+  if (!metadata.empty()) {
+    c10::Dict<std::string, std::string> m;
+    for (const auto& [k, v] : metadata) m.insert(k, v);
+    ar.write(kUserKey, c10::IValue(m));
+    sums.insert(kUserKey, user_crc(metadata));
+  }
   ar.write("checksums", c10::IValue(sums));
   io::write_atomically(path, "save_checkpoint", [&](int fd) { write_file(fd, ar); });
 }
 
+bool is_dmuon_checkpoint(const std::string& path) {
+  if (!std::filesystem::is_regular_file(path)) return false;
+  if (io::looks_like_safetensors(path)) {
+    try {
+      const SafetensorsFile f(path);
+      auto fmt = f.metadata().find("format");
+      return fmt != f.metadata().end() && fmt->second.rfind("dmuon-checkpoint", 0) == 0;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
+  io::Fd f;
+  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  unsigned char h[sizeof(kMagic)] = {};
+  return f.fd >= 0 && io::read_at(f.fd, h, sizeof(h), 0) == sizeof(h) && std::memcmp(h, kMagic, sizeof(h)) == 0;
+}
+
 Checkpoint load_checkpoint(const std::string& path) { return load_checkpoint(path, /*include_model=*/true); }
 
-std::shared_ptr<ParamSource> checkpoint_model_source(const std::string& path) {
+std::shared_ptr<ParamSource> checkpoint_model_source(const std::string& path, bool allow_unverified) {
   TORCH_CHECK(std::filesystem::is_regular_file(path), "checkpoint_model_source: '", path,
               "' does not exist or is not a file.");
-  if (io::looks_like_safetensors(path)) return io::checkpoint_safetensors_model_source(path);
+  if (io::looks_like_safetensors(path)) return io::checkpoint_safetensors_model_source(path, allow_unverified);
   return tensor_dict_source(load_checkpoint(path).model, "checkpoint '" + path + "'");
 }
 
-Checkpoint load_checkpoint(const std::string& path, bool include_model) {
+Checkpoint load_checkpoint(const std::string& path, bool include_model, bool allow_unverified) {
   TORCH_CHECK(std::filesystem::is_regular_file(path), "load_checkpoint: '", path, "' does not exist or is not a file.");
   io::Fd f;
   f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -348,12 +395,17 @@ Checkpoint load_checkpoint(const std::string& path, bool include_model) {
   TORCH_CHECK(::fstat(f.fd, &sb) == 0, "load_checkpoint: cannot stat '", path, "': ", std::strerror(errno));
   const auto size = static_cast<uint64_t>(sb.st_size);
   const char* what_fix = " Pass a file written by dmuon::save_checkpoint.";
-  if (size > 0 && io::looks_like_safetensors(path)) return io::load_checkpoint_safetensors(path, include_model);
+  if (size > 0 && io::looks_like_safetensors(path)) return io::load_checkpoint_safetensors(path, include_model, allow_unverified);
   TORCH_CHECK(size > 0, "load_checkpoint: '", path, "' is not a readable checkpoint: it is empty (0 bytes; was "
               "it created but never written?).", what_fix);
   unsigned char h[kHeaderSize] = {};
   const size_t got = io::read_at(f.fd, h, kHeaderSize, 0);
   if (got >= 4 && std::memcmp(h, "PK\x03\x04", 4) == 0) refuse_zip(path);
+  // a safetensors file whose header length is out of bounds (damaged): the safetensors reader says so
+  const std::string ext = ".safetensors";
+  if ((got > 8 && h[8] == '{') ||
+      (path.size() > ext.size() && path.compare(path.size() - ext.size(), ext.size(), ext) == 0))
+    return io::load_checkpoint_safetensors(path, include_model, allow_unverified);
   TORCH_CHECK(got >= sizeof(kMagic) && std::memcmp(h, kMagic, sizeof(kMagic)) == 0, "load_checkpoint: '", path,
               "' is not a readable checkpoint: it does not begin with the dmuon checkpoint header (a text file, "
               "another format, or a checkpoint whose first bytes are damaged?).", what_fix);
@@ -413,6 +465,7 @@ Checkpoint load_checkpoint(const std::string& path, bool include_model) {
                                                   hex(crc) + "].",
               kCorruptFix);
   if (!include_model) ck.model.clear();  // the archive has no random access: it was read and verified whole
+  if (ck.optim) check_optimizer_state_dict(*ck.optim, "load_checkpoint: '" + path + "'");
   return ck;
 }
 

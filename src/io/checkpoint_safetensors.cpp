@@ -33,7 +33,8 @@ json groups_json(const OptimizerStateDict& o) {
 
 }  // namespace
 
-void save_checkpoint_safetensors(const std::string& path, const TensorDict& model, const OptimizerStateDict* optim) {
+void save_checkpoint_safetensors(const std::string& path, const TensorDict& model, const OptimizerStateDict* optim,
+                                 const std::map<std::string, std::string>& metadata) {
   SafetensorsDict all;
   json sums = json::object();
   auto add = [&](const std::string& section, const TensorDict& d) {
@@ -50,14 +51,18 @@ void save_checkpoint_safetensors(const std::string& path, const TensorDict& mode
     meta["optimizer"] = groups_json(*optim).dump();
     sums["optimizer"] = checkpoint_crc32c(meta["optimizer"].data(), meta["optimizer"].size());
   }
+  if (!metadata.empty()) {
+    meta["user"] = json(metadata).dump();
+    sums["user"] = checkpoint_crc32c(meta["user"].data(), meta["user"].size());
+  }
   meta["crc32c"] = sums.dump();
   save_safetensors(path, all, meta);
 }
 
 namespace {
-// The checkpoint's metadata checked (format), and its per-tensor CRC32C table (empty where the
-// writer recorded none; dmuon always does).
-json checked_sums(const SafetensorsFile& f, const std::string& where) {
+// The checkpoint's metadata checked (format), and its per-tensor CRC32C table: dmuon always writes
+// one, and it covers every tensor; a file without it (another tool's) loads only when allowed.
+json checked_sums(const SafetensorsFile& f, const std::string& where, bool allow_unverified) {
   const auto& meta = f.metadata();
   auto fmt = meta.find("format");
   TORCH_CHECK(fmt != meta.end() && fmt->second == kFormat, where, " is a safetensors file but not a dmuon checkpoint: "
@@ -70,14 +75,26 @@ json checked_sums(const SafetensorsFile& f, const std::string& where) {
     } catch (const std::exception& e) {
       TORCH_CHECK(false, where, " is corrupt: its \"crc32c\" metadata is not JSON (", e.what(), ").");
     }
+    TORCH_CHECK(sums.is_object(), where, " is corrupt: its \"crc32c\" metadata is not a JSON object.");
+    for (const std::string& key : f.keys())
+      TORCH_CHECK(sums.contains(key), where, " is damaged: tensor '", key, "' has no entry in its \"crc32c\" "
+                  "metadata (dmuon records every tensor it writes), so it cannot be verified.");
+    for (auto it = sums.begin(); it != sums.end(); ++it)
+      TORCH_CHECK(it.key() == "optimizer" || it.key() == "user" || f.contains(it.key()), where, " is incomplete: its "
+                  "\"crc32c\" metadata records tensor '", it.key(), "', which is not in the file (removed after it "
+                  "was written?). Resume from another checkpoint.");
+  } else {
+    TORCH_CHECK(allow_unverified, where, " has no \"crc32c\" metadata, which every checkpoint dmuon writes has, so "
+                "its tensors cannot be verified. If another tool wrote it on purpose, load it with "
+                "allow_unverified (dmuon train: --allow-unverified-checkpoint).");
   }
   return sums;
 }
 }  // namespace
 
-std::shared_ptr<ParamSource> checkpoint_safetensors_model_source(const std::string& path) {
+std::shared_ptr<ParamSource> checkpoint_safetensors_model_source(const std::string& path, bool allow_unverified) {
   const std::string where = "checkpoint '" + path + "'";
-  const json sums = checked_sums(SafetensorsFile(path), where);
+  const json sums = checked_sums(SafetensorsFile(path), where, allow_unverified);
   SafetensorsSourceOptions o;
   o.prefix = kSections[0];
   o.what = where;
@@ -91,11 +108,11 @@ std::shared_ptr<ParamSource> checkpoint_safetensors_model_source(const std::stri
   return safetensors_source(path, o);
 }
 
-Checkpoint load_checkpoint_safetensors(const std::string& path, bool include_model) {
+Checkpoint load_checkpoint_safetensors(const std::string& path, bool include_model, bool allow_unverified) {
   const SafetensorsFile f(path);
   const auto& meta = f.metadata();
   const std::string where = "load_checkpoint: '" + path + "'";
-  const json sums = checked_sums(f, where);
+  const json sums = checked_sums(f, where, allow_unverified);
   auto verify = [&](const std::string& key, const void* data, size_t n) {
     if (!sums.contains(key)) return;
     const uint32_t got = checkpoint_crc32c(data, n);
@@ -115,6 +132,16 @@ Checkpoint load_checkpoint_safetensors(const std::string& path, bool include_mod
     at::Tensor t = f.load(key);
     verify(key, t.data_ptr(), t.nbytes());
     (*out[s])[key.substr(std::string(kSections[s]).size())] = t;
+  }
+  if (auto user = meta.find("user"); user != meta.end()) {
+    verify("user", user->second.data(), user->second.size());
+    try {
+      const json u = json::parse(user->second);
+      TORCH_CHECK(u.is_object(), where, ": its \"user\" metadata is not a JSON object.");
+      for (auto it = u.begin(); it != u.end(); ++it) ck.metadata[it.key()] = it.value().get<std::string>();
+    } catch (const json::exception& e) {
+      TORCH_CHECK(false, where, ": its \"user\" metadata is not a JSON object of strings (", e.what(), ").");
+    }
   }
   auto opt = meta.find("optimizer");
   if (opt == meta.end()) {
@@ -136,6 +163,7 @@ Checkpoint load_checkpoint_safetensors(const std::string& path, bool include_mod
                 "needs {\"steps_taken\": N, \"param_groups\": [{\"name\", \"is_muon\", \"lr\", \"momentum\", "
                 "\"weight_decay\", \"beta1\", \"beta2\", \"eps\", \"nesterov\", \"ns_steps\"}, ...]}.");
   }
+  check_optimizer_state_dict(o, where);
   ck.optim = std::move(o);
   return ck;
 }

@@ -1,8 +1,11 @@
 // The io layer's file primitives (see file_io.h).
 #include "file_io.h"
 
+#include "dmuon/files.h"
+
 #include <c10/util/Exception.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -50,6 +53,31 @@ void fsync_dir(const std::string& dir) {
   ::fsync(fd);
   ::close(fd);
 }
+// Removes the temporary files earlier writes of `target` left behind when their process died
+// mid-write (kill -9, a crash, SIGTERM): ".NAME.tmp-PID" beside it whose PID no longer runs. Those of
+// live processes (another writer right now) are left alone.
+void remove_stale_temps(const std::filesystem::path& dir, const std::string& prefix) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string digits = name.substr(prefix.size());
+    if (digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 9) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(digits));
+    if (pid == ::getpid() || pid <= 0) continue;
+    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)
+    std::error_code rm;
+    fs::remove(it->path(), rm);
+  }
+}
+// ".NAME.tmp-" of the temporary files beside `target` (built so: GCC 12 misreads "." + s as overlapping)
+std::string temp_prefix(const std::filesystem::path& target) {
+  std::string prefix = target.filename().string();
+  prefix.insert(0, 1, '.');
+  prefix.append(".tmp-");
+  return prefix;
+}
 }  // namespace
 
 void write_atomically(const std::string& path, const std::string& who, const std::function<void(int fd)>& body) {
@@ -57,9 +85,9 @@ void write_atomically(const std::string& path, const std::string& who, const std
   const fs::path target(path);
   const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
   TORCH_CHECK(fs::is_directory(dir), who, ": the directory of '", path, "' does not exist; create it first.");
-  std::string tmp_name = target.filename().string();
-  tmp_name.insert(0, 1, '.');
-  tmp_name.append(".tmp-").append(std::to_string(::getpid()));
+  const std::string prefix = temp_prefix(target);
+  remove_stale_temps(dir, prefix);
+  const std::string tmp_name = prefix + std::to_string(::getpid());
   const fs::path tmp = dir / tmp_name;
   try {
     {
@@ -79,3 +107,20 @@ void write_atomically(const std::string& path, const std::string& who, const std
 }
 
 }  // namespace dmuon::io
+
+namespace dmuon {
+
+void write_file_atomically(const std::string& path, const std::string& content, const std::string& who) {
+  io::write_atomically(path, who, [&](int fd) {
+    if (const int e = io::write_all(fd, content.data(), content.size(), 0); e != 0)
+      throw std::runtime_error(std::strerror(e));
+  });
+}
+
+void remove_stale_temporaries(const std::string& path) {
+  const std::filesystem::path target(path);
+  const std::filesystem::path dir = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
+  io::remove_stale_temps(dir, io::temp_prefix(target));
+}
+
+}  // namespace dmuon

@@ -38,6 +38,7 @@ size_t read_at(int fd, void* data, size_t n, uint64_t offset);
 // Writes `path` atomically: `body(fd)` fills a temporary file beside it (throwing std::exception
 // with the reason on failure), which is flushed to disk and renamed over `path`. On any failure the
 // temporary file is removed, nothing is replaced, and the error names `who`, the path and the reason.
+// Temporary files of earlier writes of `path` whose process died mid-write are removed first.
 void write_atomically(const std::string& path, const std::string& who, const std::function<void(int fd)>& body);
 
 }  // namespace dmuon::io

@@ -69,6 +69,21 @@ void MuonParamState::serialize(torch::serialize::InputArchive& archive) {
   }
 }
 
+void check_hyperparameter(const std::string& what, double v, HparamRange range) {
+  bool ok = std::isfinite(v);
+  const char* must = "";
+  switch (range) {
+    case HparamRange::NonNegative: ok = ok && v >= 0; must = ">= 0"; break;
+    case HparamRange::UnitInterval: ok = ok && v >= 0 && v < 1; must = "in [0, 1)"; break;
+    case HparamRange::Positive: ok = ok && v > 0; must = "> 0"; break;
+    case HparamRange::Count:
+      ok = ok && v >= 1 && v <= 1000 && v == std::floor(v);
+      must = v < 1 ? ">= 1" : "an integer in [1, 1000]";
+      break;
+  }
+  TORCH_CHECK(ok, what, ": ", v, ". Must be ", std::isfinite(v) ? "" : "a finite number ", must, ".");
+}
+
 namespace {
 
 // The optimizer state map is keyed by std::string ("0x..." of the TensorImpl) in LibTorch <= 2.1 and
@@ -89,20 +104,21 @@ K state_key(const at::Tensor& p) {
 void check_hparam(bool ok, const char* field, double v, const char* range) {
   TORCH_CHECK(ok, "Muon: invalid ", field, ": ", v, ". Must be ", range, ".");
 }
+void check_hparam(const char* field, double v, HparamRange range) {
+  check_hyperparameter(std::string("Muon: invalid ") + field, v, range);
+}
 
 std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_ptr<torch::nn::Module>& model,
                                                             const MuonOptions& o) {
-  check_hparam(o.lr >= 0, "lr", o.lr, ">= 0");
-  check_hparam(o.momentum >= 0 && o.momentum < 1, "momentum", o.momentum, "in [0, 1)");
-  check_hparam(o.weight_decay >= 0, "weight_decay", o.weight_decay, ">= 0");
-  check_hparam(o.ns_steps >= 1, "ns_steps", o.ns_steps, ">= 1");
-  check_hparam(o.adamw_lr >= 0, "adamw_lr", o.adamw_lr, ">= 0");
-  check_hparam(o.adamw_betas.first >= 0 && o.adamw_betas.first < 1, "adamw_betas.first", o.adamw_betas.first,
-               "in [0, 1)");
-  check_hparam(o.adamw_betas.second >= 0 && o.adamw_betas.second < 1, "adamw_betas.second", o.adamw_betas.second,
-               "in [0, 1)");
-  check_hparam(o.adamw_weight_decay >= 0, "adamw_weight_decay", o.adamw_weight_decay, ">= 0");
-  check_hparam(o.adamw_eps > 0, "adamw_eps", o.adamw_eps, "> 0");
+  check_hparam("lr", o.lr, HparamRange::NonNegative);
+  check_hparam("momentum", o.momentum, HparamRange::UnitInterval);
+  check_hparam("weight_decay", o.weight_decay, HparamRange::NonNegative);
+  check_hparam("ns_steps", o.ns_steps, HparamRange::Count);
+  check_hparam("adamw_lr", o.adamw_lr, HparamRange::NonNegative);
+  check_hparam("adamw_betas.first", o.adamw_betas.first, HparamRange::UnitInterval);
+  check_hparam("adamw_betas.second", o.adamw_betas.second, HparamRange::UnitInterval);
+  check_hparam("adamw_weight_decay", o.adamw_weight_decay, HparamRange::NonNegative);
+  check_hparam("adamw_eps", o.adamw_eps, HparamRange::Positive);
   TORCH_CHECK(o.tp_distributed_gram_policy == "beneficial" || o.tp_distributed_gram_policy == "always",
               "Muon: invalid tp_distributed_gram_policy: '", o.tp_distributed_gram_policy, "'. Must be \"beneficial\" "
               "(the distributed Gram form where its payload is at most tp_distributed_gram_max_factor_to_scatter_ratio "
@@ -138,6 +154,10 @@ std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_pt
   for (const auto& g : user) {
     std::vector<at::Tensor> muon_ps, adamw_ps;
     for (const auto& p : g.params) (dedicated.count(p.unsafeGetTensorImpl()) ? muon_ps : adamw_ps).push_back(p);
+    for (const auto& [field, v] : {std::pair{"lr", g.lr}, {"momentum", g.momentum}, {"weight_decay", g.weight_decay},
+                                   {"adamw_lr", g.adamw_lr}, {"adamw_weight_decay", g.adamw_weight_decay}})
+      if (v) check_hyperparameter("Muon: invalid " + std::string(field) + " of param group '" + g.name + "'", *v,
+                                  std::string(field) == "momentum" ? HparamRange::UnitInterval : HparamRange::NonNegative);
     auto mo = std::make_unique<MuonGroupOptions>(g.lr.value_or(o.lr));
     mo->is_muon(true).momentum(g.momentum.value_or(o.momentum)).nesterov(o.nesterov)
         .weight_decay(g.weight_decay.value_or(o.weight_decay)).ns_steps(o.ns_steps).group_name(g.name);

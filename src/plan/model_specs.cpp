@@ -176,6 +176,23 @@ bool cfg_bool(const json& cfg, const std::string& key, bool fallback) {
   return it->get<bool>();
 }
 
+}  // namespace
+
+void check_attention_heads(int64_t heads, int64_t kv_heads, int64_t hidden_size, bool has_head_dim,
+                           const std::string& source) {
+  if (heads % kv_heads != 0)
+    throw std::invalid_argument(source + ": num_attention_heads " + std::to_string(heads) +
+                                " is not a multiple of num_key_value_heads " + std::to_string(kv_heads) +
+                                " (grouped-query attention: each key/value head serves a whole number of "
+                                "query heads)");
+  if (!has_head_dim && hidden_size % heads != 0)
+    throw std::invalid_argument(source + ": hidden_size " + std::to_string(hidden_size) +
+                                " is not divisible by num_attention_heads " + std::to_string(heads) +
+                                "; set \"head_dim\" explicitly");
+}
+
+namespace {
+
 // Decoder-only transformers in transformers' naming (model.layers.N.*): the llama family
 // (llama, mistral, qwen2, qwen3), and the MoE families mixtral, qwen2_moe, qwen3_moe and
 // deepseek_v2 / deepseek_v3 (multi-head latent attention, routed + shared experts).
@@ -200,10 +217,7 @@ ModelSpec build_decoder(const json& cfg, const std::string& type, const std::str
     rope = cfg_int(cfg, "qk_rope_head_dim", src);
     vhd = cfg_int(cfg, "v_head_dim", src);
   } else {
-    if (!field(cfg, "head_dim") && d % H != 0)
-      throw std::invalid_argument(src + ": hidden_size " + std::to_string(d) +
-                                  " is not divisible by num_attention_heads " + std::to_string(H) +
-                                  "; set head_dim explicitly");
+    check_attention_heads(H, KV, d, field(cfg, "head_dim") != nullptr, src);
     hd = cfg_int(cfg, "head_dim", src, d / H);
   }
   const bool attn_bias = cfg_bool(cfg, "attention_bias", false);

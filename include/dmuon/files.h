@@ -1,0 +1,20 @@
+// files.h -- dmuon's atomic file writes, for a caller's own outputs (metrics, reports), and the
+// clean-up of what interrupted writes leave behind.
+#pragma once
+
+#include <string>
+
+namespace dmuon {
+
+// Writes `content` to `path` atomically: a temporary file beside it (".NAME.tmp-PID"), flushed to
+// disk, renamed over `path`. A crash leaves the old file or the new one, never part of one. Errors
+// name `who`, the path and the reason.
+void write_file_atomically(const std::string& path, const std::string& content,
+                           const std::string& who = "write_file_atomically");
+
+// Removes the temporary files that interrupted atomic writes of `path` left beside it (those whose
+// process is gone; a live writer's are kept). Every atomic write of `path` does this first; a
+// launcher that stopped its writers (SIGINT, SIGTERM, a failed rank) calls it for their outputs.
+void remove_stale_temporaries(const std::string& path);
+
+}  // namespace dmuon
