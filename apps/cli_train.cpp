@@ -814,8 +814,9 @@ int run_rank(const TrainArgs& a, std::ostream& out) {
     // the end of the run: no asynchronous publish left in flight, then every group torn down cleanly
     // (NCCL: communicators destroyed, no watchdog outliving the run)
     if (r.model && r.use_muon) wait_all_post_step_broadcasts(*r.model);
-    if (r.world > 1) leave_together(*r.trainer, r.boot.store, "train", a.timeout_s);
     r.mesh->shutdown();
+    // rank 0 serves the store: it leaves last
+    if (r.world > 1) leave_together(*r.trainer, r.boot.store, "train", a.timeout_s);
     r.trainer->shutdown();
     return rc;
   } catch (...) {

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/optim/schedulers/step_lr.h>
 
+#include <csignal>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,6 +21,7 @@
 #include "dmuon/checkpoint.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/muon.h"
+#include "io/file_io.h"  // white-box: a save interrupted by a signal
 #include "model/gpt.h"
 #include "runtime/inspect.h"  // white-box: which parameters are sharded
 #include "support/multirank.h"
@@ -536,6 +538,29 @@ TEST(CheckpointTest, ASaveRemovesStaleTemporaryFilesOfDeadWriters) {
   EXPECT_TRUE(std::filesystem::exists(other)) << "another file's temporary was removed";
   EXPECT_TRUE(load_checkpoint(dir + "/ck.pt").model.count("embed.weight"));
   std::filesystem::remove_all(dir);
+}
+
+// SIGTERM (or SIGINT) in the middle of a save: the writer's temporary file is removed before the
+// signal ends the process; the target is untouched.
+TEST(CheckpointTest, ASignalDuringASaveRemovesItsTemporaryFile) {
+  for (const int sig : {SIGTERM, SIGINT}) {
+    const std::string dir = testing::fresh_temp_dir("dmuon-ckpt-sig");
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      io::write_atomically(dir + "/ck.pt", "test", [sig](int fd) {
+        (void)io::write_all(fd, "partial", 7, 0);
+        ::raise(sig);
+      });
+      ::_exit(0);  // not reached: the signal ends the process
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "status " << status;
+    for (const auto& e : std::filesystem::directory_iterator(dir))
+      ADD_FAILURE() << "left behind after signal " << sig << ": " << e.path();
+    std::filesystem::remove_all(dir);
+  }
 }
 
 TEST(CheckpointTest, ChecksumIsCrc32c) {

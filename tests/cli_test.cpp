@@ -629,6 +629,9 @@ TEST(CliTest, ARankStoppedBeforeSetupFailsWithinTheTimeoutNamingThePhase) {
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("could not connect to the other ranks within --timeout 5 s"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("error: rank 1 was stopped (SIGSTOP) and answered no one"), std::string::npos) << r.output;
+  // rank 0 names the rank that never checked in, and the phase
+  EXPECT_NE(r.output.find("setup phase 'connecting to the store': rank(s) 1 of 2 did not answer"), std::string::npos)
+      << r.output;
   std::filesystem::remove_all(out);
 }
 

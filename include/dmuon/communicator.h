@@ -70,7 +70,8 @@ class CommCounters {
   // A stream stall on a device: the events recorded on the waiting stream just before and after its
   // wait; their elapsed time is added once the second has completed.
   void add_stall(c10::Event before, c10::Event after);
-  // Includes every stall recorded so far (waits for the device events still pending).
+  // Includes every stall recorded so far: a host wait for the device events still pending (reports,
+  // not the hot path). snapshot() counts only the stalls that already finished.
   double wait_ms() const;
   struct Snapshot {
     std::array<int64_t, static_cast<int>(CommOp::kCount)> bytes{};
@@ -78,10 +79,11 @@ class CommCounters {
     int64_t wait_ns = 0;
     int64_t total_bytes() const;
   };
-  Snapshot snapshot() const;  // wait_ns includes every stall recorded so far
+  Snapshot snapshot() const;  // wait_ns: the device stalls that already finished (no host wait)
 
  private:
-  void settle_locked() const;  // adds the elapsed time of the recorded stalls to s_.wait_ns
+  // adds the elapsed time of the recorded stalls that finished (`wait`: of all, waiting on the device)
+  void settle_locked(bool wait) const;
   mutable std::mutex mu_;
   mutable Snapshot s_;
   mutable std::vector<std::pair<c10::Event, c10::Event>> stalls_;
@@ -108,6 +110,7 @@ class Pending {
 
  private:
   friend class Communicator;
+  void finish_locked(bool host);
   struct State;
   std::shared_ptr<State> state_;
 };
@@ -161,7 +164,8 @@ class Communicator {
   void barrier(const std::string& what);
 
   // The process group's teardown (LibTorch 2.x backends; nothing on 1.13): shutdown() after every
-  // collective finished, abort() on an error path so no watchdog fires later. Idempotent.
+  // collective finished, abort() on an error path so no watchdog fires later (never throws).
+  // Idempotent.
   void shutdown();
   void abort();
 

@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <stdexcept>
+#include <thread>
+#include <vector>
 
 #include <unistd.h>
 
@@ -83,7 +85,9 @@ StorePtr make_tcp_store(const std::string& host, int port, int rank, int world_s
   o.port = static_cast<uint16_t>(port);
   o.isServer = serve && rank == 0;
   o.numWorkers = static_cast<size_t>(world_size);
-  o.waitWorkers = true;
+  // the server does not wait for its workers here: bootstrap_from_environment's check-in does, and
+  // names the ranks that never came
+  o.waitWorkers = false;
   o.timeout = timeout;
   try {
     return c10::make_intrusive<c10d::TCPStore>(host, o);
@@ -164,6 +168,10 @@ CommPtr make_process_group(const StorePtr& store, int rank, int size, c10::Devic
     // NCCL runs every collective on the group's own stream (high priority for the broadcasts and
     // reduces on the critical path), makes it wait for the issuing stream with an event, and records
     // that stream on the tensors so the caching allocator keeps them until the collective is done.
+    // a collective past the timeout: the watchdog aborts the communicators and the waiting work
+    // throws (CleanUpOnly), so dmuon reports it; torch's default (3, SkipCleanUp) would end the
+    // process without a word. A value the caller set is kept (docs/GPU.md).
+    ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", /*overwrite=*/0);
     auto opts = c10d::ProcessGroupNCCL::Options::create(priority == StreamPriority::High);
     opts->timeout = timeout;
     auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
@@ -191,6 +199,32 @@ ProcessGroupFactory process_group_factory(c10::DeviceType device, const std::str
   };
 }
 
+namespace {
+// Every rank announces itself under a key of its own, then waits until all have, polling until
+// `deadline` (no blocking Store::wait: a TCPStore client holds its lock through one). A rank that
+// never arrives is named, with the phase.
+void check_in(const StorePtr& store, int rank, int world, std::chrono::steady_clock::time_point deadline,
+              const std::string& phase) {
+  auto key = [&](int r) { return "dmuon/check-in/" + phase + "/" + std::to_string(r); };
+  store->set(key(rank), std::vector<uint8_t>{1});
+  std::vector<std::string> keys;
+  for (int r = 0; r < world; ++r) keys.push_back(key(r));
+  auto pause = std::chrono::microseconds(100);
+  while (!store->check(keys)) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::string missing;
+      for (int r = 0; r < world; ++r)
+        if (!store->check({keys[static_cast<size_t>(r)]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      TORCH_CHECK(false, "rank ", rank, ": setup phase '", phase, "': rank(s) ", missing, " of ", world,
+                  " did not answer within the timeout (stopped, crashed, or started with other RANK/WORLD_SIZE/"
+                  "MASTER_ADDR/MASTER_PORT?)");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(20000));
+  }
+}
+}  // namespace
+
 Bootstrap bootstrap_from_environment(c10::DeviceType device, std::chrono::milliseconds timeout) {
   Bootstrap b;
   const auto env = LaunchEnv::from_environment();
@@ -207,14 +241,23 @@ Bootstrap bootstrap_from_environment(c10::DeviceType device, std::chrono::millis
       c10::cuda::set_device(static_cast<c10::DeviceIndex>(b.local_rank));
     }
 #endif
+    const auto deadline = std::chrono::steady_clock::now() + timeout;  // one budget for the whole setup
     b.store = make_launch_store(*env, timeout);
+    check_in(b.store, b.rank, b.world_size, deadline, "connecting to the store");
   } else {
     const auto dir = std::filesystem::temp_directory_path() /
                      ("dmuon-single-" + std::to_string(::getpid()) + "-" + std::to_string(std::rand()));
     std::filesystem::create_directories(dir);
     b.store = make_file_store((dir / "store").string(), 1);
   }
-  b.world = make_process_group(b.store, b.rank, b.world_size, device, timeout);
+  try {
+    b.world = make_process_group(b.store, b.rank, b.world_size, device, timeout);
+  } catch (const std::exception& e) {
+    const auto* ce = dynamic_cast<const c10::Error*>(&e);
+    TORCH_CHECK(false, "rank ", b.rank, ": setup phase 'connecting the world process group': ",
+                ce ? ce->what_without_backtrace() : e.what(), " (a rank stopped, crashed or unreachable after it "
+                "checked in; every rank waits at most ", timeout.count(), " ms)");
+  }
   return b;
 }
 

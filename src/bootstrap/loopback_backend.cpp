@@ -127,9 +127,10 @@ std::string mismatch(const Slot& s) {
   const Part& p0 = s.parts[0];
   for (size_t r = 1; r < s.parts.size(); ++r) {
     const Part& p = s.parts[r];
-    if (p.kind != p0.kind || p.root != p0.root)
-      return "rank 0 issued " + std::string(kind_name(p0.kind)) + " (root " + std::to_string(p0.root) + ") but rank " +
-             std::to_string(r) + " issued " + kind_name(p.kind) + " (root " + std::to_string(p.root) + ")";
+    if (p.kind != p0.kind || p.root != p0.root || p.op != p0.op)
+      return "rank 0 issued " + std::string(kind_name(p0.kind)) + " (root " + std::to_string(p0.root) + ", op " +
+             std::to_string(static_cast<int>(p0.op)) + ") but rank " + std::to_string(r) + " issued " +
+             kind_name(p.kind) + " (root " + std::to_string(p.root) + ", op " + std::to_string(static_cast<int>(p.op)) + ")";
     if (p.in.defined() != p0.in.defined() ||
         (p.in.defined() && (p.in.numel() != p0.in.numel() || p.in.scalar_type() != p0.in.scalar_type())))
       return std::string(kind_name(p0.kind)) + ": rank 0 sends " +
@@ -215,7 +216,7 @@ class LoopbackWork : public c10d::Work {
         }
       }
     }
-    release();  // the caller's stream is ordered after the copies: its tensors may go
+    release(/*waited=*/true);  // the caller's stream is ordered after the copies: its tensors may go
     return true;
   }
 
@@ -237,12 +238,23 @@ class LoopbackWork : public c10d::Work {
     TORCH_CHECK(slot_->error.empty(), "dmuon-loopback: collective #", k_, " failed: ", slot_->error);
   }
 
-  // drops this rank's tensors (once executed) and, with the last rank, the slot
-  void release() {
+  // drops this rank's tensors (once executed) and, with the last rank, the slot. Not waited (a work
+  // dropped on an error path): the group's stream may still use them, so the caching allocator is
+  // told to keep their memory until that stream's work is done.
+  void release(bool waited = false) {
     std::lock_guard<std::mutex> g(hub_->mu);
     if (released_ || !slot_->executed) return;
     released_ = true;
     Part& mine = slot_->parts[static_cast<size_t>(rank_)];
+    if (!waited && hub_->stream) {
+      const c10::impl::VirtualGuardImpl impl(hub_->device.type());
+      auto keep = [&](const at::Tensor& t) {
+        if (t.defined() && t.has_storage()) impl.recordDataPtrOnStream(t.storage().data_ptr(), *hub_->stream);
+      };
+      keep(mine.in);
+      keep(mine.out);
+      for (const auto& c : mine.chunks) keep(c);
+    }
     mine.in = at::Tensor();
     mine.out = at::Tensor();
     mine.chunks.clear();

@@ -47,33 +47,28 @@ void CommCounters::add_stall(c10::Event before, c10::Event after) {
   std::lock_guard<std::mutex> g(mu_);
   stalls_.emplace_back(std::move(before), std::move(after));
   // settle what has finished now and then, so a long run holds a bounded number of events
-  if (stalls_.size() < 256) return;
+  if (stalls_.size() >= 256) settle_locked(/*wait=*/false);
+}
+void CommCounters::settle_locked(bool wait) const {
   std::vector<std::pair<c10::Event, c10::Event>> open;
   for (auto& st : stalls_) {
+#if DMUON_TORCH_AT_LEAST(2, 0)
+    if (wait) st.second.synchronize();
     if (!st.second.query()) {
       open.push_back(std::move(st));
       continue;
     }
-#if DMUON_TORCH_AT_LEAST(2, 0)
     s_.wait_ns += static_cast<int64_t>(st.first.elapsedTime(st.second) * 1e6);
+#else
+    (void)st;  // no device events on LibTorch 1.13 (a CPU-only build here)
+    (void)wait;
 #endif
   }
   stalls_ = std::move(open);
 }
-void CommCounters::settle_locked() const {
-  for (auto& st : stalls_) {
-#if DMUON_TORCH_AT_LEAST(2, 0)
-    st.second.synchronize();
-    s_.wait_ns += static_cast<int64_t>(st.first.elapsedTime(st.second) * 1e6);
-#else
-    (void)st;  // no device events on LibTorch 1.13 (a CPU-only build here)
-#endif
-  }
-  stalls_.clear();
-}
 double CommCounters::wait_ms() const {
   std::lock_guard<std::mutex> g(mu_);
-  settle_locked();
+  settle_locked(/*wait=*/true);  // the stalls recorded so far, all of them: a host wait on the device
   return static_cast<double>(s_.wait_ns) / 1e6;
 }
 int64_t CommCounters::Snapshot::total_bytes() const {
@@ -84,12 +79,12 @@ int64_t CommCounters::Snapshot::total_bytes() const {
 int64_t CommCounters::total_bytes() const { return snapshot().total_bytes(); }
 void CommCounters::reset() {
   std::lock_guard<std::mutex> g(mu_);
-  settle_locked();
+  stalls_.clear();  // stalls recorded before the reset belong to the period it ends
   s_ = Snapshot{};
 }
 CommCounters::Snapshot CommCounters::snapshot() const {
   std::lock_guard<std::mutex> g(mu_);
-  settle_locked();
+  settle_locked(/*wait=*/false);  // no host wait on the device: stalls still in flight count later
   return s_;
 }
 
@@ -109,7 +104,7 @@ struct Pending::State {
 
 namespace {
 // The device side of Pending::wait: the current stream waits for the collective (NCCL's
-// Work::wait() without a timeout), and so does the issuing stream where it differs (buffers were
+// Work::wait() without a timeout; `work` null: already waited), and so does the issuing stream where it differs (buffers were
 // allocated there: a free on that stream must not overtake the collective). The stall is timed by
 // events on the current stream.
 void wait_on_streams(const WorkPtr& work, const at::Device& dev, const std::optional<c10::Stream>& issue_stream,
@@ -117,61 +112,68 @@ void wait_on_streams(const WorkPtr& work, const at::Device& dev, const std::opti
   const c10::impl::VirtualGuardImpl impl(dev.type());
   const c10::DeviceGuard guard(dev);
   const c10::Stream cur = impl.getStream(dev);
-  c10::Event before(dev.type(), c10::EventFlag::BACKEND_DEFAULT);
-  before.record(cur);
-  work->wait();  // kNoTimeout: a stream dependency, the host does not block
+  std::optional<c10::Event> before;
+  if (counters) {
+    before.emplace(dev.type(), c10::EventFlag::BACKEND_DEFAULT);
+    before->record(cur);
+  }
+  if (work) work->wait();  // kNoTimeout: a stream dependency, the host does not block
   if (issue_stream && *issue_stream != cur) {
     c10::Event e(dev.type());
     e.record(cur);
     e.block(*issue_stream);
   }
-  c10::Event after(dev.type(), c10::EventFlag::BACKEND_DEFAULT);
-  after.record(cur);
-  if (counters) counters->add_stall(std::move(before), std::move(after));
+  if (counters) {
+    c10::Event after(dev.type(), c10::EventFlag::BACKEND_DEFAULT);
+    after.record(cur);
+    counters->add_stall(std::move(*before), std::move(after));
+  }
 }
 }  // namespace
 
 void Pending::wait() {
   if (!state_) return;
   std::lock_guard<std::mutex> g(state_->mu);
-  if (state_->done) return;
-  const auto t0 = std::chrono::steady_clock::now();
-  try {
-    if (state_->work) {
-      if (state_->device.is_cpu()) {
-        state_->work->wait(state_->timeout);
-        if (state_->counters)
-          state_->counters->add_wait_ns(
-              std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
-      } else {
-        wait_on_streams(state_->work, state_->device, state_->issue_stream, state_->counters.get());
-      }
-    }
-  } catch (const std::exception& e) {
-    state_->done = true;  // a failed collective is not retried; the error says what happened
-    state_->on_error(e);
-  }
-  state_->done = true;
-  if (state_->on_complete) {
-    const c10::DeviceGuard guard(state_->device);
-    state_->on_complete();
-  }
+  finish_locked(/*host=*/false);
 }
 
 void Pending::wait_host() {
-  wait();
-  if (!state_ || state_->device.is_cpu()) return;
+  if (!state_) return;
   std::lock_guard<std::mutex> g(state_->mu);
-  if (state_->host_done || !state_->work) return;
+  finish_locked(/*host=*/true);
+}
+
+void Pending::finish_locked(bool host) {
+  State& st = *state_;
+  const bool device = !st.device.is_cpu();
+  if (st.done && (!host || !device || st.host_done)) return;
+  const auto t0 = std::chrono::steady_clock::now();
   try {
-    // with a timeout, Work::wait blocks the host until the collective finished, or throws; the
-    // completion step wait() queued on the current stream is the host read's to wait for
-    state_->work->wait(state_->timeout);
+    if (st.work && !device) {
+      st.work->wait(st.timeout);
+      if (st.counters)
+        st.counters->add_wait_ns(
+            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+    } else if (st.work && host) {
+      // with a timeout, Work::wait makes the current stream wait and blocks the host until the
+      // collective finished, or throws: bounded (a plain wait() first could block without a bound,
+      // e.g. NCCL's barrier synchronises the stream)
+      st.work->wait(st.timeout);
+      if (!st.done) wait_on_streams(WorkPtr(), st.device, st.issue_stream, nullptr);
+    } else if (st.work) {
+      wait_on_streams(st.work, st.device, st.issue_stream, st.counters.get());
+    }
   } catch (const std::exception& e) {
-    state_->host_done = true;
-    state_->on_error(e);
+    st.done = st.host_done = true;  // a failed collective is not retried; the error says what happened
+    st.on_error(e);
   }
-  state_->host_done = true;
+  st.host_done = st.host_done || host;
+  if (st.done) return;
+  st.done = true;
+  if (st.on_complete) {
+    const c10::DeviceGuard guard(st.device);
+    st.on_complete();
+  }
 }
 
 bool Pending::poll() {
@@ -256,7 +258,10 @@ void Communicator::abort() {
   if (closed_) return;
   closed_ = true;
 #if DMUON_TORCH_AT_LEAST(2, 0)
-  pg_->abort();
+  try {
+    pg_->abort();  // NCCL: may throw when the abort itself times out; the caller's error is the one to report
+  } catch (const std::exception&) {
+  }
 #endif
 }
 

@@ -74,6 +74,12 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
     const int sub = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
     auto store = c10::make_intrusive<c10d::PrefixStore>(base + "/" + name, opts.store);
     CommPtr pg = factory(store, sub, static_cast<int>(ranks.size()), opts.timeout);
+#if DMUON_TORCH_AT_LEAST(2, 0)
+    if (const auto bound = pg->getBoundDeviceId(); bound && device && *bound != *device)
+      TORCH_CHECK(false, "rank ", rank, ": the factory bound dmuon group '", name, "' to ", *bound, " but the mesh's "
+                  "device is ", *device, ". Make that device current (c10::cuda::set_device) before Mesh::create, or "
+                  "leave MeshOptions::device unset.");
+#endif
     return std::make_unique<Communicator>(pg, opts.tag + "/" + name, ranks, opts.timeout, mesh->counters_, device);
   };
   // Same global order on every rank: world, then all shard groups, then all replicate groups, then

@@ -9,10 +9,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <stdexcept>
+#include <tuple>
 
 namespace dmuon::io {
 
@@ -71,6 +73,46 @@ void remove_stale_temps(const std::filesystem::path& dir, const std::string& pre
     fs::remove(it->path(), rm);
   }
 }
+// SIGINT/SIGTERM during a write: the temporary file is removed, then the signal takes its course (the
+// previous disposition, re-raised). One write at a time is covered (a second concurrent one leaves its
+// temporary to the next save's stale-file sweep); signals the process ignores are left alone.
+std::atomic<bool> g_temp_busy{false};
+char g_temp_path[4096];
+struct sigaction g_old_int, g_old_term;
+extern "C" void remove_temp_on_signal(int sig) {
+  ::unlink(g_temp_path);  // async-signal-safe
+  ::sigaction(sig, sig == SIGINT ? &g_old_int : &g_old_term, nullptr);
+  ::raise(sig);
+}
+class TempOnSignal {
+ public:
+  explicit TempOnSignal(const std::string& path) {
+    bool idle = false;
+    if (path.size() >= sizeof g_temp_path || !g_temp_busy.compare_exchange_strong(idle, true)) return;
+    mine_ = true;
+    std::memcpy(g_temp_path, path.c_str(), path.size() + 1);
+    struct sigaction sa {};
+    sa.sa_handler = remove_temp_on_signal;
+    sigemptyset(&sa.sa_mask);
+    for (auto [sig, old, on] : {std::tuple{SIGINT, &g_old_int, &int_}, std::tuple{SIGTERM, &g_old_term, &term_}}) {
+      ::sigaction(sig, nullptr, old);
+      if (old->sa_handler == SIG_IGN) continue;
+      ::sigaction(sig, &sa, nullptr);
+      *on = true;
+    }
+  }
+  ~TempOnSignal() {
+    if (!mine_) return;
+    if (int_) ::sigaction(SIGINT, &g_old_int, nullptr);
+    if (term_) ::sigaction(SIGTERM, &g_old_term, nullptr);
+    g_temp_busy = false;
+  }
+  TempOnSignal(const TempOnSignal&) = delete;
+  TempOnSignal& operator=(const TempOnSignal&) = delete;
+
+ private:
+  bool mine_ = false, int_ = false, term_ = false;
+};
 // ".NAME.tmp-" of the temporary files beside `target` (built so: GCC 12 misreads "." + s as overlapping)
 std::string temp_prefix(const std::filesystem::path& target) {
   std::string prefix = target.filename().string();
@@ -89,6 +131,7 @@ void write_atomically(const std::string& path, const std::string& who, const std
   remove_stale_temps(dir, prefix);
   const std::string tmp_name = prefix + std::to_string(::getpid());
   const fs::path tmp = dir / tmp_name;
+  const TempOnSignal on_signal(tmp.string());
   try {
     {
       Fd f;

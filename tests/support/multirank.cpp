@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include <c10/core/AutogradState.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "dmuon/bootstrap.h"
@@ -56,6 +57,12 @@ void run_ranks(int world, const std::function<void(RankContext&)>& fn, std::chro
         ctx.world = world;
         ctx.store = shared ? shared : make_file_store(path, world);
         if (loopback) {
+#if DMUON_TORCH_AT_LEAST(2, 0)
+          // ranks as threads on one GPU: every rank's CUDA backward would run on the autograd engine's
+          // one worker thread for that device, where a hook of one rank waiting for a peer's
+          // collective blocks the peer's hook behind it. Each rank runs its backward on its own thread.
+          if (!loopback->device.is_cpu()) c10::AutogradState::get_tls_state().set_multithreading_enabled(false);
+#endif
           ctx.pg = make_loopback_process_group(ctx.store, r, world, *loopback, timeout);
           ctx.factory = loopback_process_group_factory(*loopback);
           ctx.device = loopback->device;
