@@ -187,9 +187,9 @@ void check_paths(const TrainArgs& a) {
       if (!outputs[j].second.empty() && resolved(out) == resolved(outputs[j].second))
         bad(oflag + " and " + outputs[j].first + " are the same file " + out + "; give them different paths");
     for (const auto& [iflag, in] : inputs) {
-      // resuming from the checkpoint the run keeps writing is fine: it is read whole before step 1
-      // and every write replaces it atomically
-      if (in.empty() || (oflag == "--checkpoint" && iflag == "--resume")) continue;
+      // --checkpoint equal to --resume too: a failed or interrupted run must leave the checkpoint it
+      // started from as it was
+      if (in.empty()) continue;
       if (resolved(out) == resolved(in))
         bad(oflag + " " + out + " is also " + iflag + ": the run would overwrite its own input; write to another path");
     }

@@ -440,7 +440,12 @@ TEST(CliTest, ResumeKeepsEarlierMetricsAndRefusesAChangedRun) {
   const std::string d = temp_dir(), ck = d + "/ck.pt";
   Result r = run("train --steps 3" + kTiny + " --checkpoint " + ck + " --out " + d);
   ASSERT_EQ(r.status, 0) << r.output;
+  // the checkpoint resumed from is an input: writing over it is refused before step 1
   r = run("train --steps 5" + kTiny + " --resume " + ck + " --checkpoint " + ck + " --out " + d);
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("--checkpoint " + ck + " is also --resume: the run would overwrite its own input"),
+            std::string::npos) << r.output;
+  r = run("train --steps 5" + kTiny + " --resume " + ck + " --checkpoint " + d + "/ck2.pt --out " + d);
   ASSERT_EQ(r.status, 0) << r.output;
   const std::string csv = read_text(d + "/metrics.csv");
   EXPECT_EQ(csv.find("step,loss"), 0u);
