@@ -2,13 +2,13 @@
 # The GPU machine's check (one H200, PyTorch 2.11 + CUDA 13 + NCCL, 16 cores, no network), in order
 # of value, under one global deadline (DMUON_GPU_BUDGET_S, default 470 s: the device tool's 600 s
 # call with room to spare); a phase that would start past the deadline is skipped and named so.
-#   1. configure + build of what the GPU runs (cuda_test, runtime_test, tp_test, ns_bench, dmuon), timed
+#   1. configure + build of what the GPU runs (cuda_test, runtime_test, tp_test, checkpoint_test, ns_bench, dmuon), timed
 #   2. cuda_test: NS precisions vs float64, one-GPU training vs CPU, forced collectives on NCCL
 #      (world size 1) under CUDA's sync debug mode, every group bound to the GPU, the host-blocking
 #      probe (NCCL and the CUDA loopback backend)
 #   3. runtime_test's loopback equivalence suites on CUDA tensors (Z3, Z2, HSDP 2x2, DDP path,
-#      all_gather mode, sharded_adamw, no_sync accumulation; default and side streams) and tp_test's
-#      (DP 2 x TP 2, distributed Gram), float64
+#      all_gather mode, sharded_adamw, no_sync accumulation; default and side streams), tp_test's
+#      (DP 2 x TP 2, distributed Gram) and checkpoint_test's (save on HSDP 2x2, resume on 3), float64
 #   4. with >= 2 GPUs only: torchrun 2 ranks (and 4 with >= 4 GPUs), and a rank killed mid-run
 #   5. dmuon train --device cuda (one GPU) on the shipped fortunes text, forced collectives too
 #   6. ns_bench: CUDA graphs vs eager (host us per call), Llama-3-8B shapes in bf16/fp16 (float64
@@ -81,7 +81,7 @@ GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
 run 60 configure cmake -S . -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PREFIXES" \
   -DTORCH_CUDA_ARCH_LIST=9.0 -DDMUON_INSTALL=OFF || { echo "configure failed" >>"$REPORT"; exit 1; }
-run 230 build cmake --build "$BUILD" -j "$(nproc)" --target cuda_test runtime_test tp_test ns_bench dmuon_cli ||
+run 230 build cmake --build "$BUILD" -j "$(nproc)" --target cuda_test runtime_test tp_test checkpoint_test ns_bench dmuon_cli ||
   { echo "build failed" >>"$REPORT"; exit 1; }
 
 section "2. cuda_test: NS precisions, one-GPU training, forced NCCL collectives under sync debug, host-blocking probe"
@@ -91,6 +91,8 @@ section "3. loopback equivalence on CUDA tensors (float64, every layout, default
 run 90 loopback "$BUILD/tests/runtime_test" --gtest_color=no --gtest_brief=1 \
   --gtest_filter='Layouts/LoopbackEquivalenceTest.*Cuda*:RuntimeTest.ForcedCollectives*'
 run 45 loopback_tp "$BUILD/tests/tp_test" --gtest_color=no --gtest_brief=1 --gtest_filter='TpEquivalence.LoopbackCuda*'
+run 45 loopback_resume "$BUILD/tests/checkpoint_test" --gtest_color=no --gtest_brief=1 \
+  --gtest_filter='CheckpointTest.ResumeThroughTheLoopbackBackendOnCuda'
 
 if [ "$GPUS" -ge 2 ]; then
   section "4. several GPUs: torchrun, and a rank killed mid-run"

@@ -15,6 +15,7 @@
 #include <map>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,7 +47,9 @@ void dedicate(GPT& m, const std::shared_ptr<Mesh>& mesh, const Layout& l, Dedica
 // Trains `first` for half the steps, checkpoints to a file, resumes on `second` for the rest and
 // compares every parameter, momentum buffer and AdamW moment with uninterrupted single-process
 // training, in float64 (bound testing::kFloat64Bound: machine-independent).
-void check_resume(const Layout& first, const Layout& second) {
+// `loopback`: every group on dmuon's loopback backend, the models on its device.
+void check_resume(const Layout& first, const Layout& second,
+                  const std::optional<LoopbackOptions>& loopback = std::nullopt) {
   testing::TrainConfig tc;
   tc.steps = 6;
   const GPTConfig cfg = testing::small_config(2);
@@ -61,6 +64,7 @@ void check_resume(const Layout& first, const Layout& second) {
   testing::run_ranks(first.world, [&](testing::RankContext& ctx) {
     GPT m(cfg);
     testing::load_state(m, init);
+    if (!ctx.device.is_cpu()) m->to(ctx.device);
     auto mesh = make_mesh(ctx, std::chrono::seconds(60), first.replicate);
     dedicate(m, mesh, first);
     Muon opt(m.ptr(), testing::muon_options(tc));
@@ -72,7 +76,7 @@ void check_resume(const Layout& first, const Layout& second) {
     } else {
       expect(msd.empty() && osd.muon.empty() && osd.adamw.empty(), "rank0_only: other ranks get empty dicts");
     }
-  });
+  }, std::chrono::seconds(60), loopback);
   ASSERT_TRUE(std::filesystem::exists(path));
   for (const auto& f : std::filesystem::directory_iterator(dir))
     EXPECT_EQ(f.path().filename().string(), "step3.pt") << "a temporary file was left behind";
@@ -81,6 +85,7 @@ void check_resume(const Layout& first, const Layout& second) {
   OptimizerStateDict final_optim;
   testing::run_ranks(second.world, [&](testing::RankContext& ctx) {
     GPT m = testing::make_gpt(cfg);  // a fresh random init: everything must come from the checkpoint
+    if (!ctx.device.is_cpu()) m->to(ctx.device);
     auto mesh = make_mesh(ctx, std::chrono::seconds(60), second.replicate);
     dedicate(m, mesh, second);
     Muon opt(m.ptr(), testing::muon_options(tc));
@@ -93,11 +98,11 @@ void check_resume(const Layout& first, const Layout& second) {
       StateDictOptions all;
       all.rank0_only = false;
       const auto msd = get_model_state_dict(*m, all);
-      for (const auto& [k, v] : ck.model) expect(msd.at(k).equal(v), "model round trip of " + k);
+      for (const auto& [k, v] : ck.model) expect(msd.at(k).cpu().equal(v.cpu()), "model round trip of " + k);
       const auto osd = get_optimizer_state_dict(*m, opt, all);
       expect(osd.muon.size() == ck.optim->muon.size() && osd.adamw.size() == ck.optim->adamw.size(), "optim keys");
-      for (const auto& [k, v] : ck.optim->muon) expect(osd.muon.at(k).equal(v), "momentum round trip of " + k);
-      for (const auto& [k, v] : ck.optim->adamw) expect(osd.adamw.at(k).equal(v), "AdamW round trip of " + k);
+      for (const auto& [k, v] : ck.optim->muon) expect(osd.muon.at(k).cpu().equal(v.cpu()), "momentum round trip of " + k);
+      for (const auto& [k, v] : ck.optim->adamw) expect(osd.adamw.at(k).cpu().equal(v.cpu()), "AdamW round trip of " + k);
     }
     testing::train_slices(m, opt, part2, ctx.rank, global_batch / ctx.world);
     StateDictOptions all;
@@ -109,9 +114,10 @@ void check_resume(const Layout& first, const Layout& second) {
       final_model = msd;
       final_optim = osd;
     } else {  // every rank returns the same dict with rank0_only = false
-      for (const auto& [k, v] : msd) expect(final_model.empty() || v.equal(final_model.at(k)), "rank copies of " + k);
+      for (const auto& [k, v] : msd)
+        expect(final_model.empty() || v.cpu().equal(final_model.at(k).cpu()), "rank copies of " + k);
     }
-  });
+  }, std::chrono::seconds(60), loopback);
   std::filesystem::remove_all(dir);
   ASSERT_EQ(final_model.size(), ref.params.size()) << first.label << " -> " << second.label;
   for (const auto& [k, v] : ref.params)
@@ -124,6 +130,22 @@ void check_resume(const Layout& first, const Layout& second) {
     EXPECT_LE(max_rel(final_optim.adamw.at(k + ".exp_avg"), v), bound) << k << " exp_avg";
     EXPECT_EQ(final_optim.adamw.at(k + ".step").item<int64_t>(), 6) << k;
   }
+}
+
+// Save on HSDP 2x2, resume on 3 ranks with sharded_adamw, every group on dmuon's loopback backend:
+// on the CPU here, on CUDA tensors where a GPU is present (its own stream per group, a sleep before
+// every copy, so a checkpoint read without its wait reads stale values).
+TEST(CheckpointTest, ResumeThroughTheLoopbackBackendOnTheCpu) {
+  check_resume({"HSDP 2x2", 4, 2, true, false, false}, {"N3 Z2 sharded", 3, 1, false, false, true}, LoopbackOptions{});
+}
+
+TEST(CheckpointTest, ResumeThroughTheLoopbackBackendOnCuda) {
+  if (!DMUON_WITH_CUDA) GTEST_SKIP() << "this dmuon build has no CUDA (CPU LibTorch)";
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";
+  LoopbackOptions lo;
+  lo.device = at::Device(at::kCUDA, 0);
+  lo.sleep_cycles = 200000;
+  check_resume({"HSDP 2x2", 4, 2, true, false, false}, {"N3 Z2 sharded", 3, 1, false, false, true}, lo);
 }
 
 TEST(CheckpointTest, ResumeOnMoreRanksWithShardedBaseParams) {

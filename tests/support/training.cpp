@@ -146,9 +146,10 @@ MuonOptions muon_options(const TrainConfig& tc) {
 
 std::vector<double> train_slices(GPT& m, Muon& opt, const std::vector<at::Tensor>& batches, int rank, int64_t per) {
   std::vector<double> losses;
+  const at::Device dev = m->parameters().front().device();  // the data goes where the model is
   for (const auto& tokens : batches) {
     opt.zero_grad();
-    at::Tensor loss = m->loss(tokens.narrow(0, rank * per, per));
+    at::Tensor loss = m->loss(tokens.narrow(0, rank * per, per).to(dev));
     loss.backward();
     opt.step();
     losses.push_back(loss.item<double>());
