@@ -38,7 +38,7 @@ for i in 0 1 2; do
 done
 
 common=(train --batch 6 --seq-len 32 --d-model 32 --layers 2 --heads 2 --log-every 1 --eval-every 0
-        --timeout 15 --checkpoint "$work/ck.pt" --checkpoint-every 2)
+        --timeout 15 --checkpoint-every 2)
 # start one rank per host; $1 = world size, $2 = steps, $3 = output dir, rest: extra arguments
 start() {
   local world="$1" steps="$2" out="$3"
@@ -54,7 +54,7 @@ start() {
 rows() { if [ -f "$1" ]; then wc -l < "$1"; else echo 0; fi; }
 
 # 1) three hosts; kill host 2's rank once step 5 is logged
-start 3 400 "$work/run"
+start 3 400 "$work/run" --checkpoint "$work/ck.pt"
 for _ in $(seq 600); do
   [ "$(rows "$work/run/metrics.csv")" -ge 6 ] && break
   sleep 0.1
@@ -84,7 +84,7 @@ grep -h "^error" "$work/rank0.log" "$work/rank1.log" | head -2
 [ -f "$work/ck.pt" ] || { echo "FAIL: no checkpoint was written before the kill"; exit 1; }
 
 # 2) resume on two hosts to step 12
-start 2 12 "$work/resumed" --resume "$work/ck.pt"
+start 2 12 "$work/resumed" --resume "$work/ck.pt" --checkpoint "$work/ck_resumed.pt"  # never over its input
 for i in 0 1; do
   wait "${pids[$i]}" || { cat "$work"/rank*.log; echo "FAIL: the resumed rank $i failed"; exit 1; }
 done
