@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "dmuon/newton_schulz.h"
+#include "dmuon/ns_runner.h"
 #include "dmuon/ns_calibration.h"
 #include "dmuon/owner_plan.h"
 

@@ -288,7 +288,7 @@ TEST(MuonTest, ModelNotDedicatedIsAClearError) {
         << msg;
   }
   EXPECT_TRUE(thrown);
-  const std::string err = error_of([] { Muon opt(nullptr, quiet()); });
+  const std::string err = error_of([] { Muon opt(std::shared_ptr<torch::nn::Module>(), quiet()); });
   EXPECT_NE(err.find("Muon: the model is null."), std::string::npos) << err;
 }
 

@@ -122,7 +122,7 @@ void check_bf16_run(const MpConfig& mc) {
       expect(buf.flat.scalar_type() == kBf16, "packed buffer of " + d.name + " is not bf16");
       if (!d.is_owner) {
         expect(!d.master.defined(), "non-owner keeps a master of " + d.name);
-        const bool holds = mc.ddp || (mc.replicate > 1 && buf.is_root);
+        const bool holds = mc.ddp || (mc.replicate > 1 && buf.holder);
         if (holds) {
           drift(d.name + " (published copy)", d.param, ref.params.at(d.name));
         } else if (mc.z3 && !mc.ddp && mc.unshard == "broadcast") {

@@ -25,12 +25,6 @@ std::string error_of(const std::function<void()>& fn) {
   return "";
 }
 
-std::map<std::string, std::shared_ptr<torch::nn::Module>> modules_of(const torch::nn::Module& m) {
-  std::map<std::string, std::shared_ptr<torch::nn::Module>> out;
-  for (const auto& item : m.named_modules("", true)) out[item.key()] = item.value();
-  return out;
-}
-
 ParamPolicy bf16() {
   ParamPolicy p;
   p.param_dtype = at::kBFloat16;
@@ -97,7 +91,7 @@ TEST(RoutingTest, PrecisionMistakesAreClearErrors) {
 
 TEST(RoutingTest, BoundaryResolution) {
   models::GPT m(dmuon::testing::small_config(2));
-  const auto mods = modules_of(*m);
+  const ModelView mods = model_view(*m);
   const at::Tensor p = at::zeros({4, 4});
   DedicateOptions o;
   // default: the layers.N module
@@ -131,7 +125,7 @@ TEST(RoutingTest, RoutesOfAGptWithoutAnyRank) {
   };
   ParamPolicy head = bf16();
   o.param_policy.push_back({"head", head});
-  const Routing r = route_params(*m, models::is_muon_matrix, o, RoutingContext{});
+  const Routing r = route_params(model_view(*m), models::is_muon_matrix, o, RoutingContext{});
   ASSERT_EQ(r.dedicated.size(), 14u);  // 7 matrices per block
   ASSERT_EQ(r.specs.size(), r.dedicated.size());
   for (size_t i = 0; i < r.dedicated.size(); ++i) {
@@ -153,9 +147,9 @@ TEST(RoutingTest, RoutesOfAGptWithoutAnyRank) {
   EXPECT_EQ(r.boundary_order, (std::vector<std::string>{"tok_emb", "layers.0", "layers.1"}));
   EXPECT_TRUE(r.input_cast.empty());  // the head is not a boundary (replicated): nothing to cast at one
   // the digest moves with the base parameters' precision (part of the cross-rank fingerprint)
-  const Routing plain = route_params(*m, models::is_muon_matrix, DedicateOptions{}, RoutingContext{});
+  const Routing plain = route_params(model_view(*m), models::is_muon_matrix, DedicateOptions{}, RoutingContext{});
   EXPECT_NE(plain.base_digest, r.base_digest);
-  EXPECT_EQ(route_params(*m, models::is_muon_matrix, DedicateOptions{}, RoutingContext{}).base_digest,
+  EXPECT_EQ(route_params(model_view(*m), models::is_muon_matrix, DedicateOptions{}, RoutingContext{}).base_digest,
             plain.base_digest);
 }
 
@@ -165,29 +159,29 @@ TEST(RoutingTest, LayoutRestrictionsAreClearErrors) {
   sharded.route_hint_fn = [](const std::string& name, const at::Tensor&) {
     return name == "head.weight" ? std::string("sharded_adamw") : std::string();
   };
-  std::string err = error_of([&] { route_params(*m, models::is_muon_matrix, sharded, RoutingContext{1, false, true}); });
+  std::string err = error_of([&] { route_params(model_view(*m), models::is_muon_matrix, sharded, RoutingContext{1, true}); });
   EXPECT_NE(err.find("rank 1: dedicate_params_ddp: parameter 'head.weight' is routed to sharded_adamw"),
             std::string::npos)
       << err;
   DedicateOptions gather;
   gather.muon_forward_unshard = "all_gather";
-  EXPECT_EQ(route_params(*m, models::is_muon_matrix, gather, RoutingContext{}).dedicated[0].unshard,
+  EXPECT_EQ(route_params(model_view(*m), models::is_muon_matrix, gather, RoutingContext{}).dedicated[0].unshard,
             UnshardMode::AllGather);
   // HSDP and the DDP path take it; tensor parallelism does not (the seed's rule)
-  for (const RoutingContext& ok : {RoutingContext{0, true, false}, RoutingContext{0, false, true}})
-    EXPECT_EQ(route_params(*m, models::is_muon_matrix, gather, ok).dedicated[0].unshard, UnshardMode::AllGather);
-  err = error_of([&] { route_params(*m, models::is_muon_matrix, gather, RoutingContext{2, false, false, true}); });
+  for (const RoutingContext& ok : {RoutingContext{0, false}, RoutingContext{0, true}})
+    EXPECT_EQ(route_params(model_view(*m), models::is_muon_matrix, gather, ok).dedicated[0].unshard, UnshardMode::AllGather);
+  err = error_of([&] { route_params(model_view(*m), models::is_muon_matrix, gather, RoutingContext{2, false, true}); });
   EXPECT_NE(err.find("rank 2: dedicate_params: muon_forward_unshard=\"all_gather\" (parameter 'layers.0."),
             std::string::npos)
       << err;
   EXPECT_NE(err.find("not supported with tensor parallelism"), std::string::npos) << err;
   DedicateOptions bad;
   bad.muon_forward_unshard = "scatter";
-  err = error_of([&] { route_params(*m, models::is_muon_matrix, bad, RoutingContext{}); });
+  err = error_of([&] { route_params(model_view(*m), models::is_muon_matrix, bad, RoutingContext{}); });
   EXPECT_NE(err.find("has muon_forward_unshard 'scatter'; use \"broadcast\" or \"all_gather\""), std::string::npos)
       << err;
   // a 1-D parameter routed to Muon names the route's source
-  err = error_of([&] { route_params(*m, [](const std::string&, const at::Tensor&) { return true; }, DedicateOptions{},
+  err = error_of([&] { route_params(model_view(*m), [](const std::string&, const at::Tensor&) { return true; }, DedicateOptions{},
                                     RoutingContext{}); });
   EXPECT_NE(err.find("the predicate routed 'layers.0.attn_norm.weight' to Muon"), std::string::npos) << err;
 }

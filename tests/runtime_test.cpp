@@ -27,6 +27,7 @@
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"
 #include "dmuon/host_sync.h"
+#include "dmuon/model_view.h"
 #include "dmuon/muon.h"
 #include "dmuon/newton_schulz.h"
 #include "model/gpt.h"
@@ -867,7 +868,7 @@ TEST(RuntimeTest, HsdpGroupPrepareAheadAndPerGroupPrepareMatchTheOnePassPath) {
       load_state(m, init);
       testing::dedicate_gpt(m, mesh, {});
       m->loss(tokens).backward();
-      prepare_muon_grads(*m, PrepareGradsOptions{false, coalesce});
+      prepare_muon_grads(*m, PrepareGradsOptions{coalesce});
       std::map<std::string, at::Tensor> g;
       for (const auto& d : get_dedicated_params(*m))
         if (d.is_owner) g[d.name] = d.param.grad().clone();
@@ -1083,13 +1084,13 @@ TEST(RuntimeTest, AllGatherModeKeepsShardsAndCountsItsBytes) {
         const bool owner_row = it->owner.replicate == mesh->replicate_rank();
         const int64_t S = buf.flat.numel() * 4, B = buf.numel * 4, F = 4 * static_cast<int64_t>(buf.params.size());
         gather += (l.ddp ? 1 : 2) * (G - 1) * S / G;
-        if (!buf.is_root) reduce += B + F;
-        if (buf.is_root && !owner_row) reduce += B + F;
-        if (owner_row && !buf.is_root) scatter += S / G;
+        if (!buf.holder) reduce += B + F;
+        if (buf.holder && !owner_row) reduce += B + F;
+        if (owner_row && !buf.holder) scatter += S / G;
         if (!owner_row) bcast += S / G;
         if (buf.shard.numel() != buf.shard_len || buf.shard_len != (buf.numel + G - 1) / G)
           throw std::runtime_error("shard of " + buf.boundary);
-        if (!l.ddp && !buf.is_root && buf.flat.storage().nbytes() != 0)
+        if (!l.ddp && !buf.holder && buf.flat.storage().nbytes() != 0)
           throw std::runtime_error("not released: " + buf.boundary);
       }
       auto& c = mesh->counters();
@@ -1119,7 +1120,7 @@ TEST(RuntimeTest, ForwardUnshardProfileCountsEveryBoundarysUnshardsBytesAndWaits
     expect(p.enabled && p.rank == ctx.rank && p.forward_passes == 1 && p.boundaries.size() == 3, "profile header");
     int64_t expect_bytes = 0;
     for (const auto& u : inspect::packed_units(*m))
-      if (!u.is_root) expect_bytes += 2 * u.numel * 4;  // forward and backward broadcast, fp32
+      if (!u.holder) expect_bytes += 2 * u.numel * 4;  // forward and backward broadcast, fp32
     expect(p.total_bytes() == measured && measured == expect_bytes,
            "profiled " + std::to_string(p.total_bytes()) + " vs measured " + std::to_string(measured) + " vs " +
                std::to_string(expect_bytes));
@@ -1310,7 +1311,7 @@ TEST(RuntimeTest, NonOwnersKeepNoBytesBetweenStepsAndBytesMatchFormula) {
             throw std::runtime_error("non-owner keeps storage for " + d.name);
         }
         for (const auto& buf : inspect::packed_units(*m))
-          if (!buf.is_root && buf.flat.storage().nbytes() != 0)
+          if (!buf.holder && buf.flat.storage().nbytes() != 0)
             throw std::runtime_error("packed buffer of " + buf.boundary + " not released");
       }
     });
@@ -1330,7 +1331,7 @@ TEST(RuntimeTest, Z3ReleasesBetweenBoundariesInForward) {
     at::Tensor x = at::randn({2, 5, cfg.d_model});
     at::Tensor y = dmuon::forward(m->blocks[0], x);
     for (const auto& buf : inspect::packed_units(*m, 0))
-      if (!buf.is_root && buf.flat.storage().nbytes() != 0) throw std::runtime_error("layer 0 not released in Z3");
+      if (!buf.holder && buf.flat.storage().nbytes() != 0) throw std::runtime_error("layer 0 not released in Z3");
     (void)y;
   });
 }
@@ -1668,6 +1669,108 @@ TEST(RuntimeTest, SetupFailureOnOneRankFailsEveryRankNotAHang) {
     if (ctx.rank == 1 && err.find("no-such-strategy") == std::string::npos)
       throw std::runtime_error("rank 1's error does not name the bad strategy: " + err);
   });
+}
+
+
+// ---- the model seam: a model given as data ---------------------------------------------------------
+
+// Three blocks y = tanh(x W_i^T + b_i), then a scale: plain float64 tensors, no nn::Module. W_i are
+// Muon matrices, b_i sharded_adamw slices, the scale replicated.
+struct PlainModel {
+  static constexpr int kBlocks = 3, kDim = 8;
+  std::vector<at::Tensor> w, b;
+  at::Tensor scale;
+  PlainModel() {
+    const auto f64 = at::TensorOptions().dtype(at::kDouble);
+    for (int i = 0; i < kBlocks; ++i) {
+      w.push_back((at::arange(kDim * kDim, f64).reshape({kDim, kDim}) * 0.37 + i).sin().mul(0.4).requires_grad_());
+      b.push_back((at::arange(kDim, f64) * 0.21 - i).cos().mul(0.1).requires_grad_());
+    }
+    scale = at::full({1}, 1.3, f64).requires_grad_();
+  }
+  ModelView view() const {
+    ModelView v;
+    v.modules.push_back({"", -1, {}});
+    v.modules.push_back({"blocks", 0, {}});
+    for (int i = 0; i < kBlocks; ++i) {
+      const std::string block = "blocks." + std::to_string(i);
+      v.modules.push_back({block, 1, {}});
+      v.params.push_back({block + ".weight", w[static_cast<size_t>(i)]});
+      v.params.push_back({block + ".bias", b[static_cast<size_t>(i)]});
+    }
+    v.params.push_back({"scale", scale});
+    return v;
+  }
+  // every boundary through its scope, as a front end's hooks would run it
+  at::Tensor forward(const std::shared_ptr<Runtime>& rt, at::Tensor x) {
+    detail::BoundaryScope root(rt, "");
+    root.enter();
+    for (int i = 0; i < kBlocks; ++i) {
+      detail::BoundaryScope s(rt, "blocks." + std::to_string(i));
+      const at::Tensor h = s.enter(x);
+      x = s.exit(at::tanh(at::linear(h, w[static_cast<size_t>(i)], b[static_cast<size_t>(i)])));
+    }
+    root.exit();
+    return x * scale;
+  }
+};
+
+// Trains PlainModel for 3 steps on `world` ranks (a global batch of 6 rows split evenly); returns
+// every parameter's full value after training.
+std::map<std::string, at::Tensor> train_plain_model(int world) {
+  std::map<std::string, at::Tensor> out;
+  std::mutex mu;
+  testing::run_ranks(world, [&](testing::RankContext& ctx) {
+    PlainModel m;
+    DedicateOptions o;
+    o.route_hint_fn = [](const std::string& name, const at::Tensor&) {
+      return name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0 ? std::string("sharded_adamw")
+                                                                                : std::string();
+    };
+    auto rt = dedicate_model_view(m.view(), make_mesh(ctx),
+                                  [](const std::string&, const at::Tensor& p) { return p.dim() == 2; }, o);
+    rt->add_replicated(25.0, /*tp=*/false);  // the scale: what a front end's replicate() does
+    MuonOptions mo;
+    mo.lr = 0.05;
+    mo.adamw_lr = 0.01;
+    Muon opt(std::static_pointer_cast<RuntimeFace>(rt), mo);
+    const int64_t per = 6 / ctx.world;
+    for (int step = 0; step < 3; ++step) {
+      const auto f64 = at::TensorOptions().dtype(at::kDouble);
+      const at::Tensor x = (at::arange(6 * PlainModel::kDim, f64).reshape({6, PlainModel::kDim}) * 0.11 + step).cos();
+      const at::Tensor target = x.sin();
+      opt.zero_grad();
+      const at::Tensor mine = x.narrow(0, ctx.rank * per, per), goal = target.narrow(0, ctx.rank * per, per);
+      (m.forward(rt, mine) - goal).pow(2).mean().backward();
+      opt.step();
+    }
+    testing::expect(opt.steps_taken() == 3, "three steps");
+    std::map<std::string, at::Tensor> full;
+    rt->gather_params([&](const std::string& name, const at::Tensor& t) { full[name] = t.detach().clone(); });
+    if (ctx.rank == 0) {
+      std::lock_guard<std::mutex> g(mu);
+      out = full;
+    }
+  });
+  return out;
+}
+
+
+TEST(RuntimeTest, ModelViewOverPlainTensorsMatchesSingleProcess) {
+  const auto single = train_plain_model(1);
+  const auto three = train_plain_model(3);
+  const PlainModel init;
+  ASSERT_EQ(single.size(), 7u);
+  ASSERT_EQ(three.size(), 7u);
+  for (const auto& [name, v] : single) {
+    ASSERT_TRUE(three.count(name)) << name;
+    // float64: the same math in another order of reductions only (bound 1e-10)
+    EXPECT_LT(max_rel(three.at(name), v), 1e-10) << name;
+  }
+  // and training moved every kind of parameter (Muon, sharded AdamW, replicated AdamW)
+  EXPECT_GT((single.at("blocks.1.weight") - init.w[1].detach()).abs().max().item<double>(), 1e-3);
+  EXPECT_GT((single.at("blocks.2.bias") - init.b[2].detach()).abs().max().item<double>(), 1e-4);
+  EXPECT_GT((single.at("scale") - init.scale.detach()).abs().max().item<double>(), 1e-4);
 }
 
 }  // namespace

@@ -82,7 +82,7 @@ CommPtr make_process_group(const StorePtr& store, int rank, int size, c10::Devic
 ProcessGroupFactory process_group_factory(c10::DeviceType device, const std::string& hostname = "127.0.0.1",
                                           StreamPriority priority = StreamPriority::High);
 
-// Everything a rank needs: the store, the world group and a 1-D mesh over it.
+// Everything a rank needs to build its meshes: the store, the world group, its rank and local rank.
 struct Bootstrap {
   StorePtr store;
   CommPtr world;

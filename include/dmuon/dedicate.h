@@ -53,7 +53,7 @@ using ModulePredicate = std::function<bool(const std::string& module_name, const
 using HookBoundaryResolver = std::function<std::string(const std::string& param_name, const at::Tensor& param)>;
 using AssignmentGroupKeyFn = std::function<std::string(const std::string& param_name, const at::Tensor& param)>;
 
-// Per-parameter policy (the seed's param_policy). Every field is optional: a parameter's policy starts
+// Per-parameter policy (param_policy). Every field is optional: a parameter's policy starts
 // empty and each matching override (in order) sets the fields it has; what stays unset takes the
 // default named below.
 //
@@ -110,7 +110,9 @@ struct DedicateOptions {
   int forward_prefetch_depth = 1;               // boundaries broadcast ahead in forward (0 = none)
   // Per-boundary unshard counters (unshard_profile.h); unset: DMUON_RECORD_FORWARD_PROFILE.
   std::optional<bool> record_forward_profile;
-  std::string muon_forward_unshard = "broadcast";  // or "all_gather" (experimental; 1-D meshes)
+  // or "all_gather": every rank keeps a 1/G shard of each unit and forward all-gathers it (1-D, HSDP
+  // and the DDP path; not with tensor parallelism)
+  std::string muon_forward_unshard = "broadcast";
   // HSDP (2-D mesh) only:
   double replicate_broadcast_bucket_mb = 0.0;   // post-step publish chunk size in MiB; 0 = one per packed unit
   bool delay_stage2_to_optimizer = true;        // replicate-axis reduce waited/issued in step() (true) or
@@ -263,13 +265,11 @@ auto forward(ModuleHolderOrPtr& module, Args&&... args);
 // collective: every rank (on HSDP it issues the delayed stage-2 reduces and the replicate-axis
 // all-reduces of sharded_adamw slices; elsewhere it waits collectives already issued).
 void prepare_muon_grads(torch::nn::Module& model);
-// The seed's keyword form. coalesce_wait=true waits every group's reduces in one pass (stage 1 of
-// all, then stage 2 of all: the overload above); false (the seed's default) prepares group by group
-// in the forward order, issuing the next group's HSDP stage 2 before waiting the current one's. The
-// gradients are the same either way. use_reduce_stream selects nothing here: dmuon issues reduces on
-// the process group's own (NCCL-internal) stream already, so there is no separate stream to share.
+// coalesce_wait=true waits every group's reduces in one pass (stage 1 of all, then stage 2 of all:
+// the overload above); false (the default) prepares group by group in the forward order, issuing the
+// next group's HSDP stage 2 before waiting the current one's. The gradients are the same either way.
+// (Reduces run on the process group's own stream: there is no separate reduce stream to choose.)
 struct PrepareGradsOptions {
-  bool use_reduce_stream = false;
   bool coalesce_wait = false;
 };
 void prepare_muon_grads(torch::nn::Module& model, const PrepareGradsOptions& opts);
@@ -280,8 +280,6 @@ std::vector<DedicatedParam> get_dedicated_params(const torch::nn::Module& model)
 // Dedicated params owned by `shard` (1-D) or by (shard, replicate).
 std::vector<DedicatedParam> get_owned_params(const torch::nn::Module& model, int shard);
 std::vector<DedicatedParam> get_owned_params(const torch::nn::Module& model, OwnerCoord owner);
-// The runtime state of a dedicated model (nullptr when dedicate_params was not called on it).
-std::shared_ptr<Runtime> get_comm_ctx(const torch::nn::Module& model);
 // The plan dedicate_params computed for this model.
 const OwnerPlan* get_owner_plan(const torch::nn::Module& model);
 // The mesh the model was dedicated on.
@@ -297,6 +295,9 @@ namespace detail {
 class BoundaryScope {
  public:
   explicit BoundaryScope(const torch::nn::Module* module);
+  // A boundary of a runtime built from a ModelView (dedicate_model_view): `module` names it; the
+  // root ("") starts a forward pass; a module that is no boundary does nothing.
+  BoundaryScope(const std::shared_ptr<Runtime>& runtime, const std::string& module);
   ~BoundaryScope();
   BoundaryScope(const BoundaryScope&) = delete;
   BoundaryScope& operator=(const BoundaryScope&) = delete;

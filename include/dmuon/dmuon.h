@@ -15,6 +15,7 @@
 #include "dmuon/model_specs.h"
 #include "dmuon/muon.h"
 #include "dmuon/newton_schulz.h"
+#include "dmuon/ns_runner.h"
 #include "dmuon/owner_plan.h"
 #include "dmuon/process_group.h"
 #include "dmuon/safetensors.h"

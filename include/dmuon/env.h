@@ -1,4 +1,4 @@
-// env.h -- the one place dmuon reads its environment variables (the seed's names and meanings).
+// env.h -- the one place dmuon reads its environment variables (their names and meanings: README, "Environment variables").
 //
 // Each getter reads the variable on every call (cheap; lets tests set and unset them) and returns
 // "" / nullopt when unset. Values are validated by the code that uses them, which names the

@@ -7,7 +7,7 @@
 //     opt.step();
 //
 // Scopes:
-//   * ClipScope::Muon (the seed's semantics, the default): the dedicated Muon matrices only; AdamW
+//   * ClipScope::Muon (the default): the dedicated Muon matrices only; AdamW
 //     parameters keep whatever the trainer does with them.
 //   * ClipScope::AllParams: one global norm over every trainable parameter -- dedicated matrices on
 //     their owners, replicated parameters, sharded_adamw slices, TP slices -- equal to
@@ -83,7 +83,7 @@ class Communicator;
 
 // ---- segmented clipping: one norm and one coefficient per bucket ------------------------------------
 //
-// The seed's clip_grad_norm_buckets_: every bucket is clipped on its own L2 norm,
+// clip_grad_norm_buckets_: every bucket is clipped on its own L2 norm,
 // coef_b = min(1, max_norm / (norm_b + 1e-6)). A bucket with reduce=true sums its squared partial
 // over `group` (gradients spread over ranks: owned Muon matrices, sharded slices); reduce=false
 // keeps this rank's norm (gradients identical on every rank: replicated ones).
@@ -125,8 +125,7 @@ struct BucketClipOptions {
   // Fused path work unit: at most this many elements per foreach call (tensors are grouped
   // greedily; a larger tensor gets a call of its own). nullopt: DMUON_FAST_CLIP_CHUNK_SIZE, else 2^24.
   std::optional<int64_t> chunk_size;
-  // nullopt: fused kernels for float32/float64 CUDA tensors, reference math elsewhere (the seed's
-  // choice); true: fused for every eligible tensor; false: reference math only. DMUON_FAST_CLIP=0
+  // nullopt: fused kernels for float32/float64 CUDA tensors, reference math elsewhere; true: fused for every eligible tensor; false: reference math only. DMUON_FAST_CLIP=0
   // turns the fused path off.
   std::optional<bool> foreach;
 };
@@ -135,14 +134,13 @@ struct BucketClipOptions {
 SegmentedGradClipResult clip_grad_norm_buckets_(const std::vector<GradClipBucket>& buckets, std::optional<double> max_norm,
                                                 Communicator* group = nullptr, const BucketClipOptions& opts = {});
 
-// The seed's Wall-X layout in one call: buckets "regular" (the caller's replicated gradients,
+// The Wall-X layout in one call: buckets "regular" (the caller's replicated gradients,
 // reduce=false), "muon" (this optimizer's Muon gradients, waited here; reduce=true) and "adamw"
 // (the caller's sharded/dedicated AdamW gradients, reduce=true), each clipped to max_norm on its
 // own; the "muon" bucket's stats become last_muon_grad_clip_stats() (strategy "segmented").
-// `group` defaults to the optimizer's world group. The seed returns nothing when its CUDA extension
-// is missing; here the reference math is always built, so a result always comes back (the
-// optional stays for the seed's contract: nullopt only if DMUON_FAST_CLIP=0 on every rank, which is
-// how a caller asks to run its own path).
+// `group` defaults to the optimizer's world group. The reference math is always built, so a result
+// always comes back except when DMUON_FAST_CLIP=0 on every rank (nullopt: how a caller asks to run
+// its own path).
 // collective: every rank of `group`.
 std::optional<SegmentedGradClipResult> try_clip_optimizer_grad_norm_buckets_(
     Muon& optimizer, const std::vector<at::Tensor>& regular_grads, const std::vector<at::Tensor>& adamw_grads,

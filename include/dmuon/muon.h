@@ -44,8 +44,8 @@
 namespace dmuon {
 
 class Mesh;
-struct TpUpdate;   // a TP update in flight (src/optim/tp_newton_schulz.h)
-struct ReadyGrad;  // a gradient the runtime hands to the optimizer (src/runtime/route.h)
+struct ReadyGrad;    // a gradient the runtime hands to the optimizer (src/runtime/route.h)
+class RuntimeFace;   // what the optimizer sees of a dedicated model's runtime (src/runtime/runtime_face.h)
 
 // Options of one lowered parameter group.
 struct MuonGroupOptions : torch::optim::OptimizerCloneableOptions<MuonGroupOptions> {
@@ -113,7 +113,7 @@ struct MuonOptions {
   std::optional<NewtonSchulz> ns;           // a fully configured backend (custom coefficients...)
   bool nesterov = true;
   // The post-step publish mode lives in the runtime (DedicateOptions::replicate_async, default
-  // true); set here (the seed's Muon(replicate_async=...)) it overrides that for this optimizer. A
+  // true); set here it overrides that for this optimizer. A
   // model that does not run its boundaries through dmuon::forward is always waited: nothing else
   // would wait before the parameters are read again.
   std::optional<bool> replicate_async;
@@ -171,12 +171,16 @@ struct StepProfile {
 
 namespace detail {
 class PhaseClock;
+// The one way io and clipping write Muon's internals (defined below the class).
+struct MuonInternals;
 }
 
 class Muon : public torch::optim::Optimizer {
  public:
   // `model` must have gone through dedicate_params (a 1-rank mesh works for single-process use).
   explicit Muon(const std::shared_ptr<torch::nn::Module>& model, MuonOptions options = {});
+  // The optimizer of a model dedicated from a ModelView (dedicate_model_view in model_view.h).
+  explicit Muon(const std::shared_ptr<RuntimeFace>& runtime, MuonOptions options = {});
 
   at::Tensor step(LossClosure closure = nullptr) override;
   // Clears gradients; set_to_none=true (default) leaves them undefined, as PyTorch 2.x does.
@@ -185,8 +189,10 @@ class Muon : public torch::optim::Optimizer {
   void load(torch::serialize::InputArchive& archive) override;
 
   const MuonOptions& muon_options() const { return options_; }
-  std::shared_ptr<torch::nn::Module> model() const { return model_.lock(); }  // null once destroyed
+  // null once destroyed, and for a model dedicated from a ModelView
+  std::shared_ptr<torch::nn::Module> model() const { return model_.lock(); }
   const NewtonSchulz& ns() const { return ns_; }
+  Mesh& mesh() const;  // the mesh the model was dedicated on
   // The NS runner of the whole matrices (its stats() count graph captures, replays and eager calls).
   const NsGraphs& ns_graphs() const { return *ns_graphs_; }
   // The last step's profile; resets it.
@@ -194,7 +200,6 @@ class Muon : public torch::optim::Optimizer {
   // Gradient-norm clipping between backward and step (grad_clip.h; collective).
   MuonGradClipStats clip_grad_norm_(std::optional<double> max_norm, const GradClipOptions& opts = {});
   const std::optional<MuonGradClipStats>& last_muon_grad_clip_stats() const { return last_clip_; }
-  void set_last_muon_grad_clip_stats(MuonGradClipStats s) { last_clip_ = std::move(s); }
   // collective (waits the gradient reduces, as step() would): the live gradients in `scope` that
   // the next step() uses -- scale or read them in place -- each with whether this rank counts it
   // in a norm (each element once over the mesh; see grad_clip.h). zero_grad() drops them.
@@ -203,24 +208,30 @@ class Muon : public torch::optim::Optimizer {
   int64_t steps_taken() const { return steps_; }
   // Per-parameter state of `p` (nullptr when none yet / not on this rank).
   const MuonParamState* state_of(const at::Tensor& p) const;
-  // The same, created when absent (checkpoint restore).
-  MuonParamState& param_state(const at::Tensor& p) { return state_for(p); }
-  void set_steps_taken(int64_t steps) { steps_ = steps; }
 
  private:
+  friend struct detail::MuonInternals;  // checkpoint restore and segmented clipping write through it
   // Muon on an owned matrix: momentum, Newton-Schulz, update of its target (the master copy under
   // mixed precision, rounded into the parameter).
   // TP: the T owners of a matrix orthogonalise it together over mesh.tp() (collective); the gather
-  // form's updates are queued in `tp_pending` and finished by step().
+  // form's gathers are queued in `run` and their NS and scatters issued before the publish; whole
+  // matrices' NS is queued in `run` and batched by shape at the end of their group.
+  struct StepRun;       // step()'s visitor of the runtime's gradient groups (muon.cpp)
   void muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh, StepProfile& prof,
-                   detail::PhaseClock& clock, std::vector<TpUpdate>& tp_pending);
+                   detail::PhaseClock& clock, StepRun& run);
   // AdamW on `target` with gradient `g`; state (in `state_dtype`) keyed by `key` (the module
   // parameter; the target is its master copy or, for sharded_adamw, this rank's shard).
   void adamw_update(at::Tensor& target, const at::Tensor& g, const at::Tensor& key, at::ScalarType state_dtype,
                     const MuonGroupOptions& o);
   MuonParamState& state_for(const at::Tensor& p);
+  void index_groups();  // group_of_ for the current param_groups_
 
-  std::weak_ptr<torch::nn::Module> model_;
+  // the dedicated model's runtime (errors name `fn` when the model or runtime is gone)
+  std::shared_ptr<RuntimeFace> runtime(const char* fn) const;
+
+  std::weak_ptr<torch::nn::Module> model_;  // the LibTorch model, when built from one
+  bool has_model_ = false;
+  std::weak_ptr<RuntimeFace> runtime_;      // otherwise: the runtime of a ModelView
   MuonOptions options_;
   NewtonSchulz ns_;
   std::shared_ptr<NsGraphs> ns_graphs_;  // ns_ for whole matrices, CUDA-graph replayed where it applies
@@ -235,5 +246,13 @@ class Muon : public torch::optim::Optimizer {
   int64_t steps_ = 0;
   int progress_logged_ = 0;
 };
+
+namespace detail {
+struct MuonInternals {
+  static MuonParamState& param_state(Muon& m, const at::Tensor& p) { return m.state_for(p); }  // created when absent
+  static void set_steps_taken(Muon& m, int64_t steps) { m.steps_ = steps; }
+  static void set_last_clip(Muon& m, MuonGradClipStats s) { m.last_clip_ = std::move(s); }
+};
+}  // namespace detail
 
 }  // namespace dmuon

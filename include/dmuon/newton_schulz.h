@@ -170,22 +170,10 @@ class NewtonSchulz {
   NsOptions opts_;
 };
 
-// ---- many matrices at once (Muon::step's batching) ---------------------------------------------
-// Whether one stacked NS call over same-shape matrices beats one call each on `device`, for a
-// shape whose smaller side is `small_side`: always on CUDA (fewer launches); on the CPU only up to
-// kCpuStackMaxSide (ATen's batched CPU GEMM is slower than its plain one from 128 on;
-// bench/ns_bench --batched, docs/PERF.md). DMUON_BATCHED_NS=0 turns stacking off everywhere.
-inline constexpr int64_t kCpuStackMaxSide = 64;
-bool ns_stacking_pays(c10::DeviceType device, int64_t small_side);
-// NS of each input (2-D, any shapes) the way Muon::step runs them: grouped by shape after
-// orientation (rows <= cols), dtype and device; a group stacks into one call where
-// ns_stacking_pays; results in input order and layout. Equals ns.local per input (float64: exactly
-// the same multiply order per matrix on the CPU; fp32 within the GEMM path's rounding).
-std::vector<at::Tensor> newton_schulz_many(const NewtonSchulz& ns, const std::vector<at::Tensor>& inputs,
-                                           int steps = kDefaultNsSteps);
+// Many matrices at once (stacked where it pays): dmuon/ns_runner.h.
 
 // ---- backend status ---------------------------------------------------------------------------
-// One NS kernel name the API knows (this build's and the seed's), and whether it runs here.
+// One NS kernel name the API knows (this build's and the GPU-only ones of other builds), and whether it runs here.
 struct KernelStatus {
   std::string name;         // "auto" | "cublas" | "syrk" | "quack" | "cute_sm80"
   bool available = false;   // usable as NewtonSchulz(kernel=name) / DMUON_NS_KERNEL in this build
@@ -201,7 +189,7 @@ struct BackendStatus {
   bool cpu_blas_syrk_available = false;
   bool cublas_always_available = true;  // the plain-GEMM path: always there
   std::string env_override;        // value of DMUON_NS_KERNEL ("" when unset)
-  // The seed's CuTe-DSL kernels are Python packages; this C++ build has neither (always false).
+  // The CuTe-DSL kernels (quack, cute_sm80) are Python packages; this C++ build has neither (always false).
   bool quack_available = false;
   bool cute_sm80_available = false;
   std::vector<KernelStatus> kernels;  // every kernel name, this build's first

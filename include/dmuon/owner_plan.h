@@ -43,7 +43,7 @@ struct OwnerCoord {
 };
 
 // Planner options. Unset optionals are resolved by resolve_plan_options(): the explicit value
-// wins, else the seed's environment override (DMUON_OWNER_STRATEGY, DMUON_OWNER_COST_MODEL,
+// wins, else the environment override (DMUON_OWNER_STRATEGY, DMUON_OWNER_COST_MODEL,
 // DMUON_HSDP_COLUMN_BALANCE, DMUON_OWNER_PACK_SMALL_PARAMS), else the default.
 struct PlanOptions {
   std::optional<std::string> owner_strategy;    // "lpt" (default) | "round_robin" | "rank0"
@@ -74,7 +74,7 @@ struct PlanOptions {
 // Packing (pack_small_params, default on): a group's parameters with numel < pack_threshold_numel
 // share allocation units. Packing never costs more than 1% of makespan: plan_owners computes the
 // per-matrix plan (no packing) and returns the first packed variant whose makespan is within 1%
-// of it (or of lower_bound, which needs no per-matrix plan), trying the seed's packing (one unit
+// of it (or of lower_bound, which needs no per-matrix plan), trying the plain packing (one unit
 // per group's small parameters) first, then units capped at L/k for k = 1, 1.5, 2, 3, ..., 64
 // (L = max(total / slots, largest parameter); a group's small parameters cut into consecutive
 // runs of about equal cost); when none fits, the per-matrix plan. OwnerPlan::pack_cap says which

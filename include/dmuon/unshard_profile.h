@@ -47,7 +47,7 @@ struct ForwardUnshardProfile {
 // device first (diagnostic boundaries only: it changes the overlap being measured). Local.
 ForwardUnshardProfile collect_forward_unshard_profile(torch::nn::Module& model, bool clear = true,
                                                       bool synchronize = false);
-// The seed's name on the communication context: collect without synchronizing.
+// Collect without synchronizing (the name on the communication context).
 inline ForwardUnshardProfile consume_forward_unshard_profile(torch::nn::Module& model, bool clear = true) {
   return collect_forward_unshard_profile(model, clear, false);
 }

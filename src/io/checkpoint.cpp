@@ -16,19 +16,16 @@
 #include <sstream>
 
 #include "dmuon/tensor_parallel.h"
-#include "runtime/dedicated_route.h"
-#include "runtime/runtime.h"
-#include "runtime/sharded_route.h"
+#include "runtime/runtime_face.h"
 
 namespace dmuon {
 
 namespace {
 
 
-std::shared_ptr<Runtime> drained_state(torch::nn::Module& model, const char* fn) {
-  auto st = detail::require_state(model, fn);
-  st->wait_publishes();  // post-step publishes and all_gather-mode scatters
-  st->drain_all();       // forward prefetches, pending reduces
+std::shared_ptr<RuntimeFace> drained_state(torch::nn::Module& model, const char* fn) {
+  auto st = detail::require_face(model, fn);
+  st->drain();  // post-step publishes, all_gather-mode scatters, prefetches, pending reduces
   return st;
 }
 
@@ -37,7 +34,7 @@ std::shared_ptr<Runtime> drained_state(torch::nn::Module& model, const char* fn)
 struct TpView {
   Mesh& mesh;
   const std::map<std::string, int>& split;  // parameter name -> split dimension (empty without a TP axis)
-  explicit TpView(const Runtime& rt) : mesh(rt.mesh()), split(rt.tp_split()) {}
+  explicit TpView(const RuntimeFace& rt) : mesh(rt.mesh()), split(rt.tp_split()) {}
   int dim_of(const std::string& key) const {
     if (split.empty()) return -1;
     if (auto it = split.find(key); it != split.end()) return it->second;
@@ -90,81 +87,77 @@ std::string shape_str(at::IntArrayRef s) {
   return o.str();
 }
 
-// AdamW-trained parameters: replicated and sharded_adamw (every trainable one that is not a Muon matrix).
-std::vector<std::pair<std::string, at::Tensor>> adamw_params(const torch::nn::Module& model, const Runtime& st) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& item : model.named_parameters(true))
-    if (item.value().requires_grad() && !st.dedicated().find(item.key())) out.emplace_back(item.key(), item.value());
-  return out;
-}
+// The optimizer's per-parameter state as the runtime's routes see it.
+class MuonStateAccess final : public OptimizerStateAccess {
+ public:
+  explicit MuonStateAccess(const Muon& opt, Muon* mutable_opt = nullptr) : opt_(opt), mut_(mutable_opt) {}
+  const std::vector<std::string>& fields(bool muon) const override {
+    static const std::vector<std::string> m{"momentum_buffer"}, a{"exp_avg", "exp_avg_sq"};
+    return muon ? m : a;
+  }
+  ParamState get(const at::Tensor& param) const override {
+    ParamState s;
+    const MuonParamState* ps = opt_.state_of(param);
+    if (!ps) return s;
+    s.step = ps->step();
+    if (ps->momentum_buffer().defined()) s.tensors = {ps->momentum_buffer()};
+    else if (ps->exp_avg().defined()) s.tensors = {ps->exp_avg(), ps->exp_avg_sq()};
+    return s;
+  }
+  void set(const at::Tensor& param, ParamState s) override {
+    MuonParamState& ps = detail::MuonInternals::param_state(*mut_, param);
+    const bool muon = s.tensors.size() == 1;
+    ps.step(s.defined() ? s.step : 0);
+    if (!s.defined()) {
+      ps.momentum_buffer(at::Tensor()).exp_avg(at::Tensor()).exp_avg_sq(at::Tensor());
+    } else if (muon) {
+      ps.momentum_buffer(s.tensors[0]);
+    } else {
+      ps.exp_avg(s.tensors[0]).exp_avg_sq(s.tensors[1]);
+    }
+  }
+
+ private:
+  const Muon& opt_;
+  Muon* mut_;
+};
 
 }  // namespace
 
 // ---- model ---------------------------------------------------------------------------------------
 TensorDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions& options) {
   auto st = drained_state(model, "get_model_state_dict");
-  std::lock_guard<std::recursive_mutex> g(st->mutex());
   at::NoGradGuard ng;
   Mesh& mesh = st->mesh();
   TensorDict out;
   const TpView tp(*st);
   const Sink sink{out, !options.rank0_only || mesh.global_rank() == 0, options.cpu_offload, tp};
   // Muon matrices from their (global) owner, sharded_adamw slices gathered: in full precision
-  const TensorSink put = [&](const std::string& name, const at::Tensor& t) { sink.put(name, t); };
-  st->dedicated().gather_full(put);
-  st->sharded().gather_full(put);
-  // the rest is whole on every rank (the master where mixed precision keeps one)
-  for (const auto& item : model.named_parameters(true)) {
-    if (st->routed(item.key())) continue;
-    const at::Tensor m = st->master_of(item.value());
-    sink.put(item.key(), m.defined() ? m : item.value());
-  }
+  // Muon matrices from their (global) owner, sharded_adamw slices gathered, the rest whole (the
+  // master where mixed precision keeps one): in full precision
+  st->gather_params([&](const std::string& name, const at::Tensor& t) { sink.put(name, t); });
   for (const auto& item : model.named_buffers(true)) sink.put(item.key(), item.value());
   return out;
 }
 
 namespace {
 // Every parameter and buffer of a dedicated model with its full (single-process) shape, model order.
-std::vector<std::pair<std::string, std::vector<int64_t>>> full_shapes_of(torch::nn::Module& model, const Runtime& st) {
-  std::map<std::string, std::vector<int64_t>> local;
-  for (const auto& item : model.named_parameters(true)) local[item.key()] = item.value().sizes().vec();
-  st.dedicated().full_shapes(local);  // placeholders hold no shape
-  st.sharded().full_shapes(local);
-  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
-  for (const auto& item : model.named_parameters(true))
-    out.emplace_back(item.key(), st.region_of(item.key(), local.at(item.key())).full_shape);
+std::vector<std::pair<std::string, std::vector<int64_t>>> full_shapes_of(torch::nn::Module& model, const RuntimeFace& st) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out = st.param_shapes();
   for (const auto& item : model.named_buffers(true)) out.emplace_back(item.key(), item.value().sizes().vec());
   return out;
 }
 
 // Every rank takes what it keeps from `source` (checked already).
-void assign_model(torch::nn::Module& model, Runtime& st, ParamSource& source) {
-  st.dedicated().assign_from(source);
-  st.sharded().assign_from(source);
-  for (const auto& item : model.named_parameters(true)) {
-    if (st.routed(item.key())) continue;
-    at::Tensor p = item.value().detach();
-    const TensorRegion region = st.region_of(item.key(), p.sizes());
-    if (at::Tensor m = st.master_of(item.value()); m.defined()) {
-      st.fill_from(source, item.key(), region, m);
-      p.copy_(m);
-    } else {
-      st.fill_from(source, item.key(), region, p);
-    }
-  }
-  for (const auto& item : model.named_buffers(true)) {
-    at::Tensor b = item.value().detach();
-    st.fill_from(source, item.key(), TensorRegion::whole(b.sizes()), b);
-  }
-  // nothing from before the load survives: gradients are dropped (the routes dropped theirs)
-  for (const auto& item : model.named_parameters(true)) item.value().mutable_grad() = at::Tensor();
-  st.agree_fills("set_model_state_dict");
+void assign_model(torch::nn::Module& model, RuntimeFace& st, ParamSource& source) {
+  std::vector<std::pair<std::string, at::Tensor>> buffers;
+  for (const auto& item : model.named_buffers(true)) buffers.emplace_back(item.key(), item.value());
+  st.assign_params(source, buffers, "set_model_state_dict");
 }
 }  // namespace
 
 void set_model_state_dict(torch::nn::Module& model, const TensorDict& sd) {
   auto st = drained_state(model, "set_model_state_dict");
-  std::lock_guard<std::recursive_mutex> g(st->mutex());
   at::NoGradGuard ng;
   const int rank = st->mesh().global_rank();
   std::map<std::string, std::vector<int64_t>> expected;
@@ -192,7 +185,6 @@ void set_model_state_dict(torch::nn::Module& model, const TensorDict& sd) {
 
 void set_model_state_dict(torch::nn::Module& model, ParamSource& source) {
   auto st = drained_state(model, "set_model_state_dict");
-  std::lock_guard<std::recursive_mutex> g(st->mutex());
   at::NoGradGuard ng;
   try {
     source.check(full_shapes_of(model, *st));
@@ -247,7 +239,6 @@ void check_optimizer_state_dict(const OptimizerStateDict& sd, const std::string&
 OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon& optimizer,
                                             const StateDictOptions& options) {
   auto st = drained_state(model, "get_optimizer_state_dict");
-  std::lock_guard<std::recursive_mutex> g(st->mutex());
   at::NoGradGuard ng;
   Mesh& mesh = st->mesh();
   OptimizerStateDict out;
@@ -261,44 +252,20 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
                                   o.beta2(), o.eps(), o.nesterov(), o.ns_steps()});
   }
   out.steps_taken = optimizer.steps_taken();
-  // momentum buffers: a [has, step] header, then the buffer, from each owner
-  for (const auto& e : st->dedicated().entries()) {
-    at::Tensor header = at::zeros({2}, e.param.options().dtype(at::kLong));
-    const MuonParamState* ps = e.is_owner ? optimizer.state_of(e.param) : nullptr;
-    if (ps && ps->momentum_buffer().defined()) header = at::tensor({int64_t{1}, ps->step()}, header.options());
-    // over the data-parallel ranks of this TP position (the world without TP), from the owner
-    const int root = OwnerPlan::slot_index(e.owner, mesh.shard_size());
-    mesh.dp().broadcast(header, root, "checkpoint: momentum header of '" + e.name + "'").wait_host();
-    const at::Tensor h = header.cpu();
-    if (h[0].item<int64_t>() == 0) continue;
-    at::Tensor buf = ps ? ps->momentum_buffer() : at::empty(e.shape, e.param.options().dtype(e.prec.optim));
-    mesh.dp().broadcast(buf, root, "checkpoint: momentum of '" + e.name + "'").wait_host();
-    muon.put(e.name + ".momentum_buffer", buf);
-    muon.put(e.name + ".step", step_tensor(h[1].item<int64_t>()));
-  }
-  // AdamW moments: whole on every rank, or gathered from the sharded_adamw slices
-  for (const auto& [name, p] : adamw_params(model, *st)) {
-    const ShardedEntry* sh = st->sharded().find(name);
-    const MuonParamState* ps = optimizer.state_of(p);
-    const bool has = ps && ps->exp_avg().defined();  // the same on every rank: all step together
-    if (!has) continue;
-    if (!sh) {
-      adamw.put(name + ".exp_avg", ps->exp_avg());
-      adamw.put(name + ".exp_avg_sq", ps->exp_avg_sq());
-    } else {
-      adamw.put(name + ".exp_avg", st->sharded().gather(*sh, ps->exp_avg(), "checkpoint: exp_avg slices of '" + name + "'"));
-      adamw.put(name + ".exp_avg_sq",
-                st->sharded().gather(*sh, ps->exp_avg_sq(), "checkpoint: exp_avg_sq slices of '" + name + "'"));
-    }
-    adamw.put(name + ".step", step_tensor(ps->step()));
-  }
+  // Muon momentum from each matrix's owner, AdamW moments whole or gathered from the slices
+  const MuonStateAccess access(optimizer);
+  st->gather_state(access, [&](const std::string& name, bool is_muon, const ParamState& full) {
+    const Sink& sink = is_muon ? muon : adamw;
+    const std::vector<std::string>& fields = access.fields(is_muon);
+    for (size_t k = 0; k < fields.size(); ++k) sink.put(name + "." + fields[k], full.tensors[k]);
+    sink.put(name + ".step", step_tensor(full.step));
+  });
   if (!keep) out.steps_taken = 0;
   return out;
 }
 
 void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const OptimizerStateDict& full_sd) {
   auto st = drained_state(model, "set_optimizer_state_dict");
-  std::lock_guard<std::recursive_mutex> g(st->mutex());
   check_optimizer_state_dict(full_sd, "rank " + std::to_string(st->mesh().global_rank()) + ": set_optimizer_state_dict");
   OptimizerStateDict sd = full_sd;  // TP: this rank's slices
   {
@@ -348,17 +315,13 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
     used.insert(name + ".step");
     return true;
   };
-  std::vector<bool> muon_has;
-  const auto& entries = st->dedicated().entries();
-  for (const auto& e : entries)
-    muon_has.push_back(check_entries(sd.muon, used_muon, e.name, {".momentum_buffer"}, e.shape, "Muon"));
-  const auto base = adamw_params(model, *st);
-  std::vector<bool> adamw_has;
-  for (const auto& [name, p] : base) {
-    const ShardedEntry* sh = st->sharded().find(name);
-    const auto shape = sh ? sh->shape : p.sizes().vec();
-    adamw_has.push_back(check_entries(sd.adamw, used_adamw, name, {".exp_avg", ".exp_avg_sq"}, shape, "AdamW"));
-  }
+  MuonStateAccess access(optimizer, &optimizer);
+  const std::vector<StateSlot> slots = st->state_slots();
+  std::vector<bool> has;  // per slot: the state dict holds its state
+  for (const StateSlot& slot : slots)
+    has.push_back(slot.muon ? check_entries(sd.muon, used_muon, slot.name, {".momentum_buffer"}, slot.shape, "Muon")
+                            : check_entries(sd.adamw, used_adamw, slot.name, {".exp_avg", ".exp_avg_sq"}, slot.shape,
+                                            "AdamW"));
   for (const auto& [k, v] : sd.muon)
     TORCH_CHECK(used_muon.count(k), "rank ", rank, ": set_optimizer_state_dict: Muon state '", k,
                 "' belongs to no Muon matrix of this model (a parameter now routed elsewhere, or another model).", fix);
@@ -370,10 +333,8 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
   // after a step every trained parameter has its state: a missing one would restart from nothing, silently
   if (sd.steps_taken > 0) {
     std::vector<std::string> missing;
-    for (size_t i = 0; i < entries.size(); ++i)
-      if (!muon_has[i]) missing.push_back(entries[i].name + " (Muon momentum_buffer)");
-    for (size_t i = 0; i < base.size(); ++i)
-      if (!adamw_has[i]) missing.push_back(base[i].first + " (AdamW exp_avg, exp_avg_sq)");
+    for (size_t i = 0; i < slots.size(); ++i)
+      if (!has[i]) missing.push_back(slots[i].name + (slots[i].muon ? " (Muon momentum_buffer)" : " (AdamW exp_avg, exp_avg_sq)"));
     if (!missing.empty()) {
       std::string list;
       for (size_t i = 0; i < missing.size() && i < 5; ++i) list += (i ? ", '" : "'") + missing[i] + "'";
@@ -392,39 +353,18 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
     o.lr(s.lr).momentum(s.momentum).weight_decay(s.weight_decay).beta1(s.beta1).beta2(s.beta2).eps(s.eps)
         .nesterov(s.nesterov).ns_steps(s.ns_steps);
   }
-  auto to_state = [](const at::Tensor& v, const at::Tensor& like, at::ScalarType dtype) {
-    return v.to(like.device(), dtype, /*non_blocking=*/false, /*copy=*/true).contiguous();
-  };
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const auto& e = entries[i];
-    if (!e.is_owner) continue;  // the new owner takes the momentum; others keep none
-    MuonParamState& ps = optimizer.param_state(e.param);
-    if (!muon_has[i]) {
-      ps.momentum_buffer(at::Tensor()).step(0);
-      continue;
-    }
-    ps.momentum_buffer(to_state(sd.muon.at(e.name + ".momentum_buffer"), e.param, e.prec.optim))
-        .step(sd.muon.at(e.name + ".step").item<int64_t>());
-  }
-  for (size_t i = 0; i < base.size(); ++i) {
-    const auto& [name, p] = base[i];
-    MuonParamState& ps = optimizer.param_state(p);
-    if (!adamw_has[i]) {
-      ps.exp_avg(at::Tensor()).exp_avg_sq(at::Tensor()).step(0);
-      continue;
-    }
-    const at::ScalarType dt = st->precision_of(p).optim;
-    const at::Tensor &m1 = sd.adamw.at(name + ".exp_avg"), &m2 = sd.adamw.at(name + ".exp_avg_sq");
-    const ShardedEntry* sh = st->sharded().find(name);
-    if (!sh) {
-      ps.exp_avg(to_state(m1, p, dt)).exp_avg_sq(to_state(m2, p, dt));
-    } else {  // this rank's slices
-      const auto o = sh->shard.options().dtype(dt);
-      ps.exp_avg(st->sharded().slice_of(*sh, m1, o)).exp_avg_sq(st->sharded().slice_of(*sh, m2, o));
-    }
-    ps.step(sd.adamw.at(name + ".step").item<int64_t>());
-  }
-  optimizer.set_steps_taken(sd.steps_taken);
+  // each rank that updates a parameter takes its state (its slice for sharded_adamw); the others none
+  std::map<std::string, size_t> slot_of;
+  for (size_t i = 0; i < slots.size(); ++i) slot_of[slots[i].name] = i;
+  st->assign_state(access, [&](const std::string& name, bool is_muon) -> std::optional<ParamState> {
+    if (!has[slot_of.at(name)]) return std::nullopt;
+    const TensorDict& d = is_muon ? sd.muon : sd.adamw;
+    ParamState s;
+    for (const std::string& f : access.fields(is_muon)) s.tensors.push_back(d.at(name + "." + f));
+    s.step = d.at(name + ".step").item<int64_t>();
+    return s;
+  });
+  detail::MuonInternals::set_steps_taken(optimizer, sd.steps_taken);
 }
 
 }  // namespace dmuon

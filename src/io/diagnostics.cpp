@@ -5,14 +5,12 @@
 
 #include "dmuon/plan_json.h"
 
-#include "runtime/dedicated_route.h"
-#include "runtime/runtime.h"
-#include "runtime/sharded_route.h"
+#include "runtime/runtime_face.h"
 
 namespace dmuon {
 
 nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon& optimizer, int max_rows) {
-  auto state = detail::state_of_model(&model);
+  auto state = detail::face_of(model);
   TORCH_CHECK(state, "summarize_param_groups: the model was not dedicated (call dmuon::dedicate_params first).");
   nlohmann::json out;
   out["rank"] = state->mesh().global_rank();
@@ -56,9 +54,8 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
       int64_t n = 1;
       for (int64_t d : v.shape) n *= d;
       numel += n;
-      const ShardedEntry* sharded = v.route == RouteKind::Sharded ? state->sharded().find(v.name) : nullptr;
-      if (sharded) ++n_sharded, sharded_here += sharded->shard_len;
-      if (v.route == RouteKind::Dedicated) {
+      if (v.sharded()) ++n_sharded, sharded_here += v.shard_numel;
+      if (v.muon()) {
         n_owned += v.updated_here ? 1 : 0;
         if (v.updated_here) owned_numel += n;
         if (static_cast<int>(rows.size()) < max_rows)
@@ -76,11 +73,11 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
                                      {"route", route_name(v.route)},
                                      {"grad_dtype", p.grad().defined() ? std::string(c10::toString(p.grad().scalar_type()))
                                                                        : std::string("none")}});
-        if (sharded) {
+        if (v.sharded()) {
           row["boundary"] = v.boundary;
-          row["shard_numel"] = sharded->shard_len;
-          row["shard_offset"] = sharded->shard_len * state->mesh().shard_rank();
-          row["padded_numel"] = sharded->shard_len * state->mesh().shard_size();
+          row["shard_numel"] = v.shard_numel;
+          row["shard_offset"] = v.shard_offset;
+          row["padded_numel"] = v.padded_numel;
         }
         rows.push_back(row);
       }
@@ -106,7 +103,7 @@ nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon
                    {"adamw_numel", adamw_numel},
                    {"sharded_adamw_params", n_sharded},
                    {"sharded_adamw_numel_here", sharded_here},
-                   {"replicated", state->replicated() != nullptr}};
+                   {"replicated", state->has_replicated_route()}};
   return out;
 }
 
@@ -124,7 +121,7 @@ int64_t ModelCommPlan::tp_bytes() const { return tp_exchange.empty() ? 0 : tp_ex
 double ModelCommPlan::formula() const { return (z3 ? comm.formula_z3 : comm.formula_z2) + comm.formula_replicate; }
 
 ModelCommPlan get_comm_plan(const torch::nn::Module& model) {
-  auto state = detail::state_of_model(&model);
+  auto state = detail::face_of(model);
   TORCH_CHECK(state, "get_comm_plan: the model was not dedicated (call dmuon::dedicate_params first).");
   const Mesh& mesh = state->mesh();
   ModelCommPlan out;
@@ -140,9 +137,7 @@ ModelCommPlan get_comm_plan(const torch::nn::Module& model) {
   out.comm = plan_comm(state->specs(), state->plan(), state->boundary_of_param());
   for (const auto& s : state->specs()) out.params.push_back(s.name);
   if (mesh.has_tp()) {
-    std::vector<int64_t> esz;
-    for (const auto& e : state->dedicated().entries()) esz.push_back(static_cast<int64_t>(c10::elementSize(e.prec.optim)));
-    out.tp_exchange = plan_tp_exchange(state->specs(), state->plan(), esz);
+    out.tp_exchange = plan_tp_exchange(state->specs(), state->plan(), state->optim_element_sizes());
   }
   return out;
 }

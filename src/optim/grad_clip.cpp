@@ -16,7 +16,7 @@
 #include "dmuon/muon.h"
 #include "dmuon/communicator.h"
 #include "dmuon/mesh.h"
-#include "runtime/runtime.h"
+#include "runtime/runtime_face.h"
 
 namespace dmuon {
 
@@ -143,35 +143,14 @@ double clip_coef_for(double max_norm, double total) { return std::min(1.0, max_n
 // ---- Muon-scope and global-norm clipping -----------------------------------------------------------
 std::vector<ClipGrad> Muon::clip_grads(ClipScope scope) {
   at::NoGradGuard ng;
-  auto model = model_.lock();
-  TORCH_CHECK(model, "clip_grad_norm_: the model was destroyed.");
-  auto state = detail::state_of_model(model.get());
-  TORCH_CHECK(state, "clip_grad_norm_: the model is no longer dedicated.");
-  Mesh& mesh = state->mesh();
+  const std::shared_ptr<RuntimeFace> state = runtime("clip_grad_norm_");
   state->prepare_grads();  // collective: the reduces land (idempotent; step() calls it again)
   if (!taken_) taken_ = std::make_shared<std::vector<ReadyGrad>>(state->take_ready_grads());
-  const std::map<std::string, int>& split = state->tp_split();
-  const bool tp_lead = mesh.tp_rank() == 0, dp_lead = mesh.shard_rank() == 0 && mesh.replicate_rank() == 0;
-  // each element once over the whole mesh (see grad_clip.h)
-  auto counted = [&](const ReadyGrad& r) {
-    const bool whole_over_tp = mesh.has_tp() && !split.count(r.name);
-    if (whole_over_tp && !tp_lead) return false;
-    switch (r.route) {
-      case RouteKind::Dedicated: return true;                      // on its (global) owner only
-      case RouteKind::Sharded: return mesh.replicate_rank() == 0;  // every shard rank its slice
-      case RouteKind::Replicated: return dp_lead;
-      case RouteKind::Local: return true;                          // a single rank
-    }
-    return false;
-  };
+  // each element once over the whole mesh (see grad_clip.h): the routes decided who counts what
   std::vector<ClipGrad> out;
   for (const ReadyGrad& r : *taken_) {
-    if (scope != ClipScope::AllParams && r.route != RouteKind::Dedicated) continue;
-    ClipGrad c{r.name, r.grad, counted(r), false};
-    // each parameter once: a sharded one by shard rank 0 (every shard rank holds a slice), a TP-split
-    // one by TP rank 0 (every TP rank holds a slice)
-    c.counts_param = c.counted && (r.route != RouteKind::Sharded || mesh.shard_rank() == 0) && tp_lead;
-    out.push_back(std::move(c));
+    if (scope != ClipScope::AllParams && !r.muon) continue;
+    out.push_back(ClipGrad{r.name, r.grad, r.norm_counted, r.norm_counts_param});
   }
   return out;
 }
@@ -182,8 +161,7 @@ MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const Gr
   TORCH_CHECK(p > 0, "clip_grad_norm_: norm_type must be > 0 (or INFINITY), got ", p);
   TORCH_CHECK(!max_norm || *max_norm >= 0, "clip_grad_norm_: max_norm must be >= 0, got ", *max_norm);
   std::vector<ClipGrad> scope = clip_grads(opts.scope);
-  auto model = model_.lock();
-  Mesh& mesh = detail::state_of_model(model.get())->mesh();
+  Mesh& mesh = runtime("clip_grad_norm_")->mesh();
   if (opts.strategy != "global_norm") {
     MuonGradClipStrategy custom;
     {
@@ -363,11 +341,7 @@ std::optional<SegmentedGradClipResult> try_clip_optimizer_grad_norm_buckets_(
   GradClipBucket m{"muon", {}, true, {}};
   for (ClipGrad& c : muon) (c.counted ? m.grads : m.scale_only).push_back(c.grad);
   Communicator* g = group;
-  if (!g) {
-    auto model = optimizer.model();
-    TORCH_CHECK(model, "try_clip_optimizer_grad_norm_buckets_: the model was destroyed.");
-    g = &detail::require_state(*model, "try_clip_optimizer_grad_norm_buckets_")->mesh().world();
-  }
+  if (!g) g = &optimizer.mesh().world();
   SegmentedGradClipResult r = clip_grad_norm_buckets_(
       {GradClipBucket{"regular", regular_grads, false, {}}, m, GradClipBucket{"adamw", adamw_grads, true, {}}}, max_norm, g);
   if (const GradClipBucketStats* s = r.find("muon")) {
@@ -379,7 +353,7 @@ std::optional<SegmentedGradClipResult> try_clip_optimizer_grad_norm_buckets_(
     ms.param_count = s->param_count;
     ms.found_inf = s->found_inf;
     ms.strategy = "segmented";
-    optimizer.set_last_muon_grad_clip_stats(ms);
+    detail::MuonInternals::set_last_clip(optimizer, ms);
   }
   return r;
 }

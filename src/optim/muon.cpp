@@ -19,11 +19,9 @@
 #include "dmuon/host_sync.h"
 #include "optim/host_ops.h"
 #include "optim/phase_clock.h"
+#include "dmuon/ns_runner.h"
 #include "optim/tp_newton_schulz.h"
-#include "runtime/dedicated_route.h"
-#include "runtime/replicated_route.h"
-#include "runtime/runtime.h"
-#include "runtime/sharded_route.h"
+#include "runtime/runtime_face.h"
 
 namespace dmuon {
 
@@ -108,7 +106,17 @@ void check_hparam(const char* field, double v, HparamRange range) {
   check_hyperparameter(std::string("Muon: invalid ") + field, v, range);
 }
 
-std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_ptr<torch::nn::Module>& model,
+// The runtime of `model`, or an error saying how to dedicate it.
+std::shared_ptr<RuntimeFace> dedicated_runtime(const std::shared_ptr<torch::nn::Module>& model) {
+  TORCH_CHECK(model, "Muon: the model is null.");
+  auto state = detail::face_of(*model);
+  TORCH_CHECK(state, "Muon: the model was not dedicated. Call dmuon::dedicate_params(model, mesh, predicate) (and "
+              "dmuon::replicate for the other parameters) before constructing Muon; a mesh of one rank works for "
+              "single-process training.");
+  return state;
+}
+
+std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_ptr<RuntimeFace>& state,
                                                             const MuonOptions& o) {
   check_hparam("lr", o.lr, HparamRange::NonNegative);
   check_hparam("momentum", o.momentum, HparamRange::UnitInterval);
@@ -125,17 +133,13 @@ std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_pt
               "of the full scatter) or \"always\" (wherever it applies).");
   check_hparam(o.tp_distributed_gram_max_factor_to_scatter_ratio >= 0, "tp_distributed_gram_max_factor_to_scatter_ratio",
                o.tp_distributed_gram_max_factor_to_scatter_ratio, ">= 0");
-  TORCH_CHECK(model, "Muon: the model is null.");
-  auto state = detail::state_of_model(model.get());
-  TORCH_CHECK(state, "Muon: the model was not dedicated. Call dmuon::dedicate_params(model, mesh, predicate) (and "
-              "dmuon::replicate for the other parameters) before constructing Muon; a mesh of one rank works for "
-              "single-process training.");
+  TORCH_CHECK(state, "Muon: the runtime is null.");
   std::set<const c10::TensorImpl*> dedicated;
-  for (const auto& e : state->dedicated().entries()) dedicated.insert(e.param.unsafeGetTensorImpl());
-
-  std::vector<at::Tensor> all;
-  for (const auto& item : model->named_parameters(true))
-    if (item.value().requires_grad()) all.push_back(item.value());
+  std::vector<at::Tensor> all;  // every trainable parameter, model order
+  for (const auto& v : state->describe()) {
+    all.push_back(v.param);
+    if (v.muon()) dedicated.insert(v.param.unsafeGetTensorImpl());
+  }
 
   std::vector<MuonParamGroup> user = o.param_groups;
   std::set<const c10::TensorImpl*> grouped;
@@ -173,17 +177,12 @@ std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_pt
 // On several ranks every trainable parameter must have a distributed route: dedicated (Muon),
 // sharded_adamw, or replicated by dmuon::replicate. Otherwise each rank would update it with its own
 // local gradient and the replicas would drift apart silently.
-void require_replicated(const torch::nn::Module& model, const Runtime& state) {
+void require_replicated(const RuntimeFace& state) {
   const Mesh& mesh = state.mesh();
   if (mesh.world_size() == 1) return;
-  std::set<const c10::TensorImpl*> covered;
-  for (const auto& e : state.dedicated().entries()) covered.insert(e.param.unsafeGetTensorImpl());
-  for (const auto& e : state.sharded().entries()) covered.insert(e.param.unsafeGetTensorImpl());
-  if (state.replicated())
-    for (const auto& p : state.replicated()->params()) covered.insert(p.unsafeGetTensorImpl());
   std::vector<std::string> missing;
-  for (const auto& item : model.named_parameters(true))
-    if (item.value().requires_grad() && !covered.count(item.value().unsafeGetTensorImpl())) missing.push_back(item.key());
+  for (const auto& v : state.describe())
+    if (!v.distributed()) missing.push_back(v.name);
   if (missing.empty()) return;
   std::ostringstream names;
   for (size_t i = 0; i < missing.size() && i < 8; ++i) names << (i ? ", " : "") << "'" << missing[i] << "'";
@@ -220,7 +219,7 @@ void check_finite_grads(const std::vector<ReadyGrad>& ready, int rank) {
   };
   std::vector<At> where;
   for (const auto& r : ready) {
-    if (r.route != RouteKind::Dedicated) continue;
+    if (!r.muon) continue;
     if (const std::optional<bool> h = detail::host_sum_finite(r.grad)) {
       where.push_back({&r, 2, *h ? size_t{1} : size_t{0}});
       continue;
@@ -239,10 +238,10 @@ void check_finite_grads(const std::vector<ReadyGrad>& ready, int rank) {
     check_finite_grad(a.k == 2 ? a.i != 0 : host.data_ptr<bool>()[a.k ? fp64_at + a.i : a.i], *a.r, rank);
 }
 
-// The device of the model's first parameter when it is a GPU (step profiles time by its events).
-std::optional<at::Device> first_param_cuda_device(const torch::nn::Module& model) {
-  for (const auto& p : model.parameters(true))
-    if (p.defined()) return p.is_cuda() ? std::optional<at::Device>(p.device()) : std::nullopt;
+// The device of the model's first trainable parameter when it is a GPU (step profiles time by its events).
+std::optional<at::Device> first_param_cuda_device(const RuntimeFace& state) {
+  for (const auto& v : state.describe())
+    if (v.param.defined()) return v.param.is_cuda() ? std::optional<at::Device>(v.param.device()) : std::nullopt;
   return std::nullopt;
 }
 
@@ -254,104 +253,105 @@ double elapsed_ms(std::chrono::steady_clock::time_point t0) {
 
 namespace {
 
-// DMUON_NS_BATCH_MB caps the stack of one batched call (default 256 MiB; a matrix larger than the cap
-// runs alone); DMUON_BATCHED_NS=0 runs Newton-Schulz one matrix at a time (ns_stacking_pays).
-int64_t ns_batch_cap_bytes() {
-  const std::string v = env::ns_batch_mb();
-  if (v.empty()) return int64_t{256} << 20;
-  char* end = nullptr;
-  const long long mb = std::strtoll(v.c_str(), &end, 10);
-  TORCH_CHECK(end && *end == '\0' && mb >= 1, "DMUON_NS_BATCH_MB='", v,
-              "' is not a positive number of MiB: set it to the largest stacked Newton-Schulz call in MiB (e.g. "
-              "256, the default), or unset it.");
-  return static_cast<int64_t>(mb) << 20;
-}
-
-// The deferred whole-matrix Newton-Schulz of a pass: the matrices are grouped by their shape after
-// orientation (wide: rows <= cols), dtype, device and NS steps; each group runs as stacked batches of
-// at most ns_batch_cap_bytes (one NS call each, every matrix normalised on its own); each batch's
-// results are applied as soon as they exist (the updates are independent, so the order is free). The TP gather jobs stay in `pending`. `log(target, ms)`
-// is called per matrix (ms: its share of its batch's time).
-void run_local_ns(std::vector<TpUpdate>& pending, NsGraphs& ns, detail::PhaseClock& clock,
-                  const std::function<void(const at::Tensor& target, double ms)>& log) {
-  std::vector<TpUpdate> local, rest;
-  for (TpUpdate& j : pending) (j.local_input ? local : rest).push_back(std::move(j));
-  pending = std::move(rest);
-  if (local.empty()) return;
-  const auto t0 = clock.now();
-  struct Key {
-    int64_t m, n;
-    at::ScalarType dtype;
-    std::string device;
-    int steps;
-    bool operator<(const Key& o) const {
-      return std::tie(m, n, dtype, device, steps) < std::tie(o.m, o.n, o.dtype, o.device, o.steps);
-    }
-  };
-  std::map<Key, std::vector<size_t>> groups;  // in first-seen order within each key
-  std::vector<Key> order;
-  for (size_t i = 0; i < local.size(); ++i) {
-    const at::Tensor& u = local[i].input_like;
-    const Key k{std::min(u.size(0), u.size(1)), std::max(u.size(0), u.size(1)), u.scalar_type(), u.device().str(),
-                local[i].steps};
-    auto [it, fresh] = groups.try_emplace(k);
-    if (fresh) order.push_back(k);
-    it->second.push_back(i);
-  }
-  std::vector<double> ms(local.size(), 0.0);
-  // a stack (and its NS workspace, ~4x the stack) stays a fraction of what the pass updates, so
-  // batching never doubles the step's peak memory: at most a quarter of the pass's matrices per call
-  int64_t pass_bytes = 0;
-  for (const TpUpdate& j : local) pass_bytes += j.input_like.numel() * static_cast<int64_t>(j.input_like.element_size());
-  const int64_t cap = std::min(ns_batch_cap_bytes(), pass_bytes / 4);
-  // each batch's updates are applied (and its inputs freed) as soon as they are computed
-  auto apply = [&](size_t i, const at::Tensor& update) {
-    local[i].apply(update);
-    local[i].local_input = nullptr;  // drops what the input was made from (a converted gradient)
-    local[i].input_like = at::Tensor();
-  };
-  for (const Key& k : order) {
-    const std::vector<size_t>& idx = groups.at(k);
-    const int64_t per = k.m * k.n * static_cast<int64_t>(c10::elementSize(k.dtype));
-    const bool stack_here =
-        ns_stacking_pays(k.device.rfind("cuda", 0) == 0 ? c10::DeviceType::CUDA : c10::DeviceType::CPU, k.m);
-    const size_t chunk = stack_here ? static_cast<size_t>(std::max<int64_t>(1, cap / std::max<int64_t>(per, 1))) : 1;
-    for (size_t b = 0; b < idx.size(); b += chunk) {
-      const size_t e = std::min(idx.size(), b + chunk);
-      const auto tb = std::chrono::steady_clock::now();
-      if (e - b == 1) {
-        apply(idx[b], ns.run(local[idx[b]].local_input(at::Tensor()), k.steps));
-      } else {
-        at::Tensor in = at::empty({static_cast<int64_t>(e - b), k.m, k.n}, local[idx[b]].input_like.options());
-        for (size_t i = b; i < e; ++i) {
-          const at::Tensor& like = local[idx[i]].input_like;
-          const at::Tensor slot = in.select(0, static_cast<int64_t>(i - b));
-          local[idx[i]].local_input(like.size(0) > like.size(1) ? slot.t() : slot);  // computed in place
-        }
-        const at::Tensor out = ns.run(in, k.steps);
-        in = at::Tensor();
-        for (size_t i = b; i < e; ++i) {
-          const at::Tensor& like = local[idx[i]].input_like;
-          const at::Tensor r = out.select(0, static_cast<int64_t>(i - b));
-          apply(idx[i], like.size(0) > like.size(1) ? r.t() : r);
-        }
-      }
-      const double share = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tb).count() /
-                           static_cast<double>(e - b);
-      for (size_t i = b; i < e; ++i) ms[idx[i]] = share;
-    }
-  }
-  clock.add(detail::Phase::Ns, t0);
-  if (log)
-    for (size_t i = 0; i < local.size(); ++i) log(local[i].ready.target, ms[i]);
-  clock.add(detail::Phase::Muon, t0);
-}
-
 }  // namespace
 
+// Muon::step's side of RuntimeFace::step: the runtime prepares the gradients and hands them over
+// group by group; each group is updated (Muon on the dedicated matrices, AdamW on the rest) and its
+// whole matrices' Newton-Schulz run batched by shape before the runtime may publish it.
+struct Muon::StepRun final : StepVisitor {
+  Muon& opt;
+  RuntimeFace& rt;
+  StepProfile& prof;
+  detail::PhaseClock& clock;
+  bool log_first = false;
+  std::vector<NsJob> ns_jobs;        // the group's whole matrices: NS batched by shape at the group's end
+  std::vector<at::Tensor> ns_targets;  // (what each job updates: the progress log names its shape)
+  std::vector<TpUpdate> tp_pending;  // TP gathers in flight, in step order: NS and scatter before the publish
+  detail::PhaseClock::Mark phase_start;
+
+  void add_ns_job(NsJob job, const at::Tensor& target) {
+    ns_jobs.push_back(std::move(job));
+    ns_targets.push_back(target);
+  }
+
+  StepRun(Muon& o, RuntimeFace& r, StepProfile& p, detail::PhaseClock& c)
+      : opt(o), rt(r), prof(p), clock(c), log_first(o.options_.first_step_progress_log && o.steps_ == 0) {}
+
+  void begin(Phase) override { phase_start = clock.now(); }
+  void end(Phase p) override { clock.add(p == Phase::Prepare ? detail::Phase::Prepare : detail::Phase::Publish, phase_start); }
+
+  void update(const std::vector<ReadyGrad>& group) override {
+    if (opt.check_finite_) check_finite_grads(group, rt.mesh().global_rank());
+    for (const ReadyGrad& r : group) update_one(r);
+    // the whole matrices' Newton-Schulz of this group, batched by shape: its weights are final
+    // before it is published
+    if (ns_jobs.empty()) return;
+    const auto t0 = clock.now();
+    std::vector<double> ms(ns_jobs.size(), 0.0);
+    run_ns_batched(ns_jobs, [this](const at::Tensor& G, int steps) { return opt.ns_graphs_->run(G, steps); }, {},
+                   [&ms](size_t i, double t) { ms[i] = t; });
+    clock.add(detail::Phase::Ns, t0);
+    for (size_t i = 0; i < ns_targets.size(); ++i) progress_line(ns_targets[i], ms[i]);
+    clock.add(detail::Phase::Muon, t0);
+    ns_jobs.clear();
+    ns_targets.clear();
+  }
+
+  // TP gather form: each TP owner runs NS on its full matrices and scatters the slices (every rank of
+  // the TP group in the same order); a slice is applied once it arrives, before its holder's data are
+  // read or sent again (the boundary's next unshard, the post-step publish, wait_publishes)
+  void before_publish() override {
+    if (tp_pending.empty()) return;
+    const auto t0 = clock.now();
+    for (TpUpdate& job : tp_pending) {
+      TpScatter s = tp_scatter_update(job.gather, job.ready, job.steps, opt.ns_, rt.mesh());
+      rt.defer_update(job.name, [s, apply = std::move(job.apply)]() mutable {
+        s.pending.wait();
+        apply(s.slice);
+      });
+    }
+    tp_pending.clear();
+    clock.add(detail::Phase::Ns, t0);
+    clock.add(detail::Phase::Muon, t0);
+  }
+
+  void update_one(const ReadyGrad& r) {
+    auto g = opt.group_of_.find(r.param.unsafeGetTensorImpl());
+    if (g == opt.group_of_.end()) return;  // in no parameter group: not optimized
+    const auto& o = static_cast<const MuonGroupOptions&>(opt.param_groups_[g->second].options());
+    const auto t0 = clock.now();
+    if (r.muon && o.is_muon()) {
+      opt.muon_update(r, o, rt.mesh(), prof, clock, *this);
+      clock.add(detail::Phase::Muon, t0);
+      if (r.tp_owner >= 0) progress_line(r.target, elapsed_ms(t0.host));  // whole matrices: after their batch
+    } else if (!r.muon && !o.is_muon()) {
+      at::Tensor target = r.target;
+      opt.adamw_update(target, r.grad, r.param, r.prec.optim, o);
+      if (r.write_back) r.param.copy_(target);  // mixed precision: AdamW on the master, rounded into the parameter
+      clock.add(detail::Phase::Adamw, t0);
+    }
+  }
+
+  void progress_line(const at::Tensor& target, double ms) {
+    if (!log_first || opt.progress_logged_ >= opt.options_.first_step_progress_log_limit) return;
+    ++opt.progress_logged_;
+    std::ostringstream line;
+    line << "[dmuon] rank " << rt.mesh().global_rank() << ": first step: " << opt.ns_.describe(target.device().type())
+         << " on " << target.size(0) << "x" << target.size(1) << " took " << ms << " ms";
+    if (opt.options_.log) opt.options_.log(line.str());
+    else std::cerr << line.str() << "\n";
+  }
+};
+
 Muon::Muon(const std::shared_ptr<torch::nn::Module>& model, MuonOptions options)
-    : Optimizer(lower_groups(model, options), std::make_unique<MuonGroupOptions>(options.lr)),
-      model_(model),
+    : Muon(dedicated_runtime(model), std::move(options)) {
+  model_ = model;
+  has_model_ = true;
+}
+
+Muon::Muon(const std::shared_ptr<RuntimeFace>& runtime, MuonOptions options)
+    : Optimizer(lower_groups(runtime, options), std::make_unique<MuonGroupOptions>(options.lr)),
+      runtime_(runtime),
       options_(std::move(options)),
       ns_(options_.ns ? *options_.ns : NewtonSchulz(options_.ns_backend)) {
   check_finite_ = ns_.options().check_finite;
@@ -359,8 +359,22 @@ Muon::Muon(const std::shared_ptr<torch::nn::Module>& model, MuonOptions options)
   NsGraphOptions go;
   go.enabled = env::ns_cuda_graphs().value_or(options_.ns_cuda_graphs);
   ns_graphs_ = std::make_shared<NsGraphs>(ns_, go);
-  auto state = detail::state_of_model(model.get());
-  require_replicated(*model, *state);
+  require_replicated(*runtime);
+}
+
+Mesh& Muon::mesh() const { return runtime("Muon")->mesh(); }
+
+std::shared_ptr<RuntimeFace> Muon::runtime(const char* fn) const {
+  if (has_model_) {  // built from a LibTorch model: it must still exist and be dedicated
+    auto model = model_.lock();
+    TORCH_CHECK(model, fn, ": the model was destroyed.");
+    auto state = detail::face_of(*model);
+    TORCH_CHECK(state, fn, ": the model is no longer dedicated.");
+    return state;
+  }
+  auto state = runtime_.lock();
+  TORCH_CHECK(state, fn, ": the dedicated model's runtime was destroyed (keep what dedicate_model_view returned).");
+  return state;
 }
 
 MuonParamState& Muon::state_for(const at::Tensor& p) {
@@ -376,7 +390,7 @@ const MuonParamState* Muon::state_of(const at::Tensor& p) const {
 }
 
 void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh, StepProfile& prof,
-                       detail::PhaseClock& clock, std::vector<TpUpdate>& tp_pending) {
+                       detail::PhaseClock& clock, StepRun& run) {
   const at::Tensor g = r.grad.scalar_type() == r.prec.optim ? r.grad : r.grad.to(r.prec.optim);
   MuonParamState& st = state_for(r.param);
   if (!st.momentum_buffer().defined()) st.momentum_buffer(at::zeros_like(g));
@@ -405,23 +419,24 @@ void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh
     if (wb) param.copy_(target);
   };
   double flop_share = 1;  // of the full matrix's NS work done on this rank
-  if (r.tp_owner < 0) {  // batched with the pass's other matrices of this shape (run_local_ns)
-    job.ready = r;
-    job.steps = steps;
+  if (r.tp_owner < 0) {  // batched with the other whole matrices of the group (run_ns_batched)
+    NsJob ns_job;
+    ns_job.like = buf;
+    ns_job.steps = steps;
     if (nesterov)
-      job.local_input = [g, buf, mu](const at::Tensor& out) {
+      ns_job.input = [g, buf, mu](const at::Tensor& out) {
         if (!out.defined()) return g.add(buf, mu);
         at::Tensor o = out;
         return detail::host_add(o, g, buf, mu) ? o : at::add_out(o, g, buf, mu);
       };
     else
-      job.local_input = [buf](const at::Tensor& out) {
+      ns_job.input = [buf](const at::Tensor& out) {
         if (!out.defined()) return buf;
         at::Tensor o = out;
         return o.copy_(buf);
       };
-    job.input_like = buf;
-    tp_pending.push_back(std::move(job));
+    ns_job.apply = std::move(job.apply);
+    run.add_ns_job(std::move(ns_job), r.target);
   } else {
     const at::Tensor u = nesterov ? g.add(buf, mu) : buf;
     const bool dist = options_.tp_distributed_gram && tp_distributed_gram_applies(full, r.tp_dim) &&
@@ -434,11 +449,11 @@ void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh
       job.gather = tp_issue_gather(u, r, mesh);
       job.ready = r;
       job.steps = steps;
-      tp_pending.push_back(std::move(job));
+      run.tp_pending.push_back(std::move(job));
     } else {
       job.apply(tp_orthogonalize(u, r, steps, ns_, dist, mesh));
     }
-    clock.add(detail::Phase::Ns, t0);  // (whole matrices: run_local_ns times their NS)
+    clock.add(detail::Phase::Ns, t0);  // (whole matrices: timed by the batched run)
   }
   prof.ns_flops += flop_share * (20 * m * m * n + 10 * m * m * m);
   ++prof.owned_updates;
@@ -466,6 +481,16 @@ void Muon::adamw_update(at::Tensor& p, const at::Tensor& g_in, const at::Tensor&
     p.add_((st.exp_avg() / denom).to(p.scalar_type()), -o.lr() / bc1);
 }
 
+void Muon::index_groups() {
+  size_t grouped = 0;
+  for (const auto& group : param_groups_) grouped += group.params().size();
+  if (grouped == group_of_count_) return;  // rebuilt when groups are added
+  group_of_.clear();
+  for (size_t gi = 0; gi < param_groups_.size(); ++gi)
+    for (const auto& p : param_groups_[gi].params()) group_of_[p.unsafeGetTensorImpl()] = gi;
+  group_of_count_ = grouped;
+}
+
 at::Tensor Muon::step(LossClosure closure) {
   at::NoGradGuard no_grad;
   at::Tensor loss;
@@ -473,113 +498,19 @@ at::Tensor Muon::step(LossClosure closure) {
     at::AutoGradMode enable(true);
     loss = closure();
   }
-  auto model = model_.lock();
-  TORCH_CHECK(model, "Muon::step: the model was destroyed.");
-  auto state = detail::state_of_model(model.get());
-  TORCH_CHECK(state, "Muon::step: the model is no longer dedicated.");
+  const std::shared_ptr<RuntimeFace> state = runtime("Muon::step");
+  index_groups();
   StepProfile prof;
   // CUDA events only when profiling a CUDA model; host clocks otherwise (cheap, always on)
-  detail::PhaseClock clock(options_.record_step_profile ? first_param_cuda_device(*model) : std::nullopt);
+  detail::PhaseClock clock(options_.record_step_profile ? first_param_cuda_device(*state) : std::nullopt);
   const auto t_start = clock.now();
   const bool async = options_.replicate_async.value_or(state->options().replicate_async);
-  // group_prepare_ahead: the dedicated route group by group (below) where there is a stage-2 reduce
-  // to overlap with the Newton-Schulz of the group before it (HSDP). It costs two host reads per
-  // group (has-gradient flags, finiteness) instead of two per step, so 1-D meshes keep the one-pass
-  // path; so do steps after clip_grad_norm_ (it took every gradient) and TP (all gathers first).
-  const bool per_group = options_.group_prepare_ahead && !taken_ && !state->mesh().has_tp() &&
-                         state->mesh().is_2d() && !state->ddp();
-  // collective: the reduces are waited (HSDP: stage 2 issued and waited)
-  state->prepare_grads(/*dedicated=*/!per_group);
-  clock.add(detail::Phase::Prepare, t_start);
-  const std::vector<ReadyGrad> ready = taken_ ? std::move(*taken_) : state->take_ready_grads(!per_group);
+  std::optional<std::vector<ReadyGrad>> taken;  // clip_grad_norm_ took this step's gradients already
+  if (taken_) taken = std::move(*taken_);
   taken_.reset();
-  if (check_finite_) check_finite_grads(ready, state->mesh().global_rank());
-  // which group each parameter is in (rebuilt when groups are added)
-  size_t grouped = 0;
-  for (const auto& group : param_groups_) grouped += group.params().size();
-  if (grouped != group_of_count_) {
-    group_of_.clear();
-    for (size_t gi = 0; gi < param_groups_.size(); ++gi)
-      for (const auto& p : param_groups_[gi].params()) group_of_[p.unsafeGetTensorImpl()] = gi;
-    group_of_count_ = grouped;
-  }
-  const bool log_first = options_.first_step_progress_log && steps_ == 0;
-  // TP updates of the last step still arriving by scatter land before this step changes anything
-  state->dedicated().finish_deferred();
-  std::vector<TpUpdate> tp_pending;  // deferred NS: TP gathers in flight and whole matrices, in step order
-  auto progress_line = [&](const at::Tensor& target, double ms) {
-    if (!log_first || progress_logged_ >= options_.first_step_progress_log_limit) return;
-    ++progress_logged_;
-    std::ostringstream line;
-    line << "[dmuon] rank " << state->mesh().global_rank() << ": first step: " << ns_.describe(target.device().type())
-         << " on " << target.size(0) << "x" << target.size(1) << " took " << ms << " ms";
-    if (options_.log) options_.log(line.str());
-    else std::cerr << line.str() << "\n";
-  };
-  // the whole matrices' Newton-Schulz of the updates so far, batched by shape
-  auto flush_local_ns = [&] { run_local_ns(tp_pending, *ns_graphs_, clock, progress_line); };
-  auto update = [&](const ReadyGrad& r) {
-    auto g = group_of_.find(r.param.unsafeGetTensorImpl());
-    if (g == group_of_.end()) return;  // in no parameter group: not optimized
-    const auto& o = static_cast<const MuonGroupOptions&>(param_groups_[g->second].options());
-    const auto t0 = clock.now();
-    if (r.route == RouteKind::Dedicated && o.is_muon()) {
-      muon_update(r, o, state->mesh(), prof, clock, tp_pending);
-      clock.add(detail::Phase::Muon, t0);
-      if (r.tp_owner >= 0) progress_line(r.target, elapsed_ms(t0.host));  // whole matrices: at run_local_ns
-    } else if (r.route != RouteKind::Dedicated && !o.is_muon()) {
-      at::Tensor target = r.target;
-      adamw_update(target, r.grad, r.param, r.prec.optim, o);
-      if (r.write_back) r.param.copy_(target);  // mixed precision: AdamW on the master, rounded into the parameter
-      clock.add(detail::Phase::Adamw, t0);
-    }
-  };
-  if (per_group) {
-    // Hook groups in publish order (the next forward's order). Group i+1's stage-1 reduces are waited
-    // and its HSDP stage-2 reduce issued before group i's is waited, so it travels while group i's
-    // Newton-Schulz runs; with async publishing each group publishes right after its own update.
-    // Collective in the same order on every rank (the recorded forward order is the same everywhere).
-    std::lock_guard<std::recursive_mutex> lock(state->mutex());
-    DedicatedRoute& d = state->dedicated();
-    const std::vector<int> order = state->publish_order();
-    if (!order.empty()) d.prepare_group(order[0]);
-    for (size_t i = 0; i < order.size(); ++i) {
-      const auto t0 = clock.now();
-      if (i + 1 < order.size()) d.prepare_group(order[i + 1]);
-      const std::vector<ReadyGrad> group = d.finish_group(order[i]);
-      clock.add(detail::Phase::Prepare, t0);
-      if (check_finite_) check_finite_grads(group, state->mesh().global_rank());
-      for (const ReadyGrad& r : group) update(r);
-      flush_local_ns();  // this group's weights are final before it publishes
-      if (async) {
-        const auto t1 = clock.now();
-        d.publish_group(order[i], /*async=*/true);
-        clock.add(detail::Phase::Publish, t1);
-      }
-    }
-  }
-  for (const ReadyGrad& r : ready) update(r);
-  flush_local_ns();
-  // TP gather form: each TP owner runs NS on its full matrices and scatters the slices (every rank of
-  // the TP group in the same order); a slice is applied once it arrives, before its holder's data are
-  // read or sent again (the boundary's next unshard, the post-step publish, wait_publishes)
-  if (!tp_pending.empty()) {
-    const auto t0 = clock.now();
-    for (TpUpdate& job : tp_pending) {
-      TpScatter s = tp_scatter_update(job.gather, job.ready, job.steps, ns_, state->mesh());
-      state->dedicated().defer_update(job.name, [s, apply = std::move(job.apply)]() mutable {
-        s.pending.wait();
-        apply(s.slice);
-      });
-    }
-    clock.add(detail::Phase::Ns, t0);
-    clock.add(detail::Phase::Muon, t0);
-  }
-  // collective: HSDP publishes over the replicate group, the DDP path broadcasts from the owners,
-  // all_gather unshard scatters; nothing on a 1-D mesh in broadcast mode (the next forward does it)
-  const auto t_pub = clock.now();
-  state->publish(async);  // (the groups published above are skipped)
-  clock.add(detail::Phase::Publish, t_pub);
+  // collective: prepare (reduces waited), update group by group, publish
+  StepRun run(*this, *state, prof, clock);
+  state->step(options_.group_prepare_ahead, async, std::move(taken), run);
   clock.add(detail::Phase::Total, t_start);
   ++steps_;
   prof.valid = true;
@@ -595,8 +526,13 @@ void Muon::zero_grad(bool set_to_none) {
   // Gradients dmuon already holds (reduced sums of owned matrices, replicated buckets, sharded
   // slices) are discarded too, so zero_grad between a backward and step() drops that backward.
   taken_.reset();  // a clipped set of gradients from before is dropped too
-  if (auto model = model_.lock())
-    if (auto state = detail::state_of_model(model.get())) state->discard_grads();
+  std::shared_ptr<RuntimeFace> state;
+  if (has_model_) {
+    if (auto model = model_.lock()) state = detail::face_of(*model);
+  } else {
+    state = runtime_.lock();
+  }
+  if (state) state->discard_grads();
   for (auto& group : param_groups_)
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;

@@ -3,11 +3,13 @@
 
 #include "dmuon/host_sync.h"
 #include "dmuon/ns_graphs.h"
+#include "dmuon/ns_runner.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <stdexcept>
 
 
@@ -82,11 +84,17 @@ NsProfile measure_ns_profile(const std::vector<NsShape>& shapes, const NsCalibra
       for (int i = 0; i < o.batch; ++i) many.push_back(at::randn({m, n}, opts));
       t.batch = o.batch;
       t.batch_us = 1e6 * median_s(
-                       [&] {  // stacked, one call, results unstacked (as Muon::step)
-                         at::Tensor in = at::empty({o.batch, m, n}, opts);
-                         for (int i = 0; i < o.batch; ++i) in.select(0, i).copy_(many[static_cast<size_t>(i)]);
-                         const at::Tensor r = run(in);
-                         for (int i = 0; i < o.batch; ++i) sink = r.select(0, i);
+                       [&] {  // through Muon::step's batched runner: stacked, one call, results unstacked
+                         std::vector<NsJob> jobs(many.size());
+                         for (size_t i = 0; i < many.size(); ++i) {
+                           jobs[i].like = many[i];
+                           jobs[i].steps = o.ns_steps;
+                           jobs[i].apply = [&sink](const at::Tensor& r) { sink = r; };
+                         }
+                         NsBatchOptions bo;
+                         bo.cap_bytes = std::numeric_limits<int64_t>::max();  // the whole batch in one call
+                         bo.cap_to_quarter = false;
+                         run_ns_batched(jobs, [&](const at::Tensor& x, int) { return run(x); }, bo);
                        },
                        o.reps, o.device);
     }

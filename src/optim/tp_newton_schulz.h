@@ -49,19 +49,13 @@ struct TpScatter {
 // The TP owner waits its gather and runs NS; every rank issues the scatter.
 TpScatter tp_scatter_update(TpGather& g, const ReadyGrad& r, int steps, const NewtonSchulz& ns, Mesh& mesh);
 
-// Muon::step's record of one matrix whose Newton-Schulz is deferred: in the TP gather form, its
-// gather in flight (`gather`); for a whole matrix, how to make its NS input (`local_input`, run
-// batched with the other matrices of its shape at the end of the pass; `input_like` has its shape,
-// dtype and device, so the inputs exist one batch at a time); and how to apply the update.
+// Muon::step's record of a TP matrix whose Newton-Schulz waits for its gather (`gather` in flight),
+// and how to apply its update.
 struct TpUpdate {
   std::string name;
   ReadyGrad ready;
   int steps = 0;
   TpGather gather;
-  // The NS input of a whole matrix: written into `out` and returned when `out` is defined (a slice
-  // of the stacked batch, in the matrix's own layout), else returned as a tensor of its own.
-  std::function<at::Tensor(const at::Tensor& out)> local_input;
-  at::Tensor input_like;
   std::function<void(const at::Tensor&)> apply;
 };
 

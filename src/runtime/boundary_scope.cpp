@@ -60,6 +60,19 @@ BoundaryScope::BoundaryScope(const torch::nn::Module* module) : impl_(std::make_
   impl_->root = state_of_model(module);
 }
 
+BoundaryScope::BoundaryScope(const std::shared_ptr<Runtime>& runtime, const std::string& module)
+    : impl_(std::make_unique<Impl>()) {
+  TORCH_CHECK(runtime, "BoundaryScope: the runtime is null.");
+  TORCH_CHECK(runtime->view().module(module), "rank ", runtime->mesh().global_rank(), ": BoundaryScope: '", module,
+              "' is not a module of the dedicated model view.");
+  for (const Boundary& B : runtime->boundaries())
+    if (B.name == module) {
+      impl_->state = runtime;
+      impl_->boundary = B.index;
+    }
+  if (module.empty()) impl_->root = runtime;
+}
+
 BoundaryScope::~BoundaryScope() = default;
 
 void BoundaryScope::enter() {

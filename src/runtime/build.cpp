@@ -10,6 +10,7 @@
 #include "dmuon/tensor_parallel.h"
 #include "runtime/dedicated_route.h"
 #include "runtime/fingerprint.h"
+#include "runtime/local_route.h"
 #include "runtime/replicated_route.h"
 #include "runtime/runtime.h"
 #include "runtime/setup.h"
@@ -17,21 +18,30 @@
 
 namespace dmuon {
 
-Runtime::Runtime(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<Mesh> mesh, DedicateOptions opts, bool ddp)
-    : model_(model),
-      mesh_(std::move(mesh)),
-      opts_(std::move(opts)),
-      ddp_(ddp),
+Runtime::Runtime(ModelView view, std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Mesh> mesh,
+                 DedicateOptions opts, bool ddp)
+    : view_(std::move(view)),
+      model_(module),
+      ctx_(std::move(mesh), std::move(opts), ddp),
       id_(detail::next_runtime_id()),
-      dedicated_(std::make_unique<DedicatedRoute>(*this, ddp)),
-      sharded_(std::make_unique<ShardedRoute>(*this)),
-      routes_{dedicated_.get(), sharded_.get()} {}
+      dedicated_(std::make_unique<DedicatedRoute>(ctx_, ddp)),
+      sharded_(std::make_unique<ShardedRoute>(ctx_)) {}
 
 Runtime::~Runtime() = default;
 
 void Runtime::build(const ParamPredicate& predicate) {
-  auto m = model_.lock();
-  const int rank = mesh_->global_rank();
+  Mesh& mesh = ctx_.mesh();
+  const DedicateOptions& opts = ctx_.options();
+  const int rank = mesh.global_rank();
+  // route hooks run under the lock, and not at all once this runtime is gone
+  ctx_.set_hook_factory([weak = weak_from_this(), rank](const at::Tensor& param, const std::string& name, GradHook hook) {
+    return detail::on_grad_accumulated(param, name, rank, [weak, hook = std::move(hook)] {
+      auto live = weak.lock();
+      if (!live) return;  // the model is gone: nothing to do
+      std::lock_guard<std::recursive_mutex> g(live->mu_);
+      hook(*live);
+    });
+  });
   // 1.-2. the pure steps. A failure on some ranks only is shared at the plan check below: every
   // rank then fails, naming the ranks that failed, instead of the others waiting in the check's
   // collective until the timeout.
@@ -39,30 +49,33 @@ void Runtime::build(const ParamPredicate& predicate) {
   std::vector<ParamSpec> full_specs;
   std::vector<Precision> precisions;
   std::exception_ptr setup_failure;
-  const PlanOptions& po = opts_.plan;
+  const PlanOptions& po = opts.plan;
   try {
     // 1. routes, precision, boundaries
-    routing = route_params(*m, predicate, opts_, RoutingContext{rank, mesh_->is_2d(), ddp_, mesh_->has_tp()});
+    view_.check(rank);
+    routing = route_params(view_, predicate, opts, RoutingContext{rank, ctx_.ddp(), mesh.has_tp()});
     for (const auto* group : {&routing.dedicated, &routing.sharded, &routing.base})
-      for (const auto& r : *group) precision_[r.param.unsafeGetTensorImpl()] = r.prec;
+      for (const auto& r : *group) ctx_.set_precision(r.param, r.prec);
     specs_ = routing.specs;
     for (const auto& r : routing.dedicated) boundary_of_param_.push_back(r.boundary);
     // tensor parallelism: which dedicated matrices are TP slices (specs_ keep the local shapes the
     // routes move; the planner sees the full ones)
-    tp_split_ = check_tp_modules(*m);
-    const int T = mesh_->tp_size();
+    check_tp_modules();
+    ctx_.set_tp_split(view_.tp_split);
+    const std::map<std::string, int>& tp_split = ctx_.tp_split();
+    const int T = mesh.tp_size();
     full_specs = specs_;
     for (size_t i = 0; i < specs_.size(); ++i)
-      if (auto it = tp_split_.find(specs_[i].name); it != tp_split_.end()) {
+      if (auto it = tp_split.find(specs_[i].name); it != tp_split.end()) {
         specs_[i].tp_split_dim = full_specs[i].tp_split_dim = it->second;
         full_specs[i].shape[static_cast<size_t>(it->second)] *= T;
       }
     // deferred parameters (deferred_init.h): the source is checked once; which parameters are
     // deferred is part of the fingerprint (the sharded route skips its initial broadcast for them)
-    check_deferred(*m, routing.base_digest);
+    check_deferred(routing.base_digest);
     // 2. plan (every rank, no communication)
     try {
-      plan_ = plan_owners_tp(full_specs, mesh_->shard_size(), mesh_->replicate_size(), T, po);
+      plan_ = plan_owners_tp(full_specs, mesh.shard_size(), mesh.replicate_size(), T, po);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "rank ", rank, ": dedicate_params: owner planning failed: ", e.what());
     }
@@ -71,38 +84,37 @@ void Runtime::build(const ParamPredicate& predicate) {
     setup_failure = std::current_exception();
   }
   // every rank agrees on the plan, or all throw
-  check_plan_agreement(*mesh_, plan_, specs_, precisions, routing.base_digest, po, setup_failure);
+  check_plan_agreement(mesh, plan_, specs_, precisions, routing.base_digest, po, setup_failure);
 
   // 3. boundaries in model order of first appearance
-  std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
-  for (const auto& item : m->named_modules("", /*include_self=*/true)) modules[item.key()] = item.value();
   std::map<std::string, int> bindex;
   for (const auto& name : routing.boundary_order) {
     Boundary b;
     b.name = name;
-    b.module = modules.at(name);
+    b.module = view_.module(name)->libtorch;
     b.index = static_cast<int>(boundaries_.size());
     if (auto it = routing.input_cast.find(name); it != routing.input_cast.end()) b.input_dtype = it->second;
     if (auto it = routing.output_cast.find(name); it != routing.output_cast.end()) b.output_dtype = it->second;
     bindex.emplace(name, b.index);
+    ctx_.add_boundary(name);
     boundaries_.push_back(std::move(b));
   }
-  if (opts_.record_forward_profile.value_or(env::record_forward_profile()))
+  if (opts.record_forward_profile.value_or(env::record_forward_profile()))
     for (const auto& B : boundaries_) unshard_stats_.push_back(BoundaryUnshardStats{B.name});
 
   // 4. the routes take their parameters: packed buffers (owners copy their masters before any
   // cast), then sharded slices of rank 0's value; deferred parameters are filled from the source,
   // each rank only what it keeps (replicated and frozen ones here, whole or as their TP slice)
-  if (deferred_source_) {
+  if (ParamSource* source = ctx_.deferred_source()) {
     at::NoGradGuard ng;
     std::set<const c10::TensorImpl*> routed_here;
     for (const auto* group : {&routing.dedicated, &routing.sharded})
       for (const auto& r : *group) routed_here.insert(r.param.unsafeGetTensorImpl());
-    for (auto& item : m->named_parameters(/*recurse=*/true)) {
-      at::Tensor p = item.value();
+    for (const ModelView::Tensor& item : view_.params) {
+      at::Tensor p = item.tensor;
       if (!is_deferred(p) || routed_here.count(p.unsafeGetTensorImpl())) continue;
       at::Tensor value = at::empty(p.sizes(), p.options().requires_grad(false));
-      fill_from(*deferred_source_, item.key(), region_of(item.key(), p.sizes()), value);
+      ctx_.fill_from(*source, item.name, ctx_.region_of(item.name, p.sizes()), value);
       p.set_data(value);
     }
   }
@@ -115,7 +127,7 @@ void Runtime::build(const ParamPredicate& predicate) {
     e.shape = r.param.sizes().vec();
     e.full_shape = full_specs[i].shape;
     e.tp_dim = specs_[i].tp_split_dim;
-    e.tp_owner = mesh_->has_tp() ? plan_.tp_owners[i] : -1;
+    e.tp_owner = mesh.has_tp() ? plan_.tp_owners[i] : -1;
     e.prec = r.prec;
     e.unshard = r.unshard;
     e.boundary = bindex.at(r.boundary);
@@ -136,7 +148,7 @@ void Runtime::build(const ParamPredicate& predicate) {
     at::NoGradGuard ng;
     for (const auto& r : routing.base)
       if (r.prec.has_master())
-        set_master(r.param, r.param.detach().to(r.prec.master, /*non_blocking=*/false, /*copy=*/true));
+        ctx_.set_master(r.param, r.param.detach().to(r.prec.master, /*non_blocking=*/false, /*copy=*/true));
     for (auto& [p, prec] : routing.to_cast) {
       // a deferred matrix or slice this rank does not hold keeps no bytes: only its dtype changes
       at::Tensor(p).set_data(is_deferred(p) ? detail::unallocated(p.sizes(), p.options().dtype(prec.param))
@@ -149,92 +161,63 @@ void Runtime::build(const ParamPredicate& predicate) {
   // the shape)
   // before the installs' broadcasts: every rank has its values, or all throw (whether any parameter
   // is deferred is the same on every rank: it is part of the fingerprint)
-  const bool deferred = deferred_source_ != nullptr;
-  deferred_source_ = nullptr;  // setup only: the caller owns the source
-  if (deferred) agree_fills("dedicate_params");
+  const bool deferred = ctx_.deferred_source() != nullptr;
+  ctx_.set_deferred_source(nullptr);  // setup only: the caller owns the source
+  if (deferred) ctx_.agree_fills("dedicate_params");
   sharded_->install();
   dedicated_->install();
+  // every other parameter (frozen ones, and trainable ones dmuon::replicate may take later)
+  std::vector<WholeParam> rest;
+  for (const ModelView::Tensor& item : view_.params)
+    if (!routed(item.name)) rest.push_back({item.name, item.tensor, item.tensor.requires_grad()});
+  local_ = std::make_unique<LocalRoute>(ctx_, std::move(rest));
+  routes_ = {dedicated_.get(), sharded_.get(), local_.get()};
 }
 
-void Runtime::check_deferred(const torch::nn::Module& model, uint64_t& digest) {
-  const int rank = mesh_->global_rank();
+void Runtime::check_deferred(uint64_t& digest) {
+  const int rank = mesh().global_rank();
+  const DedicateOptions& opts = ctx_.options();
   std::vector<std::pair<std::string, std::vector<int64_t>>> deferred;
-  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
-    const bool d = is_deferred(item.value());
+  for (const ModelView::Tensor& item : view_.params) {
+    const bool d = is_deferred(item.tensor);
     digest = digest * 1099511628211ull ^ (d ? 0x5bd1e995u : 0x27d4eb2fu);
-    if (d) deferred.emplace_back(item.key(), region_of(item.key(), item.value().sizes()).full_shape);
+    if (d) deferred.emplace_back(item.name, ctx_.region_of(item.name, item.tensor.sizes()).full_shape);
   }
   if (deferred.empty()) return;
-  TORCH_CHECK(opts_.param_source, "rank ", rank, ": dedicate_params: parameter '", deferred.front().first, "' (and ",
+  TORCH_CHECK(opts.param_source, "rank ", rank, ": dedicate_params: parameter '", deferred.front().first, "' (and ",
               deferred.size() - 1, " more) is deferred (dmuon::defer_parameters released its storage), but "
               "DedicateOptions::param_source is unset, so there is nothing to fill it from. Pass a source: "
               "dmuon::seeded_init(seed, rule) for a fresh model, dmuon::safetensors_source(path) for weights.");
-  deferred_source_ = opts_.param_source.get();
+  ParamSource* source = opts.param_source.get();
+  ctx_.set_deferred_source(source);
   try {
-    deferred_source_->check(deferred);
+    source->check(deferred);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "rank ", rank, ": dedicate_params: the parameter source (", deferred_source_->describe(),
+    TORCH_CHECK(false, "rank ", rank, ": dedicate_params: the parameter source (", source->describe(),
                 ") cannot fill this model: ", e.what());
   }
 }
 
-TensorRegion Runtime::region_of(const std::string& name, at::IntArrayRef local_shape) const {
-  auto it = tp_split_.find(name);
-  return detail::tp_region(local_shape, it == tp_split_.end() ? -1 : it->second, mesh_->tp_rank(), mesh_->tp_size());
-}
-
-void Runtime::fill_from(ParamSource& source, const std::string& name, const TensorRegion& region, at::Tensor& out) {
-  if (!fill_error_.empty()) return;  // the first failure is the one reported
-  try {
-    TORCH_CHECK(out.sizes().vec() == region.size, "'", name, "': the destination has shape ", out.sizes(),
-                " but the region ", at::IntArrayRef(region.size));
-    source.fill(name, region, out);
-  } catch (const std::exception& e) {
-    const auto* ce = dynamic_cast<const c10::Error*>(&e);
-    fill_error_ = "reading '" + name + "' from " + source.describe() + ": " +
-                  (ce ? ce->what_without_backtrace() : std::string(e.what()));
-  }
-}
-
-void Runtime::agree_fills(const std::string& what) {
-  const int n = mesh_->world_size();
-  const at::Tensor mine = at::full({1}, fill_error_.empty() ? int64_t{0} : int64_t{1}, mesh_->options(at::kLong));
-  at::Tensor all = at::empty({n}, mesh_->options(at::kLong));
-  mesh_->world().allgather_flat(all, mine, what + ": parameter values read").wait_host();
-  const at::Tensor host = all.cpu();
-  std::string failed;
-  for (int r = 0; r < n; ++r)
-    if (host.data_ptr<int64_t>()[r] != 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
-  std::string mine_err = std::move(fill_error_);
-  fill_error_.clear();
-  TORCH_CHECK(failed.empty(), "rank ", mesh_->global_rank(), ": ", what, ": reading the parameter values failed on rank(s) ",
-              failed, mine_err.empty() ? std::string(" (this rank read its share; see their errors)") : ": " + mine_err);
-}
-
-std::map<std::string, int> Runtime::check_tp_modules(const torch::nn::Module& model) const {
-  const int rank = mesh_->global_rank();
-  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
-    const auto* tp = dynamic_cast<const TensorParallel*>(item.value().get());
-    if (!tp) continue;
-    const Mesh* theirs = tp->tp_mesh().get();
-    TORCH_CHECK(theirs == mesh_.get(), "rank ", rank, ": dedicate_params: tensor-parallel module '", item.key(),
+void Runtime::check_tp_modules() const {
+  const Mesh& mine = mesh();
+  for (const auto& [name, theirs] : view_.tp_modules)
+    TORCH_CHECK(theirs == &mine, "rank ", mine.global_rank(), ": dedicate_params: tensor-parallel module '", name,
                 "' was built on another mesh (tp_size ", theirs ? theirs->tp_size() : 0, ") than the one passed to "
-                "dedicate_params (tp_size ", mesh_->tp_size(), "), so its all-reduces would run over a different "
+                "dedicate_params (tp_size ", mine.tp_size(), "), so its all-reduces would run over a different "
                 "group than dmuon's Newton-Schulz exchange. Build every TP module with the mesh you dedicate on.");
-  }
-  return tp_split_dims(model);
 }
 
 void Runtime::add_replicated(double bucket_mb, bool tp) {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  TORCH_CHECK(!replicated_, "rank ", mesh_->global_rank(), ": replicate was already called on this model.");
-  TORCH_CHECK(bucket_mb > 0, "rank ", mesh_->global_rank(), ": replicate: invalid bucket_mb: ", bucket_mb,
+  const int rank = mesh().global_rank();
+  TORCH_CHECK(!replicated_, "rank ", rank, ": replicate was already called on this model.");
+  TORCH_CHECK(bucket_mb > 0, "rank ", rank, ": replicate: invalid bucket_mb: ", bucket_mb,
               ". Must be > 0 (MiB per coalesced all-reduce).");
-  auto route = std::make_unique<ReplicatedRoute>(*this, bucket_mb, tp);
-  replicated_ = route.get();
-  routes_.push_back(replicated_);
-  local_params_.reset();  // the replicated parameters leave the local set
-  extra_routes_.push_back(std::move(route));
+  // the trainable parameters on no other route move from the local route to the replicated one
+  replicated_owner_ = std::make_unique<ReplicatedRoute>(ctx_, local_->trainable(), bucket_mb, tp);
+  local_->drop_trainable();
+  replicated_ = replicated_owner_.get();
+  routes_.insert(routes_.end() - 1, replicated_);  // before the local route
 }
 
 }  // namespace dmuon

@@ -2,12 +2,27 @@
 #include <c10/util/Exception.h>
 
 #include "runtime/dedicated_route.h"
+#include "runtime/replicated_route.h"
 #include "runtime/runtime.h"
 #include "runtime/sharded_route.h"
 
 namespace dmuon {
 
 namespace {
+void check_dedicate_options(const Mesh& mesh, const DedicateOptions& options) {
+  if (options.compute_dtype) {
+    const auto t = *options.compute_dtype;
+    TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16, "rank ",
+                mesh.global_rank(), ": dedicate_params: compute_dtype ", t, " cannot carry parameters and "
+                "gradients; use a floating type (bfloat16, float16, float32 or float64).");
+  }
+  TORCH_CHECK(options.replicate_broadcast_bucket_mb >= 0, "rank ", mesh.global_rank(),
+              ": dedicate_params: replicate_broadcast_bucket_mb must be >= 0 (0 = one publish per unit), got ",
+              options.replicate_broadcast_bucket_mb);
+  TORCH_CHECK(options.forward_prefetch_depth >= 0, "rank ", mesh.global_rank(),
+              ": dedicate_params: forward_prefetch_depth must be >= 0, got ", options.forward_prefetch_depth);
+}
+
 std::map<std::string, OwnerCoord> dedicate_impl(const std::shared_ptr<torch::nn::Module>& model,
                                                 const std::shared_ptr<Mesh>& mesh, const ParamPredicate& predicate,
                                                 const DedicateOptions& options, bool ddp) {
@@ -19,18 +34,8 @@ std::map<std::string, OwnerCoord> dedicate_impl(const std::shared_ptr<torch::nn:
   for (const auto& item : model->named_modules("", true))
     TORCH_CHECK(!detail::boundary_of_module(item.value().get()).first, "rank ", mesh->global_rank(),
                 ": dedicate_params: submodule '", item.key(), "' already belongs to a dedicated model.");
-  if (options.compute_dtype) {
-    const auto t = *options.compute_dtype;
-    TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16, "rank ",
-                mesh->global_rank(), ": dedicate_params: compute_dtype ", t, " cannot carry parameters and "
-                "gradients; use a floating type (bfloat16, float16, float32 or float64).");
-  }
-  TORCH_CHECK(options.replicate_broadcast_bucket_mb >= 0, "rank ", mesh->global_rank(),
-              ": dedicate_params: replicate_broadcast_bucket_mb must be >= 0 (0 = one publish per unit), got ",
-              options.replicate_broadcast_bucket_mb);
-  TORCH_CHECK(options.forward_prefetch_depth >= 0, "rank ", mesh->global_rank(),
-              ": dedicate_params: forward_prefetch_depth must be >= 0, got ", options.forward_prefetch_depth);
-  auto state = std::make_shared<Runtime>(model, mesh, options, ddp);
+  check_dedicate_options(*mesh, options);
+  auto state = std::make_shared<Runtime>(model_view(*model), model, mesh, options, ddp);
   state->build(predicate);
   detail::register_state(model, state);
   for (const auto& b : state->boundaries())
@@ -110,7 +115,6 @@ std::vector<DedicatedParam> get_owned_params(const torch::nn::Module& model, Own
   return out;
 }
 
-std::shared_ptr<Runtime> get_comm_ctx(const torch::nn::Module& model) { return detail::state_of_model(&model); }
 
 const OwnerPlan* get_owner_plan(const torch::nn::Module& model) {
   auto s = detail::state_of_model(&model);
@@ -131,6 +135,54 @@ std::vector<std::pair<std::string, at::Tensor>> get_base_params(const torch::nn:
     out.emplace_back(item.key(), item.value());
   }
   return out;
+}
+
+std::shared_ptr<Runtime> dedicate_model_view(ModelView view, const std::shared_ptr<Mesh>& mesh,
+                                             const ParamPredicate& predicate, const DedicateOptions& options) {
+  TORCH_CHECK(mesh, "dedicate_model_view: the mesh is null; create one with dmuon::Mesh::create.");
+  check_dedicate_options(*mesh, options);
+  auto state = std::make_shared<Runtime>(std::move(view), nullptr, mesh, options, /*ddp=*/false);
+  state->build(predicate);
+  detail::register_runtime(state);
+  return state;
+}
+
+namespace {
+void replicate_impl(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh, double bucket_mb,
+                    bool tp) {
+  TORCH_CHECK(model && mesh, "replicate: model and mesh must not be null.");
+  auto s = detail::state_of_model(model.get());
+  if (!s) {
+    // A model with no dedicated parameters: an empty runtime carries the hooks.
+    dedicate_params(model, mesh, [](const std::string&, const at::Tensor&) { return false; });
+    s = detail::state_of_model(model.get());
+  }
+  TORCH_CHECK(s->mesh_ptr().get() == mesh.get(), "rank ", mesh->global_rank(),
+              ": replicate: the model was dedicated on another mesh; pass the same mesh to both.");
+  s->add_replicated(bucket_mb, tp);
+}
+}  // namespace
+
+void replicate(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh, double bucket_mb) {
+  replicate_impl(model, mesh, bucket_mb, /*tp=*/false);
+}
+
+void replicate_tp(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh,
+                  double bucket_mb) {
+  replicate_impl(model, mesh, bucket_mb, /*tp=*/true);
+}
+
+std::optional<ReplicatedGroup> get_replicated_group(const torch::nn::Module& model) {
+  auto s = detail::state_of_model(&model);
+  if (!s || !s->replicated()) return std::nullopt;
+  const ReplicatedRoute& r = *s->replicated();
+  ReplicatedGroup g;
+  g.names = r.names();
+  g.tp_split_dims = r.tp_split_dims();
+  g.num_buckets = r.num_buckets();
+  g.group_size = s->mesh().data_parallel_size();
+  g.tp = r.tp();
+  return g;
 }
 
 }  // namespace dmuon

@@ -8,15 +8,16 @@
 #include <map>
 #include <sstream>
 
-#include "dmuon/env.h"
 #include "dmuon/host_sync.h"
-#include "runtime/runtime.h"
+#include "runtime/route_context.h"
+#include "runtime/storage.h"
+#include "runtime/whole_params.h"
 
 namespace dmuon {
 
 std::string DedicatedRoute::what(const char* phase, int b, const PackedBuffer& buf) const {
   std::ostringstream o;
-  o << phase << " of '" << rt_.boundaries()[static_cast<size_t>(b)].name << "' from rank " << buf.root_global << " ("
+  o << phase << " of '" << ctx_.boundary_name(b) << "' from rank " << buf.root_global << " ("
     << buf.params.size() << " params, " << buf.bytes() << " bytes)";
   return o.str();
 }
@@ -28,7 +29,7 @@ const DedicatedEntry* DedicatedRoute::find(const std::string& name) const {
 
 // ---- setup -----------------------------------------------------------------------------------------
 void DedicatedRoute::build(std::vector<DedicatedEntry> entries, const OwnerPlan& plan, int num_boundaries) {
-  Mesh& mesh = rt_.mesh();
+  Mesh& mesh = ctx_.mesh();
   const int rank = mesh.global_rank();
   entries_ = std::move(entries);
   for (size_t i = 0; i < entries_.size(); ++i) index_[entries_[i].name] = static_cast<int>(i);
@@ -43,7 +44,7 @@ void DedicatedRoute::build(std::vector<DedicatedEntry> entries, const OwnerPlan&
   }
   at::NoGradGuard ng;
   for (int b = 0; b < num_boundaries; ++b) {
-    const std::string& bname = rt_.boundaries()[static_cast<size_t>(b)].name;
+    const std::string& bname = ctx_.boundary_name(b);
     // one buffer per distinct owner slot (and precision), ordered by slot index (same on every rank)
     std::map<std::pair<int, Precision>, std::vector<int>> by_slot;
     for (int p : by_boundary[static_cast<size_t>(b)])
@@ -57,7 +58,7 @@ void DedicatedRoute::build(std::vector<DedicatedEntry> entries, const OwnerPlan&
       buf.params = ps;
       buf.prec = key.second;
       buf.is_owner = first.is_owner;
-      buf.is_root = buf.owner.shard == mesh.shard_rank();  // the holder in this replicate group
+      buf.holder = buf.owner.shard == mesh.shard_rank();  // the holder in this replicate group
       buf.unshard = first.unshard;
       for (int p : ps) {
         TORCH_CHECK(entries_[p].unshard == buf.unshard, "rank ", rank, ": dedicate_params: parameters '",
@@ -73,7 +74,8 @@ void DedicatedRoute::build(std::vector<DedicatedEntry> entries, const OwnerPlan&
       // all_gather mode pads the buffer to G equal shards
       if (buf.gather_mode()) buf.shard_len = (buf.numel + mesh.shard_size() - 1) / mesh.shard_size();
       const auto o = first.param.options().requires_grad(false);
-      const bool keeps = buf.is_root || ddp_;  // holds the matrices between steps
+      buf.keeps = buf.holder || ddp_;  // decided once: holds the matrices between steps
+      const bool keeps = buf.keeps;
       const int64_t flat_numel = buf.gather_mode() ? buf.shard_len * mesh.shard_size() : buf.numel;
       buf.flat = keeps ? at::zeros({flat_numel}, o.dtype(buf.prec.param)) : at::empty({flat_numel}, o.dtype(buf.prec.param));
       // the global owner keeps the master copy, from the parameters' values before any cast
@@ -86,12 +88,12 @@ void DedicatedRoute::build(std::vector<DedicatedEntry> entries, const OwnerPlan&
         at::Tensor mv;
         if (buf.master.defined()) {
           mv = buf.master.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes());
-          rt_.set_master(e.param, mv);
+          ctx_.set_master(e.param, mv);
         }
         if (is_deferred(e.param)) {  // only holders materialise it, straight into their buffer
           if (!keeps) continue;
           at::Tensor target = mv.defined() ? mv : buf.views[k];
-          rt_.fill_from(*rt_.deferred_source(), e.name, detail::tp_region(e.shape, e.tp_dim, mesh.tp_rank(),
+          ctx_.fill_from(*ctx_.deferred_source(), e.name, detail::tp_region(e.shape, e.tp_dim, mesh.tp_rank(),
                                                                                mesh.tp_size()), target);
           if (mv.defined()) buf.views[k].copy_(mv);
           e.preset = true;
@@ -108,18 +110,18 @@ void DedicatedRoute::build(std::vector<DedicatedEntry> entries, const OwnerPlan&
 }
 
 void DedicatedRoute::install() {
-  Mesh& mesh = rt_.mesh();
+  Mesh& mesh = ctx_.mesh();
   at::NoGradGuard ng;
   for (auto& e : entries_) e.placeholder = at::empty({0}, e.param.options().requires_grad(false));
   // hooks, while every parameter still has its full shape (the accumulator caches it)
   for (size_t i = 0; i < entries_.size(); ++i)
-    entries_[i].grad_acc = detail::on_grad_accumulated(rt_, entries_[i].param, entries_[i].name, [i](Runtime& rt) {
-      auto& e = rt.dedicated().entries_[i];
-      rt.note_accumulated(e.accumulated, e.boundary);
+    entries_[i].grad_acc = ctx_.on_grad_accumulated(entries_[i].param, entries_[i].name, [this, i](GradEvents& ev) {
+      auto& e = entries_[i];
+      ev.accumulated(e.accumulated, e.boundary);
     });
   // data: holders keep their value in the packed buffer; the others release theirs
   for_each_buffer([&](int, PackedBuffer& buf) {
-    const bool keeps = buf.is_root || ddp_;
+    const bool keeps = buf.keeps;
     for (size_t k = 0; k < buf.params.size(); ++k) {
       auto& e = entries_[buf.params[k]];
       if (keeps) {
@@ -140,7 +142,7 @@ void DedicatedRoute::install() {
   if (ddp_)
     for_each_buffer([&](int b, PackedBuffer& buf) {
       mesh.shard()
-          .broadcast(buf.flat, buf.root, "initial value of '" + rt_.boundaries()[static_cast<size_t>(b)].name +
+          .broadcast(buf.flat, buf.root, "initial value of '" + ctx_.boundary_name(b) +
                                              "' from its owner")
           .wait();
     });
@@ -148,9 +150,9 @@ void DedicatedRoute::install() {
   // replicate group of the owner's column; same order on every member)
   if (Communicator* rep = mesh.replicate())
     for_each_buffer([&](int b, PackedBuffer& buf) {
-      if (!buf.is_root) return;
+      if (!buf.holder) return;
       rep->broadcast(buf.flat, buf.owner.replicate,
-                     "initial value of '" + rt_.boundaries()[static_cast<size_t>(b)].name + "' from replicate " +
+                     "initial value of '" + ctx_.boundary_name(b) + "' from replicate " +
                          std::to_string(buf.owner.replicate))
           .wait();
     });
@@ -159,25 +161,25 @@ void DedicatedRoute::install() {
   for_each_buffer([&](int b, PackedBuffer& buf) {
     if (!buf.gather_mode()) return;
     buf.shard = at::empty({buf.shard_len}, buf.flat.options());
-    scatter_shards(buf, "initial shards of '" + rt_.boundaries()[static_cast<size_t>(b)].name + "'").wait();
+    scatter_shards(buf, "initial shards of '" + ctx_.boundary_name(b) + "'").wait();
   });
 }
 
 Pending DedicatedRoute::scatter_shards(PackedBuffer& buf, const std::string& w) {
-  at::Tensor src = buf.is_root ? buf.flat : at::empty({0}, buf.flat.options());
-  return rt_.mesh().shard().scatter_flat(buf.shard, src, buf.root, w);
+  at::Tensor src = buf.holder ? buf.flat : at::empty({0}, buf.flat.options());
+  return ctx_.mesh().shard().scatter_flat(buf.shard, src, buf.root, w);
 }
 
 // ---- unshard / release -------------------------------------------------------------------------------
 void DedicatedRoute::issue_unshard(int b, const char* phase) {
   if (ddp_) return;  // full parameters everywhere; the post-step publish is the only broadcast
-  Communicator& comm = rt_.mesh().shard();
-  const auto& compute = rt_.options().compute_dtype;
+  Communicator& comm = ctx_.mesh().shard();
+  const auto& compute = ctx_.options().compute_dtype;
   for (auto& buf : buffers_[static_cast<size_t>(b)]) {
-    if (buf.state != PackedBuffer::State::Released && buf.ready_pass == rt_.pass()) continue;  // already published
+    if (buf.state != PackedBuffer::State::Released && buf.ready_pass == ctx_.pass()) continue;  // already published
     if (buf.state == PackedBuffer::State::Pending) buf.bcast.wait();  // an unused one from an earlier pass
-    if (buf.is_root) wait_publish(buf);  // HSDP: the holder's copy must be the new value first
-    if (!buf.is_root && buf.state == PackedBuffer::State::Released) detail::restore_storage(buf.flat);
+    if (buf.holder) wait_publish(buf);  // HSDP: the holder's copy must be the new value first
+    if (!buf.holder && buf.state == PackedBuffer::State::Released) detail::restore_storage(buf.flat);
     if (buf.gather_mode()) {  // rebuild the full matrix from every rank's shard
       buf.scatter.wait();  // the shards of the last update must have arrived
       buf.scatter = Pending();
@@ -185,14 +187,14 @@ void DedicatedRoute::issue_unshard(int b, const char* phase) {
     } else {
       at::Tensor payload = buf.flat;
       if (compute && static_cast<int64_t>(c10::elementSize(*compute)) < buf.flat.element_size()) {  // narrows only
-        buf.bcast_payload = buf.is_root ? buf.flat.to(*compute) : at::empty({buf.numel}, buf.flat.options().dtype(*compute));
+        buf.bcast_payload = buf.holder ? buf.flat.to(*compute) : at::empty({buf.numel}, buf.flat.options().dtype(*compute));
         payload = buf.bcast_payload;
       }
       // (a one-rank shard group sends nothing: no description to build every forward)
       buf.bcast = comm.broadcast(payload, buf.root, comm.local_only() ? std::string() : what(phase, b, buf));
     }
     buf.state = PackedBuffer::State::Pending;
-    buf.ready_pass = rt_.pass();
+    buf.ready_pass = ctx_.pass();
   }
 }
 
@@ -203,10 +205,10 @@ void DedicatedRoute::wait_unshard(int b) {
     buf.bcast.wait();
     buf.bcast = Pending();
     if (buf.bcast_payload.defined()) {
-      if (!buf.is_root) buf.flat.copy_(buf.bcast_payload);
+      if (!buf.holder) buf.flat.copy_(buf.bcast_payload);
       buf.bcast_payload = at::Tensor();
     }
-    if (!buf.is_root)
+    if (!buf.holder)
       for (size_t k = 0; k < buf.params.size(); ++k) entries_[buf.params[k]].param.set_data(buf.views[k]);
     buf.state = PackedBuffer::State::Ready;
   }
@@ -222,7 +224,7 @@ void DedicatedRoute::release(int b) {
       buf.state = PackedBuffer::State::Ready;  // the DDP path keeps full parameters everywhere
       continue;
     }
-    if (buf.is_root) {
+    if (buf.holder) {
       buf.state = PackedBuffer::State::Released;  // logical: the holder's data stay
       continue;
     }
@@ -239,12 +241,12 @@ void DedicatedRoute::release(int b) {
 
 std::string DedicatedRoute::bypass_hint(int b) const {
   for (const auto& buf : buffers_[static_cast<size_t>(b)]) {
-    if (buf.is_root || buf.state != PackedBuffer::State::Released) continue;
+    if (buf.holder || buf.state != PackedBuffer::State::Released) continue;
     const auto& e = entries_[buf.params.front()];
-    const std::string& bname = rt_.boundaries()[static_cast<size_t>(b)].name;
+    const std::string& bname = ctx_.boundary_name(b);
     std::ostringstream o;
     o << "dmuon: hook boundary '" << bname << "' was not run through dmuon::forward in this forward pass, and its "
-      << "dedicated parameters are 0-element placeholders on rank " << rt_.mesh().global_rank() << " (e.g. '" << e.name
+      << "dedicated parameters are 0-element placeholders on rank " << ctx_.mesh().global_rank() << " (e.g. '" << e.name
       << "', shape " << at::IntArrayRef(e.shape) << ", owned by rank " << e.owner_rank << "). Call "
       << "`x = dmuon::forward(module, x)` for '" << bname << "' instead of calling its forward directly.";
     return o.str();
@@ -254,7 +256,7 @@ std::string DedicatedRoute::bypass_hint(int b) const {
 
 // ---- gradients ------------------------------------------------------------------------------------
 void DedicatedRoute::issue_reduce(int b) {
-  Mesh& mesh = rt_.mesh();
+  Mesh& mesh = ctx_.mesh();
   Communicator& comm = mesh.shard();
   at::NoGradGuard ng;
   std::vector<at::Tensor> ps;
@@ -271,7 +273,7 @@ void DedicatedRoute::issue_reduce(int b) {
       TORCH_INTERNAL_ASSERT(buf.is_owner && !buf.reduce_issued && !buf.stage2_issued, "rank ", mesh.global_rank(),
                             ": the only data-parallel rank does not own, or has a reduce in flight for, '",
                             entries_[buf.params.front()].name, "' of boundary '",
-                            rt_.boundaries()[static_cast<size_t>(b)].name, "'");
+                            ctx_.boundary_name(b), "'");
       buf.acc.fold_grads(params_of(buf), buf.offsets, buf.numel, buf.prec.reduce, buf.prec.master, buf.flat.options());
     }
     return;
@@ -301,7 +303,7 @@ void DedicatedRoute::release_sent_reduces() {
   auto finished = [&](int b, bool wait) {
     bool done = true;
     for (auto& buf : buffers_[static_cast<size_t>(b)]) {
-      if (!buf.reduce_issued || buf.is_root) continue;
+      if (!buf.reduce_issued || buf.holder) continue;
       if (wait || buf.reduce.poll())
         finish_stage1(buf);
       else
@@ -322,9 +324,9 @@ void DedicatedRoute::finish_stage1(PackedBuffer& buf) {
   buf.reduce.wait();
   buf.reduce = Pending();
   buf.reduce_issued = false;
-  Mesh& mesh = rt_.mesh();
+  Mesh& mesh = ctx_.mesh();
   Communicator* rep = mesh.replicate();
-  if (!buf.is_root) {
+  if (!buf.holder) {
     buf.grad_payload = at::Tensor();
     return;
   }
@@ -348,12 +350,12 @@ void DedicatedRoute::finish_stage2(PackedBuffer& buf) {
   buf.stage2_issued = false;
   if (buf.is_owner)
     buf.acc.fold(buf.grad_payload, buf.numel, static_cast<int64_t>(buf.params.size()), buf.prec.master,
-                 static_cast<double>(rt_.mesh().data_parallel_size()));
+                 static_cast<double>(ctx_.mesh().data_parallel_size()));
   buf.grad_payload = at::Tensor();
 }
 
 void DedicatedRoute::end_of_backward() {
-  if (rt_.mesh().replicate() && !rt_.options().delay_stage2_to_optimizer)
+  if (ctx_.mesh().replicate() && !ctx_.options().delay_stage2_to_optimizer)
     for_each_buffer([&](int, PackedBuffer& buf) { finish_stage1(buf); });  // waits stage 1, issues stage 2 now
 }
 
@@ -392,7 +394,8 @@ void DedicatedRoute::install_grads(const float*& flag) {
 
 void DedicatedRoute::ready_grad_of(const DedicatedEntry& e, std::vector<ReadyGrad>& out) const {
   if (!e.is_owner || !e.param.grad().defined()) return;  // not ours: the owner updates it
-  ReadyGrad r = rt_.ready_grad(RouteKind::Dedicated, e.name, e.param, e.prec);
+  // counted in a norm by its (global) owner only
+  ReadyGrad r = ctx_.ready_grad(e.name, e.param, e.prec, /*muon=*/true, /*counted=*/true, /*counts_param=*/true);
   r.tp_owner = e.tp_owner;
   r.tp_dim = e.tp_dim;
   r.full_shape = e.full_shape;
@@ -483,21 +486,21 @@ void DedicatedRoute::publish_group(int b, bool async) {
   if (published_.size() != buffers_.size()) published_.assign(buffers_.size(), false);
   if (published_[static_cast<size_t>(b)]) return;
   published_[static_cast<size_t>(b)] = true;
-  Mesh& mesh = rt_.mesh();
+  Mesh& mesh = ctx_.mesh();
   auto& bufs = buffers_[static_cast<size_t>(b)];
   if (Communicator* rep = mesh.replicate(); rep && !ddp_) {
     // HSDP: the global owner's update goes to the holders of the other replicate groups, chunked by
     // replicate_broadcast_bucket_mb; all_gather mode: its shards cross instead
-    const int64_t chunk_bytes = static_cast<int64_t>(rt_.options().replicate_broadcast_bucket_mb * 1024 * 1024);
+    const int64_t chunk_bytes = static_cast<int64_t>(ctx_.options().replicate_broadcast_bucket_mb * 1024 * 1024);
     for (auto& buf : bufs) {
-      if (!buf.is_root || buf.gather_mode()) continue;
+      if (!buf.holder || buf.gather_mode()) continue;
       wait_publish(buf);
       const int64_t esz = buf.flat.element_size();
       const int64_t chunk = chunk_bytes > 0 ? std::max<int64_t>(1, chunk_bytes / esz) : buf.numel;
       for (int64_t off = 0; off < buf.numel; off += chunk) {
         const int64_t len = std::min(chunk, buf.numel - off);
         buf.publish.push_back(rep->broadcast(buf.flat.narrow(0, off, len), buf.owner.replicate,
-                                             "post-step publish of '" + rt_.boundaries()[static_cast<size_t>(b)].name +
+                                             "post-step publish of '" + ctx_.boundary_name(b) +
                                                  "'"));
       }
     }
@@ -534,27 +537,19 @@ void DedicatedRoute::publish_group(int b, bool async) {
 }
 
 void DedicatedRoute::publish(bool async) {
-  Mesh& mesh = rt_.mesh();
+  Mesh& mesh = ctx_.mesh();
   // TP updates arriving by scatter: synchronous publish (or nothing that would wait later) applies
   // them now; otherwise each holder applies its own before the buffer is read or sent again
-  if (!async || !rt_.boundaries_seen()) finish_deferred();
+  if (!async || !ctx_.boundaries_seen()) finish_deferred();
   // in the recorded forward order (model order before the first pass), so the next forward finds its
   // first boundary's publish issued first; groups Muon::step published already are skipped
-  for (int b : rt_.publish_order()) publish_group(b, async);
+  for (int b : ctx_.publish_order()) publish_group(b, async);
   published_.assign(buffers_.size(), false);
-  const bool hsdp = mesh.replicate() && !ddp_;
-  if (!async || !rt_.boundaries_seen()) {
-    if (hsdp) rt_.wait_publishes();
+  if (!async || !ctx_.boundaries_seen()) {
+    if (mesh.replicate() && !ddp_) wait_publishes();
     // the DDP path without boundaries: nothing would wait before the parameters are read again
     if (ddp_)
       for (size_t b = 0; b < buffers_.size(); ++b) wait_unshard(static_cast<int>(b));
-  }
-  if (env::isolated_pg_barrier() && !ddp_) {
-    // strict post-step fence on dmuon's own groups (diagnosis of process-group ordering issues)
-    if (hsdp) rt_.wait_publishes();
-    mesh.shard().barrier(hsdp ? "DMUON_ISOLATED_PG_BARRIER post-step fence (shard)"
-                              : "DMUON_ISOLATED_PG_BARRIER post-step fence");
-    if (hsdp) mesh.replicate()->barrier("DMUON_ISOLATED_PG_BARRIER post-step fence (replicate)");
   }
 }
 
@@ -563,7 +558,7 @@ void DedicatedRoute::publish(bool async) {
 // moves L = S/G over the replicate link instead of each holder receiving the whole unit S. The
 // other groups' holders get the new value from the next forward's all-gather, like everyone else.
 void DedicatedRoute::publish_gather_hsdp(int b, bool async) {
-  Mesh& mesh = rt_.mesh();
+  Mesh& mesh = ctx_.mesh();
   Communicator& rep = *mesh.replicate();
   auto& bufs = buffers_[static_cast<size_t>(b)];
   // 1. scatters inside the owner's replicate group (shard-group collectives, in buffer order)
@@ -588,11 +583,11 @@ void DedicatedRoute::publish_gather_hsdp(int b, bool async) {
 
 // ---- checkpoints -----------------------------------------------------------------------------------
 void DedicatedRoute::gather_full(const TensorSink& put) {
-  Mesh& mesh = rt_.mesh();
+  Mesh& mesh = ctx_.mesh();
   for (auto& e : entries_) {  // from the (global) owner, in full precision
     at::Tensor t;
     if (e.is_owner) {
-      const at::Tensor m = rt_.master_of(e.param);
+      const at::Tensor m = ctx_.master_of(e.param);
       t = m.defined() ? m : e.param.detach();
     } else {
       t = at::empty(e.shape, e.param.options().dtype(e.prec.master));
@@ -605,23 +600,23 @@ void DedicatedRoute::gather_full(const TensorSink& put) {
 }
 
 void DedicatedRoute::assign_from(ParamSource& source) {
-  Mesh& mesh = rt_.mesh();
+  Mesh& mesh = ctx_.mesh();
   for (auto& e : entries_) {
     auto& buf = buffers_[static_cast<size_t>(e.boundary)][static_cast<size_t>(e.buffer)];
     const TensorRegion region = detail::tp_region(e.shape, e.tp_dim, mesh.tp_rank(), mesh.tp_size());
     at::Tensor view = buf.views[static_cast<size_t>(e.slot_in_buffer)];
     // the ranks that hold the matrix between steps: its owner / holders, every rank on the DDP path;
     // the owner's master (when it keeps one) takes the full-precision value
-    if (at::Tensor m = rt_.master_of(e.param); m.defined()) {
-      rt_.fill_from(source, e.name, region, m);
-      if (buf.is_root || ddp_) view.copy_(m);
-    } else if (buf.is_root || ddp_) {
-      rt_.fill_from(source, e.name, region, view);
+    if (at::Tensor m = ctx_.master_of(e.param); m.defined()) {
+      ctx_.fill_from(source, e.name, region, m);
+      if (buf.keeps) view.copy_(m);
+    } else if (buf.keeps) {
+      ctx_.fill_from(source, e.name, region, view);
     }
   }
   for_each_buffer([&](int b, PackedBuffer& buf) {  // all_gather mode: every rank's shard of the new value
     if (buf.gather_mode())
-      scatter_shards(buf, "checkpoint: shards of '" + rt_.boundaries()[static_cast<size_t>(b)].name + "'").wait();
+      scatter_shards(buf, "checkpoint: shards of '" + ctx_.boundary_name(b) + "'").wait();
   });
   // gathered copies are refreshed by the next forward
   for_each_buffer([&](int, PackedBuffer& buf) { buf.ready_pass = -1; });
@@ -629,6 +624,62 @@ void DedicatedRoute::assign_from(ParamSource& source) {
 
 void DedicatedRoute::full_shapes(std::map<std::string, std::vector<int64_t>>& out) const {
   for (const auto& e : entries_) out[e.name] = e.shape;  // placeholders hold no shape
+}
+
+bool DedicatedRoute::describe(const std::string& name, ParamView& v) const {
+  const DedicatedEntry* e = find(name);
+  if (!e) return false;
+  v.route = RouteKind::Dedicated;
+  v.shape = e->shape;
+  v.boundary = ctx_.boundary_name(e->boundary);
+  v.owner_shard = e->owner.shard;
+  v.owner_replicate = e->owner.replicate;
+  v.owner_rank = e->owner_rank;
+  v.tp_dim = e->tp_dim;
+  v.tp_owner = e->tp_owner;
+  v.updated_here = e->is_owner;
+  return true;
+}
+
+void DedicatedRoute::state_slots(std::vector<StateSlot>& out) const {
+  for (const auto& e : entries_) out.push_back({e.name, e.shape, true});
+}
+
+// Each matrix's state from its owner: a [has, step] header, then the state tensors, broadcast over
+// the data-parallel ranks of this TP position (the world without TP).
+void DedicatedRoute::gather_state(const OptimizerStateAccess& opt, const StateSink& put) {
+  Mesh& mesh = ctx_.mesh();
+  const std::vector<std::string>& fields = opt.fields(true);
+  for (const auto& e : entries_) {
+    ParamState s = e.is_owner ? opt.get(e.param) : ParamState{};
+    at::Tensor header = at::zeros({2}, e.param.options().dtype(at::kLong));
+    if (s.defined()) header = at::tensor({int64_t{1}, s.step}, header.options());
+    const int root = OwnerPlan::slot_index(e.owner, mesh.shard_size());
+    mesh.dp().broadcast(header, root, "checkpoint: optimizer state header of '" + e.name + "'").wait_host();
+    const at::Tensor h = header.cpu();
+    if (h[0].item<int64_t>() == 0) continue;
+    s.step = h[1].item<int64_t>();
+    s.tensors.resize(fields.size());
+    for (size_t k = 0; k < fields.size(); ++k) {
+      at::Tensor& t = s.tensors[k];
+      if (!e.is_owner) t = at::empty(e.shape, e.param.options().dtype(e.prec.optim));
+      mesh.dp().broadcast(t, root, "checkpoint: " + fields[k] + " of '" + e.name + "'").wait_host();
+    }
+    put(e.name, true, s);
+  }
+}
+
+void DedicatedRoute::assign_state(OptimizerStateAccess& opt, const StateSource& get) {
+  for (const auto& e : entries_) {
+    if (!e.is_owner) continue;  // the owner takes the state; the others keep none
+    std::optional<ParamState> s = get(e.name, true);
+    if (!s) {
+      opt.set(e.param, ParamState{});
+      continue;
+    }
+    for (at::Tensor& t : s->tensors) t = to_state_tensor(t, e.param.device(), e.prec.optim);
+    opt.set(e.param, std::move(*s));
+  }
 }
 
 }  // namespace dmuon

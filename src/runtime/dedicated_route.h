@@ -29,7 +29,7 @@
 
 namespace dmuon {
 
-class Runtime;
+class RouteContext;
 
 enum class UnshardMode { Broadcast, AllGather };
 
@@ -64,8 +64,9 @@ struct PackedBuffer {
   std::vector<int> params;          // indices into DedicatedRoute::entries()
   std::vector<int64_t> offsets;     // element offset of each param in flat
   int64_t numel = 0;
-  bool is_root = false;             // holds the full matrix between steps: shard rank == owner.shard
-  bool is_owner = false;            // the global owner (== is_root on a 1-D mesh): runs NS
+  bool holder = false;              // holds the full matrix between steps: shard rank == owner.shard
+  bool keeps = false;               // keeps its data between steps: the holder, or every rank on the DDP path
+  bool is_owner = false;            // the global owner (== holder on a 1-D mesh): runs NS
   UnshardMode unshard = UnshardMode::Broadcast;
   int64_t shard_len = 0;            // all_gather: every rank keeps flat[r*L, (r+1)*L) of the owner's value
   at::Tensor shard;
@@ -94,7 +95,7 @@ struct PackedBuffer {
 
 class DedicatedRoute final : public Route {
  public:
-  DedicatedRoute(Runtime& rt, bool ddp) : rt_(rt), ddp_(ddp) {}
+  DedicatedRoute(RouteContext& ctx, bool ddp) : ctx_(ctx), ddp_(ddp) {}
   RouteKind kind() const override { return RouteKind::Dedicated; }
 
   // ---- setup ----
@@ -123,6 +124,10 @@ class DedicatedRoute final : public Route {
   void gather_full(const TensorSink& put) override;
   void assign_from(ParamSource& source) override;
   void full_shapes(std::map<std::string, std::vector<int64_t>>& out) const override;
+  bool describe(const std::string& name, ParamView& v) const override;
+  void state_slots(std::vector<StateSlot>& out) const override;
+  void gather_state(const OptimizerStateAccess& opt, const StateSink& put) override;
+  void assign_state(OptimizerStateAccess& opt, const StateSource& get) override;
 
   // TP (Muon::step): `apply` finishes the update of `name` (its slice arrives asynchronously). It runs
   // before the holder's buffer is read or sent again: the boundary's next unshard, a post-step
@@ -163,7 +168,7 @@ class DedicatedRoute final : public Route {
       for (auto& buf : buffers_[b]) f(static_cast<int>(b), buf);
   }
 
-  Runtime& rt_;
+  RouteContext& ctx_;
   bool ddp_ = false;
   std::vector<DedicatedEntry> entries_;
   std::map<std::string, int> index_;                 // name -> entry

@@ -24,7 +24,7 @@ struct PackedUnit {
   at::Tensor shard;                  // all_gather unshard: this rank's shard
   int64_t numel = 0;
   int64_t shard_len = 0;
-  bool is_root = false;              // this rank holds the unit between steps
+  bool holder = false;               // this rank holds the unit between steps
   std::vector<std::string> params;   // the matrices packed in it
 };
 
@@ -50,7 +50,7 @@ inline PackedUnit to_unit(const Runtime& rt, int b, const PackedBuffer& buf) {
   u.shard = buf.shard;
   u.numel = buf.numel;
   u.shard_len = buf.shard_len;
-  u.is_root = buf.is_root;
+  u.holder = buf.holder;
   for (int p : buf.params) u.params.push_back(rt.dedicated().entries()[static_cast<size_t>(p)].name);
   return u;
 }

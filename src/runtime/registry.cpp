@@ -85,6 +85,12 @@ void register_state(const std::shared_ptr<torch::nn::Module>& model, const std::
   by_id()[state->id()] = state;
 }
 
+void register_runtime(const std::shared_ptr<Runtime>& state) {
+  std::lock_guard<std::mutex> g(g_registry_mu);
+  prune_locked();
+  by_id()[state->id()] = state;
+}
+
 void register_boundary(const std::shared_ptr<torch::nn::Module>& module, const std::shared_ptr<Runtime>& s, int b) {
   std::lock_guard<std::mutex> g(g_registry_mu);
   boundary_map()[module.get()] = BoundaryEntry{module, s, b};
@@ -95,6 +101,12 @@ std::shared_ptr<Runtime> require_state(const torch::nn::Module& model, const cha
   TORCH_CHECK(s, fn, ": this model was not dedicated; call dmuon::dedicate_params (or dedicate_params_ddp) "
               "first.");
   return s;
+}
+
+std::shared_ptr<RuntimeFace> face_of(const torch::nn::Module& model) { return state_of_model(&model); }
+
+std::shared_ptr<RuntimeFace> require_face(const torch::nn::Module& model, const char* fn) {
+  return require_state(model, fn);
 }
 
 std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const at::Tensor& param, const std::string& name, int rank,
@@ -108,16 +120,6 @@ std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const at::Tensor& par
         return outputs;
       }));
   return acc;
-}
-
-std::shared_ptr<torch::autograd::Node> on_grad_accumulated(Runtime& rt, const at::Tensor& param,
-                                                           const std::string& name, std::function<void(Runtime&)> fn) {
-  return on_grad_accumulated(param, name, rt.mesh().global_rank(), [weak = rt.weak_from_this(), fn = std::move(fn)] {
-    auto live = weak.lock();
-    if (!live) return;  // the model is gone: nothing to do
-    std::lock_guard<std::recursive_mutex> g(live->mutex());
-    fn(*live);
-  });
 }
 
 void resize_storage_bytes(const at::Tensor& t, size_t bytes) {

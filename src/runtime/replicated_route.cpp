@@ -7,30 +7,31 @@
 #include <map>
 
 #include "dmuon/tensor_parallel.h"
-#include "runtime/runtime.h"
+#include "runtime/route_context.h"
 
 namespace dmuon {
 
-ReplicatedRoute::ReplicatedRoute(Runtime& rt, double bucket_mb, bool tp) : rt_(rt), tp_(tp) {
-  Mesh& mesh = rt.mesh();
-  auto m = rt.model();
-  const std::map<std::string, int>& split = rt.tp_split();
-  for (const auto& [name, p] : get_base_params(*m)) {
-    auto it = split.find(name);
-    TORCH_CHECK(tp || it == split.end(), "rank ", mesh.global_rank(), ": replicate: parameter '", name, "' (shape ",
-                p.sizes(), ") is this TP rank's slice (split along dimension ", it == split.end() ? -1 : it->second,
+ReplicatedRoute::ReplicatedRoute(RouteContext& ctx, std::vector<WholeParam> params, double bucket_mb, bool tp)
+    : WholeParamsRoute(ctx, RouteKind::Replicated), ctx_(ctx), tp_(tp) {
+  Mesh& mesh = ctx.mesh();
+  const std::map<std::string, int>& split = ctx.tp_split();
+  for (auto& w : params) {
+    auto it = split.find(w.name);
+    TORCH_CHECK(tp || it == split.end(), "rank ", mesh.global_rank(), ": replicate: parameter '", w.name, "' (shape ",
+                w.param.sizes(), ") is this TP rank's slice (split along dimension ", it == split.end() ? -1 : it->second,
                 " over tp_size ", mesh.tp_size(), "); replicate keeps whole parameters only. Call dmuon::replicate_tp, "
                 "which averages each TP rank's slice over its data-parallel ranks.");
-    names_.push_back(name);
-    params_.push_back(p);
     tp_dims_.push_back(it == split.end() ? -1 : it->second);
   }
+  whole_.params = std::move(params);
+  std::vector<at::Tensor> params_;  // (setup only)
+  for (const auto& w : whole_.params) params_.push_back(w.param);
   // Gradient buckets: consecutive parameters with one reduce dtype, master dtype and device.
   const int64_t cap = static_cast<int64_t>(bucket_mb * 1024 * 1024);
   int64_t cur = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i];
-    const Precision prec = rt.precision_of(p);
+    const Precision prec = ctx.precision_of(p);
     const int64_t bytes = p.numel() * static_cast<int64_t>(c10::elementSize(prec.reduce));
     const bool new_bucket = buckets_.empty() || cur + bytes > cap || !(buckets_.back().prec == prec) ||
                             params_[static_cast<size_t>(buckets_.back().params.front())].device() != p.device();
@@ -52,7 +53,7 @@ ReplicatedRoute::ReplicatedRoute(Runtime& rt, double bucket_mb, bool tp) : rt_(r
     at::NoGradGuard ng;
     std::vector<at::Tensor> src;
     for (const auto& p : params_) {
-      const at::Tensor master = rt.master_of(p);
+      const at::Tensor master = ctx.master_of(p);
       src.push_back(master.defined() ? master : p.detach());
     }
     // keyed by device type, not index: ranks use different devices (cuda:0, cuda:1) in the same order
@@ -79,20 +80,20 @@ ReplicatedRoute::ReplicatedRoute(Runtime& rt, double bucket_mb, bool tp) : rt_(r
       }
     }
     for (size_t i = 0; i < src.size(); ++i)
-      if (rt.master_of(params_[i]).defined()) params_[i].detach().copy_(src[i]);
+      if (ctx.master_of(params_[i]).defined()) params_[i].detach().copy_(src[i]);
   }
   // The end-of-backward callback must run even in models without dedicated boundaries.
   for (size_t i = 0; i < params_.size(); ++i)
-    grad_accs_.push_back(detail::on_grad_accumulated(rt, params_[i], names_[i], [](Runtime& r) { r.note_backward(); }));
+    grad_accs_.push_back(ctx.on_grad_accumulated(params_[i], whole_.params[i].name, [](GradEvents& ev) { ev.backward_ran(); }));
 }
 
 void ReplicatedRoute::end_of_backward() {
   if (issued_) finish_reduces();  // an earlier backward pass (gradient accumulation)
-  Communicator& comm = rt_.mesh().dp();
+  Communicator& comm = ctx_.mesh().dp();
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
     Bucket& b = buckets_[bi];
     std::vector<at::Tensor> ps;
-    for (int i : b.params) ps.push_back(params_[static_cast<size_t>(i)]);
+    for (int i : b.params) ps.push_back(param(i));
     if (comm.local_only()) {  // one data-parallel rank: nothing to sum, the gradients are the average
       b.acc.fold_grads(ps, b.offsets, b.numel, b.prec.reduce, b.prec.master, ps.front().options());
       continue;
@@ -109,7 +110,7 @@ void ReplicatedRoute::end_of_backward() {
 
 void ReplicatedRoute::finish_reduces() {
   if (!issued_) return;
-  const double world = rt_.mesh().data_parallel_size();
+  const double world = ctx_.mesh().data_parallel_size();
   for (auto& b : buckets_) {
     if (!b.payload.defined()) continue;  // folded at once (one rank)
     b.pending.wait();
@@ -130,7 +131,7 @@ void ReplicatedRoute::install_grads(const float*& flag) {
     if (!b.acc.has_value()) continue;
     const at::Tensor sum = b.acc.take_sum();
     for (size_t k = 0; k < b.params.size(); ++k) {
-      auto& p = params_[static_cast<size_t>(b.params[k])];
+      at::Tensor p = param(b.params[k]);
       if (*flag++ > 0)
         p.mutable_grad() = sum.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
       else
@@ -140,10 +141,9 @@ void ReplicatedRoute::install_grads(const float*& flag) {
 }
 
 void ReplicatedRoute::ready_grads(std::vector<ReadyGrad>& out) {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor& p = params_[i];
-    if (p.grad().defined()) out.push_back(rt_.ready_grad(RouteKind::Replicated, names_[i], p, rt_.precision_of(p)));
-  }
+  // counted in a global norm once per data-parallel group: on its first rank
+  const Mesh& mesh = ctx_.mesh();
+  whole_.ready_grads(out, mesh.shard_rank() == 0 && mesh.replicate_rank() == 0);
 }
 
 void ReplicatedRoute::discard_grads() {
@@ -157,45 +157,13 @@ void ReplicatedRoute::discard_grads() {
 }
 
 void ReplicatedRoute::upcast_local_grads() {
-  for (auto& p : params_) upcast_local_grad(p, rt_.precision_of(p));
+  for (const auto& w : whole_.params) upcast_local_grad(w.param, ctx_.precision_of(w.param));
 }
 
-namespace {
-void replicate_impl(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh, double bucket_mb,
-                    bool tp) {
-  TORCH_CHECK(model && mesh, "replicate: model and mesh must not be null.");
-  auto s = detail::state_of_model(model.get());
-  if (!s) {
-    // A model with no dedicated parameters: an empty runtime carries the hooks.
-    dedicate_params(model, mesh, [](const std::string&, const at::Tensor&) { return false; });
-    s = detail::state_of_model(model.get());
-  }
-  TORCH_CHECK(s->mesh_ptr().get() == mesh.get(), "rank ", mesh->global_rank(),
-              ": replicate: the model was dedicated on another mesh; pass the same mesh to both.");
-  s->add_replicated(bucket_mb, tp);
-}
-}  // namespace
-
-void replicate(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh, double bucket_mb) {
-  replicate_impl(model, mesh, bucket_mb, /*tp=*/false);
-}
-
-void replicate_tp(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh,
-                  double bucket_mb) {
-  replicate_impl(model, mesh, bucket_mb, /*tp=*/true);
-}
-
-std::optional<ReplicatedGroup> get_replicated_group(const torch::nn::Module& model) {
-  auto s = detail::state_of_model(&model);
-  if (!s || !s->replicated()) return std::nullopt;
-  const ReplicatedRoute& r = *s->replicated();
-  ReplicatedGroup g;
-  g.names = r.names();
-  g.tp_split_dims = r.tp_split_dims();
-  g.num_buckets = r.num_buckets();
-  g.group_size = s->mesh().data_parallel_size();
-  g.tp = r.tp();
-  return g;
+std::vector<std::string> ReplicatedRoute::names() const {
+  std::vector<std::string> out;
+  for (const auto& w : whole_.params) out.push_back(w.name);
+  return out;
 }
 
 }  // namespace dmuon

@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,16 +17,18 @@
 #include "dmuon/communicator.h"
 #include "runtime/grad_accumulator.h"
 #include "runtime/route.h"
+#include "runtime/whole_params.h"
 
 namespace dmuon {
 
-class Runtime;
+class RouteContext;
 
-class ReplicatedRoute final : public Route {
+class ReplicatedRoute final : public WholeParamsRoute {
  public:
-  // The base parameters of the model (get_base_params); collective: rank 0's initial values.
-  // `tp`: TP-split parameters are accepted (replicate_tp); otherwise they are an error.
-  ReplicatedRoute(Runtime& rt, double bucket_mb, bool tp);
+  // `params`: the trainable parameters on no other route (the local route hands them over), in
+  // model order. collective: rank 0's initial values. `tp`: TP-split parameters are accepted
+  // (replicate_tp); otherwise they are an error.
+  ReplicatedRoute(RouteContext& ctx, std::vector<WholeParam> params, double bucket_mb, bool tp);
   RouteKind kind() const override { return RouteKind::Replicated; }
 
   void end_of_backward() override;  // issue the coalesced all-reduces (async)
@@ -36,15 +39,14 @@ class ReplicatedRoute final : public Route {
   void discard_grads() override;
   void upcast_local_grads() override;
 
-  const std::vector<at::Tensor>& params() const { return params_; }
-  const std::vector<std::string>& names() const { return names_; }
+  std::vector<std::string> names() const;
   const std::vector<int>& tp_split_dims() const { return tp_dims_; }
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
   bool tp() const { return tp_; }
 
  private:
   struct Bucket {
-    std::vector<int> params;      // indices into params_
+    std::vector<int> params;      // indices into whole_.params
     std::vector<int64_t> offsets;
     int64_t numel = 0;
     Precision prec;
@@ -52,9 +54,8 @@ class ReplicatedRoute final : public Route {
     Pending pending;
     GradAccumulator acc;
   };
-  Runtime& rt_;
-  std::vector<std::string> names_;
-  std::vector<at::Tensor> params_;
+  const at::Tensor& param(int i) const { return whole_.params[static_cast<size_t>(i)].param; }
+  RouteContext& ctx_;
   std::vector<int> tp_dims_;      // per parameter: TP split dimension, -1 when whole
   bool tp_ = false;
   std::vector<Bucket> buckets_;

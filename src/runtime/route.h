@@ -2,9 +2,11 @@
 // route at the same points of the step, in a fixed order (dedicated, sharded, replicated), so all
 // ranks issue the same collectives in the same order.
 //
-// Lifetimes: a Route belongs to its Runtime and holds a reference to it. Autograd hooks and
-// functions never hold a Route or Runtime pointer: they hold a std::weak_ptr<Runtime> (or its id in
-// the registry), so a hook that outlives its model does nothing.
+// A route sees only its RouteContext (route_context.h), never the Runtime. A new route is one file
+// implementing this interface and one line in setup's route table (docs/ARCHITECTURE.md).
+//
+// Lifetimes: a Route belongs to its Runtime. Gradient hooks are registered through
+// RouteContext::on_grad_accumulated, which runs them only while the Runtime (and so the route) lives.
 //
 // Threading: every method runs under the Runtime's mutex (autograd may call hooks from its worker
 // threads); none is re-entrant from another thread.
@@ -14,6 +16,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,17 +26,22 @@
 namespace dmuon {
 
 enum class RouteKind { Dedicated, Sharded, Replicated, Local };
+// "muon", "sharded_adamw", "replicated" (replicated AdamW: the route string "adamw"), "local"
 const char* route_name(RouteKind k);
 
 // A gradient ready for the optimizer (after Runtime::prepare_grads).
 struct ReadyGrad {
-  RouteKind route = RouteKind::Local;
   std::string name;
   at::Tensor param;      // the module's parameter: optimizer state key and param-group membership
   at::Tensor target;     // what the optimizer updates: the master copy, this rank's shard, or param
   at::Tensor grad;       // averaged gradient, in the master dtype, shaped like target
   Precision prec;
+  bool muon = false;        // a dedicated matrix: orthogonalised (Muon); otherwise AdamW
   bool write_back = false;  // target is a master: round it into param after the update
+  // Global gradient norms count every element once over the whole mesh: this rank counts this
+  // gradient's elements (norm_counted) and the parameter itself (norm_counts_param). The route decides.
+  bool norm_counted = true;
+  bool norm_counts_param = true;
   // Tensor parallelism (dedicated matrices on a mesh with tp_size > 1): the TP rank that runs
   // Newton-Schulz on the full matrix (-1: no TP axis), the split dimension (-1: the matrix is whole
   // and identical on every TP rank) and the full logical shape.
@@ -53,7 +61,42 @@ struct ParamView {
   int owner_shard = -1, owner_replicate = -1, owner_rank = -1;  // dedicated: its owner
   int tp_dim = -1, tp_owner = -1;  // dedicated on a TP mesh: split dimension, TP owner
   bool updated_here = true;        // this rank runs its optimizer update (dedicated: the owner)
+  // sharded_adamw: this rank's slice of the flat parameter padded to a multiple of the shard size
+  int64_t shard_numel = 0, shard_offset = 0, padded_numel = 0;
+  bool muon() const { return route == RouteKind::Dedicated; }        // a dedicated (Muon) matrix
+  bool sharded() const { return route == RouteKind::Sharded; }       // sharded_adamw
+  bool distributed() const { return route != RouteKind::Local; }     // on some data-parallel route
 };
+
+// One parameter's optimizer state as the optimizer keeps it on this rank.
+struct ParamState {
+  int64_t step = 0;
+  std::vector<at::Tensor> tensors;  // in the order of OptimizerStateAccess::fields; empty: no state
+  bool defined() const { return !tensors.empty() && tensors.front().defined(); }
+};
+
+// The optimizer's per-parameter state, as the routes see it for checkpoints (the optimizer layer
+// implements it; the runtime does not know the optimizer).
+class OptimizerStateAccess {
+ public:
+  virtual ~OptimizerStateAccess() = default;
+  // the state tensors of a Muon matrix (muon) or of an AdamW-trained parameter, by name
+  virtual const std::vector<std::string>& fields(bool muon) const = 0;
+  virtual ParamState get(const at::Tensor& param) const = 0;  // no state: step 0, no tensors
+  virtual void set(const at::Tensor& param, ParamState state) = 0;  // no tensors: fresh state
+};
+
+// A parameter with optimizer state in a checkpoint: its name, the shape of each state tensor (this
+// TP rank's slice of the full parameter) and whether it is a Muon matrix.
+struct StateSlot {
+  std::string name;
+  std::vector<int64_t> shape;
+  bool muon = false;
+};
+// the full state of `name` (this TP rank's slice), from whichever ranks hold it
+using StateSink = std::function<void(const std::string& name, bool muon, const ParamState& full)>;
+// the full state of `name` (this TP rank's slice), or nullopt: the parameter starts from fresh state
+using StateSource = std::function<std::optional<ParamState>(const std::string& name, bool muon)>;
 
 using TensorSink = std::function<void(const std::string& name, const at::Tensor& full)>;
 using FullValues = std::map<std::string, at::Tensor>;
@@ -75,17 +118,28 @@ class Route {
   virtual void finish_reduces() {}                               // wait, fold into the accumulators
   virtual void collect_flags(std::vector<at::Tensor>& /*out*/) {}  // device flags, read once per step
   virtual void install_grads(const float*& /*flag*/) {}            // walks the host copy of collect_flags
-  virtual void ready_grads(std::vector<ReadyGrad>& /*out*/) {}     // what this rank updates; hands them over
+  virtual void ready_grads(std::vector<ReadyGrad>& out) = 0;      // what this rank updates; hands them over
   virtual void discard_grads() {}                                // zero_grad: waits, drops, issues nothing
   virtual void upcast_local_grads() {}                           // NoSync: accumulate in the master dtype
   virtual void publish(bool /*async*/) {}                        // after the update
   virtual void wait_publishes() {}
 
+  // ---- what it trains ----
+  // true when this route trains `name` (fills v: route, full shape, boundary, owner, slice)
+  virtual bool describe(const std::string& name, ParamView& v) const = 0;
+
   // ---- checkpoints (collective: every rank, same order) ----
-  virtual void gather_full(const TensorSink& /*put*/) {}             // full values (master precision)
+  // Pure virtual: a route that forgot one would silently drop its parameters from checkpoints.
+  virtual void gather_full(const TensorSink& put) = 0;  // full values (master precision)
   // takes each parameter's value from `source` (this rank reads only what it keeps)
-  virtual void assign_from(ParamSource& /*source*/) {}
-  virtual void full_shapes(std::map<std::string, std::vector<int64_t>>& /*out*/) const {}
+  virtual void assign_from(ParamSource& source) = 0;
+  // the shape of each parameter as this TP rank's routes hold it whole (placeholders hold none)
+  virtual void full_shapes(std::map<std::string, std::vector<int64_t>>& out) const = 0;
+  virtual void state_slots(std::vector<StateSlot>& out) const = 0;
+  virtual void gather_state(const OptimizerStateAccess& opt, const StateSink& put) = 0;
+  // local: the ranks that update a parameter take its state from `get` (converted to their dtype,
+  // device and slice); the others keep none
+  virtual void assign_state(OptimizerStateAccess& opt, const StateSource& get) = 0;
 };
 
 }  // namespace dmuon

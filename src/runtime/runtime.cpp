@@ -15,8 +15,10 @@
 #include <chrono>
 #include <set>
 
+#include "dmuon/env.h"
 #include "dmuon/host_sync.h"
 #include "runtime/dedicated_route.h"
+#include "runtime/local_route.h"
 #include "runtime/replicated_route.h"
 #include "runtime/sharded_route.h"
 
@@ -26,34 +28,10 @@ const char* route_name(RouteKind k) {
   switch (k) {
     case RouteKind::Dedicated: return "muon";
     case RouteKind::Sharded: return "sharded_adamw";
-    case RouteKind::Replicated: return "adamw";
+    case RouteKind::Replicated: return "replicated";  // (selected by the route string "adamw")
     case RouteKind::Local: return "local";
   }
   return "?";
-}
-
-Precision Runtime::precision_of(const at::Tensor& p) const {
-  auto it = precision_.find(p.unsafeGetTensorImpl());
-  return it != precision_.end() ? it->second : Precision::plain(p.scalar_type());
-}
-
-at::Tensor Runtime::master_of(const at::Tensor& p) const {
-  auto it = masters_.find(p.unsafeGetTensorImpl());
-  return it != masters_.end() ? it->second : at::Tensor();
-}
-
-ReadyGrad Runtime::ready_grad(RouteKind route, const std::string& name, const at::Tensor& p,
-                              const Precision& prec) const {
-  ReadyGrad r;
-  r.route = route;
-  r.name = name;
-  r.param = p;
-  r.grad = p.grad();
-  r.prec = prec;
-  const at::Tensor master = master_of(p);
-  r.target = master.defined() ? master : p;
-  r.write_back = master.defined();
-  return r;
 }
 
 bool Runtime::routed(const std::string& name) const {
@@ -63,57 +41,38 @@ bool Runtime::routed(const std::string& name) const {
 std::vector<ParamView> Runtime::describe() const {
   std::lock_guard<std::recursive_mutex> g(mu_);
   std::vector<ParamView> out;
-  auto m = model_.lock();
-  if (!m) return out;
-  std::set<const c10::TensorImpl*> replicated;
-  if (replicated_)
-    for (const auto& p : replicated_->params()) replicated.insert(p.unsafeGetTensorImpl());
-  for (const auto& item : m->named_parameters(true)) {
-    const at::Tensor& p = item.value();
+  for (const ModelView::Tensor& item : view_.params) {
+    const at::Tensor& p = item.tensor;
     if (!p.requires_grad()) continue;
     ParamView v;
-    v.name = item.key();
+    v.name = item.name;
     v.param = p;
     v.shape = p.sizes().vec();
     v.prec = precision_of(p);
-    if (const DedicatedEntry* e = dedicated_->find(v.name)) {
-      v.route = RouteKind::Dedicated;
-      v.shape = e->shape;
-      v.boundary = boundaries_[static_cast<size_t>(e->boundary)].name;
-      v.owner_shard = e->owner.shard;
-      v.owner_replicate = e->owner.replicate;
-      v.owner_rank = e->owner_rank;
-      v.tp_dim = e->tp_dim;
-      v.tp_owner = e->tp_owner;
-      v.updated_here = e->is_owner;
-    } else if (const ShardedEntry* s = sharded_->find(v.name)) {
-      v.route = RouteKind::Sharded;
-      v.shape = s->shape;
-      v.boundary = boundaries_[static_cast<size_t>(s->boundary)].name;
-    } else {
-      v.route = replicated.count(p.unsafeGetTensorImpl()) ? RouteKind::Replicated : RouteKind::Local;
-    }
+    for (const Route* r : routes_)
+      if (r->describe(v.name, v)) break;
     out.push_back(std::move(v));
   }
   return out;
 }
 
-std::vector<int> Runtime::publish_order() const {
-  std::vector<int> order = recorded_order_.empty() ? current_order_ : recorded_order_;
-  for (const auto& B : boundaries_)
-    if (std::find(order.begin(), order.end(), B.index) == order.end()) order.push_back(B.index);
-  return order;
+std::vector<int64_t> Runtime::optim_element_sizes() const {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  std::vector<int64_t> out;
+  for (const auto& e : dedicated_->entries()) out.push_back(static_cast<int64_t>(c10::elementSize(e.prec.optim)));
+  return out;
 }
 
 // ---- forward ---------------------------------------------------------------------------------------
 void Runtime::prefetch_after(int b, bool backward) {
-  const int depth = backward ? 1 : opts_.forward_prefetch_depth;
+  const int depth = backward ? 1 : options().forward_prefetch_depth;
+  const ScheduleState& sched = ctx_.schedule;
   if (depth <= 0) return;
   std::vector<int> order;
   if (backward) {
-    order.assign(current_order_.rbegin(), current_order_.rend());
-  } else if (!recorded_order_.empty()) {
-    order = recorded_order_;
+    order.assign(sched.current_order.rbegin(), sched.current_order.rend());
+  } else if (!sched.recorded_order.empty()) {
+    order = sched.recorded_order;
   } else {
     for (const auto& B : boundaries_) order.push_back(B.index);  // first pass: model order
   }
@@ -131,7 +90,7 @@ void Runtime::issue_unshards(int b, const char* phase, bool backward, bool prefe
     for (Route* r : routes()) r->issue_unshard(b, phase);
     return;
   }
-  CommCounters& c = mesh_->counters();
+  CommCounters& c = mesh().counters();
   auto received = [&] { return c.bytes(CommOp::Broadcast) + c.bytes(CommOp::AllGather); };
   const int64_t before = received();
   const int64_t calls = c.calls(CommOp::Broadcast) + c.calls(CommOp::AllGather);
@@ -168,14 +127,15 @@ std::vector<BoundaryUnshardStats> Runtime::unshard_stats(bool clear) {
 
 void Runtime::reset_post_forward_order() {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  recorded_order_.clear();
-  current_order_.clear();
+  ctx_.schedule.recorded_order.clear();
+  ctx_.schedule.current_order.clear();
 }
 
 void Runtime::begin_forward_pass() {
-  if (!current_order_.empty()) recorded_order_ = current_order_;
-  current_order_.clear();
-  ++pass_;
+  ScheduleState& sched = ctx_.schedule;
+  if (!sched.current_order.empty()) sched.recorded_order = sched.current_order;
+  sched.current_order.clear();
+  ++sched.pass;
   ++profiled_passes_;
   for (auto& B : boundaries_) B.ran_forward = false;
   backward_since_forward_ = false;
@@ -193,8 +153,8 @@ void Runtime::pre_forward(int b) {
   B.ran_forward = true;
   B.ran_since_backward = true;
   B.in_forward = true;
-  boundaries_seen_ = true;
-  current_order_.push_back(b);
+  ctx_.schedule.boundaries_seen = true;
+  ctx_.schedule.current_order.push_back(b);
   issue_unshards(b, "forward broadcast", false, false);
   prefetch_after(b, /*backward=*/false);
   wait_unshards(b, false);
@@ -219,7 +179,8 @@ void Runtime::note_backward() {
     // reverse forward order; then every other boundary entered since the last backward (a block
     // run twice, or forward passes before this backward), in model order -- the same on every rank
     reduce_order_.clear();
-    for (auto it = current_order_.rbegin(); it != current_order_.rend(); ++it)
+    const std::vector<int>& current = ctx_.schedule.current_order;
+    for (auto it = current.rbegin(); it != current.rend(); ++it)
       if (std::find(reduce_order_.begin(), reduce_order_.end(), *it) == reduce_order_.end()) reduce_order_.push_back(*it);
     for (const auto& B : boundaries_)
       if (B.ran_since_backward && std::find(reduce_order_.begin(), reduce_order_.end(), B.index) == reduce_order_.end())
@@ -235,7 +196,7 @@ void Runtime::note_backward() {
 void Runtime::pre_backward(int b) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   note_backward();
-  if (ddp_) return;
+  if (ddp()) return;
   if (z3()) {
     issue_unshards(b, "backward broadcast", true, false);
     prefetch_after(b, /*backward=*/true);
@@ -353,18 +314,64 @@ void Runtime::prepare_grads_per_group() {
 
 std::vector<ReadyGrad> Runtime::take_ready_grads(bool dedicated) {
   std::lock_guard<std::recursive_mutex> g(mu_);
+  return take_ready_grads_locked(dedicated);
+}
+
+std::vector<ReadyGrad> Runtime::take_ready_grads_locked(bool dedicated) {
   std::vector<ReadyGrad> out;
   for (Route* r : routes())
     if (dedicated || r != dedicated_.get()) r->ready_grads(out);
-  // parameters on no distributed route (a single rank without dmuon::replicate): their local gradient
-  if (!local_params_) {
-    local_params_.emplace();
-    for (const auto& v : describe())
-      if (v.route == RouteKind::Local) local_params_->emplace_back(v.name, v.param);
-  }
-  for (const auto& [name, p] : *local_params_)
-    if (p.grad().defined()) out.push_back(ready_grad(RouteKind::Local, name, p, precision_of(p)));
   return out;
+}
+
+void Runtime::step(bool group_prepare_ahead, bool async, std::optional<std::vector<ReadyGrad>> taken,
+                   StepVisitor& v) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  at::NoGradGuard ng;
+  const Mesh& m = mesh();
+  // group_prepare_ahead: the dedicated route group by group where there is a stage-2 reduce to
+  // overlap with the Newton-Schulz of the group before it (HSDP). It costs two host reads per group
+  // (has-gradient flags, finiteness) instead of two per step, so 1-D meshes keep the one-pass path;
+  // so do steps on gradients taken before (clipping took every one) and TP (all gathers first).
+  const bool per_group = group_prepare_ahead && !taken && !m.has_tp() && m.is_2d() && !ddp();
+  v.begin(StepVisitor::Phase::Prepare);
+  prepare_grads(/*dedicated=*/!per_group);  // collective: the reduces are waited (HSDP: stage 2 too)
+  const std::vector<ReadyGrad> ready = taken ? std::move(*taken) : take_ready_grads_locked(!per_group);
+  v.end(StepVisitor::Phase::Prepare);
+  // TP updates of the last step still arriving by scatter land before this step changes anything
+  dedicated_->finish_deferred();
+  if (per_group) {
+    // Hook groups in publish order (the next forward's order). Group i+1's stage-1 reduces are waited
+    // and its HSDP stage-2 reduce issued before group i's is waited, so it travels while group i's
+    // Newton-Schulz runs; with async publishing each group publishes right after its own update.
+    // Collective in the same order on every rank (the recorded forward order is the same everywhere).
+    const std::vector<int> order = publish_order();
+    if (!order.empty()) dedicated_->prepare_group(order[0]);
+    for (size_t i = 0; i < order.size(); ++i) {
+      v.begin(StepVisitor::Phase::Prepare);
+      if (i + 1 < order.size()) dedicated_->prepare_group(order[i + 1]);
+      const std::vector<ReadyGrad> group = dedicated_->finish_group(order[i]);
+      v.end(StepVisitor::Phase::Prepare);
+      v.update(group);
+      if (async) {
+        v.begin(StepVisitor::Phase::Publish);
+        dedicated_->publish_group(order[i], /*async=*/true);
+        v.end(StepVisitor::Phase::Publish);
+      }
+    }
+  }
+  v.update(ready);
+  v.before_publish();
+  // collective: HSDP publishes over the replicate group, the DDP path broadcasts from the owners,
+  // all_gather unshard scatters; nothing on a 1-D mesh in broadcast mode (the next forward does it)
+  v.begin(StepVisitor::Phase::Publish);
+  publish(async);  // (the groups published above are skipped)
+  v.end(StepVisitor::Phase::Publish);
+}
+
+void Runtime::defer_update(const std::string& name, std::function<void()> apply) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  dedicated_->defer_update(name, std::move(apply));
 }
 
 void Runtime::discard_grads() {
@@ -382,6 +389,14 @@ void Runtime::drain_all() {
 void Runtime::publish(bool async) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   for (Route* r : routes()) r->publish(async);
+  if (env::isolated_pg_barrier() && !ddp()) {
+    // strict post-step fence on dmuon's own groups (diagnosis of process-group ordering issues)
+    Mesh& m = mesh();
+    const bool hsdp = m.replicate() != nullptr;
+    if (hsdp) wait_publishes();
+    m.shard().barrier(hsdp ? "DMUON_ISOLATED_PG_BARRIER post-step fence (shard)" : "DMUON_ISOLATED_PG_BARRIER post-step fence");
+    if (hsdp) m.replicate()->barrier("DMUON_ISOLATED_PG_BARRIER post-step fence (replicate)");
+  }
 }
 
 void Runtime::wait_publishes() {
@@ -392,9 +407,65 @@ void Runtime::wait_publishes() {
   for (Route* r : rs) r->wait_publishes();
 }
 
+// ---- checkpoints ---------------------------------------------------------------------------------
+void Runtime::drain() {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  wait_publishes();  // post-step publishes and all_gather-mode scatters
+  drain_all();       // forward prefetches, pending reduces
+}
+
+void Runtime::gather_params(const TensorSink& put) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  at::NoGradGuard ng;
+  for (Route* r : routes()) r->gather_full(put);
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> Runtime::param_shapes() const {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  std::map<std::string, std::vector<int64_t>> local;
+  for (const Route* r : routes()) r->full_shapes(local);
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  for (const ModelView::Tensor& item : view_.params)
+    out.emplace_back(item.name, ctx_.region_of(item.name, local.at(item.name)).full_shape);
+  return out;
+}
+
+void Runtime::assign_params(ParamSource& source, const std::vector<std::pair<std::string, at::Tensor>>& extra,
+                            const std::string& what) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  at::NoGradGuard ng;
+  for (Route* r : routes()) r->assign_from(source);
+  for (const auto& [name, t] : extra) {
+    at::Tensor b = t.detach();
+    ctx_.fill_from(source, name, TensorRegion::whole(b.sizes()), b);
+  }
+  // nothing from before the load survives: gradients are dropped (the routes dropped theirs)
+  for (const ModelView::Tensor& item : view_.params) at::Tensor(item.tensor).mutable_grad() = at::Tensor();
+  ctx_.agree_fills(what);
+}
+
+std::vector<StateSlot> Runtime::state_slots() const {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  std::vector<StateSlot> out;
+  for (const Route* r : routes()) r->state_slots(out);
+  return out;
+}
+
+void Runtime::gather_state(const OptimizerStateAccess& opt, const StateSink& put) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  at::NoGradGuard ng;
+  for (Route* r : routes()) r->gather_state(opt, put);
+}
+
+void Runtime::assign_state(OptimizerStateAccess& opt, const StateSource& get) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  at::NoGradGuard ng;
+  for (Route* r : routes()) r->assign_state(opt, get);
+}
+
 void Runtime::set_no_sync(bool on) {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  TORCH_CHECK(!on || !no_sync_, "rank ", mesh_->global_rank(), ": no_sync is already active on this model. "
+  TORCH_CHECK(!on || !no_sync_, "rank ", mesh().global_rank(), ": no_sync is already active on this model. "
               "Nested no_sync scopes are a mistake: keep one scope around every micro-batch but the last.");
   no_sync_ = on;
 }

@@ -17,8 +17,12 @@
 // autograd nodes and the identity functions around boundaries hold a std::weak_ptr<Runtime> (or its
 // id, resolved through the registry): a graph or hook that outlives the model does nothing.
 //
+// The layers above see the Runtime only through RuntimeFace (runtime_face.h); the routes see only
+// their RouteContext (route_context.h).
+//
 // Threading: autograd may call hooks from its worker threads; every entry point takes the
-// Runtime's recursive mutex. The collectives themselves are issued in program order of the hooks,
+// Runtime's recursive mutex (private: nothing outside the Runtime locks it). The collectives
+// themselves are issued in program order of the hooks,
 // which autograd runs in the same order on every rank.
 #pragma once
 
@@ -37,16 +41,21 @@
 #include "dmuon/communicator.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/mesh.h"
+#include "dmuon/model_view.h"
 #include "dmuon/owner_plan.h"
 #include "dmuon/unshard_profile.h"
 #include "runtime/precision.h"
 #include "runtime/route.h"
+#include "runtime/route_context.h"
+#include "runtime/runtime_face.h"
+#include "runtime/storage.h"
 
 namespace dmuon {
 
 class DedicatedRoute;
 class ShardedRoute;
 class ReplicatedRoute;
+class LocalRoute;
 
 // A hook boundary's schedule state (what its routes keep per boundary lives in the routes).
 struct Boundary {
@@ -68,9 +77,11 @@ struct Boundary {
   std::optional<at::ScalarType> output_dtype;  // cast the tensor output to this
 };
 
-class Runtime : public std::enable_shared_from_this<Runtime> {
+class Runtime final : public RuntimeFace, public GradEvents, public std::enable_shared_from_this<Runtime> {
  public:
-  Runtime(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<Mesh> mesh, DedicateOptions opts, bool ddp);
+  // `view`: the model as data (model_view.h); `module`: the LibTorch module it was made from, if any
+  Runtime(ModelView view, std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Mesh> mesh, DedicateOptions opts,
+          bool ddp);
   ~Runtime();
 
   // ---- setup (build.cpp) ----
@@ -88,68 +99,71 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   void note_post_hook(int b);                  // a use of boundary b whose backward fires post_backward
   void note_accumulated(bool& accumulated, int b);  // a parameter of b got its gradient (its own bit)
   void note_backward();                        // some hook ran in backward: queue the end-of-backward
+  // GradEvents (route hooks; called under the lock)
+  void accumulated(bool& flag, int b) override { note_accumulated(flag, b); }
+  void backward_ran() override { note_backward(); }
   std::string bypass_hint() const;             // names a boundary not entered in the current forward
 
-  // ---- optimizer interface (collective: every rank) ----
+  // ---- RuntimeFace: the optimizer (collective: every rank) ----
+  void prepare_grads() override { prepare_grads(true); }
+  std::vector<ReadyGrad> take_ready_grads() override { return take_ready_grads(true); }
+  void step(bool group_prepare_ahead, bool async, std::optional<std::vector<ReadyGrad>> taken,
+            StepVisitor& v) override;
+  void defer_update(const std::string& name, std::function<void()> apply) override;
+  void discard_grads() override;
+  // ---- RuntimeFace: checkpoints ----
+  void drain() override;
+  void gather_params(const TensorSink& put) override;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> param_shapes() const override;
+  void assign_params(ParamSource& source, const std::vector<std::pair<std::string, at::Tensor>>& extra,
+                     const std::string& what) override;
+  std::vector<StateSlot> state_slots() const override;
+  void gather_state(const OptimizerStateAccess& opt, const StateSink& put) override;
+  void assign_state(OptimizerStateAccess& opt, const StateSource& get) override;
+
+  // ---- the schedule's optimizer entry points (prepare_muon_grads, broadcast_all_updates, ...) ----
   // wait reduces; owners get averaged grads. dedicated=false leaves the dedicated route to its
-  // per-group calls (DedicatedRoute::prepare_group / finish_group: Muon::step's group_prepare_ahead)
-  void prepare_grads(bool dedicated = true);
+  // per-group calls
+  void prepare_grads(bool dedicated);
   // prepare_grads for every route, the dedicated one group by group in publish order (each group's
   // stage 1 waited and stage 2 issued one group ahead of the group being finished)
   void prepare_grads_per_group();
-  std::vector<ReadyGrad> take_ready_grads(bool dedicated = true);  // after prepare_grads: what this rank updates
+  std::vector<ReadyGrad> take_ready_grads(bool dedicated);  // after prepare_grads: what this rank updates
   void publish(bool async);                    // after the update
   void wait_publishes();                       // local: waits every in-flight publish / unshard
   void drain_all();                            // waits every in-flight collective of this model
-  // zero_grad: waits the gradient collectives already in flight (every rank issued them) and drops
-  // every gradient dmuon holds; issues no collective.
-  void discard_grads();
   void set_no_sync(bool on);
 
-  // ---- queries ----
-  Mesh& mesh() const { return *mesh_; }
-  const std::shared_ptr<Mesh>& mesh_ptr() const { return mesh_; }
-  const DedicateOptions& options() const { return opts_; }
-  std::shared_ptr<torch::nn::Module> model() const { return model_.lock(); }
-  bool ddp() const { return ddp_; }
-  bool z3() const { return opts_.reshard_after_forward && !ddp_; }
+  // ---- queries (RuntimeFace and the runtime's own files) ----
+  Mesh& mesh() const override { return ctx_.mesh(); }
+  const std::shared_ptr<Mesh>& mesh_ptr() const { return ctx_.mesh_ptr(); }
+  const DedicateOptions& options() const override { return ctx_.options(); }
+  std::shared_ptr<torch::nn::Module> model() const { return model_.lock(); }  // null without a LibTorch module
+  const ModelView& view() const { return view_; }
+  bool ddp() const override { return ctx_.ddp(); }
+  bool z3() const override { return ctx_.z3(); }
   bool no_sync() const { return no_sync_; }
-  bool boundaries_seen() const { return boundaries_seen_; }
-  int64_t pass() const { return pass_; }
-  // the recorded forward order, then every other boundary in model order (post-step publishes)
-  std::vector<int> publish_order() const;
+  bool boundaries_seen() const { return ctx_.boundaries_seen(); }
+  int64_t pass() const { return ctx_.pass(); }
+  std::vector<int> publish_order() const { return ctx_.publish_order(); }
   const std::vector<Boundary>& boundaries() const { return boundaries_; }
-  const OwnerPlan& plan() const { return plan_; }
-  const std::vector<ParamSpec>& specs() const { return specs_; }
-  const std::vector<std::string>& boundary_of_param() const { return boundary_of_param_; }
-  // every TP-split parameter of the model (full name -> split dimension), found once by build()
-  const std::map<std::string, int>& tp_split() const { return tp_split_; }
-  // The box of `name`'s full value this TP rank holds (the whole value without a TP split).
-  TensorRegion region_of(const std::string& name, at::IntArrayRef local_shape) const;
-  // Writes the box `region` of `name` into `out` from `source` (converting dtype and device). A
-  // failure (a missing or damaged tensor, a read error) is recorded, not thrown, so every rank still
-  // reaches the same collectives; agree_fills() then throws on every rank when any rank failed.
-  void fill_from(ParamSource& source, const std::string& name, const TensorRegion& region, at::Tensor& out);
-  // collective (the world): throws on every rank, naming the ranks that failed and this rank's
-  // error, when a fill_from since the last call failed anywhere.
-  void agree_fills(const std::string& what);
+  const OwnerPlan& plan() const override { return plan_; }
+  const std::vector<ParamSpec>& specs() const override { return specs_; }
+  const std::vector<std::string>& boundary_of_param() const override { return boundary_of_param_; }
+  std::vector<int64_t> optim_element_sizes() const override;
+  const std::map<std::string, int>& tp_split() const override { return ctx_.tp_split(); }
+  bool has_replicated_route() const override { return replicated_ != nullptr; }
   // setup only: checks the deferred parameters against the source and mixes which are deferred
   // into the fingerprint `digest`
-  void check_deferred(const torch::nn::Module& model, uint64_t& digest);
-  // setup only: the source of deferred parameters (DedicateOptions::param_source; null when none is deferred)
-  ParamSource* deferred_source() const { return deferred_source_; }
-  Precision precision_of(const at::Tensor& p) const;  // plain (own dtype) without a policy
-  at::Tensor master_of(const at::Tensor& p) const;    // undefined when p has no master on this rank
-  // p's gradient for the optimizer: the update targets p's master when it has one here, else p
-  ReadyGrad ready_grad(RouteKind route, const std::string& name, const at::Tensor& p, const Precision& prec) const;
-  bool has_masters() const { return !masters_.empty(); }
-  void set_master(const at::Tensor& p, at::Tensor master) { masters_[p.unsafeGetTensorImpl()] = std::move(master); }
+  void check_deferred(uint64_t& digest);
+  Precision precision_of(const at::Tensor& p) const { return ctx_.precision_of(p); }
+  at::Tensor master_of(const at::Tensor& p) const { return ctx_.master_of(p); }
+  bool has_masters() const { return ctx_.has_masters(); }
   bool routed(const std::string& name) const;          // dedicated or sharded_adamw
-  std::vector<ParamView> describe() const;              // every trainable parameter, model order
+  std::vector<ParamView> describe() const override;     // every trainable parameter, model order
   DedicatedRoute& dedicated() const { return *dedicated_; }
   ShardedRoute& sharded() const { return *sharded_; }
   ReplicatedRoute* replicated() const { return replicated_; }
-  std::recursive_mutex& mutex() const { return mu_; }
   uint64_t id() const { return id_; }
   // unshard_profile.h: per-boundary unshard counters (empty unless recording)
   bool recording_unshards() const { return !unshard_stats_.empty(); }
@@ -160,7 +174,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
  private:
   // Every TP module was built on this runtime's mesh; returns their split parameters (full name ->
   // split dimension).
-  std::map<std::string, int> check_tp_modules(const torch::nn::Module& model) const;
+  void check_tp_modules() const;
   void begin_forward_pass();
   // every route's unshard of boundary b (counted when recording), and the wait for it
   void issue_unshards(int b, const char* phase, bool backward, bool prefetch);
@@ -171,42 +185,32 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   void release(int b);
   void end_of_backward();
   const std::vector<Route*>& routes() const { return routes_; }
+  // the ready gradients of the one-pass path (every route, or every route but the dedicated one)
+  std::vector<ReadyGrad> take_ready_grads_locked(bool dedicated);
 
-  std::weak_ptr<torch::nn::Module> model_;
-  std::shared_ptr<Mesh> mesh_;
-  DedicateOptions opts_;
-  bool ddp_ = false;
+  ModelView view_;                         // the model's parameters, buffers and modules
+  std::weak_ptr<torch::nn::Module> model_;  // the LibTorch module view_ was made from (empty otherwise)
+  RouteContext ctx_;  // what the routes see: mesh, options, boundary names, schedule, masters
   uint64_t id_ = 0;
   OwnerPlan plan_;
   std::vector<ParamSpec> specs_;               // planner input, per dedicated param
   std::vector<std::string> boundary_of_param_;  // hook boundary name, per dedicated param
-  std::string fill_error_;  // the first failed fill_from since agree_fills
-  ParamSource* deferred_source_ = nullptr;
-  std::map<std::string, int> tp_split_;         // TP-split parameters (build)
   std::vector<Boundary> boundaries_;
+  // The routes, in the order they are called (dedicated, sharded, replicated, local): every rank
+  // calls them in this order, so their collectives keep one order.
   std::unique_ptr<DedicatedRoute> dedicated_;
   std::unique_ptr<ShardedRoute> sharded_;
-  std::vector<std::unique_ptr<Route>> extra_routes_;  // replicated (and future routes), in add order
+  std::unique_ptr<ReplicatedRoute> replicated_owner_;
   ReplicatedRoute* replicated_ = nullptr;
-  std::vector<Route*> routes_;                 // every route, in the order they are called
-  // trainable parameters on no distributed route (cached at the first take_ready_grads)
-  std::optional<std::vector<std::pair<std::string, at::Tensor>>> local_params_;
-  // mixed precision: the resolved policy of every parameter dedicate_params cast or gave a master,
-  // and the master copies this rank updates (owned Muon matrices: views into the packed master;
-  // replicated parameters). A sharded_adamw parameter's master is its shard.
-  std::map<const c10::TensorImpl*, Precision> precision_;
-  std::map<const c10::TensorImpl*, at::Tensor> masters_;
+  std::unique_ptr<LocalRoute> local_;
+  std::vector<Route*> routes_;
 
   mutable std::recursive_mutex mu_;
   bool no_sync_ = false;
-  bool boundaries_seen_ = false;          // the model runs its boundaries through dmuon::forward
-  int64_t pass_ = 0;                      // forward pass counter
-  std::vector<int> current_order_;        // boundaries entered in the current forward pass
-  std::vector<int> recorded_order_;       // the previous pass's order (prefetch schedule)
   bool backward_since_forward_ = true;
   bool callback_queued_ = false;
   size_t next_reduce_ = 0;                // position in reduce_order_
-  std::vector<int> reduce_order_;         // reverse of current_order_, fixed at the first backward hook
+  std::vector<int> reduce_order_;         // reverse of the current forward order, fixed at the first backward hook
   bool reduce_order_fixed_ = false;
   std::vector<BoundaryUnshardStats> unshard_stats_;  // per boundary, when recording
   int64_t profiled_passes_ = 0;
@@ -221,19 +225,14 @@ std::pair<std::shared_ptr<Runtime>, int> boundary_of_module(const torch::nn::Mod
 std::shared_ptr<Runtime> runtime_by_id(uint64_t id);
 uint64_t next_runtime_id();
 void register_state(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Runtime>& state);
+// a runtime with no LibTorch module (dedicate_model_view): found by id only, while its owner keeps it
+void register_runtime(const std::shared_ptr<Runtime>& state);
 void register_boundary(const std::shared_ptr<torch::nn::Module>& module, const std::shared_ptr<Runtime>& s, int b);
 // Runs `fn` each time autograd has accumulated `param`'s gradient. Returns the accumulator node:
 // keep it alive (autograd holds it only weakly) and create it while `param` has its full shape
 // (the node caches it). Throws naming `name` and `rank` when `param` is not a leaf requiring grad.
 std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const at::Tensor& param, const std::string& name, int rank,
                                                            std::function<void()> fn);
-// on_grad_accumulated for a route: `fn` runs with the Runtime locked, and not at all once the
-// Runtime is gone (the hook holds a weak_ptr).
-std::shared_ptr<torch::autograd::Node> on_grad_accumulated(Runtime& rt, const at::Tensor& param,
-                                                           const std::string& name, std::function<void(Runtime&)> fn);
-// resize a tensor's StorageImpl in place (every view and saved tensor sees it)
-void resize_storage_bytes(const at::Tensor& t, size_t bytes);
-void restore_storage(const at::Tensor& t);  // resize back to the tensor's full size
 }  // namespace detail
 
 }  // namespace dmuon

@@ -140,48 +140,50 @@ Precision resolve_precision(const ParamPolicy& pol, const DedicateOptions& opts,
   return pr;
 }
 
-std::string resolve_boundary(const DedicateOptions& opts,
-                             const std::map<std::string, std::shared_ptr<torch::nn::Module>>& modules,
-                             const std::string& name, const at::Tensor& p, int rank) {
+std::string resolve_boundary(const DedicateOptions& opts, const ModelView& model, const std::string& name,
+                             const at::Tensor& p, int rank) {
   if (opts.hook_boundary_resolver) {
     std::string boundary = opts.hook_boundary_resolver(name, p);
-    TORCH_CHECK(modules.count(boundary), "rank ", rank, ": dedicate_params: hook_boundary_resolver returned '",
+    TORCH_CHECK(model.module(boundary), "rank ", rank, ": dedicate_params: hook_boundary_resolver returned '",
                 boundary, "' for parameter '", name, "', which is not a module of the model (named_modules()).");
     return boundary;
   }
   if (opts.hook_boundary_predicate) {
     for (const auto& a : ancestors_of(name)) {
-      auto it = modules.find(a);
-      if (it != modules.end() && opts.hook_boundary_predicate(a, *it->second)) return a;
+      const ModelView::Module* m = model.module(a);
+      if (!m) continue;
+      const std::shared_ptr<torch::nn::Module> module = m->libtorch.lock();
+      TORCH_CHECK(module, "rank ", rank, ": dedicate_params: hook_boundary_predicate is called with LibTorch "
+                  "modules, but module '", a, "' of this model is not one. Use hook_boundary_resolver (name -> "
+                  "boundary module name) for models that are not LibTorch modules.");
+      if (opts.hook_boundary_predicate(a, *module)) return a;
     }
     TORCH_CHECK(!opts.hook_boundary_strict, "rank ", rank, ": dedicate_params: no ancestor module of '", name,
                 "' matches hook_boundary_predicate (strict mode). Widen the predicate so it selects the block that "
                 "contains this parameter, or set hook_boundary_strict=false to fall back to its direct parent module.");
   } else {
     const std::string key = layer_key_of(name);
-    if (!key.empty() && modules.count(key)) return key;
+    if (!key.empty() && model.module(key)) return key;
   }
   return ancestors_of(name).front();  // the direct parent
 }
 
-Routing route_params(const torch::nn::Module& model, const ParamPredicate& predicate, const DedicateOptions& opts,
+Routing route_params(const ModelView& model, const ParamPredicate& predicate, const DedicateOptions& opts,
                      const RoutingContext& ctx) {
   const int rank = ctx.rank;
   TORCH_CHECK(static_cast<bool>(predicate), "rank ", rank, ": dedicate_params: the predicate is empty. Pass a "
               "function (name, param) -> bool that selects the Muon matrices, e.g. 2-D weights of layers.");
-  std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
-  for (const auto& item : model.named_modules("", /*include_self=*/true)) modules[item.key()] = item.value();
   Routing out;
   auto boundary_of = [&](const std::string& name, const at::Tensor& p) {
-    std::string boundary = resolve_boundary(opts, modules, name, p, rank);
+    std::string boundary = resolve_boundary(opts, model, name, p, rank);
     if (std::find(out.boundary_order.begin(), out.boundary_order.end(), boundary) == out.boundary_order.end())
       out.boundary_order.push_back(boundary);
     return boundary;
   };
   std::map<std::string, std::pair<at::ScalarType, std::string>> input_cast, output_cast;
-  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
-    const std::string& name = item.key();
-    const at::Tensor& p = item.value();
+  for (const ModelView::Tensor& item : model.params) {
+    const std::string& name = item.name;
+    const at::Tensor& p = item.tensor;
     const ParamPolicy pol = policy_for(opts, name, p, rank);
     if (!p.requires_grad()) {  // frozen: only the forward dtype applies
       if (pol.param_dtype && *pol.param_dtype != p.scalar_type())

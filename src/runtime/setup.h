@@ -4,7 +4,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <torch/nn/module.h>
 
 #include <cstdint>
 #include <map>
@@ -13,6 +12,7 @@
 #include <vector>
 
 #include "dmuon/dedicate.h"
+#include "dmuon/model_view.h"
 #include "dmuon/owner_plan.h"
 #include "runtime/dedicated_route.h"
 #include "runtime/precision.h"
@@ -36,9 +36,9 @@ Precision resolve_precision(const ParamPolicy& pol, const DedicateOptions& opts,
 // The hook boundary of a parameter (a module name as in named_modules(); "" = the root):
 // hook_boundary_resolver, else the lowest ancestor matching hook_boundary_predicate, else the
 // `layers.N` / `blocks.N` module, else the direct parent.
-std::string resolve_boundary(const DedicateOptions& opts,
-                             const std::map<std::string, std::shared_ptr<torch::nn::Module>>& modules,
-                             const std::string& name, const at::Tensor& p, int rank);
+// hook_boundary_predicate needs the LibTorch modules (ModelView::Module::libtorch).
+std::string resolve_boundary(const DedicateOptions& opts, const ModelView& model, const std::string& name,
+                             const at::Tensor& p, int rank);
 
 struct RoutedParam {
   std::string name;
@@ -64,11 +64,10 @@ struct Routing {
 
 struct RoutingContext {
   int rank = 0;
-  bool mesh_2d = false;
   bool ddp = false;
   bool tp = false;  // the mesh has a tensor-parallel axis
 };
-Routing route_params(const torch::nn::Module& model, const ParamPredicate& predicate, const DedicateOptions& opts,
+Routing route_params(const ModelView& model, const ParamPredicate& predicate, const DedicateOptions& opts,
                      const RoutingContext& ctx);
 
 }  // namespace dmuon

@@ -5,7 +5,9 @@
 
 #include <algorithm>
 
-#include "runtime/runtime.h"
+#include "runtime/route_context.h"
+#include "runtime/storage.h"
+
 
 namespace dmuon {
 
@@ -15,7 +17,7 @@ const ShardedEntry* ShardedRoute::find(const std::string& name) const {
 }
 
 void ShardedRoute::add(const std::string& name, const at::Tensor& param, int boundary, const Precision& prec) {
-  Mesh& mesh = rt_.mesh();
+  Mesh& mesh = ctx_.mesh();
   at::NoGradGuard ng;
   const int G = mesh.shard_size();
   ShardedEntry e;
@@ -30,7 +32,7 @@ void ShardedRoute::add(const std::string& name, const at::Tensor& param, int bou
   const int64_t begin = static_cast<int64_t>(mesh.shard_rank()) * e.shard_len;
   if (is_deferred(param)) {  // this rank reads its slice alone (every rank's source gives the same values)
     e.shard = at::empty({e.shard_len}, o.dtype(prec.master));
-    fill_shard(e, *rt_.deferred_source());
+    fill_shard(e, *ctx_.deferred_source());
   } else {
     at::Tensor full = at::zeros({e.shard_len * G}, o);  // the value before any cast
     full.narrow(0, 0, e.numel).copy_(param.detach().reshape(-1));
@@ -50,9 +52,9 @@ void ShardedRoute::add(const std::string& name, const at::Tensor& param, int bou
 void ShardedRoute::install() {
   for (size_t i = 0; i < entries_.size(); ++i) {
     auto& e = entries_[i];
-    e.grad_acc = detail::on_grad_accumulated(rt_, e.param, e.name, [i](Runtime& rt) {
-      auto& en = rt.sharded().entries_[i];
-      rt.note_accumulated(en.accumulated, en.boundary);
+    e.grad_acc = ctx_.on_grad_accumulated(e.param, e.name, [this, i](GradEvents& ev) {
+      auto& en = entries_[i];
+      ev.accumulated(en.accumulated, en.boundary);
     });
     at::NoGradGuard ng;
     e.param.set_data(e.placeholder);
@@ -62,17 +64,17 @@ void ShardedRoute::install() {
 
 void ShardedRoute::issue_unshard(int b, const char* phase) {
   if (static_cast<size_t>(b) >= by_boundary_.size()) return;
-  Communicator& comm = rt_.mesh().shard();
+  Communicator& comm = ctx_.mesh().shard();
   for (int i : by_boundary_[static_cast<size_t>(b)]) {  // all-gather the full tensor from the shards
     ShardedEntry& e = entries_[i];
-    if (e.state != ShardedEntry::State::Released && e.ready_pass == rt_.pass()) continue;
+    if (e.state != ShardedEntry::State::Released && e.ready_pass == ctx_.pass()) continue;
     if (e.state == ShardedEntry::State::Pending) e.gather.wait();  // an unused one from an earlier pass
     if (e.state == ShardedEntry::State::Released) detail::restore_storage(e.full);
     // the shard is the master (master dtype): the all-gather carries its param-dtype rounding
     e.gather_src = e.shard.scalar_type() == e.full.scalar_type() ? e.shard : e.shard.to(e.full.scalar_type());
     e.gather = comm.allgather_flat(e.full, e.gather_src, std::string(phase) + " all-gather of '" + e.name + "'");
     e.state = ShardedEntry::State::Pending;
-    e.ready_pass = rt_.pass();
+    e.ready_pass = ctx_.pass();
   }
 }
 
@@ -107,7 +109,7 @@ void ShardedRoute::release(int b) {
 
 void ShardedRoute::issue_reduce(int b) {
   if (static_cast<size_t>(b) >= by_boundary_.size()) return;
-  Communicator& comm = rt_.mesh().shard();
+  Communicator& comm = ctx_.mesh().shard();
   at::NoGradGuard ng;
   for (int i : by_boundary_[static_cast<size_t>(b)]) {  // reduce-scatter G chunks of [L grads, has-grad flag]
     ShardedEntry& e = entries_[i];
@@ -134,7 +136,7 @@ void ShardedRoute::finish(ShardedEntry& e) {
   e.rs.wait();
   e.rs = Pending();
   e.rs_issued = false;
-  Mesh& mesh = rt_.mesh();
+  Mesh& mesh = ctx_.mesh();
   if (Communicator* rep = mesh.replicate())  // HSDP: replicated over the replicate axis
     rep->allreduce(e.rs_out, Reduction::Sum, "replicate all-reduce of the shard of '" + e.name + "'").wait();
   e.acc.fold(e.rs_out, e.shard_len, 1, e.shard.scalar_type(), static_cast<double>(mesh.data_parallel_size()));
@@ -168,13 +170,14 @@ void ShardedRoute::install_grads(const float*& flag) {
 void ShardedRoute::ready_grads(std::vector<ReadyGrad>& out) {
   for (auto& e : entries_) {
     if (e.grad.defined()) {
-      ReadyGrad r;
-      r.route = RouteKind::Sharded;
-      r.name = e.name;
-      r.param = e.param;
-      r.target = e.shard;
+      // every shard rank updates its slice; counted in a norm by the first replicate group, the
+      // parameter itself by its shard rank 0
+      const Mesh& mesh = ctx_.mesh();
+      ReadyGrad r = ctx_.ready_grad(e.name, e.param, e.prec, /*muon=*/false, mesh.replicate_rank() == 0,
+                                    mesh.shard_rank() == 0);
+      r.target = e.shard;  // the slice is the master
+      r.write_back = false;
       r.grad = e.grad;
-      r.prec = e.prec;
       out.push_back(std::move(r));
     }
     e.grad = at::Tensor();  // handed over
@@ -197,14 +200,14 @@ void ShardedRoute::upcast_local_grads() {
 }
 
 at::Tensor ShardedRoute::gather(const ShardedEntry& e, const at::Tensor& slice, const std::string& what) const {
-  Communicator& comm = rt_.mesh().shard();
+  Communicator& comm = ctx_.mesh().shard();
   at::Tensor full = at::empty({slice.numel() * comm.size()}, slice.options());
   comm.allgather_flat(full, slice.contiguous(), what).wait();
   return full.narrow(0, 0, e.numel).view(e.shape);
 }
 
 at::Tensor ShardedRoute::slice_of(const ShardedEntry& e, const at::Tensor& full, const at::TensorOptions& o) const {
-  const Mesh& mesh = rt_.mesh();
+  const Mesh& mesh = ctx_.mesh();
   at::Tensor padded = at::zeros({e.shard_len * mesh.shard_size()}, o);
   padded.narrow(0, 0, full.numel()).copy_(full.reshape(-1));
   return padded.narrow(0, static_cast<int64_t>(mesh.shard_rank()) * e.shard_len, e.shard_len).clone();
@@ -215,13 +218,13 @@ void ShardedRoute::gather_full(const TensorSink& put) {
 }
 
 void ShardedRoute::fill_shard(ShardedEntry& e, ParamSource& source) const {
-  const int64_t begin = static_cast<int64_t>(rt_.mesh().shard_rank()) * e.shard_len;
+  const int64_t begin = static_cast<int64_t>(ctx_.mesh().shard_rank()) * e.shard_len;
   const int64_t len = std::max<int64_t>(0, std::min(e.numel - begin, e.shard_len));
   e.shard.zero_();
   if (len == 0) return;
-  const auto [rows, skip] = detail::rows_covering(rt_.region_of(e.name, e.shape), begin, len);
+  const auto [rows, skip] = detail::rows_covering(ctx_.region_of(e.name, e.shape), begin, len);
   at::Tensor part = at::empty(rows.size, e.shard.options());
-  rt_.fill_from(source, e.name, rows, part);
+  ctx_.fill_from(source, e.name, rows, part);
   e.shard.narrow(0, 0, len).copy_(part.reshape(-1).narrow(0, skip, len));
 }
 
@@ -236,6 +239,47 @@ void ShardedRoute::assign_from(ParamSource& source) {
 
 void ShardedRoute::full_shapes(std::map<std::string, std::vector<int64_t>>& out) const {
   for (const auto& e : entries_) out[e.name] = e.shape;
+}
+
+bool ShardedRoute::describe(const std::string& name, ParamView& v) const {
+  const ShardedEntry* e = find(name);
+  if (!e) return false;
+  const Mesh& mesh = ctx_.mesh();
+  v.route = RouteKind::Sharded;
+  v.shape = e->shape;
+  v.boundary = ctx_.boundary_name(e->boundary);
+  v.shard_numel = e->shard_len;
+  v.shard_offset = e->shard_len * mesh.shard_rank();
+  v.padded_numel = e->shard_len * mesh.shard_size();
+  return true;
+}
+
+void ShardedRoute::state_slots(std::vector<StateSlot>& out) const {
+  for (const auto& e : entries_) out.push_back({e.name, e.shape, false});
+}
+
+void ShardedRoute::gather_state(const OptimizerStateAccess& opt, const StateSink& put) {
+  for (const auto& e : entries_) {
+    ParamState s = opt.get(e.param);  // defined on every rank or none: all step together
+    if (!s.defined()) continue;
+    const std::vector<std::string>& fields = opt.fields(false);
+    for (size_t k = 0; k < s.tensors.size(); ++k)
+      s.tensors[k] = gather(e, s.tensors[k], "checkpoint: " + fields[k] + " slices of '" + e.name + "'");
+    put(e.name, false, s);
+  }
+}
+
+void ShardedRoute::assign_state(OptimizerStateAccess& opt, const StateSource& get) {
+  for (const auto& e : entries_) {
+    std::optional<ParamState> s = get(e.name, false);
+    if (!s) {
+      opt.set(e.param, ParamState{});
+      continue;
+    }
+    const auto o = e.shard.options().dtype(ctx_.precision_of(e.param).optim);
+    for (at::Tensor& t : s->tensors) t = slice_of(e, t, o);  // this rank's slices
+    opt.set(e.param, std::move(*s));
+  }
 }
 
 }  // namespace dmuon

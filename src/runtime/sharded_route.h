@@ -19,7 +19,7 @@
 
 namespace dmuon {
 
-class Runtime;
+class RouteContext;
 
 struct ShardedEntry {
   enum class State { Released, Pending, Ready };
@@ -49,7 +49,7 @@ struct ShardedEntry {
 
 class ShardedRoute final : public Route {
  public:
-  explicit ShardedRoute(Runtime& rt) : rt_(rt) {}
+  explicit ShardedRoute(RouteContext& ctx) : ctx_(ctx) {}
   RouteKind kind() const override { return RouteKind::Sharded; }
 
   // ---- setup ----
@@ -74,6 +74,10 @@ class ShardedRoute final : public Route {
   void gather_full(const TensorSink& put) override;
   void assign_from(ParamSource& source) override;
   void full_shapes(std::map<std::string, std::vector<int64_t>>& out) const override;
+  bool describe(const std::string& name, ParamView& v) const override;
+  void state_slots(std::vector<StateSlot>& out) const override;
+  void gather_state(const OptimizerStateAccess& opt, const StateSink& put) override;
+  void assign_state(OptimizerStateAccess& opt, const StateSource& get) override;
 
   // ---- queries and checkpoint helpers ----
   const std::vector<ShardedEntry>& entries() const { return entries_; }
@@ -87,7 +91,7 @@ class ShardedRoute final : public Route {
 
  private:
   void finish(ShardedEntry& e);
-  Runtime& rt_;
+  RouteContext& ctx_;
   std::vector<ShardedEntry> entries_;
   std::map<std::string, int> index_;                 // name -> entry
   std::vector<std::vector<int>> by_boundary_;

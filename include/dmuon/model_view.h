@@ -1,0 +1,65 @@
+// model_view.h -- a model as data: what dedicate_params needs of a model, whatever framework
+// defines it. The runtime is built from a ModelView; a LibTorch torch::nn::Module is one adapter
+// onto it (model_view(module)), a front end for other model code (e.g. Python nn.Modules) another.
+//
+// The forward hooks stay the caller's: a LibTorch model runs its boundaries through
+// dmuon::forward; a front end without LibTorch modules runs each boundary's forward inside a
+// detail::BoundaryScope(runtime, boundary) (dedicate.h).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dmuon/dedicate.h"
+#include "dmuon/mesh.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace dmuon {
+
+struct ModelView {
+  struct Tensor {
+    std::string name;  // dotted path, as named_parameters() / named_buffers() spell it
+    at::Tensor tensor;
+  };
+  struct Module {
+    std::string name;  // dotted path ("" = the root)
+    int parent = -1;   // index in `modules` (-1: the root)
+    // The LibTorch module, when the model is one (hook_boundary_predicate and dmuon::forward's
+    // boundary lookup need it); empty for other front ends. Weak: the runtime that keeps the view
+    // must not keep its model alive (the registry keeps the runtime while the model lives).
+    std::weak_ptr<torch::nn::Module> libtorch;
+  };
+  std::vector<Tensor> params;   // model order; a tied parameter once (its first name); requires_grad as the tensor's
+  std::vector<Tensor> buffers;  // checkpointed with the parameters
+  std::vector<Module> modules;  // model order, the root first; a parent before its children
+  std::map<std::string, int> tp_split;  // TP-split parameters (this TP rank holds a slice) -> split dimension
+  // Modules that run tensor-parallel collectives, with the mesh they were built on (checked to be
+  // the dedicate mesh).
+  std::vector<std::pair<std::string, const Mesh*>> tp_modules;
+
+  // Checks the view (names unique and non-empty for parameters; parents before children; every
+  // module's parent is the dotted prefix of its name). Throws naming the first problem and `rank`.
+  void check(int rank) const;
+  const Module* module(const std::string& name) const;  // null when absent
+};
+
+// The LibTorch adapter: parameters, buffers and modules of `model` (tied parameters once), its TP
+// modules' split dimensions and meshes.
+ModelView model_view(const torch::nn::Module& model);
+
+class Runtime;  // the runtime of a dedicated model (internal)
+// dedicate_params for a model given as data (collective: every rank, like dedicate_params). The
+// caller keeps the returned runtime alive -- nothing registers it by module -- runs each
+// boundary's forward inside a detail::BoundaryScope(runtime, boundary name) and builds Muon from it.
+std::shared_ptr<Runtime> dedicate_model_view(ModelView view, const std::shared_ptr<Mesh>& mesh,
+                                             const ParamPredicate& predicate, const DedicateOptions& options = {});
+
+}  // namespace dmuon

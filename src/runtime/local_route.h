@@ -1,0 +1,39 @@
+// Internal: the parameters on no distributed route -- frozen ones, and the trainable ones that
+// neither Muon, sharded_adamw nor dmuon::replicate took (allowed on one rank only: Muon refuses them
+// on several). Each rank trains them with its own gradient; checkpoints keep them whole.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runtime/route.h"
+#include "runtime/whole_params.h"
+
+namespace dmuon {
+
+class LocalRoute final : public WholeParamsRoute {
+ public:
+  LocalRoute(RouteContext& ctx, std::vector<WholeParam> params) : WholeParamsRoute(ctx, RouteKind::Local) {
+    whole_.params = std::move(params);
+  }
+  RouteKind kind() const override { return RouteKind::Local; }
+
+  // dmuon::replicate takes the trainable parameters (model order); the frozen ones stay
+  std::vector<WholeParam> trainable() const {
+    std::vector<WholeParam> out;
+    for (const auto& w : whole_.params)
+      if (w.trainable) out.push_back(w);
+    return out;
+  }
+  void drop_trainable() {
+    std::vector<WholeParam> kept;
+    for (auto& w : whole_.params)
+      if (!w.trainable) kept.push_back(std::move(w));
+    whole_.params = std::move(kept);
+  }
+
+  void ready_grads(std::vector<ReadyGrad>& out) override { whole_.ready_grads(out, /*counted=*/true); }
+};
+
+}  // namespace dmuon
