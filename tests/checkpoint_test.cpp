@@ -135,6 +135,36 @@ void check_resume(const Layout& first, const Layout& second,
 // Save on HSDP 2x2, resume on 3 ranks with sharded_adamw, every group on dmuon's loopback backend:
 // on the CPU here, on CUDA tensors where a GPU is present (its own stream per group, a sleep before
 // every copy, so a checkpoint read without its wait reads stale values).
+// A tied parameter (one tensor registered by two modules) is trained once and keeps both names in
+// the model state dict, which loads back (the runtime knows it by its first name).
+struct TiedNet : torch::nn::Module {
+  std::shared_ptr<torch::nn::Module> a, b;
+  at::Tensor w;
+  TiedNet() {
+    a = register_module("a", std::make_shared<torch::nn::Module>());
+    b = register_module("b", std::make_shared<torch::nn::Module>());
+    w = a->register_parameter("weight", at::arange(12, at::kDouble).reshape({3, 4}) * 0.1);
+    b->register_parameter("weight", w);
+  }
+};
+
+TEST(CheckpointTest, TiedParameterKeepsBothNamesInTheModelStateDict) {
+  testing::run_ranks(1, [&](testing::RankContext& ctx) {
+    auto net = std::make_shared<TiedNet>();
+    dedicate_params(net, make_mesh(ctx), [](const std::string&, const at::Tensor&) { return false; });
+    const TensorDict sd = get_model_state_dict(*net);
+    expect(sd.size() == 2 && sd.count("a.weight") && sd.count("b.weight"), "both names of the tied parameter");
+    expect(at::equal(sd.at("a.weight"), sd.at("b.weight")), "one value under both names");
+    TensorDict changed = sd;
+    changed["a.weight"] = sd.at("a.weight") + 1;
+    changed["b.weight"] = changed["a.weight"];
+    set_model_state_dict(*net, changed);
+    expect(at::equal(net->w.detach(), changed.at("a.weight")), "the tied tensor took the loaded value");
+    Muon opt(net, MuonOptions{});
+    expect(opt.param_groups()[1].params().size() == 1, "the tied tensor is one AdamW parameter");
+  });
+}
+
 TEST(CheckpointTest, ResumeThroughTheLoopbackBackendOnTheCpu) {
   check_resume({"HSDP 2x2", 4, 2, true, false, false}, {"N3 Z2 sharded", 3, 1, false, false, true}, LoopbackOptions{});
 }

@@ -87,6 +87,17 @@ std::string shape_str(at::IntArrayRef s) {
   return o.str();
 }
 
+// A tied parameter is one tensor under several names: the runtime knows it by its first name; model
+// state dicts keep every name named_parameters() lists (alias -> first name).
+std::vector<std::pair<std::string, std::string>> tied_aliases(const torch::nn::Module& model) {
+  std::map<const c10::TensorImpl*, std::string> first;
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& item : model.named_parameters(true))
+    if (auto [it, fresh] = first.emplace(item.value().unsafeGetTensorImpl(), item.key()); !fresh)
+      out.emplace_back(item.key(), it->second);
+  return out;
+}
+
 // The optimizer's per-parameter state as the runtime's routes see it.
 class MuonStateAccess final : public OptimizerStateAccess {
  public:
@@ -136,6 +147,8 @@ TensorDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions
   // Muon matrices from their (global) owner, sharded_adamw slices gathered, the rest whole (the
   // master where mixed precision keeps one): in full precision
   st->gather_params([&](const std::string& name, const at::Tensor& t) { sink.put(name, t); });
+  for (const auto& [alias, name] : tied_aliases(model))
+    if (auto it = out.find(name); it != out.end()) out[alias] = it->second;
   for (const auto& item : model.named_buffers(true)) sink.put(item.key(), item.value());
   return out;
 }
@@ -144,6 +157,8 @@ namespace {
 // Every parameter and buffer of a dedicated model with its full (single-process) shape, model order.
 std::vector<std::pair<std::string, std::vector<int64_t>>> full_shapes_of(torch::nn::Module& model, const RuntimeFace& st) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> out = st.param_shapes();
+  const std::map<std::string, std::vector<int64_t>> by_name(out.begin(), out.end());
+  for (const auto& [alias, name] : tied_aliases(model)) out.emplace_back(alias, by_name.at(name));
   for (const auto& item : model.named_buffers(true)) out.emplace_back(item.key(), item.value().sizes().vec());
   return out;
 }

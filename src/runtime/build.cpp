@@ -169,7 +169,7 @@ void Runtime::build(const ParamPredicate& predicate) {
   // every other parameter (frozen ones, and trainable ones dmuon::replicate may take later)
   std::vector<WholeParam> rest;
   for (const ModelView::Tensor& item : view_.params)
-    if (!routed(item.name)) rest.push_back({item.name, item.tensor, item.tensor.requires_grad()});
+    if (!routed(item.name)) rest.push_back({item.name, item.tensor});
   local_ = std::make_unique<LocalRoute>(ctx_, std::move(rest));
   routes_ = {dedicated_.get(), sharded_.get(), local_.get()};
 }

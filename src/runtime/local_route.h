@@ -15,22 +15,22 @@ namespace dmuon {
 class LocalRoute final : public WholeParamsRoute {
  public:
   LocalRoute(RouteContext& ctx, std::vector<WholeParam> params) : WholeParamsRoute(ctx, RouteKind::Local) {
-    whole_.params = std::move(params);
+    whole_.set_params(std::move(params));
   }
   RouteKind kind() const override { return RouteKind::Local; }
 
   // dmuon::replicate takes the trainable parameters (model order); the frozen ones stay
   std::vector<WholeParam> trainable() const {
     std::vector<WholeParam> out;
-    for (const auto& w : whole_.params)
-      if (w.trainable) out.push_back(w);
+    for (const auto& w : whole_.params())
+      if (w.trainable()) out.push_back(w);
     return out;
   }
   void drop_trainable() {
     std::vector<WholeParam> kept;
-    for (auto& w : whole_.params)
-      if (!w.trainable) kept.push_back(std::move(w));
-    whole_.params = std::move(kept);
+    for (const auto& w : whole_.params())
+      if (!w.trainable()) kept.push_back(w);
+    whole_.set_params(std::move(kept));
   }
 
   void ready_grads(std::vector<ReadyGrad>& out) override { whole_.ready_grads(out, /*counted=*/true); }

@@ -23,9 +23,9 @@ ReplicatedRoute::ReplicatedRoute(RouteContext& ctx, std::vector<WholeParam> para
                 "which averages each TP rank's slice over its data-parallel ranks.");
     tp_dims_.push_back(it == split.end() ? -1 : it->second);
   }
-  whole_.params = std::move(params);
+  whole_.set_params(std::move(params));
   std::vector<at::Tensor> params_;  // (setup only)
-  for (const auto& w : whole_.params) params_.push_back(w.param);
+  for (const auto& w : whole_.params()) params_.push_back(w.param);
   // Gradient buckets: consecutive parameters with one reduce dtype, master dtype and device.
   const int64_t cap = static_cast<int64_t>(bucket_mb * 1024 * 1024);
   int64_t cur = 0;
@@ -84,7 +84,7 @@ ReplicatedRoute::ReplicatedRoute(RouteContext& ctx, std::vector<WholeParam> para
   }
   // The end-of-backward callback must run even in models without dedicated boundaries.
   for (size_t i = 0; i < params_.size(); ++i)
-    grad_accs_.push_back(ctx.on_grad_accumulated(params_[i], whole_.params[i].name, [](GradEvents& ev) { ev.backward_ran(); }));
+    grad_accs_.push_back(ctx.on_grad_accumulated(params_[i], whole_.params()[i].name, [](GradEvents& ev) { ev.backward_ran(); }));
 }
 
 void ReplicatedRoute::end_of_backward() {
@@ -157,12 +157,12 @@ void ReplicatedRoute::discard_grads() {
 }
 
 void ReplicatedRoute::upcast_local_grads() {
-  for (const auto& w : whole_.params) upcast_local_grad(w.param, ctx_.precision_of(w.param));
+  for (const auto& w : whole_.params()) upcast_local_grad(w.param, ctx_.precision_of(w.param));
 }
 
 std::vector<std::string> ReplicatedRoute::names() const {
   std::vector<std::string> out;
-  for (const auto& w : whole_.params) out.push_back(w.name);
+  for (const auto& w : whole_.params()) out.push_back(w.name);
   return out;
 }
 

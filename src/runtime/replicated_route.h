@@ -54,7 +54,7 @@ class ReplicatedRoute final : public WholeParamsRoute {
     Pending pending;
     GradAccumulator acc;
   };
-  const at::Tensor& param(int i) const { return whole_.params[static_cast<size_t>(i)].param; }
+  const at::Tensor& param(int i) const { return whole_.params()[static_cast<size_t>(i)].param; }
   RouteContext& ctx_;
   std::vector<int> tp_dims_;      // per parameter: TP split dimension, -1 when whole
   bool tp_ = false;

@@ -18,8 +18,8 @@ std::string shape_str(at::IntArrayRef s) {
 }
 
 const char* route_list() {
-  return "Routes: \"muon\" (dedicated ownership + Newton-Schulz), \"adamw\" (replicated, AdamW) and "
-         "\"sharded_adamw\" (1/N per rank, AdamW on the shard).";
+  return "Routes: \"muon\" (dedicated ownership + Newton-Schulz), \"adamw\" (replicated, AdamW; also spelled "
+         "\"replicated\") and \"sharded_adamw\" (1/N per rank, AdamW on the shard).";
 }
 
 // Sets in `into` every field `o` has.
@@ -71,7 +71,7 @@ std::vector<std::string> ancestors_of(const std::string& param_name) {
 
 std::optional<RouteKind> parse_route(const std::string& s) {
   if (s == "muon") return RouteKind::Dedicated;
-  if (s == "adamw") return RouteKind::Replicated;
+  if (s == "adamw" || s == "replicated") return RouteKind::Replicated;  // (route_name's spelling too)
   if (s == "sharded_adamw") return RouteKind::Sharded;
   return std::nullopt;
 }

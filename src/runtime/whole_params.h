@@ -16,13 +16,16 @@ namespace dmuon {
 struct WholeParam {
   std::string name;
   at::Tensor param;
-  bool trainable = true;  // requires_grad: has a gradient and optimizer state (frozen ones are checkpointed only)
+  // requires_grad now (read live: a parameter frozen or unfrozen after dedicate_params): it has a
+  // gradient and optimizer state; frozen ones are checkpointed only
+  bool trainable() const { return param.requires_grad(); }
 };
 
 class WholeParams {
  public:
   WholeParams(RouteContext& ctx, RouteKind kind) : ctx_(ctx), kind_(kind) {}
-  std::vector<WholeParam> params;
+  const std::vector<WholeParam>& params() const { return params_; }
+  void set_params(std::vector<WholeParam> params);
 
   const WholeParam* find(const std::string& name) const;
   bool describe(const std::string& name, ParamView& v) const;
@@ -39,6 +42,8 @@ class WholeParams {
  private:
   RouteContext& ctx_;
   RouteKind kind_;
+  std::vector<WholeParam> params_;
+  std::map<std::string, size_t> index_;  // name -> params_
 };
 
 // A route of whole parameters: their checkpoint and optimizer-state methods, once (the replicated
