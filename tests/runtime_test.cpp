@@ -1451,6 +1451,24 @@ TEST(RuntimeTest, PredicateSelectingNonMatrixIsAClearError) {
   });
 }
 
+// The registry keeps a runtime while its model lives; once the model is gone its runtime (and every
+// tensor the runtime holds) is released at the next lookup, not only at the next dedicate_params.
+TEST(RuntimeTest, ADestroyedModelsRuntimeIsReleasedAtTheNextLookup) {
+  testing::run_ranks(1, [&](testing::RankContext& ctx) {
+    auto mesh = make_mesh(ctx);
+    std::weak_ptr<Runtime> gone;
+    {
+      GPT m(small_config(2));
+      dedicate_params(m.ptr(), mesh, models::is_muon_matrix);
+      gone = inspect::runtime_of(*m);
+      testing::expect(!gone.expired(), "the registry keeps the runtime while the model lives");
+    }
+    GPT other(small_config(2));
+    testing::expect(!detail::state_of_model(other.ptr().get()), "the other model is not dedicated");
+    testing::expect(gone.expired(), "the destroyed model's runtime was released by the lookup");
+  });
+}
+
 TEST(RuntimeTest, DedicatingTwiceIsAClearError) {
   testing::run_ranks(2, [&](testing::RankContext& ctx) {
     GPT m(small_config());

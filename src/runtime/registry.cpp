@@ -8,6 +8,7 @@
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include "runtime/runtime.h"
 
@@ -54,7 +55,18 @@ uint64_t next_runtime_id() {
 }
 
 std::shared_ptr<Runtime> state_of_model(const torch::nn::Module* model) {
+  std::vector<std::shared_ptr<Runtime>> dead;  // released after the lock (a Runtime holds tensors)
   std::lock_guard<std::mutex> g(g_registry_mu);
+  // A destroyed model's runtime -- and every tensor it holds -- goes at the next lookup (every
+  // forward and step looks up), not only at the next registration.
+  for (auto it = models().begin(); it != models().end();) {
+    if (!it->second.model.expired()) {
+      ++it;
+      continue;
+    }
+    dead.push_back(std::move(it->second.state));
+    it = models().erase(it);
+  }
   auto it = models().find(model);
   if (it == models().end()) return nullptr;
   auto live = it->second.model.lock();
