@@ -31,6 +31,7 @@
 #include "model/dedicated_gpt.h"
 #include "model/gpt.h"
 #include "model/language_model.h"
+#include "runtime/runtime.h"  // white-box: release the runtimes of destroyed models
 #include "support/multirank.h"
 #include "support/training.h"
 
@@ -150,6 +151,10 @@ struct RankPeaks {
 // each rank's peaks.
 std::vector<RankPeaks> measure(int world, const Layout& layout, bool deferred) {
   mem::install_counting_allocator();
+  // The models of an earlier measure() are gone; their runtimes go at the next registry lookup. Let
+  // that happen here, before any rank reads its baseline: otherwise one rank's lookup could free
+  // them (the ranks are threads of one process) while another rank is still building its model.
+  (void)detail::state_of_model(nullptr);
   const GPTConfig cfg = memory_config();
   // one sequence of 8 tokens per rank: activations (~50 KB per block) stay small next to the matrices
   const auto batches = testing::make_batches(3, world, 8, cfg.vocab_size, 5);
