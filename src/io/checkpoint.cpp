@@ -29,6 +29,13 @@ std::shared_ptr<RuntimeFace> drained_state(torch::nn::Module& model, const char*
   return st;
 }
 
+// The optimizer state's fields as state dict keys ("<param>.<field>"): a Muon matrix's and an
+// AdamW-trained parameter's.
+const std::vector<std::string>& state_fields(bool muon) {
+  static const std::vector<std::string> m{"momentum_buffer"}, a{"exp_avg", "exp_avg_sq"};
+  return muon ? m : a;
+}
+
 // Tensor parallelism: state dicts hold full tensors, the routes of each TP rank hold slices. A key's
 // split is its parameter's ("<param>", "<param>.momentum_buffer", "<param>.exp_avg", ...).
 struct TpView {
@@ -38,9 +45,12 @@ struct TpView {
   int dim_of(const std::string& key) const {
     if (split.empty()) return -1;
     if (auto it = split.find(key); it != split.end()) return it->second;
-    for (const std::string suffix : {".momentum_buffer", ".exp_avg", ".exp_avg_sq"})
-      if (key.size() > suffix.size() && key.compare(key.size() - suffix.size(), suffix.size(), suffix) == 0)
-        if (auto it = split.find(key.substr(0, key.size() - suffix.size())); it != split.end()) return it->second;
+    for (bool muon : {true, false})
+      for (const std::string& field : state_fields(muon)) {
+        const std::string suffix = "." + field;
+        if (key.size() > suffix.size() && key.compare(key.size() - suffix.size(), suffix.size(), suffix) == 0)
+          if (auto it = split.find(key.substr(0, key.size() - suffix.size())); it != split.end()) return it->second;
+      }
     return -1;
   }
   // collective over the TP group for a split key (every rank puts the same keys in the same order)
@@ -102,10 +112,7 @@ std::vector<std::pair<std::string, std::string>> tied_aliases(const torch::nn::M
 class MuonStateAccess final : public OptimizerStateAccess {
  public:
   explicit MuonStateAccess(const Muon& opt, Muon* mutable_opt = nullptr) : opt_(opt), mut_(mutable_opt) {}
-  const std::vector<std::string>& fields(bool muon) const override {
-    static const std::vector<std::string> m{"momentum_buffer"}, a{"exp_avg", "exp_avg_sq"};
-    return muon ? m : a;
-  }
+  const std::vector<std::string>& fields(bool muon) const override { return state_fields(muon); }
   ParamState get(const at::Tensor& param) const override {
     ParamState s;
     const MuonParamState* ps = opt_.state_of(param);
@@ -308,10 +315,11 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
   std::set<std::string> used_muon, used_adamw;
   // a parameter's entries: all of `fields` and ".step", or none; shapes as the parameter's
   auto check_entries = [&](const TensorDict& d, std::set<std::string>& used, const std::string& name,
-                           std::initializer_list<const char*> fields, at::IntArrayRef shape, const char* section) {
+                           bool muon, at::IntArrayRef shape) {
+    const char* section = muon ? "Muon" : "AdamW";
     int found = 0;
-    for (const char* f : fields) {
-      auto it = d.find(name + f);
+    for (const std::string& f : state_fields(muon)) {
+      auto it = d.find(name + "." + f);
       if (it == d.end()) continue;
       ++found;
       used.insert(it->first);
@@ -322,8 +330,8 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
     const bool has_step = d.count(name + ".step") > 0;
     if (found == 0 && !has_step) return false;
     std::string missing;
-    for (const char* f : fields)
-      if (!d.count(name + f)) missing += (missing.empty() ? "'" : ", '") + name + f + "'";
+    for (const std::string& f : state_fields(muon))
+      if (!d.count(name + "." + f)) missing += (missing.empty() ? "'" : ", '") + name + "." + f + "'";
     if (!has_step) missing += (missing.empty() ? "'" : ", '") + name + ".step'";
     TORCH_CHECK(missing.empty(), "rank ", rank, ": set_optimizer_state_dict: the ", section, " state of '", name,
                 "' is incomplete: ", missing, " missing.");
@@ -334,9 +342,8 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
   const std::vector<StateSlot> slots = st->state_slots();
   std::vector<bool> has;  // per slot: the state dict holds its state
   for (const StateSlot& slot : slots)
-    has.push_back(slot.muon ? check_entries(sd.muon, used_muon, slot.name, {".momentum_buffer"}, slot.shape, "Muon")
-                            : check_entries(sd.adamw, used_adamw, slot.name, {".exp_avg", ".exp_avg_sq"}, slot.shape,
-                                            "AdamW"));
+    has.push_back(slot.muon ? check_entries(sd.muon, used_muon, slot.name, true, slot.shape)
+                            : check_entries(sd.adamw, used_adamw, slot.name, false, slot.shape));
   for (const auto& [k, v] : sd.muon)
     TORCH_CHECK(used_muon.count(k), "rank ", rank, ": set_optimizer_state_dict: Muon state '", k,
                 "' belongs to no Muon matrix of this model (a parameter now routed elsewhere, or another model).", fix);
@@ -349,7 +356,11 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
   if (sd.steps_taken > 0) {
     std::vector<std::string> missing;
     for (size_t i = 0; i < slots.size(); ++i)
-      if (!has[i]) missing.push_back(slots[i].name + (slots[i].muon ? " (Muon momentum_buffer)" : " (AdamW exp_avg, exp_avg_sq)"));
+      if (!has[i]) {
+        std::string fields;
+        for (const std::string& f : state_fields(slots[i].muon)) fields += (fields.empty() ? "" : ", ") + f;
+        missing.push_back(slots[i].name + (slots[i].muon ? " (Muon " : " (AdamW ") + fields + ")");
+      }
     if (!missing.empty()) {
       std::string list;
       for (size_t i = 0; i < missing.size() && i < 5; ++i) list += (i ? ", '" : "'") + missing[i] + "'";

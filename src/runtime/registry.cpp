@@ -41,8 +41,20 @@ std::map<uint64_t, std::weak_ptr<Runtime>>& by_id() {
   static std::map<uint64_t, std::weak_ptr<Runtime>> m;
   return m;
 }
-void prune_locked() {
-  for (auto it = models().begin(); it != models().end();) it = it->second.model.expired() ? models().erase(it) : ++it;
+// Drops the entries of destroyed models; their runtimes move to `dead`, to be released after the
+// lock (a Runtime holds tensors).
+void drop_dead_models_locked(std::vector<std::shared_ptr<Runtime>>& dead) {
+  for (auto it = models().begin(); it != models().end();) {
+    if (!it->second.model.expired()) {
+      ++it;
+      continue;
+    }
+    dead.push_back(std::move(it->second.state));
+    it = models().erase(it);
+  }
+}
+void prune_locked(std::vector<std::shared_ptr<Runtime>>& dead) {
+  drop_dead_models_locked(dead);
   for (auto it = boundary_map().begin(); it != boundary_map().end();)
     it = (it->second.module.expired() || it->second.state.expired()) ? boundary_map().erase(it) : ++it;
   for (auto it = by_id().begin(); it != by_id().end();) it = it->second.expired() ? by_id().erase(it) : ++it;
@@ -55,18 +67,11 @@ uint64_t next_runtime_id() {
 }
 
 std::shared_ptr<Runtime> state_of_model(const torch::nn::Module* model) {
-  std::vector<std::shared_ptr<Runtime>> dead;  // released after the lock (a Runtime holds tensors)
+  std::vector<std::shared_ptr<Runtime>> dead;  // released after the lock
   std::lock_guard<std::mutex> g(g_registry_mu);
   // A destroyed model's runtime -- and every tensor it holds -- goes at the next lookup (every
   // forward and step looks up), not only at the next registration.
-  for (auto it = models().begin(); it != models().end();) {
-    if (!it->second.model.expired()) {
-      ++it;
-      continue;
-    }
-    dead.push_back(std::move(it->second.state));
-    it = models().erase(it);
-  }
+  drop_dead_models_locked(dead);
   auto it = models().find(model);
   if (it == models().end()) return nullptr;
   auto live = it->second.model.lock();
@@ -91,15 +96,17 @@ std::shared_ptr<Runtime> runtime_by_id(uint64_t id) {
 }
 
 void register_state(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Runtime>& state) {
+  std::vector<std::shared_ptr<Runtime>> dead;  // released after the lock
   std::lock_guard<std::mutex> g(g_registry_mu);
-  prune_locked();
+  prune_locked(dead);
   models()[model.get()] = ModelEntry{model, state};
   by_id()[state->id()] = state;
 }
 
 void register_runtime(const std::shared_ptr<Runtime>& state) {
+  std::vector<std::shared_ptr<Runtime>> dead;  // released after the lock
   std::lock_guard<std::mutex> g(g_registry_mu);
-  prune_locked();
+  prune_locked(dead);
   by_id()[state->id()] = state;
 }
 

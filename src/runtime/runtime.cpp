@@ -301,15 +301,30 @@ void Runtime::prepare_grads(bool dedicated) {
   for (Route* r : rs) r->install_grads(flag);
 }
 
+namespace {
+// The dedicated route's hook groups in `order` (publish order: the next forward's). Group i+1's
+// stage-1 reduces are waited and its HSDP stage-2 reduce issued before group i's is waited, so it
+// travels while group i is being updated. `done(b, group)` gets each group's ready gradients;
+// `timing` (optional) sees the preparing as Phase::Prepare. Collective in the same order on every
+// rank (the recorded forward order is the same everywhere).
+void prepare_groups_ahead(DedicatedRoute& d, const std::vector<int>& order,
+                          const std::function<void(int b, const std::vector<ReadyGrad>& group)>& done,
+                          StepVisitor* timing) {
+  if (!order.empty()) d.prepare_group(order[0]);
+  for (size_t i = 0; i < order.size(); ++i) {
+    if (timing) timing->begin(StepVisitor::Phase::Prepare);
+    if (i + 1 < order.size()) d.prepare_group(order[i + 1]);
+    const std::vector<ReadyGrad> group = d.finish_group(order[i]);
+    if (timing) timing->end(StepVisitor::Phase::Prepare);
+    done(order[i], group);
+  }
+}
+}  // namespace
+
 void Runtime::prepare_grads_per_group() {
   std::lock_guard<std::recursive_mutex> g(mu_);
   prepare_grads(/*dedicated=*/false);
-  const std::vector<int> order = publish_order();
-  if (!order.empty()) dedicated_->prepare_group(order[0]);
-  for (size_t i = 0; i < order.size(); ++i) {
-    if (i + 1 < order.size()) dedicated_->prepare_group(order[i + 1]);
-    dedicated_->finish_group(order[i]);
-  }
+  prepare_groups_ahead(*dedicated_, publish_order(), [](int, const std::vector<ReadyGrad>&) {}, nullptr);
 }
 
 std::vector<ReadyGrad> Runtime::take_ready_grads(bool dedicated) {
@@ -340,26 +355,17 @@ void Runtime::step(bool group_prepare_ahead, bool async, std::optional<std::vect
   v.end(StepVisitor::Phase::Prepare);
   // TP updates of the last step still arriving by scatter land before this step changes anything
   dedicated_->finish_deferred();
-  if (per_group) {
-    // Hook groups in publish order (the next forward's order). Group i+1's stage-1 reduces are waited
-    // and its HSDP stage-2 reduce issued before group i's is waited, so it travels while group i's
-    // Newton-Schulz runs; with async publishing each group publishes right after its own update.
-    // Collective in the same order on every rank (the recorded forward order is the same everywhere).
-    const std::vector<int> order = publish_order();
-    if (!order.empty()) dedicated_->prepare_group(order[0]);
-    for (size_t i = 0; i < order.size(); ++i) {
-      v.begin(StepVisitor::Phase::Prepare);
-      if (i + 1 < order.size()) dedicated_->prepare_group(order[i + 1]);
-      const std::vector<ReadyGrad> group = dedicated_->finish_group(order[i]);
-      v.end(StepVisitor::Phase::Prepare);
-      v.update(group);
-      if (async) {
-        v.begin(StepVisitor::Phase::Publish);
-        dedicated_->publish_group(order[i], /*async=*/true);
-        v.end(StepVisitor::Phase::Publish);
-      }
-    }
-  }
+  if (per_group)  // each group's Newton-Schulz overlaps the next group's reduce; async: published at once
+    prepare_groups_ahead(
+        *dedicated_, publish_order(),
+        [&](int b, const std::vector<ReadyGrad>& group) {
+          v.update(group);
+          if (!async) return;
+          v.begin(StepVisitor::Phase::Publish);
+          dedicated_->publish_group(b, /*async=*/true);
+          v.end(StepVisitor::Phase::Publish);
+        },
+        &v);
   v.update(ready);
   v.before_publish();
   // collective: HSDP publishes over the replicate group, the DDP path broadcasts from the owners,
