@@ -34,8 +34,8 @@
 #include "dmuon/dedicate.h"
 #include "dmuon/memory.h"
 #include "dmuon/muon.h"
-#include "dmuon/ns_calibration.h"
-#include "dmuon/step_simulator.h"
+#include "dmuon/tools/ns_calibration.h"
+#include "dmuon/tools/step_simulator.h"
 #include "model/dedicated_gpt.h"
 #include "model/gpt.h"
 

@@ -4,7 +4,7 @@
 #include <stdexcept>
 
 #include "cli_commands.h"
-#include "dmuon/ns_calibration.h"
+#include "dmuon/tools/ns_calibration.h"
 
 namespace dmuon::cli {
 

@@ -23,10 +23,10 @@
 #include <nlohmann/json.hpp>
 
 #include "dmuon/env.h"
-#include "dmuon/model_specs.h"
+#include "dmuon/tools/model_specs.h"
 #include "dmuon/owner_plan.h"
 #include "dmuon/plan_json.h"
-#include "dmuon/step_simulator.h"
+#include "dmuon/tools/step_simulator.h"
 
 namespace dmuon::cli {
 namespace {
@@ -319,8 +319,8 @@ int run_simulation(std::ostream& out, const ModelSpec& model, const std::vector<
 }
 
 json options_json(const ResolvedPlanOptions& o) {
-  return json{{"owner_strategy", o.owner_strategy},
-              {"owner_cost_model", o.owner_cost_model},
+  return json{{"owner_strategy", owner_strategy_name(o.owner_strategy)},
+              {"owner_cost_model", o.cost_model->name()},
               {"hsdp_column_balance", o.hsdp_column_balance},
               {"pack_small_params", o.pack_small_params},
               {"max_owners_per_group",
@@ -461,18 +461,15 @@ void print_report(std::ostream& out, const ModelSpec& model, const std::vector<P
       << ", allocation units " << plan.units.size() << ", P_M = " << human_bytes(plan.total_bytes)
       << " (" << plan.total_bytes << " bytes)\n";
   out << "  grid G=" << G << " shard x R=" << R << " replicate = " << S << " owner slots\n";
-  out << "  options owner_strategy=" << o.owner_strategy << " owner_cost_model=" << o.owner_cost_model
+  out << "  options owner_strategy=" << owner_strategy_name(o.owner_strategy)
+      << " owner_cost_model=" << o.cost_model->name()
       << " hsdp_column_balance=" << (o.hsdp_column_balance ? "true" : "false")
       << " pack_small_params=" << (o.pack_small_params ? "true" : "false")
       << " max_owners_per_group="
       << (o.max_owners_per_group ? std::to_string(*o.max_owners_per_group) : "none")
       << " pack_threshold=" << o.pack_threshold_numel << " ns_steps=" << o.ns_steps << "\n\n";
 
-  out << "balance (cost = "
-      << (o.owner_cost_model == "numel"      ? "elements"
-          : o.owner_cost_model == "profiled" ? "measured NS ns, batched per shape (" + o.ns_profile->source + ")"
-                                             : "NS multiply-adds + bytes")
-      << ")\n";
+  out << "balance (cost = " << o.cost_model->unit(o) << ")\n";
   out << "  makespan " << sci(plan.makespan) << ", lower bound " << sci(plan.lower_bound)
       << " = max(total/slots, largest matrix)\n";
   out << "  imbalance = makespan / lower bound = " << fixed(plan.imbalance()) << "\n";

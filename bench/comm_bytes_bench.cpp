@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "dmuon/bootstrap.h"
+#include "dmuon/compat.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"
 #include "dmuon/muon.h"

@@ -22,7 +22,7 @@
 
 #include "dmuon/newton_schulz.h"
 #include "dmuon/ns_runner.h"
-#include "dmuon/ns_calibration.h"
+#include "dmuon/tools/ns_calibration.h"
 #include "dmuon/owner_plan.h"
 
 namespace {

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "dmuon/model_specs.h"
+#include "dmuon/tools/model_specs.h"
 #include "dmuon/owner_plan.h"
 
 int main(int argc, char** argv) {

@@ -24,9 +24,12 @@ if ! have; then
   fi
 fi
 # Python's side of the interop tests (tests/interop_test.cpp): transformers and safetensors read
-# what dmuon writes and write what dmuon reads; torchrun (from the torch wheel) launches dmuon.
-INTEROP_PKGS=("safetensors==${DMUON_SAFETENSORS_VERSION:-0.8.0}" "transformers==${DMUON_TRANSFORMERS_VERSION:-5.24.0}")
-if ! "$VENV/bin/python" -c "import safetensors, transformers" 2>/dev/null; then
+# what dmuon writes and write what dmuon reads; torchrun (from the torch wheel) launches dmuon. The
+# same build makes the Python package (python/, -DDMUON_BUILD_PYTHON=ON: dmuon._C against this torch).
+# pytest runs the tests of `import dmuon` (tests/python, ctest's python_test).
+INTEROP_PKGS=("safetensors==${DMUON_SAFETENSORS_VERSION:-0.8.0}" "transformers==${DMUON_TRANSFORMERS_VERSION:-5.24.0}"
+              "pytest==${DMUON_PYTEST_VERSION:-9.2.0}")
+if ! "$VENV/bin/python" -c "import safetensors, transformers, pytest" 2>/dev/null; then
   echo "[dmuon] installing ${INTEROP_PKGS[*]} from PyPI into $VENV (interop tests)"
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${INTEROP_PKGS[@]}" || {
     echo "[dmuon] error: 'pip install ${INTEROP_PKGS[*]}' failed (see pip's message above); the interop tests" \
@@ -38,7 +41,7 @@ TORCH_PREFIX="$("$VENV/bin/python" -c 'import torch,os;print(os.path.dirname(tor
 echo "[dmuon] LibTorch $("$VENV/bin/python" -c 'import torch;print(torch.__version__)') at $TORCH_PREFIX"
 config_log="$(mktemp)"
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
-  -DDMUON_PYTHON="$VENV/bin/python" >"$config_log" 2>&1 ||
+  -DDMUON_PYTHON="$VENV/bin/python" -DDMUON_BUILD_PYTHON=ON >"$config_log" 2>&1 ||
   { cat "$config_log"; exit 1; }
 grep -E "dmuon: (Torch|NCCL)" "$config_log"
 grep -q "dmuon: Torch 2\..*, CUDA=1, Gloo=OFF" "$config_log" ||

@@ -455,7 +455,7 @@ TEST(MeshTest, OneDIsolatedIsTheDefault) {
     EXPECT_EQ(mesh->shard_size(), 3);
     EXPECT_EQ(mesh->replicate_rank(), 0);
     EXPECT_EQ(mesh->replicate_size(), 1);
-    EXPECT_FALSE(mesh->is_2d());
+    EXPECT_FALSE(mesh->is_hsdp());
     EXPECT_EQ(mesh->replicate(), nullptr);
     EXPECT_EQ(mesh->timeout(), kDefaultCollectiveTimeout);
     EXPECT_EQ(mesh->shard().name(), "dmuon/shard");
@@ -635,7 +635,7 @@ void check_2d_mesh(int R, int G) {
     EXPECT_EQ(mesh->global_rank(), g);
     EXPECT_EQ(mesh->shard_size(), G);
     EXPECT_EQ(mesh->replicate_size(), R);
-    EXPECT_EQ(mesh->is_2d(), R > 1);
+    EXPECT_EQ(mesh->is_hsdp(), R > 1);
     EXPECT_EQ(mesh->shard_rank(), s) << "global " << g;
     EXPECT_EQ(mesh->replicate_rank(), r) << "global " << g;
     EXPECT_EQ(mesh->global_rank_of(s, r), g);

@@ -11,7 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dmuon/checkpoint.h"
-#include "dmuon/model_specs.h"
+#include "dmuon/tools/model_specs.h"
 #include "dmuon/safetensors.h"
 #include "model/dedicated_gpt.h"
 #include "model/hf_decoder.h"

@@ -12,10 +12,11 @@
 #include <string>
 #include <vector>
 
+#include "dmuon/compat.h"
 #include "dmuon/communicator.h"  // the column-sharded Gram NS over a process group
 #include "dmuon/newton_schulz.h"
 #include "dmuon/ns_runner.h"
-#include "dmuon/ns_calibration.h"
+#include "dmuon/tools/ns_calibration.h"
 #include "dmuon/ns_graphs.h"
 #include "ns/fused_cpu.h"  // internal: the fused CPU kernel
 #include "support/multirank.h"

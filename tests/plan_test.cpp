@@ -15,10 +15,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "dmuon/model_specs.h"
+#include "dmuon/tools/model_specs.h"
 #include "dmuon/ns_profile.h"
 #include "dmuon/owner_plan.h"
-#include "dmuon/step_simulator.h"
+#include "dmuon/tools/step_simulator.h"
 
 namespace dmuon {
 namespace {
@@ -194,7 +194,7 @@ TEST(OwnerPlanTest, CostModelsMatchTheFormula) {
   EXPECT_DOUBLE_EQ(param_cost(sq, three), 3 * s * (mn + 2 * s * s) + 2 * mn);
   EXPECT_GT(param_cost(P("f32", {4096, 4096}, 4), opt), param_cost(sq, opt));
   ResolvedPlanOptions numel = opt;
-  numel.owner_cost_model = "numel";
+  numel.cost_model = owner_cost_model("numel");
   EXPECT_DOUBLE_EQ(param_cost(sq, numel), mn);
   EXPECT_DOUBLE_EQ(param_cost(P("f32", {4096, 4096}, 4), numel), mn);
 }
@@ -202,8 +202,8 @@ TEST(OwnerPlanTest, CostModelsMatchTheFormula) {
 TEST(OwnerPlanTest, ResolveOptionsExplicitBeatsEnvironmentBeatsDefault) {
   EnvGuard env;
   ResolvedPlanOptions d = resolve_plan_options({});
-  EXPECT_EQ(d.owner_strategy, "lpt");
-  EXPECT_EQ(d.owner_cost_model, "optimizer");
+  EXPECT_EQ(d.owner_strategy, OwnerStrategy::Lpt);
+  EXPECT_STREQ(d.cost_model->name(), "optimizer");
   EXPECT_TRUE(d.hsdp_column_balance);
   EXPECT_TRUE(d.pack_small_params);
   EXPECT_FALSE(d.max_owners_per_group.has_value());
@@ -214,8 +214,8 @@ TEST(OwnerPlanTest, ResolveOptionsExplicitBeatsEnvironmentBeatsDefault) {
   ::setenv("DMUON_HSDP_COLUMN_BALANCE", "0", 1);
   ::setenv("DMUON_OWNER_PACK_SMALL_PARAMS", "false", 1);
   ResolvedPlanOptions e = resolve_plan_options({});
-  EXPECT_EQ(e.owner_strategy, "round_robin");
-  EXPECT_EQ(e.owner_cost_model, "numel");
+  EXPECT_EQ(e.owner_strategy, OwnerStrategy::RoundRobin);
+  EXPECT_STREQ(e.cost_model->name(), "numel");
   EXPECT_FALSE(e.hsdp_column_balance);
   EXPECT_FALSE(e.pack_small_params);
 
@@ -225,14 +225,14 @@ TEST(OwnerPlanTest, ResolveOptionsExplicitBeatsEnvironmentBeatsDefault) {
   explicit_opts.hsdp_column_balance = true;
   explicit_opts.pack_small_params = true;
   ResolvedPlanOptions x = resolve_plan_options(explicit_opts);
-  EXPECT_EQ(x.owner_strategy, "rank0");
-  EXPECT_EQ(x.owner_cost_model, "optimizer");
+  EXPECT_EQ(x.owner_strategy, OwnerStrategy::Rank0);
+  EXPECT_STREQ(x.cost_model->name(), "optimizer");
   EXPECT_TRUE(x.hsdp_column_balance);
   EXPECT_TRUE(x.pack_small_params);
 
   // The environment reaches plan_owners too.
   const auto plan = plan_owners({P("a.w", {64, 64}), P("b.w", {64, 64})}, 2, 1);
-  EXPECT_EQ(plan.options.owner_strategy, "round_robin");
+  EXPECT_EQ(plan.options.owner_strategy, OwnerStrategy::RoundRobin);
 }
 
 TEST(OwnerPlanTest, BadOptionsNameTheFieldAndValue) {
@@ -1507,6 +1507,34 @@ TEST(ProfiledCostModel, SimulatorPricesEachOwnersBatchFromTheProfile) {
   EXPECT_NEAR(sim.designs[0].ns_s, *std::max_element(slots.begin(), slots.end()) * 1e-6, 1e-12);
   // naive DP Muon: every matrix on every rank, each shape one batch
   EXPECT_NEAR(sim.designs[2].ns_s, (4 * 10000.0 + (60.0 + 40.0 * 24)) * 1e-6, 1e-12);
+}
+
+
+// Owner strategies and cost models are one table each: names round-trip, unknown names are refused,
+// and a cost model that prices each matrix alone gives costs() == cost() of each.
+TEST(OwnerPlanTest, StrategiesAndCostModelsAreOneTableEach) {
+  for (const std::string& n : owner_strategy_names()) {
+    const auto s = parse_owner_strategy(n);
+    ASSERT_TRUE(s.has_value()) << n;
+    EXPECT_EQ(owner_strategy_name(*s), n);
+  }
+  EXPECT_FALSE(parse_owner_strategy("greedy").has_value());
+  EXPECT_EQ(owner_cost_model_names(), (std::vector<std::string>{"optimizer", "numel", "profiled"}));
+  for (const std::string& n : owner_cost_model_names()) {
+    const auto m = owner_cost_model(n);
+    ASSERT_NE(m, nullptr) << n;
+    EXPECT_EQ(m->name(), n);
+    EXPECT_EQ(m->needs_ns_profile(), n == "profiled");
+  }
+  EXPECT_EQ(owner_cost_model("flops"), nullptr);
+  const std::vector<ParamSpec> ps = {P("a", {64, 256}), P("b", {256, 64}), P("c", {32, 32}, 4)};
+  for (const char* n : {"optimizer", "numel"}) {
+    ResolvedPlanOptions o;
+    o.cost_model = owner_cost_model(n);
+    const std::vector<double> all = param_costs(ps, o, 4);
+    ASSERT_EQ(all.size(), ps.size());
+    for (size_t i = 0; i < ps.size(); ++i) EXPECT_EQ(all[i], param_cost(ps[i], o)) << n << " " << i;
+  }
 }
 
 }  // namespace

@@ -14,9 +14,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "dmuon/model_specs.h"
+#include "dmuon/tools/model_specs.h"
 #include "dmuon/owner_plan.h"
-#include "dmuon/step_simulator.h"
+#include "dmuon/tools/step_simulator.h"
 #include "plan_cmd.h"
 
 namespace dmuon {

@@ -43,6 +43,14 @@ TEST(RoutingTest, RouteAndUnshardStringsParseInOnePlace) {
   EXPECT_EQ(parse_unshard("all_gather"), UnshardMode::AllGather);
   EXPECT_FALSE(parse_unshard("allgather").has_value());
   EXPECT_STREQ(route_name(RouteKind::Sharded), "sharded_adamw");
+  // the route table is the one place: every spelling of a row parses to it, and every printed
+  // name of a selectable route parses back
+  for (const RouteRow& row : route_table()) {
+    for (const std::string& n : row.names) EXPECT_EQ(parse_route(n), row.kind) << n;
+    EXPECT_EQ(parse_route(route_name(row.kind)), row.kind) << route_name(row.kind);
+  }
+  EXPECT_STREQ(route_name(RouteKind::Replicated), "replicated");
+  EXPECT_STREQ(route_name(RouteKind::Local), "local");
 }
 
 TEST(RoutingTest, PrecisionDefaults) {
@@ -136,9 +144,11 @@ TEST(RoutingTest, RoutesOfAGptWithoutAnyRank) {
     EXPECT_EQ(r.specs[i].group_key, d.boundary);
     EXPECT_EQ(r.specs[i].elem_bytes, 4);
   }
-  ASSERT_EQ(r.sharded.size(), 1u);
-  EXPECT_EQ(r.sharded[0].name, "tok_emb.weight");
-  EXPECT_EQ(r.sharded[0].boundary, "tok_emb");
+  ASSERT_EQ(r.routed.size(), 1u);
+  const std::vector<RoutedParam>& sharded = r.routed.at(RouteKind::Sharded);
+  ASSERT_EQ(sharded.size(), 1u);
+  EXPECT_EQ(sharded[0].name, "tok_emb.weight");
+  EXPECT_EQ(sharded[0].boundary, "tok_emb");
   // norms and the head are replicated; the head computes in bf16 with an fp32 master
   EXPECT_EQ(r.base.size(), 2u * 2u + 2u);
   ASSERT_EQ(r.to_cast.size(), 1u);

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "dmuon/bootstrap.h"
+#include "dmuon/compat.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"
 #include "dmuon/host_sync.h"

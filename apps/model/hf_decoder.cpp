@@ -12,7 +12,7 @@
 #include <sstream>
 
 #include "dmuon/dedicate.h"
-#include "dmuon/model_specs.h"
+#include "dmuon/tools/model_specs.h"
 
 namespace dmuon::models {
 

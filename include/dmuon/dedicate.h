@@ -22,6 +22,12 @@
 // Optionally wrap the top-level call as well (`dmuon::forward(model, tokens)`): errors thrown inside
 // then name a boundary that was bypassed.
 //
+// Two words, used the same way in every header and document:
+//   * "the DDP path": dedicate_params_ddp / dedicate_params_ddp_tp. Ownership without sharding: every
+//     rank keeps every matrix whole; the owner alone runs Newton-Schulz and publishes the update.
+//   * "replicated": what dmuon::replicate / replicate_tp do to the parameters that are not dedicated
+//     (DDP-style: whole on every rank, gradients all-reduced in buckets). It combines with either path.
+//
 // Contracts. Functions marked "collective" must be called by every rank of the mesh in the same
 // order relative to dmuon's other collective calls; each collective waits at most the mesh's
 // timeout, so a lost peer is an error naming the group, the payload and the rank, not a hang.
@@ -204,7 +210,6 @@ void broadcast_all_updates_async(torch::nn::Module& model);
 // Waits every pending post-step publish (read parameters outside the step cycle after this).
 // local: waits collectives already issued, issues none.
 void wait_all_post_step_broadcasts(torch::nn::Module& model);
-inline void wait_all_replicate_broadcasts(torch::nn::Module& model) { wait_all_post_step_broadcasts(model); }
 
 // Gradient accumulation: inside the scope no dmuon reduce and no replicated all-reduce happens;
 // gradients accumulate locally (non-owners keep theirs too). The next backward outside the scope
@@ -227,7 +232,7 @@ class NoSync {
   std::shared_ptr<Runtime> state_;
 };
 
-// DDP-style replication of every trainable parameter that is not dedicated: gradients are averaged
+// Replicated (DDP-style) training of every trainable parameter that is not dedicated: gradients are averaged
 // over the mesh at the end of backward, coalesced into few all-reduces (buckets of
 // `bucket_mb` MiB). Call after dedicate_params.
 // collective: all ranks (broadcasts rank 0's initial values so replicas start identical).
@@ -273,7 +278,6 @@ struct PrepareGradsOptions {
   bool coalesce_wait = false;
 };
 void prepare_muon_grads(torch::nn::Module& model, const PrepareGradsOptions& opts);
-inline void wait_all_reduces(torch::nn::Module& model) { prepare_muon_grads(model); }
 
 // Queries (local: no collective, safe on any rank at any time between steps).
 std::vector<DedicatedParam> get_dedicated_params(const torch::nn::Module& model);

@@ -61,7 +61,8 @@ class Mesh {
   int shard_size() const { return shard_->size(); }
   int replicate_rank() const { return replicate_ ? replicate_->rank() : 0; }
   int replicate_size() const { return replicate_ ? replicate_->size() : 1; }
-  bool is_2d() const { return replicate_size() > 1; }
+  // HSDP: a replicate axis of more than one rank (says nothing about TP: has_tp())
+  bool is_hsdp() const { return replicate_size() > 1; }
   int tp_rank() const { return tp_ ? tp_->rank() : 0; }
   int tp_size() const { return tp_ ? tp_->size() : 1; }
   bool has_tp() const { return tp_size() > 1; }

@@ -112,9 +112,6 @@ struct GramFactors {
   at::Tensor normalizer;             // |G|_F + eps in fp32 (fp64 for fp64 input), shape [...]
 };
 GramFactors gram_newton_schulz_factors(const at::Tensor& G, const NsOptions& opts = {});
-inline GramFactors gram_newton_schulz_q(const at::Tensor& G, const NsOptions& opts = {}) {
-  return gram_newton_schulz_factors(G, opts);
-}
 // Applies the factors to G (normalise, orient, multiply segment by segment, orient back, cast to
 // G's dtype). Equals gram_newton_schulz(G, opts) for the same opts.
 at::Tensor apply_gram_factors(const at::Tensor& G, const GramFactors& f, const NsOptions& opts = {});

@@ -1,8 +1,8 @@
 // ns_profile.h -- measured Newton-Schulz times per matrix shape on one device (pure C++, no
 // LibTorch): what the owner planner balances by under owner_cost_model = "profiled", instead of the
 // FLOP formula that misjudges small and skinny matrices (their time is per-call overhead, not
-// multiply-adds). `dmuon plan --calibrate` measures one (ns_calibration.h); the file can be given
-// on its own or inside a hardware description ("ns_profile" key, step_simulator.h).
+// multiply-adds). `dmuon plan --calibrate` measures one (tools/ns_calibration.h); the file can be given
+// on its own or inside a hardware description ("ns_profile" key, tools/step_simulator.h).
 //
 // Time model of k matrices of one shape on one owner, the way Muon::step runs them on that device
 // (one stacked NS call where stacking pays, else one call each):

@@ -99,12 +99,40 @@ struct PlanOptions {
 // "rank0": every unit on slot (0, 0). Both are ablations; their broken constraints are listed
 // in OwnerPlan::violations.
 
+// How owners are chosen (PlanOptions::owner_strategy spells it; the strings stay at the edges).
+enum class OwnerStrategy { Lpt, RoundRobin, Rank0 };
+const char* owner_strategy_name(OwnerStrategy s);  // "lpt" | "round_robin" | "rank0"
+std::optional<OwnerStrategy> parse_owner_strategy(const std::string& s);  // nullopt: not a strategy
+std::vector<std::string> owner_strategy_names();
+
+struct ResolvedPlanOptions;
+// What the owner planner balances: a cost per parameter (the cost models above). The shape of
+// Distributed Shampoo's cost models: one object asked for every parameter's cost at once, since a
+// matrix may cost what the batch it runs in costs. A new cost model is one class and one entry in
+// owner_cost_model() (owner_plan.cpp; docs/ARCHITECTURE.md).
+class OwnerCostModel {
+ public:
+  virtual ~OwnerCostModel() = default;
+  virtual const char* name() const = 0;  // as PlanOptions::owner_cost_model spells it
+  virtual std::string unit(const ResolvedPlanOptions& opts) const = 0;  // what a cost counts, for reports
+  // it prices matrices by measured times: resolve_plan_options must find an NS profile
+  virtual bool needs_ns_profile() const { return false; }
+  // one parameter alone
+  virtual double cost(const ParamSpec& p, const ResolvedPlanOptions& opts) const = 0;
+  // every parameter of a plan over `slots` owners (default: cost() of each)
+  virtual std::vector<double> costs(const std::vector<ParamSpec>& params, const ResolvedPlanOptions& opts,
+                                    int slots) const;
+};
+// The cost model of that name ("optimizer", "numel", "profiled"); null for any other name.
+std::shared_ptr<const OwnerCostModel> owner_cost_model(const std::string& name);
+std::vector<std::string> owner_cost_model_names();
+
 // Options with every optional resolved (explicit > environment > default). Throws
 // std::invalid_argument naming the field and the bad value (e.g. an unknown strategy).
 struct ResolvedPlanOptions {
-  std::string owner_strategy = "lpt";
-  std::string owner_cost_model = "optimizer";
-  std::shared_ptr<const NsProfile> ns_profile;  // set when owner_cost_model == "profiled"
+  OwnerStrategy owner_strategy = OwnerStrategy::Lpt;
+  std::shared_ptr<const OwnerCostModel> cost_model = owner_cost_model("optimizer");
+  std::shared_ptr<const NsProfile> ns_profile;  // set when cost_model->needs_ns_profile()
   bool hsdp_column_balance = true;
   bool pack_small_params = true;
   std::optional<int> max_owners_per_group;

@@ -47,10 +47,6 @@ struct ForwardUnshardProfile {
 // device first (diagnostic boundaries only: it changes the overlap being measured). Local.
 ForwardUnshardProfile collect_forward_unshard_profile(torch::nn::Module& model, bool clear = true,
                                                       bool synchronize = false);
-// Collect without synchronizing (the name on the communication context).
-inline ForwardUnshardProfile consume_forward_unshard_profile(torch::nn::Module& model, bool clear = true) {
-  return collect_forward_unshard_profile(model, clear, false);
-}
 
 // Forgets the recorded forward order, so the next forward pass records it afresh and prefetches in
 // model order meanwhile (call when the boundaries' execution order changes, e.g. a different

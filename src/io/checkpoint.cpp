@@ -109,21 +109,32 @@ std::vector<std::pair<std::string, std::string>> tied_aliases(const torch::nn::M
 }
 
 // The optimizer's per-parameter state as the runtime's routes see it.
-class MuonStateAccess final : public OptimizerStateAccess {
+class MuonStateReader final : public OptimizerStateReader {
  public:
-  explicit MuonStateAccess(const Muon& opt, Muon* mutable_opt = nullptr) : opt_(opt), mut_(mutable_opt) {}
+  explicit MuonStateReader(const Muon& opt) : opt_(opt) {}
   const std::vector<std::string>& fields(bool muon) const override { return state_fields(muon); }
-  ParamState get(const at::Tensor& param) const override {
+  ParamState get(const at::Tensor& param) const override { return read(opt_.state_of(param)); }
+
+  static ParamState read(const MuonParamState* ps) {
     ParamState s;
-    const MuonParamState* ps = opt_.state_of(param);
     if (!ps) return s;
     s.step = ps->step();
     if (ps->momentum_buffer().defined()) s.tensors = {ps->momentum_buffer()};
     else if (ps->exp_avg().defined()) s.tensors = {ps->exp_avg(), ps->exp_avg_sq()};
     return s;
   }
+
+ private:
+  const Muon& opt_;
+};
+
+class MuonStateAccess final : public OptimizerStateAccess {
+ public:
+  explicit MuonStateAccess(Muon& opt) : opt_(opt) {}
+  const std::vector<std::string>& fields(bool muon) const override { return state_fields(muon); }
+  ParamState get(const at::Tensor& param) const override { return MuonStateReader::read(opt_.state_of(param)); }
   void set(const at::Tensor& param, ParamState s) override {
-    MuonParamState& ps = detail::MuonInternals::param_state(*mut_, param);
+    MuonParamState& ps = detail::MuonInternals::param_state(opt_, param);
     const bool muon = s.tensors.size() == 1;
     ps.step(s.defined() ? s.step : 0);
     if (!s.defined()) {
@@ -136,8 +147,7 @@ class MuonStateAccess final : public OptimizerStateAccess {
   }
 
  private:
-  const Muon& opt_;
-  Muon* mut_;
+  Muon& opt_;
 };
 
 }  // namespace
@@ -275,7 +285,7 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
   }
   out.steps_taken = optimizer.steps_taken();
   // Muon momentum from each matrix's owner, AdamW moments whole or gathered from the slices
-  const MuonStateAccess access(optimizer);
+  const MuonStateReader access(optimizer);
   st->gather_state(access, [&](const std::string& name, bool is_muon, const ParamState& full) {
     const Sink& sink = is_muon ? muon : adamw;
     const std::vector<std::string>& fields = access.fields(is_muon);
@@ -338,7 +348,7 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
     used.insert(name + ".step");
     return true;
   };
-  MuonStateAccess access(optimizer, &optimizer);
+  MuonStateAccess access(optimizer);
   const std::vector<StateSlot> slots = st->state_slots();
   std::vector<bool> has;  // per slot: the state dict holds its state
   for (const StateSlot& slot : slots)

@@ -148,8 +148,8 @@ nlohmann::json summarize_comm_plan(const torch::nn::Module& model, int max_group
   out["mesh"] = {{"shard", cp.shard_size}, {"replicate", cp.replicate_size}, {"world", cp.world_size}, {"policy", cp.policy}};
   out["mode"] = cp.z3 ? "z3" : "z2";
   out["fingerprint"] = format_fingerprint(cp.plan.fingerprint);
-  out["owner_strategy"] = cp.plan.options.owner_strategy;
-  out["owner_cost_model"] = cp.plan.options.owner_cost_model;
+  out["owner_strategy"] = owner_strategy_name(cp.plan.options.owner_strategy);
+  out["owner_cost_model"] = cp.plan.options.cost_model->name();
   out["makespan"] = cp.plan.makespan;
   out["lower_bound"] = cp.plan.lower_bound;
   out["imbalance"] = cp.plan.imbalance();

@@ -112,47 +112,87 @@ bool cuda_syrk_available() {
 #endif
 }
 
-at::Tensor gram(const at::Tensor& X, const std::string& kernel) {
-  if (kernel == "syrk" && syrk_supports(X)) {
+namespace {
+at::Tensor syrk_gram(const at::Tensor& X) {
 #if DMUON_WITH_CUDA
-    if (X.is_cuda()) return cuda_syrk(X);
+  if (X.is_cuda()) return cuda_syrk(X);
 #endif
 #if DMUON_HAVE_CPU_BLAS
-    if (X.scalar_type() == at::kFloat) return cpu_syrk_impl<float>(X, ssyrk_);
-    return cpu_syrk_impl<double>(X, dsyrk_);
+  if (X.scalar_type() == at::kFloat) return cpu_syrk_impl<float>(X, ssyrk_);
+  return cpu_syrk_impl<double>(X, dsyrk_);
+#else
+  TORCH_INTERNAL_ASSERT(false, "syrk_gram without a SYRK (syrk_supports is false)");
+  return {};
 #endif
-  }
+}
+
+bool always() { return true; }
+bool never() { return false; }
+bool syrk_available() { return cuda_syrk_available() || cpu_blas_syrk_available(); }
+std::string syrk_detail() {
+  std::string d = "symmetric rank-k update for X X^T (exactly symmetric result): cuBLAS SYRK on CUDA ";
+  d += cuda_syrk_available() ? "(available)" : "(not here: no CUDA device or a CPU-only build)";
+  d += ", CPU BLAS syrk ";
+  d += cpu_blas_syrk_available() ? "(available)" : "(not here: LibTorch's BLAS is not linked for it)";
+  return d + "; where neither runs it takes the plain GEMMs";
+}
+}  // namespace
+
+// The kernel table. Order: the named kernels as get_backend_status() lists them (after "auto"),
+// then those the plain path picks by itself.
+const std::vector<NsKernel>& kernel_rows() {
+  static const std::vector<NsKernel> rows = {
+      {"cublas", "cpu-gemm", "cublas", always,
+       [] { return std::string("plain GEMMs (cuBLAS on CUDA, the CPU BLAS on the CPU), bit-exact across runs; "
+                               "always available"); }},
+      {"syrk", "cpu-blas-syrk", "cublas-syrk", syrk_available, syrk_detail, syrk_supports, syrk_gram},
+      {"quack", "", "", never,
+       [] { return std::string("Tri Dao's quack SYRK (SM90+): a Python CuTe-DSL package that this C++ library does "
+                               "not bind; on SM90 \"syrk\" (cuBLAS SYRK) or \"auto\" is the equivalent here"); }},
+      {"cute_sm80", "", "", never,
+       [] { return std::string("the Python DMuon's CuTe-DSL SYRK for SM80/87, not part of this C++ library; on SM80 "
+                               "\"syrk\" (cuBLAS SYRK) or \"auto\" is the equivalent here"); }},
+      {"", "cpu-fused", "", always,
+       [] { return std::string("fused small-matrix NS on the CPU (fused_cpu.h): the plain path's whole iterations "
+                               "for matrices up to 64 rows, unless NsOptions::cpu_fused or DMUON_NS_CPU_FUSED=0 "
+                               "turn it off"); },
+       nullptr, nullptr, /*whole=*/true},
+  };
+  return rows;
+}
+
+const NsKernel* find_kernel(const std::string& name) {
+  if (name.empty()) return nullptr;
+  for (const NsKernel& k : kernel_rows())
+    if (name == k.name) return &k;
+  return nullptr;
+}
+
+at::Tensor gram(const at::Tensor& X, const std::string& kernel) {
+  const NsKernel* k = find_kernel(kernel);
+  if (k != nullptr && k->gram != nullptr && (k->supports == nullptr || k->supports(X))) return k->gram(X);
   return kernels::mm(X, X.transpose(-2, -1));
 }
 
 std::vector<KernelStatus> kernel_table() {
-  const bool syrk = cuda_syrk_available() || cpu_blas_syrk_available();
-  std::string syrk_detail = "symmetric rank-k update for X X^T (exactly symmetric result): cuBLAS SYRK on CUDA ";
-  syrk_detail += cuda_syrk_available() ? "(available)" : "(not here: no CUDA device or a CPU-only build)";
-  syrk_detail += ", CPU BLAS syrk ";
-  syrk_detail += cpu_blas_syrk_available() ? "(available)" : "(not here: LibTorch's BLAS is not linked for it)";
-  syrk_detail += "; where neither runs it takes the plain GEMMs";
-  return {
+  std::vector<KernelStatus> out = {
       {"auto", true, "the platform's choice, overridable by DMUON_NS_KERNEL; on CUDA it measures cublas against syrk "
-                     "once per shape and dtype and keeps the faster"},
-      {"cublas", true, "plain GEMMs (cuBLAS on CUDA, the CPU BLAS on the CPU), bit-exact across runs; always available"},
-      {"syrk", syrk, syrk_detail},
-      {"quack", false, "Tri Dao's quack SYRK (SM90+): a Python CuTe-DSL package that this C++ library does not bind; "
-                       "on SM90 \"syrk\" (cuBLAS SYRK) or \"auto\" is the equivalent here"},
-      {"cute_sm80", false, "the Python DMuon's CuTe-DSL SYRK for SM80/87, not part of this C++ library; on SM80 "
-                           "\"syrk\" (cuBLAS SYRK) or \"auto\" is the equivalent here"},
-  };
+                     "once per shape and dtype and keeps the faster"}};
+  for (const NsKernel& k : kernel_rows())
+    if (*k.name) out.push_back({k.name, k.available(), k.detail()});
+  return out;
 }
 
 void validate_kernel_name(const std::string& kernel, const char* who) {
-  if (kernel == "auto" || kernel == "cublas" || kernel == "syrk") return;
+  const NsKernel* k = find_kernel(kernel);
+  // a kernel with a Gram product of its own is accepted where it cannot run: it takes the plain GEMMs
+  if (kernel == "auto" || (k != nullptr && (k->available() || k->gram != nullptr))) return;
   std::string here;
-  for (const KernelStatus& k : kernel_table())
-    if (k.available) here += (here.empty() ? "\"" : ", \"") + k.name + "\"";
-  for (const KernelStatus& k : kernel_table())
-    TORCH_CHECK(k.name != kernel, who, ": kernel '", kernel, "' is not in this build: ", k.detail,
-                ". Available here: ", here, " (get_backend_status() lists every kernel).");
-  TORCH_CHECK(false, who, ": unknown kernel '", kernel, "'. Use \"auto\" (platform choice, overridable by "
+  for (const KernelStatus& s : kernel_table())
+    if (s.available) here += (here.empty() ? "\"" : ", \"") + s.name + "\"";
+  TORCH_CHECK_VALUE(k == nullptr, who, ": kernel '", kernel, "' is not in this build: ", k->detail(),
+              ". Available here: ", here, " (get_backend_status() lists every kernel).");
+  TORCH_CHECK_VALUE(false, who, ": unknown kernel '", kernel, "'. Use \"auto\" (platform choice, overridable by "
               "DMUON_NS_KERNEL), \"cublas\" (plain GEMMs, bit-exact across runs) or \"syrk\" (symmetric rank-k "
               "update for X X^T); available here: ", here, ".");
 }
@@ -174,9 +214,9 @@ std::string resolve_kernel_for(const std::string& requested, c10::DeviceType dev
 }
 
 std::string kernel_label(const std::string& kernel, c10::DeviceType device) {
-  const bool cuda = device == c10::DeviceType::CUDA;
-  if (kernel == "syrk") return cuda ? "cublas-syrk" : "cpu-blas-syrk";
-  return cuda ? "cublas" : "cpu-gemm";  // "cublas" is the seed's name for the plain-GEMM path
+  const NsKernel* k = find_kernel(kernel);
+  if (k == nullptr) k = find_kernel("cublas");  // the plain path ("cublas" is the API's name for it)
+  return device == c10::DeviceType::CUDA ? k->cuda_label : k->cpu_label;
 }
 
 #if DMUON_WITH_CUDA
@@ -224,7 +264,8 @@ std::string resolve_kernel(const std::string& requested, const at::Tensor& X) {
   if (requested == "auto" && (env.empty() || env == "auto") && X.is_cuda() && syrk_supports(X))
     k = measured_cuda_choice(X);
 #endif
-  if (k == "syrk" && !syrk_supports(X)) k = "cublas";
+  const NsKernel* row = find_kernel(k);
+  if (row != nullptr && row->supports != nullptr && !row->supports(X)) k = "cublas";
   return k;
 }
 

@@ -43,15 +43,34 @@ namespace kernels {
 at::Tensor mm(const at::Tensor& A, const at::Tensor& B);
 // beta * C + alpha * (A @ B), one fused BLAS call (addmm / baddbmm).
 at::Tensor addmm(const at::Tensor& C, const at::Tensor& A, const at::Tensor& B, double beta, double alpha);
-// X X^T; kernel "syrk" uses a symmetric rank-k update where available (exactly symmetric result).
+
+// One NS kernel: a row of the kernel table (kernels.cpp). A kernel supplies the Gram product X X^T
+// of the iteration (`gram`), or runs whole iterations (`whole`: the fused CPU kernel, dispatched by
+// newton_schulz.cpp). A new kernel is its implementation and one row (docs/ARCHITECTURE.md).
+struct NsKernel {
+  const char* name;        // as NsOptions::kernel / DMUON_NS_KERNEL select it; "" = never named: the
+                           // plain path picks it by itself (the fused CPU kernel)
+  const char* cpu_label;   // what runs on each device, as describe() / get_ns_backend() print it
+  const char* cuda_label;  //   ("" where it cannot run)
+  bool (*available)();     // in this build, on this machine
+  std::string (*detail)(); // what it is, and why not when unavailable
+  // inputs its Gram product takes (others take the plain GEMMs); null: every input
+  bool (*supports)(const at::Tensor& X) = nullptr;
+  at::Tensor (*gram)(const at::Tensor& X) = nullptr;  // X X^T; null: the plain GEMMs (or `whole`)
+  bool whole = false;                                 // runs whole iterations, not a Gram product
+};
+const std::vector<NsKernel>& kernel_rows();
+const NsKernel* find_kernel(const std::string& name);  // a named row; null for "auto" and unknown names
+
+// X X^T with the resolved kernel: its Gram product where it supports X, else plain GEMMs.
 at::Tensor gram(const at::Tensor& X, const std::string& kernel);
 void validate_kernel_name(const std::string& kernel, const char* who);  // clear error listing what is here
-std::vector<KernelStatus> kernel_table();  // every kernel name the API knows, with its availability
-// The name of what a resolved kernel ("cublas" | "syrk") runs on `device`: "cublas" /
-// "cublas-syrk" on CUDA, "cpu-gemm" / "cpu-blas-syrk" on the CPU.
+std::vector<KernelStatus> kernel_table();  // "auto" and every named kernel, with its availability
+// The name of what a resolved kernel runs on `device` (its row's label): "cublas" / "cublas-syrk"
+// on CUDA, "cpu-gemm" / "cpu-blas-syrk" on the CPU.
 std::string kernel_label(const std::string& kernel, c10::DeviceType device);
-// "auto" -> DMUON_NS_KERNEL or the platform choice; the result is "cublas" or "syrk", and "syrk"
-// falls back to "cublas" for tensors it cannot handle (half dtypes, batches, no BLAS).
+// "auto" -> DMUON_NS_KERNEL or the platform choice; the result names an available row, and a
+// kernel falls back to the plain GEMMs ("cublas") for tensors it does not support.
 std::string resolve_kernel(const std::string& requested, const at::Tensor& X);
 std::string resolve_kernel_for(const std::string& requested, c10::DeviceType device);
 bool cpu_blas_syrk_available();

@@ -48,20 +48,20 @@ Coefficients resolve_coefficients(const NsOptions& opts) {
   Coefficients coeffs;
   if (opts.coefficients) {
     coeffs = *opts.coefficients;
-    TORCH_CHECK(!coeffs.empty(),
+    TORCH_CHECK_VALUE(!coeffs.empty(),
                 "newton_schulz: the coefficient list is empty. Pass at least one (a, b, c) triple, or leave "
                 "`coefficients` unset to use POLAR_EXPRESS_COEFFICIENTS.");
   } else {
-    TORCH_CHECK(opts.steps >= 1, "newton_schulz: invalid steps: ", opts.steps,
+    TORCH_CHECK_VALUE(opts.steps >= 1, "newton_schulz: invalid steps: ", opts.steps,
                 ". Must be >= 1 (the number of Newton-Schulz iterations).");
     const auto& base = POLAR_EXPRESS_COEFFICIENTS;
     for (int i = 0; i < opts.steps; ++i) coeffs.push_back(base[std::min<size_t>(i, base.size() - 1)]);
   }
   for (size_t i = 0; i < coeffs.size(); ++i)
     for (double v : coeffs[i])
-      TORCH_CHECK(std::isfinite(v), "newton_schulz: coefficient triple ", i, " contains a non-finite value (", v,
+      TORCH_CHECK_VALUE(std::isfinite(v), "newton_schulz: coefficient triple ", i, " contains a non-finite value (", v,
                   "). Every (a, b, c) must be finite.");
-  TORCH_CHECK(std::isfinite(opts.eps) && opts.eps >= 0, "newton_schulz: invalid eps: ", opts.eps,
+  TORCH_CHECK_VALUE(std::isfinite(opts.eps) && opts.eps >= 0, "newton_schulz: invalid eps: ", opts.eps,
               ". Must be finite and >= 0 (1e-7 is the default).");
   return coeffs;
 }
@@ -74,14 +74,14 @@ bool is_float_type(at::ScalarType t) {
 }
 
 void validate_input(const at::Tensor& G, const char* fn) {
-  TORCH_CHECK(G.defined(), fn, ": the input tensor is undefined (a gradient that was never computed?).");
-  TORCH_CHECK(G.dim() >= 2, fn, ": expected a matrix [rows, cols] or a batch [..., rows, cols], got a ", G.dim(),
+  TORCH_CHECK_VALUE(G.defined(), fn, ": the input tensor is undefined (a gradient that was never computed?).");
+  TORCH_CHECK_VALUE(G.dim() >= 2, fn, ": expected a matrix [rows, cols] or a batch [..., rows, cols], got a ", G.dim(),
               "-D tensor of shape ", G.sizes(),
               ". Newton-Schulz needs matrices: route vectors (biases, norms) to AdamW, and view conv weights as "
               "[out, in*kh*kw].");
-  TORCH_CHECK(G.size(-1) > 0 && G.size(-2) > 0, fn, ": the matrix has an empty dimension (shape ", G.sizes(),
+  TORCH_CHECK_VALUE(G.size(-1) > 0 && G.size(-2) > 0, fn, ": the matrix has an empty dimension (shape ", G.sizes(),
               ").");
-  TORCH_CHECK(is_float_type(G.scalar_type()), fn, ": unsupported dtype ", G.scalar_type(),
+  TORCH_CHECK_VALUE(is_float_type(G.scalar_type()), fn, ": unsupported dtype ", G.scalar_type(),
               "; expected float16, bfloat16, float32 or float64.");
 }
 
@@ -102,7 +102,7 @@ Prepared prepare(const at::Tensor& G, const NsOptions& opts, bool gram, const ch
   p.orig_dtype = G.scalar_type();
   p.transposed = force_transposed ? *force_transposed : rows > cols;
   p.compute_dtype = opts.compute_dtype ? *opts.compute_dtype : default_compute_dtype(G, gram);
-  TORCH_CHECK(is_float_type(p.compute_dtype), fn, ": unsupported compute dtype ", p.compute_dtype,
+  TORCH_CHECK_VALUE(is_float_type(p.compute_dtype), fn, ": unsupported compute dtype ", p.compute_dtype,
               "; expected float16, bfloat16, float32 or float64.");
   const auto norm_dtype = G.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor X = G.reshape({-1, rows, cols}).to(norm_dtype);
@@ -136,7 +136,7 @@ std::vector<bool> restart_mask(const NsOptions& opts, size_t steps) {
     return mask;
   }
   for (int r : *opts.restart_iterations) {
-    TORCH_CHECK(r >= 0 && static_cast<size_t>(r) < steps, "gram_newton_schulz: restart iteration ", r,
+    TORCH_CHECK_VALUE(r >= 0 && static_cast<size_t>(r) < steps, "gram_newton_schulz: restart iteration ", r,
                 " is out of range for ", steps, " steps. Restart indices are 0-based steps in [0, ", steps - 1,
                 "] before which the Gram matrix is recomputed ({2} is the default; {} disables restarts).");
     if (r > 0) mask[r] = true;
@@ -288,7 +288,7 @@ at::Tensor gram_newton_schulz_distributed_local(const at::Tensor& G_local, const
 
 at::Tensor gram_newton_schulz_distributed_local_batched(const at::Tensor& G_local, const AllReduceSumFn& allreduce_sum,
                                                         bool transposed, const NsOptions& opts) {
-  TORCH_CHECK(G_local.dim() == 3, "gram_newton_schulz_distributed_local_batched: expected a 3-D tensor [batch, rows, "
+  TORCH_CHECK_VALUE(G_local.dim() == 3, "gram_newton_schulz_distributed_local_batched: expected a 3-D tensor [batch, rows, "
               "cols], got shape ", G_local.sizes(), ". Use gram_newton_schulz_distributed_local for one matrix.");
   return distributed_impl(G_local, allreduce_sum, transposed, opts, "gram_newton_schulz_distributed_local_batched");
 }
@@ -298,7 +298,7 @@ NewtonSchulz::NewtonSchulz(std::string backend, std::string kernel, std::optiona
                            std::optional<std::vector<int>> restart_iterations, bool deterministic,
                            std::optional<at::ScalarType> compute_dtype)
     : backend_(std::move(backend)) {
-  TORCH_CHECK(backend_ == "gram" || backend_ == "direct", "NewtonSchulz: unknown backend '", backend_,
+  TORCH_CHECK_VALUE(backend_ == "gram" || backend_ == "direct", "NewtonSchulz: unknown backend '", backend_,
               "'. Use \"gram\" (Gram-space NS with restarts, the default) or \"direct\" (classic NS).");
   detail::kernels::validate_kernel_name(kernel, "NewtonSchulz");
   if (deterministic) {

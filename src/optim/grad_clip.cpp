@@ -16,7 +16,7 @@
 #include "dmuon/muon.h"
 #include "dmuon/communicator.h"
 #include "dmuon/mesh.h"
-#include "runtime/runtime_face.h"
+#include "optim/clip_norm.h"
 
 namespace dmuon {
 
@@ -141,27 +141,11 @@ double clip_coef_for(double max_norm, double total) { return std::min(1.0, max_n
 }  // namespace
 
 // ---- Muon-scope and global-norm clipping -----------------------------------------------------------
-std::vector<ClipGrad> Muon::clip_grads(ClipScope scope) {
-  at::NoGradGuard ng;
-  const std::shared_ptr<RuntimeFace> state = runtime("clip_grad_norm_");
-  state->prepare_grads();  // collective: the reduces land (idempotent; step() calls it again)
-  if (!taken_) taken_ = std::make_shared<std::vector<ReadyGrad>>(state->take_ready_grads());
-  // each element once over the whole mesh (see grad_clip.h): the routes decided who counts what
-  std::vector<ClipGrad> out;
-  for (const ReadyGrad& r : *taken_) {
-    if (scope != ClipScope::AllParams && !r.muon) continue;
-    out.push_back(ClipGrad{r.name, r.grad, r.norm_counted, r.norm_counts_param});
-  }
-  return out;
-}
-
-MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const GradClipOptions& opts) {
+namespace detail {
+MuonGradClipStats clip_norm(std::vector<ClipGrad>& scope, std::optional<double> max_norm, const GradClipOptions& opts,
+                            Mesh& mesh) {
   at::NoGradGuard ng;
   const double p = opts.norm_type;
-  TORCH_CHECK(p > 0, "clip_grad_norm_: norm_type must be > 0 (or INFINITY), got ", p);
-  TORCH_CHECK(!max_norm || *max_norm >= 0, "clip_grad_norm_: max_norm must be >= 0, got ", *max_norm);
-  std::vector<ClipGrad> scope = clip_grads(opts.scope);
-  Mesh& mesh = runtime("clip_grad_norm_")->mesh();
   if (opts.strategy != "global_norm") {
     MuonGradClipStrategy custom;
     {
@@ -178,7 +162,6 @@ MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const Gr
     }
     MuonGradClipStats s = custom(scope, max_norm, opts, mesh);
     s.strategy = opts.strategy;
-    last_clip_ = s;
     return s;
   }
   // this rank's partial: sum |g|^p (or max |g|), the parameters it counts, as float64 on the device
@@ -226,9 +209,9 @@ MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const Gr
       s.clipped = true;
     }
   }
-  last_clip_ = s;
   return s;
 }
+}  // namespace detail
 
 // ---- segmented (bucketed) clipping ------------------------------------------------------------------
 const GradClipBucketStats* SegmentedGradClipResult::find(const std::string& name) const {

@@ -17,6 +17,7 @@
 
 #include "dmuon/env.h"
 #include "dmuon/host_sync.h"
+#include "optim/clip_norm.h"
 #include "optim/host_ops.h"
 #include "optim/phase_clock.h"
 #include "dmuon/ns_runner.h"
@@ -561,6 +562,29 @@ void Muon::save(torch::serialize::OutputArchive& archive) const {
 
 void Muon::load(torch::serialize::InputArchive& archive) {
   torch::optim::serialize<MuonParamState, MuonGroupOptions>(archive, *this);
+}
+
+// ---- clipping (the norm itself: grad_clip.cpp) -----------------------------------------------------
+std::vector<ClipGrad> Muon::clip_grads(ClipScope scope) {
+  at::NoGradGuard ng;
+  const std::shared_ptr<RuntimeFace> state = runtime("clip_grad_norm_");
+  state->prepare_grads();  // collective: the reduces land (idempotent; step() calls it again)
+  if (!taken_) taken_ = std::make_shared<std::vector<ReadyGrad>>(state->take_ready_grads());
+  // each element once over the whole mesh (see grad_clip.h): the routes decided who counts what
+  std::vector<ClipGrad> out;
+  for (const ReadyGrad& r : *taken_) {
+    if (scope != ClipScope::AllParams && !r.muon) continue;
+    out.push_back(ClipGrad{r.name, r.grad, r.norm_counted, r.norm_counts_param});
+  }
+  return out;
+}
+
+MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const GradClipOptions& opts) {
+  TORCH_CHECK(opts.norm_type > 0, "clip_grad_norm_: norm_type must be > 0 (or INFINITY), got ", opts.norm_type);
+  TORCH_CHECK(!max_norm || *max_norm >= 0, "clip_grad_norm_: max_norm must be >= 0, got ", *max_norm);
+  std::vector<ClipGrad> scope = clip_grads(opts.scope);
+  last_clip_ = detail::clip_norm(scope, max_norm, opts, runtime("clip_grad_norm_")->mesh());
+  return *last_clip_;
 }
 
 }  // namespace dmuon

@@ -10,11 +10,14 @@
 #include <cstdio>
 #include <limits>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -91,65 +94,136 @@ std::string format_fingerprint(uint64_t fingerprint) {
   return buf;
 }
 
+// ---- owner strategies and cost models --------------------------------------------------------
 namespace {
-// "profiled": the matrix's measured time in ns within the batch its owner runs (`same` matrices of its
-// shape in the plan over `slots` owners; see owner_plan.h).
-double profiled_cost(const ParamSpec& p, const ResolvedPlanOptions& opts, int64_t same, int slots) {
-  if (!opts.ns_profile)
-    throw std::invalid_argument("owner_cost_model 'profiled' has no NS profile (resolve_plan_options sets it from "
-                                "PlanOptions::ns_profile or DMUON_NS_PROFILE)");
-  const int64_t m = p.shape.size() >= 2 ? p.shape[0] : 1;
-  const NsCost c = opts.ns_profile->cost_of(m, m > 0 ? p.numel() / m : 0, p.elem_bytes);
-  const double per_owner = std::max(1.0, static_cast<double>(same) / std::max(1, slots));
-  // NS time scales with its step count: a profile measured at other steps is scaled to the plan's;
-  // whole ns, so last-bit differences between machines' floating point never reach the planner
-  const double steps = static_cast<double>(opts.ns_steps) / opts.ns_profile->ns_steps;
-  return std::round(1e3 * steps * (c.per_matrix_us + c.fixed_us / per_owner));
-}
+constexpr std::pair<OwnerStrategy, const char*> kStrategies[] = {
+    {OwnerStrategy::Lpt, "lpt"}, {OwnerStrategy::RoundRobin, "round_robin"}, {OwnerStrategy::Rank0, "rank0"}};
 }  // namespace
 
-std::vector<double> param_costs(const std::vector<ParamSpec>& params, const ResolvedPlanOptions& opts, int slots) {
-  std::vector<double> out(params.size());
-  if (opts.owner_cost_model != "profiled") {
-    for (size_t i = 0; i < params.size(); ++i) out[i] = param_cost(params[i], opts);
-    return out;
-  }
-  // matrices of one shape (orientation-free, as NS transposes tall ones) and element size
-  std::map<std::tuple<int64_t, int64_t, int64_t>, int64_t> count;
-  auto key = [](const ParamSpec& p) {
-    const int64_t m = p.shape.size() >= 2 ? p.shape[0] : 1, n = m > 0 ? p.numel() / m : 0;
-    return std::make_tuple(std::min(m, n), std::max(m, n), p.elem_bytes);
-  };
-  for (const ParamSpec& p : params) ++count[key(p)];
-  for (size_t i = 0; i < params.size(); ++i) out[i] = profiled_cost(params[i], opts, count[key(params[i])], slots);
+const char* owner_strategy_name(OwnerStrategy s) {
+  for (const auto& [k, name] : kStrategies)
+    if (k == s) return name;
+  return "?";
+}
+
+std::optional<OwnerStrategy> parse_owner_strategy(const std::string& s) {
+  for (const auto& [k, name] : kStrategies)
+    if (s == name) return k;
+  return std::nullopt;
+}
+
+std::vector<std::string> owner_strategy_names() {
+  std::vector<std::string> out;
+  for (const auto& entry : kStrategies) out.push_back(entry.second);
   return out;
 }
 
-// Costs are computed exactly in 128-bit integers and rounded to double once, so no compiler
-// contraction (FMA) or evaluation order can make two machines disagree on them.
-double param_cost(const ParamSpec& p, const ResolvedPlanOptions& opts) {
-  using i128 = __int128;
-  const int64_t numel = p.numel();
-  const int64_t m = p.shape.size() >= 2 ? p.shape[0] : 1;
-  const int64_t n = m > 0 ? numel / m : 0;
-  if (opts.owner_cost_model == "numel") return static_cast<double>(numel);
-  if (opts.owner_cost_model == "profiled") return profiled_cost(p, opts, 1, 1);
-  if (opts.owner_cost_model != "optimizer")
-    throw std::invalid_argument("Invalid owner_cost_model: '" + opts.owner_cost_model +
-                                "'. Must be one of: optimizer, numel, profiled.");
-  const i128 s = std::min(m, n), b = std::max(m, n);
-  i128 ns = 0;
-  const bool overflow = __builtin_mul_overflow(b * s, static_cast<i128>(2), &ns) ||
-                        __builtin_add_overflow(ns, static_cast<i128>(numel), &ns) ||
-                        __builtin_mul_overflow(ns, s, &ns) ||
-                        __builtin_mul_overflow(ns, static_cast<i128>(opts.ns_steps), &ns);
-  if (overflow) {  // beyond any real tensor; fall back to double arithmetic
-    const double sd = static_cast<double>(s), bd = static_cast<double>(b);
-    return opts.ns_steps * sd * (static_cast<double>(numel) + 2.0 * bd * sd) +
-           static_cast<double>(p.bytes());
-  }
-  return static_cast<double>(ns) + static_cast<double>(p.bytes());
+std::vector<double> OwnerCostModel::costs(const std::vector<ParamSpec>& params, const ResolvedPlanOptions& opts,
+                                          int /*slots*/) const {
+  std::vector<double> out(params.size());
+  for (size_t i = 0; i < params.size(); ++i) out[i] = cost(params[i], opts);
+  return out;
 }
+
+namespace {
+// "optimizer": multiply-adds of ns_steps Newton-Schulz steps plus the publish bytes. Costs are
+// computed exactly in 128-bit integers and rounded to double once, so no compiler contraction (FMA)
+// or evaluation order can make two machines disagree on them.
+class OptimizerCost final : public OwnerCostModel {
+ public:
+  const char* name() const override { return "optimizer"; }
+  std::string unit(const ResolvedPlanOptions&) const override { return "NS multiply-adds + bytes"; }
+  double cost(const ParamSpec& p, const ResolvedPlanOptions& opts) const override {
+    using i128 = __int128;
+    const int64_t numel = p.numel();
+    const int64_t m = p.shape.size() >= 2 ? p.shape[0] : 1;
+    const int64_t n = m > 0 ? numel / m : 0;
+    const i128 s = std::min(m, n), b = std::max(m, n);
+    i128 ns = 0;
+    const bool overflow = __builtin_mul_overflow(b * s, static_cast<i128>(2), &ns) ||
+                          __builtin_add_overflow(ns, static_cast<i128>(numel), &ns) ||
+                          __builtin_mul_overflow(ns, s, &ns) ||
+                          __builtin_mul_overflow(ns, static_cast<i128>(opts.ns_steps), &ns);
+    if (overflow) {  // beyond any real tensor; fall back to double arithmetic
+      const double sd = static_cast<double>(s), bd = static_cast<double>(b);
+      return opts.ns_steps * sd * (static_cast<double>(numel) + 2.0 * bd * sd) + static_cast<double>(p.bytes());
+    }
+    return static_cast<double>(ns) + static_cast<double>(p.bytes());
+  }
+};
+
+// "numel": the element count.
+class NumelCost final : public OwnerCostModel {
+ public:
+  const char* name() const override { return "numel"; }
+  std::string unit(const ResolvedPlanOptions&) const override { return "elements"; }
+  double cost(const ParamSpec& p, const ResolvedPlanOptions&) const override { return static_cast<double>(p.numel()); }
+};
+
+// "profiled": the matrix's measured time in ns within the batch its owner runs (`same` matrices of
+// its shape in the plan over `slots` owners; see owner_plan.h).
+class ProfiledCost final : public OwnerCostModel {
+ public:
+  const char* name() const override { return "profiled"; }
+  std::string unit(const ResolvedPlanOptions& opts) const override {
+    return "measured NS ns, batched per shape (" + (opts.ns_profile ? opts.ns_profile->source : std::string("?")) + ")";
+  }
+  bool needs_ns_profile() const override { return true; }
+  double cost(const ParamSpec& p, const ResolvedPlanOptions& opts) const override { return batched(p, opts, 1, 1); }
+  std::vector<double> costs(const std::vector<ParamSpec>& params, const ResolvedPlanOptions& opts,
+                            int slots) const override {
+    // matrices of one shape (orientation-free, as NS transposes tall ones) and element size
+    std::map<std::tuple<int64_t, int64_t, int64_t>, int64_t> count;
+    auto key = [](const ParamSpec& p) {
+      const int64_t m = p.shape.size() >= 2 ? p.shape[0] : 1, n = m > 0 ? p.numel() / m : 0;
+      return std::make_tuple(std::min(m, n), std::max(m, n), p.elem_bytes);
+    };
+    for (const ParamSpec& p : params) ++count[key(p)];
+    std::vector<double> out(params.size());
+    for (size_t i = 0; i < params.size(); ++i) out[i] = batched(params[i], opts, count[key(params[i])], slots);
+    return out;
+  }
+
+ private:
+  static double batched(const ParamSpec& p, const ResolvedPlanOptions& opts, int64_t same, int slots) {
+    if (!opts.ns_profile)
+      throw std::invalid_argument("owner_cost_model 'profiled' has no NS profile (resolve_plan_options sets it from "
+                                  "PlanOptions::ns_profile or DMUON_NS_PROFILE)");
+    const int64_t m = p.shape.size() >= 2 ? p.shape[0] : 1;
+    const NsCost c = opts.ns_profile->cost_of(m, m > 0 ? p.numel() / m : 0, p.elem_bytes);
+    const double per_owner = std::max(1.0, static_cast<double>(same) / std::max(1, slots));
+    // NS time scales with its step count: a profile measured at other steps is scaled to the plan's;
+    // whole ns, so last-bit differences between machines' floating point never reach the planner
+    const double steps = static_cast<double>(opts.ns_steps) / opts.ns_profile->ns_steps;
+    return std::round(1e3 * steps * (c.per_matrix_us + c.fixed_us / per_owner));
+  }
+};
+
+// The cost models by name: a new one is a class above and one entry here.
+const std::vector<std::shared_ptr<const OwnerCostModel>>& cost_models() {
+  static const std::vector<std::shared_ptr<const OwnerCostModel>> models = {
+      std::make_shared<OptimizerCost>(), std::make_shared<NumelCost>(), std::make_shared<ProfiledCost>()};
+  return models;
+}
+}  // namespace
+
+std::shared_ptr<const OwnerCostModel> owner_cost_model(const std::string& name) {
+  for (const auto& m : cost_models())
+    if (name == m->name()) return m;
+  return nullptr;
+}
+
+std::vector<std::string> owner_cost_model_names() {
+  std::vector<std::string> out;
+  for (const auto& m : cost_models()) out.push_back(m->name());
+  return out;
+}
+
+std::vector<double> param_costs(const std::vector<ParamSpec>& params, const ResolvedPlanOptions& opts, int slots) {
+  return opts.cost_model->costs(params, opts, slots);
+}
+
+double param_cost(const ParamSpec& p, const ResolvedPlanOptions& opts) { return opts.cost_model->cost(p, opts); }
 
 // ---- the packing search ------------------------------------------------------------------
 namespace detail {

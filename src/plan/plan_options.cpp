@@ -35,8 +35,6 @@ std::string choice(const std::string& what, const std::string& value,
   return v;
 }
 
-const std::vector<std::string> kStrategies = {"lpt", "round_robin", "rank0"};
-const std::vector<std::string> kCostModels = {"optimizer", "numel", "profiled"};
 
 }  // namespace
 
@@ -44,18 +42,18 @@ ResolvedPlanOptions resolve_plan_options(const PlanOptions& opts) {
   ResolvedPlanOptions r;
 
   if (opts.owner_strategy) {
-    r.owner_strategy = choice("owner_strategy", *opts.owner_strategy, kStrategies);
+    r.owner_strategy = *parse_owner_strategy(choice("owner_strategy", *opts.owner_strategy, owner_strategy_names()));
   } else if (const std::string v = env::owner_strategy(); !v.empty()) {
-    r.owner_strategy = choice("DMUON_OWNER_STRATEGY", v, kStrategies);
+    r.owner_strategy = *parse_owner_strategy(choice("DMUON_OWNER_STRATEGY", v, owner_strategy_names()));
   }
 
   if (opts.owner_cost_model) {
-    r.owner_cost_model = choice("owner_cost_model", *opts.owner_cost_model, kCostModels);
+    r.cost_model = owner_cost_model(choice("owner_cost_model", *opts.owner_cost_model, owner_cost_model_names()));
   } else if (const std::string v = env::owner_cost_model(); !v.empty()) {
-    r.owner_cost_model = choice("DMUON_OWNER_COST_MODEL", v, kCostModels);
+    r.cost_model = owner_cost_model(choice("DMUON_OWNER_COST_MODEL", v, owner_cost_model_names()));
   }
 
-  if (r.owner_cost_model == "profiled") {
+  if (r.cost_model->needs_ns_profile()) {
     if (opts.ns_profile) {
       r.ns_profile = opts.ns_profile;
     } else if (const std::string path = env::ns_profile(); !path.empty()) {

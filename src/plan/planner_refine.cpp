@@ -331,8 +331,8 @@ uint64_t Planner::fingerprint(const OwnerPlan& plan) const {
   h.str("dmuon.owner_plan.v1");
   h.i64(G_);
   h.i64(R_);
-  h.str(opts_.owner_strategy);
-  h.str(opts_.owner_cost_model);
+  h.str(owner_strategy_name(opts_.owner_strategy));
+  h.str(opts_.cost_model->name());
   if (opts_.ns_profile) h.u64(opts_.ns_profile->digest());
   h.i64(opts_.hsdp_column_balance ? 1 : 0);
   h.i64(opts_.pack_small_params ? 1 : 0);
@@ -408,7 +408,8 @@ void Planner::finish(OwnerPlan& plan) {
 }
 
 OwnerPlan Planner::run() {
-  if (opts_.owner_strategy == "lpt") {
+  switch (opts_.owner_strategy) {
+  case OwnerStrategy::Lpt: {
     assign_lpt();
     double total = 0, largest = 0;
     std::vector<double> c;
@@ -418,13 +419,14 @@ OwnerPlan Planner::run() {
       c.push_back(u.cost);
     }
     refine(granularity_bound_of(std::move(c), S_, std::max(total / S_, largest)));
-  } else if (opts_.owner_strategy == "round_robin") {
+    break;
+  }
+  case OwnerStrategy::RoundRobin:
     assign_round_robin();
-  } else if (opts_.owner_strategy == "rank0") {
+    break;
+  case OwnerStrategy::Rank0:
     for (size_t u = 0; u < units_.size(); ++u) place(static_cast<int>(u), 0);
-  } else {
-    throw std::invalid_argument("Invalid owner_strategy: '" + opts_.owner_strategy +
-                                "'. Must be one of: lpt, round_robin, rank0.");
+    break;
   }
   OwnerPlan plan;
   plan.shard_size = G_;

@@ -14,7 +14,6 @@
 #include "runtime/replicated_route.h"
 #include "runtime/runtime.h"
 #include "runtime/setup.h"
-#include "runtime/sharded_route.h"
 
 namespace dmuon {
 
@@ -24,8 +23,7 @@ Runtime::Runtime(ModelView view, std::shared_ptr<torch::nn::Module> module, std:
       model_(module),
       ctx_(std::move(mesh), std::move(opts), ddp),
       id_(detail::next_runtime_id()),
-      dedicated_(std::make_unique<DedicatedRoute>(ctx_, ddp)),
-      sharded_(std::make_unique<ShardedRoute>(ctx_)) {}
+      dedicated_(std::make_unique<DedicatedRoute>(ctx_, ddp)) {}
 
 Runtime::~Runtime() = default;
 
@@ -54,8 +52,10 @@ void Runtime::build(const ParamPredicate& predicate) {
     // 1. routes, precision, boundaries
     view_.check(rank);
     routing = route_params(view_, predicate, opts, RoutingContext{rank, ctx_.ddp(), mesh.has_tp()});
-    for (const auto* group : {&routing.dedicated, &routing.sharded, &routing.base})
+    for (const auto* group : {&routing.dedicated, &routing.base})
       for (const auto& r : *group) ctx_.set_precision(r.param, r.prec);
+    for (const auto& [kind, group] : routing.routed)
+      for (const auto& r : group) ctx_.set_precision(r.param, r.prec);
     specs_ = routing.specs;
     for (const auto& r : routing.dedicated) boundary_of_param_.push_back(r.boundary);
     // tensor parallelism: which dedicated matrices are TP slices (specs_ keep the local shapes the
@@ -108,8 +108,9 @@ void Runtime::build(const ParamPredicate& predicate) {
   if (ParamSource* source = ctx_.deferred_source()) {
     at::NoGradGuard ng;
     std::set<const c10::TensorImpl*> routed_here;
-    for (const auto* group : {&routing.dedicated, &routing.sharded})
-      for (const auto& r : *group) routed_here.insert(r.param.unsafeGetTensorImpl());
+    for (const auto& r : routing.dedicated) routed_here.insert(r.param.unsafeGetTensorImpl());
+    for (const auto& [kind, group] : routing.routed)
+      for (const auto& r : group) routed_here.insert(r.param.unsafeGetTensorImpl());
     for (const ModelView::Tensor& item : view_.params) {
       at::Tensor p = item.tensor;
       if (!is_deferred(p) || routed_here.count(p.unsafeGetTensorImpl())) continue;
@@ -135,10 +136,16 @@ void Runtime::build(const ParamPredicate& predicate) {
     entries.push_back(std::move(e));
   }
   dedicated_->build(std::move(entries), plan_, static_cast<int>(boundaries_.size()));
-  for (const auto& r : routing.sharded) {
-    const int b = bindex.at(r.boundary);
-    ++boundaries_[static_cast<size_t>(b)].num_params;
-    sharded_->add(r.name, r.param, b, r.prec);
+  for (const RouteRow& row : route_table()) {  // the table's routes, in row order
+    auto it = routing.routed.find(row.kind);
+    if (!row.make || it == routing.routed.end()) continue;
+    std::vector<BoundParam> params;
+    for (const RoutedParam& r : it->second) {
+      const int b = row.on_boundary ? bindex.at(r.boundary) : -1;
+      if (b >= 0) ++boundaries_[static_cast<size_t>(b)].num_params;
+      params.push_back({r.name, r.param, r.prec, b});
+    }
+    table_routes_.push_back(row.make(ctx_, std::move(params)));
   }
 
   // 5. mixed precision: replicated parameters with a master keep it (replicate() syncs it from
@@ -164,14 +171,16 @@ void Runtime::build(const ParamPredicate& predicate) {
   const bool deferred = ctx_.deferred_source() != nullptr;
   ctx_.set_deferred_source(nullptr);  // setup only: the caller owns the source
   if (deferred) ctx_.agree_fills("dedicate_params");
-  sharded_->install();
+  for (const auto& r : table_routes_) r->install();
   dedicated_->install();
   // every other parameter (frozen ones, and trainable ones dmuon::replicate may take later)
   std::vector<WholeParam> rest;
   for (const ModelView::Tensor& item : view_.params)
     if (!routed(item.name)) rest.push_back({item.name, item.tensor});
   local_ = std::make_unique<LocalRoute>(ctx_, std::move(rest));
-  routes_ = {dedicated_.get(), sharded_.get(), local_.get()};
+  routes_ = {dedicated_.get()};
+  for (const auto& r : table_routes_) routes_.push_back(r.get());
+  routes_.push_back(local_.get());
 }
 
 void Runtime::check_deferred(uint64_t& digest) {

@@ -73,7 +73,7 @@ std::map<std::string, OwnerCoord> dedicate_params_ddp(const std::shared_ptr<torc
                                                       const ParamPredicate& predicate,
                                                       const DedicateOptions& options) {
   TORCH_CHECK(mesh, "dedicate_params_ddp: the mesh is null; create one with dmuon::Mesh::create.");
-  TORCH_CHECK(!mesh->is_2d(), "rank ", mesh->global_rank(), ": dedicate_params_ddp accepts a 1-D mesh only, got a ",
+  TORCH_CHECK(!mesh->is_hsdp(), "rank ", mesh->global_rank(), ": dedicate_params_ddp accepts a 1-D mesh only, got a ",
               mesh->replicate_size(), " x ", mesh->shard_size(), " (replicate x shard) mesh. For HSDP use "
               "dedicate_params with a 2-D mesh.");
   TORCH_CHECK(!mesh->has_tp(), "rank ", mesh->global_rank(), ": dedicate_params_ddp: the mesh has a tensor-parallel "
@@ -87,7 +87,7 @@ std::map<std::string, OwnerCoord> dedicate_params_ddp_tp(const std::shared_ptr<t
                                                          const ParamPredicate& predicate,
                                                          const DedicateOptions& options) {
   TORCH_CHECK(mesh, "dedicate_params_ddp_tp: the mesh is null; create one with dmuon::Mesh::create.");
-  TORCH_CHECK(!mesh->is_2d(), "rank ", mesh->global_rank(), ": dedicate_params_ddp_tp accepts a data-parallel x "
+  TORCH_CHECK(!mesh->is_hsdp(), "rank ", mesh->global_rank(), ": dedicate_params_ddp_tp accepts a data-parallel x "
               "tensor-parallel mesh without a replicate axis, got replicate_size ", mesh->replicate_size(),
               ". For HSDP with TP use dedicate_params.");
   return dedicate_impl(model, mesh, predicate, options, /*ddp=*/true);

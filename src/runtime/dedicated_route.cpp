@@ -647,7 +647,7 @@ void DedicatedRoute::state_slots(std::vector<StateSlot>& out) const {
 
 // Each matrix's state from its owner: a [has, step] header, then the state tensors, broadcast over
 // the data-parallel ranks of this TP position (the world without TP).
-void DedicatedRoute::gather_state(const OptimizerStateAccess& opt, const StateSink& put) {
+void DedicatedRoute::gather_state(const OptimizerStateReader& opt, const StateSink& put) {
   Mesh& mesh = ctx_.mesh();
   const std::vector<std::string>& fields = opt.fields(true);
   for (const auto& e : entries_) {

@@ -126,7 +126,7 @@ class DedicatedRoute final : public Route {
   void full_shapes(std::map<std::string, std::vector<int64_t>>& out) const override;
   bool describe(const std::string& name, ParamView& v) const override;
   void state_slots(std::vector<StateSlot>& out) const override;
-  void gather_state(const OptimizerStateAccess& opt, const StateSink& put) override;
+  void gather_state(const OptimizerStateReader& opt, const StateSink& put) override;
   void assign_state(OptimizerStateAccess& opt, const StateSource& get) override;
 
   // TP (Muon::step): `apply` finishes the update of `name` (its slice arrives asynchronously). It runs

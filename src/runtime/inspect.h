@@ -73,15 +73,21 @@ inline PackedUnit unit_of(const torch::nn::Module& model, const std::string& nam
   return to_unit(*rt, e->boundary, rt->dedicated().buffers(e->boundary)[static_cast<size_t>(e->buffer)]);
 }
 
+// the sharded_adamw route (null when no parameter is on it)
+inline const ShardedRoute* sharded_route(const torch::nn::Module& model) {
+  return dynamic_cast<const ShardedRoute*>(runtime_of(model)->route(RouteKind::Sharded));
+}
+
 inline std::vector<ShardedParam> sharded_params(const torch::nn::Module& model) {
   std::vector<ShardedParam> out;
-  for (const auto& e : runtime_of(model)->sharded().entries())
-    out.push_back(ShardedParam{e.name, e.param, e.shard, e.full, e.numel, e.shard_len});
+  if (const ShardedRoute* r = sharded_route(model))
+    for (const auto& e : r->entries()) out.push_back(ShardedParam{e.name, e.param, e.shard, e.full, e.numel, e.shard_len});
   return out;
 }
 
 inline bool is_sharded(const torch::nn::Module& model, const std::string& name) {
-  return runtime_of(model)->sharded().find(name) != nullptr;
+  const ShardedRoute* r = sharded_route(model);
+  return r != nullptr && r->find(name) != nullptr;
 }
 inline size_t num_dedicated(const torch::nn::Module& model) { return runtime_of(model)->dedicated().entries().size(); }
 inline bool has_masters(const torch::nn::Module& model) { return runtime_of(model)->has_masters(); }

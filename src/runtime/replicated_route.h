@@ -1,4 +1,4 @@
-// Internal: the replicated route (DDP-style base parameters, dmuon::replicate).
+// Internal: the replicated route (dmuon::replicate: base parameters whole on every rank, DDP-style bucketed all-reduces).
 //
 // Every rank keeps the whole parameter and updates it identically. At the end of backward the
 // gradients are averaged over the data-parallel ranks (the world without a TP axis; else the R x G

@@ -25,9 +25,27 @@
 
 namespace dmuon {
 
+// Which route trains a parameter. The selectable ones have a row in setup's route table (setup.cpp),
+// which also gives their names; Local is where every other parameter stays.
 enum class RouteKind { Dedicated, Sharded, Replicated, Local };
-// "muon", "sharded_adamw", "replicated" (replicated AdamW: the route string "adamw"), "local"
+// "muon", "sharded_adamw", "replicated" (replicated AdamW: also selected by "adamw"), "local"
 const char* route_name(RouteKind k);
+
+// What the setup knows when it routes a parameter (route_params, RouteRow::check).
+struct RoutingContext {
+  int rank = 0;
+  bool ddp = false;
+  bool tp = false;  // the mesh has a tensor-parallel axis
+};
+
+// A parameter handed to a route at build: name, tensor, precision and its hook boundary's index
+// (routes whose parameters live on no boundary get -1).
+struct BoundParam {
+  std::string name;
+  at::Tensor param;
+  Precision prec;
+  int boundary = -1;
+};
 
 // A gradient ready for the optimizer (after Runtime::prepare_grads).
 struct ReadyGrad {
@@ -71,18 +89,21 @@ struct ParamView {
 // One parameter's optimizer state as the optimizer keeps it on this rank.
 struct ParamState {
   int64_t step = 0;
-  std::vector<at::Tensor> tensors;  // in the order of OptimizerStateAccess::fields; empty: no state
+  std::vector<at::Tensor> tensors;  // in the order of OptimizerStateReader::fields; empty: no state
   bool defined() const { return !tensors.empty() && tensors.front().defined(); }
 };
 
 // The optimizer's per-parameter state, as the routes see it for checkpoints (the optimizer layer
-// implements it; the runtime does not know the optimizer).
-class OptimizerStateAccess {
+// implements it; the runtime does not know the optimizer). Reading needs only the reader.
+class OptimizerStateReader {
  public:
-  virtual ~OptimizerStateAccess() = default;
+  virtual ~OptimizerStateReader() = default;
   // the state tensors of a Muon matrix (muon) or of an AdamW-trained parameter, by name
   virtual const std::vector<std::string>& fields(bool muon) const = 0;
   virtual ParamState get(const at::Tensor& param) const = 0;  // no state: step 0, no tensors
+};
+class OptimizerStateAccess : public OptimizerStateReader {
+ public:
   virtual void set(const at::Tensor& param, ParamState state) = 0;  // no tensors: fresh state
 };
 
@@ -105,6 +126,11 @@ class Route {
  public:
   virtual ~Route() = default;
   virtual RouteKind kind() const = 0;
+
+  // ---- setup ----
+  // after every parameter took its forward dtype: hooks and initial values (collective: every rank,
+  // in route order)
+  virtual void install() {}
 
   // ---- forward / backward of boundary b (collective: every rank, same order) ----
   virtual void issue_unshard(int /*b*/, const char* /*phase*/) {}  // broadcast / all-gather its parameters
@@ -136,7 +162,7 @@ class Route {
   // the shape of each parameter as this TP rank's routes hold it whole (placeholders hold none)
   virtual void full_shapes(std::map<std::string, std::vector<int64_t>>& out) const = 0;
   virtual void state_slots(std::vector<StateSlot>& out) const = 0;
-  virtual void gather_state(const OptimizerStateAccess& opt, const StateSink& put) = 0;
+  virtual void gather_state(const OptimizerStateReader& opt, const StateSink& put) = 0;
   // local: the ranks that update a parameter take its state from `get` (converted to their dtype,
   // device and slice); the others keep none
   virtual void assign_state(OptimizerStateAccess& opt, const StateSource& get) = 0;

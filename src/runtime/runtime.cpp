@@ -20,22 +20,21 @@
 #include "runtime/dedicated_route.h"
 #include "runtime/local_route.h"
 #include "runtime/replicated_route.h"
-#include "runtime/sharded_route.h"
 
 namespace dmuon {
 
-const char* route_name(RouteKind k) {
-  switch (k) {
-    case RouteKind::Dedicated: return "muon";
-    case RouteKind::Sharded: return "sharded_adamw";
-    case RouteKind::Replicated: return "replicated";  // (selected by the route string "adamw")
-    case RouteKind::Local: return "local";
-  }
-  return "?";
+bool Runtime::routed(const std::string& name) const {
+  if (dedicated_->find(name) != nullptr) return true;
+  ParamView v;
+  for (const auto& r : table_routes_)
+    if (r->describe(name, v)) return true;
+  return false;
 }
 
-bool Runtime::routed(const std::string& name) const {
-  return dedicated_->find(name) != nullptr || sharded_->find(name) != nullptr;
+Route* Runtime::route(RouteKind k) const {
+  for (Route* r : routes_)
+    if (r->kind() == k) return r;
+  return nullptr;
 }
 
 std::vector<ParamView> Runtime::describe() const {
@@ -348,7 +347,7 @@ void Runtime::step(bool group_prepare_ahead, bool async, std::optional<std::vect
   // overlap with the Newton-Schulz of the group before it (HSDP). It costs two host reads per group
   // (has-gradient flags, finiteness) instead of two per step, so 1-D meshes keep the one-pass path;
   // so do steps on gradients taken before (clipping took every one) and TP (all gathers first).
-  const bool per_group = group_prepare_ahead && !taken && !m.has_tp() && m.is_2d() && !ddp();
+  const bool per_group = group_prepare_ahead && !taken && !m.has_tp() && m.is_hsdp() && !ddp();
   v.begin(StepVisitor::Phase::Prepare);
   prepare_grads(/*dedicated=*/!per_group);  // collective: the reduces are waited (HSDP: stage 2 too)
   const std::vector<ReadyGrad> ready = taken ? std::move(*taken) : take_ready_grads_locked(!per_group);
@@ -457,7 +456,7 @@ std::vector<StateSlot> Runtime::state_slots() const {
   return out;
 }
 
-void Runtime::gather_state(const OptimizerStateAccess& opt, const StateSink& put) {
+void Runtime::gather_state(const OptimizerStateReader& opt, const StateSink& put) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   at::NoGradGuard ng;
   for (Route* r : routes()) r->gather_state(opt, put);

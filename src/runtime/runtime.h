@@ -3,14 +3,15 @@
 //   Muon::step ──► Runtime::prepare_grads / take_ready_grads / publish
 //                     │  boundary schedule: pass, forward order, reduce order, NoSync
 //                     ▼
-//   routes:  DedicatedRoute (Muon matrices)  ShardedRoute (sharded_adamw)  ReplicatedRoute (DDP buckets)
+//   routes:  DedicatedRoute (Muon matrices)  the route table's (ShardedRoute: sharded_adamw)
+//            ReplicatedRoute (dmuon::replicate's buckets)  LocalRoute (the rest)
 //                     │
 //                     ▼
 //   Communicator (shard / replicate / world groups of the Mesh)
 //
 // The Runtime knows boundaries and when things happen; each route knows how its parameters are
 // unsharded, reduced, accumulated, installed and published. Every route is called at the same
-// points in the same order on every rank (dedicated, sharded, replicated), which keeps the
+// points in the same order on every rank (dedicated, the table's, replicated, local), which keeps the
 // collectives of all ranks in one order.
 //
 // Lifetimes: the registry (registry.cpp) holds a Runtime while its model lives. Hooks registered on
@@ -53,7 +54,6 @@
 namespace dmuon {
 
 class DedicatedRoute;
-class ShardedRoute;
 class ReplicatedRoute;
 class LocalRoute;
 
@@ -118,7 +118,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void assign_params(ParamSource& source, const std::vector<std::pair<std::string, at::Tensor>>& extra,
                      const std::string& what) override;
   std::vector<StateSlot> state_slots() const override;
-  void gather_state(const OptimizerStateAccess& opt, const StateSink& put) override;
+  void gather_state(const OptimizerStateReader& opt, const StateSink& put) override;
   void assign_state(OptimizerStateAccess& opt, const StateSource& get) override;
 
   // ---- the schedule's optimizer entry points (prepare_muon_grads, broadcast_all_updates, ...) ----
@@ -159,10 +159,10 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   Precision precision_of(const at::Tensor& p) const { return ctx_.precision_of(p); }
   at::Tensor master_of(const at::Tensor& p) const { return ctx_.master_of(p); }
   bool has_masters() const { return ctx_.has_masters(); }
-  bool routed(const std::string& name) const;          // dedicated or sharded_adamw
+  bool routed(const std::string& name) const;          // on the dedicated route or a route of the table
   std::vector<ParamView> describe() const override;     // every trainable parameter, model order
   DedicatedRoute& dedicated() const { return *dedicated_; }
-  ShardedRoute& sharded() const { return *sharded_; }
+  Route* route(RouteKind k) const;  // the route of that kind, null when this model has none
   ReplicatedRoute* replicated() const { return replicated_; }
   uint64_t id() const { return id_; }
   // unshard_profile.h: per-boundary unshard counters (empty unless recording)
@@ -196,10 +196,10 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   std::vector<ParamSpec> specs_;               // planner input, per dedicated param
   std::vector<std::string> boundary_of_param_;  // hook boundary name, per dedicated param
   std::vector<Boundary> boundaries_;
-  // The routes, in the order they are called (dedicated, sharded, replicated, local): every rank
-  // calls them in this order, so their collectives keep one order.
+  // The routes, in the order they are called (dedicated, the routes of setup's route table in row
+  // order, replicated, local): every rank calls them in this order, so their collectives keep one order.
   std::unique_ptr<DedicatedRoute> dedicated_;
-  std::unique_ptr<ShardedRoute> sharded_;
+  std::vector<std::unique_ptr<Route>> table_routes_;
   std::unique_ptr<ReplicatedRoute> replicated_owner_;
   ReplicatedRoute* replicated_ = nullptr;
   std::unique_ptr<LocalRoute> local_;

@@ -90,7 +90,7 @@ class RuntimeFace {
   virtual void assign_params(ParamSource& source, const std::vector<std::pair<std::string, at::Tensor>>& extra,
                              const std::string& what) = 0;
   virtual std::vector<StateSlot> state_slots() const = 0;  // local
-  virtual void gather_state(const OptimizerStateAccess& opt, const StateSink& put) = 0;
+  virtual void gather_state(const OptimizerStateReader& opt, const StateSink& put) = 0;
   virtual void assign_state(OptimizerStateAccess& opt, const StateSource& get) = 0;  // local
 };
 

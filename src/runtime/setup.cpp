@@ -7,6 +7,8 @@
 #include <functional>
 #include <sstream>
 
+#include "runtime/sharded_route.h"
+
 namespace dmuon {
 
 namespace {
@@ -17,9 +19,17 @@ std::string shape_str(at::IntArrayRef s) {
   return o.str();
 }
 
-const char* route_list() {
-  return "Routes: \"muon\" (dedicated ownership + Newton-Schulz), \"adamw\" (replicated, AdamW; also spelled "
-         "\"replicated\") and \"sharded_adamw\" (1/N per rank, AdamW on the shard).";
+std::string route_list() {
+  std::string out = "Routes: ";
+  const auto& table = route_table();
+  for (size_t i = 0; i < table.size(); ++i) {
+    const RouteRow& row = table[i];
+    out += (i == 0 ? "" : i + 1 == table.size() ? " and " : ", ");
+    out += "\"" + row.names.front() + "\" (" + row.what;
+    for (size_t k = 1; k < row.names.size(); ++k) out += "; also spelled \"" + row.names[k] + "\"";
+    out += ")";
+  }
+  return out + ".";
 }
 
 // Sets in `into` every field `o` has.
@@ -69,10 +79,34 @@ std::vector<std::string> ancestors_of(const std::string& param_name) {
 
 }  // namespace
 
+// The route table: one row per route a parameter can be sent to. The routes built from it (`make`)
+// are built and called in row order, after the dedicated route and before the replicated and local
+// ones.
+const std::vector<RouteRow>& route_table() {
+  static const std::vector<RouteRow> table = {
+      {RouteKind::Dedicated, {"muon"}, "dedicated ownership + Newton-Schulz", true},
+      {RouteKind::Replicated, {"adamw", "replicated"}, "replicated, AdamW"},
+      {RouteKind::Sharded, {"sharded_adamw"}, "1/N per rank, AdamW on the shard", true, &ShardedRoute::check,
+       &ShardedRoute::make},
+  };
+  return table;
+}
+
+const RouteRow& route_row(RouteKind k) {
+  for (const RouteRow& row : route_table())
+    if (row.kind == k) return row;
+  TORCH_INTERNAL_ASSERT(false, "route kind ", static_cast<int>(k), " has no row in route_table()");
+}
+
+const char* route_name(RouteKind k) {
+  if (k == RouteKind::Local) return "local";  // no data-parallel route: frozen, or not replicated
+  if (k == RouteKind::Replicated) return "replicated";
+  return route_row(k).names.front().c_str();
+}
+
 std::optional<RouteKind> parse_route(const std::string& s) {
-  if (s == "muon") return RouteKind::Dedicated;
-  if (s == "adamw" || s == "replicated") return RouteKind::Replicated;  // (route_name's spelling too)
-  if (s == "sharded_adamw") return RouteKind::Sharded;
+  for (const RouteRow& row : route_table())
+    if (std::find(row.names.begin(), row.names.end(), s) != row.names.end()) return row.kind;
   return std::nullopt;
 }
 
@@ -140,17 +174,26 @@ Precision resolve_precision(const ParamPolicy& pol, const DedicateOptions& opts,
   return pr;
 }
 
-std::string resolve_boundary(const DedicateOptions& opts, const ModelView& model, const std::string& name,
+ModuleIndex::ModuleIndex(const ModelView& model) {
+  for (const ModelView::Module& m : model.modules) by_name_.emplace(m.name, &m);
+}
+
+const ModelView::Module* ModuleIndex::find(const std::string& name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : it->second;
+}
+
+std::string resolve_boundary(const DedicateOptions& opts, const ModuleIndex& model, const std::string& name,
                              const at::Tensor& p, int rank) {
   if (opts.hook_boundary_resolver) {
     std::string boundary = opts.hook_boundary_resolver(name, p);
-    TORCH_CHECK(model.module(boundary), "rank ", rank, ": dedicate_params: hook_boundary_resolver returned '",
+    TORCH_CHECK(model.find(boundary), "rank ", rank, ": dedicate_params: hook_boundary_resolver returned '",
                 boundary, "' for parameter '", name, "', which is not a module of the model (named_modules()).");
     return boundary;
   }
   if (opts.hook_boundary_predicate) {
     for (const auto& a : ancestors_of(name)) {
-      const ModelView::Module* m = model.module(a);
+      const ModelView::Module* m = model.find(a);
       if (!m) continue;
       const std::shared_ptr<torch::nn::Module> module = m->libtorch.lock();
       TORCH_CHECK(module, "rank ", rank, ": dedicate_params: hook_boundary_predicate is called with LibTorch "
@@ -163,7 +206,7 @@ std::string resolve_boundary(const DedicateOptions& opts, const ModelView& model
                 "contains this parameter, or set hook_boundary_strict=false to fall back to its direct parent module.");
   } else {
     const std::string key = layer_key_of(name);
-    if (!key.empty() && model.module(key)) return key;
+    if (!key.empty() && model.find(key)) return key;
   }
   return ancestors_of(name).front();  // the direct parent
 }
@@ -174,8 +217,9 @@ Routing route_params(const ModelView& model, const ParamPredicate& predicate, co
   TORCH_CHECK(static_cast<bool>(predicate), "rank ", rank, ": dedicate_params: the predicate is empty. Pass a "
               "function (name, param) -> bool that selects the Muon matrices, e.g. 2-D weights of layers.");
   Routing out;
+  const ModuleIndex modules(model);
   auto boundary_of = [&](const std::string& name, const at::Tensor& p) {
-    std::string boundary = resolve_boundary(opts, model, name, p, rank);
+    std::string boundary = resolve_boundary(opts, modules, name, p, rank);
     if (std::find(out.boundary_order.begin(), out.boundary_order.end(), boundary) == out.boundary_order.end())
       out.boundary_order.push_back(boundary);
     return boundary;
@@ -221,16 +265,15 @@ Routing route_params(const ModelView& model, const ParamPredicate& predicate, co
       out.base.push_back(std::move(r));
       continue;
     }
-    if (route == RouteKind::Sharded) {
-      TORCH_CHECK(!ctx.ddp, "rank ", rank, ": dedicate_params_ddp: parameter '", name, "' is routed to sharded_adamw, "
-                  "but the DDP path keeps every parameter whole on every rank. Use dedicate_params for sharding, or "
-                  "route it to \"adamw\".");
-      TORCH_CHECK(p.numel() > 0 && p.is_contiguous(), "rank ", rank, ": dedicate_params: sharded_adamw parameter '",
-                  name, "' must be a non-empty contiguous tensor.");
-      r.boundary = boundary_of(name, p);
-      out.base_digest = out.base_digest * 31 + precision_digest(r.prec) + 7;
-      note_boundary_casts(r.boundary);
-      out.sharded.push_back(std::move(r));
+    if (route != RouteKind::Dedicated) {  // a route of the table
+      const RouteRow& row = route_row(route);
+      if (row.check) row.check(name, p, ctx);
+      if (row.on_boundary) {
+        r.boundary = boundary_of(name, p);
+        note_boundary_casts(r.boundary);
+      }
+      out.base_digest = out.base_digest * 31 + precision_digest(r.prec) + 7 * static_cast<uint64_t>(route);
+      out.routed[route].push_back(std::move(r));
       continue;
     }
     TORCH_CHECK(p.dim() == 2, "rank ", rank, ": dedicate_params: ", route_from, " routed '", name,

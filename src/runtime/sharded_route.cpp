@@ -16,7 +16,25 @@ const ShardedEntry* ShardedRoute::find(const std::string& name) const {
   return it == index_.end() ? nullptr : &entries_[static_cast<size_t>(it->second)];
 }
 
-void ShardedRoute::add(const std::string& name, const at::Tensor& param, int boundary, const Precision& prec) {
+void ShardedRoute::check(const std::string& name, const at::Tensor& p, const RoutingContext& ctx) {
+  TORCH_CHECK(!ctx.ddp, "rank ", ctx.rank, ": dedicate_params_ddp: parameter '", name, "' is routed to sharded_adamw, "
+              "but dedicate_params_ddp keeps every parameter whole on every rank. Use dedicate_params for sharding, "
+              "or route it to \"adamw\".");
+  TORCH_CHECK(p.numel() > 0 && p.is_contiguous(), "rank ", ctx.rank, ": dedicate_params: sharded_adamw parameter '",
+              name, "' must be a non-empty contiguous tensor.");
+}
+
+std::unique_ptr<Route> ShardedRoute::make(RouteContext& ctx, std::vector<BoundParam> params) {
+  auto route = std::make_unique<ShardedRoute>(ctx);
+  for (const BoundParam& p : params) route->add(p);
+  return route;
+}
+
+void ShardedRoute::add(const BoundParam& bp) {
+  const std::string& name = bp.name;
+  const at::Tensor& param = bp.param;
+  const int boundary = bp.boundary;
+  const Precision& prec = bp.prec;
   Mesh& mesh = ctx_.mesh();
   at::NoGradGuard ng;
   const int G = mesh.shard_size();
@@ -258,7 +276,7 @@ void ShardedRoute::state_slots(std::vector<StateSlot>& out) const {
   for (const auto& e : entries_) out.push_back({e.name, e.shape, false});
 }
 
-void ShardedRoute::gather_state(const OptimizerStateAccess& opt, const StateSink& put) {
+void ShardedRoute::gather_state(const OptimizerStateReader& opt, const StateSink& put) {
   for (const auto& e : entries_) {
     ParamState s = opt.get(e.param);  // defined on every rank or none: all step together
     if (!s.defined()) continue;

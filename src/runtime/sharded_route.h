@@ -52,12 +52,16 @@ class ShardedRoute final : public Route {
   explicit ShardedRoute(RouteContext& ctx) : ctx_(ctx) {}
   RouteKind kind() const override { return RouteKind::Sharded; }
 
-  // ---- setup ----
-  // One entry per parameter (name, boundary, precision): this rank's slice of rank 0's value
+  // ---- setup (setup's route table) ----
+  // Refuses what sharded_adamw cannot train: every parameter on the DDP path, empty or
+  // non-contiguous tensors.
+  static void check(const std::string& name, const at::Tensor& p, const RoutingContext& ctx);
+  // The route over `params`, one entry per parameter: this rank's slice of rank 0's value
   // (collective: a broadcast over the world per parameter, in order).
-  void add(const std::string& name, const at::Tensor& param, int boundary, const Precision& prec);
+  static std::unique_ptr<Route> make(RouteContext& ctx, std::vector<BoundParam> params);
+  void add(const BoundParam& p);
   // After the parameters took their forward dtype: hooks, and the parameters become placeholders.
-  void install();
+  void install() override;
 
   // ---- Route ----
   void issue_unshard(int b, const char* phase) override;
@@ -76,7 +80,7 @@ class ShardedRoute final : public Route {
   void full_shapes(std::map<std::string, std::vector<int64_t>>& out) const override;
   bool describe(const std::string& name, ParamView& v) const override;
   void state_slots(std::vector<StateSlot>& out) const override;
-  void gather_state(const OptimizerStateAccess& opt, const StateSink& put) override;
+  void gather_state(const OptimizerStateReader& opt, const StateSink& put) override;
   void assign_state(OptimizerStateAccess& opt, const StateSource& get) override;
 
   // ---- queries and checkpoint helpers ----

@@ -58,7 +58,7 @@ void WholeParams::state_slots(std::vector<StateSlot>& out) const {
     if (w.trainable()) out.push_back({w.name, w.param.sizes().vec(), false});
 }
 
-void WholeParams::gather_state(const OptimizerStateAccess& opt, const StateSink& put) const {
+void WholeParams::gather_state(const OptimizerStateReader& opt, const StateSink& put) const {
   for (const auto& w : params_) {
     if (!w.trainable()) continue;
     const ParamState s = opt.get(w.param);  // the same on every rank: all step together

@@ -34,7 +34,7 @@ class WholeParams {
   void assign_from(ParamSource& source) const;         // every rank reads its whole value (TP: its slice)
   void full_shapes(std::map<std::string, std::vector<int64_t>>& out) const;
   void state_slots(std::vector<StateSlot>& out) const;
-  void gather_state(const OptimizerStateAccess& opt, const StateSink& put) const;
+  void gather_state(const OptimizerStateReader& opt, const StateSink& put) const;
   void assign_state(OptimizerStateAccess& opt, const StateSource& get) const;
   // the trainable ones with a gradient; `counted`: this rank counts them in a global norm
   void ready_grads(std::vector<ReadyGrad>& out, bool counted) const;
@@ -56,7 +56,7 @@ class WholeParamsRoute : public Route {
   void assign_from(ParamSource& source) override { whole_.assign_from(source); }
   void full_shapes(std::map<std::string, std::vector<int64_t>>& out) const override { whole_.full_shapes(out); }
   void state_slots(std::vector<StateSlot>& out) const override { whole_.state_slots(out); }
-  void gather_state(const OptimizerStateAccess& opt, const StateSink& put) override { whole_.gather_state(opt, put); }
+  void gather_state(const OptimizerStateReader& opt, const StateSink& put) override { whole_.gather_state(opt, put); }
   void assign_state(OptimizerStateAccess& opt, const StateSource& get) override { whole_.assign_state(opt, get); }
 
  protected:

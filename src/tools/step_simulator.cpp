@@ -1,5 +1,5 @@
-// The step simulator (see include/dmuon/step_simulator.h).
-#include "dmuon/step_simulator.h"
+// The step simulator (see include/dmuon/tools/step_simulator.h).
+#include "dmuon/tools/step_simulator.h"
 
 #include <algorithm>
 #include <cctype>

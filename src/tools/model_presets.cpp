@@ -3,7 +3,7 @@
 #include <string>
 #include <vector>
 
-#include "dmuon/model_specs.h"
+#include "dmuon/tools/model_specs.h"
 #include "model_builders.h"
 
 namespace dmuon {

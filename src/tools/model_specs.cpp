@@ -1,6 +1,6 @@
 // model_specs.cpp -- Hugging Face config and parameter-list loaders, the model builders, the Muon
 // predicate (the presets: model_presets.cpp).
-#include "dmuon/model_specs.h"
+#include "dmuon/tools/model_specs.h"
 #include "model_builders.h"
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // ns_calibration.cpp -- measured NS times per shape, matmul rate and memory bandwidth (ns_calibration.h).
-#include "dmuon/ns_calibration.h"
+#include "dmuon/tools/ns_calibration.h"
 
 #include "dmuon/host_sync.h"
 #include "dmuon/ns_graphs.h"

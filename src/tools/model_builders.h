@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "dmuon/model_specs.h"
+#include "dmuon/tools/model_specs.h"
 
 namespace dmuon::detail {
 

@@ -36,7 +36,7 @@
 #include <string>
 #include <vector>
 
-#include "dmuon/model_specs.h"
+#include "dmuon/tools/model_specs.h"
 #include "dmuon/ns_profile.h"
 #include "dmuon/owner_plan.h"
 

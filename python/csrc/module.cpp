@@ -1,0 +1,37 @@
+// dmuon._C: the module's entry point and the translation of C++ errors into Python exceptions.
+#include <c10/util/Exception.h>
+#include <torch/version.h>
+
+#include <stdexcept>
+
+#include "bindings.h"
+
+namespace dmuon::python {
+
+void register_errors(py::module_& /*m*/) {
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const c10::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    } catch (const c10::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+    } catch (const c10::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+    // anything else: pybind11's own translators (std::exception -> RuntimeError, ...)
+  });
+}
+
+}  // namespace dmuon::python
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "dmuon's native core (use the `dmuon` package, not this module)";
+  m.attr("__version__") = DMUON_VERSION;
+  // the torch this module was compiled against: dmuon/__init__.py refuses another minor version
+  m.attr("_torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
+  dmuon::python::register_errors(m);
+  dmuon::python::bind_newton_schulz(m);
+}

@@ -1,0 +1,46 @@
+"""Shared by dmuon's Python tests: ranks as processes (spawn) in a real torch.distributed Gloo group on
+a fresh FileStore per call, and float64 references written from the documented math, not by dmuon."""
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank, world, store_path, fn, args):
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(tmp_path, world, fn, *args):
+    """Runs fn(rank, world, *args) on `world` spawned ranks; a rank's exception fails the caller.
+    `fn` must be a module-level function (pickled by name)."""
+    store = os.path.join(str(tmp_path), f"store-{world}")
+    mp.spawn(_entry, args=(world, store, fn, args), nprocs=world, join=True)
+
+
+def reference_ns(G, coefficients, eps=1e-7):
+    """Direct Newton-Schulz in float64: X = G / (|G|_F + eps), oriented so rows <= cols, then for each
+    (a, b, c): A = X X^T, X = a X + (b A + c A A) X; oriented back."""
+    X = G.to(torch.float64)
+    transposed = X.shape[-2] > X.shape[-1]
+    if transposed:
+        X = X.transpose(-2, -1)
+    X = X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)
+    for a, b, c in coefficients:
+        A = X @ X.transpose(-2, -1)
+        X = a * X + (b * A + c * A @ A) @ X
+    if transposed:
+        X = X.transpose(-2, -1)
+    return X
+
+
+def rel(a, b):
+    return float((a.to(torch.float64) - b.to(torch.float64)).norm() / b.to(torch.float64).norm())
