@@ -198,9 +198,12 @@ std::vector<RankPeaks> measure(int world, const Layout& layout, bool deferred) {
       opt.step();
       opt.zero_grad();
     }
+    // what this run added over its baseline: bytes still live from an earlier measurement (the ranks
+    // are threads of one process; a previous run's last buffers may be released a moment later) are
+    // not this layout's
     const mem::Stats s = mem::stats();
-    r.train = s.peak;
-    r.by_phase = s.peak_by_phase;
+    r.train = s.peak - before;
+    for (size_t i = 0; i < r.by_phase.size(); ++i) r.by_phase[i] = s.peak_by_phase[i] - before;
   });
   return out;
 }

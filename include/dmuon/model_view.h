@@ -62,4 +62,20 @@ class Runtime;  // the runtime of a dedicated model (internal)
 std::shared_ptr<Runtime> dedicate_model_view(ModelView view, const std::shared_ptr<Mesh>& mesh,
                                              const ParamPredicate& predicate, const DedicateOptions& options = {});
 
+// ---- what a front end asks of a runtime made by dedicate_model_view ----
+class RuntimeFace;  // what Muon takes: Muon(runtime_face(runtime), options)
+std::shared_ptr<RuntimeFace> runtime_face(const std::shared_ptr<Runtime>& runtime);
+// The hook boundaries (module names, model order): the modules whose forward runs in a BoundaryScope.
+std::vector<std::string> runtime_boundaries(const Runtime& runtime);
+// The dedicated matrices as this rank sees them (get_dedicated_params of a LibTorch model).
+std::vector<DedicatedParam> runtime_dedicated_params(const Runtime& runtime);
+// dmuon::replicate: every trainable parameter on no other route is replicated (whole on every rank,
+// gradients all-reduced in buckets of `bucket_mb` MiB). collective: every rank (rank 0's values).
+void runtime_replicate(const std::shared_ptr<Runtime>& runtime, double bucket_mb = 25.0);
+// The full value of every trainable parameter (master precision, model order), on every rank.
+// collective: every rank.
+std::vector<std::pair<std::string, at::Tensor>> runtime_full_params(const std::shared_ptr<Runtime>& runtime);
+// Gradient accumulation: inside no_sync no reduce happens (dmuon::NoSync for a LibTorch model). Local.
+void runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on);
+
 }  // namespace dmuon

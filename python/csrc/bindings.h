@@ -14,5 +14,7 @@ namespace py = pybind11;
 void register_errors(py::module_& m);
 // Newton-Schulz: the functions, NewtonSchulz, the coefficient lists, the backend status.
 void bind_newton_schulz(py::module_& m);
+// Meshes over torch.distributed groups, dedicated ownership of a Python model, boundary scopes, Muon.
+void bind_runtime(py::module_& m);
 
 }  // namespace dmuon::python

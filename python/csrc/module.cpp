@@ -34,4 +34,5 @@ PYBIND11_MODULE(_C, m) {
   m.attr("_torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
   dmuon::python::register_errors(m);
   dmuon::python::bind_newton_schulz(m);
+  dmuon::python::bind_runtime(m);
 }

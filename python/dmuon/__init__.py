@@ -36,6 +36,14 @@ from ._C import (  # noqa: E402  (after the version check: a mismatched _C may n
     gram_newton_schulz_factors,
     newton_schulz,
 )
+from ._runtime import (  # noqa: E402
+    Muon,
+    dedicate_params,
+    get_dedicated_params,
+    get_model_state_dict,
+    no_sync,
+    replicate,
+)
 from ._ns import (  # noqa: E402
     gram_newton_schulz_distributed_local,
     gram_newton_schulz_distributed_local_batched,
@@ -44,11 +52,15 @@ from ._ns import (  # noqa: E402
 
 __all__ = [
     "__version__",
+    "Muon",
     "NewtonSchulz",
     "POLAR_EXPRESS_COEFFICIENTS",
     "YOU_COEFFICIENTS",
+    "dedicate_params",
     "direct_newton_schulz",
     "get_backend_status",
+    "get_dedicated_params",
+    "get_model_state_dict",
     "get_ns_backend",
     "gram_newton_schulz",
     "gram_newton_schulz_distributed_local",
@@ -56,4 +68,6 @@ __all__ = [
     "gram_newton_schulz_factors",
     "gram_newton_schulz_q",
     "newton_schulz",
+    "no_sync",
+    "replicate",
 ]

@@ -1,6 +1,8 @@
 // dedicate_params and the public queries over a dedicated model.
 #include <c10/util/Exception.h>
 
+#include <map>
+
 #include "runtime/dedicated_route.h"
 #include "runtime/replicated_route.h"
 #include "runtime/runtime.h"
@@ -145,6 +147,44 @@ std::shared_ptr<Runtime> dedicate_model_view(ModelView view, const std::shared_p
   state->build(predicate);
   detail::register_runtime(state);
   return state;
+}
+
+std::shared_ptr<RuntimeFace> runtime_face(const std::shared_ptr<Runtime>& runtime) {
+  TORCH_CHECK(runtime, "runtime_face: the runtime is null (dedicate_model_view returns it).");
+  return runtime;
+}
+
+std::vector<std::string> runtime_boundaries(const Runtime& runtime) {
+  std::vector<std::string> out;
+  for (const Boundary& b : runtime.boundaries()) out.push_back(b.name);
+  return out;
+}
+
+std::vector<DedicatedParam> runtime_dedicated_params(const Runtime& runtime) {
+  std::vector<DedicatedParam> out;
+  for (const auto& e : runtime.dedicated().entries()) out.push_back(to_public(e, runtime));
+  return out;
+}
+
+void runtime_replicate(const std::shared_ptr<Runtime>& runtime, double bucket_mb) {
+  TORCH_CHECK(runtime, "replicate: the runtime is null (dedicate_model_view returns it).");
+  runtime->add_replicated(bucket_mb, /*tp=*/false);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> runtime_full_params(const std::shared_ptr<Runtime>& runtime) {
+  TORCH_CHECK(runtime, "full params: the runtime is null (dedicate_model_view returns it).");
+  runtime->drain();  // in-flight publishes land first
+  std::map<std::string, at::Tensor> full;
+  runtime->gather_params([&](const std::string& name, const at::Tensor& t) { full[name] = t; });
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const ModelView::Tensor& item : runtime->view().params)
+    if (auto it = full.find(item.name); it != full.end()) out.emplace_back(item.name, it->second);
+  return out;
+}
+
+void runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on) {
+  TORCH_CHECK(runtime, "no_sync: the runtime is null (dedicate_model_view returns it).");
+  runtime->set_no_sync(on);
 }
 
 namespace {

@@ -1,0 +1,193 @@
+// dmuon._C: meshes over torch.distributed process groups, dedicated ownership of a Python model (as a
+// ModelView), its boundary scopes, and Muon. The Python package (dmuon/_runtime.py) turns these into
+// the API reference's functions; nothing here is meant to be called directly.
+#include <pybind11/functional.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "dmuon/dedicate.h"
+#include "dmuon/mesh.h"
+#include "dmuon/model_view.h"
+#include "dmuon/muon.h"
+
+namespace dmuon::python {
+
+namespace {
+
+using namespace pybind11::literals;
+
+// The runtime of one dedicated Python model (Runtime is internal: an opaque handle).
+struct RuntimeHandle {
+  std::shared_ptr<Runtime> runtime;
+};
+
+template <typename T>
+std::optional<T> get_opt(const py::dict& d, const char* key) {
+  if (!d.contains(key) || d[key].is_none()) return std::nullopt;
+  return d[key].cast<T>();
+}
+
+DedicateOptions dedicate_options(const py::dict& d) {
+  static const char* const known[] = {"compute_dtype", "reshard_after_forward", "hook_boundary_strict",
+                                      "hook_boundary_resolver", "assignment_group_key_fn", "route_hint_fn",
+                                      "max_owners_per_group", "owner_strategy", "owner_cost_model",
+                                      "hsdp_column_balance", "pack_small_params", "muon_forward_unshard",
+                                      "forward_prefetch_depth", "replicate_async", "record_forward_profile"};
+  for (const auto& [k, v] : d) {
+    const std::string key = k.cast<std::string>();
+    bool ok = false;
+    for (const char* n : known) ok = ok || key == n;
+    TORCH_CHECK_VALUE(ok, "dedicate_params: unknown option '", key, "'");
+  }
+  DedicateOptions o;
+  o.compute_dtype = get_opt<at::ScalarType>(d, "compute_dtype");
+  if (auto v = get_opt<bool>(d, "reshard_after_forward")) o.reshard_after_forward = *v;
+  if (auto v = get_opt<bool>(d, "hook_boundary_strict")) o.hook_boundary_strict = *v;
+  if (auto v = get_opt<HookBoundaryResolver>(d, "hook_boundary_resolver")) o.hook_boundary_resolver = *v;
+  if (auto v = get_opt<AssignmentGroupKeyFn>(d, "assignment_group_key_fn")) o.assignment_group_key_fn = *v;
+  if (auto v = get_opt<RouteHintFn>(d, "route_hint_fn")) o.route_hint_fn = *v;
+  o.plan.max_owners_per_group = get_opt<int>(d, "max_owners_per_group");
+  o.plan.owner_strategy = get_opt<std::string>(d, "owner_strategy");
+  o.plan.owner_cost_model = get_opt<std::string>(d, "owner_cost_model");
+  o.plan.hsdp_column_balance = get_opt<bool>(d, "hsdp_column_balance");
+  o.plan.pack_small_params = get_opt<bool>(d, "pack_small_params");
+  if (auto v = get_opt<std::string>(d, "muon_forward_unshard")) o.muon_forward_unshard = *v;
+  if (auto v = get_opt<int>(d, "forward_prefetch_depth")) o.forward_prefetch_depth = *v;
+  if (auto v = get_opt<bool>(d, "replicate_async")) o.replicate_async = *v;
+  o.record_forward_profile = get_opt<bool>(d, "record_forward_profile");
+  return o;
+}
+
+MuonOptions muon_options(const py::dict& d) {
+  MuonOptions o;
+  if (auto v = get_opt<double>(d, "lr")) o.lr = *v;
+  if (auto v = get_opt<double>(d, "momentum")) o.momentum = *v;
+  if (auto v = get_opt<double>(d, "weight_decay")) o.weight_decay = *v;
+  if (auto v = get_opt<int>(d, "ns_steps")) o.ns_steps = *v;
+  if (auto v = get_opt<double>(d, "adamw_lr")) o.adamw_lr = *v;
+  if (auto v = get_opt<std::pair<double, double>>(d, "adamw_betas")) o.adamw_betas = *v;
+  if (auto v = get_opt<double>(d, "adamw_weight_decay")) o.adamw_weight_decay = *v;
+  if (auto v = get_opt<double>(d, "adamw_eps")) o.adamw_eps = *v;
+  if (d.contains("ns_backend") && !d["ns_backend"].is_none()) {
+    if (py::isinstance<py::str>(d["ns_backend"])) o.ns_backend = d["ns_backend"].cast<std::string>();
+    else o.ns = d["ns_backend"].cast<NewtonSchulz>();
+  }
+  if (auto v = get_opt<bool>(d, "nesterov")) o.nesterov = *v;
+  o.replicate_async = get_opt<bool>(d, "replicate_async");
+  if (auto v = get_opt<bool>(d, "record_step_profile")) o.record_step_profile = *v;
+  if (auto v = get_opt<bool>(d, "group_prepare_ahead")) o.group_prepare_ahead = *v;
+  if (auto v = get_opt<bool>(d, "first_step_progress_log")) o.first_step_progress_log = *v;
+  if (auto v = get_opt<int>(d, "first_step_progress_log_limit")) o.first_step_progress_log_limit = *v;
+  return o;
+}
+
+MuonGroupOptions& group_options(Muon& opt, size_t i) {
+  TORCH_CHECK_VALUE(i < opt.param_groups().size(), "Muon: no parameter group ", i);
+  return static_cast<MuonGroupOptions&>(opt.param_groups()[i].options());
+}
+
+}  // namespace
+
+void bind_runtime(py::module_& m) {
+  const auto release = py::call_guard<py::gil_scoped_release>();
+
+  py::class_<Mesh, std::shared_ptr<Mesh>>(m, "_Mesh")
+      .def_property_readonly("global_rank", &Mesh::global_rank)
+      .def_property_readonly("world_size", &Mesh::world_size)
+      .def_property_readonly("shard_rank", &Mesh::shard_rank)
+      .def_property_readonly("shard_size", &Mesh::shard_size)
+      .def_property_readonly("replicate_rank", &Mesh::replicate_rank)
+      .def_property_readonly("replicate_size", &Mesh::replicate_size)
+      .def_property_readonly("policy", &Mesh::policy)
+      .def("bytes", [](Mesh& mesh) {
+        py::dict out;
+        for (int op = 0; op < static_cast<int>(CommOp::kCount); ++op)
+          out[comm_op_name(static_cast<CommOp>(op))] = mesh.counters().bytes(static_cast<CommOp>(op));
+        return out;
+      }, "Bytes this rank's collectives moved so far, by operation (communicator.h's convention).");
+  m.def(
+      "_mesh_1d",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string& device, double timeout_s) {
+        TORCH_CHECK_VALUE(group, "dedicate_params: the process group is None");
+        MeshOptions o;
+        o.process_group_policy = "shared";  // the Python side made (isolated) or chose (shared) this group
+        o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+        o.device = at::Device(device);
+        return Mesh::create(group->getBackend(o.device->type()), o);
+      },
+      "group"_a, "device"_a, "timeout_s"_a, release);
+
+  py::class_<RuntimeHandle>(m, "_Runtime")
+      .def("boundaries", [](const RuntimeHandle& h) { return runtime_boundaries(*h.runtime); })
+      .def("dedicated", [](const RuntimeHandle& h) {
+        py::list out;
+        for (const DedicatedParam& d : runtime_dedicated_params(*h.runtime))
+          out.append(py::dict("name"_a = d.name, "param"_a = d.param, "shape"_a = d.shape,
+                              "owner_shard"_a = d.owner.shard, "owner_replicate"_a = d.owner.replicate,
+                              "owner_rank"_a = d.owner_rank, "boundary"_a = d.boundary, "is_owner"_a = d.is_owner));
+        return out;
+      })
+      .def("replicate", [](const RuntimeHandle& h, double bucket_mb) { runtime_replicate(h.runtime, bucket_mb); },
+           "bucket_mb"_a, release)
+      .def("full_params", [](const RuntimeHandle& h) { return runtime_full_params(h.runtime); }, release)
+      .def("set_no_sync", [](const RuntimeHandle& h, bool on) { runtime_set_no_sync(h.runtime, on); });
+
+  m.def(
+      "_dedicate",
+      [](const std::vector<std::pair<std::string, at::Tensor>>& params,
+         const std::vector<std::pair<std::string, at::Tensor>>& buffers,
+         const std::vector<std::pair<std::string, int>>& modules, const std::shared_ptr<Mesh>& mesh,
+         const ParamPredicate& predicate, const py::dict& options) {
+        ModelView v;
+        for (const auto& [n, t] : params) v.params.push_back({n, t});
+        for (const auto& [n, t] : buffers) v.buffers.push_back({n, t});
+        for (const auto& [n, parent] : modules) v.modules.push_back({n, parent, {}});
+        // the Python callables run during setup, on this thread: the GIL stays held
+        return RuntimeHandle{dedicate_model_view(std::move(v), mesh, predicate, dedicate_options(options))};
+      },
+      "params"_a, "buffers"_a, "modules"_a, "mesh"_a, "predicate"_a, "options"_a);
+
+  py::class_<detail::BoundaryScope>(m, "_BoundaryScope")
+      .def(py::init([](const RuntimeHandle& h, const std::string& module) {
+             return std::make_unique<detail::BoundaryScope>(h.runtime, module);
+           }),
+           "runtime"_a, "module"_a, release)
+      .def("enter", py::overload_cast<const at::Tensor&>(&detail::BoundaryScope::enter), release)
+      .def("enter", py::overload_cast<>(&detail::BoundaryScope::enter), release)
+      .def("cast_input", &detail::BoundaryScope::cast_input)
+      .def("exit", py::overload_cast<const at::Tensor&>(&detail::BoundaryScope::exit), release)
+      .def("exit", py::overload_cast<>(&detail::BoundaryScope::exit), release);
+
+  py::class_<Muon>(m, "_Muon")
+      .def(py::init([](const RuntimeHandle& h, const py::dict& options) {
+             return std::make_unique<Muon>(runtime_face(h.runtime), muon_options(options));
+           }),
+           "runtime"_a, "options"_a)
+      .def("step", [](Muon& opt) { opt.step(); }, release)
+      .def("zero_grad", &Muon::zero_grad, "set_to_none"_a = true, release)
+      .def_property_readonly("steps_taken", &Muon::steps_taken)
+      .def("group_count", [](Muon& opt) { return opt.param_groups().size(); })
+      .def("group_params", [](Muon& opt, size_t i) {
+        group_options(opt, i);  // checks i
+        return opt.param_groups()[i].params();
+      })
+      .def("group_options", [](Muon& opt, size_t i) {
+        const MuonGroupOptions& g = group_options(opt, i);
+        return py::dict("lr"_a = g.lr(), "is_muon"_a = g.is_muon(), "momentum"_a = g.momentum(),
+                        "nesterov"_a = g.nesterov(), "weight_decay"_a = g.weight_decay(), "ns_steps"_a = g.ns_steps(),
+                        "betas"_a = py::make_tuple(g.beta1(), g.beta2()), "eps"_a = g.eps(),
+                        "group_name"_a = g.group_name());
+      })
+      .def("set_group_options", [](Muon& opt, size_t i, double lr, double weight_decay, double momentum) {
+        MuonGroupOptions& g = group_options(opt, i);
+        g.lr(lr).weight_decay(weight_decay).momentum(momentum);
+      }, "index"_a, "lr"_a, "weight_decay"_a, "momentum"_a);
+}
+
+}  // namespace dmuon::python
