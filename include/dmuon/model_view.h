@@ -62,6 +62,11 @@ class Runtime;  // the runtime of a dedicated model (internal)
 std::shared_ptr<Runtime> dedicate_model_view(ModelView view, const std::shared_ptr<Mesh>& mesh,
                                              const ParamPredicate& predicate, const DedicateOptions& options = {});
 
+// dedicate_params_ddp for a model given as data: every rank keeps every matrix whole; the owner runs
+// Newton-Schulz and publishes the update (1-D meshes without TP). collective: every rank.
+std::shared_ptr<Runtime> dedicate_model_view_ddp(ModelView view, const std::shared_ptr<Mesh>& mesh,
+                                                 const ParamPredicate& predicate, const DedicateOptions& options = {});
+
 // ---- what a front end asks of a runtime made by dedicate_model_view ----
 class RuntimeFace;  // what Muon takes: Muon(runtime_face(runtime), options)
 std::shared_ptr<RuntimeFace> runtime_face(const std::shared_ptr<Runtime>& runtime);
@@ -75,6 +80,9 @@ void runtime_replicate(const std::shared_ptr<Runtime>& runtime, double bucket_mb
 // The full value of every trainable parameter (master precision, model order), on every rank.
 // collective: every rank.
 std::vector<std::pair<std::string, at::Tensor>> runtime_full_params(const std::shared_ptr<Runtime>& runtime);
+// Takes every trainable parameter's value from `values` (full tensors by name, as runtime_full_params
+// gives them; each rank keeps its part). Throws naming a missing or misshapen parameter. collective.
+void runtime_assign_params(const std::shared_ptr<Runtime>& runtime, std::map<std::string, at::Tensor> values);
 // Gradient accumulation: inside no_sync no reduce happens (dmuon::NoSync for a LibTorch model). Local.
 void runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on);
 

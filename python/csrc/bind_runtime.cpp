@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -136,6 +137,11 @@ void bind_runtime(py::module_& m) {
       .def("replicate", [](const RuntimeHandle& h, double bucket_mb) { runtime_replicate(h.runtime, bucket_mb); },
            "bucket_mb"_a, release)
       .def("full_params", [](const RuntimeHandle& h) { return runtime_full_params(h.runtime); }, release)
+      .def("assign_params",
+           [](const RuntimeHandle& h, std::map<std::string, at::Tensor> values) {
+             runtime_assign_params(h.runtime, std::move(values));
+           },
+           "values"_a, release)
       .def("set_no_sync", [](const RuntimeHandle& h, bool on) { runtime_set_no_sync(h.runtime, on); });
 
   m.def(
@@ -143,15 +149,17 @@ void bind_runtime(py::module_& m) {
       [](const std::vector<std::pair<std::string, at::Tensor>>& params,
          const std::vector<std::pair<std::string, at::Tensor>>& buffers,
          const std::vector<std::pair<std::string, int>>& modules, const std::shared_ptr<Mesh>& mesh,
-         const ParamPredicate& predicate, const py::dict& options) {
+         const ParamPredicate& predicate, const py::dict& options, bool ddp) {
         ModelView v;
         for (const auto& [n, t] : params) v.params.push_back({n, t});
         for (const auto& [n, t] : buffers) v.buffers.push_back({n, t});
         for (const auto& [n, parent] : modules) v.modules.push_back({n, parent, {}});
         // the Python callables run during setup, on this thread: the GIL stays held
-        return RuntimeHandle{dedicate_model_view(std::move(v), mesh, predicate, dedicate_options(options))};
+        const DedicateOptions o = dedicate_options(options);
+        return RuntimeHandle{ddp ? dedicate_model_view_ddp(std::move(v), mesh, predicate, o)
+                                 : dedicate_model_view(std::move(v), mesh, predicate, o)};
       },
-      "params"_a, "buffers"_a, "modules"_a, "mesh"_a, "predicate"_a, "options"_a);
+      "params"_a, "buffers"_a, "modules"_a, "mesh"_a, "predicate"_a, "options"_a, "ddp"_a);
 
   py::class_<detail::BoundaryScope>(m, "_BoundaryScope")
       .def(py::init([](const RuntimeHandle& h, const std::string& module) {

@@ -39,10 +39,12 @@ from ._C import (  # noqa: E402  (after the version check: a mismatched _C may n
 from ._runtime import (  # noqa: E402
     Muon,
     dedicate_params,
+    dedicate_params_ddp,
     get_dedicated_params,
     get_model_state_dict,
     no_sync,
     replicate,
+    set_model_state_dict,
 )
 from ._ns import (  # noqa: E402
     gram_newton_schulz_distributed_local,
@@ -57,6 +59,7 @@ __all__ = [
     "POLAR_EXPRESS_COEFFICIENTS",
     "YOU_COEFFICIENTS",
     "dedicate_params",
+    "dedicate_params_ddp",
     "direct_newton_schulz",
     "get_backend_status",
     "get_dedicated_params",
@@ -70,4 +73,5 @@ __all__ = [
     "newton_schulz",
     "no_sync",
     "replicate",
+    "set_model_state_dict",
 ]

@@ -153,6 +153,29 @@ def _install_hooks(model: nn.Module, runtime) -> list:
     return handles
 
 
+def _dedicate(model, mesh, predicate, options, hook_boundary_predicate, hook_boundary_strict, process_group_policy,
+              ddp, fn):
+    if getattr(model, "_dmuon", None) is not None:
+        raise ValueError(f"{fn}: this model is dedicated already; call it once per model.")
+    for n, p in model.named_parameters():
+        if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
+            raise ValueError(
+                f"{fn}: parameter '{n}' is already a DTensor: fully_shard (or parallelize_module) ran "
+                f"before {fn}. Call dmuon.{fn}(model, mesh, ...) first, then fully_shard."
+            )
+    if hook_boundary_predicate is not None and options.get("hook_boundary_resolver") is None:
+        options["hook_boundary_resolver"] = _boundary_resolver(model, hook_boundary_predicate, hook_boundary_strict)
+    native_mesh = _make_mesh(mesh, process_group_policy)
+    params, buffers, modules = _model_view(model)
+    runtime = _C._dedicate(params, buffers, modules, native_mesh, predicate, options, ddp)
+    model._dmuon = _State(runtime, native_mesh, _install_hooks(model, runtime))
+    owners = {}
+    for d in runtime.dedicated():
+        d["param"]._dedicated_owner_rank = d["owner_rank"]
+        owners[d["param"]] = d["owner_rank"]
+    return owners
+
+
 def dedicate_params(
     model: nn.Module,
     mesh,
@@ -179,18 +202,10 @@ def dedicate_params(
     Boundaries: ``hook_boundary_resolver``, else the lowest ancestor matching ``hook_boundary_predicate``,
     else the ``layers.N`` / ``blocks.N`` module, else the direct parent. Returns parameter -> owner rank.
     Collective: every rank of ``mesh`` (a 1-D DeviceMesh or ProcessGroup), in the same order."""
-    if getattr(model, "_dmuon", None) is not None:
-        raise ValueError("dedicate_params: this model is dedicated already; call it once per model.")
     if replicate_mesh is not None:
-        raise NotImplementedError("dedicate_params: replicate_mesh (HSDP) is not supported by this build of dmuon's Python API yet.")
-    for n, p in model.named_parameters():
-        if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
-            raise ValueError(
-                f"dedicate_params: parameter '{n}' is already a DTensor: fully_shard (or parallelize_module) ran "
-                "before dedicate_params. Call dmuon.dedicate_params(model, mesh, ...) first, then fully_shard."
-            )
-    if hook_boundary_predicate is not None and hook_boundary_resolver is None:
-        hook_boundary_resolver = _boundary_resolver(model, hook_boundary_predicate, hook_boundary_strict)
+        raise NotImplementedError(
+            "dedicate_params: replicate_mesh (HSDP) is not supported by this build of dmuon's Python API yet."
+        )
     options = {
         "compute_dtype": compute_dtype,
         "reshard_after_forward": reshard_after_forward,
@@ -205,15 +220,40 @@ def dedicate_params(
         "pack_small_params": pack_small_params,
         "muon_forward_unshard": muon_forward_unshard,
     }
-    native_mesh = _make_mesh(mesh, process_group_policy)
-    params, buffers, modules = _model_view(model)
-    runtime = _C._dedicate(params, buffers, modules, native_mesh, predicate, options)
-    model._dmuon = _State(runtime, native_mesh, _install_hooks(model, runtime))
-    owners = {}
-    for d in runtime.dedicated():
-        d["param"]._dedicated_owner_rank = d["owner_rank"]
-        owners[d["param"]] = d["owner_rank"]
-    return owners
+    return _dedicate(model, mesh, predicate, options, hook_boundary_predicate, hook_boundary_strict,
+                     process_group_policy, False, "dedicate_params")
+
+
+def dedicate_params_ddp(
+    model: nn.Module,
+    mesh,
+    predicate: Callable[[str, nn.Parameter], bool],
+    compute_dtype: Optional[torch.dtype] = None,
+    hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
+    hook_boundary_strict: bool = True,
+    hook_boundary_resolver: Optional[Callable[[str, nn.Parameter], str]] = None,
+    assignment_group_key_fn: Optional[Callable[[str, nn.Parameter], str]] = None,
+    max_owners_per_group: Optional[int] = None,
+    owner_strategy: Optional[str] = None,
+    owner_cost_model: Optional[str] = None,
+    pack_small_params: Optional[bool] = None,
+    process_group_policy: Optional[str] = None,
+) -> Dict[nn.Parameter, int]:
+    """The DDP path: every rank keeps every matrix whole; ownership decides who runs Newton-Schulz, where
+    its gradient is reduced and who publishes the update after ``step()``. Pair it with
+    :func:`replicate` for the other parameters. 1-D meshes. Returns parameter -> owner rank. Collective."""
+    options = {
+        "compute_dtype": compute_dtype,
+        "hook_boundary_strict": hook_boundary_strict,
+        "hook_boundary_resolver": hook_boundary_resolver,
+        "assignment_group_key_fn": assignment_group_key_fn,
+        "max_owners_per_group": max_owners_per_group,
+        "owner_strategy": owner_strategy,
+        "owner_cost_model": owner_cost_model,
+        "pack_small_params": pack_small_params,
+    }
+    return _dedicate(model, mesh, predicate, options, hook_boundary_predicate, hook_boundary_strict,
+                     process_group_policy, True, "dedicate_params_ddp")
 
 
 def replicate(model: nn.Module, mesh=None) -> nn.Module:
@@ -266,6 +306,33 @@ def get_model_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
         else:  # a buffer, or a parameter no route trains (frozen): the model's own tensor
             out[key] = value.detach().clone()
     return out
+
+
+def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
+    """Loads a full state dict (what :func:`get_model_state_dict` or the one-process model's ``state_dict()``
+    gives) into a dedicated model: each rank keeps its part of every parameter, buffers are copied.
+    Every rank passes the whole dict. Collective: every rank of the model's mesh."""
+    state = _state_of(model, "set_model_state_dict")
+    expected = model.state_dict(keep_vars=True)
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    if missing or unexpected:
+        raise ValueError(
+            f"set_model_state_dict: the state dict does not match the model (missing: {missing[:5]}, unexpected: "
+            f"{unexpected[:5]}). Pass a full state dict of this architecture, with keys as in model.state_dict()."
+        )
+    first_name, params = {}, {}
+    for name, p in model.named_parameters():
+        first_name.setdefault(id(p), name)
+    for key, value in expected.items():
+        name = first_name.get(id(value))
+        if name is not None and name == key:
+            params[name] = state_dict[key]
+    state.runtime.assign_params(params)
+    with torch.no_grad():
+        for key, value in expected.items():
+            if first_name.get(id(value)) is None:  # a buffer
+                value.copy_(state_dict[key])
 
 
 class Muon(torch.optim.Optimizer):

@@ -70,17 +70,24 @@ std::map<std::string, OwnerCoord> dedicate_params(const std::shared_ptr<torch::n
   return dedicate_impl(model, mesh, predicate, options, /*ddp=*/false);
 }
 
+namespace {
+// The DDP path's mesh: 1-D, no TP axis (dedicate_params_ddp_tp has its own).
+void check_ddp_mesh(const Mesh& mesh, const char* fn) {
+  TORCH_CHECK_VALUE(!mesh.is_hsdp(), "rank ", mesh.global_rank(), ": ", fn, " accepts a 1-D mesh only, got a ",
+                    mesh.replicate_size(), " x ", mesh.shard_size(), " (replicate x shard) mesh. For HSDP use "
+                    "dedicate_params with a 2-D mesh.");
+  TORCH_CHECK_VALUE(!mesh.has_tp(), "rank ", mesh.global_rank(), ": ", fn, ": the mesh has a tensor-parallel axis "
+                    "(tp_size ", mesh.tp_size(), "); the DDP path with tensor parallelism is dedicate_params_ddp_tp "
+                    "(and replicate_tp for the other parameters).");
+}
+}  // namespace
+
 std::map<std::string, OwnerCoord> dedicate_params_ddp(const std::shared_ptr<torch::nn::Module>& model,
                                                       const std::shared_ptr<Mesh>& mesh,
                                                       const ParamPredicate& predicate,
                                                       const DedicateOptions& options) {
   TORCH_CHECK(mesh, "dedicate_params_ddp: the mesh is null; create one with dmuon::Mesh::create.");
-  TORCH_CHECK(!mesh->is_hsdp(), "rank ", mesh->global_rank(), ": dedicate_params_ddp accepts a 1-D mesh only, got a ",
-              mesh->replicate_size(), " x ", mesh->shard_size(), " (replicate x shard) mesh. For HSDP use "
-              "dedicate_params with a 2-D mesh.");
-  TORCH_CHECK(!mesh->has_tp(), "rank ", mesh->global_rank(), ": dedicate_params_ddp: the mesh has a tensor-parallel "
-              "axis (tp_size ", mesh->tp_size(), "); the DDP path with tensor parallelism is dedicate_params_ddp_tp "
-              "(and replicate_tp for the other parameters).");
+  check_ddp_mesh(*mesh, "dedicate_params_ddp");
   return dedicate_impl(model, mesh, predicate, options, /*ddp=*/true);
 }
 
@@ -139,14 +146,28 @@ std::vector<std::pair<std::string, at::Tensor>> get_base_params(const torch::nn:
   return out;
 }
 
-std::shared_ptr<Runtime> dedicate_model_view(ModelView view, const std::shared_ptr<Mesh>& mesh,
-                                             const ParamPredicate& predicate, const DedicateOptions& options) {
+namespace {
+std::shared_ptr<Runtime> dedicate_view_impl(ModelView view, const std::shared_ptr<Mesh>& mesh,
+                                            const ParamPredicate& predicate, const DedicateOptions& options, bool ddp) {
   TORCH_CHECK(mesh, "dedicate_model_view: the mesh is null; create one with dmuon::Mesh::create.");
   check_dedicate_options(*mesh, options);
-  auto state = std::make_shared<Runtime>(std::move(view), nullptr, mesh, options, /*ddp=*/false);
+  auto state = std::make_shared<Runtime>(std::move(view), nullptr, mesh, options, ddp);
   state->build(predicate);
   detail::register_runtime(state);
   return state;
+}
+}  // namespace
+
+std::shared_ptr<Runtime> dedicate_model_view(ModelView view, const std::shared_ptr<Mesh>& mesh,
+                                             const ParamPredicate& predicate, const DedicateOptions& options) {
+  return dedicate_view_impl(std::move(view), mesh, predicate, options, /*ddp=*/false);
+}
+
+std::shared_ptr<Runtime> dedicate_model_view_ddp(ModelView view, const std::shared_ptr<Mesh>& mesh,
+                                                 const ParamPredicate& predicate, const DedicateOptions& options) {
+  TORCH_CHECK(mesh, "dedicate_params_ddp: the mesh is null.");
+  check_ddp_mesh(*mesh, "dedicate_params_ddp");
+  return dedicate_view_impl(std::move(view), mesh, predicate, options, /*ddp=*/true);
 }
 
 std::shared_ptr<RuntimeFace> runtime_face(const std::shared_ptr<Runtime>& runtime) {
@@ -180,6 +201,18 @@ std::vector<std::pair<std::string, at::Tensor>> runtime_full_params(const std::s
   for (const ModelView::Tensor& item : runtime->view().params)
     if (auto it = full.find(item.name); it != full.end()) out.emplace_back(item.name, it->second);
   return out;
+}
+
+void runtime_assign_params(const std::shared_ptr<Runtime>& runtime, std::map<std::string, at::Tensor> values) {
+  TORCH_CHECK(runtime, "set_model_state_dict: the runtime is null (dedicate_model_view returns it).");
+  runtime->drain();
+  auto source = tensor_dict_source(std::move(values));
+  try {
+    source->check(runtime->param_shapes());
+  } catch (const std::exception& e) {
+    TORCH_CHECK_VALUE(false, "rank ", runtime->mesh().global_rank(), ": set_model_state_dict: ", e.what());
+  }
+  runtime->assign_params(*source, {}, "set_model_state_dict");
 }
 
 void runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on) {
