@@ -378,16 +378,39 @@ class Muon(torch.optim.Optimizer):
             groups.append(group)
         super().__init__(groups, defaults={})
 
+    _MUTABLE = ("lr", "weight_decay", "momentum")  # what may change between steps (schedulers, the caller)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if len(self.param_groups) != self._native.group_count():
+            raise ValueError("Muon: parameter groups were added or removed; dmuon's groups are fixed by the model's routes.")
         for i, g in enumerate(self.param_groups):
+            native = self._native.group_options(i)
+            for key, value in native.items():
+                if key not in self._MUTABLE and g.get(key) != value:
+                    raise ValueError(
+                        f"Muon: parameter group {i} has {key}={g.get(key)!r}, but this build of dmuon's Python API "
+                        f"takes only {', '.join(self._MUTABLE)} from the groups between steps ({key} is "
+                        f"{value!r}). Pass it to Muon(...) instead."
+                    )
             self._native.set_group_options(i, float(g["lr"]), float(g["weight_decay"]), float(g["momentum"]))
         self._native.step()
         return loss
+
+    def state_dict(self):
+        raise NotImplementedError(
+            "dmuon.Muon.state_dict: optimizer state dicts (momentum on the owners, AdamW moments) are not available "
+            "from Python in this build yet; torch.optim's own state_dict would silently leave them out."
+        )
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError(
+            "dmuon.Muon.load_state_dict: optimizer state dicts are not available from Python in this build yet."
+        )
 
     def zero_grad(self, set_to_none: bool = True):
         self._native.zero_grad(set_to_none)

@@ -179,6 +179,15 @@ def _misuse(rank, world):
     dmuon.dedicate_params(model, torch.distributed.group.WORLD, lambda n, p: p.dim() == 2)
     with pytest.raises(ValueError, match="dedicated already"):
         dmuon.dedicate_params(model, torch.distributed.group.WORLD, lambda n, p: p.dim() == 2)
+    with pytest.raises(RuntimeError, match="no distributed route"):  # replicate() was not called
+        dmuon.Muon(model)
+    dmuon.replicate(model)
+    opt = dmuon.Muon(model)
+    with pytest.raises(NotImplementedError, match="would silently leave them out"):
+        opt.state_dict()
+    opt.param_groups[1]["betas"] = (0.8, 0.9)  # not taken from the groups yet: refused, not ignored
+    with pytest.raises(ValueError, match="betas"):
+        opt.step()
     with pytest.raises(ValueError, match="hook_boundary_predicate"):
         dmuon.dedicate_params(make_net(), torch.distributed.group.WORLD, lambda n, p: p.dim() == 2,
                               hook_boundary_predicate=lambda m: False)
