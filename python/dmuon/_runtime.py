@@ -289,15 +289,21 @@ def _full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {n: t.detach() for n, t in _state_of(model, "full params").runtime.full_params()}
 
 
+def _first_names(model: nn.Module) -> Dict[int, str]:
+    """id(parameter) -> its first name in named_parameters(): the name the runtime knows a tied parameter by."""
+    first = {}
+    for name, p in model.named_parameters():
+        first.setdefault(id(p), name)
+    return first
+
+
 def get_model_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     """What ``model.state_dict()`` of the same model trained in one process returns: the same names (tied
     parameters under each of their names), order, shapes and dtypes, every parameter whole on every rank
     (from its owner or shards) and the buffers. Loadable by ``load_state_dict`` of a plain model and by
     ``torch.load``. Collective: every rank of the model's mesh."""
     full = _full_params(model)
-    first_name = {}
-    for name, p in model.named_parameters():  # tied parameters: their first name, as the runtime knows them
-        first_name.setdefault(id(p), name)
+    first_name = _first_names(model)
     out = {}
     for key, value in model.state_dict(keep_vars=True).items():
         name = first_name.get(id(value))
@@ -321,9 +327,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
             f"set_model_state_dict: the state dict does not match the model (missing: {missing[:5]}, unexpected: "
             f"{unexpected[:5]}). Pass a full state dict of this architecture, with keys as in model.state_dict()."
         )
-    first_name, params = {}, {}
-    for name, p in model.named_parameters():
-        first_name.setdefault(id(p), name)
+    first_name, params = _first_names(model), {}
     for key, value in expected.items():
         name = first_name.get(id(value))
         if name is not None and name == key:
