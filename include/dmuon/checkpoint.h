@@ -86,6 +86,11 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
 // step (steps_taken > 0) the state dict must hold the state of every parameter the optimizer
 // trains; a missing one is an error naming it (a fresh optimizer's empty state loads).
 void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const OptimizerStateDict& state_dict);
+// The same for a model given as data (model_view.h): `runtime` is runtime_face(dedicate_model_view(...)).
+OptimizerStateDict get_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, const Muon& optimizer,
+                                            const StateDictOptions& options = {});
+void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon& optimizer,
+                              const OptimizerStateDict& state_dict);
 
 // One file: written to a temporary name in the same directory, flushed to disk, then renamed over
 // `path`, so a crash never leaves a partial checkpoint. Format version 2: a 32-byte header (magic

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/nn/module.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,9 @@ namespace dmuon {
 // whether this rank owns it (up to max_rows rows); totals. Counts are local facts unless the key
 // says "all".
 nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon& optimizer, int max_rows = 128);
+// The same for a model given as data (model_view.h): runtime_face(dedicate_model_view(...)).
+nlohmann::json summarize_param_groups(const std::shared_ptr<RuntimeFace>& runtime, const Muon& optimizer,
+                                      int max_rows = 128);
 
 // The planned communication of a dedicated model (planned sizes, not measurements).
 struct ModelCommPlan {
@@ -41,11 +45,14 @@ struct ModelCommPlan {
   double formula() const;
 };
 ModelCommPlan get_comm_plan(const torch::nn::Module& model);
+ModelCommPlan get_comm_plan(const std::shared_ptr<RuntimeFace>& runtime);  // a model given as data
 
 // get_comm_plan as JSON: mesh {shard, replicate, world, policy}, mode, fingerprint, owner_strategy,
 // owner_cost_model, makespan, lower_bound, imbalance, violations, params (names), this_rank {rank, z2,
 // z3, replicate, tp}, tp {tp_size, imbalance, exchange (per global rank)} on a TP mesh, and `comm` in the schema of `dmuon plan --json` (docs/PLAN_TOOL.md).
 nlohmann::json summarize_comm_plan(const torch::nn::Module& model, int max_groups = 64, int max_params_per_group = 128);
+nlohmann::json summarize_comm_plan(const std::shared_ptr<RuntimeFace>& runtime, int max_groups = 64,
+                                   int max_params_per_group = 128);
 
 // JSON forms of the profiles: a step profile (Muon::consume_last_step_profile) with its phases in
 // milliseconds and its clock; a forward-unshard profile with per-boundary rows and totals.

@@ -50,10 +50,29 @@ struct MeshOptions {
   std::optional<at::Device> device;
 };
 
+// A process group the caller made, with the world-group ranks of its members in group-rank order.
+struct MeshGroup {
+  CommPtr group;
+  std::vector<int> ranks;
+};
+// The groups of a mesh the caller built (e.g. torch.distributed groups of a DeviceMesh): this rank's
+// own group of each axis. Ranks are numbered as Mesh::create numbers them (replicate-major: world
+// rank = replicate_rank x G + shard_rank, what init_device_mesh((R, G)) gives).
+struct MeshGroups {
+  MeshGroup world;                     // every rank of the mesh
+  MeshGroup shard;                     // this rank's shard group (on a 1-D mesh: the world again)
+  std::optional<MeshGroup> replicate;  // HSDP: this rank's replicate group
+};
+
 class Mesh {
  public:
   // collective: all ranks of `world`, same order (builds and connects dmuon's groups).
   static std::shared_ptr<Mesh> create(const CommPtr& world, const MeshOptions& opts = {});
+  // A mesh over groups the caller built and keeps (it shuts them down, not Mesh::shutdown). Uses
+  // opts.timeout, opts.device and opts.process_group_policy (reported by policy(); the caller chose
+  // or cloned the groups accordingly). Checks the groups' sizes and rank layout, naming the first
+  // mismatch. collective: every rank of `groups.world` (a barrier once every rank has its mesh).
+  static std::shared_ptr<Mesh> from_groups(const MeshGroups& groups, const MeshOptions& opts = {});
 
   int global_rank() const { return global_rank_; }
   int world_size() const { return world_size_; }

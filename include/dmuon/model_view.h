@@ -17,6 +17,7 @@
 
 #include "dmuon/dedicate.h"
 #include "dmuon/mesh.h"
+#include "dmuon/unshard_profile.h"
 
 namespace torch::nn {
 class Module;
@@ -83,6 +84,24 @@ std::vector<std::pair<std::string, at::Tensor>> runtime_full_params(const std::s
 // Takes every trainable parameter's value from `values` (full tensors by name, as runtime_full_params
 // gives them; each rank keeps its part). Throws naming a missing or misshapen parameter. collective.
 void runtime_assign_params(const std::shared_ptr<Runtime>& runtime, std::map<std::string, at::Tensor> values);
+// Parameters another data-parallel wrapper took over after dedicate_params (FSDP2's fully_shard
+// replaces the module's parameters with its DTensor shards, trained by the caller's optimizer): the
+// runtime forgets them -- no optimizer state, not in full params or checkpoints. Each must be a
+// parameter on no dmuon route; throws (naming it and the rank) for one dmuon trains. Local.
+void runtime_release_params(const std::shared_ptr<Runtime>& runtime, const std::vector<std::string>& names);
+// Every trainable parameter's route as route_name spells it ("muon", "sharded_adamw", "replicated",
+// "local"), model order. Local.
+std::vector<std::pair<std::string, std::string>> runtime_param_routes(const Runtime& runtime);
+// The schedule's entry points for a model given as data (dedicate.h's for a LibTorch model):
+// prepare_muon_grads (coalesce_wait: one wait for every reduce; else group by group), broadcast_all_updates
+// (async: broadcast_all_updates_async), wait_all_post_step_broadcasts. collective except the last (local).
+void runtime_prepare_grads(const std::shared_ptr<Runtime>& runtime, bool coalesce_wait = true);
+void runtime_publish(const std::shared_ptr<Runtime>& runtime, bool async);
+void runtime_wait_publishes(const std::shared_ptr<Runtime>& runtime);
+// collect_forward_unshard_profile for a model given as data (unshard_profile.h). Local.
+// synchronize: on CUDA, wait for the device first (unshard_profile.h).
+ForwardUnshardProfile runtime_forward_unshard_profile(const std::shared_ptr<Runtime>& runtime, bool clear = true,
+                                                      bool synchronize = true);
 // Gradient accumulation: inside no_sync no reduce happens (dmuon::NoSync for a LibTorch model). Local.
 void runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on);
 

@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "bindings.h"
+#include "dmuon/checkpoint.h"
 #include "dmuon/dedicate.h"
+#include "dmuon/diagnostics.h"
 #include "dmuon/mesh.h"
 #include "dmuon/model_view.h"
 #include "dmuon/muon.h"
@@ -34,12 +36,28 @@ std::optional<T> get_opt(const py::dict& d, const char* key) {
   return d[key].cast<T>();
 }
 
+// One policy as the Python side normalised it (dmuon/_runtime.py: dtypes as torch.dtype, known keys).
+ParamPolicy param_policy(const py::dict& d) {
+  ParamPolicy p;
+  if (auto v = get_opt<std::string>(d, "route")) p.route = *v;
+  if (auto v = get_opt<std::string>(d, "muon_forward_unshard")) p.muon_forward_unshard = *v;
+  p.param_dtype = get_opt<at::ScalarType>(d, "param_dtype");
+  p.grad_dtype = get_opt<at::ScalarType>(d, "grad_dtype");
+  p.master_dtype = get_opt<at::ScalarType>(d, "master_dtype");
+  p.optim_dtype = get_opt<at::ScalarType>(d, "optim_dtype");
+  p.cast_forward_inputs = get_opt<bool>(d, "cast_forward_inputs");
+  p.output_dtype = get_opt<at::ScalarType>(d, "output_dtype");
+  return p;
+}
+
 DedicateOptions dedicate_options(const py::dict& d) {
   static const char* const known[] = {"compute_dtype", "reshard_after_forward", "hook_boundary_strict",
                                       "hook_boundary_resolver", "assignment_group_key_fn", "route_hint_fn",
                                       "max_owners_per_group", "owner_strategy", "owner_cost_model",
                                       "hsdp_column_balance", "pack_small_params", "muon_forward_unshard",
-                                      "forward_prefetch_depth", "replicate_async", "record_forward_profile"};
+                                      "forward_prefetch_depth", "replicate_async", "record_forward_profile",
+                                      "param_policy", "param_policy_fn", "replicate_broadcast_bucket_mb",
+                                      "delay_stage2_to_optimizer"};
   for (const auto& [k, v] : d) {
     const std::string key = k.cast<std::string>();
     bool ok = false;
@@ -62,6 +80,22 @@ DedicateOptions dedicate_options(const py::dict& d) {
   if (auto v = get_opt<int>(d, "forward_prefetch_depth")) o.forward_prefetch_depth = *v;
   if (auto v = get_opt<bool>(d, "replicate_async")) o.replicate_async = *v;
   o.record_forward_profile = get_opt<bool>(d, "record_forward_profile");
+  if (auto v = get_opt<py::list>(d, "param_policy"))  // [(match, policy dict)], in order
+    for (const auto& item : *v) {
+      const auto pair = item.cast<std::pair<std::string, py::dict>>();
+      o.param_policy.push_back({pair.first, param_policy(pair.second)});
+    }
+  // returns a normalised dict or None; pybind's std::function wrapper takes the GIL to call and to release it
+  using PolicyCallable = std::function<py::object(const std::string&, const at::Tensor&)>;
+  if (auto fn = get_opt<PolicyCallable>(d, "param_policy_fn"))
+    o.param_policy_fn = [fn = *fn](const std::string& name, const at::Tensor& param) -> std::optional<ParamPolicy> {
+      py::gil_scoped_acquire gil;
+      py::object r = fn(name, param);
+      if (r.is_none()) return std::nullopt;
+      return param_policy(r.cast<py::dict>());
+    };
+  if (auto v = get_opt<double>(d, "replicate_broadcast_bucket_mb")) o.replicate_broadcast_bucket_mb = *v;
+  if (auto v = get_opt<bool>(d, "delay_stage2_to_optimizer")) o.delay_stage2_to_optimizer = *v;
   return o;
 }
 
@@ -113,16 +147,24 @@ void bind_runtime(py::module_& m) {
         return out;
       }, "Bytes this rank's collectives moved so far, by operation (communicator.h's convention).");
   m.def(
-      "_mesh_1d",
-      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string& device, double timeout_s) {
-        TORCH_CHECK_VALUE(group, "dedicate_params: the process group is None");
+      "_mesh",
+      [](const std::vector<std::pair<c10::intrusive_ptr<c10d::ProcessGroup>, std::vector<int>>>& groups,
+         const std::string& device, const std::string& policy, double timeout_s) {
+        // (world, shard[, replicate]): this rank's group of each axis with its members' world-group ranks
+        TORCH_CHECK_VALUE(groups.size() == 2 || groups.size() == 3, "dmuon: a mesh takes 2 or 3 groups");
         MeshOptions o;
-        o.process_group_policy = "shared";  // the Python side made (isolated) or chose (shared) this group
+        o.process_group_policy = policy;  // the Python side cloned (isolated) or chose (shared) the groups
         o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
         o.device = at::Device(device);
-        return Mesh::create(group->getBackend(o.device->type()), o);
+        auto group = [&](size_t i) {
+          TORCH_CHECK_VALUE(groups[i].first, "dmuon: a process group of the mesh is None");
+          return MeshGroup{groups[i].first->getBackend(o.device->type()), groups[i].second};
+        };
+        MeshGroups g{group(0), group(1), std::nullopt};
+        if (groups.size() == 3) g.replicate = group(2);
+        return Mesh::from_groups(g, o);
       },
-      "group"_a, "device"_a, "timeout_s"_a, release);
+      "groups"_a, "device"_a, "policy"_a, "timeout_s"_a, release);
 
   py::class_<RuntimeHandle>(m, "_Runtime")
       .def("boundaries", [](const RuntimeHandle& h) { return runtime_boundaries(*h.runtime); })
@@ -142,7 +184,25 @@ void bind_runtime(py::module_& m) {
              runtime_assign_params(h.runtime, std::move(values));
            },
            "values"_a, release)
-      .def("set_no_sync", [](const RuntimeHandle& h, bool on) { runtime_set_no_sync(h.runtime, on); });
+      .def("set_no_sync", [](const RuntimeHandle& h, bool on) { runtime_set_no_sync(h.runtime, on); })
+      .def("release_params",
+           [](const RuntimeHandle& h, const std::vector<std::string>& names) { runtime_release_params(h.runtime, names); },
+           "names"_a)
+      .def("routes", [](const RuntimeHandle& h) { return runtime_param_routes(*h.runtime); })
+      .def("prepare_grads", [](const RuntimeHandle& h, bool coalesce) { runtime_prepare_grads(h.runtime, coalesce); },
+           "coalesce_wait"_a = true, release)
+      .def("publish", [](const RuntimeHandle& h, bool async) { runtime_publish(h.runtime, async); }, "async_"_a, release)
+      .def("wait_publishes", [](const RuntimeHandle& h) { runtime_wait_publishes(h.runtime); }, release)
+      .def("unshard_profile",
+           [](const RuntimeHandle& h, bool clear) {
+             return to_json(runtime_forward_unshard_profile(h.runtime, clear, /*synchronize=*/false)).dump();
+           },
+           "clear"_a = true, release)
+      .def("comm_plan",
+           [](const RuntimeHandle& h, int max_groups, int max_params) {
+             return summarize_comm_plan(runtime_face(h.runtime), max_groups, max_params).dump();
+           },
+           "max_groups"_a, "max_params_per_group"_a);
 
   m.def(
       "_dedicate",
@@ -192,6 +252,69 @@ void bind_runtime(py::module_& m) {
                         "betas"_a = py::make_tuple(g.beta1(), g.beta2()), "eps"_a = g.eps(),
                         "group_name"_a = g.group_name());
       })
+      .def("state",
+           [](const Muon& opt, const RuntimeHandle& h, bool cpu_offload, bool rank0_only) {
+             OptimizerStateDict sd;
+             {
+               py::gil_scoped_release unlocked;
+               sd = get_optimizer_state_dict(runtime_face(h.runtime), opt, StateDictOptions{cpu_offload, rank0_only});
+             }
+             py::list groups;
+             for (const OptimizerGroupState& g : sd.param_groups)
+               groups.append(py::dict("group_name"_a = g.name, "is_muon"_a = g.is_muon, "lr"_a = g.lr,
+                                      "momentum"_a = g.momentum, "weight_decay"_a = g.weight_decay,
+                                      "betas"_a = py::make_tuple(g.beta1, g.beta2), "eps"_a = g.eps,
+                                      "nesterov"_a = g.nesterov, "ns_steps"_a = g.ns_steps));
+             return py::dict("muon"_a = sd.muon, "adamw"_a = sd.adamw, "param_groups"_a = groups,
+                             "steps_taken"_a = sd.steps_taken);
+           },
+           "runtime"_a, "cpu_offload"_a, "rank0_only"_a,
+           "The optimizer state in full tensors (collective): Muon momentum from the owners, AdamW moments.")
+      .def("load_state",
+           [](Muon& opt, const RuntimeHandle& h, TensorDict muon, TensorDict adamw, const py::list& groups,
+              int64_t steps_taken) {
+             OptimizerStateDict sd;
+             sd.muon = std::move(muon);
+             sd.adamw = std::move(adamw);
+             sd.steps_taken = steps_taken;
+             for (const auto& item : groups) {
+               const py::dict g = item.cast<py::dict>();
+               const auto betas = g["betas"].cast<std::pair<double, double>>();
+               sd.param_groups.push_back({g["group_name"].cast<std::string>(), g["is_muon"].cast<bool>(),
+                                          g["lr"].cast<double>(), g["momentum"].cast<double>(),
+                                          g["weight_decay"].cast<double>(), betas.first, betas.second,
+                                          g["eps"].cast<double>(), g["nesterov"].cast<bool>(),
+                                          g["ns_steps"].cast<int64_t>()});
+             }
+             py::gil_scoped_release unlocked;
+             set_optimizer_state_dict(runtime_face(h.runtime), opt, sd);
+           },
+           "runtime"_a, "muon"_a, "adamw"_a, "param_groups"_a, "steps_taken"_a,
+           "Loads full-tensor optimizer state (collective): each rank keeps what it updates.")
+      .def("clip",
+           [](Muon& opt, std::optional<double> max_norm, double norm_type, bool error_if_nonfinite,
+              std::optional<bool> foreach, const std::string& strategy, bool all_params) {
+             GradClipOptions o;
+             o.norm_type = norm_type;
+             o.error_if_nonfinite = error_if_nonfinite;
+             o.foreach = foreach;
+             o.strategy = strategy;
+             o.scope = all_params ? ClipScope::AllParams : ClipScope::Muon;
+             MuonGradClipStats s;
+             {
+               py::gil_scoped_release unlocked;
+               s = opt.clip_grad_norm_(max_norm, o);
+             }
+             return py::dict("total_norm"_a = s.total_norm, "max_norm"_a = s.max_norm, "norm_type"_a = s.norm_type,
+                             "clip_coef"_a = s.clip_coef, "clipped"_a = s.clipped, "param_count"_a = s.param_count,
+                             "found_inf"_a = s.found_inf, "strategy"_a = s.strategy);
+           },
+           "max_norm"_a, "norm_type"_a, "error_if_nonfinite"_a, "foreach"_a, "strategy"_a, "all_params"_a)
+      .def("summary",
+           [](const Muon& opt, const RuntimeHandle& h, int max_rows) {
+             return summarize_param_groups(runtime_face(h.runtime), opt, max_rows).dump();
+           },
+           "runtime"_a, "max_rows"_a)
       .def("set_group_options", [](Muon& opt, size_t i, double lr, double weight_decay, double momentum) {
         MuonGroupOptions& g = group_options(opt, i);
         g.lr(lr).weight_decay(weight_decay).momentum(momentum);

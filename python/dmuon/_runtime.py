@@ -4,26 +4,50 @@ dmuon's C++ boundary scopes, and everything in backward stays in C++ (Accumulate
 identity autograd functions, the engine's end-of-backward callback)."""
 
 import contextlib
-import os
-from typing import Callable, Dict, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import _C
-
-_DEFAULT_TIMEOUT_S = 300.0  # dmuon's collective timeout (a lost peer is an error after it)
+from ._fsdp2 import assign_full, fsdp_modules, full_tensor, is_dtensor
+from ._mesh import make_mesh
 
 
 class _State:
     """What dmuon keeps on a dedicated model (``model._dmuon``)."""
 
-    def __init__(self, runtime, mesh, hooks):
+    def __init__(self, runtime, mesh, hooks, params):
         self.runtime = runtime
         self.mesh = mesh
         self.hooks = hooks
         self.replicated = False
+        self.params = params  # name -> the Parameter object dedicate_params saw
+        self.external = {}    # name -> the DTensor parameter FSDP2 put in its place (trained by Muon's AdamW)
+
+
+def _sync_external(model: nn.Module, state: _State) -> Dict[str, nn.Parameter]:
+    """Finds the parameters FSDP2 (fully_shard) replaced with its DTensor shards since dedicate_params and
+    hands them over: the runtime forgets them, Muon trains them with AdamW on the shards, the state dicts
+    read and write them through DTensor. Local; idempotent."""
+    fresh = []
+    for name, p in model.named_parameters():
+        seen = state.params.get(name)
+        if seen is None or seen is p or name in state.external:
+            continue
+        if not is_dtensor(p):
+            raise ValueError(
+                f"dmuon: parameter '{name}' was replaced after dedicate_params by a plain tensor (not an FSDP2 "
+                "DTensor shard), so dmuon's hooks and routes no longer see it. Replace parameters (or call "
+                "model.to(...)) before dedicate_params, never after."
+            )
+        fresh.append((name, p))
+    if fresh:
+        state.runtime.release_params([n for n, _ in fresh])
+        state.external.update(fresh)
+    return state.external
 
 
 def _state_of(model: nn.Module, fn: str) -> _State:
@@ -33,48 +57,6 @@ def _state_of(model: nn.Module, fn: str) -> _State:
             f"{fn}: this model was not dedicated. Call dmuon.dedicate_params(model, mesh, predicate) first, on every rank."
         )
     return state
-
-
-def _group_and_device(mesh) -> tuple:
-    """The 1-D process group of `mesh` (a DeviceMesh or a ProcessGroup) and the device its tensors live on."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "dedicate_params: torch.distributed is not initialised. Call dist.init_process_group (torchrun sets "
-            "the environment) or init_device_mesh before dedicating a model."
-        )
-    if isinstance(mesh, dist.ProcessGroup):
-        group = mesh
-        backend = dist.get_backend(group)
-        device = "cuda:%d" % torch.cuda.current_device() if backend == "nccl" else "cpu"
-        return group, device
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover - torch without DeviceMesh
-        DeviceMesh = ()
-    if isinstance(mesh, DeviceMesh):
-        if mesh.ndim != 1:
-            raise NotImplementedError(
-                f"dedicate_params: a {mesh.ndim}-D DeviceMesh is not supported by this build of dmuon's Python API "
-                "yet: pass a 1-D mesh (HSDP through replicate_mesh and TP come with the next versions)."
-            )
-        device = mesh.device_type if mesh.device_type == "cpu" else "%s:%d" % (mesh.device_type, torch.cuda.current_device())
-        return mesh.get_group(), device
-    raise TypeError(
-        f"dedicate_params: mesh must be a torch.distributed DeviceMesh or ProcessGroup, got {type(mesh).__name__}. "
-        "Build one with torch.distributed.device_mesh.init_device_mesh('cpu' or 'cuda', (world_size,))."
-    )
-
-
-def _make_mesh(mesh, process_group_policy: Optional[str]):
-    group, device = _group_and_device(mesh)
-    policy = process_group_policy or os.environ.get("DMUON_PROCESS_GROUP_POLICY", "") or "isolated"
-    if policy not in ("isolated", "shared"):
-        raise ValueError(f"process_group_policy must be 'isolated' or 'shared', got {policy!r}")
-    if policy == "isolated":
-        # dmuon's own group over the same ranks: the trainer's collectives on its groups never interleave
-        # with dmuon's asynchronous ones. new_group is collective over the world, in this order on every rank.
-        group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group))
-    return _C._mesh_1d(group, device, _DEFAULT_TIMEOUT_S)
 
 
 def _model_view(model: nn.Module):
@@ -119,30 +101,38 @@ def _split_first_tensor(args):
 def _install_hooks(model: nn.Module, runtime) -> list:
     modules = dict(model.named_modules())
     handles = []
+    boundaries = set(runtime.boundaries())
     for name in [""] + [b for b in runtime.boundaries() if b != ""]:
         module = modules[name]
         scopes = []  # a module may run more than once in one forward (a stack of open scopes)
+        is_boundary = name in boundaries  # the root also opens and closes every forward pass
 
-        def pre(mod, args, kwargs, name=name, scopes=scopes):
+        def pre(mod, args, kwargs, name=name, scopes=scopes, is_boundary=is_boundary):
             scope = _C._BoundaryScope(runtime, name)
             scopes.append(scope)
+            # the first tensor argument (positional, else keyword) carries the boundary's backward hook
             i = _split_first_tensor(args)
-            if i < 0 or name == "":
+            key = None if i >= 0 else next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+            if not is_boundary or (i < 0 and key is None):
                 scope.enter()
                 return None
             new_args = list(args)
-            new_args[i] = scope.enter(args[i])
-            for j in range(i + 1, len(new_args)):
-                if isinstance(new_args[j], torch.Tensor):
+            if i >= 0:
+                new_args[i] = scope.enter(args[i])
+            kwargs = dict(kwargs)
+            if key is not None:
+                kwargs[key] = scope.enter(kwargs[key])
+            for j in range(max(i, 0), len(new_args)):
+                if j != i and isinstance(new_args[j], torch.Tensor):
                     new_args[j] = scope.cast_input(new_args[j])
-            kwargs = {k: scope.cast_input(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            kwargs = {k: scope.cast_input(v) if k != key and isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
             return tuple(new_args), kwargs
 
-        def post(mod, args, kwargs, output, name=name, scopes=scopes):
+        def post(mod, args, kwargs, output, name=name, scopes=scopes, is_boundary=is_boundary):
             scope = scopes.pop()
-            if name != "" and isinstance(output, torch.Tensor):
+            if is_boundary and isinstance(output, torch.Tensor):
                 return scope.exit(output)
-            if name != "" and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            if is_boundary and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
                 first = scope.exit(output[0])
                 return type(output)((first,) + tuple(output[1:])) if isinstance(output, tuple) else [first] + list(output[1:])
             scope.exit()
@@ -153,8 +143,60 @@ def _install_hooks(model: nn.Module, runtime) -> list:
     return handles
 
 
-def _dedicate(model, mesh, predicate, options, hook_boundary_predicate, hook_boundary_strict, process_group_policy,
-              ddp, fn):
+_POLICY_DTYPES = ("param_dtype", "grad_dtype", "master_dtype", "optim_dtype", "output_dtype")
+_POLICY_KEYS = _POLICY_DTYPES + ("route", "cast_forward_inputs", "muon_forward_unshard")
+_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16, "fp32": torch.float32,
+                "float": torch.float32, "fp64": torch.float64, "double": torch.float64}
+
+
+def _policy(fields, where: str) -> dict:
+    """One policy's fields, checked, with dtypes as torch.dtype (names such as "bfloat16" or "bf16" too)."""
+    if not isinstance(fields, Mapping):
+        raise TypeError(f"{where}: a policy is a mapping of fields ({', '.join(_POLICY_KEYS)}), got {type(fields).__name__}")
+    out = {}
+    for key, value in fields.items():
+        if key not in _POLICY_KEYS:
+            raise ValueError(f"{where}: unknown policy field '{key}'. Known fields: {', '.join(_POLICY_KEYS)}.")
+        if key in _POLICY_DTYPES and value is not None and not isinstance(value, torch.dtype):
+            dtype = _DTYPE_NAMES.get(str(value)) or getattr(torch, str(value), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"{where}: {key}={value!r} is not a dtype (use e.g. torch.bfloat16 or \"bfloat16\").")
+            value = dtype
+        out[key] = value
+    return out
+
+
+def _policy_options(param_policy, param_policy_fn, fn: str) -> dict:
+    """param_policy ({"defaults": {...}, "overrides": [{"match": "tokens", ...}, ...]}) as the ordered
+    (match, fields) list the core applies (the defaults first, matching every name), or param_policy_fn
+    wrapped to return checked fields."""
+    if param_policy is not None and param_policy_fn is not None:
+        raise ValueError(f"{fn}: param_policy and param_policy_fn are mutually exclusive; pass one.")
+    out = {}
+    if param_policy is not None:
+        if not isinstance(param_policy, Mapping) or set(param_policy) - {"defaults", "overrides"}:
+            raise ValueError(
+                f"{fn}: param_policy must be a mapping with 'defaults' (fields for every parameter) and/or "
+                "'overrides' (a list of {'match': 'name tokens', field: value, ...}, later ones win)."
+            )
+        rules = [("", _policy(param_policy.get("defaults") or {}, f"{fn}: param_policy['defaults']"))]
+        for i, o in enumerate(param_policy.get("overrides") or ()):
+            o = dict(o)
+            if not isinstance(o.get("match"), str):
+                raise ValueError(f"{fn}: param_policy['overrides'][{i}] needs a 'match' string (space-separated name tokens).")
+            match = o.pop("match")
+            rules.append((match, _policy(o, f"{fn}: param_policy['overrides'][{i}]")))
+        out["param_policy"] = rules
+    if param_policy_fn is not None:
+        def policy_fn(name, param):
+            r = param_policy_fn(name, param)
+            return None if r is None else _policy(r, f"{fn}: param_policy_fn('{name}')")
+        out["param_policy_fn"] = policy_fn
+    return out
+
+
+def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_predicate, hook_boundary_strict,
+              process_group_policy, ddp, fn):
     if getattr(model, "_dmuon", None) is not None:
         raise ValueError(f"{fn}: this model is dedicated already; call it once per model.")
     for n, p in model.named_parameters():
@@ -165,14 +207,16 @@ def _dedicate(model, mesh, predicate, options, hook_boundary_predicate, hook_bou
             )
     if hook_boundary_predicate is not None and options.get("hook_boundary_resolver") is None:
         options["hook_boundary_resolver"] = _boundary_resolver(model, hook_boundary_predicate, hook_boundary_strict)
-    native_mesh = _make_mesh(mesh, process_group_policy)
+    native_mesh = make_mesh(mesh, replicate_mesh, process_group_policy, fn)
     params, buffers, modules = _model_view(model)
     runtime = _C._dedicate(params, buffers, modules, native_mesh, predicate, options, ddp)
-    model._dmuon = _State(runtime, native_mesh, _install_hooks(model, runtime))
+    model._dmuon = _State(runtime, native_mesh, _install_hooks(model, runtime), dict(params))
     owners = {}
-    for d in runtime.dedicated():
-        d["param"]._dedicated_owner_rank = d["owner_rank"]
-        owners[d["param"]] = d["owner_rank"]
+    hsdp = native_mesh.replicate_size > 1
+    for d in runtime.dedicated():  # the owner's coordinate: its rank, or (shard, replicate) on an HSDP mesh
+        coord = (d["owner_shard"], d["owner_replicate"]) if hsdp else d["owner_rank"]
+        d["param"]._dedicated_owner_rank = coord
+        owners[d["param"]] = coord
     return owners
 
 
@@ -193,19 +237,26 @@ def dedicate_params(
     owner_cost_model: Optional[str] = None,
     hsdp_column_balance: Optional[bool] = None,
     pack_small_params: Optional[bool] = None,
+    tp_buffer_reuse: Union[bool, str] = False,
+    replicate_broadcast_bucket_mb: float = 0.0,
     muon_forward_unshard: str = "broadcast",
+    delay_stage2_to_optimizer: bool = True,
+    param_policy: Optional[Mapping[str, object]] = None,
+    param_policy_fn: Optional[Callable[[str, nn.Parameter], Optional[Mapping[str, object]]]] = None,
     process_group_policy: Optional[str] = None,
 ) -> Dict[nn.Parameter, int]:
     """Gives each Muon matrix (``predicate(name, param)`` true) one owner rank that holds it whole and runs
     Newton-Schulz on it; the other ranks keep 0-byte placeholders (the Parameter objects stay the same)
     between their hook boundaries' forward and backward (``reshard_after_forward``: True = Z3, False = Z2).
     Boundaries: ``hook_boundary_resolver``, else the lowest ancestor matching ``hook_boundary_predicate``,
-    else the ``layers.N`` / ``blocks.N`` module, else the direct parent. Returns parameter -> owner rank.
-    Collective: every rank of ``mesh`` (a 1-D DeviceMesh or ProcessGroup), in the same order."""
-    if replicate_mesh is not None:
-        raise NotImplementedError(
-            "dedicate_params: replicate_mesh (HSDP) is not supported by this build of dmuon's Python API yet."
-        )
+    else the ``layers.N`` / ``blocks.N`` module, else the direct parent. ``mesh``: a 1-D DeviceMesh or
+    ProcessGroup (the shard axis; ``replicate_mesh`` adds the HSDP replicate axis), or a 2-D (replicate,
+    shard) DeviceMesh. ``param_policy`` ({"defaults": {...}, "overrides": [{"match": "name tokens", ...}]})
+    or ``param_policy_fn`` ((name, param) -> fields or None) choose per parameter its route ("muon",
+    "adamw", "sharded_adamw") and mixed precision (param_dtype, grad_dtype, master_dtype, optim_dtype,
+    output_dtype, cast_forward_inputs, muon_forward_unshard). Returns parameter -> owner rank (HSDP:
+    its (shard, replicate) coordinate).
+    Collective: every rank of the default group, in the same order."""
     options = {
         "compute_dtype": compute_dtype,
         "reshard_after_forward": reshard_after_forward,
@@ -219,8 +270,14 @@ def dedicate_params(
         "hsdp_column_balance": hsdp_column_balance,
         "pack_small_params": pack_small_params,
         "muon_forward_unshard": muon_forward_unshard,
+        "replicate_broadcast_bucket_mb": replicate_broadcast_bucket_mb,
+        "delay_stage2_to_optimizer": delay_stage2_to_optimizer,
+        **_policy_options(param_policy, param_policy_fn, "dedicate_params"),
     }
-    return _dedicate(model, mesh, predicate, options, hook_boundary_predicate, hook_boundary_strict,
+    if tp_buffer_reuse not in (False, None):
+        raise ValueError("dedicate_params: tp_buffer_reuse applies to tensor-parallel matrices, which this version of "
+                         "dmuon's Python API does not support; leave it False.")
+    return _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_predicate, hook_boundary_strict,
                      process_group_policy, False, "dedicate_params")
 
 
@@ -237,6 +294,8 @@ def dedicate_params_ddp(
     owner_strategy: Optional[str] = None,
     owner_cost_model: Optional[str] = None,
     pack_small_params: Optional[bool] = None,
+    param_policy: Optional[Mapping[str, object]] = None,
+    param_policy_fn: Optional[Callable[[str, nn.Parameter], Optional[Mapping[str, object]]]] = None,
     process_group_policy: Optional[str] = None,
 ) -> Dict[nn.Parameter, int]:
     """The DDP path: every rank keeps every matrix whole; ownership decides who runs Newton-Schulz, where
@@ -251,8 +310,9 @@ def dedicate_params_ddp(
         "owner_strategy": owner_strategy,
         "owner_cost_model": owner_cost_model,
         "pack_small_params": pack_small_params,
+        **_policy_options(param_policy, param_policy_fn, "dedicate_params_ddp"),
     }
-    return _dedicate(model, mesh, predicate, options, hook_boundary_predicate, hook_boundary_strict,
+    return _dedicate(model, mesh, None, predicate, options, hook_boundary_predicate, hook_boundary_strict,
                      process_group_policy, True, "dedicate_params_ddp")
 
 
@@ -268,25 +328,32 @@ def replicate(model: nn.Module, mesh=None) -> nn.Module:
     return model
 
 
-def get_dedicated_params(model: nn.Module) -> list:
-    """The dedicated matrices as this rank sees them: name, param, full shape, owner, boundary, is_owner."""
-    return _state_of(model, "get_dedicated_params").runtime.dedicated()
-
-
 @contextlib.contextmanager
 def no_sync(model: nn.Module):
-    """Gradient accumulation: no gradient reduce inside; the next backward outside reduces the sum."""
+    """Gradient accumulation: no gradient reduce inside (dmuon's, and FSDP2's on the modules fully_shard
+    wrapped); the next backward outside reduces the accumulated sum."""
     state = _state_of(model, "no_sync")
+    wrapped = fsdp_modules(model)
     state.runtime.set_no_sync(True)
+    for m in wrapped:
+        m.set_requires_gradient_sync(False, recurse=False)
     try:
         yield
     finally:
         state.runtime.set_no_sync(False)
+        for m in wrapped:
+            m.set_requires_gradient_sync(True, recurse=False)
 
 
 def _full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Every trainable parameter's full value, in its master precision (collective)."""
-    return {n: t.detach() for n, t in _state_of(model, "full params").runtime.full_params()}
+    """Every trainable parameter's full value, in its master precision (collective): dmuon's routes', then
+    FSDP2's DTensor shards gathered (model order on every rank)."""
+    state = _state_of(model, "full params")
+    external = _sync_external(model, state)
+    full = {n: t.detach() for n, t in state.runtime.full_params()}
+    for name, p in external.items():
+        full[name] = full_tensor(p.detach())
+    return full
 
 
 def _first_names(model: nn.Module) -> Dict[int, str]:
@@ -297,20 +364,25 @@ def _first_names(model: nn.Module) -> Dict[int, str]:
     return first
 
 
-def get_model_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
     """What ``model.state_dict()`` of the same model trained in one process returns: the same names (tied
-    parameters under each of their names), order, shapes and dtypes, every parameter whole on every rank
-    (from its owner or shards) and the buffers. Loadable by ``load_state_dict`` of a plain model and by
-    ``torch.load``. Collective: every rank of the model's mesh."""
+    parameters under each of their names), order, shapes and dtypes, every parameter whole (from its
+    owner, or gathered from shards) and the buffers. Loadable by ``load_state_dict`` of a plain model,
+    ``torch.save`` / ``torch.load`` and transformers' ``from_pretrained`` (through safetensors).
+    ``cpu_offload``: tensors on the CPU; ``rank0_only``: only rank 0 gets the dict, the others ``{}``.
+    Collective: every rank of the model's mesh."""
     full = _full_params(model)
+    if rank0_only and dist.get_rank() != 0:
+        return {}
     first_name = _first_names(model)
     out = {}
     for key, value in model.state_dict(keep_vars=True).items():
         name = first_name.get(id(value))
         if name is not None and name in full:
-            out[key] = full[name].to(value.dtype).clone()
+            t = full[name]  # the master where param_policy keeps one (the dtype the model had at dedicate time)
         else:  # a buffer, or a parameter no route trains (frozen): the model's own tensor
-            out[key] = value.detach().clone()
+            t = value.detach()
+        out[key] = (t.cpu() if cpu_offload else t).clone()
     return out
 
 
@@ -327,21 +399,53 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
             f"set_model_state_dict: the state dict does not match the model (missing: {missing[:5]}, unexpected: "
             f"{unexpected[:5]}). Pass a full state dict of this architecture, with keys as in model.state_dict()."
         )
+    external = _sync_external(model, state)
     first_name, params = _first_names(model), {}
     for key, value in expected.items():
         name = first_name.get(id(value))
-        if name is not None and name == key:
+        if name is not None and name == key and name not in external:
             params[name] = state_dict[key]
     state.runtime.assign_params(params)
+    for name, p in external.items():
+        assign_full(p, state_dict[name], name)
     with torch.no_grad():
         for key, value in expected.items():
             if first_name.get(id(value)) is None:  # a buffer
                 value.copy_(state_dict[key])
 
 
+@dataclass
+class MuonGradClipStats:
+    """What a gradient clip measured and did: the total norm before clipping, the max norm (None: only
+    measured), the norm type, the scale applied (min(1, max_norm / (total_norm + 1e-6))), whether the
+    gradients were scaled, how many parameters the norm covered (all ranks), whether the norm was not
+    finite (then nothing is scaled), and the strategy."""
+
+    total_norm: float
+    max_norm: Optional[float]
+    norm_type: float
+    clip_coef: float
+    clipped: bool
+    param_count: int
+    found_inf: bool
+    strategy: str
+
+
+def clip_grad_norm_(optimizer, max_norm: Optional[float], *, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: Optional[bool] = None, strategy: str = "global_norm") -> MuonGradClipStats:
+    """Clips the dedicated Muon matrices' gradients of ``optimizer`` (a :class:`dmuon.Muon`) by their global
+    norm over the mesh: :meth:`Muon.clip_grad_norm_` with ``scope="muon"``. Collective."""
+    if not isinstance(optimizer, Muon):
+        raise ValueError(f"clip_grad_norm_: optimizer must be a dmuon.Muon, got {type(optimizer).__name__}")
+    return optimizer.clip_grad_norm_(max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                                     foreach=foreach, strategy=strategy)
+
+
 class Muon(torch.optim.Optimizer):
     """Muon on a dedicated model: momentum, Newton-Schulz and the update of each Muon matrix on its owner,
-    AdamW on every other trainable parameter (on its route). Two parameter groups (Muon, AdamW) whose
+    AdamW on every other trainable parameter: on its dmuon route, or, for the DTensor shards of FSDP2
+    (``fully_shard`` after ``dedicate_params``), by torch's AdamW on each rank's shard. Two parameter groups
+    (Muon, AdamW) whose
     ``lr``, ``weight_decay`` and ``momentum`` torch.optim.lr_scheduler and the caller may change between
     steps. ``step()`` is collective: every rank of the model's mesh."""
 
@@ -373,13 +477,40 @@ class Muon(torch.optim.Optimizer):
             first_step_progress_log=first_step_progress_log,
             first_step_progress_log_limit=first_step_progress_log_limit,
         )
+        # FSDP2's DTensor shards (fully_shard after dedicate_params) leave dmuon's routes before the native
+        # optimizer checks that every trainable parameter is on a distributed route
+        external = list(_sync_external(model, state).values())
+        local = [n for n, route in state.runtime.routes() if route == "local"]
+        if local and state.mesh.world_size > 1:
+            raise ValueError(
+                f"Muon: {len(local)} trainable parameter(s) have no data-parallel route on this "
+                f"{state.mesh.world_size}-rank mesh: {local[:8]}. Each rank would update them with its own "
+                "gradient and the replicas would drift apart. Before constructing Muon, call dmuon.replicate(model), "
+                "or fully_shard the modules that hold them, or freeze them (requires_grad_(False))."
+            )
         self._native = _C._Muon(state.runtime, options)
         self._model_state = state
+        self._model = model
         groups = []
         for i in range(self._native.group_count()):
             group = dict(self._native.group_options(i))
             group["params"] = list(self._native.group_params(i))
             groups.append(group)
+        self._native_groups = len(groups)
+        self._external = None
+        if external:
+            # AdamW on the shards, by torch's own AdamW, in the (first) AdamW group: one lr for the whole
+            # AdamW side, as the scheduler sees it
+            adamw = next((g for g in groups if not g["is_muon"]), None)
+            if adamw is None:
+                adamw = dict(lr=adamw_lr, is_muon=False, momentum=0.0, nesterov=False, weight_decay=adamw_weight_decay,
+                             ns_steps=0, betas=tuple(adamw_betas), eps=adamw_eps, group_name="adamw", params=[])
+                groups.append(adamw)
+            adamw["params"] = adamw["params"] + external
+            self._external = torch.optim.AdamW(external, lr=adamw["lr"], betas=adamw["betas"], eps=adamw["eps"],
+                                               weight_decay=adamw["weight_decay"])
+            self._external_group = next(i for i, g in enumerate(groups) if g is adamw)
+        self._group_count = len(groups)
         super().__init__(groups, defaults={})
 
     _MUTABLE = ("lr", "weight_decay", "momentum")  # what may change between steps (schedulers, the caller)
@@ -390,9 +521,18 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if len(self.param_groups) != self._native.group_count():
+        self._push_groups()
+        self._native.step()
+        if self._external is not None:
+            self._external.step()
+        return loss
+
+    def _push_groups(self) -> None:
+        """The groups' lr / weight_decay / momentum (what schedulers and the caller change) to the native
+        optimizer and torch's AdamW on the FSDP2 shards; any other changed key is refused, not ignored."""
+        if len(self.param_groups) != self._group_count:
             raise ValueError("Muon: parameter groups were added or removed; dmuon's groups are fixed by the model's routes.")
-        for i, g in enumerate(self.param_groups):
+        for i, g in enumerate(self.param_groups[:self._native_groups]):
             native = self._native.group_options(i)
             for key, value in native.items():
                 if key not in self._MUTABLE and g.get(key) != value:
@@ -402,23 +542,160 @@ class Muon(torch.optim.Optimizer):
                         f"{value!r}). Pass it to Muon(...) instead."
                     )
             self._native.set_group_options(i, float(g["lr"]), float(g["weight_decay"]), float(g["momentum"]))
-        self._native.step()
-        return loss
+        if self._external is not None:
+            g, inner = self.param_groups[self._external_group], self._external.param_groups[0]
+            for key in ("lr", "weight_decay", "betas", "eps"):
+                inner[key] = g[key]
+
+    def clip_grad_norm_(self, max_norm: Optional[float], *, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: Optional[bool] = None, strategy: str = "global_norm", scope: str = "muon"):
+        """Clips the gradients between backward and step (it waits the reduces itself) and returns a
+        :class:`dmuon.MuonGradClipStats`. ``scope="muon"``: the dedicated matrices only (one global norm
+        over their owners); ``"all"``: every trainable parameter on dmuon's routes, the norm
+        ``torch.nn.utils.clip_grad_norm_`` gives over the whole model in one process (each element counted
+        once). ``max_norm=None`` only measures. Collective: every rank of the model's mesh."""
+        if scope not in ("muon", "all"):
+            raise ValueError(f"clip_grad_norm_: scope must be 'muon' or 'all', got {scope!r}")
+        if scope == "all" and self._external is not None:
+            raise ValueError(
+                "clip_grad_norm_: scope='all' covers the parameters on dmuon's routes, but FSDP2 trains some of this "
+                "model's parameters; clip the Muon matrices here (scope='muon') and FSDP2's with "
+                "torch.nn.utils.clip_grad_norm_ over the other parameters."
+            )
+        stats = MuonGradClipStats(**self._native.clip(None if max_norm is None else float(max_norm), float(norm_type),
+                                                       error_if_nonfinite, foreach, strategy, scope == "all"))
+        self._last_clip = stats
+        return stats
+
+    @property
+    def last_muon_grad_clip_stats(self):
+        """The :class:`dmuon.MuonGradClipStats` of the last :meth:`clip_grad_norm_` (None before one)."""
+        return getattr(self, "_last_clip", None)
 
     def state_dict(self):
-        raise NotImplementedError(
-            "dmuon.Muon.state_dict: optimizer state dicts (momentum on the owners, AdamW moments) are not available "
-            "from Python in this build yet; torch.optim's own state_dict would silently leave them out."
-        )
+        """:func:`dmuon.get_optimizer_state_dict` with every rank holding the full result (collective: every
+        rank of the model's mesh). torch.optim's own format cannot hold state that lives on other ranks."""
+        return get_optimizer_state_dict(self._model, self, cpu_offload=False, rank0_only=False)
 
     def load_state_dict(self, state_dict):
-        raise NotImplementedError(
-            "dmuon.Muon.load_state_dict: optimizer state dicts are not available from Python in this build yet."
-        )
+        """:func:`dmuon.set_optimizer_state_dict` (collective; every rank passes the full dict)."""
+        set_optimizer_state_dict(self._model, self, state_dict)
 
     def zero_grad(self, set_to_none: bool = True):
         self._native.zero_grad(set_to_none)
+        if self._external is not None:
+            self._external.zero_grad(set_to_none)
 
     @property
     def steps_taken(self) -> int:
         return self._native.steps_taken
+
+
+_SECTIONS = ("dedicated", "dedicated_adamw", "fsdp")
+
+
+def _nest(flat: Dict[str, torch.Tensor], fields) -> Dict[str, Dict[str, torch.Tensor]]:
+    """{"<param>.<field>": t} -> {"<param>": {"<field>": t}} for the optimizer's known fields."""
+    out = {}
+    for key, value in flat.items():
+        for f in fields:
+            if key.endswith("." + f):
+                out.setdefault(key[: -len(f) - 1], {})[f] = value
+                break
+        else:
+            raise ValueError(f"optimizer state: unexpected key '{key}'")
+    return out
+
+
+def _flat(nested: Dict[str, Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    return {f"{name}.{field}": value for name, fields in nested.items() for field, value in fields.items()}
+
+
+def _check_optimizer(model: nn.Module, optimizer, fn: str) -> _State:
+    state = _state_of(model, fn)
+    if not isinstance(optimizer, Muon) or optimizer._model is not model:
+        raise ValueError(f"{fn}: optimizer must be the dmuon.Muon built on this model (dmuon.Muon(model, ...)).")
+    return state
+
+
+def get_optimizer_state_dict(model: nn.Module, optimizer, *, cpu_offload: bool = True, rank0_only: bool = True) -> dict:
+    """The optimizer state of a dedicated model in full tensors, in four sections: ``"dedicated"`` (each
+    Muon matrix's ``momentum_buffer`` and ``step``, from its owner), ``"dedicated_adamw"`` (AdamW
+    ``exp_avg``, ``exp_avg_sq``, ``step`` of the parameters on dmuon's routes), ``"fsdp"`` (the same for
+    FSDP2's shards, gathered) and ``"param_groups"`` (every group's hyperparameters), plus
+    ``"steps_taken"``. ``cpu_offload``: tensors on the CPU; ``rank0_only``: only rank 0 gets a populated
+    dict. Collective: every rank of the model's mesh."""
+    state = _check_optimizer(model, optimizer, "get_optimizer_state_dict")
+    optimizer._push_groups()  # a scheduler may have changed lr since the last step
+    native = optimizer._native.state(state.runtime, cpu_offload, rank0_only)
+    keep = not rank0_only or dist.get_rank() == 0
+    fsdp = {}
+    if optimizer._external is not None:
+        inner = optimizer._external
+        for name, p in state.external.items():  # model order on every rank: the gathers line up
+            st = inner.state.get(p, {})
+            if not st:
+                continue
+            entry = {k: full_tensor(st[k].detach()) for k in ("exp_avg", "exp_avg_sq")}
+            entry["step"] = st["step"].detach().clone()
+            if keep:
+                fsdp[name] = {k: (v.cpu() if cpu_offload else v).clone() for k, v in entry.items()}
+    if not keep:
+        return {"fsdp": {}, "dedicated": {}, "dedicated_adamw": {}, "param_groups": [], "steps_taken": 0}
+    groups = []
+    for g in optimizer.param_groups:
+        groups.append({k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"})
+    return {
+        "fsdp": fsdp,
+        "dedicated": _nest(native["muon"], ("momentum_buffer", "step")),
+        "dedicated_adamw": _nest(native["adamw"], ("exp_avg_sq", "exp_avg", "step")),
+        "param_groups": groups,
+        "steps_taken": native["steps_taken"],
+    }
+
+
+def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> None:
+    """Loads what :func:`get_optimizer_state_dict` returned (every rank passes the full dict): momentum on
+    the matrices' owners, AdamW moments on the ranks that update them (FSDP2 shards sliced), step counts
+    and every group's hyperparameters. Collective: every rank of the model's mesh."""
+    state = _check_optimizer(model, optimizer, "set_optimizer_state_dict")
+    missing = [k for k in _SECTIONS + ("param_groups",) if k not in state_dict]
+    if missing:
+        raise ValueError(
+            f"set_optimizer_state_dict: the state dict has no {missing} section(s); pass what "
+            "dmuon.get_optimizer_state_dict(model, optimizer, rank0_only=False) returned (or rank 0's, sent to every rank)."
+        )
+    groups = list(state_dict["param_groups"])
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"set_optimizer_state_dict: the state dict has {len(groups)} parameter groups, the optimizer "
+            f"{len(optimizer.param_groups)}. Build the model and optimizer as in the run that saved it."
+        )
+    steps = int(state_dict.get("steps_taken", 0))
+    external = state.external
+    unknown = [n for n in state_dict["fsdp"] if n not in external]
+    absent = [n for n in external if n not in state_dict["fsdp"]] if steps > 0 else []
+    if unknown or absent:
+        raise ValueError(
+            f"set_optimizer_state_dict: the 'fsdp' section does not match the FSDP2 parameters of this model "
+            f"(unknown: {unknown[:5]}, missing: {absent[:5]}). Build the model as in the run that saved it."
+        )
+    n = optimizer._native_groups
+    optimizer._native.load_state(state.runtime, _flat(state_dict["dedicated"]), _flat(state_dict["dedicated_adamw"]),
+                                 groups[:n], steps)
+    for g, saved in zip(optimizer.param_groups, groups):
+        for k, v in saved.items():
+            g[k] = tuple(v) if k == "betas" else v
+    if optimizer._external is not None:
+        inner = optimizer._external
+        for name, p in external.items():
+            saved = state_dict["fsdp"].get(name)
+            if saved is None:
+                inner.state.pop(p, None)
+                continue
+            entry = {"step": saved["step"].detach().clone().to(torch.float32)}
+            for k in ("exp_avg", "exp_avg_sq"):
+                entry[k] = torch.zeros_like(p)
+                assign_full(entry[k], saved[k], f"{name}.{k}")
+            inner.state[p] = entry
+        optimizer._push_groups()

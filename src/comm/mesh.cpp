@@ -108,6 +108,58 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
   return mesh;
 }
 
+namespace {
+std::string ranks_text(const std::vector<int>& ranks) {
+  std::string out = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return out + "]";
+}
+}  // namespace
+
+std::shared_ptr<Mesh> Mesh::from_groups(const MeshGroups& g, const MeshOptions& opts) {
+  TORCH_CHECK_VALUE(g.world.group && g.shard.group, "Mesh::from_groups: the world and shard groups must be set.");
+  const int rank = g.world.group->getRank(), n = g.world.group->getSize();
+  TORCH_CHECK_VALUE(opts.timeout.count() > 0, "rank ", rank, ": MeshOptions::timeout is ", opts.timeout.count(),
+                    " ms; it must be > 0 (a lost peer is an error after it, never a hang).");
+  const int G = g.shard.group->getSize(), R = g.replicate ? g.replicate->group->getSize() : 1;
+  const int s = g.shard.group->getRank(), r = g.replicate ? g.replicate->group->getRank() : 0;
+  auto check_group = [&](const MeshGroup& m, const char* axis, const std::vector<int>& expected) {
+    TORCH_CHECK_VALUE(static_cast<int>(m.ranks.size()) == m.group->getSize(), "rank ", rank, ": the ", axis,
+                      " group has ", m.group->getSize(), " ranks but ", m.ranks.size(), " were listed for it.");
+    TORCH_CHECK_VALUE(m.ranks == expected, "rank ", rank, ": the ", axis, " group's ranks ", ranks_text(m.ranks),
+                      " are not ", ranks_text(expected), ", which dmuon's ", R, " x ", G, " mesh needs: dmuon numbers "
+                      "ranks replicate-major (rank = replicate_rank x ", G, " + shard_rank), as init_device_mesh(\"cpu\" "
+                      "or \"cuda\", (R, G)) lays them out. Build the mesh that way, or pass the groups of such a mesh.");
+  };
+  TORCH_CHECK_VALUE(R * G == n, "rank ", rank, ": the shard group (", G, " ranks) times the replicate group (", R,
+                    " ranks) is not the world of the mesh (", n, " ranks). Pass the groups of one (replicate, shard) mesh.");
+  TORCH_CHECK_VALUE(rank == r * G + s, "rank ", rank, ": this rank is shard rank ", s, " and replicate rank ", r,
+                    " of a ", R, " x ", G, " mesh, which dmuon's replicate-major layout (rank = replicate_rank x ", G,
+                    " + shard_rank, as init_device_mesh((R, G)) lays ranks out) puts at rank ", r * G + s,
+                    " of the mesh's world group, not ", rank, ". Pass the shard and replicate axes of such a mesh, not "
+                    "swapped.");
+  check_group(g.world, "world", iota_ranks(n, 0, 1));
+  check_group(g.shard, "shard", iota_ranks(G, r * G, 1));
+  if (g.replicate) check_group(*g.replicate, "replicate", iota_ranks(R, s, G));
+
+  auto mesh = std::shared_ptr<Mesh>(new Mesh());
+  mesh->global_rank_ = rank;
+  mesh->world_size_ = n;
+  mesh->policy_ = opts.process_group_policy.empty() ? "shared" : opts.process_group_policy;
+  mesh->timeout_ = opts.timeout;
+  mesh->counters_ = std::make_shared<CommCounters>();
+  auto make = [&](const MeshGroup& m, const std::string& name, const std::optional<at::Device>& device) {
+    return std::make_unique<Communicator>(m.group, opts.tag + "/" + name, m.ranks, opts.timeout, mesh->counters_,
+                                          device);
+  };
+  mesh->world_ = make(g.world, "world", opts.device);
+  const std::optional<at::Device> device = mesh->world_->device();
+  mesh->shard_ = make(g.shard, "shard" + std::to_string(r), device);
+  if (g.replicate) mesh->replicate_ = make(*g.replicate, "replicate" + std::to_string(s), device);
+  mesh->world_->barrier("mesh setup: every rank has its groups");
+  return mesh;
+}
+
 std::vector<Communicator*> Mesh::groups() {
   std::vector<Communicator*> out;
   for (Communicator* c : {world_.get(), shard_.get(), replicate_.get(), tp_.get(), dp_.get()}) {

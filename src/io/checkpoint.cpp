@@ -270,7 +270,14 @@ void check_optimizer_state_dict(const OptimizerStateDict& sd, const std::string&
 
 OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon& optimizer,
                                             const StateDictOptions& options) {
-  auto st = drained_state(model, "get_optimizer_state_dict");
+  return get_optimizer_state_dict(detail::require_face(model, "get_optimizer_state_dict"), optimizer, options);
+}
+
+OptimizerStateDict get_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, const Muon& optimizer,
+                                            const StateDictOptions& options) {
+  TORCH_CHECK(runtime, "get_optimizer_state_dict: the runtime is null (dedicate_model_view returns it).");
+  const std::shared_ptr<RuntimeFace>& st = runtime;
+  st->drain();  // post-step publishes, all_gather-mode scatters, prefetches, pending reduces
   at::NoGradGuard ng;
   Mesh& mesh = st->mesh();
   OptimizerStateDict out;
@@ -297,7 +304,14 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
 }
 
 void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const OptimizerStateDict& full_sd) {
-  auto st = drained_state(model, "set_optimizer_state_dict");
+  set_optimizer_state_dict(detail::require_face(model, "set_optimizer_state_dict"), optimizer, full_sd);
+}
+
+void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon& optimizer,
+                              const OptimizerStateDict& full_sd) {
+  TORCH_CHECK(runtime, "set_optimizer_state_dict: the runtime is null (dedicate_model_view returns it).");
+  const std::shared_ptr<RuntimeFace>& st = runtime;
+  st->drain();
   check_optimizer_state_dict(full_sd, "rank " + std::to_string(st->mesh().global_rank()) + ": set_optimizer_state_dict");
   OptimizerStateDict sd = full_sd;  // TP: this rank's slices
   {

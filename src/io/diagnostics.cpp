@@ -9,9 +9,20 @@
 
 namespace dmuon {
 
-nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon& optimizer, int max_rows) {
+namespace {
+std::shared_ptr<RuntimeFace> dedicated_face(const torch::nn::Module& model, const char* fn) {
   auto state = detail::face_of(model);
-  TORCH_CHECK(state, "summarize_param_groups: the model was not dedicated (call dmuon::dedicate_params first).");
+  TORCH_CHECK(state, fn, ": the model was not dedicated (call dmuon::dedicate_params first).");
+  return state;
+}
+}  // namespace
+
+nlohmann::json summarize_param_groups(const torch::nn::Module& model, const Muon& optimizer, int max_rows) {
+  return summarize_param_groups(dedicated_face(model, "summarize_param_groups"), optimizer, max_rows);
+}
+
+nlohmann::json summarize_param_groups(const std::shared_ptr<RuntimeFace>& state, const Muon& optimizer, int max_rows) {
+  TORCH_CHECK(state, "summarize_param_groups: the runtime is null (dedicate_model_view returns it).");
   nlohmann::json out;
   out["rank"] = state->mesh().global_rank();
   out["world_size"] = state->mesh().world_size();
@@ -121,8 +132,11 @@ int64_t ModelCommPlan::tp_bytes() const { return tp_exchange.empty() ? 0 : tp_ex
 double ModelCommPlan::formula() const { return (z3 ? comm.formula_z3 : comm.formula_z2) + comm.formula_replicate; }
 
 ModelCommPlan get_comm_plan(const torch::nn::Module& model) {
-  auto state = detail::face_of(model);
-  TORCH_CHECK(state, "get_comm_plan: the model was not dedicated (call dmuon::dedicate_params first).");
+  return get_comm_plan(dedicated_face(model, "get_comm_plan"));
+}
+
+ModelCommPlan get_comm_plan(const std::shared_ptr<RuntimeFace>& state) {
+  TORCH_CHECK(state, "get_comm_plan: the runtime is null (dedicate_model_view returns it).");
   const Mesh& mesh = state->mesh();
   ModelCommPlan out;
   out.rank = mesh.global_rank();
@@ -143,7 +157,11 @@ ModelCommPlan get_comm_plan(const torch::nn::Module& model) {
 }
 
 nlohmann::json summarize_comm_plan(const torch::nn::Module& model, int max_groups, int max_params_per_group) {
-  const ModelCommPlan cp = get_comm_plan(model);
+  return summarize_comm_plan(dedicated_face(model, "summarize_comm_plan"), max_groups, max_params_per_group);
+}
+
+nlohmann::json summarize_comm_plan(const std::shared_ptr<RuntimeFace>& state, int max_groups, int max_params_per_group) {
+  const ModelCommPlan cp = get_comm_plan(state);
   nlohmann::json out;
   out["mesh"] = {{"shard", cp.shard_size}, {"replicate", cp.replicate_size}, {"world", cp.world_size}, {"policy", cp.policy}};
   out["mode"] = cp.z3 ? "z3" : "z2";

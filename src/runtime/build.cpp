@@ -229,4 +229,28 @@ void Runtime::add_replicated(double bucket_mb, bool tp) {
   routes_.insert(routes_.end() - 1, replicated_);  // before the local route
 }
 
+void Runtime::release_external(const std::vector<std::string>& names) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  const int rank = mesh().global_rank();
+  std::set<std::string> gone;
+  for (const std::string& name : names) {
+    ParamView v;
+    bool found = false;
+    for (const Route* r : routes_)
+      if ((found = r->describe(name, v))) break;
+    TORCH_CHECK_VALUE(found, "rank ", rank, ": no trainable parameter '", name, "' in this dedicated model.");
+    TORCH_CHECK_VALUE(v.route == RouteKind::Local, "rank ", rank, ": parameter '", name, "' was replaced after "
+                      "dedicate_params, but dmuon trains it (route ", route_name(v.route), "): another wrapper (e.g. "
+                      "FSDP2's fully_shard) took a parameter dmuon already owns. Keep FSDP2 off dmuon's parameters: "
+                      "import dmuon before fully_shard (its patch skips them) or pass "
+                      "ignored_params=dmuon.ignored_params(model) to fully_shard.");
+    gone.insert(name);
+  }
+  local_->drop(gone);
+  std::vector<ModelView::Tensor> kept;
+  for (ModelView::Tensor& item : view_.params)
+    if (!gone.count(item.name)) kept.push_back(std::move(item));
+  view_.params = std::move(kept);
+}
+
 }  // namespace dmuon

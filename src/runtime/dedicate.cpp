@@ -220,6 +220,17 @@ void runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on) {
   runtime->set_no_sync(on);
 }
 
+void runtime_release_params(const std::shared_ptr<Runtime>& runtime, const std::vector<std::string>& names) {
+  TORCH_CHECK(runtime, "release params: the runtime is null (dedicate_model_view returns it).");
+  runtime->release_external(names);
+}
+
+std::vector<std::pair<std::string, std::string>> runtime_param_routes(const Runtime& runtime) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const ParamView& v : runtime.describe()) out.emplace_back(v.name, route_name(v.route));
+  return out;
+}
+
 namespace {
 void replicate_impl(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh, double bucket_mb,
                     bool tp) {

@@ -3,6 +3,7 @@
 // on several). Each rank trains them with its own gradient; checkpoints keep them whole.
 #pragma once
 
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,6 +26,13 @@ class LocalRoute final : public WholeParamsRoute {
     for (const auto& w : whole_.params())
       if (w.trainable()) out.push_back(w);
     return out;
+  }
+  // parameters another data-parallel wrapper took over (Runtime::release_external)
+  void drop(const std::set<std::string>& names) {
+    std::vector<WholeParam> kept;
+    for (const auto& w : whole_.params())
+      if (!names.count(w.name)) kept.push_back(w);
+    whole_.set_params(std::move(kept));
   }
   void drop_trainable() {
     std::vector<WholeParam> kept;

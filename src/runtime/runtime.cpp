@@ -17,6 +17,7 @@
 
 #include "dmuon/env.h"
 #include "dmuon/host_sync.h"
+#include "dmuon/model_view.h"
 #include "runtime/dedicated_route.h"
 #include "runtime/local_route.h"
 #include "runtime/replicated_route.h"
@@ -486,9 +487,23 @@ void wait_all_post_step_broadcasts(torch::nn::Module& model) {
 void prepare_muon_grads(torch::nn::Module& model) { detail::require_state(model, "prepare_muon_grads")->prepare_grads(); }
 
 void prepare_muon_grads(torch::nn::Module& model, const PrepareGradsOptions& opts) {
-  auto st = detail::require_state(model, "prepare_muon_grads");
-  if (opts.coalesce_wait) st->prepare_grads();
-  else st->prepare_grads_per_group();
+  runtime_prepare_grads(detail::require_state(model, "prepare_muon_grads"), opts.coalesce_wait);
+}
+
+void runtime_prepare_grads(const std::shared_ptr<Runtime>& runtime, bool coalesce_wait) {
+  TORCH_CHECK(runtime, "prepare_muon_grads: the runtime is null (dedicate_model_view returns it).");
+  if (coalesce_wait) runtime->prepare_grads();
+  else runtime->prepare_grads_per_group();
+}
+
+void runtime_publish(const std::shared_ptr<Runtime>& runtime, bool async) {
+  TORCH_CHECK(runtime, "broadcast_all_updates: the runtime is null (dedicate_model_view returns it).");
+  runtime->publish(async);
+}
+
+void runtime_wait_publishes(const std::shared_ptr<Runtime>& runtime) {
+  TORCH_CHECK(runtime, "wait_all_post_step_broadcasts: the runtime is null (dedicate_model_view returns it).");
+  runtime->wait_publishes();
 }
 
 // ---- unshard profile -------------------------------------------------------------------------------
@@ -505,7 +520,12 @@ double ForwardUnshardProfile::total_wait_ms() const {
 }
 
 ForwardUnshardProfile collect_forward_unshard_profile(torch::nn::Module& model, bool clear, bool synchronize) {
-  auto st = detail::require_state(model, "collect_forward_unshard_profile");
+  return runtime_forward_unshard_profile(detail::require_state(model, "collect_forward_unshard_profile"), clear,
+                                         synchronize);
+}
+
+ForwardUnshardProfile runtime_forward_unshard_profile(const std::shared_ptr<Runtime>& st, bool clear, bool synchronize) {
+  TORCH_CHECK(st, "collect_forward_unshard_profile: the runtime is null (dedicate_model_view returns it).");
 #if DMUON_WITH_CUDA
   if (synchronize && at::cuda::is_available()) c10::cuda::device_synchronize();
 #else

@@ -89,6 +89,10 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void build(const ParamPredicate& predicate);
   // dmuon::replicate (tp: replicate_tp). collective: rank 0's initial values.
   void add_replicated(double bucket_mb, bool tp);
+  // Trainable parameters on the local route that another data-parallel wrapper replaced after
+  // dedicate_params (FSDP2's fully_shard): forgotten (no optimizer state, no checkpoint entry).
+  // Throws naming one that is on a dmuon route. Local.
+  void release_external(const std::vector<std::string>& names);
 
   // ---- hooks (runtime.cpp; collective where they issue unshards and reduces) ----
   void begin_root_forward();

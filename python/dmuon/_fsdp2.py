@@ -1,0 +1,115 @@
+"""FSDP2 composition: keep ``fully_shard`` off dmuon's dedicated parameters, and find what FSDP2 took.
+
+``import dmuon`` installs a patch of FSDP2's ``_get_managed_states`` (the function that lists the
+parameters a ``fully_shard`` call manages) so that every parameter marked ``_dedicated_owner_rank`` by
+:func:`dmuon.dedicate_params` is skipped, exactly as if it had been passed in ``ignored_params``.
+:func:`ignored_params` gives the same set for the public ``fully_shard(ignored_params=...)`` argument.
+"""
+
+import inspect
+from typing import List, Optional, Set
+
+import torch
+from torch import nn
+
+_ORIGINAL = None  # FSDP2's own _get_managed_states while the patch is installed
+
+
+def _fsdp_init():
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_init
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return None
+    return _fsdp_init if hasattr(_fsdp_init, "_get_managed_states") else None
+
+
+def _dedicated_in(modules) -> Set[nn.Parameter]:
+    out = set()
+    for module in modules:
+        for _, p in module.named_parameters(recurse=False):
+            if hasattr(p, "_dedicated_owner_rank"):
+                out.add(p)
+    return out
+
+
+def _call_get_managed_states(original, modules, ignored_params):
+    """FSDP2's _get_managed_states with dmuon's parameters ignored: torch >= 2.7 takes the ignored set,
+    torch 2.6 takes modules only (the dedicated parameters are then filtered from its result)."""
+    dedicated = _dedicated_in(modules)
+    if len(inspect.signature(original).parameters) >= 2:
+        return original(modules, set(ignored_params or ()) | dedicated)
+    params, buffers = original(modules)
+    return [p for p in params if p not in dedicated], buffers
+
+
+def install_patch() -> None:
+    """Installs the FSDP2 patch that makes ``fully_shard`` skip the parameters dedicated by
+    :func:`dmuon.dedicate_params` (marked ``_dedicated_owner_rank``), leaving them to dmuon. ``import dmuon``
+    calls it; calling it again does nothing. Patched: ``torch.distributed.fsdp._fully_shard._fsdp_init.
+    _get_managed_states``. The reverse is :func:`uninstall_patch`."""
+    global _ORIGINAL
+    module = _fsdp_init()
+    if module is None or _ORIGINAL is not None:
+        return
+    original = module._get_managed_states
+
+    def _get_managed_states(modules, ignored_params=None):
+        return _call_get_managed_states(original, modules, ignored_params)
+
+    _get_managed_states.__wrapped__ = original
+    _ORIGINAL = original
+    module._get_managed_states = _get_managed_states
+
+
+def uninstall_patch() -> None:
+    """Restores FSDP2's own ``_get_managed_states`` (undoes :func:`install_patch`); idempotent."""
+    global _ORIGINAL
+    module = _fsdp_init()
+    if module is None or _ORIGINAL is None:
+        return
+    module._get_managed_states = _ORIGINAL
+    _ORIGINAL = None
+
+
+def ignored_params(model: nn.Module) -> Set[nn.Parameter]:
+    """The parameters of ``model`` that dmuon owns (dedicated by :func:`dmuon.dedicate_params`), for
+    ``fully_shard(module, ..., ignored_params=dmuon.ignored_params(model))`` (torch >= 2.7): FSDP2 then
+    neither shards them nor reduces their gradients. Not needed while the patch is installed."""
+    return {p for p in model.parameters() if hasattr(p, "_dedicated_owner_rank")}
+
+
+def is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor")
+
+
+def fsdp_modules(model: nn.Module) -> List[nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` was applied to (FSDPModule instances)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def full_tensor(p: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter's full value on every rank (collective over its mesh); a plain tensor as is."""
+    return p.full_tensor() if is_dtensor(p) else p
+
+
+def assign_full(p: torch.Tensor, value: torch.Tensor, name: Optional[str] = None) -> None:
+    """Writes the full `value` into parameter `p` (a DTensor: this rank's shard of it; a plain tensor: all of
+    it). Every rank passes the same full value."""
+    if tuple(value.shape) != tuple(p.shape):
+        raise ValueError(
+            f"'{name}' has shape {tuple(value.shape)} in the state dict but "
+            f"{tuple(p.shape)} in the model. Pass a state dict of this architecture."
+        )
+    with torch.no_grad():
+        if is_dtensor(p):
+            from torch.distributed.tensor import distribute_tensor
+
+            local = distribute_tensor(value.to(device=p.to_local().device, dtype=p.dtype), p.device_mesh,
+                                      p.placements, src_data_rank=None)
+            p.to_local().copy_(local.to_local())
+        else:
+            p.copy_(value.to(p.dtype))

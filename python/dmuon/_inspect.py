@@ -1,0 +1,149 @@
+"""The schedule's entry points between backward and the next forward, the dedicated parameters as
+dataclasses, and the JSON-friendly diagnostics (local: no collective) of a dedicated model."""
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from ._fsdp2 import is_dtensor
+from ._runtime import Muon, _state_of, _sync_external
+
+OwnerRankLike = Union[int, Tuple[int, int]]
+
+
+@dataclass
+class DedicatedParam:
+    """One dedicated (Muon) matrix as this rank sees it. ``owner_rank`` is the owner's coordinate: its
+    global rank on a 1-D mesh, ``(owner_shard, owner_replicate)`` on an HSDP mesh; ``global_rank`` is
+    always the owner's global rank. ``param`` is the module's Parameter (0 elements between steps on
+    ranks that do not hold it)."""
+
+    name: str
+    param: nn.Parameter
+    shape: Tuple[int, ...]
+    owner_rank: OwnerRankLike
+    owner_shard: int
+    owner_replicate: int
+    global_rank: int
+    boundary: str
+    is_owner: bool
+
+
+@dataclass
+class ReplicatedGroup:
+    """What :func:`dmuon.replicate` attached: the replicated parameters (model order) and the number of
+    ranks each gradient is averaged over."""
+
+    names: List[str]
+    group_size: int
+
+
+def get_dedicated_params(model: nn.Module) -> List[DedicatedParam]:
+    """Every dedicated matrix of ``model`` (model order), as this rank sees it. Local."""
+    state = _state_of(model, "get_dedicated_params")
+    hsdp = state.mesh.replicate_size > 1
+    out = []
+    for d in state.runtime.dedicated():
+        coord = (d["owner_shard"], d["owner_replicate"]) if hsdp else d["owner_rank"]
+        out.append(DedicatedParam(d["name"], d["param"], tuple(d["shape"]), coord, d["owner_shard"],
+                                  d["owner_replicate"], d["owner_rank"], d["boundary"], d["is_owner"]))
+    return out
+
+
+def get_owned_params(model: nn.Module, rank: OwnerRankLike) -> List[DedicatedParam]:
+    """The dedicated matrices owned by ``rank``: an int is matched against the owner's shard index (on a
+    1-D mesh its rank), a ``(shard, replicate)`` tuple against the full HSDP coordinate. Local."""
+    params = get_dedicated_params(model)
+    if isinstance(rank, (tuple, list)):
+        if len(rank) != 2:
+            raise ValueError(f"get_owned_params: rank must be an int or a (shard, replicate) pair, got {rank!r}")
+        return [p for p in params if (p.owner_shard, p.owner_replicate) == tuple(rank)]
+    return [p for p in params if p.owner_shard == int(rank)]
+
+
+def get_replicated_group(model: nn.Module) -> Optional[ReplicatedGroup]:
+    """What :func:`dmuon.replicate` attached to ``model``, or None when it was not called. Local."""
+    state = _state_of(model, "get_replicated_group")
+    if not state.replicated:
+        return None
+    names = [n for n, route in state.runtime.routes() if route == "replicated"]
+    return ReplicatedGroup(names, state.mesh.shard_size * state.mesh.replicate_size)
+
+
+def prepare_muon_grads(model: nn.Module, *, use_reduce_stream: bool = False, coalesce_wait: bool = False) -> None:
+    """Waits for every gradient reduce issued in backward, so each owner holds its matrices' averaged
+    gradients (``Muon.step`` does it itself; call it to read them between backward and step).
+    ``coalesce_wait``: one wait for every group instead of group by group. ``use_reduce_stream`` is
+    accepted for compatibility (dmuon's reduces already share their group's stream). Collective."""
+    del use_reduce_stream
+    _state_of(model, "prepare_muon_grads").runtime.prepare_grads(coalesce_wait)
+
+
+def wait_all_reduces(model: nn.Module) -> None:
+    """The former name of :func:`prepare_muon_grads`. Collective."""
+    prepare_muon_grads(model)
+
+
+def broadcast_all_updates(model: nn.Module) -> None:
+    """Publishes every owner's updated matrices to the ranks that hold them between steps (HSDP: across
+    the replicate axis; the DDP path: every rank) and waits. ``Muon.step`` does it (asynchronously).
+    Collective."""
+    _state_of(model, "broadcast_all_updates").runtime.publish(False)
+
+
+def broadcast_all_updates_async(model: nn.Module) -> None:
+    """:func:`broadcast_all_updates` without the wait: the next forward waits per boundary. Collective."""
+    _state_of(model, "broadcast_all_updates_async").runtime.publish(True)
+
+
+def wait_all_post_step_broadcasts(model: nn.Module) -> None:
+    """Waits for every asynchronous post-step publish, for code that reads the matrices outside the
+    forward (evaluation, custom checkpoints). Local."""
+    _state_of(model, "wait_all_post_step_broadcasts").runtime.wait_publishes()
+
+
+def wait_all_replicate_broadcasts(model: nn.Module) -> None:
+    """The HSDP name of :func:`wait_all_post_step_broadcasts`. Local."""
+    wait_all_post_step_broadcasts(model)
+
+
+def summarize_param_groups(model: nn.Module, optimizer: Any, *, max_rows: int = 128) -> Dict[str, Any]:
+    """How :class:`dmuon.Muon` routed this rank's trainable parameters: per group its kind, hyperparameters,
+    parameter count and elements; per dedicated matrix its owner and boundary (up to ``max_rows`` rows);
+    totals; and ``"fsdp2"``, the parameters trained as FSDP2 shards. Local."""
+    state = _state_of(model, "summarize_param_groups")
+    if not isinstance(optimizer, Muon) or optimizer._model is not model:
+        raise ValueError("summarize_param_groups: optimizer must be the dmuon.Muon built on this model.")
+    out = json.loads(optimizer._native.summary(state.runtime, max_rows))
+    external = _sync_external(model, state)
+    out["fsdp2"] = {
+        "params": len(external),
+        "numel": sum(p.numel() for p in external.values()),
+        "local_numel": sum((p.to_local() if is_dtensor(p) else p).numel() for p in external.values()),
+    }
+    return out
+
+
+def summarize_comm_plan(model: nn.Module, *, max_groups: int = 64, max_params_per_group: int = 128) -> Dict[str, Any]:
+    """dmuon's planned communication for ``model``: mesh, owners, per-boundary roots and payloads, the
+    per-rank bytes of each axis and the closed-form totals (planned sizes, not measurements). Local."""
+    state = _state_of(model, "summarize_comm_plan")
+    return json.loads(state.runtime.comm_plan(max_groups, max_params_per_group))
+
+
+def collect_forward_unshard_profile(model: nn.Module, *, clear: bool = True, synchronize: bool = False) -> Dict[str, object]:
+    """The forward-unshard counters per boundary (bytes, collectives, waits), recorded when
+    ``DMUON_RECORD_FORWARD_PROFILE=1`` was set before :func:`dmuon.dedicate_params`. ``clear`` resets
+    them; ``synchronize`` waits for the GPU first (diagnostic boundaries only). Local."""
+    state = _state_of(model, "collect_forward_unshard_profile")
+    if synchronize and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return json.loads(state.runtime.unshard_profile(clear))
+
+
+def consume_forward_unshard_profile(model: nn.Module, *, clear: bool = True) -> Dict[str, object]:
+    """:func:`collect_forward_unshard_profile` under its former name. Local."""
+    return collect_forward_unshard_profile(model, clear=clear)

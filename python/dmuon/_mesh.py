@@ -1,0 +1,147 @@
+"""dmuon's mesh from what a PyTorch user has: a DeviceMesh (1-D, or 2-D (replicate, shard)), a 1-D mesh
+plus ``replicate_mesh``, or ProcessGroups. The groups stay torch.distributed's (Gloo on CPU, NCCL on
+CUDA); C++ drives their backends through dmuon's Communicator (timeouts, byte counters, errors that
+name the rank)."""
+
+import os
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+DEFAULT_TIMEOUT_S = 300.0  # dmuon's collective timeout (a lost peer is an error after it)
+
+
+def _device_mesh_type():
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch without DeviceMesh
+        return ()
+    return DeviceMesh
+
+
+def _require_initialized(fn: str) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{fn}: torch.distributed is not initialised. Call dist.init_process_group (torchrun sets the "
+            "environment) or init_device_mesh before dedicating a model."
+        )
+
+
+def _axes(mesh, replicate_mesh, fn: str) -> Tuple[dist.ProcessGroup, Optional[dist.ProcessGroup], str]:
+    """This rank's shard group, its replicate group (None on a 1-D mesh) and the device of the mesh."""
+    DeviceMesh = _device_mesh_type()
+    shard = replicate = None
+    device_type = None
+    if isinstance(mesh, dist.ProcessGroup):
+        shard = mesh
+    elif isinstance(mesh, DeviceMesh):
+        device_type = mesh.device_type
+        if mesh.ndim == 1:
+            shard = mesh.get_group()
+        elif mesh.ndim == 2:
+            if replicate_mesh is not None:
+                raise ValueError(
+                    f"{fn}: mesh is 2-D and replicate_mesh is given too. Pass either a 2-D (replicate, shard) mesh, "
+                    "or its 1-D 'shard' sub-mesh as mesh and its 'replicate' sub-mesh as replicate_mesh."
+                )
+            names = mesh.mesh_dim_names or ()
+            if "shard" in names and "replicate" in names:
+                shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
+            else:  # (replicate, shard): the FSDP2 HSDP convention
+                shard, replicate = mesh.get_group(1), mesh.get_group(0)
+        else:
+            raise ValueError(
+                f"{fn}: a {mesh.ndim}-D DeviceMesh was passed as mesh. Pass the 1-D 'shard' axis (and the "
+                "'replicate' axis as replicate_mesh, or a 2-D (replicate, shard) mesh); tensor parallelism through "
+                "a 3-D mesh is not supported by this version of dmuon's Python API."
+            )
+    else:
+        raise TypeError(
+            f"{fn}: mesh must be a torch.distributed DeviceMesh or ProcessGroup, got {type(mesh).__name__}. "
+            "Build one with torch.distributed.device_mesh.init_device_mesh('cpu' or 'cuda', (world_size,))."
+        )
+    if replicate_mesh is not None:
+        if isinstance(replicate_mesh, dist.ProcessGroup):
+            replicate = replicate_mesh
+        elif isinstance(replicate_mesh, DeviceMesh) and replicate_mesh.ndim == 1:
+            replicate = replicate_mesh.get_group()
+        else:
+            raise TypeError(
+                f"{fn}: replicate_mesh must be a 1-D DeviceMesh (the 'replicate' axis) or a ProcessGroup, got "
+                f"{type(replicate_mesh).__name__}" + (f" with {replicate_mesh.ndim} dims" if isinstance(replicate_mesh, DeviceMesh) else "")
+            )
+    backend = dist.get_backend(shard)
+    if device_type is None:
+        device_type = "cuda" if backend == "nccl" else "cpu"
+    device = "cpu" if device_type == "cpu" else "%s:%d" % (device_type, torch.cuda.current_device())
+    if replicate is not None and dist.get_world_size(replicate) == 1:
+        replicate = None  # one replica: a 1-D mesh
+    return shard, replicate, device
+
+
+def _ordered_ranks(group: dist.ProcessGroup) -> List[int]:
+    """The global ranks of `group`'s members in group-rank order."""
+    ranks = dist.get_process_group_ranks(group)
+    return sorted(ranks, key=lambda g: dist.get_group_rank(group, g))
+
+
+def _partition(my_axes, world_size) -> Tuple[list, list, list]:
+    """Every rank's (shard ranks, replicate ranks), gathered on the default group: the partitions of each
+    axis and of the meshes' worlds, in one deterministic order on every rank."""
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, my_axes)
+    shards = sorted({tuple(s) for s, _ in everyone}, key=lambda g: (min(g), g))
+    replicas = sorted({tuple(r) for _, r in everyone if r}, key=lambda g: (min(g), g))
+    shard_of = {rank: s for s in shards for rank in s}
+    worlds = set()
+    for s, r in everyone:
+        members = set()
+        for rank in (r or s[:1]):
+            members |= set(shard_of[rank])
+        members |= set(s)
+        worlds.add(tuple(sorted(members)))
+    return sorted(worlds), shards, replicas
+
+
+def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str):
+    """dmuon's C++ mesh over torch.distributed groups. "isolated" (the default, or DMUON_PROCESS_GROUP_POLICY)
+    clones every group with dist.new_group, the whole partition in one order on every rank (collective over
+    the default group); "shared" uses the caller's groups (and one new group for a 2-D mesh's world)."""
+    _require_initialized(fn)
+    policy = process_group_policy or os.environ.get("DMUON_PROCESS_GROUP_POLICY", "") or "isolated"
+    if policy not in ("isolated", "shared"):
+        raise ValueError(f"{fn}: process_group_policy must be 'isolated' or 'shared', got {policy!r}")
+    shard, replicate, device = _axes(mesh, replicate_mesh, fn)
+    backend = dist.get_backend(shard)
+    shard_ranks = _ordered_ranks(shard)
+    replicate_ranks = _ordered_ranks(replicate) if replicate is not None else []
+    me = dist.get_rank()
+    if policy == "shared" and replicate is None:
+        world_ranks, world, shard_group, replicate_group = shard_ranks, shard, shard, None
+    else:
+        worlds, shards, replicas = _partition((shard_ranks, replicate_ranks), dist.get_world_size())
+
+        def new(partition):  # every rank creates every group of the partition, in one order; keeps its own
+            out = None
+            for ranks in partition:
+                g = dist.new_group(ranks=list(ranks), backend=backend)
+                if me in ranks:
+                    out = g
+            return out
+
+        world_ranks = next(list(w) for w in worlds if me in w)
+        if replicate is None:  # 1-D isolated: one clone serves as world and shard group
+            world = shard_group = new(shards)
+            replicate_group = None
+        else:
+            world = new(worlds)
+            shard_group = new(shards) if policy == "isolated" else shard
+            replicate_group = new(replicas) if policy == "isolated" else replicate
+    index = {g: i for i, g in enumerate(world_ranks)}  # global rank -> rank in the mesh's world group
+    groups = [(world, list(range(len(world_ranks)))), (shard_group, [index[g] for g in shard_ranks])]
+    if replicate is not None:
+        groups.append((replicate_group, [index[g] for g in replicate_ranks]))
+    return _C._mesh(groups, device, policy, DEFAULT_TIMEOUT_S)
