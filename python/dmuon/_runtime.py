@@ -50,6 +50,25 @@ def _sync_external(model: nn.Module, state: _State) -> Dict[str, nn.Parameter]:
     return state.external
 
 
+def _param_guard(params):
+    """A check, run at every forward and step, that no parameter dmuon holds changed dtype or device after
+    dedicate_params: model.to / .half() / .cuda() replace its data and its gradient accumulator, so
+    dmuon's gradient hooks would be gone and it would silently stop training."""
+    kept = [(n, p, p.dtype, p.device) for n, p in params]
+
+    def check():
+        for name, p, dtype, device in kept:
+            if p.dtype != dtype or p.device != device:
+                raise ValueError(
+                    f"dmuon: parameter '{name}' changed from {dtype} on {device} to {p.dtype} on {p.device} after "
+                    "dedicate_params (model.to / .half() / .cuda()?). That replaces its gradient accumulator, so "
+                    "dmuon's gradient hooks are gone and it would stop training silently. Convert the model before "
+                    "dedicate_params; for bf16 compute with fp32 masters pass param_policy={'defaults': "
+                    "{'param_dtype': torch.bfloat16}}."
+                )
+    return check
+
+
 def _state_of(model: nn.Module, fn: str) -> _State:
     state = getattr(model, "_dmuon", None)
     if state is None:
@@ -98,7 +117,7 @@ def _split_first_tensor(args):
     return -1
 
 
-def _install_hooks(model: nn.Module, runtime) -> list:
+def _install_hooks(model: nn.Module, runtime, guard) -> list:
     modules = dict(model.named_modules())
     handles = []
     boundaries = set(runtime.boundaries())
@@ -108,6 +127,8 @@ def _install_hooks(model: nn.Module, runtime) -> list:
         is_boundary = name in boundaries  # the root also opens and closes every forward pass
 
         def pre(mod, args, kwargs, name=name, scopes=scopes, is_boundary=is_boundary):
+            if name == "":
+                guard()  # once per forward: the parameters are still the ones dmuon hooked
             scope = _C._BoundaryScope(runtime, name)
             scopes.append(scope)
             # the first tensor argument (positional, else keyword) carries the boundary's backward hook
@@ -210,7 +231,9 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
     native_mesh = make_mesh(mesh, replicate_mesh, process_group_policy, fn)
     params, buffers, modules = _model_view(model)
     runtime = _C._dedicate(params, buffers, modules, native_mesh, predicate, options, ddp)
-    model._dmuon = _State(runtime, native_mesh, _install_hooks(model, runtime), dict(params))
+    guard = _param_guard(params)
+    model._dmuon = _State(runtime, native_mesh, _install_hooks(model, runtime, guard), dict(params))
+    model._dmuon.guard = guard
     owners = {}
     hsdp = native_mesh.replicate_size > 1
     for d in runtime.dedicated():  # the owner's coordinate: its rank, or (shard, replicate) on an HSDP mesh
@@ -521,6 +544,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._model_state.guard()
         self._push_groups()
         self._native.step()
         if self._external is not None:

@@ -271,6 +271,16 @@ def _misuse(rank, world):
     opt.param_groups[1]["betas"] = (0.8, 0.9)  # not taken from the groups yet: refused, not ignored
     with pytest.raises(ValueError, match="betas"):
         opt.step()
+    # model.to(dtype) after dedicate_params would drop dmuon's gradient hooks: refused, naming the parameter
+    moved = make_net()
+    dmuon.dedicate_params(moved, torch.distributed.group.WORLD, lambda n, p: p.dim() == 2)
+    dmuon.replicate(moved)
+    moved_opt = dmuon.Muon(moved)
+    moved.float()
+    with pytest.raises(ValueError, match="'scale' changed from torch.float64 .* to torch.float32"):
+        moved(batch(0)[0].float())
+    with pytest.raises(ValueError, match="Convert the model before dedicate_params"):
+        moved_opt.step()
     with pytest.raises(ValueError, match="hook_boundary_predicate"):
         dmuon.dedicate_params(make_net(), torch.distributed.group.WORLD, lambda n, p: p.dim() == 2,
                               hook_boundary_predicate=lambda m: False)
