@@ -8,12 +8,16 @@ collective runs, so what is left is bookkeeping):
           runtime's per-boundary work and its backward hooks
 
 Prints the median forward+backward time of each (tiny blocks, so the hooks dominate) and the per-boundary
-differences. Usage: PYTHONPATH=<build>/python python bench/python_hooks_bench.py [--blocks 32] [--iters 200]
+differences; with --cpp <build>/bench/boundary_bench, also the same model through dmuon's C++ path
+(dmuon::forward on a LibTorch module), run in the same invocation, and what the Python front end adds
+over it per boundary. Usage:
+  PYTHONPATH=<build>/python python bench/python_hooks_bench.py [--blocks 32] [--iters 200] [--cpp PATH]
 """
 
 import argparse
 import os
 import statistics
+import subprocess
 import tempfile
 import time
 
@@ -59,6 +63,7 @@ def main():
     ap.add_argument("--blocks", type=int, default=32)
     ap.add_argument("--dim", type=int, default=16)
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--cpp", default=None, help="boundary_bench (bench/boundary_bench.cpp) of the same build")
     args = ap.parse_args()
     torch.set_num_threads(1)
     store = os.path.join(tempfile.mkdtemp(), "store")
@@ -88,6 +93,14 @@ def main():
     print(f"  Python module hooks alone (noop - plain): {per('noop', 'plain'):.1f} us per boundary")
     print(f"  dmuon in all (dmuon - plain):             {per('dmuon', 'plain'):.1f} us per boundary")
     print(f"  dmuon beyond the hooks (dmuon - noop):    {per('dmuon', 'noop'):.1f} us per boundary")
+    if args.cpp:
+        run = subprocess.run([args.cpp, "--blocks", str(args.blocks), "--dim", str(args.dim), "--iters", str(args.iters)],
+                             capture_output=True, text=True, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        cpp = {k: float(v) for k, v in (line.split() for line in run.stdout.splitlines() if not line.startswith("#"))}
+        print(f"  C++ path (dmuon::forward): plain {cpp['plain_ms']:.3f} ms, dmuon {cpp['dmuon_ms']:.3f} ms, "
+              f"{cpp['per_boundary_us']:.1f} us per boundary")
+        print(f"  the Python front end over the C++ path:   {per('dmuon', 'plain') - cpp['per_boundary_us']:.1f} us "
+              "per boundary")
     dist.destroy_process_group()
 
 

@@ -37,6 +37,9 @@ def parse_args():
     p.add_argument("--text", default=TEXT, help="training text (bytes are the tokens)")
     p.add_argument("--out", default=None, help="directory for config.json + model.safetensors")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--optimizer", choices=("dmuon", "adamw"), default="dmuon",
+                   help="dmuon: dedicate_params + FSDP2 + dmuon.Muon; adamw: the same model on FSDP2 with "
+                        "torch.optim.AdamW at --adamw-lr (the usual baseline)")
     return p.parse_args()
 
 
@@ -62,13 +65,18 @@ def main():
     torch.manual_seed(0)  # the same initial model on every rank
     cfg = config(args)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(device)
-    # Muon for the hidden matrices; embeddings, norms and the head train with AdamW on FSDP2's shards
-    owners = dmuon.dedicate_params(
-        model, mesh, predicate=lambda name, p: p.dim() == 2 and "embed" not in name and "lm_head" not in name)
+    owners = {}
+    if args.optimizer == "dmuon":
+        # Muon for the hidden matrices; embeddings, norms and the head train with AdamW on FSDP2's shards
+        owners = dmuon.dedicate_params(
+            model, mesh, predicate=lambda name, p: p.dim() == 2 and "embed" not in name and "lm_head" not in name)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, lr=args.lr, adamw_lr=args.adamw_lr)
+    if args.optimizer == "dmuon":
+        opt = dmuon.Muon(model, lr=args.lr, adamw_lr=args.adamw_lr)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.adamw_lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))  # 10 warm-up steps
 
     with open(args.text, "rb") as f:
@@ -78,8 +86,9 @@ def main():
         print(f"{args.model}: {sum(p.numel() for p in model.parameters())} parameters, {len(owners)} Muon matrices "
               f"on {world} ranks ({device.type}), {len(data)} bytes of text", flush=True)
 
-    losses, t0 = [], time.time()
+    losses, step_s, t0 = [], [], time.time()
     for step in range(args.steps):
+        ts = time.perf_counter()
         starts = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=gen)
         x = torch.stack([data[s:s + args.seq] for s in starts]).to(device)
         loss = model(input_ids=x, labels=x).loss
@@ -87,6 +96,7 @@ def main():
         opt.step()
         sched.step()
         opt.zero_grad()
+        step_s.append(time.perf_counter() - ts)
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
@@ -94,11 +104,18 @@ def main():
             tokens = (step + 1) * args.batch * args.seq * world
             print(f"step {step:4d}  loss {losses[-1]:.4f}  {tokens / (time.time() - t0):,.0f} tokens/s", flush=True)
 
-    state = dmuon.get_model_state_dict(model)  # collective: full tensors on rank 0
+    if args.optimizer == "dmuon":
+        state = dmuon.get_model_state_dict(model)  # collective: full tensors on rank 0
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         k = max(1, len(losses) // 5)
         first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
         print(f"loss {first:.4f} -> {last:.4f} (mean of the first and last {k} steps)", flush=True)
+        warm = step_s[min(3, len(step_s) - 1):]  # the first steps pay one-time work (allocations, first NS)
+        print(f"step time {sorted(warm)[len(warm) // 2] * 1e3:.1f} ms (median of {len(warm)} steps, rank 0)", flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             cfg.save_pretrained(args.out)

@@ -115,6 +115,14 @@ class Pending {
   std::shared_ptr<State> state_;
 };
 
+// While the host waits for a CPU collective (Pending::wait, barriers), `check` runs on the waiting
+// thread every ~100 ms; when it throws, the wait is abandoned and that exception propagates unchanged
+// (the collective stays in flight: the group is unusable afterwards, as after any failure). The
+// Python front end installs one that raises KeyboardInterrupt when Ctrl-C arrived, so a rank stuck
+// waiting for a stopped peer can still be interrupted. Unset (the default): a wait blocks until the
+// collective finished or the timeout. Process-wide, thread-safe; nullptr removes it.
+void set_wait_interrupt_check(std::function<void()> check);
+
 class Communicator {
  public:
   // `global_ranks[i]` is the global rank of group rank i (for messages and root mapping). `device`:

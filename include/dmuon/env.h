@@ -23,6 +23,9 @@ std::string ns_batch_mb();                  // DMUON_NS_BATCH_MB: cap of one sta
 std::string process_group_policy();         // DMUON_PROCESS_GROUP_POLICY: "isolated" | "shared"
 bool isolated_pg_barrier();                 // DMUON_ISOLATED_PG_BARRIER=1: strict post-step fence
 bool record_forward_profile();              // DMUON_RECORD_FORWARD_PROFILE=1
+// DMUON_COLLECTIVE_TIMEOUT: seconds (> 0) for the Python front end's collectives, in place of the
+// timeout of the process group the mesh is built from.
+std::string collective_timeout();
 std::string cpu_backend();                  // DMUON_CPU_BACKEND: "gloo" | "store" (CPU process groups)
 // DMUON_FORCE_COLLECTIVES=1: groups of one issue real collectives and the dedicated route takes the
 // reduce path at world size 1, so one GPU (NCCL, world size 1) exercises the multi-rank code.

@@ -36,6 +36,14 @@ class Mesh;
 
 enum class ClipScope { Muon, AllParams };
 
+// One live gradient in a clip's scope (what strategies get; GradClipOptions::extra).
+struct ClipGrad {
+  std::string name;
+  at::Tensor grad;
+  bool counted = true;       // this rank adds it to the norm (false: a copy counted on another rank)
+  bool counts_param = true;  // counted, and this copy counts the parameter once in param_count
+};
+
 struct GradClipOptions {
   double norm_type = 2.0;           // p > 0, or INFINITY for the max norm
   bool error_if_nonfinite = false;  // a NaN/Inf total norm raises (on every rank together)
@@ -48,6 +56,10 @@ struct GradClipOptions {
   // either way; only the local arithmetic differs (rounding: the per-tensor norms are in the
   // gradient's dtype before they are combined in float64).
   std::optional<bool> foreach;
+  // Gradients the caller trains outside dmuon's routes (e.g. the local shards of FSDP2's DTensor
+  // parameters, passed by the Python front end under ClipScope::AllParams): in the norm as their
+  // `counted` flags say (each element once over the mesh) and scaled with the rest.
+  std::vector<ClipGrad> extra;
 };
 
 struct MuonGradClipStats {
@@ -67,12 +79,6 @@ MuonGradClipStats clip_grad_norm_(Muon& optimizer, std::optional<double> max_nor
 // Custom strategies. A strategy gets the live gradients in scope on this rank (scale or inspect
 // them in place), each with whether this rank counts it in a norm (so every element is counted once
 // over the mesh), and returns the stats. It must issue the same collectives on every rank of the mesh.
-struct ClipGrad {
-  std::string name;
-  at::Tensor grad;
-  bool counted = true;       // this rank adds it to the norm (false: a copy counted on another rank)
-  bool counts_param = true;  // counted, and this copy counts the parameter once in param_count
-};
 using MuonGradClipStrategy = std::function<MuonGradClipStats(std::vector<ClipGrad>& grads, std::optional<double> max_norm,
                                                              const GradClipOptions& opts, Mesh& mesh)>;
 // Registers (or replaces) `name`; "global_norm" is built in and cannot be replaced. Thread-safe.

@@ -104,5 +104,8 @@ ForwardUnshardProfile runtime_forward_unshard_profile(const std::shared_ptr<Runt
                                                       bool synchronize = true);
 // Gradient accumulation: inside no_sync no reduce happens (dmuon::NoSync for a LibTorch model). Local.
 void runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on);
+// How many boundaries ahead the forward issues its unshards (DedicateOptions::forward_prefetch_depth;
+// the Python Muon's forward_prefetch_depth). Local; takes effect at the next boundary.
+void runtime_set_forward_prefetch_depth(const std::shared_ptr<Runtime>& runtime, int depth);
 
 }  // namespace dmuon

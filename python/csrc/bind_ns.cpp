@@ -28,20 +28,6 @@ NsOptions ns_options(int steps, double eps, std::optional<Coefficients> coeffici
   return o;
 }
 
-// The Python group's backend for `device`, and its timeout (the group's own, else dmuon's default).
-std::pair<CommPtr, std::chrono::milliseconds> backend_of(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                                         const at::Device& device) {
-  if (!group) return {CommPtr(), kDefaultCollectiveTimeout};
-  CommPtr backend = group->getBackend(device.type());
-  std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
-  try {
-    if (auto o = backend->getBackendOptions()) timeout = o->timeout;
-  } catch (const std::exception&) {
-    // a backend without options: dmuon's default
-  }
-  return {backend, timeout};
-}
-
 py::dict backend_status_dict() {
   const BackendStatus s = get_backend_status();
   py::list kernels;
@@ -111,13 +97,14 @@ void bind_newton_schulz(py::module_& m) {
       [](const at::Tensor& G_local, const c10::intrusive_ptr<c10d::ProcessGroup>& group, bool transposed, int steps,
          double eps, std::optional<Coefficients> coefficients, std::optional<std::vector<int>> restart_iterations,
          bool batched) {
-        const auto [backend, timeout] = backend_of(group, G_local.device());
+        const auto [backend, timeout] = backend_of(group, G_local.device());  // reads the default group: GIL held
         const NsOptions o = ns_options(steps, eps, std::move(coefficients), std::move(restart_iterations), false);
+        py::gil_scoped_release nogil;
         return batched ? gram_newton_schulz_distributed_local_batched(G_local, backend, transposed, o, timeout)
                        : gram_newton_schulz_distributed_local(G_local, backend, transposed, o, timeout);
       },
       "G_local"_a, "group"_a, "transposed"_a, "steps"_a, "eps"_a, "coefficients"_a, "restart_iterations"_a,
-      "batched"_a, release);
+      "batched"_a);
 
   py::class_<NewtonSchulz>(m, "NewtonSchulz",
                            "A configured Newton-Schulz: backend 'gram' (default) or 'direct', kernel 'auto' | "

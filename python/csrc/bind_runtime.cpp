@@ -119,6 +119,23 @@ MuonOptions muon_options(const py::dict& d) {
   if (auto v = get_opt<bool>(d, "group_prepare_ahead")) o.group_prepare_ahead = *v;
   if (auto v = get_opt<bool>(d, "first_step_progress_log")) o.first_step_progress_log = *v;
   if (auto v = get_opt<int>(d, "first_step_progress_log_limit")) o.first_step_progress_log_limit = *v;
+  if (auto v = get_opt<bool>(d, "tp_distributed_gram")) o.tp_distributed_gram = *v;
+  if (auto v = get_opt<std::string>(d, "tp_distributed_gram_policy")) o.tp_distributed_gram_policy = *v;
+  if (auto v = get_opt<double>(d, "tp_distributed_gram_max_factor_to_scatter_ratio"))
+    o.tp_distributed_gram_max_factor_to_scatter_ratio = *v;
+  if (auto v = get_opt<py::list>(d, "param_groups"))  // the user's groups as dmuon/_runtime.py normalised them
+    for (const auto& item : *v) {
+      const py::dict g = item.cast<py::dict>();
+      MuonParamGroup pg;
+      pg.name = g["name"].cast<std::string>();
+      pg.params = g["params"].cast<std::vector<at::Tensor>>();
+      pg.lr = get_opt<double>(g, "lr");
+      pg.momentum = get_opt<double>(g, "momentum");
+      pg.weight_decay = get_opt<double>(g, "weight_decay");
+      pg.adamw_lr = get_opt<double>(g, "adamw_lr");
+      pg.adamw_weight_decay = get_opt<double>(g, "adamw_weight_decay");
+      o.param_groups.push_back(std::move(pg));
+    }
   return o;
 }
 
@@ -140,12 +157,21 @@ void bind_runtime(py::module_& m) {
       .def_property_readonly("replicate_rank", &Mesh::replicate_rank)
       .def_property_readonly("replicate_size", &Mesh::replicate_size)
       .def_property_readonly("policy", &Mesh::policy)
+      .def_property_readonly("timeout_s", [](const Mesh& mesh) { return static_cast<double>(mesh.timeout().count()) / 1000.0; })
       .def("bytes", [](Mesh& mesh) {
         py::dict out;
         for (int op = 0; op < static_cast<int>(CommOp::kCount); ++op)
           out[comm_op_name(static_cast<CommOp>(op))] = mesh.counters().bytes(static_cast<CommOp>(op));
         return out;
       }, "Bytes this rank's collectives moved so far, by operation (communicator.h's convention).");
+  m.def(
+      "_collective_timeout",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string& device) {
+        return static_cast<double>(collective_timeout(group, at::Device(device)).count()) / 1000.0;
+      },
+      "The collective timeout dmuon applies over `group`, in seconds: DMUON_COLLECTIVE_TIMEOUT, else the shorter "
+      "of the group's own timeout and the default group's.",
+      "group"_a, "device"_a);
   m.def(
       "_mesh",
       [](const std::vector<std::pair<c10::intrusive_ptr<c10d::ProcessGroup>, std::vector<int>>>& groups,
@@ -185,6 +211,8 @@ void bind_runtime(py::module_& m) {
            },
            "values"_a, release)
       .def("set_no_sync", [](const RuntimeHandle& h, bool on) { runtime_set_no_sync(h.runtime, on); })
+      .def("set_forward_prefetch_depth",
+           [](const RuntimeHandle& h, int depth) { runtime_set_forward_prefetch_depth(h.runtime, depth); }, "depth"_a)
       .def("release_params",
            [](const RuntimeHandle& h, const std::vector<std::string>& names) { runtime_release_params(h.runtime, names); },
            "names"_a)
@@ -238,6 +266,7 @@ void bind_runtime(py::module_& m) {
            }),
            "runtime"_a, "options"_a)
       .def("step", [](Muon& opt) { opt.step(); }, release)
+      .def("consume_profile", [](Muon& opt) { return to_json(opt.consume_last_step_profile()).dump(); }, release)
       .def("zero_grad", &Muon::zero_grad, "set_to_none"_a = true, release)
       .def_property_readonly("steps_taken", &Muon::steps_taken)
       .def("group_count", [](Muon& opt) { return opt.param_groups().size(); })
@@ -293,8 +322,10 @@ void bind_runtime(py::module_& m) {
            "Loads full-tensor optimizer state (collective): each rank keeps what it updates.")
       .def("clip",
            [](Muon& opt, std::optional<double> max_norm, double norm_type, bool error_if_nonfinite,
-              std::optional<bool> foreach, const std::string& strategy, bool all_params) {
+              std::optional<bool> foreach, const std::string& strategy, bool all_params,
+              const std::vector<std::tuple<std::string, at::Tensor, bool, bool>>& extra) {
              GradClipOptions o;
+             for (const auto& [name, grad, counted, counts_param] : extra) o.extra.push_back({name, grad, counted, counts_param});
              o.norm_type = norm_type;
              o.error_if_nonfinite = error_if_nonfinite;
              o.foreach = foreach;
@@ -309,7 +340,8 @@ void bind_runtime(py::module_& m) {
                              "clip_coef"_a = s.clip_coef, "clipped"_a = s.clipped, "param_count"_a = s.param_count,
                              "found_inf"_a = s.found_inf, "strategy"_a = s.strategy);
            },
-           "max_norm"_a, "norm_type"_a, "error_if_nonfinite"_a, "foreach"_a, "strategy"_a, "all_params"_a)
+           "max_norm"_a, "norm_type"_a, "error_if_nonfinite"_a, "foreach"_a, "strategy"_a, "all_params"_a,
+           "extra"_a = std::vector<std::tuple<std::string, at::Tensor, bool, bool>>{})
       .def("summary",
            [](const Muon& opt, const RuntimeHandle& h, int max_rows) {
              return summarize_param_groups(runtime_face(h.runtime), opt, max_rows).dump();

@@ -2,7 +2,15 @@
 // dtypes, ProcessGroup -- are the ones in use) over dmuon's C++ core. One file per area.
 #pragma once
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
+
+#include <chrono>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "dmuon/communicator.h"
 
 namespace dmuon::python {
 
@@ -12,9 +20,26 @@ namespace py = pybind11;
 // c10::TypeError -> TypeError, other c10::Error / std::exception -> RuntimeError; the message without
 // the C++ backtrace.
 void register_errors(py::module_& m);
+// dmuon's collective timeout over a Python group: DMUON_COLLECTIVE_TIMEOUT (seconds) when set, else
+// the shorter of the group's own timeout and the default group's (what init_process_group was given;
+// torch gives new groups its built-in default instead), else dmuon's default. Call with the GIL held.
+std::chrono::milliseconds collective_timeout(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Device& device);
+// The Python group's backend for `device`, and collective_timeout(); a null group: a null backend.
+std::pair<CommPtr, std::chrono::milliseconds> backend_of(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                                         const at::Device& device);
+// A Communicator over a Python group (null: nullptr), `global_ranks` its members' global ranks in
+// group-rank order (for messages).
+std::shared_ptr<Communicator> communicator_of(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                              std::vector<int> global_ranks, const at::Device& device,
+                                              const std::string& name);
+// Ctrl-C while the host waits for a CPU collective raises KeyboardInterrupt (set_wait_interrupt_check).
+void install_interrupt_check();
+
 // Newton-Schulz: the functions, NewtonSchulz, the coefficient lists, the backend status.
 void bind_newton_schulz(py::module_& m);
 // Meshes over torch.distributed groups, dedicated ownership of a Python model, boundary scopes, Muon.
 void bind_runtime(py::module_& m);
+// Gradient clipping: Muon's gradients for Python strategies, segmented (bucket) clipping.
+void bind_clip(py::module_& m);
 
 }  // namespace dmuon::python

@@ -35,4 +35,6 @@ PYBIND11_MODULE(_C, m) {
   dmuon::python::register_errors(m);
   dmuon::python::bind_newton_schulz(m);
   dmuon::python::bind_runtime(m);
+  dmuon::python::bind_clip(m);
+  dmuon::python::install_interrupt_check();
 }

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ._fsdp2 import is_dtensor
-from ._runtime import Muon, _state_of, _sync_external
+from ._runtime import Muon, _owner_coords, _state_of, _sync_external
 
 OwnerRankLike = Union[int, Tuple[int, int]]
 
@@ -44,10 +44,8 @@ class ReplicatedGroup:
 def get_dedicated_params(model: nn.Module) -> List[DedicatedParam]:
     """Every dedicated matrix of ``model`` (model order), as this rank sees it. Local."""
     state = _state_of(model, "get_dedicated_params")
-    hsdp = state.mesh.replicate_size > 1
     out = []
-    for d in state.runtime.dedicated():
-        coord = (d["owner_shard"], d["owner_replicate"]) if hsdp else d["owner_rank"]
+    for d, coord in _owner_coords(state):
         out.append(DedicatedParam(d["name"], d["param"], tuple(d["shape"]), coord, d["owner_shard"],
                                   d["owner_replicate"], d["owner_rank"], d["boundary"], d["is_owner"]))
     return out

@@ -4,14 +4,13 @@ CUDA); C++ drives their backends through dmuon's Communicator (timeouts, byte co
 name the rank)."""
 
 import os
+from datetime import timedelta
 from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import _C
-
-DEFAULT_TIMEOUT_S = 300.0  # dmuon's collective timeout (a lost peer is an error after it)
 
 
 def _device_mesh_type():
@@ -24,7 +23,7 @@ def _device_mesh_type():
 
 def _require_initialized(fn: str) -> None:
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
+        raise ValueError(
             f"{fn}: torch.distributed is not initialised. Call dist.init_process_group (torchrun sets the "
             "environment) or init_device_mesh before dedicating a model."
         )
@@ -107,9 +106,12 @@ def _partition(my_axes, world_size) -> Tuple[list, list, list]:
 
 
 def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str):
-    """dmuon's C++ mesh over torch.distributed groups. "isolated" (the default, or DMUON_PROCESS_GROUP_POLICY)
+    """dmuon's C++ mesh over torch.distributed groups, and the torch group of the mesh's world (for
+    collectives written in Python over the same ranks, e.g. clipping strategies). "isolated" (the default, or DMUON_PROCESS_GROUP_POLICY)
     clones every group with dist.new_group, the whole partition in one order on every rank (collective over
-    the default group); "shared" uses the caller's groups (and one new group for a 2-D mesh's world)."""
+    the default group); "shared" uses the caller's groups (and one new group for a 2-D mesh's world). Every
+    collective dmuon issues on the mesh fails after DMUON_COLLECTIVE_TIMEOUT seconds, else after the timeout
+    given to init_process_group (or the group's own, when shorter)."""
     _require_initialized(fn)
     policy = process_group_policy or os.environ.get("DMUON_PROCESS_GROUP_POLICY", "") or "isolated"
     if policy not in ("isolated", "shared"):
@@ -119,6 +121,9 @@ def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str
     shard_ranks = _ordered_ranks(shard)
     replicate_ranks = _ordered_ranks(replicate) if replicate is not None else []
     me = dist.get_rank()
+    # a lost peer is an error after this: DMUON_COLLECTIVE_TIMEOUT, else the timeout init_process_group was
+    # given (or the group's own, when shorter); dmuon's clones get it too (new_group's default is torch's 30 min)
+    timeout_s = _C._collective_timeout(shard, device)
     if policy == "shared" and replicate is None:
         world_ranks, world, shard_group, replicate_group = shard_ranks, shard, shard, None
     else:
@@ -127,7 +132,7 @@ def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str
         def new(partition):  # every rank creates every group of the partition, in one order; keeps its own
             out = None
             for ranks in partition:
-                g = dist.new_group(ranks=list(ranks), backend=backend)
+                g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timedelta(seconds=timeout_s))
                 if me in ranks:
                     out = g
             return out
@@ -144,4 +149,4 @@ def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str
     groups = [(world, list(range(len(world_ranks)))), (shard_group, [index[g] for g in shard_ranks])]
     if replicate is not None:
         groups.append((replicate_group, [index[g] for g in replicate_ranks]))
-    return _C._mesh(groups, device, policy, DEFAULT_TIMEOUT_S)
+    return _C._mesh(groups, device, policy, timeout_s), world

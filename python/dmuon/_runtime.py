@@ -4,14 +4,15 @@ dmuon's C++ boundary scopes, and everything in backward stays in C++ (Accumulate
 identity autograd functions, the engine's end-of-backward callback)."""
 
 import contextlib
-from dataclasses import dataclass
-from typing import Callable, Dict, Mapping, Optional, Union
+import json
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import _C
+from ._clip import MuonGradClipStats, python_strategy, run_python_strategy
 from ._fsdp2 import assign_full, fsdp_modules, full_tensor, is_dtensor
 from ._mesh import make_mesh
 
@@ -19,8 +20,10 @@ from ._mesh import make_mesh
 class _State:
     """What dmuon keeps on a dedicated model (``model._dmuon``)."""
 
-    def __init__(self, runtime, mesh, hooks, params):
+    def __init__(self, runtime, mesh, world_group, hooks, params, guard):
         self.runtime = runtime
+        self.world_group = world_group  # the torch group of the mesh's ranks (dmuon's clone under "isolated")
+        self.guard = guard    # raises when a parameter changed dtype or device after dedicate_params
         self.mesh = mesh
         self.hooks = hooks
         self.replicated = False
@@ -120,8 +123,8 @@ def _split_first_tensor(args):
 def _install_hooks(model: nn.Module, runtime, guard) -> list:
     modules = dict(model.named_modules())
     handles = []
-    boundaries = set(runtime.boundaries())
-    for name in [""] + [b for b in runtime.boundaries() if b != ""]:
+    boundaries = runtime.boundaries()
+    for name in [""] + [b for b in boundaries if b != ""]:
         module = modules[name]
         scopes = []  # a module may run more than once in one forward (a stack of open scopes)
         is_boundary = name in boundaries  # the root also opens and closes every forward pass
@@ -228,19 +231,24 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
             )
     if hook_boundary_predicate is not None and options.get("hook_boundary_resolver") is None:
         options["hook_boundary_resolver"] = _boundary_resolver(model, hook_boundary_predicate, hook_boundary_strict)
-    native_mesh = make_mesh(mesh, replicate_mesh, process_group_policy, fn)
+    native_mesh, world_group = make_mesh(mesh, replicate_mesh, process_group_policy, fn)
     params, buffers, modules = _model_view(model)
     runtime = _C._dedicate(params, buffers, modules, native_mesh, predicate, options, ddp)
     guard = _param_guard(params)
-    model._dmuon = _State(runtime, native_mesh, _install_hooks(model, runtime, guard), dict(params))
-    model._dmuon.guard = guard
+    model._dmuon = _State(runtime, native_mesh, world_group, _install_hooks(model, runtime, guard), dict(params), guard)
     owners = {}
-    hsdp = native_mesh.replicate_size > 1
-    for d in runtime.dedicated():  # the owner's coordinate: its rank, or (shard, replicate) on an HSDP mesh
-        coord = (d["owner_shard"], d["owner_replicate"]) if hsdp else d["owner_rank"]
+    for d, coord in _owner_coords(model._dmuon):
         d["param"]._dedicated_owner_rank = coord
         owners[d["param"]] = coord
     return owners
+
+
+def _owner_coords(state: "_State") -> list:
+    """Each dedicated matrix (the runtime's record) with its owner's coordinate: the owner's rank, or
+    (shard, replicate) on an HSDP mesh."""
+    hsdp = state.mesh.replicate_size > 1
+    return [(d, (d["owner_shard"], d["owner_replicate"]) if hsdp else d["owner_rank"])
+            for d in state.runtime.dedicated()]
 
 
 def dedicate_params(
@@ -341,14 +349,39 @@ def dedicate_params_ddp(
 
 def replicate(model: nn.Module, mesh=None) -> nn.Module:
     """Replicated (DDP-style) training of every trainable parameter that is not dedicated: whole on every
-    rank, gradients averaged at the end of backward in bucketed all-reduces (rank 0's values first).
-    Call after dedicate_params, with its mesh. Collective. Returns the model."""
+    rank, gradients averaged in bucketed all-reduces issued during backward (rank 0's values first). The
+    averages land in ``.grad`` when :func:`dmuon.prepare_muon_grads` or ``Muon.step`` waits for them (read
+    or clip them after ``prepare_muon_grads``, or with ``Muon.clip_grad_norm_(scope="all")``).
+    Call after dedicate_params, with its mesh (``mesh``: checked to span the dedicated model's ranks).
+    Collective. Returns the model."""
     state = _state_of(model, "replicate")
     if state.replicated:
-        raise ValueError("replicate: already called on this model.")
+        raise RuntimeError("replicate: already called on this model; call it once, after dedicate_params.")
+    if mesh is not None:
+        _check_replicate_mesh(mesh, state)
     state.runtime.replicate(25.0)
     state.replicated = True
     return model
+
+
+def _check_replicate_mesh(mesh, state: _State) -> None:
+    """replicate's mesh: a 1-D DeviceMesh or a ProcessGroup over the dedicated model's ranks."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh, DeviceMesh):
+        if mesh.ndim != 1:
+            raise ValueError(f"replicate: mesh must be the 1-D data-parallel mesh, got a {mesh.ndim}-D DeviceMesh "
+                             f"{tuple(mesh.mesh_dim_names or ())}. Pass the mesh given to dedicate_params_ddp.")
+        group = mesh.get_group()
+    elif isinstance(mesh, dist.ProcessGroup):
+        group = mesh
+    else:
+        raise ValueError(f"replicate: mesh must be a 1-D DeviceMesh or a ProcessGroup, got {type(mesh).__name__}")
+    ranks = sorted(dist.get_process_group_ranks(group))
+    mine = sorted(dist.get_process_group_ranks(state.world_group))
+    if ranks != mine:
+        raise ValueError(f"replicate: mesh spans global ranks {ranks}, but the model was dedicated over {mine}. "
+                         "Pass the mesh given to dedicate_params (replicated gradients are averaged over those ranks).")
 
 
 @contextlib.contextmanager
@@ -437,40 +470,100 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
                 value.copy_(state_dict[key])
 
 
-@dataclass
-class MuonGradClipStats:
-    """What a gradient clip measured and did: the total norm before clipping, the max norm (None: only
-    measured), the norm type, the scale applied (min(1, max_norm / (total_norm + 1e-6))), whether the
-    gradients were scaled, how many parameters the norm covered (all ranks), whether the norm was not
-    finite (then nothing is scaled), and the strategy."""
-
-    total_norm: float
-    max_norm: Optional[float]
-    norm_type: float
-    clip_coef: float
-    clipped: bool
-    param_count: int
-    found_inf: bool
-    strategy: str
-
-
 def clip_grad_norm_(optimizer, max_norm: Optional[float], *, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                    foreach: Optional[bool] = None, strategy: str = "global_norm") -> MuonGradClipStats:
+                    foreach: Optional[bool] = None, strategy="global_norm") -> MuonGradClipStats:
     """Clips the dedicated Muon matrices' gradients of ``optimizer`` (a :class:`dmuon.Muon`) by their global
-    norm over the mesh: :meth:`Muon.clip_grad_norm_` with ``scope="muon"``. Collective."""
+    norm over the mesh: :meth:`Muon.clip_grad_norm_` with ``scope="muon"``. AdamW parameters are left to
+    ``torch.nn.utils.clip_grad_norm_``. ``strategy``: "global_norm", a name given to
+    :func:`dmuon.register_muon_grad_clip_strategy`, or a strategy callable. Collective."""
     if not isinstance(optimizer, Muon):
         raise ValueError(f"clip_grad_norm_: optimizer must be a dmuon.Muon, got {type(optimizer).__name__}")
     return optimizer.clip_grad_norm_(max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
                                      foreach=foreach, strategy=strategy)
 
 
+_GROUP_KEYS = ("params", "name", "lr", "momentum", "weight_decay", "adamw_lr", "adamw_weight_decay")
+
+
+def _user_groups(param_groups, state: _State) -> List[dict]:
+    """The API reference's semantic groups, checked: [{"params": [...], "name", "lr", "momentum",
+    "weight_decay", "adamw_lr", "adamw_weight_decay"}]; each parameter of the model in at most one group,
+    named by the model's parameter name. Returns [{"name", "params": [names], overrides...}]."""
+    if param_groups is None:
+        return []
+    if isinstance(param_groups, Mapping) or not isinstance(param_groups, Sequence):
+        raise ValueError("Muon: param_groups must be a list of dicts, each {'params': [...], 'lr': ..., ...}.")
+    names = {}
+    for n, p in state.params.items():
+        names.setdefault(id(p), n)
+    for n, p in state.external.items():
+        names.setdefault(id(p), n)
+    seen, out = {}, []
+    for i, g in enumerate(param_groups):
+        if not isinstance(g, Mapping) or "params" not in g:
+            raise ValueError(f"Muon: param_groups[{i}] must be a dict with a 'params' list.")
+        unknown = [k for k in g if k not in _GROUP_KEYS]
+        if unknown:
+            raise ValueError(
+                f"Muon: param_groups[{i}] has key(s) {unknown}; a group may set {', '.join(_GROUP_KEYS[1:])}. "
+                "Other hyperparameters (betas, eps, nesterov, ns_steps) are per optimizer: pass them to Muon(...)."
+            )
+        params = g["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        group = {"name": str(g.get("name", f"group{i}")), "params": []}
+        for p in params:
+            name = names.get(id(p))
+            if name is None:
+                raise ValueError(
+                    f"Muon: param_groups[{i}] ('{group['name']}') holds a tensor of shape {tuple(p.shape)} that is "
+                    "not a parameter of the dedicated model. Build the groups from model.named_parameters()."
+                )
+            if name in seen:
+                raise ValueError(f"Muon: parameter '{name}' is in param_groups[{seen[name]}] and param_groups[{i}]; "
+                                 "each parameter may be in at most one group.")
+            seen[name] = i
+            group["params"].append(name)
+        for key in _GROUP_KEYS[2:]:
+            if g.get(key) is not None:
+                group[key] = float(g[key])
+        out.append(group)
+    return out
+
+
+def _external_clip_grads(state: _State) -> list:
+    """The local gradient shards of the parameters FSDP2 trains, as (name, grad, counted, counts_param) for
+    a clip over every parameter: a shard is counted on the ranks at coordinate 0 of every mesh dimension
+    it is replicated over (HSDP's replicate axis), the parameter once, on the ranks at coordinate 0
+    everywhere."""
+    out = []
+    for name, p in state.external.items():
+        g = p.grad
+        if g is None:
+            continue
+        if not is_dtensor(g):
+            out.append((name, g, True, True))
+            continue
+        from torch.distributed.tensor import Replicate
+
+        coords = g.device_mesh.get_coordinate()
+        counted = all(c == 0 for c, pl in zip(coords, g.placements) if isinstance(pl, Replicate))
+        out.append((name, g.to_local(), counted, counted and all(c == 0 for c in coords)))
+    return out
+
+
 class Muon(torch.optim.Optimizer):
     """Muon on a dedicated model: momentum, Newton-Schulz and the update of each Muon matrix on its owner,
     AdamW on every other trainable parameter: on its dmuon route, or, for the DTensor shards of FSDP2
-    (``fully_shard`` after ``dedicate_params``), by torch's AdamW on each rank's shard. Two parameter groups
-    (Muon, AdamW) whose
-    ``lr``, ``weight_decay`` and ``momentum`` torch.optim.lr_scheduler and the caller may change between
-    steps. ``step()`` is collective: every rank of the model's mesh."""
+    (``fully_shard`` after ``dedicate_params``), by torch's AdamW on each rank's shard.
+
+    Parameter groups: without ``param_groups``, two (Muon, AdamW). With ``param_groups`` (PyTorch-style
+    semantic groups: ``[{"params": [...], "lr": ..., "momentum": ..., "weight_decay": ..., "adamw_lr": ...,
+    "adamw_weight_decay": ..., "name": ...}]``), each user group is lowered into a Muon subgroup (its
+    dedicated matrices) and an AdamW subgroup (its other parameters), in order, then a "default" pair for
+    the parameters in no group. ``torch.optim.lr_scheduler`` and the caller may change each group's
+    ``lr``, ``weight_decay`` and ``momentum`` between steps.
+
+    ``step()`` is collective: every rank of the model's mesh."""
 
     def __init__(
         self,
@@ -483,26 +576,36 @@ class Muon(torch.optim.Optimizer):
         adamw_betas=(0.9, 0.999),
         adamw_weight_decay: float = 0.01,
         adamw_eps: float = 1e-08,
+        param_groups: Optional[List[dict]] = None,
         ns_backend="gram",
         nesterov: bool = True,
         replicate_async: bool = True,
         record_step_profile: bool = False,
         group_prepare_ahead: bool = True,
-        first_step_progress_log: bool = False,
+        tp_distributed_gram: bool = False,
+        tp_distributed_gram_policy: str = "beneficial",
+        tp_distributed_gram_max_factor_to_scatter_ratio: float = 0.5,
+        post_step_prefetch_groups: int = 0,
+        post_step_prefetch_sharded_adamw: bool = False,
+        sharded_adamw_unshard_separate_stream: bool = False,
+        forward_prefetch_depth: int = 1,
+        first_step_progress_log: bool = True,
         first_step_progress_log_limit: int = 8,
     ):
         state = _state_of(model, "Muon")
-        options = dict(
-            lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps, adamw_lr=adamw_lr,
-            adamw_betas=tuple(adamw_betas), adamw_weight_decay=adamw_weight_decay, adamw_eps=adamw_eps,
-            ns_backend=ns_backend, nesterov=nesterov, replicate_async=replicate_async,
-            record_step_profile=record_step_profile, group_prepare_ahead=group_prepare_ahead,
-            first_step_progress_log=first_step_progress_log,
-            first_step_progress_log_limit=first_step_progress_log_limit,
-        )
+        for key, value, default in (("post_step_prefetch_groups", post_step_prefetch_groups, 0),
+                                    ("post_step_prefetch_sharded_adamw", post_step_prefetch_sharded_adamw, False),
+                                    ("sharded_adamw_unshard_separate_stream", sharded_adamw_unshard_separate_stream, False)):
+            if value != default:
+                raise ValueError(
+                    f"Muon: {key}={value!r} is not implemented in this version of dmuon; leave it at {default!r}. The "
+                    "next forward issues its own unshards (forward_prefetch_depth sets how far ahead)."
+                )
+        if isinstance(forward_prefetch_depth, bool) or not isinstance(forward_prefetch_depth, int) or forward_prefetch_depth < 0:
+            raise ValueError(f"Muon: forward_prefetch_depth must be an int >= 0, got {forward_prefetch_depth!r}")
         # FSDP2's DTensor shards (fully_shard after dedicate_params) leave dmuon's routes before the native
         # optimizer checks that every trainable parameter is on a distributed route
-        external = list(_sync_external(model, state).values())
+        external = _sync_external(model, state)
         local = [n for n, route in state.runtime.routes() if route == "local"]
         if local and state.mesh.world_size > 1:
             raise ValueError(
@@ -511,7 +614,20 @@ class Muon(torch.optim.Optimizer):
                 "gradient and the replicas would drift apart. Before constructing Muon, call dmuon.replicate(model), "
                 "or fully_shard the modules that hold them, or freeze them (requires_grad_(False))."
             )
+        user = _user_groups(param_groups, state)
+        native_user = [dict(g, params=[state.params[n] for n in g["params"] if n not in external]) for g in user]
+        options = dict(
+            lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps, adamw_lr=adamw_lr,
+            adamw_betas=tuple(adamw_betas), adamw_weight_decay=adamw_weight_decay, adamw_eps=adamw_eps,
+            param_groups=native_user, ns_backend=ns_backend, nesterov=nesterov, replicate_async=replicate_async,
+            record_step_profile=record_step_profile, group_prepare_ahead=group_prepare_ahead,
+            tp_distributed_gram=tp_distributed_gram, tp_distributed_gram_policy=tp_distributed_gram_policy,
+            tp_distributed_gram_max_factor_to_scatter_ratio=tp_distributed_gram_max_factor_to_scatter_ratio,
+            first_step_progress_log=first_step_progress_log,
+            first_step_progress_log_limit=first_step_progress_log_limit,
+        )
         self._native = _C._Muon(state.runtime, options)
+        state.runtime.set_forward_prefetch_depth(forward_prefetch_depth)
         self._model_state = state
         self._model = model
         groups = []
@@ -520,19 +636,32 @@ class Muon(torch.optim.Optimizer):
             group["params"] = list(self._native.group_params(i))
             groups.append(group)
         self._native_groups = len(groups)
+        # AdamW on FSDP2's shards, by torch's own AdamW, in the AdamW subgroup of the user group that holds
+        # them (lowered groups 2i, 2i+1), else of the "default" group
+        by_group = {}
+        for name, p in external.items():
+            i = next((j for j, g in enumerate(user) if name in g["params"]), None)
+            by_group.setdefault(i, []).append(p)
         self._external = None
-        if external:
-            # AdamW on the shards, by torch's own AdamW, in the (first) AdamW group: one lr for the whole
-            # AdamW side, as the scheduler sees it
-            adamw = next((g for g in groups if not g["is_muon"]), None)
-            if adamw is None:
-                adamw = dict(lr=adamw_lr, is_muon=False, momentum=0.0, nesterov=False, weight_decay=adamw_weight_decay,
-                             ns_steps=0, betas=tuple(adamw_betas), eps=adamw_eps, group_name="adamw", params=[])
-                groups.append(adamw)
-            adamw["params"] = adamw["params"] + external
-            self._external = torch.optim.AdamW(external, lr=adamw["lr"], betas=adamw["betas"], eps=adamw["eps"],
-                                               weight_decay=adamw["weight_decay"])
-            self._external_group = next(i for i, g in enumerate(groups) if g is adamw)
+        self._external_groups = []  # (index in param_groups, index in the torch AdamW's groups)
+        if by_group:
+            torch_groups = []
+            for i, ps in by_group.items():
+                if i is not None:
+                    k = 2 * i + 1
+                else:
+                    k = 2 * len(user) + 1 if len(groups) > 2 * len(user) else None
+                if k is None:  # every dmuon parameter is in a user group: a "default" AdamW group for the rest
+                    k = len(groups)
+                    groups.append(dict(lr=adamw_lr, is_muon=False, momentum=0.0, nesterov=False,
+                                       weight_decay=adamw_weight_decay, ns_steps=0, betas=tuple(adamw_betas),
+                                       eps=adamw_eps, group_name="default", params=[]))
+                groups[k]["params"] = groups[k]["params"] + ps
+                self._external_groups.append((k, len(torch_groups)))
+                g = groups[k]
+                torch_groups.append(dict(params=ps, lr=g["lr"], betas=g["betas"], eps=g["eps"],
+                                         weight_decay=g["weight_decay"]))
+            self._external = torch.optim.AdamW(torch_groups)
         self._group_count = len(groups)
         super().__init__(groups, defaults={})
 
@@ -540,6 +669,9 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One optimizer step (collective: every rank of the model's mesh): waits the gradient reduces,
+        momentum + Newton-Schulz + update on the matrices this rank owns, AdamW on the rest (dmuon's routes,
+        then FSDP2's shards), and the post-step publish. Returns ``closure()``'s loss when given."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -566,35 +698,56 @@ class Muon(torch.optim.Optimizer):
                         f"{value!r}). Pass it to Muon(...) instead."
                     )
             self._native.set_group_options(i, float(g["lr"]), float(g["weight_decay"]), float(g["momentum"]))
-        if self._external is not None:
-            g, inner = self.param_groups[self._external_group], self._external.param_groups[0]
+        for k, j in self._external_groups:
+            g, inner = self.param_groups[k], self._external.param_groups[j]
             for key in ("lr", "weight_decay", "betas", "eps"):
                 inner[key] = g[key]
 
-    def clip_grad_norm_(self, max_norm: Optional[float], *, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                        foreach: Optional[bool] = None, strategy: str = "global_norm", scope: str = "muon"):
+    def clip_grad_norm_(self, max_norm: Optional[float], *, norm_type: Optional[float] = None,
+                        error_if_nonfinite: Optional[bool] = None, foreach: Optional[bool] = None, strategy=None,
+                        scope: str = "muon") -> MuonGradClipStats:
         """Clips the gradients between backward and step (it waits the reduces itself) and returns a
-        :class:`dmuon.MuonGradClipStats`. ``scope="muon"``: the dedicated matrices only (one global norm
-        over their owners); ``"all"``: every trainable parameter on dmuon's routes, the norm
+        :class:`dmuon.MuonGradClipStats`. ``scope="muon"`` (the API reference's): the dedicated matrices only
+        (one global norm over their owners); AdamW parameters are left to ``torch.nn.utils.clip_grad_norm_``.
+        ``"all"``: every trainable parameter, on dmuon's routes and FSDP2's shards alike, the norm
         ``torch.nn.utils.clip_grad_norm_`` gives over the whole model in one process (each element counted
-        once). ``max_norm=None`` only measures. Collective: every rank of the model's mesh."""
+        once). ``max_norm=None`` only
+        measures. ``norm_type`` (default 2; ``inf``: the max norm), ``error_if_nonfinite`` (default False),
+        ``foreach`` (fused kernels; None: on CUDA float32/float64), ``strategy`` ("global_norm", a registered
+        name, or a callable; see :func:`dmuon.register_muon_grad_clip_strategy`). Collective: every rank of
+        the model's mesh."""
         if scope not in ("muon", "all"):
             raise ValueError(f"clip_grad_norm_: scope must be 'muon' or 'all', got {scope!r}")
-        if scope == "all" and self._external is not None:
-            raise ValueError(
-                "clip_grad_norm_: scope='all' covers the parameters on dmuon's routes, but FSDP2 trains some of this "
-                "model's parameters; clip the Muon matrices here (scope='muon') and FSDP2's with "
-                "torch.nn.utils.clip_grad_norm_ over the other parameters."
-            )
-        stats = MuonGradClipStats(**self._native.clip(None if max_norm is None else float(max_norm), float(norm_type),
-                                                       error_if_nonfinite, foreach, strategy, scope == "all"))
+        extra = _external_clip_grads(self._model_state) if scope == "all" else []
+        norm_type = 2.0 if norm_type is None else float(norm_type)
+        error_if_nonfinite = bool(error_if_nonfinite)
+        strategy = "global_norm" if strategy is None else strategy
+        max_norm = None if max_norm is None else float(max_norm)
+        custom = python_strategy(strategy)
+        if custom is not None:
+            name = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "custom")
+            stats = run_python_strategy(self._native, custom, name, max_norm, norm_type, error_if_nonfinite, foreach,
+                                        scope == "all", self._model_state.world_group, extra)
+        elif not isinstance(strategy, str):
+            raise ValueError(f"clip_grad_norm_: strategy must be a name or a callable, got {type(strategy).__name__}")
+        else:
+            stats = MuonGradClipStats(**self._native.clip(max_norm, norm_type, error_if_nonfinite, foreach, strategy,
+                                                           scope == "all", extra))
         self._last_clip = stats
         return stats
 
     @property
-    def last_muon_grad_clip_stats(self):
-        """The :class:`dmuon.MuonGradClipStats` of the last :meth:`clip_grad_norm_` (None before one)."""
+    def last_muon_grad_clip_stats(self) -> Optional[MuonGradClipStats]:
+        """The :class:`dmuon.MuonGradClipStats` of the last clip (:meth:`clip_grad_norm_`, or the "muon" bucket of
+        :func:`dmuon.try_clip_optimizer_grad_norm_buckets_`); None before one."""
         return getattr(self, "_last_clip", None)
+
+    def consume_last_step_profile(self) -> Dict[str, object]:
+        """The last step's split (milliseconds) when ``record_step_profile=True``: prepare (waiting the
+        gradient reduces), muon (of which ns), adamw, publish, total, with the clock ("host" on the CPU,
+        "cuda_events" on the GPU, read here with one synchronize), the matrices this rank updated and the
+        step it belongs to; ``valid`` is False without a recorded step. Resets it. Local."""
+        return json.loads(self._native.consume_profile())
 
     def state_dict(self):
         """:func:`dmuon.get_optimizer_state_dict` with every rank holding the full result (collective: every
@@ -606,12 +759,14 @@ class Muon(torch.optim.Optimizer):
         set_optimizer_state_dict(self._model, self, state_dict)
 
     def zero_grad(self, set_to_none: bool = True):
+        """Clears every gradient this optimizer trains (set_to_none=True: None, as PyTorch 2.x does). Local."""
         self._native.zero_grad(set_to_none)
         if self._external is not None:
             self._external.zero_grad(set_to_none)
 
     @property
     def steps_taken(self) -> int:
+        """Optimizer steps taken (restored by :func:`dmuon.set_optimizer_state_dict`)."""
         return self._native.steps_taken
 
 

@@ -2,6 +2,7 @@
 #include "dmuon/bootstrap.h"
 
 #include "dmuon/env.h"
+#include "comm/error_text.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -253,9 +254,7 @@ Bootstrap bootstrap_from_environment(c10::DeviceType device, std::chrono::millis
   try {
     b.world = make_process_group(b.store, b.rank, b.world_size, device, timeout);
   } catch (const std::exception& e) {
-    const auto* ce = dynamic_cast<const c10::Error*>(&e);
-    TORCH_CHECK(false, "rank ", b.rank, ": setup phase 'connecting the world process group': ",
-                ce ? ce->what_without_backtrace() : e.what(), " (a rank stopped, crashed or unreachable after it "
+    TORCH_CHECK(false, "rank ", b.rank, ": setup phase 'connecting the world process group': ", detail::error_text(e), " (a rank stopped, crashed or unreachable after it "
                 "checked in; every rank waits at most ", timeout.count(), " ms)");
   }
   return b;

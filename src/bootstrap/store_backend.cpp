@@ -9,12 +9,14 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,12 +34,22 @@ class StoreWork : public c10d::Work {
   void done(std::exception_ptr e) { finish(std::move(e)); }
 };
 
+// A collective whose group was destroyed while it waited for its peers (see ~StoreBackend).
+struct Abandoned : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 class StoreBackend : public CommBase {
  public:
   StoreBackend(StorePtr store, int rank, int size, std::chrono::milliseconds timeout)
       : CommBase(rank, size), store_(std::move(store)), timeout_(timeout), worker_([this] { loop(); }) {}
 
+  // Queued collectives still run (each posts its payload, so peers that wait for it get it), but none
+  // waits for its peers any more: this group's results are no longer wanted, and waiting could block
+  // the destroying thread until the timeout (ranks as threads of one process: one rank thread may
+  // release another's destroyed model, whose last collective that rank never issued).
   ~StoreBackend() override {
+    stopping_ = true;
     {
       std::lock_guard<std::mutex> g(mu_);
       stop_ = true;
@@ -235,6 +247,9 @@ class StoreBackend : public CommBase {
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     auto pause = std::chrono::microseconds(20);
     while (!store_->check(keys)) {
+      if (stopping_)
+        throw Abandoned("dmuon-store: collective #" + std::to_string(k) + " of this group was abandoned: the group was "
+                        "destroyed while it waited for its peers");
       if (std::chrono::steady_clock::now() > deadline) {
         std::string missing;
         for (int r = 0; r < getSize(); ++r)
@@ -262,6 +277,8 @@ class StoreBackend : public CommBase {
         try {
           fn();
           work->done(nullptr);
+        } catch (const Abandoned&) {
+          work->done(std::current_exception());  // not a broken sequence: later queued ones still post
         } catch (const std::exception& e) {
           broken_ = e.what();
           broken_ = broken_.substr(0, broken_.find('\n'));
@@ -298,6 +315,7 @@ class StoreBackend : public CommBase {
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
   bool stop_ = false;
+  std::atomic<bool> stopping_{false};  // set first by the destructor, read by wait_for
   std::thread worker_;  // last: starts after everything it uses exists
 };
 

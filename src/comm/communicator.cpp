@@ -5,9 +5,12 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <exception>
 #include <sstream>
 
 #include "dmuon/env.h"
+#include "comm/error_text.h"
 
 namespace dmuon {
 
@@ -103,6 +106,52 @@ struct Pending::State {
 };
 
 namespace {
+std::mutex& interrupt_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::shared_ptr<const std::function<void()>>& interrupt_slot() {
+  static std::shared_ptr<const std::function<void()>> check;
+  return check;
+}
+std::shared_ptr<const std::function<void()>> interrupt_check() {
+  std::lock_guard<std::mutex> g(interrupt_mu());
+  return interrupt_slot();
+}
+
+constexpr std::chrono::milliseconds kInterruptPoll{100};
+
+// The host wait of a CPU collective, at most `timeout`. With an interrupt check installed, in slices
+// of kInterruptPoll with the check between them: a slice that runs out throws without completing the
+// work (c10d::Work::wait), an error of the collective completes it. Returns the check's exception
+// when it interrupted the wait; the collective's own errors are thrown.
+std::exception_ptr wait_cpu(const WorkPtr& work, std::chrono::milliseconds timeout) {
+  const auto check = interrupt_check();
+  if (!check) {
+    work->wait(timeout);
+    return nullptr;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left <= kInterruptPoll) {
+      work->wait(std::max(left, std::chrono::milliseconds(1)));
+      return nullptr;
+    }
+    try {
+      work->wait(kInterruptPoll);
+      return nullptr;
+    } catch (const std::exception&) {
+      if (work->isCompleted()) throw;  // the collective failed
+    }
+    try {
+      (*check)();
+    } catch (...) {
+      return std::current_exception();
+    }
+  }
+}
+
 // The device side of Pending::wait: the current stream waits for the collective (NCCL's
 // Work::wait() without a timeout; `work` null: already waited), and so does the issuing stream where it differs (buffers were
 // allocated there: a free on that stream must not overtake the collective). The stall is timed by
@@ -131,6 +180,12 @@ void wait_on_streams(const WorkPtr& work, const at::Device& dev, const std::opti
 }
 }  // namespace
 
+void set_wait_interrupt_check(std::function<void()> check) {
+  auto next = check ? std::make_shared<const std::function<void()>>(std::move(check)) : nullptr;
+  std::lock_guard<std::mutex> g(interrupt_mu());
+  interrupt_slot() = std::move(next);
+}
+
 void Pending::wait() {
   if (!state_) return;
   std::lock_guard<std::mutex> g(state_->mu);
@@ -148,10 +203,11 @@ void Pending::finish_locked(bool host) {
   const bool device = !st.device.is_cpu();
   if (st.done && (!host || !device || st.host_done)) return;
   const auto t0 = std::chrono::steady_clock::now();
+  std::exception_ptr interrupted;
   try {
     if (st.work && !device) {
-      st.work->wait(st.timeout);
-      if (st.counters)
+      interrupted = wait_cpu(st.work, st.timeout);
+      if (st.counters && !interrupted)
         st.counters->add_wait_ns(
             std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
     } else if (st.work && host) {
@@ -167,6 +223,7 @@ void Pending::finish_locked(bool host) {
     st.done = st.host_done = true;  // a failed collective is not retried; the error says what happened
     st.on_error(e);
   }
+  if (interrupted) std::rethrow_exception(interrupted);  // abandoned: not done, the collective is in flight
   st.host_done = st.host_done || host;
   if (st.done) return;
   st.done = true;
@@ -270,12 +327,21 @@ void Communicator::count(CommOp op, int64_t bytes) {
   own_->add(op, bytes);
 }
 
-void Communicator::rethrow(const std::string& op_what, const std::exception& e) const {
-  TORCH_CHECK(false, "rank ", global_rank(), ": collective failed on dmuon group '", name_, "' (", size_,
-              " ranks): ", op_what, ": ", e.what(),
+namespace {
+// The error of a failed collective: the group, the op and its payload, the backend's message (without
+// its C++ backtrace) and what usually causes it.
+[[noreturn]] void throw_collective_failure(const std::string& name, int grank, int size, const std::string& op_what,
+                                           std::chrono::milliseconds timeout, const std::exception& e) {
+  TORCH_CHECK(false, "rank ", grank, ": collective failed on dmuon group '", name, "' (", size, " ranks): ", op_what,
+              ": ", detail::error_text(e),
               ". A peer probably died, hung or issued a different collective (all ranks must run the same "
               "model code in the same order); the wait limit is ",
-              timeout_.count(), " ms.");
+              timeout.count(), " ms.");
+}
+}  // namespace
+
+void Communicator::rethrow(const std::string& op_what, const std::exception& e) const {
+  throw_collective_failure(name_, global_rank(), size_, op_what, timeout_, e);
 }
 
 Pending Communicator::issue(CommOp op, const std::string& what, const std::function<WorkPtr()>& launch,
@@ -296,11 +362,7 @@ Pending Communicator::issue(CommOp op, const std::string& what, const std::funct
   const int grank = global_rank(), size = size_;
   const auto timeout = timeout_;
   p.state_->on_error = [name, grank, size, timeout, op_what](const std::exception& e) {
-    TORCH_CHECK(false, "rank ", grank, ": collective failed on dmuon group '", name, "' (", size, " ranks): ",
-                op_what, ": ", e.what(),
-                ". A peer probably died, hung or issued a different collective (all ranks must run the same "
-                "model code in the same order); the wait limit is ",
-                timeout.count(), " ms.");
+    throw_collective_failure(name, grank, size, op_what, timeout, e);
   };
   try {
     p.state_->work = launch();

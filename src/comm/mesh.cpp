@@ -19,27 +19,27 @@ std::vector<int> iota_ranks(int n, int start, int stride) {
 }  // namespace
 
 std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts) {
-  TORCH_CHECK(world, "Mesh::create: the world process group is null. Create one with "
+  TORCH_CHECK_VALUE(world, "Mesh::create: the world process group is null. Create one with "
               "dmuon::make_process_group or dmuon::bootstrap_from_environment first.");
   const int rank = world->getRank(), n = world->getSize();
   std::string policy = opts.process_group_policy;
   if (policy.empty()) policy = env::process_group_policy();
   if (policy.empty()) policy = "isolated";
-  TORCH_CHECK(policy == "isolated" || policy == "shared", "rank ", rank, ": unknown process_group_policy '", policy,
+  TORCH_CHECK_VALUE(policy == "isolated" || policy == "shared", "rank ", rank, ": unknown process_group_policy '", policy,
               "' (from ", opts.process_group_policy.empty() ? "DMUON_PROCESS_GROUP_POLICY" : "MeshOptions",
               "). Use \"isolated\" (dmuon's own groups, the default) or \"shared\" (the caller's group).");
   const int R = opts.replicate_size, T = opts.tp_size;
-  TORCH_CHECK(T >= 1 && n % T == 0, "rank ", rank, ": tp_size ", T, " does not divide the world size ", n,
+  TORCH_CHECK_VALUE(T >= 1 && n % T == 0, "rank ", rank, ": tp_size ", T, " does not divide the world size ", n,
               ". A mesh with tensor parallelism needs world = R x G x T; pick T among the divisors of ", n, ".");
-  TORCH_CHECK(R >= 1 && (n / T) % R == 0, "rank ", rank, ": replicate size ", R, " does not divide the world size ",
+  TORCH_CHECK_VALUE(R >= 1 && (n / T) % R == 0, "rank ", rank, ": replicate size ", R, " does not divide the world size ",
               n, T > 1 ? " over the tp_size" : "", ". An HSDP mesh needs world = R x G", T > 1 ? " x T" : "",
               "; pick R among the divisors of ", n / T, ".");
-  TORCH_CHECK(opts.timeout.count() > 0, "rank ", rank, ": MeshOptions::timeout is ", opts.timeout.count(),
+  TORCH_CHECK_VALUE(opts.timeout.count() > 0, "rank ", rank, ": MeshOptions::timeout is ", opts.timeout.count(),
               " ms; it must be > 0. Every collective waits at most this long, so a lost peer is an error instead "
               "of a hang; there is no \"no timeout\" (the default is ", kDefaultCollectiveTimeout.count(), " ms).");
   const int G = n / R / T;
   const bool need_groups = policy == "isolated" || R > 1 || T > 1;
-  TORCH_CHECK(!need_groups || (opts.store && opts.factory), "rank ", rank, ": ",
+  TORCH_CHECK_VALUE(!need_groups || (opts.store && opts.factory), "rank ", rank, ": ",
               (T > 1   ? "a mesh with a tensor-parallel axis"
                : R > 1 ? "a 2-D (replicate x shard) mesh"
                        : "process_group_policy=\"isolated\""),
@@ -76,7 +76,7 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
     CommPtr pg = factory(store, sub, static_cast<int>(ranks.size()), opts.timeout);
 #if DMUON_TORCH_AT_LEAST(2, 0)
     if (const auto bound = pg->getBoundDeviceId(); bound && device && *bound != *device)
-      TORCH_CHECK(false, "rank ", rank, ": the factory bound dmuon group '", name, "' to ", *bound, " but the mesh's "
+      TORCH_CHECK_VALUE(false, "rank ", rank, ": the factory bound dmuon group '", name, "' to ", *bound, " but the mesh's "
                   "device is ", *device, ". Make that device current (c10::cuda::set_device) before Mesh::create, or "
                   "leave MeshOptions::device unset.");
 #endif

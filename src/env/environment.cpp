@@ -38,6 +38,7 @@ std::optional<bool> ns_cuda_graphs() { return get_bool("DMUON_NS_CUDA_GRAPHS"); 
 std::optional<bool> ns_cpu_fused() { return get_bool("DMUON_NS_CPU_FUSED"); }
 std::optional<bool> batched_ns() { return get_bool("DMUON_BATCHED_NS"); }
 std::string ns_batch_mb() { return get("DMUON_NS_BATCH_MB"); }
+std::string collective_timeout() { return get("DMUON_COLLECTIVE_TIMEOUT"); }
 std::string cpu_backend() { return get("DMUON_CPU_BACKEND"); }
 std::string process_group_policy() { return get("DMUON_PROCESS_GROUP_POLICY"); }
 bool isolated_pg_barrier() { return get_bool("DMUON_ISOLATED_PG_BARRIER").value_or(false); }

@@ -65,7 +65,7 @@ struct TpView {
     for (auto& [k, v] : out) {
       const int d = dim_of(k);
       if (d < 0) continue;
-      TORCH_CHECK(v.dim() > d && v.size(d) % mesh.tp_size() == 0, "rank ", mesh.global_rank(), ": '", k, "' has shape ",
+      TORCH_CHECK_VALUE(v.dim() > d && v.size(d) % mesh.tp_size() == 0, "rank ", mesh.global_rank(), ": '", k, "' has shape ",
                   v.sizes(), " in the state dict, which cannot be split along dimension ", d, " into tp_size ",
                   mesh.tp_size(), " slices.");
       v = tp_slice(v, d, mesh.tp_rank(), mesh.tp_size());
@@ -198,18 +198,18 @@ void set_model_state_dict(torch::nn::Module& model, const TensorDict& sd) {
   for (const auto& item : model.named_parameters(true)) floating[item.key()] = item.value().is_floating_point();
   for (const auto& item : model.named_buffers(true)) floating[item.key()] = item.value().is_floating_point();
   for (const auto& [k, v] : sd) {
-    TORCH_CHECK(expected.count(k), "rank ", rank, ": set_model_state_dict: unexpected key '", k,
+    TORCH_CHECK_VALUE(expected.count(k), "rank ", rank, ": set_model_state_dict: unexpected key '", k,
                 "': the model has no parameter or buffer of that name. Load a state dict of this model "
                 "architecture (keys as in named_parameters()/named_buffers()).");
-    TORCH_CHECK(v.defined() && v.sizes().vec() == expected[k], "rank ", rank, ": set_model_state_dict: '", k,
+    TORCH_CHECK_VALUE(v.defined() && v.sizes().vec() == expected[k], "rank ", rank, ": set_model_state_dict: '", k,
                 "' has shape ", v.defined() ? shape_str(v.sizes()) : std::string("(undefined)"),
                 " in the state dict but ", shape_str(expected[k]), " in the model.");
-    TORCH_CHECK(v.is_floating_point() == floating[k], "rank ", rank, ": set_model_state_dict: '", k, "' is ",
+    TORCH_CHECK_VALUE(v.is_floating_point() == floating[k], "rank ", rank, ": set_model_state_dict: '", k, "' is ",
                 v.scalar_type(), " in the state dict but ", floating[k] ? "floating-point" : "not floating-point",
                 " in the model.");
   }
   for (const auto& [k, shape] : expected)
-    TORCH_CHECK(sd.count(k), "rank ", rank, ": set_model_state_dict: the state dict has no '", k, "' (shape ",
+    TORCH_CHECK_VALUE(sd.count(k), "rank ", rank, ": set_model_state_dict: the state dict has no '", k, "' (shape ",
                 shape_str(shape), "). Every rank must pass the full state dict, e.g. as read by load_checkpoint.");
   auto source = tensor_dict_source(sd);
   assign_model(model, *st, *source);
@@ -221,7 +221,7 @@ void set_model_state_dict(torch::nn::Module& model, ParamSource& source) {
   try {
     source.check(full_shapes_of(model, *st));
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "rank ", st->mesh().global_rank(), ": set_model_state_dict: ", e.what());
+    TORCH_CHECK_VALUE(false, "rank ", st->mesh().global_rank(), ": set_model_state_dict: ", e.what());
   }
   assign_model(model, *st, source);
 }
@@ -246,24 +246,24 @@ void check_optimizer_state_dict(const OptimizerStateDict& sd, const std::string&
       check("eps", g.eps, HparamRange::Positive);
     }
   }
-  TORCH_CHECK(sd.steps_taken >= 0, where, ": steps_taken is ", sd.steps_taken, "; a step count must be >= 0.");
+  TORCH_CHECK_VALUE(sd.steps_taken >= 0, where, ": steps_taken is ", sd.steps_taken, "; a step count must be >= 0.");
   for (const TensorDict* d : {&sd.muon, &sd.adamw})
     for (const auto& [k, v] : *d) {
       const bool is_step = k.size() > 5 && k.compare(k.size() - 5, 5, ".step") == 0;
       if (is_step) {
-        TORCH_CHECK(v.defined() && v.numel() == 1 && !v.is_floating_point() && !v.is_complex(), where, ": '", k,
+        TORCH_CHECK_VALUE(v.defined() && v.numel() == 1 && !v.is_floating_point() && !v.is_complex(), where, ": '", k,
                     "' is not a step count (one integer).");
         const int64_t step = v.item<int64_t>();
-        TORCH_CHECK(step >= 0, where, ": '", k, "' is ", step, "; a step count must be >= 0.");
+        TORCH_CHECK_VALUE(step >= 0, where, ": '", k, "' is ", step, "; a step count must be >= 0.");
         continue;
       }
-      TORCH_CHECK(v.defined() && v.is_floating_point(), where, ": optimizer state '", k, "' is not a floating-point tensor.");
+      TORCH_CHECK_VALUE(v.defined() && v.is_floating_point(), where, ": optimizer state '", k, "' is not a floating-point tensor.");
       const at::Tensor bad = at::logical_not(at::isfinite(v.detach()));
       if (const int64_t n = bad.sum().item<int64_t>(); n > 0)
-        TORCH_CHECK(false, where, ": optimizer state '", k, "' holds ", n, " non-finite value(s) (NaN or inf) of ",
+        TORCH_CHECK_VALUE(false, where, ": optimizer state '", k, "' holds ", n, " non-finite value(s) (NaN or inf) of ",
                     v.numel(), "; the run that wrote it had diverged. Resume from an earlier checkpoint.");
       const bool second_moment = k.size() > 11 && k.compare(k.size() - 11, 11, ".exp_avg_sq") == 0;
-      TORCH_CHECK(!second_moment || v.numel() == 0 || v.min().item<double>() >= 0, where, ": optimizer state '", k,
+      TORCH_CHECK_VALUE(!second_moment || v.numel() == 0 || v.min().item<double>() >= 0, where, ": optimizer state '", k,
                   "' has negative values (", v.min().item<double>(), "); a second moment is >= 0.");
     }
 }
@@ -275,7 +275,7 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
 
 OptimizerStateDict get_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, const Muon& optimizer,
                                             const StateDictOptions& options) {
-  TORCH_CHECK(runtime, "get_optimizer_state_dict: the runtime is null (dedicate_model_view returns it).");
+  TORCH_CHECK_VALUE(runtime, "get_optimizer_state_dict: the runtime is null (dedicate_model_view returns it).");
   const std::shared_ptr<RuntimeFace>& st = runtime;
   st->drain();  // post-step publishes, all_gather-mode scatters, prefetches, pending reduces
   at::NoGradGuard ng;
@@ -309,7 +309,7 @@ void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const O
 
 void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon& optimizer,
                               const OptimizerStateDict& full_sd) {
-  TORCH_CHECK(runtime, "set_optimizer_state_dict: the runtime is null (dedicate_model_view returns it).");
+  TORCH_CHECK_VALUE(runtime, "set_optimizer_state_dict: the runtime is null (dedicate_model_view returns it).");
   const std::shared_ptr<RuntimeFace>& st = runtime;
   st->drain();
   check_optimizer_state_dict(full_sd, "rank " + std::to_string(st->mesh().global_rank()) + ": set_optimizer_state_dict");
@@ -325,13 +325,13 @@ void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon&
                     "param_groups); the number of ranks and the mesh may differ.";
   // 1. check everything, on every rank, before changing anything
   auto& groups = optimizer.param_groups();
-  TORCH_CHECK(sd.param_groups.size() == groups.size(), "rank ", rank, ": set_optimizer_state_dict: the state dict has ",
+  TORCH_CHECK_VALUE(sd.param_groups.size() == groups.size(), "rank ", rank, ": set_optimizer_state_dict: the state dict has ",
               sd.param_groups.size(), " parameter groups, the optimizer ", groups.size(),
               " (each user group lowers into a Muon and an AdamW group).", fix);
   for (size_t i = 0; i < groups.size(); ++i) {
     const auto& o = static_cast<const MuonGroupOptions&>(groups[i].options());
     const OptimizerGroupState& s = sd.param_groups[i];
-    TORCH_CHECK(s.name == o.group_name() && s.is_muon == o.is_muon(), "rank ", rank,
+    TORCH_CHECK_VALUE(s.name == o.group_name() && s.is_muon == o.is_muon(), "rank ", rank,
                 ": set_optimizer_state_dict: group #", i, " is '", s.name, "' (", s.is_muon ? "Muon" : "AdamW",
                 ") in the state dict but '", o.group_name(), "' (", o.is_muon() ? "Muon" : "AdamW",
                 ") in the optimizer.", fix);
@@ -347,7 +347,7 @@ void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon&
       if (it == d.end()) continue;
       ++found;
       used.insert(it->first);
-      TORCH_CHECK(it->second.sizes() == shape && it->second.is_floating_point(), "rank ", rank,
+      TORCH_CHECK_VALUE(it->second.sizes() == shape && it->second.is_floating_point(), "rank ", rank,
                   ": set_optimizer_state_dict: '", it->first, "' has shape ", shape_str(it->second.sizes()), " (",
                   it->second.scalar_type(), ") but the parameter has shape ", shape_str(shape), ".", fix);
     }
@@ -357,7 +357,7 @@ void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon&
     for (const std::string& f : state_fields(muon))
       if (!d.count(name + "." + f)) missing += (missing.empty() ? "'" : ", '") + name + "." + f + "'";
     if (!has_step) missing += (missing.empty() ? "'" : ", '") + name + ".step'";
-    TORCH_CHECK(missing.empty(), "rank ", rank, ": set_optimizer_state_dict: the ", section, " state of '", name,
+    TORCH_CHECK_VALUE(missing.empty(), "rank ", rank, ": set_optimizer_state_dict: the ", section, " state of '", name,
                 "' is incomplete: ", missing, " missing.");
     used.insert(name + ".step");
     return true;
@@ -369,10 +369,10 @@ void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon&
     has.push_back(slot.muon ? check_entries(sd.muon, used_muon, slot.name, true, slot.shape)
                             : check_entries(sd.adamw, used_adamw, slot.name, false, slot.shape));
   for (const auto& [k, v] : sd.muon)
-    TORCH_CHECK(used_muon.count(k), "rank ", rank, ": set_optimizer_state_dict: Muon state '", k,
+    TORCH_CHECK_VALUE(used_muon.count(k), "rank ", rank, ": set_optimizer_state_dict: Muon state '", k,
                 "' belongs to no Muon matrix of this model (a parameter now routed elsewhere, or another model).", fix);
   for (const auto& [k, v] : sd.adamw)
-    TORCH_CHECK(used_adamw.count(k), "rank ", rank, ": set_optimizer_state_dict: AdamW state '", k,
+    TORCH_CHECK_VALUE(used_adamw.count(k), "rank ", rank, ": set_optimizer_state_dict: AdamW state '", k,
                 "' belongs to no AdamW-trained parameter of this model (a parameter now routed to Muon, or "
                 "another model).", fix);
 
@@ -389,7 +389,7 @@ void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon&
       std::string list;
       for (size_t i = 0; i < missing.size() && i < 5; ++i) list += (i ? ", '" : "'") + missing[i] + "'";
       if (missing.size() > 5) list += " and " + std::to_string(missing.size() - 5) + " more";
-      TORCH_CHECK(false, "rank ", rank, ": set_optimizer_state_dict: the state dict is at step ", sd.steps_taken,
+      TORCH_CHECK_VALUE(false, "rank ", rank, ": set_optimizer_state_dict: the state dict is at step ", sd.steps_taken,
                   " but holds no optimizer state for ", missing.size(), " trained parameter(s): ", list,
                   ". Loading it would restart them from fresh state; the state dict is incomplete (damaged or "
                   "written by another tool).");

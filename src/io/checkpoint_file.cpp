@@ -18,6 +18,7 @@
 #include "checkpoint_safetensors.h"
 #include "dmuon/safetensors.h"
 #include "file_io.h"
+#include "comm/error_text.h"
 
 namespace dmuon {
 
@@ -449,8 +450,7 @@ Checkpoint load_checkpoint(const std::string& path, bool include_model, bool all
         [&]() -> size_t { return static_cast<size_t>(len); });
     damaged = read_sections(ar, ck);
   } catch (const std::exception& e) {
-    const auto* ce = dynamic_cast<const c10::Error*>(&e);
-    std::string why = ce ? ce->what_without_backtrace() : e.what();
+    std::string why = detail::error_text(e);
     why = why.substr(0, why.find('\n'));
     for (char& c : why)  // the damaged bytes torch quotes
       if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) > 0x7E) c = '?';

@@ -32,9 +32,9 @@ std::map<std::string, MuonGradClipStrategy>& strategies() {
 }  // namespace
 
 void register_muon_grad_clip_strategy(const std::string& name, MuonGradClipStrategy strategy) {
-  TORCH_CHECK(name != "global_norm" && !name.empty(), "register_muon_grad_clip_strategy: '", name,
+  TORCH_CHECK_VALUE(name != "global_norm" && !name.empty(), "register_muon_grad_clip_strategy: '", name,
               "' is built in (or empty); pick another name.");
-  TORCH_CHECK(static_cast<bool>(strategy), "register_muon_grad_clip_strategy: the strategy '", name, "' is empty.");
+  TORCH_CHECK_VALUE(static_cast<bool>(strategy), "register_muon_grad_clip_strategy: the strategy '", name, "' is empty.");
   std::lock_guard<std::mutex> g(strategies_mu());
   strategies()[name] = std::move(strategy);
 }
@@ -60,13 +60,13 @@ bool use_fused(const at::Tensor& g, std::optional<bool> foreach) {
 
 int64_t resolve_chunk(std::optional<int64_t> chunk) {
   if (chunk) {
-    TORCH_CHECK(*chunk > 0, "clip_grad_norm_buckets_: chunk_size must be > 0 elements, got ", *chunk);
+    TORCH_CHECK_VALUE(*chunk > 0, "clip_grad_norm_buckets_: chunk_size must be > 0 elements, got ", *chunk);
     return *chunk;
   }
   if (const char* v = std::getenv("DMUON_FAST_CLIP_CHUNK_SIZE")) {
     char* end = nullptr;
     const long long n = std::strtoll(v, &end, 10);
-    TORCH_CHECK(end && *end == '\0' && n > 0, "DMUON_FAST_CLIP_CHUNK_SIZE='", v, "' is not a positive element count.");
+    TORCH_CHECK_VALUE(end && *end == '\0' && n > 0, "DMUON_FAST_CLIP_CHUNK_SIZE='", v, "' is not a positive element count.");
     return n;
   }
   return int64_t{1} << 24;
@@ -157,7 +157,7 @@ MuonGradClipStats clip_norm(std::vector<ClipGrad>& scope, std::optional<double> 
       std::string known = "global_norm";
       std::lock_guard<std::mutex> g(strategies_mu());
       for (const auto& [name, s] : strategies()) known += ", " + name;
-      TORCH_CHECK(false, "rank ", mesh.global_rank(), ": clip_grad_norm_: unknown strategy '", opts.strategy,
+      TORCH_CHECK_VALUE(false, "rank ", mesh.global_rank(), ": clip_grad_norm_: unknown strategy '", opts.strategy,
                   "'. Registered: ", known, " (register_muon_grad_clip_strategy adds one).");
     }
     MuonGradClipStats s = custom(scope, max_norm, opts, mesh);
@@ -223,7 +223,7 @@ const GradClipBucketStats* SegmentedGradClipResult::find(const std::string& name
 SegmentedGradClipResult clip_grad_norm_buckets_(const std::vector<GradClipBucket>& buckets, std::optional<double> max_norm,
                                                 Communicator* group, const BucketClipOptions& opts) {
   at::NoGradGuard ng;
-  TORCH_CHECK(!max_norm || *max_norm >= 0, "clip_grad_norm_buckets_: max_norm must be >= 0, got ", *max_norm);
+  TORCH_CHECK_VALUE(!max_norm || *max_norm >= 0, "clip_grad_norm_buckets_: max_norm must be >= 0, got ", *max_norm);
   const int64_t chunk = resolve_chunk(opts.chunk_size);
   const int64_t nb = static_cast<int64_t>(buckets.size());
   std::vector<const std::vector<at::Tensor>*> lists;
@@ -242,7 +242,7 @@ SegmentedGradClipResult clip_grad_norm_buckets_(const std::vector<GradClipBucket
     const at::Tensor h = detail::read_to_host(all);
     const double* a = h.data_ptr<double>();
     for (int r = 0; r < n; ++r)
-      TORCH_CHECK(a[2 * r] == nb && a[2 * r + 1] == layout_code, "rank ", rank, ": clip_grad_norm_buckets_: this rank "
+      TORCH_CHECK_VALUE(a[2 * r] == nb && a[2 * r + 1] == layout_code, "rank ", rank, ": clip_grad_norm_buckets_: this rank "
                   "passes ", nb, " bucket(s) (reduce-flag code ", layout_code, ") but rank ", group->global_ranks()[r],
                   " of group '", group->name(), "' passes ", a[2 * r], " (code ", a[2 * r + 1], "). Every rank must pass "
                   "the same buckets in the same order with the same reduce flags -- an empty bucket where it holds no "

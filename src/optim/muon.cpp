@@ -80,7 +80,7 @@ void check_hyperparameter(const std::string& what, double v, HparamRange range) 
       must = v < 1 ? ">= 1" : "an integer in [1, 1000]";
       break;
   }
-  TORCH_CHECK(ok, what, ": ", v, ". Must be ", std::isfinite(v) ? "" : "a finite number ", must, ".");
+  TORCH_CHECK_VALUE(ok, what, ": ", v, ". Must be ", std::isfinite(v) ? "" : "a finite number ", must, ".");
 }
 
 namespace {
@@ -101,7 +101,7 @@ K state_key(const at::Tensor& p) {
 }
 
 void check_hparam(bool ok, const char* field, double v, const char* range) {
-  TORCH_CHECK(ok, "Muon: invalid ", field, ": ", v, ". Must be ", range, ".");
+  TORCH_CHECK_VALUE(ok, "Muon: invalid ", field, ": ", v, ". Must be ", range, ".");
 }
 void check_hparam(const char* field, double v, HparamRange range) {
   check_hyperparameter(std::string("Muon: invalid ") + field, v, range);
@@ -109,9 +109,9 @@ void check_hparam(const char* field, double v, HparamRange range) {
 
 // The runtime of `model`, or an error saying how to dedicate it.
 std::shared_ptr<RuntimeFace> dedicated_runtime(const std::shared_ptr<torch::nn::Module>& model) {
-  TORCH_CHECK(model, "Muon: the model is null.");
+  TORCH_CHECK_VALUE(model, "Muon: the model is null.");
   auto state = detail::face_of(*model);
-  TORCH_CHECK(state, "Muon: the model was not dedicated. Call dmuon::dedicate_params(model, mesh, predicate) (and "
+  TORCH_CHECK_VALUE(state, "Muon: the model was not dedicated. Call dmuon::dedicate_params(model, mesh, predicate) (and "
               "dmuon::replicate for the other parameters) before constructing Muon; a mesh of one rank works for "
               "single-process training.");
   return state;
@@ -128,13 +128,13 @@ std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_pt
   check_hparam("adamw_betas.second", o.adamw_betas.second, HparamRange::UnitInterval);
   check_hparam("adamw_weight_decay", o.adamw_weight_decay, HparamRange::NonNegative);
   check_hparam("adamw_eps", o.adamw_eps, HparamRange::Positive);
-  TORCH_CHECK(o.tp_distributed_gram_policy == "beneficial" || o.tp_distributed_gram_policy == "always",
+  TORCH_CHECK_VALUE(o.tp_distributed_gram_policy == "beneficial" || o.tp_distributed_gram_policy == "always",
               "Muon: invalid tp_distributed_gram_policy: '", o.tp_distributed_gram_policy, "'. Must be \"beneficial\" "
               "(the distributed Gram form where its payload is at most tp_distributed_gram_max_factor_to_scatter_ratio "
               "of the full scatter) or \"always\" (wherever it applies).");
   check_hparam(o.tp_distributed_gram_max_factor_to_scatter_ratio >= 0, "tp_distributed_gram_max_factor_to_scatter_ratio",
                o.tp_distributed_gram_max_factor_to_scatter_ratio, ">= 0");
-  TORCH_CHECK(state, "Muon: the runtime is null.");
+  TORCH_CHECK_VALUE(state, "Muon: the runtime is null.");
   std::set<const c10::TensorImpl*> dedicated;
   std::vector<at::Tensor> all;  // every trainable parameter, model order
   for (const auto& v : state->describe()) {
@@ -146,7 +146,7 @@ std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_pt
   std::set<const c10::TensorImpl*> grouped;
   for (const auto& g : user)
     for (const auto& p : g.params) {
-      TORCH_CHECK(grouped.insert(p.unsafeGetTensorImpl()).second, "Muon: a parameter appears in more than one "
+      TORCH_CHECK_VALUE(grouped.insert(p.unsafeGetTensorImpl()).second, "Muon: a parameter appears in more than one "
                   "param group (group '", g.name, "'). Each parameter may be in at most one group.");
     }
   MuonParamGroup rest;
@@ -188,7 +188,7 @@ void require_replicated(const RuntimeFace& state) {
   std::ostringstream names;
   for (size_t i = 0; i < missing.size() && i < 8; ++i) names << (i ? ", " : "") << "'" << missing[i] << "'";
   if (missing.size() > 8) names << " and " << missing.size() - 8 << " more";
-  TORCH_CHECK(false, "rank ", mesh.global_rank(), ": Muon: ", missing.size(), " trainable parameter(s) ",
+  TORCH_CHECK_VALUE(false, "rank ", mesh.global_rank(), ": Muon: ", missing.size(), " trainable parameter(s) ",
               "have no distributed route on this ", mesh.world_size(), "-rank mesh: ", names.str(),
               ". Each rank would update them with its own local gradient and the replicas would drift apart. "
               "Call dmuon::replicate(model, mesh) after dedicate_params (or route them to sharded_adamw, or "
@@ -368,13 +368,13 @@ Mesh& Muon::mesh() const { return runtime("Muon")->mesh(); }
 std::shared_ptr<RuntimeFace> Muon::runtime(const char* fn) const {
   if (has_model_) {  // built from a LibTorch model: it must still exist and be dedicated
     auto model = model_.lock();
-    TORCH_CHECK(model, fn, ": the model was destroyed.");
+    TORCH_CHECK_VALUE(model, fn, ": the model was destroyed.");
     auto state = detail::face_of(*model);
-    TORCH_CHECK(state, fn, ": the model is no longer dedicated.");
+    TORCH_CHECK_VALUE(state, fn, ": the model is no longer dedicated.");
     return state;
   }
   auto state = runtime_.lock();
-  TORCH_CHECK(state, fn, ": the dedicated model's runtime was destroyed (keep what dedicate_model_view returned).");
+  TORCH_CHECK_VALUE(state, fn, ": the dedicated model's runtime was destroyed (keep what dedicate_model_view returned).");
   return state;
 }
 
@@ -580,9 +580,10 @@ std::vector<ClipGrad> Muon::clip_grads(ClipScope scope) {
 }
 
 MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const GradClipOptions& opts) {
-  TORCH_CHECK(opts.norm_type > 0, "clip_grad_norm_: norm_type must be > 0 (or INFINITY), got ", opts.norm_type);
-  TORCH_CHECK(!max_norm || *max_norm >= 0, "clip_grad_norm_: max_norm must be >= 0, got ", *max_norm);
+  TORCH_CHECK_VALUE(opts.norm_type > 0, "clip_grad_norm_: norm_type must be > 0 (or INFINITY), got ", opts.norm_type);
+  TORCH_CHECK_VALUE(!max_norm || *max_norm >= 0, "clip_grad_norm_: max_norm must be >= 0, got ", *max_norm);
   std::vector<ClipGrad> scope = clip_grads(opts.scope);
+  scope.insert(scope.end(), opts.extra.begin(), opts.extra.end());
   last_clip_ = detail::clip_norm(scope, max_norm, opts, runtime("clip_grad_norm_")->mesh());
   return *last_clip_;
 }

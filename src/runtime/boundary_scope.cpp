@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "runtime/runtime.h"
+#include "comm/error_text.h"
 
 namespace dmuon {
 
@@ -62,8 +63,8 @@ BoundaryScope::BoundaryScope(const torch::nn::Module* module) : impl_(std::make_
 
 BoundaryScope::BoundaryScope(const std::shared_ptr<Runtime>& runtime, const std::string& module)
     : impl_(std::make_unique<Impl>()) {
-  TORCH_CHECK(runtime, "BoundaryScope: the runtime is null.");
-  TORCH_CHECK(runtime->view().module(module), "rank ", runtime->mesh().global_rank(), ": BoundaryScope: '", module,
+  TORCH_CHECK_VALUE(runtime, "BoundaryScope: the runtime is null.");
+  TORCH_CHECK_VALUE(runtime->view().module(module), "rank ", runtime->mesh().global_rank(), ": BoundaryScope: '", module,
               "' is not a module of the dedicated model view.");
   for (const Boundary& B : runtime->boundaries())
     if (B.name == module) {
@@ -117,7 +118,7 @@ void BoundaryScope::rethrow(const std::exception& e) {
     } catch (...) {
     }
   }
-  const std::string what = e.what();
+  const std::string what = detail::error_text(e);
   std::shared_ptr<Runtime> st = impl_->root ? impl_->root : impl_->state;
   if (st && what.find("dmuon: hook boundary") == std::string::npos) {
     const std::string hint = st->bypass_hint();

@@ -14,6 +14,7 @@
 #include "runtime/replicated_route.h"
 #include "runtime/runtime.h"
 #include "runtime/setup.h"
+#include "comm/error_text.h"
 
 namespace dmuon {
 
@@ -77,7 +78,7 @@ void Runtime::build(const ParamPredicate& predicate) {
     try {
       plan_ = plan_owners_tp(full_specs, mesh.shard_size(), mesh.replicate_size(), T, po);
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, "rank ", rank, ": dedicate_params: owner planning failed: ", e.what());
+      TORCH_CHECK_VALUE(false, "rank ", rank, ": dedicate_params: owner planning failed: ", detail::error_text(e));
     }
     for (const auto& r : routing.dedicated) precisions.push_back(r.prec);
   } catch (...) {
@@ -193,7 +194,7 @@ void Runtime::check_deferred(uint64_t& digest) {
     if (d) deferred.emplace_back(item.name, ctx_.region_of(item.name, item.tensor.sizes()).full_shape);
   }
   if (deferred.empty()) return;
-  TORCH_CHECK(opts.param_source, "rank ", rank, ": dedicate_params: parameter '", deferred.front().first, "' (and ",
+  TORCH_CHECK_VALUE(opts.param_source, "rank ", rank, ": dedicate_params: parameter '", deferred.front().first, "' (and ",
               deferred.size() - 1, " more) is deferred (dmuon::defer_parameters released its storage), but "
               "DedicateOptions::param_source is unset, so there is nothing to fill it from. Pass a source: "
               "dmuon::seeded_init(seed, rule) for a fresh model, dmuon::safetensors_source(path) for weights.");
@@ -202,15 +203,15 @@ void Runtime::check_deferred(uint64_t& digest) {
   try {
     source->check(deferred);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "rank ", rank, ": dedicate_params: the parameter source (", source->describe(),
-                ") cannot fill this model: ", e.what());
+    TORCH_CHECK_VALUE(false, "rank ", rank, ": dedicate_params: the parameter source (", source->describe(),
+                ") cannot fill this model: ", detail::error_text(e));
   }
 }
 
 void Runtime::check_tp_modules() const {
   const Mesh& mine = mesh();
   for (const auto& [name, theirs] : view_.tp_modules)
-    TORCH_CHECK(theirs == &mine, "rank ", mine.global_rank(), ": dedicate_params: tensor-parallel module '", name,
+    TORCH_CHECK_VALUE(theirs == &mine, "rank ", mine.global_rank(), ": dedicate_params: tensor-parallel module '", name,
                 "' was built on another mesh (tp_size ", theirs ? theirs->tp_size() : 0, ") than the one passed to "
                 "dedicate_params (tp_size ", mine.tp_size(), "), so its all-reduces would run over a different "
                 "group than dmuon's Newton-Schulz exchange. Build every TP module with the mesh you dedicate on.");
@@ -219,8 +220,8 @@ void Runtime::check_tp_modules() const {
 void Runtime::add_replicated(double bucket_mb, bool tp) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   const int rank = mesh().global_rank();
-  TORCH_CHECK(!replicated_, "rank ", rank, ": replicate was already called on this model.");
-  TORCH_CHECK(bucket_mb > 0, "rank ", rank, ": replicate: invalid bucket_mb: ", bucket_mb,
+  TORCH_CHECK_VALUE(!replicated_, "rank ", rank, ": replicate was already called on this model.");
+  TORCH_CHECK_VALUE(bucket_mb > 0, "rank ", rank, ": replicate: invalid bucket_mb: ", bucket_mb,
               ". Must be > 0 (MiB per coalesced all-reduce).");
   // the trainable parameters on no other route move from the local route to the replicated one
   replicated_owner_ = std::make_unique<ReplicatedRoute>(ctx_, local_->trainable(), bucket_mb, tp);

@@ -7,6 +7,7 @@
 #include "runtime/replicated_route.h"
 #include "runtime/runtime.h"
 #include "runtime/sharded_route.h"
+#include "comm/error_text.h"
 
 namespace dmuon {
 
@@ -14,27 +15,27 @@ namespace {
 void check_dedicate_options(const Mesh& mesh, const DedicateOptions& options) {
   if (options.compute_dtype) {
     const auto t = *options.compute_dtype;
-    TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16, "rank ",
+    TORCH_CHECK_VALUE(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16, "rank ",
                 mesh.global_rank(), ": dedicate_params: compute_dtype ", t, " cannot carry parameters and "
                 "gradients; use a floating type (bfloat16, float16, float32 or float64).");
   }
-  TORCH_CHECK(options.replicate_broadcast_bucket_mb >= 0, "rank ", mesh.global_rank(),
+  TORCH_CHECK_VALUE(options.replicate_broadcast_bucket_mb >= 0, "rank ", mesh.global_rank(),
               ": dedicate_params: replicate_broadcast_bucket_mb must be >= 0 (0 = one publish per unit), got ",
               options.replicate_broadcast_bucket_mb);
-  TORCH_CHECK(options.forward_prefetch_depth >= 0, "rank ", mesh.global_rank(),
+  TORCH_CHECK_VALUE(options.forward_prefetch_depth >= 0, "rank ", mesh.global_rank(),
               ": dedicate_params: forward_prefetch_depth must be >= 0, got ", options.forward_prefetch_depth);
 }
 
 std::map<std::string, OwnerCoord> dedicate_impl(const std::shared_ptr<torch::nn::Module>& model,
                                                 const std::shared_ptr<Mesh>& mesh, const ParamPredicate& predicate,
                                                 const DedicateOptions& options, bool ddp) {
-  TORCH_CHECK(model, "dedicate_params: the model is null.");
-  TORCH_CHECK(mesh, "dedicate_params: the mesh is null; create one with dmuon::Mesh::create.");
-  TORCH_CHECK(!detail::state_of_model(model.get()), "rank ", mesh->global_rank(),
+  TORCH_CHECK_VALUE(model, "dedicate_params: the model is null.");
+  TORCH_CHECK_VALUE(mesh, "dedicate_params: the mesh is null; create one with dmuon::Mesh::create.");
+  TORCH_CHECK_VALUE(!detail::state_of_model(model.get()), "rank ", mesh->global_rank(),
               ": dedicate_params was already called on this model. Dedicate a model once; to change options, "
               "build a fresh model.");
   for (const auto& item : model->named_modules("", true))
-    TORCH_CHECK(!detail::boundary_of_module(item.value().get()).first, "rank ", mesh->global_rank(),
+    TORCH_CHECK_VALUE(!detail::boundary_of_module(item.value().get()).first, "rank ", mesh->global_rank(),
                 ": dedicate_params: submodule '", item.key(), "' already belongs to a dedicated model.");
   check_dedicate_options(*mesh, options);
   auto state = std::make_shared<Runtime>(model_view(*model), model, mesh, options, ddp);
@@ -86,7 +87,7 @@ std::map<std::string, OwnerCoord> dedicate_params_ddp(const std::shared_ptr<torc
                                                       const std::shared_ptr<Mesh>& mesh,
                                                       const ParamPredicate& predicate,
                                                       const DedicateOptions& options) {
-  TORCH_CHECK(mesh, "dedicate_params_ddp: the mesh is null; create one with dmuon::Mesh::create.");
+  TORCH_CHECK_VALUE(mesh, "dedicate_params_ddp: the mesh is null; create one with dmuon::Mesh::create.");
   check_ddp_mesh(*mesh, "dedicate_params_ddp");
   return dedicate_impl(model, mesh, predicate, options, /*ddp=*/true);
 }
@@ -95,8 +96,8 @@ std::map<std::string, OwnerCoord> dedicate_params_ddp_tp(const std::shared_ptr<t
                                                          const std::shared_ptr<Mesh>& mesh,
                                                          const ParamPredicate& predicate,
                                                          const DedicateOptions& options) {
-  TORCH_CHECK(mesh, "dedicate_params_ddp_tp: the mesh is null; create one with dmuon::Mesh::create.");
-  TORCH_CHECK(!mesh->is_hsdp(), "rank ", mesh->global_rank(), ": dedicate_params_ddp_tp accepts a data-parallel x "
+  TORCH_CHECK_VALUE(mesh, "dedicate_params_ddp_tp: the mesh is null; create one with dmuon::Mesh::create.");
+  TORCH_CHECK_VALUE(!mesh->is_hsdp(), "rank ", mesh->global_rank(), ": dedicate_params_ddp_tp accepts a data-parallel x "
               "tensor-parallel mesh without a replicate axis, got replicate_size ", mesh->replicate_size(),
               ". For HSDP with TP use dedicate_params.");
   return dedicate_impl(model, mesh, predicate, options, /*ddp=*/true);
@@ -149,7 +150,7 @@ std::vector<std::pair<std::string, at::Tensor>> get_base_params(const torch::nn:
 namespace {
 std::shared_ptr<Runtime> dedicate_view_impl(ModelView view, const std::shared_ptr<Mesh>& mesh,
                                             const ParamPredicate& predicate, const DedicateOptions& options, bool ddp) {
-  TORCH_CHECK(mesh, "dedicate_model_view: the mesh is null; create one with dmuon::Mesh::create.");
+  TORCH_CHECK_VALUE(mesh, "dedicate_model_view: the mesh is null; create one with dmuon::Mesh::create.");
   check_dedicate_options(*mesh, options);
   auto state = std::make_shared<Runtime>(std::move(view), nullptr, mesh, options, ddp);
   state->build(predicate);
@@ -165,13 +166,13 @@ std::shared_ptr<Runtime> dedicate_model_view(ModelView view, const std::shared_p
 
 std::shared_ptr<Runtime> dedicate_model_view_ddp(ModelView view, const std::shared_ptr<Mesh>& mesh,
                                                  const ParamPredicate& predicate, const DedicateOptions& options) {
-  TORCH_CHECK(mesh, "dedicate_params_ddp: the mesh is null.");
+  TORCH_CHECK_VALUE(mesh, "dedicate_params_ddp: the mesh is null.");
   check_ddp_mesh(*mesh, "dedicate_params_ddp");
   return dedicate_view_impl(std::move(view), mesh, predicate, options, /*ddp=*/true);
 }
 
 std::shared_ptr<RuntimeFace> runtime_face(const std::shared_ptr<Runtime>& runtime) {
-  TORCH_CHECK(runtime, "runtime_face: the runtime is null (dedicate_model_view returns it).");
+  TORCH_CHECK_VALUE(runtime, "runtime_face: the runtime is null (dedicate_model_view returns it).");
   return runtime;
 }
 
@@ -188,12 +189,12 @@ std::vector<DedicatedParam> runtime_dedicated_params(const Runtime& runtime) {
 }
 
 void runtime_replicate(const std::shared_ptr<Runtime>& runtime, double bucket_mb) {
-  TORCH_CHECK(runtime, "replicate: the runtime is null (dedicate_model_view returns it).");
+  TORCH_CHECK_VALUE(runtime, "replicate: the runtime is null (dedicate_model_view returns it).");
   runtime->add_replicated(bucket_mb, /*tp=*/false);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> runtime_full_params(const std::shared_ptr<Runtime>& runtime) {
-  TORCH_CHECK(runtime, "full params: the runtime is null (dedicate_model_view returns it).");
+  TORCH_CHECK_VALUE(runtime, "full params: the runtime is null (dedicate_model_view returns it).");
   runtime->drain();  // in-flight publishes land first
   std::map<std::string, at::Tensor> full;
   runtime->gather_params([&](const std::string& name, const at::Tensor& t) { full[name] = t; });
@@ -204,24 +205,29 @@ std::vector<std::pair<std::string, at::Tensor>> runtime_full_params(const std::s
 }
 
 void runtime_assign_params(const std::shared_ptr<Runtime>& runtime, std::map<std::string, at::Tensor> values) {
-  TORCH_CHECK(runtime, "set_model_state_dict: the runtime is null (dedicate_model_view returns it).");
+  TORCH_CHECK_VALUE(runtime, "set_model_state_dict: the runtime is null (dedicate_model_view returns it).");
   runtime->drain();
   auto source = tensor_dict_source(std::move(values));
   try {
     source->check(runtime->param_shapes());
   } catch (const std::exception& e) {
-    TORCH_CHECK_VALUE(false, "rank ", runtime->mesh().global_rank(), ": set_model_state_dict: ", e.what());
+    TORCH_CHECK_VALUE(false, "rank ", runtime->mesh().global_rank(), ": set_model_state_dict: ", detail::error_text(e));
   }
   runtime->assign_params(*source, {}, "set_model_state_dict");
 }
 
 void runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on) {
-  TORCH_CHECK(runtime, "no_sync: the runtime is null (dedicate_model_view returns it).");
+  TORCH_CHECK_VALUE(runtime, "no_sync: the runtime is null (dedicate_model_view returns it).");
   runtime->set_no_sync(on);
 }
 
+void runtime_set_forward_prefetch_depth(const std::shared_ptr<Runtime>& runtime, int depth) {
+  TORCH_CHECK_VALUE(runtime, "forward_prefetch_depth: the runtime is null (dedicate_model_view returns it).");
+  runtime->set_forward_prefetch_depth(depth);
+}
+
 void runtime_release_params(const std::shared_ptr<Runtime>& runtime, const std::vector<std::string>& names) {
-  TORCH_CHECK(runtime, "release params: the runtime is null (dedicate_model_view returns it).");
+  TORCH_CHECK_VALUE(runtime, "release params: the runtime is null (dedicate_model_view returns it).");
   runtime->release_external(names);
 }
 
@@ -234,14 +240,14 @@ std::vector<std::pair<std::string, std::string>> runtime_param_routes(const Runt
 namespace {
 void replicate_impl(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh, double bucket_mb,
                     bool tp) {
-  TORCH_CHECK(model && mesh, "replicate: model and mesh must not be null.");
+  TORCH_CHECK_VALUE(model && mesh, "replicate: model and mesh must not be null.");
   auto s = detail::state_of_model(model.get());
   if (!s) {
     // A model with no dedicated parameters: an empty runtime carries the hooks.
     dedicate_params(model, mesh, [](const std::string&, const at::Tensor&) { return false; });
     s = detail::state_of_model(model.get());
   }
-  TORCH_CHECK(s->mesh_ptr().get() == mesh.get(), "rank ", mesh->global_rank(),
+  TORCH_CHECK_VALUE(s->mesh_ptr().get() == mesh.get(), "rank ", mesh->global_rank(),
               ": replicate: the model was dedicated on another mesh; pass the same mesh to both.");
   s->add_replicated(bucket_mb, tp);
 }

@@ -15,23 +15,23 @@ void ModelView::check(int rank) const {
   std::set<const c10::TensorImpl*> impls;
   for (const auto* list : {&params, &buffers})
     for (const Tensor& t : *list) {
-      TORCH_CHECK(!t.name.empty() && t.tensor.defined(), "rank ", rank, ": dedicate_params: the model view has a ",
+      TORCH_CHECK_VALUE(!t.name.empty() && t.tensor.defined(), "rank ", rank, ": dedicate_params: the model view has a ",
                   list == &params ? "parameter" : "buffer", " with an empty name or no tensor ('", t.name, "').");
-      TORCH_CHECK(names.insert(t.name).second, "rank ", rank, ": dedicate_params: the model view names '", t.name,
+      TORCH_CHECK_VALUE(names.insert(t.name).second, "rank ", rank, ": dedicate_params: the model view names '", t.name,
                   "' twice. Parameter and buffer names must be unique (as named_parameters() gives them).");
     }
   for (const Tensor& t : params)
-    TORCH_CHECK(impls.insert(t.tensor.unsafeGetTensorImpl()).second, "rank ", rank, ": dedicate_params: parameter '",
+    TORCH_CHECK_VALUE(impls.insert(t.tensor.unsafeGetTensorImpl()).second, "rank ", rank, ": dedicate_params: parameter '",
                 t.name, "' is the same tensor as an earlier parameter of the model view. List a tied parameter once, "
                 "under its first name.");
-  TORCH_CHECK(!modules.empty() && modules.front().name.empty() && modules.front().parent < 0, "rank ", rank,
+  TORCH_CHECK_VALUE(!modules.empty() && modules.front().name.empty() && modules.front().parent < 0, "rank ", rank,
               ": dedicate_params: the model view's first module must be the root (name \"\", no parent).");
   for (size_t i = 1; i < modules.size(); ++i) {
     const Module& m = modules[i];
-    TORCH_CHECK(m.parent >= 0 && static_cast<size_t>(m.parent) < i, "rank ", rank, ": dedicate_params: module '",
+    TORCH_CHECK_VALUE(m.parent >= 0 && static_cast<size_t>(m.parent) < i, "rank ", rank, ": dedicate_params: module '",
                 m.name, "' of the model view has parent ", m.parent, "; a parent comes before its children.");
     const std::string& p = modules[static_cast<size_t>(m.parent)].name;
-    TORCH_CHECK(p.empty() ? m.name.find('.') == std::string::npos
+    TORCH_CHECK_VALUE(p.empty() ? m.name.find('.') == std::string::npos
                           : m.name.size() > p.size() + 1 && m.name.compare(0, p.size() + 1, p + ".") == 0 &&
                                 m.name.find('.', p.size() + 1) == std::string::npos,
                 "rank ", rank, ": dedicate_params: module '", m.name, "' of the model view is not a child of its "

@@ -1,5 +1,6 @@
 // What the routes see of their model (see route_context.h).
 #include "runtime/route_context.h"
+#include "comm/error_text.h"
 
 #include <c10/util/Exception.h>
 
@@ -55,9 +56,7 @@ void RouteContext::fill_from(ParamSource& source, const std::string& name, const
                 " but the region ", at::IntArrayRef(region.size));
     source.fill(name, region, out);
   } catch (const std::exception& e) {
-    const auto* ce = dynamic_cast<const c10::Error*>(&e);
-    fill_error_ = "reading '" + name + "' from " + source.describe() + ": " +
-                  (ce ? ce->what_without_backtrace() : std::string(e.what()));
+    fill_error_ = "reading '" + name + "' from " + source.describe() + ": " + detail::error_text(e);
   }
 }
 

@@ -56,6 +56,7 @@ class RouteContext {
   Mesh& mesh() const { return *mesh_; }
   const std::shared_ptr<Mesh>& mesh_ptr() const { return mesh_; }
   const DedicateOptions& options() const { return opts_; }
+  void set_forward_prefetch_depth(int depth) { opts_.forward_prefetch_depth = depth; }  // Runtime only
   bool ddp() const { return ddp_; }  // dedicate_params_ddp: every rank keeps full matrices
   bool z3() const { return opts_.reshard_after_forward && !ddp_; }
 

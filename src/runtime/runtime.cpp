@@ -476,6 +476,13 @@ void Runtime::set_no_sync(bool on) {
   no_sync_ = on;
 }
 
+void Runtime::set_forward_prefetch_depth(int depth) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  TORCH_CHECK_VALUE(depth >= 0, "rank ", mesh().global_rank(), ": forward_prefetch_depth must be >= 0 (0: no "
+                    "broadcast ahead of its boundary), got ", depth);
+  ctx_.set_forward_prefetch_depth(depth);
+}
+
 // ---- public functions over the schedule ------------------------------------------------------------
 void broadcast_all_updates(torch::nn::Module& model) { detail::require_state(model, "broadcast_all_updates")->publish(false); }
 void broadcast_all_updates_async(torch::nn::Module& model) {

@@ -137,6 +137,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void wait_publishes();                       // local: waits every in-flight publish / unshard
   void drain_all();                            // waits every in-flight collective of this model
   void set_no_sync(bool on);
+  void set_forward_prefetch_depth(int depth);  // >= 0: boundaries broadcast ahead in forward
 
   // ---- queries (RuntimeFace and the runtime's own files) ----
   Mesh& mesh() const override { return ctx_.mesh(); }

@@ -56,7 +56,7 @@ void merge_boundary_dtype(std::map<std::string, std::pair<at::ScalarType, std::s
                           const std::string& boundary, at::ScalarType t, const std::string& param, const char* what,
                           int rank) {
   auto [it, fresh] = by_boundary.emplace(boundary, std::make_pair(t, param));
-  TORCH_CHECK(fresh || it->second.first == t, "rank ", rank, ": dedicate_params: parameters '", it->second.second,
+  TORCH_CHECK_VALUE(fresh || it->second.first == t, "rank ", rank, ": dedicate_params: parameters '", it->second.second,
               "' and '", param, "' share hook boundary '", boundary, "' but their param_policy asks for different ",
               what, " (", it->second.first, " vs ", t, "). A boundary casts its forward once; give its parameters "
               "the same policy, or set cast_forward_inputs=false / output_dtype on one of them only.");
@@ -117,7 +117,7 @@ std::optional<UnshardMode> parse_unshard(const std::string& s) {
 }
 
 ParamPolicy policy_for(const DedicateOptions& opts, const std::string& name, const at::Tensor& p, int rank) {
-  TORCH_CHECK(opts.param_policy.empty() || !opts.param_policy_fn, "rank ", rank,
+  TORCH_CHECK_VALUE(opts.param_policy.empty() || !opts.param_policy_fn, "rank ", rank,
               ": dedicate_params: param_policy and param_policy_fn are mutually exclusive; pass one of them.");
   ParamPolicy pol;
   if (opts.param_policy_fn)
@@ -130,7 +130,7 @@ ParamPolicy policy_for(const DedicateOptions& opts, const std::string& name, con
     if (all) merge_policy(pol, ov.policy);
   }
   if (pol.route)
-    TORCH_CHECK(parse_route(*pol.route), "rank ", rank, ": dedicate_params: parameter '", name, "' has route '",
+    TORCH_CHECK_VALUE(parse_route(*pol.route), "rank ", rank, ": dedicate_params: parameter '", name, "' has route '",
                 *pol.route, "', which does not exist. ", route_list());
   return pol;
 }
@@ -138,7 +138,7 @@ ParamPolicy policy_for(const DedicateOptions& opts, const std::string& name, con
 Precision resolve_precision(const ParamPolicy& pol, const DedicateOptions& opts, const std::string& name,
                             const at::Tensor& p, bool muon, bool frozen, int rank) {
   auto check = [&](const std::optional<at::ScalarType>& t, const char* field) {
-    TORCH_CHECK(!t || is_float(*t), "rank ", rank, ": dedicate_params: param_policy of '", name, "' sets ", field,
+    TORCH_CHECK_VALUE(!t || is_float(*t), "rank ", rank, ": dedicate_params: param_policy of '", name, "' sets ", field,
                 " = ", *t, ", which cannot hold parameters, gradients or optimizer state; use a floating type "
                 "(bfloat16, float16, float32 or float64).");
   };
@@ -148,7 +148,7 @@ Precision resolve_precision(const ParamPolicy& pol, const DedicateOptions& opts,
   check(pol.optim_dtype, "optim_dtype");
   check(pol.output_dtype, "output_dtype");
   const at::ScalarType own = p.scalar_type();
-  TORCH_CHECK(!(pol.param_dtype || pol.master_dtype || pol.grad_dtype || pol.optim_dtype) || is_float(own), "rank ",
+  TORCH_CHECK_VALUE(!(pol.param_dtype || pol.master_dtype || pol.grad_dtype || pol.optim_dtype) || is_float(own), "rank ",
               rank, ": dedicate_params: param_policy sets dtypes for '", name, "', whose dtype is ", own,
               "; mixed precision applies to floating-point parameters only.");
   Precision pr;
@@ -167,7 +167,7 @@ Precision resolve_precision(const ParamPolicy& pol, const DedicateOptions& opts,
   pr.master = pol.master_dtype.value_or(def_master);
   pr.reduce = pol.grad_dtype ? *pol.grad_dtype : (muon && opts.compute_dtype) ? *opts.compute_dtype : pr.param;
   pr.optim = pol.optim_dtype.value_or(pr.master);
-  TORCH_CHECK(pr.master == pr.param || float_rank(pr.master) > float_rank(pr.param), "rank ", rank,
+  TORCH_CHECK_VALUE(pr.master == pr.param || float_rank(pr.master) > float_rank(pr.param), "rank ", rank,
               ": dedicate_params: param_policy of '", name, "' has master_dtype ", pr.master, " and param_dtype ",
               pr.param, ": the master copy must be at least as precise as the parameter (every update would be "
               "rounded away). Use master_dtype float32 (the usual choice) or leave it unset.");
@@ -187,7 +187,7 @@ std::string resolve_boundary(const DedicateOptions& opts, const ModuleIndex& mod
                              const at::Tensor& p, int rank) {
   if (opts.hook_boundary_resolver) {
     std::string boundary = opts.hook_boundary_resolver(name, p);
-    TORCH_CHECK(model.find(boundary), "rank ", rank, ": dedicate_params: hook_boundary_resolver returned '",
+    TORCH_CHECK_VALUE(model.find(boundary), "rank ", rank, ": dedicate_params: hook_boundary_resolver returned '",
                 boundary, "' for parameter '", name, "', which is not a module of the model (named_modules()).");
     return boundary;
   }
@@ -196,12 +196,12 @@ std::string resolve_boundary(const DedicateOptions& opts, const ModuleIndex& mod
       const ModelView::Module* m = model.find(a);
       if (!m) continue;
       const std::shared_ptr<torch::nn::Module> module = m->libtorch.lock();
-      TORCH_CHECK(module, "rank ", rank, ": dedicate_params: hook_boundary_predicate is called with LibTorch "
+      TORCH_CHECK_VALUE(module, "rank ", rank, ": dedicate_params: hook_boundary_predicate is called with LibTorch "
                   "modules, but module '", a, "' of this model is not one. Use hook_boundary_resolver (name -> "
                   "boundary module name) for models that are not LibTorch modules.");
       if (opts.hook_boundary_predicate(a, *module)) return a;
     }
-    TORCH_CHECK(!opts.hook_boundary_strict, "rank ", rank, ": dedicate_params: no ancestor module of '", name,
+    TORCH_CHECK_VALUE(!opts.hook_boundary_strict, "rank ", rank, ": dedicate_params: no ancestor module of '", name,
                 "' matches hook_boundary_predicate (strict mode). Widen the predicate so it selects the block that "
                 "contains this parameter, or set hook_boundary_strict=false to fall back to its direct parent module.");
   } else {
@@ -214,7 +214,7 @@ std::string resolve_boundary(const DedicateOptions& opts, const ModuleIndex& mod
 Routing route_params(const ModelView& model, const ParamPredicate& predicate, const DedicateOptions& opts,
                      const RoutingContext& ctx) {
   const int rank = ctx.rank;
-  TORCH_CHECK(static_cast<bool>(predicate), "rank ", rank, ": dedicate_params: the predicate is empty. Pass a "
+  TORCH_CHECK_VALUE(static_cast<bool>(predicate), "rank ", rank, ": dedicate_params: the predicate is empty. Pass a "
               "function (name, param) -> bool that selects the Muon matrices, e.g. 2-D weights of layers.");
   Routing out;
   const ModuleIndex modules(model);
@@ -242,7 +242,7 @@ Routing route_params(const ModelView& model, const ParamPredicate& predicate, co
     } else if (opts.route_hint_fn && !(hint = opts.route_hint_fn(name, p)).empty()) {
       route_from = "route_hint_fn";
       const auto parsed = parse_route(hint);
-      TORCH_CHECK(parsed, "rank ", rank, ": dedicate_params: route_hint_fn returned '", hint, "' for parameter '", name,
+      TORCH_CHECK_VALUE(parsed, "rank ", rank, ": dedicate_params: route_hint_fn returned '", hint, "' for parameter '", name,
                   "', which is not a route. ", route_list(), " Return \"\" for no hint.");
       route = *parsed;
     } else {
@@ -276,22 +276,22 @@ Routing route_params(const ModelView& model, const ParamPredicate& predicate, co
       out.routed[route].push_back(std::move(r));
       continue;
     }
-    TORCH_CHECK(p.dim() == 2, "rank ", rank, ": dedicate_params: ", route_from, " routed '", name,
+    TORCH_CHECK_VALUE(p.dim() == 2, "rank ", rank, ": dedicate_params: ", route_from, " routed '", name,
                 "' to Muon, but it has shape ", shape_str(p.sizes()), " (", p.dim(), "-D). Dedicated ownership runs "
                 "Newton-Schulz, which needs a 2-D matrix; make ", route_from, " route it elsewhere (\"adamw\": "
                 "replicated AdamW), or reshape it into a 2-D parameter in the model.");
-    TORCH_CHECK(p.numel() > 0, "rank ", rank, ": dedicate_params: parameter '", name, "' has no elements (shape ",
+    TORCH_CHECK_VALUE(p.numel() > 0, "rank ", rank, ": dedicate_params: parameter '", name, "' has no elements (shape ",
                 shape_str(p.sizes()), ").");
-    TORCH_CHECK(p.is_contiguous(), "rank ", rank, ": dedicate_params: parameter '", name,
+    TORCH_CHECK_VALUE(p.is_contiguous(), "rank ", rank, ": dedicate_params: parameter '", name,
                 "' is not contiguous; dedicated parameters must be plain dense tensors.");
     r.boundary = boundary_of(name, p);
     note_boundary_casts(r.boundary);
     const std::string unshard = !pol.muon_forward_unshard.empty() ? pol.muon_forward_unshard : opts.muon_forward_unshard;
     const auto mode = parse_unshard(unshard);
-    TORCH_CHECK(mode, "rank ", rank, ": dedicate_params: parameter '", name, "' has muon_forward_unshard '", unshard,
+    TORCH_CHECK_VALUE(mode, "rank ", rank, ": dedicate_params: parameter '", name, "' has muon_forward_unshard '", unshard,
                 "'; use \"broadcast\" or \"all_gather\".");
     r.unshard = *mode;
-    TORCH_CHECK(r.unshard == UnshardMode::Broadcast || !ctx.tp, "rank ", rank,
+    TORCH_CHECK_VALUE(r.unshard == UnshardMode::Broadcast || !ctx.tp, "rank ", rank,
                 ": dedicate_params: muon_forward_unshard=\"all_gather\" (parameter '", name, "') is not supported "
                 "with tensor parallelism (the TP update already arrives as per-rank slices); use \"broadcast\" on a "
                 "mesh with tp_size > 1.");

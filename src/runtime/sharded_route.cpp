@@ -17,10 +17,10 @@ const ShardedEntry* ShardedRoute::find(const std::string& name) const {
 }
 
 void ShardedRoute::check(const std::string& name, const at::Tensor& p, const RoutingContext& ctx) {
-  TORCH_CHECK(!ctx.ddp, "rank ", ctx.rank, ": dedicate_params_ddp: parameter '", name, "' is routed to sharded_adamw, "
+  TORCH_CHECK_VALUE(!ctx.ddp, "rank ", ctx.rank, ": dedicate_params_ddp: parameter '", name, "' is routed to sharded_adamw, "
               "but dedicate_params_ddp keeps every parameter whole on every rank. Use dedicate_params for sharding, "
               "or route it to \"adamw\".");
-  TORCH_CHECK(p.numel() > 0 && p.is_contiguous(), "rank ", ctx.rank, ": dedicate_params: sharded_adamw parameter '",
+  TORCH_CHECK_VALUE(p.numel() > 0 && p.is_contiguous(), "rank ", ctx.rank, ": dedicate_params: sharded_adamw parameter '",
               name, "' must be a non-empty contiguous tensor.");
 }
 

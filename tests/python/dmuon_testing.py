@@ -26,6 +26,50 @@ def run_ranks(tmp_path, world, fn, *args):
     mp.spawn(_entry, args=(world, store, fn, args), nprocs=world, join=True)
 
 
+def _fault_entry(rank, world, store_path, fn, args, timeout_s):
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
+    fn(rank, world, *args)
+    os._exit(0)  # no teardown: a peer may be gone or stopped (destroy_process_group could wait for it)
+
+
+def run_faulty_ranks(tmp_path, world, fn, *args, timeout_s=60, deadline_s=120):
+    """Runs fn(rank, world, *args) on `world` processes that may die or stop on purpose (fault tests):
+    waits up to deadline_s for every rank that is not stopped, then kills what is left (stopped ranks
+    included). Returns the exit codes (None: killed at the deadline)."""
+    import signal
+    import time
+
+    ctx = mp.get_context("spawn")
+    store = os.path.join(str(tmp_path), f"fault-store-{world}")
+    procs = [ctx.Process(target=_fault_entry, args=(r, world, store, fn, args, timeout_s)) for r in range(world)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + deadline_s
+    codes = [None] * world
+    while time.monotonic() < end and any(c is None for c in codes):
+        for r, p in enumerate(procs):
+            if codes[r] is None and not p.is_alive():
+                codes[r] = p.exitcode
+        if all(c is not None or _stopped(p.pid) for c, p in zip(codes, procs)):
+            break
+        time.sleep(0.05)
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
+    return codes
+
+
+def _stopped(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
 def reference_ns(G, coefficients, eps=1e-7):
     """Direct Newton-Schulz in float64: X = G / (|G|_F + eps), oriented so rows <= cols, then for each
     (a, b, c): A = X X^T, X = a X + (b A + c A A) X; oriented back."""

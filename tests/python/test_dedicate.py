@@ -52,13 +52,15 @@ def schedule(step):
 CLIP = 0.05  # a max norm below every step's gradient norm here: each step clips
 
 
-def reference_train(compute_dtype=None, clip=None):
+def reference_train(compute_dtype=None, clip=None, hparams=None, muon_clip=None):
     """The same training in one process by a pure-PyTorch Muon + AdamW written from the documented update
     rule (docs: NEWTON_SCHULZ.md section 6), not by dmuon: Nesterov momentum buf = mu*buf + g, u = g + mu*buf;
     W *= 1 - lr*wd; W -= lr * 0.2 * sqrt(max(rows, cols)) * NS(u) with float64 direct NS (Polar Express);
     AdamW (betas 0.9/0.999, eps 1e-8, decoupled weight decay) for the rest; lr scaled by the schedule.
     compute_dtype: forward and backward run on a copy in that dtype (mixed precision), the update in float64.
-    clip: torch.nn.utils.clip_grad_norm_ over every parameter before the update."""
+    clip: torch.nn.utils.clip_grad_norm_ over every parameter before the update. hparams: name -> dict
+    overriding lr / adamw_lr / wd / adamw_wd for that parameter (per-group hyperparameters). muon_clip:
+    called with {name: grad} of the Muon matrices before the update (a clipping strategy's math)."""
     model = make_net()
     buf, m1, m2 = {}, {}, {}
     for step in range(STEPS):
@@ -74,21 +76,25 @@ def reference_train(compute_dtype=None, clip=None):
                 p.grad = q.grad.to(p.dtype)
         if clip is not None:
             assert torch.nn.utils.clip_grad_norm_(model.parameters(), clip) > clip
+        if muon_clip is not None:
+            with torch.no_grad():
+                muon_clip({n: p.grad for n, p in model.named_parameters() if p.dim() == 2})
         f = schedule(step)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 g = p.grad
+                h = {"lr": LR, "adamw_lr": ADAMW_LR, "wd": WD, "adamw_wd": ADAMW_WD, **(hparams(name) if hparams else {})}
                 if p.dim() == 2:
-                    lr = LR * f
+                    lr = h["lr"] * f
                     buf[name] = buf.get(name, torch.zeros_like(g)) * MOMENTUM + g
                     u = g + MOMENTUM * buf[name]
-                    p.mul_(1 - lr * WD)
+                    p.mul_(1 - lr * h["wd"])
                     p.sub_(reference_ns(u, dmuon.POLAR_EXPRESS_COEFFICIENTS) * (lr * 0.2 * max(p.shape) ** 0.5))
                 else:
-                    lr = ADAMW_LR * f
+                    lr = h["adamw_lr"] * f
                     m1[name] = m1.get(name, torch.zeros_like(g)) * 0.9 + 0.1 * g
                     m2[name] = m2.get(name, torch.zeros_like(g)) * 0.999 + 0.001 * g * g
-                    p.mul_(1 - lr * ADAMW_WD)
+                    p.mul_(1 - lr * h["adamw_wd"])
                     bc1, bc2 = 1 - 0.9 ** (step + 1), 1 - 0.999 ** (step + 1)
                     p.sub_(lr / bc1 * m1[name] / ((m2[name] / bc2).sqrt() + 1e-8))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -97,6 +103,20 @@ def reference_train(compute_dtype=None, clip=None):
 def batch(step):
     x = (torch.arange(BATCH * DIM, dtype=torch.float64).reshape(BATCH, DIM) * 0.11 + step).cos()
     return x, x.sin()
+
+
+def dedicated_net(mesh, fsdp2):
+    """make_net() with its matrices dedicated on `mesh` and the rest on FSDP2 (fully_shard per layer and the
+    root, the API reference's order) or replicated."""
+    model = make_net()
+    dmuon.dedicate_params(model, mesh, lambda n, p: p.dim() == 2)
+    if fsdp2:
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        dmuon.replicate(model)
+    return model
 
 
 def make_optimizer(model):
@@ -124,7 +144,7 @@ def _train(rank, world, layout, accumulate, out_path):
     fsdp2 = layout.startswith("fsdp2")
     hsdp = "hsdp" in layout
     z3 = not layout.endswith("z2")
-    clip = layout == "clip"
+    clip = layout.endswith("clip")
     if hsdp:  # 2 replicas of a 2-rank shard axis
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     else:
@@ -210,9 +230,10 @@ def _train(rank, world, layout, accumulate, out_path):
     "layout,accumulate,worlds",
     [("z3", False, (1, 2, 3)), ("z2", False, (1, 2, 3)), ("z3", True, (2, 3)), ("ddp", False, (1, 2, 3)),
      ("fsdp2-z3", False, (1, 2, 3)), ("fsdp2-z2", False, (2, 3)), ("fsdp2-z3", True, (2,)), ("hsdp", False, (4,)),
-     ("fsdp2-hsdp", False, (4,)), ("sharded", False, (2, 3)), ("clip", False, (1, 2, 3))],
+     ("fsdp2-hsdp", False, (4,)), ("sharded", False, (2, 3)), ("clip", False, (1, 2, 3)),
+     ("fsdp2-clip", False, (2, 3)), ("fsdp2-hsdp-clip", False, (4,))],
     ids=["Z3", "Z2", "Z3-no_sync", "DDP-path", "FSDP2-Z3", "FSDP2-Z2", "FSDP2-Z3-no_sync", "HSDP-2x2",
-         "FSDP2-HSDP-2x2", "sharded_adamw", "clip_grad_norm_"])
+         "FSDP2-HSDP-2x2", "sharded_adamw", "clip_grad_norm_", "FSDP2-clip_grad_norm_", "FSDP2-HSDP-clip_grad_norm_"])
 def test_ranks_train_like_one_process(tmp_path, layout, accumulate, worlds):
     runs = {}
     for world in worlds:
@@ -220,7 +241,7 @@ def test_ranks_train_like_one_process(tmp_path, layout, accumulate, worlds):
         run_ranks(tmp_path, world, _train, layout, accumulate and world > 1, str(path))
         runs[world] = torch.load(path)
     init = dict(make_net().named_parameters())
-    ref = reference_train(clip=CLIP if layout == "clip" else None)
+    ref = reference_train(clip=CLIP if layout.endswith("clip") else None)
     # every layout against the independent reference (with accumulation, the one-process run takes its
     # batch whole); float64: the same math in another order of reductions, and Gram NS against direct NS
     for world in worlds:
@@ -358,14 +379,7 @@ def _resume(rank, world, layout, out_path):
     mesh = init_device_mesh("cpu", (world,))
 
     def build():
-        model = make_net()
-        dmuon.dedicate_params(model, mesh, lambda n, p: p.dim() == 2)
-        if fsdp2:
-            for layer in model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        else:
-            dmuon.replicate(model)
+        model = dedicated_net(mesh, fsdp2)
         return (model,) + make_optimizer(model)
 
     def train(model, opt, sched, steps):

@@ -1,0 +1,252 @@
+"""The rest of Muon's Python API on real Gloo groups (spawned ranks): user parameter groups and a clipping
+strategy written in Python, both against the pure-PyTorch reference of test_dedicate.py in float64
+(bound 1e-10); segmented clipping against closed forms; the step profile; the collective timeout; and
+faults: a killed peer and a stopped peer are errors within the timeout, Ctrl-C interrupts a step that
+waits for a stopped peer."""
+
+import json
+import math
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import dmuon
+from dmuon_testing import run_faulty_ranks, run_ranks
+from test_dedicate import ADAMW_LR, BLOCKS, LR, STEPS, batch, dedicated_net, make_net, reference_train, schedule
+
+EARLY = dict(lr=2 * LR, adamw_lr=3 * ADAMW_LR, wd=0.0, adamw_wd=0.0)  # the "early" group's hyperparameters
+CLIP_M = 0.02  # per-matrix max norm of the strategy below: below most matrices' gradient norms here
+
+
+def early_hparams(name):
+    return EARLY if name.startswith("layers.0.") else {}
+
+
+def per_matrix_clip_reference(grads):
+    for g in grads.values():
+        g.mul_(min(1.0, CLIP_M / (float(g.norm()) + 1e-6)))
+
+
+def per_matrix(grads, max_norm, *, norm_type, error_if_nonfinite, foreach, group):
+    """A strategy written in Python: every matrix clipped to max_norm on its own; the stats' norm is the
+    global one (each element counted once over the mesh, by `counted`)."""
+    partial = torch.zeros(2, dtype=torch.float64)
+    clipped = False
+    for g in grads:
+        n = float(g.grad.double().norm())
+        if g.counted:
+            partial[0] += n * n
+            partial[1] += int(g.counts_param)
+        coef = min(1.0, max_norm / (n + 1e-6))
+        if coef < 1.0:
+            g.grad.mul_(coef)
+            clipped = True
+    dist.all_reduce(partial, group=group)
+    return dmuon.MuonGradClipStats(math.sqrt(float(partial[0])), max_norm, norm_type, 1.0, clipped, int(partial[1]),
+                                   False, "per_matrix")
+
+
+def _groups_and_strategy(rank, world, layout, out_path):
+    fsdp2 = layout == "fsdp2"
+    model = dedicated_net(init_device_mesh("cpu", (world,)), fsdp2)
+    early = [p for n, p in model.named_parameters() if n.startswith("layers.0.")]  # DTensors too, under FSDP2
+    opt = dmuon.Muon(model, lr=LR, adamw_lr=ADAMW_LR, weight_decay=0.01, adamw_weight_decay=0.01, momentum=0.95,
+                     param_groups=[{"params": early, "name": "early", "lr": EARLY["lr"], "adamw_lr": EARLY["adamw_lr"],
+                                    "weight_decay": 0.0, "adamw_weight_decay": 0.0}],
+                     forward_prefetch_depth=0 if fsdp2 else 2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    # the user group lowered into its Muon and AdamW subgroups, then the default pair
+    assert [(g["group_name"], g["is_muon"]) for g in opt.param_groups] == [
+        ("early", True), ("early", False), ("default", True), ("default", False)]
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 1, 2 * BLOCKS - 2, BLOCKS]
+    assert opt.param_groups[1]["lr"] == EARLY["adamw_lr"] and opt.param_groups[3]["weight_decay"] == 0.01
+    dmuon.register_muon_grad_clip_strategy("per_matrix", per_matrix)
+    per = BATCH_PER(world)
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
+        measured = opt.clip_grad_norm_(None)  # stats only: the global norm of the Muon matrices
+        stats = opt.clip_grad_norm_(CLIP_M, strategy="per_matrix" if step % 2 else per_matrix)
+        assert stats.strategy == "per_matrix" and stats.param_count == 2 * BLOCKS and opt.last_muon_grad_clip_stats is stats
+        assert abs(stats.total_norm - measured.total_norm) <= 1e-12 * measured.total_norm
+        opt.step()
+        sched.step()
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save(sd, out_path)
+
+
+def BATCH_PER(world):
+    return 12 // world
+
+
+@pytest.mark.parametrize("layout", ["replicate", "fsdp2"])
+def test_param_groups_and_python_clip_strategy(tmp_path, layout):
+    path = tmp_path / "groups.pt"
+    run_ranks(tmp_path, 2, _groups_and_strategy, layout, str(path))
+    got = torch.load(path)
+    ref = reference_train(hparams=early_hparams, muon_clip=per_matrix_clip_reference)
+    for name, value in ref.items():
+        err = float((got[name] - value).abs().max() / value.abs().max())
+        assert err < 1e-10, f"{layout}: {name} differs from the reference by {err}"
+    # the groups' hyperparameters and the clip mattered: the default run ends elsewhere
+    plain = reference_train()
+    assert float((plain["layers.0.proj.weight"] - ref["layers.0.proj.weight"]).abs().max()) > 1e-3
+    assert float((plain["layers.2.gate.weight"] - ref["layers.2.gate.weight"]).abs().max()) > 1e-4
+
+
+def _buckets_and_profile(rank, world):
+    # segmented clipping against closed forms: "a" is reduced over the group (each rank holds its part),
+    # "b" is the same on every rank
+    a = torch.full((3,), float(rank + 1), dtype=torch.float64)
+    b = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    r = dmuon.clip_grad_norm_buckets_([dmuon.GradClipBucket("a", [a, None]), dmuon.GradClipBucket("b", [b], reduce=False)],
+                                      1.0)
+    na, nb = math.sqrt(3 * 1 + 3 * 4), 5.0
+    sa, sb = r.find("a"), r.find("b")
+    assert isinstance(r, dmuon.SegmentedGradClipResult) and isinstance(sa, dmuon.GradClipBucketStats)
+    assert abs(sa.total_norm - na) < 1e-12 and abs(sb.total_norm - nb) < 1e-12 and sa.param_count == 2 and sb.param_count == 1
+    assert abs(float(r.total_norm) - math.sqrt(na * na + nb * nb)) < 1e-12 and r.find("c") is None
+    assert sa.clipped and abs(sa.clip_coef - 1.0 / (na + 1e-6)) < 1e-15
+    assert torch.allclose(a, torch.full((3,), (rank + 1) / (na + 1e-6), dtype=torch.float64), rtol=0, atol=1e-15)
+    assert torch.allclose(b, torch.tensor([3.0, 4.0], dtype=torch.float64) / (5.0 + 1e-6), rtol=0, atol=1e-15)
+    assert not r.fastpath and "reference math" in r.fallback_reason
+    # ranks that disagree on the layout get an error naming both layouts, not a hang
+    buckets = [dmuon.GradClipBucket("a", [a])] + ([dmuon.GradClipBucket("b", [b])] if rank == 0 else [])
+    with pytest.raises(ValueError, match="passes 1 bucket|passes 2 bucket"):
+        dmuon.clip_grad_norm_buckets_(buckets, 1.0)
+
+    # try_clip_optimizer_grad_norm_buckets_ and the step profile on a replicated model
+    model = make_net()
+    dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2)
+    dmuon.replicate(model)
+    opt = dmuon.Muon(model, record_step_profile=True)
+    assert opt.consume_last_step_profile()["valid"] is False  # no step yet
+    x, y = batch(0)
+    per = BATCH_PER(world)
+    ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
+    muon_norm = opt.clip_grad_norm_(None).total_norm
+    dmuon.prepare_muon_grads(model)  # the replicated gradients' all-reduces: their averages land in .grad
+    names = set(dmuon.get_replicated_group(model).names)
+    regular = [p.grad for n, p in model.named_parameters() if n in names]
+    assert len(regular) == BLOCKS + 1 and all(g is not None for g in regular)
+    regular_norm = math.sqrt(sum(float(g.double().norm()) ** 2 for g in regular))
+    r = dmuon.try_clip_optimizer_grad_norm_buckets_(opt, regular_grads=regular, adamw_grads=[], max_norm=1e9)
+    assert abs(r.find("muon").total_norm - muon_norm) < 1e-12 * muon_norm
+    assert abs(r.find("regular").total_norm - regular_norm) < 1e-12 * regular_norm and r.find("adamw").param_count == 0
+    stats = opt.last_muon_grad_clip_stats
+    assert stats.strategy == "segmented" and not stats.clipped and stats.param_count == 2 * BLOCKS
+    opt.step()
+    prof = opt.consume_last_step_profile()
+    json.dumps(prof)
+    owned = len(dmuon.get_owned_params(model, rank))
+    assert prof["valid"] and prof["clock"] == "host" and prof["step"] == 1 and prof["owned_updates"] == owned, prof
+    assert prof["total_ms"] >= prof["muon_ms"] >= prof["ns_ms"] >= 0 and prof["total_ms"] > 0
+    assert opt.consume_last_step_profile()["valid"] is False  # consumed
+    # mistakes
+    with pytest.raises(ValueError, match="cannot be replaced"):
+        dmuon.register_muon_grad_clip_strategy("global_norm", per_matrix)
+    with pytest.raises(ValueError, match="post_step_prefetch_groups=2 is not implemented"):
+        dmuon.Muon(model, post_step_prefetch_groups=2)
+    with pytest.raises(ValueError, match="may set name, lr"):
+        dmuon.Muon(model, param_groups=[{"params": list(model.parameters())[:1], "betas": (0.8, 0.9)}])
+    with pytest.raises(ValueError, match="not a parameter of the dedicated model"):
+        dmuon.Muon(model, param_groups=[{"params": [torch.zeros(3)]}])
+    with pytest.raises(ValueError, match="'layers.0.proj.weight' is in param_groups\\[0\\] and param_groups\\[1\\]"):
+        w = model.layers[0].proj.weight
+        dmuon.Muon(model, param_groups=[{"params": [w]}, {"params": [w]}])
+
+
+def test_segmented_clipping_and_step_profile(tmp_path):
+    run_ranks(tmp_path, 2, _buckets_and_profile)
+
+
+def _timeouts(rank, world):
+    model = make_net()
+    dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2)
+    assert model._dmuon.mesh.timeout_s == 120  # run_ranks' init_process_group(timeout=120 s)
+    os.environ["DMUON_COLLECTIVE_TIMEOUT"] = "7.5"
+    try:
+        model = make_net()
+        dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2)
+        assert model._dmuon.mesh.timeout_s == 7.5
+        os.environ["DMUON_COLLECTIVE_TIMEOUT"] = "soon"
+        with pytest.raises(ValueError, match="DMUON_COLLECTIVE_TIMEOUT='soon' is not a positive number of seconds"):
+            dmuon.dedicate_params(make_net(), dist.group.WORLD, lambda n, p: p.dim() == 2)
+    finally:
+        del os.environ["DMUON_COLLECTIVE_TIMEOUT"]
+
+
+def test_collective_timeout_follows_the_group(tmp_path):
+    run_ranks(tmp_path, 2, _timeouts)
+
+
+def _record(path, **fields):
+    with open(path, "w") as f:
+        json.dump(fields, f)
+
+
+def _train_until_fault(rank, world, fault, out_dir):
+    """Rank 1 trains one step, then dies (fault "kill") or stops (SIGSTOP, fault "stop"); rank 0 goes on and
+    must get dmuon's error. Fault "interrupt": rank 1 stops after its second backward, rank 0 is sent SIGINT
+    one second into its second step, which waits for rank 1 (the DDP path publishes synchronously)."""
+    if fault == "stop":
+        os.environ["DMUON_COLLECTIVE_TIMEOUT"] = "4"
+    model = make_net()
+    if fault == "interrupt":
+        dmuon.dedicate_params_ddp(model, dist.group.WORLD, lambda n, p: p.dim() == 2)
+        dmuon.replicate(model)
+        opt = dmuon.Muon(model, replicate_async=False, first_step_progress_log=False)
+    else:
+        dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2)
+        dmuon.replicate(model)
+        opt = dmuon.Muon(model, first_step_progress_log=False)
+    per = BATCH_PER(world)
+    for step in range(2):
+        x, y = batch(step)
+        if rank == 1 and step == 1 and fault == "kill":
+            os._exit(17)
+        if rank == 1 and step == 1 and fault == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        opt.zero_grad()
+        t0 = time.monotonic()
+        try:
+            ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
+            if rank == 1 and step == 1 and fault == "interrupt":
+                time.sleep(0.5)  # its backward's reduces finish with rank 0's; rank 0's step then waits in the publish
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if rank == 0 and step == 1 and fault == "interrupt":
+                threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+                t0 = time.monotonic()
+            opt.step()
+        except BaseException as e:  # noqa: B902 - KeyboardInterrupt included
+            _record(os.path.join(out_dir, f"rank{rank}.json"), type=type(e).__name__, message=str(e),
+                    seconds=time.monotonic() - t0, step=step)
+            os._exit(0)
+    _record(os.path.join(out_dir, f"rank{rank}.json"), type=None, message="", seconds=0.0, step=2)
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop", "interrupt"])
+def test_lost_peer_is_an_error_and_ctrl_c_interrupts(tmp_path, fault):
+    codes = run_faulty_ranks(tmp_path, 2, _train_until_fault, fault, str(tmp_path), timeout_s=60, deadline_s=90)
+    with open(tmp_path / "rank0.json") as f:
+        r = json.load(f)
+    assert codes[0] == 0, codes
+    assert r["step"] == 1, r
+    if fault == "kill":  # the dead peer's sockets close: Gloo fails at once, dmuon names the collective and rank
+        assert codes[1] == 17 and r["type"] == "RuntimeError" and r["seconds"] < 30, r
+        assert "rank 0" in r["message"], r
+    elif fault == "stop":  # a stopped peer: dmuon's collective timeout (4 s) ends the wait
+        assert r["type"] == "RuntimeError" and 3.0 < r["seconds"] < 4 + 20, r
+        assert "rank 0" in r["message"] and "the wait limit is 4000 ms" in r["message"], r
+    if fault != "interrupt":  # dmuon's message, without a C++ backtrace
+        assert "A peer probably died" in r["message"] and "frame #" not in r["message"], r
+    else:  # Ctrl-C one second into a step that waits for the stopped peer (timeout 60 s)
+        assert r["type"] == "KeyboardInterrupt" and 0.9 < r["seconds"] < 10, r
