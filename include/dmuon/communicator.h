@@ -39,6 +39,7 @@
 
 #include <array>
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -115,13 +116,19 @@ class Pending {
   std::shared_ptr<State> state_;
 };
 
-// While the host waits for a CPU collective (Pending::wait, barriers), `check` runs on the waiting
-// thread every ~100 ms; when it throws, the wait is abandoned and that exception propagates unchanged
-// (the collective stays in flight: the group is unusable afterwards, as after any failure). The
-// Python front end installs one that raises KeyboardInterrupt when Ctrl-C arrived, so a rank stuck
-// waiting for a stopped peer can still be interrupted. Unset (the default): a wait blocks until the
-// collective finished or the timeout. Process-wide, thread-safe; nullptr removes it.
-void set_wait_interrupt_check(std::function<void()> check);
+// While the host waits for a CPU collective (Pending::wait, barriers), `check(epoch at the start of the
+// wait)` runs on the waiting thread every ~100 ms; when it throws, the wait is abandoned and that
+// exception propagates unchanged (the collective stays in flight: the group is unusable afterwards, as
+// after any failure). Both functions run with dmuon's locks held: they must not block (no GIL). The
+// Python front end counts SIGINTs in a C signal handler and throws once one arrived during the wait,
+// so a rank stuck waiting for a stopped peer can still be interrupted by Ctrl-C. Unset (the default):
+// a wait blocks until the collective finished or the timeout. Process-wide, thread-safe; empty
+// functions remove it.
+struct WaitInterrupt {
+  std::function<uint64_t()> epoch;
+  std::function<void(uint64_t since)> check;
+};
+void set_wait_interrupt_check(WaitInterrupt interrupt);
 
 class Communicator {
  public:

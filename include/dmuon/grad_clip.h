@@ -147,6 +147,10 @@ SegmentedGradClipResult clip_grad_norm_buckets_(const std::vector<GradClipBucket
 // `group` defaults to the optimizer's world group. The reference math is always built, so a result
 // always comes back except when DMUON_FAST_CLIP=0 on every rank (nullopt: how a caller asks to run
 // its own path).
+// Whether the fused clip path is on for this install (DMUON_FAST_CLIP unset or not "0"): what
+// try_clip_optimizer_grad_norm_buckets_ returns nullopt on. Local.
+bool fast_clip_enabled();
+
 // collective: every rank of `group`.
 std::optional<SegmentedGradClipResult> try_clip_optimizer_grad_norm_buckets_(
     Muon& optimizer, const std::vector<at::Tensor>& regular_grads, const std::vector<at::Tensor>& adamw_grads,

@@ -1,6 +1,7 @@
 // dmuon._C: gradient clipping for Python (dmuon/grad_clip.h) -- Muon's live gradients for strategies
 // written in Python, and segmented (bucket) clipping over a torch.distributed group. The Python package
-// (dmuon/_clip.py) wraps these in the API reference's functions and dataclasses.
+// (dmuon/_clip.py) wraps these in the API reference's functions and dataclasses (the optimizer's
+// three-bucket clip is written there over these two, so DTensor shards are counted once per mesh).
 #include <optional>
 #include <string>
 #include <vector>
@@ -73,22 +74,7 @@ void bind_clip(py::module_& m) {
       },
       "buckets"_a, "max_norm"_a, "group"_a, "global_ranks"_a, "device"_a, "chunk_size"_a, "foreach"_a);
 
-  m.def(
-      "_try_clip_optimizer_grad_norm_buckets",
-      [](Muon& opt, const std::vector<std::optional<at::Tensor>>& regular, const std::vector<std::optional<at::Tensor>>& adamw,
-         double max_norm, const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::vector<int> global_ranks,
-         const std::string& device) -> py::object {
-        const auto comm = communicator_of(group, std::move(global_ranks), at::Device(device),
-                                          "try_clip_optimizer_grad_norm_buckets_");
-        std::optional<SegmentedGradClipResult> r;
-        {
-          py::gil_scoped_release nogil;
-          r = try_clip_optimizer_grad_norm_buckets_(opt, defined(regular), defined(adamw), max_norm, comm.get());
-        }
-        if (!r) return py::none();
-        return result_dict(*r);
-      },
-      "optimizer"_a, "regular_grads"_a, "adamw_grads"_a, "max_norm"_a, "group"_a, "global_ranks"_a, "device"_a);
+  m.def("_fast_clip_enabled", &fast_clip_enabled, "DMUON_FAST_CLIP is unset or not 0.");
 }
 
 }  // namespace dmuon::python

@@ -6,6 +6,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
+#include <exception>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -32,7 +33,11 @@ std::pair<CommPtr, std::chrono::milliseconds> backend_of(const c10::intrusive_pt
 std::shared_ptr<Communicator> communicator_of(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                               std::vector<int> global_ranks, const at::Device& device,
                                               const std::string& name);
-// Ctrl-C while the host waits for a CPU collective raises KeyboardInterrupt (set_wait_interrupt_check).
+// Ctrl-C while the host waits for a CPU collective ends the wait with Interrupted (set_wait_interrupt_check),
+// which reaches Python as KeyboardInterrupt (register_errors).
+struct Interrupted : std::exception {
+  const char* what() const noexcept override;
+};
 void install_interrupt_check();
 
 // Newton-Schulz: the functions, NewtonSchulz, the coefficient lists, the backend status.

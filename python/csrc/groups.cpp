@@ -2,10 +2,11 @@
 // timeout dmuon applies over them, and Ctrl-C while the host waits for one of their collectives.
 #include <c10/util/Exception.h>
 
+#include <atomic>
+#include <csignal>
 #include <cmath>
 #include <cstdlib>
 #include <string>
-#include <thread>
 
 #include "bindings.h"
 #include "dmuon/env.h"
@@ -70,15 +71,38 @@ std::shared_ptr<Communicator> communicator_of(const c10::intrusive_ptr<c10d::Pro
                                         device);
 }
 
+namespace {
+// SIGINTs seen by the handler below, which then runs the handler it replaced (Python's: it sets the
+// flag from which Python raises KeyboardInterrupt). Counting needs no GIL, so a wait that holds dmuon's
+// locks never waits for the GIL (another Python thread may hold it and wait for those locks).
+std::atomic<uint64_t> g_sigints{0};
+struct sigaction g_previous {};
+
+void on_sigint(int sig) {
+  g_sigints.fetch_add(1, std::memory_order_relaxed);
+  if (g_previous.sa_handler != SIG_DFL && g_previous.sa_handler != SIG_IGN) g_previous.sa_handler(sig);
+}
+}  // namespace
+
+const char* Interrupted::what() const noexcept {
+  return "dmuon: interrupted by SIGINT (Ctrl-C) while waiting for a collective; the group is unusable now";
+}
+
 void install_interrupt_check() {
-  // Python delivers signals to its main thread only: the check runs there (a wait on another thread,
-  // e.g. an autograd worker, goes on until its collective finishes or times out)
-  static const std::thread::id main_thread = std::this_thread::get_id();
-  set_wait_interrupt_check([] {
-    if (std::this_thread::get_id() != main_thread) return;
-    py::gil_scoped_acquire gil;
-    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-  });
+  // only over Python's own SIGINT handler (a plain handler function); a later signal.signal(SIGINT, ...)
+  // replaces this one, and waits then block until done or the timeout, as without this check
+  struct sigaction current {};
+  if (sigaction(SIGINT, nullptr, &current) != 0 || (current.sa_flags & SA_SIGINFO) || current.sa_handler == SIG_DFL ||
+      current.sa_handler == SIG_IGN || current.sa_handler == &on_sigint)
+    return;
+  g_previous = current;
+  struct sigaction mine = current;
+  mine.sa_handler = &on_sigint;
+  if (sigaction(SIGINT, &mine, nullptr) != 0) return;
+  set_wait_interrupt_check(WaitInterrupt{[] { return g_sigints.load(std::memory_order_relaxed); },
+                                         [](uint64_t since) {
+                                           if (g_sigints.load(std::memory_order_relaxed) != since) throw Interrupted();
+                                         }});
 }
 
 }  // namespace dmuon::python

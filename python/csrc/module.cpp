@@ -12,6 +12,9 @@ void register_errors(py::module_& /*m*/) {
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
+    } catch (const Interrupted&) {
+      // Python's own SIGINT handler ran too: let it raise (KeyboardInterrupt, or what the user installed)
+      if (PyErr_CheckSignals() == 0) PyErr_SetNone(PyExc_KeyboardInterrupt);
     } catch (const c10::ValueError& e) {
       PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
     } catch (const c10::TypeError& e) {

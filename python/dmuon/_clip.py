@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._fsdp2 import is_dtensor
+from ._fsdp2 import shard_of
 
 
 @dataclass
@@ -102,8 +102,9 @@ class GradClipBucket:
 
 @dataclass
 class GradClipBucketStats:
-    """Pre-clip norm and coefficient of one gradient segment; ``fastpath``: this rank used the fused
-    kernels for some tensor of the bucket."""
+    """Pre-clip norm and coefficient of one gradient segment; ``param_count``: the gradient tensors counted
+    (summed over the group for a reduced bucket; each counted shard of a sharded gradient once);
+    ``fastpath``: this rank used the fused kernels for some tensor of the bucket."""
 
     name: str
     total_norm: float
@@ -131,9 +132,16 @@ class SegmentedGradClipResult:
         return next((s for s in self.bucket_stats if s.name == name), None)
 
 
-def _local(t):
-    """A DTensor's local shard (C++ sees plain tensors); anything else as is."""
-    return t.to_local() if t is not None and is_dtensor(t) else t
+def _split(grads):
+    """A bucket's gradients as (counted, scale_only): DTensors by their local shards, each element counted
+    once over the ranks (copies on the other replicas of an HSDP mesh only scaled); None entries dropped."""
+    counted, scale_only = [], []
+    for g in grads:
+        if g is None:
+            continue
+        local, is_counted, _ = shard_of(g)
+        (counted if is_counted else scale_only).append(local)
+    return counted, scale_only
 
 
 def _result(d) -> SegmentedGradClipResult:
@@ -141,9 +149,10 @@ def _result(d) -> SegmentedGradClipResult:
                                    d["fastpath"], d["fallback_reason"])
 
 
-def _group_args(process_group, tensors, fn: str):
+def _group_args(process_group, fn: str):
     """(group, its members' global ranks, device) for the C++ communicator; group None without
-    torch.distributed (a single process)."""
+    torch.distributed (a single process). The device is the group's (CUDA for NCCL), the same on every
+    rank whatever each holds."""
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return None, [], "cpu"
@@ -153,10 +162,15 @@ def _group_args(process_group, tensors, fn: str):
                         f"{type(process_group).__name__}")
     ranks = dist.get_process_group_ranks(process_group)
     ranks = sorted(ranks, key=lambda g: dist.get_group_rank(process_group, g))
-    device = next((t.device for t in tensors if t is not None), None)
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(process_group) == "nccl" else torch.device("cpu")
-    return process_group, ranks, str(device)
+    cuda = "nccl" in str(dist.get_backend(process_group)) and torch.cuda.is_available()
+    device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
+    return process_group, ranks, device
+
+
+def _clip_buckets(buckets, max_norm, process_group, fn: str, chunk_size=None) -> SegmentedGradClipResult:
+    group, ranks, device = _group_args(process_group, fn)
+    return _result(_C._clip_grad_norm_buckets(buckets, None if max_norm is None else float(max_norm), group, ranks,
+                                              device, chunk_size, None))
 
 
 def clip_grad_norm_buckets_(buckets: Sequence[GradClipBucket], max_norm: Optional[float], *, process_group=None,
@@ -166,16 +180,17 @@ def clip_grad_norm_buckets_(buckets: Sequence[GradClipBucket], max_norm: Optiona
     group; without torch.distributed, this process alone). Distributed-safe: two all-gathers on every rank
     whatever it holds (the bucket layout, checked so that ranks that disagree get an error naming both, then
     every bucket's partial), combined in rank order in float64, so every rank gets the same bits; the fused
-    (foreach) or reference math per tensor is a local choice. DTensor gradients count their local shard.
-    A non-finite bucket norm leaves that bucket unscaled (``found_inf``). Collective over the group."""
+    (foreach) or reference math per tensor is a local choice. Gradients live on the group's device (CUDA for
+    an NCCL group). DTensor gradients count their local shard once over the mesh (HSDP: the replicas'
+    copies are scaled, not counted again). A non-finite bucket norm leaves that bucket unscaled
+    (``found_inf``). Collective over the group."""
     normalised = []
     for i, b in enumerate(buckets):
         if not isinstance(b, GradClipBucket):
             raise TypeError(f"clip_grad_norm_buckets_: buckets[{i}] is a {type(b).__name__}; pass dmuon.GradClipBucket(name, grads, reduce)")
-        normalised.append((b.name, [_local(g) for g in b.grads], bool(b.reduce), []))
-    group, ranks, device = _group_args(process_group, [g for _, gs, _, _ in normalised for g in gs], "clip_grad_norm_buckets_")
-    return _result(_C._clip_grad_norm_buckets(normalised, None if max_norm is None else float(max_norm), group, ranks,
-                                              device, chunk_size, None))
+        counted, scale_only = _split(b.grads)
+        normalised.append((b.name, counted, bool(b.reduce), scale_only))
+    return _clip_buckets(normalised, max_norm, process_group, "clip_grad_norm_buckets_", chunk_size)
 
 
 def try_clip_optimizer_grad_norm_buckets_(optimizer, *, regular_grads: Sequence[Optional[torch.Tensor]],
@@ -183,25 +198,26 @@ def try_clip_optimizer_grad_norm_buckets_(optimizer, *, regular_grads: Sequence[
                                           process_group=None) -> Optional[SegmentedGradClipResult]:
     """Three buckets in one call, each clipped to ``max_norm`` on its own: "regular" (the caller's replicated
     gradients, not reduced), "muon" (``optimizer``'s dedicated gradients, waited here, reduced) and
-    "adamw" (the caller's sharded AdamW gradients, e.g. FSDP2's DTensor shards, reduced). The "muon"
-    bucket's stats become ``optimizer.last_muon_grad_clip_stats`` (strategy "segmented"). Returns None only
-    when the fused path is switched off for the install (``DMUON_FAST_CLIP=0``), so the caller runs its own
-    path. ``process_group``: None is the model's mesh. Collective."""
+    "adamw" (the caller's sharded AdamW gradients, e.g. FSDP2's DTensor shards, reduced; each element once
+    over the mesh). The "muon" bucket's stats become ``optimizer.last_muon_grad_clip_stats`` (strategy
+    "segmented"). Returns None only when the fused path is switched off for the install
+    (``DMUON_FAST_CLIP=0``), so the caller runs its own path. ``process_group``: None is the model's mesh.
+    Collective."""
     if not hasattr(optimizer, "_native"):
         raise ValueError(f"try_clip_optimizer_grad_norm_buckets_: optimizer must be a dmuon.Muon, got {type(optimizer).__name__}")
-    regular = [_local(g) for g in regular_grads]
-    adamw = [_local(g) for g in adamw_grads]
-    group, ranks, device = (None, [], "cpu")
-    if process_group is not None:
-        group, ranks, device = _group_args(process_group, regular + adamw, "try_clip_optimizer_grad_norm_buckets_")
-    d = _C._try_clip_optimizer_grad_norm_buckets(optimizer._native, regular, adamw, float(max_norm), group, ranks, device)
-    if d is None:
+    if not _C._fast_clip_enabled():
         return None
-    r = _result(d)
+    muon = _C._muon_clip_grads(optimizer._native, False)  # collective: waits the reduces
+    regular, regular_copies = _split(regular_grads)
+    adamw, adamw_copies = _split(adamw_grads)
+    buckets = [("regular", regular + regular_copies, False, []),
+               ("muon", [g for _, g, counted, _ in muon if counted], True, [g for _, g, counted, _ in muon if not counted]),
+               ("adamw", adamw, True, adamw_copies)]
+    group = optimizer._model_state.world_group if process_group is None else process_group
+    r = _clip_buckets(buckets, max_norm, group, "try_clip_optimizer_grad_norm_buckets_")
     s = r.find("muon")
-    if s is not None:
-        optimizer._last_clip = MuonGradClipStats(s.total_norm, s.max_norm, 2.0, s.clip_coef, s.clipped, s.param_count,
-                                                 s.found_inf, "segmented")
+    optimizer._last_clip = MuonGradClipStats(s.total_norm, s.max_norm, 2.0, s.clip_coef, s.clipped, s.param_count,
+                                             s.found_inf, "segmented")
     return r
 
 

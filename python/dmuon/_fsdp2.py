@@ -82,6 +82,20 @@ def is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor")
 
 
+def shard_of(g: torch.Tensor):
+    """A gradient as (local tensor, counted, counts_param) for a norm summed over every rank: a DTensor's
+    local shard is counted on the ranks at coordinate 0 of every mesh dimension it is replicated over (HSDP's
+    replicate axis), so each element once; its parameter once, on the ranks at coordinate 0 everywhere. A
+    plain tensor: itself, counted."""
+    if not is_dtensor(g):
+        return g, True, True
+    from torch.distributed.tensor import Replicate
+
+    coords = g.device_mesh.get_coordinate() or []
+    counted = all(c == 0 for c, pl in zip(coords, g.placements) if isinstance(pl, Replicate))
+    return g.to_local(), counted, counted and all(c == 0 for c in coords)
+
+
 def fsdp_modules(model: nn.Module) -> List[nn.Module]:
     """The modules of ``model`` that ``fully_shard`` was applied to (FSDPModule instances)."""
     try:

@@ -13,7 +13,7 @@ from torch import nn
 
 from . import _C
 from ._clip import MuonGradClipStats, python_strategy, run_python_strategy
-from ._fsdp2 import assign_full, fsdp_modules, full_tensor, is_dtensor
+from ._fsdp2 import assign_full, fsdp_modules, full_tensor, is_dtensor, shard_of
 from ._mesh import make_mesh
 
 
@@ -535,20 +535,7 @@ def _external_clip_grads(state: _State) -> list:
     a clip over every parameter: a shard is counted on the ranks at coordinate 0 of every mesh dimension
     it is replicated over (HSDP's replicate axis), the parameter once, on the ranks at coordinate 0
     everywhere."""
-    out = []
-    for name, p in state.external.items():
-        g = p.grad
-        if g is None:
-            continue
-        if not is_dtensor(g):
-            out.append((name, g, True, True))
-            continue
-        from torch.distributed.tensor import Replicate
-
-        coords = g.device_mesh.get_coordinate()
-        counted = all(c == 0 for c, pl in zip(coords, g.placements) if isinstance(pl, Replicate))
-        out.append((name, g.to_local(), counted, counted and all(c == 0 for c in coords)))
-    return out
+    return [(name,) + shard_of(p.grad) for name, p in state.external.items() if p.grad is not None]
 
 
 class Muon(torch.optim.Optimizer):
@@ -613,6 +600,12 @@ class Muon(torch.optim.Optimizer):
                 f"{state.mesh.world_size}-rank mesh: {local[:8]}. Each rank would update them with its own "
                 "gradient and the replicas would drift apart. Before constructing Muon, call dmuon.replicate(model), "
                 "or fully_shard the modules that hold them, or freeze them (requires_grad_(False))."
+            )
+        if forward_prefetch_depth == 0 and external:
+            raise ValueError(
+                "Muon: forward_prefetch_depth=0 with FSDP2 training part of the model is refused in this version: "
+                "it aborts rank processes in some runs (a known defect). Use forward_prefetch_depth >= 1 (the "
+                "default, 1, issues each boundary's broadcast one boundary ahead)."
             )
         user = _user_groups(param_groups, state)
         native_user = [dict(g, params=[state.params[n] for n in g["params"] if n not in external]) for g in user]

@@ -110,11 +110,11 @@ std::mutex& interrupt_mu() {
   static std::mutex mu;
   return mu;
 }
-std::shared_ptr<const std::function<void()>>& interrupt_slot() {
-  static std::shared_ptr<const std::function<void()>> check;
+std::shared_ptr<const WaitInterrupt>& interrupt_slot() {
+  static std::shared_ptr<const WaitInterrupt> check;
   return check;
 }
-std::shared_ptr<const std::function<void()>> interrupt_check() {
+std::shared_ptr<const WaitInterrupt> interrupt_check() {
   std::lock_guard<std::mutex> g(interrupt_mu());
   return interrupt_slot();
 }
@@ -131,6 +131,7 @@ std::exception_ptr wait_cpu(const WorkPtr& work, std::chrono::milliseconds timeo
     work->wait(timeout);
     return nullptr;
   }
+  const uint64_t since = check->epoch();  // interrupts from before this wait do not count
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
@@ -142,10 +143,13 @@ std::exception_ptr wait_cpu(const WorkPtr& work, std::chrono::milliseconds timeo
       work->wait(kInterruptPoll);
       return nullptr;
     } catch (const std::exception&) {
-      if (work->isCompleted()) throw;  // the collective failed
+      if (work->isCompleted()) {  // failed, or finished just after the slice ran out: its own outcome
+        work->wait(kInterruptPoll);
+        return nullptr;
+      }
     }
     try {
-      (*check)();
+      check->check(since);
     } catch (...) {
       return std::current_exception();
     }
@@ -180,8 +184,8 @@ void wait_on_streams(const WorkPtr& work, const at::Device& dev, const std::opti
 }
 }  // namespace
 
-void set_wait_interrupt_check(std::function<void()> check) {
-  auto next = check ? std::make_shared<const std::function<void()>>(std::move(check)) : nullptr;
+void set_wait_interrupt_check(WaitInterrupt interrupt) {
+  auto next = interrupt.epoch && interrupt.check ? std::make_shared<const WaitInterrupt>(std::move(interrupt)) : nullptr;
   std::lock_guard<std::mutex> g(interrupt_mu());
   interrupt_slot() = std::move(next);
 }

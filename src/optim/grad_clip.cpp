@@ -316,6 +316,8 @@ SegmentedGradClipResult clip_grad_norm_buckets_(const std::vector<GradClipBucket
   return out;
 }
 
+bool fast_clip_enabled() { return !fast_clip_disabled(); }
+
 std::optional<SegmentedGradClipResult> try_clip_optimizer_grad_norm_buckets_(
     Muon& optimizer, const std::vector<at::Tensor>& regular_grads, const std::vector<at::Tensor>& adamw_grads,
     double max_norm, Communicator* group) {

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import dmuon
 from dmuon_testing import run_faulty_ranks, run_ranks
@@ -59,7 +60,7 @@ def _groups_and_strategy(rank, world, layout, out_path):
     opt = dmuon.Muon(model, lr=LR, adamw_lr=ADAMW_LR, weight_decay=0.01, adamw_weight_decay=0.01, momentum=0.95,
                      param_groups=[{"params": early, "name": "early", "lr": EARLY["lr"], "adamw_lr": EARLY["adamw_lr"],
                                     "weight_decay": 0.0, "adamw_weight_decay": 0.0}],
-                     forward_prefetch_depth=0 if fsdp2 else 2)
+                     forward_prefetch_depth=2 if fsdp2 else 0)  # 0 with FSDP2 is refused (see below)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     # the user group lowered into its Muon and AdamW subgroups, then the default pair
     assert [(g["group_name"], g["is_muon"]) for g in opt.param_groups] == [
@@ -153,6 +154,8 @@ def _buckets_and_profile(rank, world):
     # mistakes
     with pytest.raises(ValueError, match="cannot be replaced"):
         dmuon.register_muon_grad_clip_strategy("global_norm", per_matrix)
+    with pytest.raises(ValueError, match="forward_prefetch_depth must be an int >= 0"):
+        dmuon.Muon(model, forward_prefetch_depth=-1)
     with pytest.raises(ValueError, match="post_step_prefetch_groups=2 is not implemented"):
         dmuon.Muon(model, post_step_prefetch_groups=2)
     with pytest.raises(ValueError, match="may set name, lr"):
@@ -250,3 +253,37 @@ def test_lost_peer_is_an_error_and_ctrl_c_interrupts(tmp_path, fault):
         assert "A peer probably died" in r["message"] and "frame #" not in r["message"], r
     else:  # Ctrl-C one second into a step that waits for the stopped peer (timeout 60 s)
         assert r["type"] == "KeyboardInterrupt" and 0.9 < r["seconds"] < 10, r
+
+
+def _hsdp_buckets(rank, world):
+    """FSDP2 HSDP 2x2: DTensor gradient shards in a reduced bucket count every element once (the replicas'
+    copies are scaled, not counted again): the bucket norm is the full gradients' norm."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    model = make_net()
+    dmuon.dedicate_params(model, mesh, lambda n, p: p.dim() == 2)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with pytest.raises(ValueError, match="forward_prefetch_depth=0 with FSDP2"):
+        dmuon.Muon(model, forward_prefetch_depth=0)
+    opt = dmuon.Muon(model, first_step_progress_log=False)
+    x, y = batch(0)
+    per = BATCH_PER(world)
+    ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
+    shards = [p.grad for p in model.parameters() if type(p).__name__ == "DTensor"]
+    assert len(shards) == BLOCKS + 1
+    full = math.sqrt(sum(float(g.full_tensor().double().norm()) ** 2 for g in shards))
+    counted_shards = (BLOCKS + 1) * (world // 2)  # a bucket counts gradient tensors: each shard of replica 0 once
+    r = dmuon.clip_grad_norm_buckets_([dmuon.GradClipBucket("fsdp", shards)], None)
+    assert abs(r.find("fsdp").total_norm - full) < 1e-12 * full and r.find("fsdp").param_count == counted_shards
+    muon_norm = opt.clip_grad_norm_(None).total_norm
+    r = dmuon.try_clip_optimizer_grad_norm_buckets_(opt, regular_grads=[], adamw_grads=shards, max_norm=1e9)
+    assert abs(r.find("adamw").total_norm - full) < 1e-12 * full and r.find("adamw").param_count == counted_shards
+    assert abs(r.find("muon").total_norm - muon_norm) < 1e-12 * muon_norm
+    stats = opt.clip_grad_norm_(None, scope="all")  # every parameter: Muon matrices and FSDP2's shards
+    assert abs(stats.total_norm - math.sqrt(full ** 2 + muon_norm ** 2)) < 1e-12 * stats.total_norm
+    assert stats.param_count == 3 * BLOCKS + 1
+
+
+def test_hsdp_dtensor_shards_count_once_in_bucket_norms(tmp_path):
+    run_ranks(tmp_path, 4, _hsdp_buckets)
