@@ -122,6 +122,10 @@ def main():
             save_file({n: t.contiguous() for n, t in state.items()}, os.path.join(args.out, "model.safetensors"),
                       metadata={"format": "pt"})
             print(f"saved {args.out}/model.safetensors ({len(state)} tensors)", flush=True)
+    # every rank past its last collective before any exits: torch's Gloo workers release a finished
+    # collective's tensors (FSDP2's all-gathers) just after waking its waiter, and one that does so while
+    # its interpreter is already shutting down aborts the process (std::terminate) after a good run
+    dist.barrier()
     dist.destroy_process_group()
 
 

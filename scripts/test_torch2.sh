@@ -49,5 +49,6 @@ grep -q "dmuon: Torch 2\..*, CUDA=1, Gloo=OFF" "$config_log" ||
 rm -f "$config_log"
 export CCACHE_BASEDIR="$PWD"
 cmake --build "$BUILD_DIR" -j "$JOBS"
-cd "$BUILD_DIR"
-ctest --output-on-failure --timeout 900 -j "${DMUON_TEST_JOBS:-1}"
+(cd "$BUILD_DIR" && ctest --output-on-failure --timeout 900 -j "${DMUON_TEST_JOBS:-1}")
+# pip install --no-build-isolation . from the tree just built (the core is not compiled a third time)
+bash scripts/pip_check.sh "$VENV" "$BUILD_DIR"

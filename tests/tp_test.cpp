@@ -17,6 +17,8 @@
 #include "dmuon/diagnostics.h"
 #include "dmuon/muon.h"
 #include "dmuon/tensor_parallel.h"
+#include "dmuon/model_view.h"
+#include "runtime/runtime.h"
 #include "support/training.h"
 
 using namespace dmuon;
@@ -38,7 +40,26 @@ struct TpLayout {
   bool no_sync = false;
   at::ScalarType dtype = at::kDouble;
   std::optional<LoopbackOptions> loopback;  // every group on dmuon's loopback backend (model and data on its device)
+  // the mesh rebuilt by Mesh::from_groups over the groups of Mesh::create's (what `import dmuon` does with
+  // torch's groups), and the runtime's full parameters (runtime_full_params: TP slices gathered) checked too
+  bool from_groups = false;
 };
+
+// Mesh::from_groups over `made`'s own groups (world, shard, replicate, tp, dp): the layout checks and the
+// wiring of a mesh whose groups the caller built. `made` keeps the groups alive.
+std::shared_ptr<Mesh> mesh_from_groups_of(Mesh& made) {
+  auto group = [](Communicator& c) { return MeshGroup{c.process_group(), c.global_ranks()}; };
+  MeshGroups g{group(made.world()), group(made.shard()), std::nullopt, std::nullopt, std::nullopt};
+  if (made.replicate()) g.replicate = group(*made.replicate());
+  if (made.tp()) {
+    g.tp = group(*made.tp());
+    g.dp = group(made.dp());
+  }
+  MeshOptions o;
+  o.timeout = made.timeout();
+  o.process_group_policy = "shared";
+  return Mesh::from_groups(g, o);
+}
 
 struct TpOutcome {
   double worst = 0;
@@ -62,7 +83,8 @@ TpOutcome check_tp_equivalence(const TpLayout& l) {
   TpOutcome out;
   std::map<std::string, int> checked;  // "name@t" -> times checked on an owner
   run_ranks(l.world, [&](RankContext& ctx) {
-    auto mesh = make_mesh(ctx, std::chrono::seconds(60), l.replicate, l.tp);
+    auto made = make_mesh(ctx, std::chrono::seconds(60), l.replicate, l.tp);
+    auto mesh = l.from_groups ? mesh_from_groups_of(*made) : made;
     GPTConfig c = cfg;
     c.tp_mesh = mesh;
     GPT m(c);
@@ -146,6 +168,11 @@ TpOutcome check_tp_equivalence(const TpLayout& l) {
       }
       expect(n > 0 && get_base_params(*m).empty(), "every non-matrix parameter is on sharded_adamw");
     }
+    if (l.from_groups) {  // every parameter's full value on every rank: TP slices gathered over the TP group
+      const auto full = runtime_full_params(dmuon::detail::state_of_model(m.ptr().get()));
+      expect(full.size() == ref.params.size(), "runtime_full_params gives every trainable parameter");
+      for (const auto& [name, v] : full) within(max_rel(v, ref.params.at(name)), name + " (runtime_full_params)");
+    }
     std::lock_guard<std::mutex> g(mu);
     out.worst = std::max(out.worst, worst);
     out.gathered += gathered;
@@ -216,6 +243,17 @@ TEST(TpModules, ColumnThenRowEqualsTheFullLayersInValueAndGradient) {
     expect(max_rel(col->weight.grad(), tp_slice(fW1.grad(), 0, t, 2)) < 1e-12, "column weight gradient");
     expect(max_rel(row->weight.grad(), tp_slice(fW2.grad(), 1, t, 2)) < 1e-12, "row weight gradient");
   });
+}
+
+// The same over a mesh built by Mesh::from_groups (the Python front end's way), HSDP 2 x 1 x TP 2 and
+// DP 2 x TP 2: the layout accepted, the TP and DP groups wired, full parameters gathered over TP.
+TEST(TpEquivalence, FromGroupsDp2Tp2Z3AndHsdp2Tp2) {
+  TpLayout l;
+  l.world = 4;
+  l.from_groups = true;
+  EXPECT_GT(check_tp_equivalence(l).gathered, 0);
+  l.replicate = 2;
+  EXPECT_GT(check_tp_equivalence(l).gathered, 0);
 }
 
 TEST(TpEquivalence, Tp2GatherZ3) {
@@ -408,6 +446,22 @@ TEST(TpErrors, TpSizeNotDividingTheWorld) {
   run_ranks(4, [](RankContext& ctx) {
     const std::string e = error_of([&] { make_mesh(ctx, std::chrono::seconds(10), 1, 3); });
     expect(e.find("tp_size 3 does not divide the world size 4") != std::string::npos, e);
+  });
+}
+
+// Mesh::from_groups with the TP and DP groups swapped (a (shard, tp) mesh read in the wrong order): the
+// first mismatching group is named with the layout it needs; a tp group without its dp group is refused.
+TEST(TpErrors, FromGroupsWithSwappedTpAndDpAxes) {
+  run_ranks(4, [](RankContext& ctx) {
+    auto made = make_mesh(ctx, std::chrono::seconds(60), 1, 2);
+    auto group = [](Communicator& c) { return MeshGroup{c.process_group(), c.global_ranks()}; };
+    MeshGroups g{group(made->world()), group(made->shard()), std::nullopt, group(made->dp()), group(*made->tp())};
+    std::string e = error_of([&] { Mesh::from_groups(g, {}); });
+    expect(e.find("rank " + std::to_string(ctx.rank)) != std::string::npos && e.find("1 x 2 x 2 mesh") != std::string::npos &&
+               e.find("(replicate_rank x 2 + shard_rank) x 2 + tp_rank") != std::string::npos, e);
+    g.dp.reset();
+    e = error_of([&] { Mesh::from_groups(g, {}); });
+    expect(e.find("needs both its tp group and its dp group") != std::string::npos, e);
   });
 }
 

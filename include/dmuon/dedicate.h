@@ -296,12 +296,23 @@ namespace detail {
 // Boundary scope used by dmuon::forward. enter() runs the pre-forward work and returns the input
 // wrapped for the post-backward hook; exit() runs the post-forward work and wraps the output for
 // the pre-backward hook. Both are no-ops for modules that are not boundaries.
+// What a scope of one module needs, resolved once: its boundary (if it is one) and, for the model's
+// root, the runtime whose forward pass it starts. Hooks that run every forward keep one per module.
+struct BoundarySite {
+  std::shared_ptr<Runtime> state;  // set when the module is a boundary
+  int boundary = -1;
+  std::shared_ptr<Runtime> root;   // set when the module is the dedicated model's root
+};
+// The site of `module` (a name in the runtime's ModelView; "" the root); a mistyped name is a ValueError.
+BoundarySite boundary_site(const std::shared_ptr<Runtime>& runtime, const std::string& module);
+
 class BoundaryScope {
  public:
   explicit BoundaryScope(const torch::nn::Module* module);
   // A boundary of a runtime built from a ModelView (dedicate_model_view): `module` names it; the
   // root ("") starts a forward pass; a module that is no boundary does nothing.
   BoundaryScope(const std::shared_ptr<Runtime>& runtime, const std::string& module);
+  explicit BoundaryScope(const BoundarySite& site);
   ~BoundaryScope();
   BoundaryScope(const BoundaryScope&) = delete;
   BoundaryScope& operator=(const BoundaryScope&) = delete;

@@ -56,12 +56,15 @@ struct MeshGroup {
   std::vector<int> ranks;
 };
 // The groups of a mesh the caller built (e.g. torch.distributed groups of a DeviceMesh): this rank's
-// own group of each axis. Ranks are numbered as Mesh::create numbers them (replicate-major: world
-// rank = replicate_rank x G + shard_rank, what init_device_mesh((R, G)) gives).
+// own group of each axis. Ranks are numbered as Mesh::create numbers them (replicate-major, TP
+// innermost: world rank = (replicate_rank x G + shard_rank) x T + tp_rank, what
+// init_device_mesh((R, G, T)) gives; T = 1 without tensor parallelism).
 struct MeshGroups {
   MeshGroup world;                     // every rank of the mesh
   MeshGroup shard;                     // this rank's shard group (on a 1-D mesh: the world again)
   std::optional<MeshGroup> replicate;  // HSDP: this rank's replicate group
+  std::optional<MeshGroup> tp;         // tensor parallelism: this rank's TP group (T contiguous ranks)
+  std::optional<MeshGroup> dp;         // with tp: the R x G ranks at this rank's TP position (data parallel)
 };
 
 class Mesh {

@@ -68,6 +68,11 @@ std::shared_ptr<Runtime> dedicate_model_view(ModelView view, const std::shared_p
 std::shared_ptr<Runtime> dedicate_model_view_ddp(ModelView view, const std::shared_ptr<Mesh>& mesh,
                                                  const ParamPredicate& predicate, const DedicateOptions& options = {});
 
+// dedicate_params_ddp_tp for a model given as data: the DDP path on a data-parallel x tensor-parallel
+// mesh (no replicate axis); view.tp_split names the TP-split parameters. collective: every rank.
+std::shared_ptr<Runtime> dedicate_model_view_ddp_tp(ModelView view, const std::shared_ptr<Mesh>& mesh,
+                                                    const ParamPredicate& predicate, const DedicateOptions& options = {});
+
 // ---- what a front end asks of a runtime made by dedicate_model_view ----
 class RuntimeFace;  // what Muon takes: Muon(runtime_face(runtime), options)
 std::shared_ptr<RuntimeFace> runtime_face(const std::shared_ptr<Runtime>& runtime);
@@ -77,9 +82,10 @@ std::vector<std::string> runtime_boundaries(const Runtime& runtime);
 std::vector<DedicatedParam> runtime_dedicated_params(const Runtime& runtime);
 // dmuon::replicate: every trainable parameter on no other route is replicated (whole on every rank,
 // gradients all-reduced in buckets of `bucket_mb` MiB). collective: every rank (rank 0's values).
-void runtime_replicate(const std::shared_ptr<Runtime>& runtime, double bucket_mb = 25.0);
-// The full value of every trainable parameter (master precision, model order), on every rank.
-// collective: every rank.
+// tp (dmuon::replicate_tp): TP slices too, their gradients all-reduced over the data-parallel ranks.
+void runtime_replicate(const std::shared_ptr<Runtime>& runtime, double bucket_mb = 25.0, bool tp = false);
+// The full value of every trainable parameter (master precision, model order; TP slices gathered over
+// the TP group), on every rank. collective: every rank.
 std::vector<std::pair<std::string, at::Tensor>> runtime_full_params(const std::shared_ptr<Runtime>& runtime);
 // Takes every trainable parameter's value from `values` (full tensors by name, as runtime_full_params
 // gives them; each rank keeps its part). Throws naming a missing or misshapen parameter. collective.

@@ -25,11 +25,6 @@ namespace {
 
 using namespace pybind11::literals;
 
-// The runtime of one dedicated Python model (Runtime is internal: an opaque handle).
-struct RuntimeHandle {
-  std::shared_ptr<Runtime> runtime;
-};
-
 template <typename T>
 std::optional<T> get_opt(const py::dict& d, const char* key) {
   if (!d.contains(key) || d[key].is_none()) return std::nullopt;
@@ -186,7 +181,7 @@ void bind_runtime(py::module_& m) {
           TORCH_CHECK_VALUE(groups[i].first, "dmuon: a process group of the mesh is None");
           return MeshGroup{groups[i].first->getBackend(o.device->type()), groups[i].second};
         };
-        MeshGroups g{group(0), group(1), std::nullopt};
+        MeshGroups g{group(0), group(1), std::nullopt, std::nullopt, std::nullopt};
         if (groups.size() == 3) g.replicate = group(2);
         return Mesh::from_groups(g, o);
       },
@@ -248,17 +243,6 @@ void bind_runtime(py::module_& m) {
                                  : dedicate_model_view(std::move(v), mesh, predicate, o)};
       },
       "params"_a, "buffers"_a, "modules"_a, "mesh"_a, "predicate"_a, "options"_a, "ddp"_a);
-
-  py::class_<detail::BoundaryScope>(m, "_BoundaryScope")
-      .def(py::init([](const RuntimeHandle& h, const std::string& module) {
-             return std::make_unique<detail::BoundaryScope>(h.runtime, module);
-           }),
-           "runtime"_a, "module"_a, release)
-      .def("enter", py::overload_cast<const at::Tensor&>(&detail::BoundaryScope::enter), release)
-      .def("enter", py::overload_cast<>(&detail::BoundaryScope::enter), release)
-      .def("cast_input", &detail::BoundaryScope::cast_input)
-      .def("exit", py::overload_cast<const at::Tensor&>(&detail::BoundaryScope::exit), release)
-      .def("exit", py::overload_cast<>(&detail::BoundaryScope::exit), release);
 
   py::class_<Muon>(m, "_Muon")
       .def(py::init([](const RuntimeHandle& h, const py::dict& options) {

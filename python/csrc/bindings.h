@@ -13,6 +13,10 @@
 
 #include "dmuon/communicator.h"
 
+namespace dmuon {
+class Runtime;  // the runtime of a dedicated model (model_view.h)
+}  // namespace dmuon
+
 namespace dmuon::python {
 
 namespace py = pybind11;
@@ -33,6 +37,11 @@ std::pair<CommPtr, std::chrono::milliseconds> backend_of(const c10::intrusive_pt
 std::shared_ptr<Communicator> communicator_of(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                               std::vector<int> global_ranks, const at::Device& device,
                                               const std::string& name);
+// The runtime of one dedicated Python model (Runtime is internal: an opaque handle, dmuon._C._Runtime).
+struct RuntimeHandle {
+  std::shared_ptr<Runtime> runtime;
+};
+
 // Ctrl-C while the host waits for a CPU collective ends the wait with Interrupted (set_wait_interrupt_check),
 // which reaches Python as KeyboardInterrupt (register_errors).
 struct Interrupted : std::exception {
@@ -46,5 +55,7 @@ void bind_newton_schulz(py::module_& m);
 void bind_runtime(py::module_& m);
 // Gradient clipping: Muon's gradients for Python strategies, segmented (bucket) clipping.
 void bind_clip(py::module_& m);
+// The forward hooks of a dedicated Python model's modules (after bind_runtime: they take a _Runtime).
+void bind_hooks(py::module_& m);
 
 }  // namespace dmuon::python

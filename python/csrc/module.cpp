@@ -39,5 +39,6 @@ PYBIND11_MODULE(_C, m) {
   dmuon::python::bind_newton_schulz(m);
   dmuon::python::bind_runtime(m);
   dmuon::python::bind_clip(m);
+  dmuon::python::bind_hooks(m);
   dmuon::python::install_interrupt_check();
 }

@@ -113,57 +113,18 @@ def _boundary_resolver(model: nn.Module, predicate: Callable[[nn.Module], bool],
     return resolve
 
 
-def _split_first_tensor(args):
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            return i
-    return -1
-
-
 def _install_hooks(model: nn.Module, runtime, guard) -> list:
+    """The root's and every boundary's forward hooks: C++ objects (dmuon._C._ForwardHooks) that enter and
+    leave the module's boundary scope, registered after any hooks already there (FSDP2's) and always
+    called, so a forward that raises still closes its scope. The root also opens every forward pass and
+    runs ``guard`` once per forward."""
     modules = dict(model.named_modules())
     handles = []
     boundaries = runtime.boundaries()
     for name in [""] + [b for b in boundaries if b != ""]:
-        module = modules[name]
-        scopes = []  # a module may run more than once in one forward (a stack of open scopes)
-        is_boundary = name in boundaries  # the root also opens and closes every forward pass
-
-        def pre(mod, args, kwargs, name=name, scopes=scopes, is_boundary=is_boundary):
-            if name == "":
-                guard()  # once per forward: the parameters are still the ones dmuon hooked
-            scope = _C._BoundaryScope(runtime, name)
-            scopes.append(scope)
-            # the first tensor argument (positional, else keyword) carries the boundary's backward hook
-            i = _split_first_tensor(args)
-            key = None if i >= 0 else next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
-            if not is_boundary or (i < 0 and key is None):
-                scope.enter()
-                return None
-            new_args = list(args)
-            if i >= 0:
-                new_args[i] = scope.enter(args[i])
-            kwargs = dict(kwargs)
-            if key is not None:
-                kwargs[key] = scope.enter(kwargs[key])
-            for j in range(max(i, 0), len(new_args)):
-                if j != i and isinstance(new_args[j], torch.Tensor):
-                    new_args[j] = scope.cast_input(new_args[j])
-            kwargs = {k: scope.cast_input(v) if k != key and isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-            return tuple(new_args), kwargs
-
-        def post(mod, args, kwargs, output, name=name, scopes=scopes, is_boundary=is_boundary):
-            scope = scopes.pop()
-            if is_boundary and isinstance(output, torch.Tensor):
-                return scope.exit(output)
-            if is_boundary and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-                first = scope.exit(output[0])
-                return type(output)((first,) + tuple(output[1:])) if isinstance(output, tuple) else [first] + list(output[1:])
-            scope.exit()
-            return None
-
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+        hooks = _C._ForwardHooks(runtime, name, guard if name == "" else None)
+        handles.append(modules[name].register_forward_pre_hook(hooks.pre, with_kwargs=True))
+        handles.append(modules[name].register_forward_hook(hooks.post, with_kwargs=True, always_call=True))
     return handles
 
 
@@ -600,12 +561,6 @@ class Muon(torch.optim.Optimizer):
                 f"{state.mesh.world_size}-rank mesh: {local[:8]}. Each rank would update them with its own "
                 "gradient and the replicas would drift apart. Before constructing Muon, call dmuon.replicate(model), "
                 "or fully_shard the modules that hold them, or freeze them (requires_grad_(False))."
-            )
-        if forward_prefetch_depth == 0 and external:
-            raise ValueError(
-                "Muon: forward_prefetch_depth=0 with FSDP2 training part of the model is refused in this version: "
-                "it aborts rank processes in some runs (a known defect). Use forward_prefetch_depth >= 1 (the "
-                "default, 1, issues each boundary's broadcast one boundary ahead)."
             )
         user = _user_groups(param_groups, state)
         native_user = [dict(g, params=[state.params[n] for n in g["params"] if n not in external]) for g in user]

@@ -121,26 +121,42 @@ std::shared_ptr<Mesh> Mesh::from_groups(const MeshGroups& g, const MeshOptions& 
   const int rank = g.world.group->getRank(), n = g.world.group->getSize();
   TORCH_CHECK_VALUE(opts.timeout.count() > 0, "rank ", rank, ": MeshOptions::timeout is ", opts.timeout.count(),
                     " ms; it must be > 0 (a lost peer is an error after it, never a hang).");
+  TORCH_CHECK_VALUE(g.tp.has_value() == g.dp.has_value(), "rank ", rank, ": Mesh::from_groups: a TP mesh needs both "
+                    "its tp group and its dp group (the ranks at this rank's TP position); got only the ",
+                    g.tp ? "tp" : "dp", " group.");
   const int G = g.shard.group->getSize(), R = g.replicate ? g.replicate->group->getSize() : 1;
+  const int T = g.tp ? g.tp->group->getSize() : 1;
   const int s = g.shard.group->getRank(), r = g.replicate ? g.replicate->group->getRank() : 0;
+  const int t = g.tp ? g.tp->group->getRank() : 0;
+  const std::string layout = T > 1 ? std::to_string(R) + " x " + std::to_string(G) + " x " + std::to_string(T)
+                                   : std::to_string(R) + " x " + std::to_string(G);
+  const std::string rule = T > 1 ? "(replicate_rank x " + std::to_string(G) + " + shard_rank) x " + std::to_string(T) +
+                                       " + tp_rank, as init_device_mesh((R, G, T)) lays ranks out"
+                                 : "replicate_rank x " + std::to_string(G) + " + shard_rank, as init_device_mesh((R, G)) "
+                                   "lays ranks out";
   auto check_group = [&](const MeshGroup& m, const char* axis, const std::vector<int>& expected) {
     TORCH_CHECK_VALUE(static_cast<int>(m.ranks.size()) == m.group->getSize(), "rank ", rank, ": the ", axis,
                       " group has ", m.group->getSize(), " ranks but ", m.ranks.size(), " were listed for it.");
     TORCH_CHECK_VALUE(m.ranks == expected, "rank ", rank, ": the ", axis, " group's ranks ", ranks_text(m.ranks),
-                      " are not ", ranks_text(expected), ", which dmuon's ", R, " x ", G, " mesh needs: dmuon numbers "
-                      "ranks replicate-major (rank = replicate_rank x ", G, " + shard_rank), as init_device_mesh(\"cpu\" "
-                      "or \"cuda\", (R, G)) lays them out. Build the mesh that way, or pass the groups of such a mesh.");
+                      " are not ", ranks_text(expected), ", which dmuon's ", layout, " mesh needs: dmuon numbers "
+                      "ranks replicate-major (rank = ", rule, "). Build the mesh that way, or pass the groups of such "
+                      "a mesh.");
   };
-  TORCH_CHECK_VALUE(R * G == n, "rank ", rank, ": the shard group (", G, " ranks) times the replicate group (", R,
-                    " ranks) is not the world of the mesh (", n, " ranks). Pass the groups of one (replicate, shard) mesh.");
-  TORCH_CHECK_VALUE(rank == r * G + s, "rank ", rank, ": this rank is shard rank ", s, " and replicate rank ", r,
-                    " of a ", R, " x ", G, " mesh, which dmuon's replicate-major layout (rank = replicate_rank x ", G,
-                    " + shard_rank, as init_device_mesh((R, G)) lays ranks out) puts at rank ", r * G + s,
-                    " of the mesh's world group, not ", rank, ". Pass the shard and replicate axes of such a mesh, not "
-                    "swapped.");
+  TORCH_CHECK_VALUE(R * G * T == n, "rank ", rank, ": the shard group (", G, " ranks) times the replicate group (", R,
+                    " ranks)", T > 1 ? " times the TP group (" + std::to_string(T) + " ranks)" : std::string(),
+                    " is not the world of the mesh (", n, " ranks). Pass the groups of one ",
+                    T > 1 ? "(replicate, shard, tp)" : "(replicate, shard)", " mesh.");
+  TORCH_CHECK_VALUE(rank == (r * G + s) * T + t, "rank ", rank, ": this rank is shard rank ", s, " and replicate rank ",
+                    r, T > 1 ? " and TP rank " + std::to_string(t) : std::string(), " of a ", layout,
+                    " mesh, which dmuon's replicate-major layout (rank = ", rule, ") puts at rank ", (r * G + s) * T + t,
+                    " of the mesh's world group, not ", rank, ". Pass the axes of such a mesh, not swapped.");
   check_group(g.world, "world", iota_ranks(n, 0, 1));
-  check_group(g.shard, "shard", iota_ranks(G, r * G, 1));
-  if (g.replicate) check_group(*g.replicate, "replicate", iota_ranks(R, s, G));
+  check_group(g.shard, "shard", iota_ranks(G, r * G * T + t, T));
+  if (g.replicate) check_group(*g.replicate, "replicate", iota_ranks(R, s * T + t, G * T));
+  if (g.tp) {
+    check_group(*g.tp, "tp", iota_ranks(T, (r * G + s) * T, 1));
+    check_group(*g.dp, "dp", iota_ranks(R * G, t, T));
+  }
 
   auto mesh = std::shared_ptr<Mesh>(new Mesh());
   mesh->global_rank_ = rank;
@@ -154,8 +170,13 @@ std::shared_ptr<Mesh> Mesh::from_groups(const MeshGroups& g, const MeshOptions& 
   };
   mesh->world_ = make(g.world, "world", opts.device);
   const std::optional<at::Device> device = mesh->world_->device();
-  mesh->shard_ = make(g.shard, "shard" + std::to_string(r), device);
-  if (g.replicate) mesh->replicate_ = make(*g.replicate, "replicate" + std::to_string(s), device);
+  const std::string at_t = T > 1 ? "t" + std::to_string(t) : std::string();  // Mesh::create's names
+  mesh->shard_ = make(g.shard, "shard" + std::to_string(r) + at_t, device);
+  if (g.replicate) mesh->replicate_ = make(*g.replicate, "replicate" + std::to_string(s) + at_t, device);
+  if (g.tp) {
+    mesh->tp_ = make(*g.tp, "tp" + std::to_string(r * G + s), device);
+    mesh->dp_ = make(*g.dp, "dp" + std::to_string(t), device);
+  }
   mesh->world_->barrier("mesh setup: every rank has its groups");
   return mesh;
 }

@@ -46,44 +46,46 @@ at::Tensor wrap(const at::Tensor& x, const Runtime& rt, int b, HookSide side) {
 namespace detail {
 
 struct BoundaryScope::Impl {
-  std::shared_ptr<Runtime> state;  // set when the module is a boundary
-  int boundary = -1;
-  std::shared_ptr<Runtime> root;   // set when the module is a dedicated model
+  BoundarySite site;
   bool entered = false;
   bool exited = false;
-  const Boundary& B() const { return state->boundaries()[static_cast<size_t>(boundary)]; }
+  const Boundary& B() const { return site.state->boundaries()[static_cast<size_t>(site.boundary)]; }
 };
 
-BoundaryScope::BoundaryScope(const torch::nn::Module* module) : impl_(std::make_unique<Impl>()) {
-  auto [st, b] = boundary_of_module(module);
-  impl_->state = st;
-  impl_->boundary = b;
-  impl_->root = state_of_model(module);
-}
-
-BoundaryScope::BoundaryScope(const std::shared_ptr<Runtime>& runtime, const std::string& module)
-    : impl_(std::make_unique<Impl>()) {
+BoundarySite boundary_site(const std::shared_ptr<Runtime>& runtime, const std::string& module) {
   TORCH_CHECK_VALUE(runtime, "BoundaryScope: the runtime is null.");
   TORCH_CHECK_VALUE(runtime->view().module(module), "rank ", runtime->mesh().global_rank(), ": BoundaryScope: '", module,
               "' is not a module of the dedicated model view.");
+  BoundarySite site;
   for (const Boundary& B : runtime->boundaries())
     if (B.name == module) {
-      impl_->state = runtime;
-      impl_->boundary = B.index;
+      site.state = runtime;
+      site.boundary = B.index;
     }
-  if (module.empty()) impl_->root = runtime;
+  if (module.empty()) site.root = runtime;
+  return site;
 }
+
+BoundaryScope::BoundaryScope(const torch::nn::Module* module) : impl_(std::make_unique<Impl>()) {
+  auto [st, b] = boundary_of_module(module);
+  impl_->site = {st, b, state_of_model(module)};
+}
+
+BoundaryScope::BoundaryScope(const std::shared_ptr<Runtime>& runtime, const std::string& module)
+    : BoundaryScope(boundary_site(runtime, module)) {}
+
+BoundaryScope::BoundaryScope(const BoundarySite& site) : impl_(std::make_unique<Impl>()) { impl_->site = site; }
 
 BoundaryScope::~BoundaryScope() = default;
 
 void BoundaryScope::enter() {
-  if (impl_->root) impl_->root->begin_root_forward();  // the model's own forward: a new pass
-  if (impl_->state) impl_->state->pre_forward(impl_->boundary);
+  if (impl_->site.root) impl_->site.root->begin_root_forward();  // the model's own forward: a new pass
+  if (impl_->site.state) impl_->site.state->pre_forward(impl_->site.boundary);
   impl_->entered = true;
 }
 
 at::Tensor BoundaryScope::cast_input(const at::Tensor& t) const {
-  if (!impl_->state || !t.defined() || !t.is_floating_point()) return t;
+  if (!impl_->site.state || !t.defined() || !t.is_floating_point()) return t;
   const auto& d = impl_->B().input_dtype;
   return d && t.scalar_type() != *d ? t.to(*d) : t;
 }
@@ -91,35 +93,35 @@ at::Tensor BoundaryScope::cast_input(const at::Tensor& t) const {
 at::Tensor BoundaryScope::enter(const at::Tensor& input) {
   enter();
   const at::Tensor x = cast_input(input);
-  if (!impl_->state || !at::GradMode::is_enabled() || !x.defined() || !x.requires_grad()) return x;
-  impl_->state->note_post_hook(impl_->boundary);
-  return wrap(x, *impl_->state, impl_->boundary, HookSide::PostBackward);
+  if (!impl_->site.state || !at::GradMode::is_enabled() || !x.defined() || !x.requires_grad()) return x;
+  impl_->site.state->note_post_hook(impl_->site.boundary);
+  return wrap(x, *impl_->site.state, impl_->site.boundary, HookSide::PostBackward);
 }
 
 void BoundaryScope::exit() {
-  if (impl_->state && impl_->entered && !impl_->exited) impl_->state->post_forward(impl_->boundary);
+  if (impl_->site.state && impl_->entered && !impl_->exited) impl_->site.state->post_forward(impl_->site.boundary);
   impl_->exited = true;
 }
 
 at::Tensor BoundaryScope::exit(const at::Tensor& output) {
   exit();
   at::Tensor y = output;
-  if (impl_->state && y.defined() && y.is_floating_point())
+  if (impl_->site.state && y.defined() && y.is_floating_point())
     if (const auto& d = impl_->B().output_dtype; d && y.scalar_type() != *d) y = y.to(*d);
-  if (!impl_->state || !at::GradMode::is_enabled() || !y.defined() || !y.requires_grad()) return y;
-  return wrap(y, *impl_->state, impl_->boundary, HookSide::PreBackward);
+  if (!impl_->site.state || !at::GradMode::is_enabled() || !y.defined() || !y.requires_grad()) return y;
+  return wrap(y, *impl_->site.state, impl_->site.boundary, HookSide::PreBackward);
 }
 
 void BoundaryScope::rethrow(const std::exception& e) {
-  if (impl_->state && impl_->entered && !impl_->exited) {
+  if (impl_->site.state && impl_->entered && !impl_->exited) {
     impl_->exited = true;
     try {
-      impl_->state->post_forward(impl_->boundary);
+      impl_->site.state->post_forward(impl_->site.boundary);
     } catch (...) {
     }
   }
   const std::string what = detail::error_text(e);
-  std::shared_ptr<Runtime> st = impl_->root ? impl_->root : impl_->state;
+  std::shared_ptr<Runtime> st = impl_->site.root ? impl_->site.root : impl_->site.state;
   if (st && what.find("dmuon: hook boundary") == std::string::npos) {
     const std::string hint = st->bypass_hint();
     if (!hint.empty()) TORCH_CHECK(false, what, "\n", hint);

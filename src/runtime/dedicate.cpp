@@ -3,6 +3,7 @@
 
 #include <map>
 
+#include "dmuon/tensor_parallel.h"
 #include "runtime/dedicated_route.h"
 #include "runtime/replicated_route.h"
 #include "runtime/runtime.h"
@@ -171,6 +172,15 @@ std::shared_ptr<Runtime> dedicate_model_view_ddp(ModelView view, const std::shar
   return dedicate_view_impl(std::move(view), mesh, predicate, options, /*ddp=*/true);
 }
 
+std::shared_ptr<Runtime> dedicate_model_view_ddp_tp(ModelView view, const std::shared_ptr<Mesh>& mesh,
+                                                    const ParamPredicate& predicate, const DedicateOptions& options) {
+  TORCH_CHECK_VALUE(mesh, "dedicate_params_ddp_tp: the mesh is null.");
+  TORCH_CHECK_VALUE(!mesh->is_hsdp(), "rank ", mesh->global_rank(), ": dedicate_params_ddp_tp accepts a data-parallel x "
+              "tensor-parallel mesh without a replicate axis, got replicate_size ", mesh->replicate_size(),
+              ". For HSDP with TP use dedicate_params.");
+  return dedicate_view_impl(std::move(view), mesh, predicate, options, /*ddp=*/true);
+}
+
 std::shared_ptr<RuntimeFace> runtime_face(const std::shared_ptr<Runtime>& runtime) {
   TORCH_CHECK_VALUE(runtime, "runtime_face: the runtime is null (dedicate_model_view returns it).");
   return runtime;
@@ -188,9 +198,9 @@ std::vector<DedicatedParam> runtime_dedicated_params(const Runtime& runtime) {
   return out;
 }
 
-void runtime_replicate(const std::shared_ptr<Runtime>& runtime, double bucket_mb) {
-  TORCH_CHECK_VALUE(runtime, "replicate: the runtime is null (dedicate_model_view returns it).");
-  runtime->add_replicated(bucket_mb, /*tp=*/false);
+void runtime_replicate(const std::shared_ptr<Runtime>& runtime, double bucket_mb, bool tp) {
+  TORCH_CHECK_VALUE(runtime, tp ? "replicate_tp" : "replicate", ": the runtime is null (dedicate_model_view returns it).");
+  runtime->add_replicated(bucket_mb, tp);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> runtime_full_params(const std::shared_ptr<Runtime>& runtime) {
@@ -199,8 +209,12 @@ std::vector<std::pair<std::string, at::Tensor>> runtime_full_params(const std::s
   std::map<std::string, at::Tensor> full;
   runtime->gather_params([&](const std::string& name, const at::Tensor& t) { full[name] = t; });
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const ModelView::Tensor& item : runtime->view().params)
-    if (auto it = full.find(item.name); it != full.end()) out.emplace_back(item.name, it->second);
+  const auto& split = runtime->tp_split();
+  for (const ModelView::Tensor& item : runtime->view().params)  // model order: the TP gathers match on every rank
+    if (auto it = full.find(item.name); it != full.end()) {
+      const auto d = split.find(item.name);  // a TP slice: every TP rank's, concatenated
+      out.emplace_back(item.name, d == split.end() ? it->second : tp_gather(it->second, d->second, runtime->mesh()));
+    }
   return out;
 }
 

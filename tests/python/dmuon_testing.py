@@ -2,6 +2,7 @@
 a fresh FileStore per call, and float64 references written from the documented math, not by dmuon."""
 
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -17,6 +18,16 @@ def _entry(rank, world, store_path, fn, args):
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+    # A passed rank ends without Python's finalisation. torch's Gloo worker threads drop their reference to a
+    # finished collective after waking its waiter; when that is the last reference and the tensors have
+    # Python objects (FSDP2's all-gathers, DTensor.full_tensor), the decref takes the GIL, and a thread that
+    # takes it while the interpreter is finalising is ended with pthread_exit inside a noexcept destructor:
+    # std::terminate ("terminate called without an active exception"), a SIGABRT after a passed test. Seen on
+    # this 2-core box about once in 15 runs of an FSDP2 test (core dump: the main thread in Py_FinalizeEx, a
+    # Gloo worker in ~AsyncAllgatherCoalescedWork -> decref_pyobject -> take_gil -> PyThread_exit_thread).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(tmp_path, world, fn, *args):

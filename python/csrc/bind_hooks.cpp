@@ -1,0 +1,147 @@
+// The forward hooks of a dedicated Python model's modules, in C++: one object per hooked module whose
+// `pre` and `post` are registered as its forward pre-hook and forward hook (with_kwargs, always_call).
+// Each is one pybind11 call that enters or leaves the module's boundary scope (dmuon::forward's, resolved
+// once at install time): tensors cross as the Python objects' own at::Tensor, no argument is copied
+// unless the boundary changes it, and the runtime's work runs without the GIL.
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings.h"
+#include "dmuon/dedicate.h"
+
+namespace dmuon::python {
+
+namespace {
+
+using namespace pybind11::literals;
+
+bool is_tensor(py::handle h) { return THPVariable_Check(h.ptr()); }
+
+py::object to_python(at::Tensor t) { return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t))); }
+
+// The caller's object when `value` is its very tensor (the boundary changed nothing), else a new one.
+py::object passed_on(py::handle original, const at::Tensor& value) {
+  if (value.is_same(THPVariable_Unpack(original.ptr()))) return py::reinterpret_borrow<py::object>(original);
+  return to_python(value);
+}
+
+// `items` as a sequence of `like`'s type: a tuple, a list, a named tuple (its _make), another tuple subclass.
+py::object same_sequence(const py::object& like, const py::list& items) {
+  if (PyList_CheckExact(like.ptr())) return items;
+  if (PyTuple_CheckExact(like.ptr())) return py::tuple(items);
+  if (py::hasattr(like, "_make")) return like.attr("_make")(items);
+  return py::type::of(like)(items);
+}
+
+class ForwardHooks {
+ public:
+  ForwardHooks(const RuntimeHandle& runtime, const std::string& module, py::object guard)
+      : site_(detail::boundary_site(runtime.runtime, module)), guard_(std::move(guard)) {}
+
+  // The forward pre-hook: enters a new scope (a module may run several times in one forward: a stack).
+  // On a boundary the first tensor argument (positional, else keyword) carries its post-backward hook and
+  // the other tensor arguments get its input cast. Returns None when no argument changed.
+  py::object pre(py::handle /*module*/, const py::tuple& args, const py::dict& kwargs) {
+    // pushed first: the forward hook (always_call) pops it even when what follows raises
+    scopes_.push_back(std::make_unique<detail::BoundaryScope>(site_));
+    detail::BoundaryScope& scope = *scopes_.back();
+    if (!guard_.is_none()) guard_();  // the root, once per forward: the parameters dmuon hooked are unchanged
+    const ssize_t n = static_cast<ssize_t>(args.size());
+    ssize_t first = -1;
+    for (ssize_t i = 0; i < n && first < 0; ++i)
+      if (is_tensor(args[static_cast<size_t>(i)])) first = i;
+    py::handle key;
+    if (first < 0)
+      for (const auto& [k, v] : kwargs)
+        if (is_tensor(v)) {
+          key = k;
+          break;
+        }
+    if (!site_.state || (first < 0 && !key)) {
+      py::gil_scoped_release nogil;
+      scope.enter();
+      return py::none();
+    }
+    const py::object carrier = first >= 0 ? py::object(args[static_cast<size_t>(first)]) : py::object(kwargs[key]);
+    at::Tensor entered;
+    {
+      const at::Tensor input = THPVariable_Unpack(carrier.ptr());
+      py::gil_scoped_release nogil;
+      entered = scope.enter(input);
+    }
+    bool changed = false;
+    auto pass = [&](py::handle original, const at::Tensor& value) {
+      py::object out = passed_on(original, value);
+      changed = changed || !out.is(original);
+      return out;
+    };
+    py::tuple new_args(args.size());
+    for (ssize_t j = 0; j < n; ++j) {
+      const py::handle a = args[static_cast<size_t>(j)];
+      new_args[static_cast<size_t>(j)] = j == first ? pass(a, entered)
+                                         : j > first && is_tensor(a) ? pass(a, scope.cast_input(THPVariable_Unpack(a.ptr())))
+                                                                     : py::reinterpret_borrow<py::object>(a);
+    }
+    py::dict new_kwargs;
+    for (const auto& [k, v] : kwargs)
+      new_kwargs[k] = key && k.is(key) ? pass(v, entered)
+                      : is_tensor(v)   ? pass(v, scope.cast_input(THPVariable_Unpack(v.ptr())))
+                                       : py::reinterpret_borrow<py::object>(v);
+    if (!changed) return py::none();
+    return py::make_tuple(std::move(new_args), std::move(new_kwargs));
+  }
+
+  // The forward hook (always_call: also when the forward raised, with output None): leaves the newest
+  // scope. On a boundary a tensor output, or a tuple/list whose first item is one, carries its
+  // pre-backward hook (and gets its output cast). Returns None when the output passes on unchanged.
+  py::object post(py::handle /*module*/, py::handle /*args*/, py::handle /*kwargs*/, const py::object& output) {
+    TORCH_CHECK(!scopes_.empty(), "dmuon: a forward hook ran without its pre-hook (hooks registered by dmuon were "
+                "removed or reordered by hand?)");
+    std::unique_ptr<detail::BoundaryScope> scope = std::move(scopes_.back());
+    scopes_.pop_back();
+    const bool sequence = py::isinstance<py::tuple>(output) || py::isinstance<py::list>(output);
+    py::object carrier;
+    if (site_.state && is_tensor(output)) carrier = output;
+    else if (site_.state && sequence && py::len(output) > 0 && is_tensor(py::object(output[py::int_(0)])))
+      carrier = output[py::int_(0)];
+    if (!carrier) {
+      py::gil_scoped_release nogil;
+      scope->exit();
+      return py::none();
+    }
+    at::Tensor left;
+    {
+      const at::Tensor out = THPVariable_Unpack(carrier.ptr());
+      py::gil_scoped_release nogil;
+      left = scope->exit(out);
+    }
+    py::object first = passed_on(carrier, left);
+    if (first.is(carrier)) return py::none();
+    if (carrier.is(output)) return first;
+    auto items = py::reinterpret_steal<py::list>(PySequence_List(output.ptr()));  // a copy: the caller's list stays
+    if (!items) throw py::error_already_set();
+    items[0] = first;
+    return same_sequence(output, items);
+  }
+
+ private:
+  detail::BoundarySite site_;
+  py::object guard_;  // None, or (the root) the Python check that no parameter changed dtype or device
+  std::vector<std::unique_ptr<detail::BoundaryScope>> scopes_;
+};
+
+}  // namespace
+
+void bind_hooks(py::module_& m) {
+  py::class_<ForwardHooks>(m, "_ForwardHooks",
+                           "The forward pre-hook (`pre`) and forward hook (`post`) of one module of a dedicated model.")
+      .def(py::init<const RuntimeHandle&, const std::string&, py::object>(), "runtime"_a, "module"_a, "guard"_a)
+      .def("pre", &ForwardHooks::pre)
+      .def("post", &ForwardHooks::post);
+}
+
+}  // namespace dmuon::python
