@@ -1687,6 +1687,13 @@ TEST(RuntimeTest, SetupFailureOnOneRankFailsEveryRankNotAHang) {
       throw std::runtime_error("rank " + std::to_string(ctx.rank) + ": unexpected message: " + err);
     if (ctx.rank == 1 && err.find("no-such-strategy") == std::string::npos)
       throw std::runtime_error("rank 1's error does not name the bad strategy: " + err);
+    // a caller mistake on rank 1 is one on every rank (Python: ValueError everywhere, not RuntimeError)
+    GPT again(small_config(2));
+    try {
+      dedicate_params(again.ptr(), mesh, models::is_muon_matrix, o);
+      throw std::runtime_error("rank " + std::to_string(ctx.rank) + ": the second dedicate_params did not fail");
+    } catch (const c10::ValueError&) {
+    }
   });
 }
 

@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <stdexcept>
+
 #include "runtime/runtime.h"
 #include "comm/error_text.h"
 
@@ -124,7 +126,12 @@ void BoundaryScope::rethrow(const std::exception& e) {
   std::shared_ptr<Runtime> st = impl_->site.root ? impl_->site.root : impl_->site.state;
   if (st && what.find("dmuon: hook boundary") == std::string::npos) {
     const std::string hint = st->bypass_hint();
-    if (!hint.empty()) TORCH_CHECK(false, what, "\n", hint);
+    if (!hint.empty()) {
+      // the hint added, the kind kept: a caller mistake stays one (ValueError in Python)
+      if (dynamic_cast<const c10::ValueError*>(&e) || dynamic_cast<const std::invalid_argument*>(&e))
+        TORCH_CHECK_VALUE(false, what, "\n", hint);
+      TORCH_CHECK(false, what, "\n", hint);
+    }
   }
   throw;
 }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <climits>
 #include <sstream>
+#include <stdexcept>
 
 namespace dmuon {
 
@@ -46,9 +47,22 @@ void check_plan_agreement(Mesh& mesh, const OwnerPlan& plan, const std::vector<P
   const auto host_opt = at::TensorOptions().dtype(at::kLong);
   uint64_t fp = plan.fingerprint ^ base_digest;
   for (const auto& pr : precisions) fp = fp * 1099511628211ull ^ precision_digest(pr);
+  // the failure's kind crosses too, so the other ranks raise the same kind: 1 a caller mistake (ValueError
+  // in Python), 2 anything else
+  int64_t failed_kind = 0;
+  if (failure) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const c10::ValueError&) {
+      failed_kind = 1;
+    } catch (const std::invalid_argument&) {
+      failed_kind = 1;
+    } catch (...) {
+      failed_kind = 2;
+    }
+  }
   const at::Tensor mine =
-      at::tensor({static_cast<int64_t>(fp), static_cast<int64_t>(specs.size()), failure ? int64_t{1} : int64_t{0}},
-                 host_opt)
+      at::tensor({static_cast<int64_t>(fp), static_cast<int64_t>(specs.size()), failed_kind}, host_opt)
           .to(mesh.device());
   const int n = mesh.world_size();
   at::Tensor all = at::empty({3 * n}, mesh.options(at::kLong));
@@ -56,12 +70,21 @@ void check_plan_agreement(Mesh& mesh, const OwnerPlan& plan, const std::vector<P
   const at::Tensor host = all.cpu();
   const int64_t* a = host.data_ptr<int64_t>();
   std::string failed;
+  bool mistakes_only = true;  // every failed rank's error was a caller mistake
   for (int r = 0; r < n; ++r)
-    if (a[3 * r + 2] != 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+    if (a[3 * r + 2] != 0) {
+      failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+      mistakes_only = mistakes_only && a[3 * r + 2] == 1;
+    }
   if (failure) std::rethrow_exception(failure);
-  TORCH_CHECK(failed.empty(), "rank ", rank, ": dedicate_params: setup failed on rank(s) ", failed,
-              " before the ranks compared their owner plans (this rank's setup succeeded; see their errors). Every "
-              "rank must build the same model and pass the same options before dedicate_params.");
+  if (!failed.empty()) {
+    const std::string what = "rank " + std::to_string(rank) + ": dedicate_params: setup failed on rank(s) " + failed +
+                             " before the ranks compared their owner plans (this rank's setup succeeded; see their "
+                             "errors). Every rank must build the same model and pass the same options before "
+                             "dedicate_params.";
+    if (mistakes_only) TORCH_CHECK_VALUE(false, what);
+    TORCH_CHECK(false, what);
+  }
   bool same = true;
   for (int r = 0; r < n; ++r) same = same && a[3 * r] == a[0];
   if (same) return;
