@@ -151,6 +151,8 @@ void bind_runtime(py::module_& m) {
       .def_property_readonly("shard_size", &Mesh::shard_size)
       .def_property_readonly("replicate_rank", &Mesh::replicate_rank)
       .def_property_readonly("replicate_size", &Mesh::replicate_size)
+      .def_property_readonly("tp_rank", &Mesh::tp_rank)
+      .def_property_readonly("tp_size", &Mesh::tp_size)
       .def_property_readonly("policy", &Mesh::policy)
       .def_property_readonly("timeout_s", [](const Mesh& mesh) { return static_cast<double>(mesh.timeout().count()) / 1000.0; })
       .def("bytes", [](Mesh& mesh) {
@@ -170,22 +172,27 @@ void bind_runtime(py::module_& m) {
   m.def(
       "_mesh",
       [](const std::vector<std::pair<c10::intrusive_ptr<c10d::ProcessGroup>, std::vector<int>>>& groups,
-         const std::string& device, const std::string& policy, double timeout_s) {
-        // (world, shard[, replicate]): this rank's group of each axis with its members' world-group ranks
+         const std::string& device, const std::string& policy, double timeout_s,
+         const std::optional<std::pair<c10::intrusive_ptr<c10d::ProcessGroup>, std::vector<int>>>& tp,
+         const std::optional<std::pair<c10::intrusive_ptr<c10d::ProcessGroup>, std::vector<int>>>& dp) {
+        // (world, shard[, replicate]) and, with tensor parallelism, tp and dp: this rank's group of each
+        // axis with its members' world-group ranks
         TORCH_CHECK_VALUE(groups.size() == 2 || groups.size() == 3, "dmuon: a mesh takes 2 or 3 groups");
         MeshOptions o;
         o.process_group_policy = policy;  // the Python side cloned (isolated) or chose (shared) the groups
         o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
         o.device = at::Device(device);
-        auto group = [&](size_t i) {
-          TORCH_CHECK_VALUE(groups[i].first, "dmuon: a process group of the mesh is None");
-          return MeshGroup{groups[i].first->getBackend(o.device->type()), groups[i].second};
+        auto group = [&](const std::pair<c10::intrusive_ptr<c10d::ProcessGroup>, std::vector<int>>& pg) {
+          TORCH_CHECK_VALUE(pg.first, "dmuon: a process group of the mesh is None");
+          return MeshGroup{pg.first->getBackend(o.device->type()), pg.second};
         };
-        MeshGroups g{group(0), group(1), std::nullopt, std::nullopt, std::nullopt};
-        if (groups.size() == 3) g.replicate = group(2);
+        MeshGroups g{group(groups[0]), group(groups[1]), std::nullopt, std::nullopt, std::nullopt};
+        if (groups.size() == 3) g.replicate = group(groups[2]);
+        if (tp) g.tp = group(*tp);
+        if (dp) g.dp = group(*dp);
         return Mesh::from_groups(g, o);
       },
-      "groups"_a, "device"_a, "policy"_a, "timeout_s"_a, release);
+      "groups"_a, "device"_a, "policy"_a, "timeout_s"_a, "tp"_a = py::none(), "dp"_a = py::none(), release);
 
   py::class_<RuntimeHandle>(m, "_Runtime")
       .def("boundaries", [](const RuntimeHandle& h) { return runtime_boundaries(*h.runtime); })
@@ -194,11 +201,14 @@ void bind_runtime(py::module_& m) {
         for (const DedicatedParam& d : runtime_dedicated_params(*h.runtime))
           out.append(py::dict("name"_a = d.name, "param"_a = d.param, "shape"_a = d.shape,
                               "owner_shard"_a = d.owner.shard, "owner_replicate"_a = d.owner.replicate,
-                              "owner_rank"_a = d.owner_rank, "boundary"_a = d.boundary, "is_owner"_a = d.is_owner));
+                              "owner_rank"_a = d.owner_rank, "boundary"_a = d.boundary, "is_owner"_a = d.is_owner,
+                              "tp_split_dim"_a = d.tp_split_dim, "tp_owner"_a = d.tp_owner,
+                              "full_shape"_a = d.full_shape));
         return out;
       })
-      .def("replicate", [](const RuntimeHandle& h, double bucket_mb) { runtime_replicate(h.runtime, bucket_mb); },
-           "bucket_mb"_a, release)
+      .def("replicate",
+           [](const RuntimeHandle& h, double bucket_mb, bool tp) { runtime_replicate(h.runtime, bucket_mb, tp); },
+           "bucket_mb"_a, "tp"_a = false, release)
       .def("full_params", [](const RuntimeHandle& h) { return runtime_full_params(h.runtime); }, release)
       .def("assign_params",
            [](const RuntimeHandle& h, std::map<std::string, at::Tensor> values) {
@@ -232,17 +242,21 @@ void bind_runtime(py::module_& m) {
       [](const std::vector<std::pair<std::string, at::Tensor>>& params,
          const std::vector<std::pair<std::string, at::Tensor>>& buffers,
          const std::vector<std::pair<std::string, int>>& modules, const std::shared_ptr<Mesh>& mesh,
-         const ParamPredicate& predicate, const py::dict& options, bool ddp) {
+         const ParamPredicate& predicate, const py::dict& options, bool ddp,
+         const std::map<std::string, int>& tp_split) {
         ModelView v;
         for (const auto& [n, t] : params) v.params.push_back({n, t});
+        v.tp_split = tp_split;  // DTensor parameters sharded on the TP axis: their local slices, split dim
         for (const auto& [n, t] : buffers) v.buffers.push_back({n, t});
         for (const auto& [n, parent] : modules) v.modules.push_back({n, parent, {}});
         // the Python callables run during setup, on this thread: the GIL stays held
         const DedicateOptions o = dedicate_options(options);
-        return RuntimeHandle{ddp ? dedicate_model_view_ddp(std::move(v), mesh, predicate, o)
-                                 : dedicate_model_view(std::move(v), mesh, predicate, o)};
+        if (!ddp) return RuntimeHandle{dedicate_model_view(std::move(v), mesh, predicate, o)};
+        return RuntimeHandle{mesh->has_tp() ? dedicate_model_view_ddp_tp(std::move(v), mesh, predicate, o)
+                                            : dedicate_model_view_ddp(std::move(v), mesh, predicate, o)};
       },
-      "params"_a, "buffers"_a, "modules"_a, "mesh"_a, "predicate"_a, "options"_a, "ddp"_a);
+      "params"_a, "buffers"_a, "modules"_a, "mesh"_a, "predicate"_a, "options"_a, "ddp"_a,
+      "tp_split"_a = std::map<std::string, int>{});
 
   py::class_<Muon>(m, "_Muon")
       .def(py::init([](const RuntimeHandle& h, const py::dict& options) {

@@ -30,6 +30,10 @@ class DedicatedParam:
     global_rank: int
     boundary: str
     is_owner: bool
+    tp_split_dim: int = -1               # tensor parallelism: the split dimension of this TP rank's slice (-1: whole)
+    tp_owner: int = -1                   # the TP rank that runs Newton-Schulz on the full matrix (-1: no TP)
+    full_shape: Tuple[int, ...] = ()     # the full matrix's shape (``shape`` is the local slice's)
+    is_tp_owner: bool = False            # this rank is the TP owner
 
 
 @dataclass
@@ -47,7 +51,9 @@ def get_dedicated_params(model: nn.Module) -> List[DedicatedParam]:
     out = []
     for d, coord in _owner_coords(state):
         out.append(DedicatedParam(d["name"], d["param"], tuple(d["shape"]), coord, d["owner_shard"],
-                                  d["owner_replicate"], d["owner_rank"], d["boundary"], d["is_owner"]))
+                                  d["owner_replicate"], d["owner_rank"], d["boundary"], d["is_owner"],
+                                  d["tp_split_dim"], d["tp_owner"], tuple(d["full_shape"]),
+                                  d["tp_owner"] >= 0 and d["tp_owner"] == state.mesh.tp_rank))
     return out
 
 

@@ -54,8 +54,9 @@ def _axes(mesh, replicate_mesh, fn: str) -> Tuple[dist.ProcessGroup, Optional[di
         else:
             raise ValueError(
                 f"{fn}: a {mesh.ndim}-D DeviceMesh was passed as mesh. Pass the 1-D 'shard' axis (and the "
-                "'replicate' axis as replicate_mesh, or a 2-D (replicate, shard) mesh); tensor parallelism through "
-                "a 3-D mesh is not supported by this version of dmuon's Python API."
+                "'replicate' axis as replicate_mesh, or a 2-D (replicate, shard) mesh); with tensor parallelism "
+                "pass the data-parallel sub-meshes (mesh=mesh3d['shard'], replicate_mesh=mesh3d['replicate']): the "
+                "TP axis is the DTensor parameters' other mesh dimension."
             )
     else:
         raise TypeError(
@@ -105,13 +106,65 @@ def _partition(my_axes, world_size) -> Tuple[list, list, list]:
     return sorted(worlds), shards, replicas
 
 
-def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str):
+def _new_groups(partition, backend, timeout_s):
+    """Every group of `partition` (lists of global ranks), created by every rank in one order (new_group is
+    collective over the default group); returns this rank's own (None when it is in none)."""
+    me, out = dist.get_rank(), None
+    for ranks in partition:
+        g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timedelta(seconds=timeout_s))
+        if me in ranks:
+            out = g
+    return out
+
+
+def _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device):
+    """The mesh with a tensor-parallel axis: this rank's shard, replicate (or None) and TP groups as given,
+    the data-parallel group (the ranks at this rank's TP position) and the world built from the partitions
+    every rank gathers; "isolated" clones every axis."""
+    me = dist.get_rank()
+    shard_ranks, tp_ranks = _ordered_ranks(shard), _ordered_ranks(tp)
+    replicate_ranks = _ordered_ranks(replicate) if replicate is not None else []
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (shard_ranks, replicate_ranks, tp_ranks))
+    shard_of = {r: tuple(s) for s, _, _ in everyone for r in s}
+    tp_of = {r: tuple(t) for _, _, t in everyone for r in t}
+
+    def dp_of(s, r):  # the ranks at one TP position: the shard groups of the replicas
+        return tuple(sorted({x for rank in (r or s[:1]) for x in shard_of[rank]}))
+
+    dps = {dp_of(s, r) for s, r, _ in everyone}
+    worlds = sorted({tuple(sorted({x for rank in dp for x in tp_of[rank]})) for dp in dps}, key=lambda g: (min(g), g))
+    order = lambda groups: sorted(groups, key=lambda g: (min(g), g))  # noqa: E731
+    new = lambda partition: _new_groups(partition, backend, timeout_s)  # noqa: E731
+
+    world = new(worlds)
+    isolated = policy == "isolated"
+    shard_group = new(order({tuple(s) for s, _, _ in everyone})) if isolated else shard
+    replicate_group = None
+    if replicate is not None:
+        replicate_group = new(order({tuple(r) for _, r, _ in everyone if r})) if isolated else replicate
+    tp_group = new(order({tuple(t) for _, _, t in everyone})) if isolated else tp
+    dp_group = new(order(dps))
+    world_ranks = next(list(w) for w in worlds if me in w)
+    dp_ranks = list(dp_of(shard_ranks, replicate_ranks))
+    index = {g: i for i, g in enumerate(world_ranks)}
+    groups = [(world, list(range(len(world_ranks)))), (shard_group, [index[g] for g in shard_ranks])]
+    if replicate is not None:
+        groups.append((replicate_group, [index[g] for g in replicate_ranks]))
+    native = _C._mesh(groups, device, policy, timeout_s, tp=(tp_group, [index[g] for g in tp_ranks]),
+                      dp=(dp_group, [index[g] for g in dp_ranks]))
+    return native, world, dp_ranks
+
+
+def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str, tp=None):
     """dmuon's C++ mesh over torch.distributed groups, and the torch group of the mesh's world (for
     collectives written in Python over the same ranks, e.g. clipping strategies). "isolated" (the default, or DMUON_PROCESS_GROUP_POLICY)
     clones every group with dist.new_group, the whole partition in one order on every rank (collective over
     the default group); "shared" uses the caller's groups (and one new group for a 2-D mesh's world). Every
     collective dmuon issues on the mesh fails after DMUON_COLLECTIVE_TIMEOUT seconds, else after the timeout
-    given to init_process_group (or the group's own, when shorter)."""
+    given to init_process_group (or the group's own, when shorter). ``tp``: this rank's tensor-parallel
+    group (the TP axis of the model's DTensor parameters): the mesh gets TP and data-parallel axes and
+    ``dp_ranks`` (the global ranks at this rank's TP position) is returned as a third value."""
     _require_initialized(fn)
     policy = process_group_policy or os.environ.get("DMUON_PROCESS_GROUP_POLICY", "") or "isolated"
     if policy not in ("isolated", "shared"):
@@ -124,18 +177,13 @@ def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str
     # a lost peer is an error after this: DMUON_COLLECTIVE_TIMEOUT, else the timeout init_process_group was
     # given (or the group's own, when shorter); dmuon's clones get it too (new_group's default is torch's 30 min)
     timeout_s = _C._collective_timeout(shard, device)
+    if tp is not None and dist.get_world_size(tp) > 1:
+        return _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device)
     if policy == "shared" and replicate is None:
         world_ranks, world, shard_group, replicate_group = shard_ranks, shard, shard, None
     else:
         worlds, shards, replicas = _partition((shard_ranks, replicate_ranks), dist.get_world_size())
-
-        def new(partition):  # every rank creates every group of the partition, in one order; keeps its own
-            out = None
-            for ranks in partition:
-                g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timedelta(seconds=timeout_s))
-                if me in ranks:
-                    out = g
-            return out
+        new = lambda partition: _new_groups(partition, backend, timeout_s)  # noqa: E731
 
         world_ranks = next(list(w) for w in worlds if me in w)
         if replicate is None:  # 1-D isolated: one clone serves as world and shard group
@@ -149,4 +197,4 @@ def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str
     groups = [(world, list(range(len(world_ranks)))), (shard_group, [index[g] for g in shard_ranks])]
     if replicate is not None:
         groups.append((replicate_group, [index[g] for g in replicate_ranks]))
-    return _C._mesh(groups, device, policy, timeout_s), world
+    return _C._mesh(groups, device, policy, timeout_s), world, None

@@ -15,6 +15,7 @@ from . import _C
 from ._clip import MuonGradClipStats, python_strategy, run_python_strategy
 from ._fsdp2 import assign_full, fsdp_modules, full_tensor, is_dtensor, shard_of
 from ._mesh import make_mesh
+from ._tp import find_tp_params, install_dtensor_hooks, swap_in_local_slices
 
 
 class _State:
@@ -29,6 +30,8 @@ class _State:
         self.replicated = False
         self.params = params  # name -> the Parameter object dedicate_params saw
         self.external = {}    # name -> the DTensor parameter FSDP2 put in its place (trained by Muon's AdamW)
+        self.tp_split = {}    # TP-split parameters (their local slices are the module's parameters) -> split dim
+        self.dp_ranks = None  # with TP: the global ranks at this rank's TP position (replicate_tp's mesh)
 
 
 def _sync_external(model: nn.Module, state: _State) -> Dict[str, nn.Parameter]:
@@ -45,6 +48,13 @@ def _sync_external(model: nn.Module, state: _State) -> Dict[str, nn.Parameter]:
                 f"dmuon: parameter '{name}' was replaced after dedicate_params by a plain tensor (not an FSDP2 "
                 "DTensor shard), so dmuon's hooks and routes no longer see it. Replace parameters (or call "
                 "model.to(...)) before dedicate_params, never after."
+            )
+        if name in state.tp_split:
+            raise ValueError(
+                f"dmuon: parameter '{name}' is a tensor-parallel slice (split on dim {state.tp_split[name]}) that is "
+                "not dedicated, and fully_shard took it: FSDP2 would shard the slice as if it were the whole "
+                "parameter. Dedicate it (predicate), or leave it to dmuon (dmuon.replicate_tp, or route_hint_fn -> "
+                "'sharded_adamw') and keep it out of fully_shard (fully_shard(..., ignored_params={...}))."
             )
         fresh.append((name, p))
     if fresh:
@@ -184,19 +194,25 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
               process_group_policy, ddp, fn):
     if getattr(model, "_dmuon", None) is not None:
         raise ValueError(f"{fn}: this model is dedicated already; call it once per model.")
-    for n, p in model.named_parameters():
-        if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
-            raise ValueError(
-                f"{fn}: parameter '{n}' is already a DTensor: fully_shard (or parallelize_module) ran "
-                f"before {fn}. Call dmuon.{fn}(model, mesh, ...) first, then fully_shard."
-            )
+    tp_group, tp_params = find_tp_params(model, mesh, replicate_mesh, fn)
+    if tp_params and fn == "dedicate_params_ddp":
+        raise ValueError(f"dedicate_params_ddp: parameter '{tp_params[0].name}' is a tensor-parallel DTensor; the DDP "
+                         "path with tensor parallelism is dedicate_params_ddp_tp (then replicate_tp).")
+    if not tp_params and fn == "dedicate_params_ddp_tp":
+        raise ValueError("dedicate_params_ddp_tp: the model has no tensor-parallel DTensor parameter (apply "
+                         "parallelize_module first); without TP use dedicate_params_ddp.")
     if hook_boundary_predicate is not None and options.get("hook_boundary_resolver") is None:
         options["hook_boundary_resolver"] = _boundary_resolver(model, hook_boundary_predicate, hook_boundary_strict)
-    native_mesh, world_group = make_mesh(mesh, replicate_mesh, process_group_policy, fn)
+    native_mesh, world_group, dp_ranks = make_mesh(mesh, replicate_mesh, process_group_policy, fn, tp=tp_group)
+    swap_in_local_slices(tp_params)
+    tp_split = {tp.name: tp.split_dim for tp in tp_params if tp.split_dim >= 0} if native_mesh.tp_size > 1 else {}
     params, buffers, modules = _model_view(model)
-    runtime = _C._dedicate(params, buffers, modules, native_mesh, predicate, options, ddp)
+    runtime = _C._dedicate(params, buffers, modules, native_mesh, predicate, options, ddp, tp_split)
     guard = _param_guard(params)
-    model._dmuon = _State(runtime, native_mesh, world_group, _install_hooks(model, runtime, guard), dict(params), guard)
+    hooks = _install_hooks(model, runtime, guard) + install_dtensor_hooks(tp_params)
+    model._dmuon = _State(runtime, native_mesh, world_group, hooks, dict(params), guard)
+    model._dmuon.tp_split = tp_split
+    model._dmuon.dp_ranks = dp_ranks  # with TP: the global ranks at this rank's TP position
     owners = {}
     for d, coord in _owner_coords(model._dmuon):
         d["param"]._dedicated_owner_rank = coord
@@ -246,8 +262,12 @@ def dedicate_params(
     shard) DeviceMesh. ``param_policy`` ({"defaults": {...}, "overrides": [{"match": "name tokens", ...}]})
     or ``param_policy_fn`` ((name, param) -> fields or None) choose per parameter its route ("muon",
     "adamw", "sharded_adamw") and mixed precision (param_dtype, grad_dtype, master_dtype, optim_dtype,
-    output_dtype, cast_forward_inputs, muon_forward_unshard). Returns parameter -> owner rank (HSDP:
-    its (shard, replicate) coordinate).
+    output_dtype, cast_forward_inputs, muon_forward_unshard). Tensor parallelism: DTensor parameters
+    (parallelize_module) on a mesh dimension that neither ``mesh`` nor ``replicate_mesh`` names (pass the
+    named data-parallel sub-meshes of a (replicate, shard, tp) mesh) become plain Parameters holding their
+    local slices, rebuilt as DTensors in each forward; Newton-Schulz runs on the full matrix at a TP owner
+    (or in the distributed Gram form), and :func:`replicate_tp` or FSDP2 takes the rest. Returns parameter ->
+    owner rank (HSDP: its (shard, replicate) coordinate).
     Collective: every rank of the default group, in the same order."""
     options = {
         "compute_dtype": compute_dtype,
@@ -267,8 +287,8 @@ def dedicate_params(
         **_policy_options(param_policy, param_policy_fn, "dedicate_params"),
     }
     if tp_buffer_reuse not in (False, None):
-        raise ValueError("dedicate_params: tp_buffer_reuse applies to tensor-parallel matrices, which this version of "
-                         "dmuon's Python API does not support; leave it False.")
+        raise ValueError(f"dedicate_params: tp_buffer_reuse={tp_buffer_reuse!r} is not implemented in this version of "
+                         "dmuon (each step allocates its TP gather/scatter buffers); leave it False.")
     return _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_predicate, hook_boundary_strict,
                      process_group_policy, False, "dedicate_params")
 
@@ -293,19 +313,47 @@ def dedicate_params_ddp(
     """The DDP path: every rank keeps every matrix whole; ownership decides who runs Newton-Schulz, where
     its gradient is reduced and who publishes the update after ``step()``. Pair it with
     :func:`replicate` for the other parameters. 1-D meshes. Returns parameter -> owner rank. Collective."""
-    options = {
-        "compute_dtype": compute_dtype,
-        "hook_boundary_strict": hook_boundary_strict,
-        "hook_boundary_resolver": hook_boundary_resolver,
-        "assignment_group_key_fn": assignment_group_key_fn,
-        "max_owners_per_group": max_owners_per_group,
-        "owner_strategy": owner_strategy,
-        "owner_cost_model": owner_cost_model,
-        "pack_small_params": pack_small_params,
-        **_policy_options(param_policy, param_policy_fn, "dedicate_params_ddp"),
-    }
+    options = _ddp_options(locals(), "dedicate_params_ddp")
     return _dedicate(model, mesh, None, predicate, options, hook_boundary_predicate, hook_boundary_strict,
                      process_group_policy, True, "dedicate_params_ddp")
+
+
+def dedicate_params_ddp_tp(
+    model: nn.Module,
+    mesh,
+    predicate: Callable[[str, nn.Parameter], bool],
+    compute_dtype: Optional[torch.dtype] = None,
+    hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
+    hook_boundary_strict: bool = True,
+    hook_boundary_resolver: Optional[Callable[[str, nn.Parameter], str]] = None,
+    assignment_group_key_fn: Optional[Callable[[str, nn.Parameter], str]] = None,
+    max_owners_per_group: Optional[int] = None,
+    owner_strategy: Optional[str] = None,
+    owner_cost_model: Optional[str] = None,
+    pack_small_params: Optional[bool] = None,
+    tp_buffer_reuse: Union[bool, str] = False,
+    param_policy: Optional[Mapping[str, object]] = None,
+    param_policy_fn: Optional[Callable[[str, nn.Parameter], Optional[Mapping[str, object]]]] = None,
+    process_group_policy: Optional[str] = None,
+) -> Dict[nn.Parameter, int]:
+    """The DDP path with tensor parallelism, kept apart so that dedicate_params_ddp keeps rejecting DTensor
+    parameters: apply TP first (parallelize_module on the TP axis), then this with the 1-D data-parallel
+    mesh (e.g. ``mesh2d["dp"]``), then :func:`replicate_tp`. The TP ranks of the owner's data-parallel
+    position gather their slices to a TP owner for Newton-Schulz, scatter the update back, and the updated
+    slices are published over the data-parallel mesh. Returns parameter -> owner rank. Collective."""
+    if tp_buffer_reuse not in (False, None):
+        raise ValueError(f"dedicate_params_ddp_tp: tp_buffer_reuse={tp_buffer_reuse!r} is not implemented in this "
+                         "version of dmuon (each step allocates its TP gather/scatter buffers); leave it False.")
+    options = _ddp_options(locals(), "dedicate_params_ddp_tp")
+    return _dedicate(model, mesh, None, predicate, options, hook_boundary_predicate, hook_boundary_strict,
+                     process_group_policy, True, "dedicate_params_ddp_tp")
+
+
+def _ddp_options(args: dict, fn: str) -> dict:
+    """The core's options of the DDP path's keyword arguments (``args``: the caller's locals)."""
+    keys = ("compute_dtype", "hook_boundary_strict", "hook_boundary_resolver", "assignment_group_key_fn",
+            "max_owners_per_group", "owner_strategy", "owner_cost_model", "pack_small_params")
+    return {**{k: args[k] for k in keys}, **_policy_options(args["param_policy"], args["param_policy_fn"], fn)}
 
 
 def replicate(model: nn.Module, mesh=None) -> nn.Module:
@@ -318,30 +366,52 @@ def replicate(model: nn.Module, mesh=None) -> nn.Module:
     state = _state_of(model, "replicate")
     if state.replicated:
         raise RuntimeError("replicate: already called on this model; call it once, after dedicate_params.")
+    if state.mesh.tp_size > 1:
+        raise ValueError("replicate: the model has tensor-parallel DTensor parameters (parallelize_module), whose "
+                         "gradients are slices; replicate keeps rejecting them. Call dmuon.replicate_tp(model, mesh) "
+                         "with the data-parallel mesh instead.")
     if mesh is not None:
-        _check_replicate_mesh(mesh, state)
+        _check_replicate_mesh(mesh, state, state.world_group, "replicate")
     state.runtime.replicate(25.0)
     state.replicated = True
     return model
 
 
-def _check_replicate_mesh(mesh, state: _State) -> None:
-    """replicate's mesh: a 1-D DeviceMesh or a ProcessGroup over the dedicated model's ranks."""
+def replicate_tp(model: nn.Module, mesh=None) -> nn.Module:
+    """:func:`replicate` for a tensor-parallel model: every trainable parameter on no other route,
+    TP slices included, is replicated over the data-parallel ranks (``mesh``: the 1-D data-parallel mesh,
+    the ranks at this rank's TP position), its local gradient all-reduced over them. Call after
+    dedicate_params (or dedicate_params_ddp_tp). Collective. Returns the model."""
+    state = _state_of(model, "replicate_tp")
+    if state.replicated:
+        raise RuntimeError("replicate_tp: already called on this model; call it once, after dedicate_params.")
+    if state.mesh.tp_size == 1:
+        raise ValueError("replicate_tp: the model has no tensor-parallel DTensor parameter; use dmuon.replicate.")
+    if mesh is not None:
+        _check_replicate_mesh(mesh, state, state.dp_ranks, "replicate_tp")
+    state.runtime.replicate(25.0, tp=True)
+    state.replicated = True
+    return model
+
+
+def _check_replicate_mesh(mesh, state: _State, expected, fn: str) -> None:
+    """replicate's (replicate_tp's) mesh: a 1-D DeviceMesh or a ProcessGroup over the dedicated model's
+    data-parallel ranks (``expected``: a group, or its global ranks)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(mesh, DeviceMesh):
         if mesh.ndim != 1:
-            raise ValueError(f"replicate: mesh must be the 1-D data-parallel mesh, got a {mesh.ndim}-D DeviceMesh "
+            raise ValueError(f"{fn}: mesh must be the 1-D data-parallel mesh, got a {mesh.ndim}-D DeviceMesh "
                              f"{tuple(mesh.mesh_dim_names or ())}. Pass the mesh given to dedicate_params_ddp.")
         group = mesh.get_group()
     elif isinstance(mesh, dist.ProcessGroup):
         group = mesh
     else:
-        raise ValueError(f"replicate: mesh must be a 1-D DeviceMesh or a ProcessGroup, got {type(mesh).__name__}")
+        raise ValueError(f"{fn}: mesh must be a 1-D DeviceMesh or a ProcessGroup, got {type(mesh).__name__}")
     ranks = sorted(dist.get_process_group_ranks(group))
-    mine = sorted(dist.get_process_group_ranks(state.world_group))
+    mine = sorted(expected if isinstance(expected, list) else dist.get_process_group_ranks(expected))
     if ranks != mine:
-        raise ValueError(f"replicate: mesh spans global ranks {ranks}, but the model was dedicated over {mine}. "
+        raise ValueError(f"{fn}: mesh spans global ranks {ranks}, but the model was dedicated over {mine}. "
                          "Pass the mesh given to dedicate_params (replicated gradients are averaged over those ranks).")
 
 

@@ -1,0 +1,147 @@
+"""Tensor parallelism through DTensor. Parameters that ``parallelize_module`` (ColwiseParallel,
+RowwiseParallel, ...) turned into DTensors on a mesh dimension that is none of ``dedicate_params``'
+data-parallel dimensions (the TP axis, found by name-set difference) go to dmuon's C++ TP path as their
+local slices: the module's parameter becomes a plain Parameter holding the slice (same name, so hooks,
+placeholders and gradients work as for any parameter), the split dimension comes from the placement
+(``Shard(d)``: split on d; ``Replicate()``: whole on every TP rank), and each forward of the module sees
+the DTensor again, rebuilt from the slice (``DTensor.from_local``, differentiable: the gradient reaches
+the slice, partial sums reduced over TP as the placement says)."""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _dtensor_types():
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor, Replicate, Shard
+
+
+def is_dtensor(p) -> bool:
+    DTensor, _, _ = _dtensor_types()
+    return isinstance(p, DTensor)
+
+
+@dataclass
+class TpParam:
+    """One TP DTensor parameter and what rebuilds it from its local slice."""
+
+    name: str
+    owners: List[Tuple[nn.Module, str]]  # (module, attribute): a tied parameter lives in several modules
+    dtensor: nn.Parameter
+    split_dim: int                       # -1: whole (Replicate on the TP axis)
+    local: Optional[nn.Parameter] = None
+
+
+def _dp_names(mesh, replicate_mesh) -> set:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    names = set()
+    for m in (mesh, replicate_mesh):
+        if isinstance(m, DeviceMesh):
+            names |= set(m.mesh_dim_names or ())
+    return names
+
+
+def find_tp_params(model: nn.Module, mesh, replicate_mesh, fn: str) -> Tuple[Optional[dist.ProcessGroup], List[TpParam]]:
+    """The TP axis's group (None without TP DTensors) and the TP DTensor parameters, in model order.
+    Refuses DTensors that are sharded on a data-parallel dimension (fully_shard ran first), Partial
+    placements, uneven slices, unnamed meshes and more than one TP group."""
+    DTensor, Replicate, Shard = _dtensor_types()
+    dp_names = _dp_names(mesh, replicate_mesh)
+    found: Dict[int, TpParam] = {}
+    groups = {}
+    for module_name, module in model.named_modules():
+        for attr, p in module._parameters.items():
+            if p is None or not isinstance(p, DTensor):
+                continue
+            name = f"{module_name}.{attr}" if module_name else attr
+            if id(p) in found:  # tied: the same DTensor in another module
+                found[id(p)].owners.append((module, attr))
+                continue
+            dmesh = p.device_mesh
+            names = dmesh.mesh_dim_names or ()
+            sharded = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+            if any(names and names[i] in dp_names for i in sharded):
+                raise ValueError(
+                    f"{fn}: parameter '{name}' is already a DTensor sharded on the data-parallel mesh dimension(s) "
+                    f"{[names[i] for i in sharded if names[i] in dp_names]}: fully_shard ran before {fn}. Call "
+                    f"dmuon.{fn}(model, mesh, ...) first, then fully_shard."
+                )
+            if not names or not dp_names or all(n in dp_names for n in names):
+                raise ValueError(
+                    f"{fn}: parameter '{name}' is already a DTensor: fully_shard (or parallelize_module) ran before "
+                    f"{fn}. Call dmuon.{fn}(model, mesh, ...) first, then fully_shard. With tensor parallelism, name "
+                    "the meshes (init_device_mesh(..., mesh_dim_names=('replicate', 'shard', 'tp'))) and pass the "
+                    "named data-parallel sub-meshes as mesh (and replicate_mesh): the TP axis is the DTensor "
+                    "parameters' other mesh dimension."
+                )
+            tp_dims = [i for i, n in enumerate(names) if n not in dp_names]
+            if len(tp_dims) != 1:
+                raise ValueError(
+                    f"{fn}: parameter '{name}' lives on mesh dimensions {list(names)}, of which {len(tp_dims)} are not "
+                    f"data-parallel ({sorted(dp_names)}); dmuon takes exactly one tensor-parallel dimension."
+                )
+            i = tp_dims[0]
+            for j, pl in enumerate(p.placements):
+                if j != i and not isinstance(pl, Replicate):
+                    raise ValueError(f"{fn}: parameter '{name}' has placement {pl} on mesh dimension '{names[j]}'; "
+                                     "dmuon takes DTensors that are sharded on the TP dimension only.")
+            placement = p.placements[i]
+            T = dmesh.size(i)
+            if isinstance(placement, Shard):
+                d = placement.dim % p.dim()
+                if p.shape[d] % T:
+                    raise ValueError(f"{fn}: parameter '{name}' (shape {tuple(p.shape)}) is split on dim {d} over "
+                                     f"{T} TP ranks unevenly; dmuon's TP path needs equal slices.")
+            elif isinstance(placement, Replicate):
+                d = -1
+            else:
+                raise ValueError(f"{fn}: parameter '{name}' has placement {placement} on the TP dimension; dmuon "
+                                 "takes Shard(d) or Replicate() there.")
+            group = dmesh.get_group(i)
+            groups[tuple(sorted(dist.get_process_group_ranks(group)))] = group
+            found[id(p)] = TpParam(name, [(module, attr)], p, d)
+    if len(groups) > 1:
+        raise ValueError(f"{fn}: the model's DTensor parameters use {len(groups)} different TP groups "
+                         f"({sorted(groups)}); dmuon takes one tensor-parallel axis.")
+    return (next(iter(groups.values())) if groups else None), list(found.values())
+
+
+def swap_in_local_slices(params: List[TpParam]) -> None:
+    """Each TP DTensor parameter becomes a plain Parameter holding its local slice, in every module that
+    holds it (the DTensor is kept to rebuild it in forward)."""
+    for tp in params:
+        tp.local = nn.Parameter(tp.dtensor.to_local().detach(), requires_grad=tp.dtensor.requires_grad)
+        for module, attr in tp.owners:
+            module._parameters[attr] = tp.local
+
+
+def install_dtensor_hooks(params: List[TpParam]) -> list:
+    """Forward hooks that show each module its TP parameters as DTensors over the current local slices,
+    and take them away again after the forward. Registered after dmuon's boundary hooks, so on a module
+    that is itself a boundary they run after its slices were unsharded."""
+    DTensor, _, _ = _dtensor_types()
+    by_module: Dict[int, Tuple[nn.Module, List[Tuple[str, TpParam]]]] = {}
+    for tp in params:
+        for module, attr in tp.owners:
+            by_module.setdefault(id(module), (module, []))[1].append((attr, tp))
+    handles = []
+    for module, items in by_module.values():
+        def pre(mod, args, items=items):
+            for attr, tp in items:
+                d = tp.dtensor
+                mod.__dict__[attr] = DTensor.from_local(tp.local, d.device_mesh, d.placements, run_check=False,
+                                                        shape=d.shape, stride=d.stride())
+
+        def post(mod, args, output, items=items):
+            for attr, _ in items:
+                mod.__dict__.pop(attr, None)
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post, always_call=True))
+    return handles

@@ -1,0 +1,183 @@
+"""Tensor parallelism through DTensor: a transformers Llama with grouped-query attention, made tensor
+parallel by parallelize_module with a Megatron-style plan (q/k/v, gate/up ColwiseParallel; o, down
+RowwiseParallel) on the named TP axis of a (shard, tp) mesh, then dedicate_params on the data-parallel
+sub-mesh (the TP axis found by name-set difference) and replicate_tp or FSDP2's fully_shard on the
+data-parallel axis for the rest, or the DDP + TP path.
+8 steps in float64 under an lr scheduler equal the one-process pure-PyTorch Muon + AdamW of
+test_transformers_equivalence at 1e-10; the state dict holds full tensors under the one-process names."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import dmuon
+from dmuon_testing import run_ranks
+from test_transformers_equivalence import (ADAMW_LR, ADAMW_WD, BATCH, LR, MOMENTUM, STEPS, WD, is_muon, loss_of,
+                                           make_llama, reference_train, schedule, tokens)
+
+
+def tp_plan(model):
+    plan = {}
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}."
+        plan.update({p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
+                     p + "self_attn.v_proj": ColwiseParallel(), p + "self_attn.o_proj": RowwiseParallel(),
+                     p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
+                     p + "mlp.down_proj": RowwiseParallel()})
+    return plan
+
+
+def _train(rank, world, layout, dp, out_path):
+    tp = world // dp
+    if layout == "hsdp-fsdp2":  # the API reference's 3-D order: (replicate, shard, tp)
+        mesh = init_device_mesh("cpu", (2, dp // 2, tp), mesh_dim_names=("replicate", "shard", "tp"))
+        dp_mesh = mesh["replicate", "shard"]
+    else:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("shard", "tp"))
+        dp_mesh = mesh["shard"]
+    model = make_llama()
+    parallelize_module(model, mesh["tp"], tp_plan(model))
+    if layout == "ddp-tp":
+        owners = dmuon.dedicate_params_ddp_tp(model, mesh["shard"], is_muon)
+    elif layout == "hsdp-fsdp2":
+        owners = dmuon.dedicate_params(model, mesh=mesh["shard"], predicate=is_muon, replicate_mesh=mesh["replicate"])
+    else:
+        owners = dmuon.dedicate_params(model, mesh["shard"], is_muon, reshard_after_forward=layout != "z2")
+    assert len(owners) == 7 * 2
+    k = model.model.layers[0].self_attn.k_proj.weight  # 2 KV heads of 4 over 2 TP ranks: 4 rows here
+    assert type(k) is torch.nn.Parameter and tuple(k.shape) in ((4, 16), (0,))
+    ded = {d.name: d for d in dmuon.get_dedicated_params(model)}
+    d = ded["model.layers.0.self_attn.k_proj.weight"]
+    assert d.tp_split_dim == 0 and d.full_shape == (8, 16) and 0 <= d.tp_owner < tp
+    assert ded["model.layers.0.mlp.down_proj.weight"].tp_split_dim == 1
+    with pytest.raises(ValueError, match="replicate_tp"):
+        dmuon.replicate(model)
+    if layout in ("fsdp2", "hsdp-fsdp2"):  # the reference's order: TP, dmuon, then FSDP2 on the data-parallel axes
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    else:
+        dmuon.replicate_tp(model, mesh["shard"])
+    # Z2: the distributed Gram form wherever it applies (split along the long side), gathers elsewhere
+    opt = dmuon.Muon(model, lr=LR, adamw_lr=ADAMW_LR, weight_decay=WD, adamw_weight_decay=ADAMW_WD,
+                     momentum=MOMENTUM, first_step_progress_log=False, record_step_profile=True,
+                     tp_distributed_gram=layout == "z2", tp_distributed_gram_policy="always")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    per, dp_rank = BATCH // dp, rank // tp  # the TP ranks of one data-parallel position see the same rows
+    gathered = distributed = 0
+    tp_bytes = None
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss_of(model, tokens(step)[dp_rank * per:(dp_rank + 1) * per]).backward()
+        dmuon.prepare_muon_grads(model)  # what step() does first: the reduces are not counted below
+        before = model._dmuon.mesh.bytes()
+        opt.step()
+        dmuon.wait_all_post_step_broadcasts(model)
+        after = model._dmuon.mesh.bytes()
+        tp_bytes = sum(after[op] - before[op] for op in ("gather", "scatter"))
+        profile = opt.consume_last_step_profile()
+        gathered += profile["tp_gathered"]
+        distributed += profile["tp_distributed"]
+        sched.step()
+    assert gathered > 0  # the TP path ran: slices gathered to their TP owner for Newton-Schulz
+    assert (distributed > 0) == (layout == "z2"), distributed
+    if layout != "z2":  # one step's TP gathers and scatters on this rank are what plan_tp_exchange planned
+        assert tp_bytes == dmuon.summarize_comm_plan(model)["this_rank"]["tp"] > 0, (tp_bytes, rank)
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save(sd, out_path)
+
+
+@pytest.mark.parametrize("layout,world,dp", [("z3", 2, 1), ("z3", 4, 2), ("z2", 4, 2), ("ddp-tp", 4, 2), ("fsdp2", 4, 2),
+                                                ("hsdp-fsdp2", 8, 4)])
+def test_llama_tp_trains_like_one_process(tmp_path, layout, world, dp):
+    path = tmp_path / "llama-tp.pt"
+    run_ranks(tmp_path, world, _train, layout, dp, str(path))
+    got = torch.load(path)
+    ref = reference_train()
+    assert set(got) == set(ref)
+    for name, value in ref.items():
+        assert got[name].shape == value.shape, name
+        err = float((got[name] - value).abs().max() / value.abs().max())
+        assert err < 1e-10, f"{layout} on {world} ranks (dp {dp}): {name} differs from the one-process reference by {err}"
+
+
+def _mistakes(rank, world):
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("shard", "tp"))
+    model = make_llama()
+    parallelize_module(model, mesh["tp"], tp_plan(model))
+    with pytest.raises(ValueError, match="dedicate_params_ddp_tp"):
+        dmuon.dedicate_params_ddp(model, mesh["shard"], is_muon)
+    with pytest.raises(ValueError, match="mesh_dim_names"):  # an unnamed data-parallel mesh: no TP axis to infer
+        dmuon.dedicate_params(model, dist.group.WORLD, is_muon)
+    plain = make_llama()
+    with pytest.raises(ValueError, match="no tensor-parallel DTensor"):
+        dmuon.dedicate_params_ddp_tp(plain, mesh["shard"], is_muon)
+    # a TP slice left to FSDP2 (not dedicated): FSDP2 would take the slice for the whole parameter
+    dmuon.dedicate_params(model, mesh["shard"], lambda n, p: is_muon(n, p) and "k_proj" not in n)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    with pytest.raises(ValueError, match="'model.layers.0.self_attn.k_proj.weight' is a tensor-parallel slice"):
+        dmuon.Muon(model)
+
+
+def test_tp_mistakes(tmp_path):
+    run_ranks(tmp_path, 2, _mistakes)
+
+
+def _build(rank, world, tp):
+    """A Llama dedicated on 2 ranks: TP 2 (mesh (1, 2): dmuon's TP path) or data parallel 2 (no TP)."""
+    model = make_llama()
+    if tp:
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("shard", "tp"))
+        parallelize_module(model, mesh["tp"], tp_plan(model))
+        dmuon.dedicate_params(model, mesh["shard"], is_muon)
+        dmuon.replicate_tp(model, mesh["shard"])
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        dmuon.dedicate_params(model, mesh, is_muon)
+        dmuon.replicate(model, mesh=mesh)
+    opt = dmuon.Muon(model, lr=LR, adamw_lr=ADAMW_LR, weight_decay=WD, adamw_weight_decay=ADAMW_WD,
+                     momentum=MOMENTUM, first_step_progress_log=False)
+    dp, dp_rank = (1, 0) if tp else (world, rank)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule), dp, dp_rank
+
+
+def _resume_across_tp(rank, world, out_path):
+    """Steps 0-3 with TP, 4-5 without (resumed from the TP run's state dicts), 6-7 with TP again: the state
+    dicts are full tensors under the one-process names, so the run is the uninterrupted one."""
+    full = dict(make_llama().named_parameters())
+    state = None
+    for tp, steps in ((True, range(0, 4)), (False, range(4, 6)), (True, range(6, STEPS))):
+        model, opt, sched, dp, dp_rank = _build(rank, world, tp)
+        if state is not None:
+            dmuon.set_model_state_dict(model, state[0])
+            opt.load_state_dict(state[1])
+            sched.load_state_dict(state[2])
+        per = BATCH // dp
+        for step in steps:
+            opt.zero_grad()
+            loss_of(model, tokens(step)[dp_rank * per:(dp_rank + 1) * per]).backward()
+            opt.step()
+            sched.step()
+        model_sd = dmuon.get_model_state_dict(model, rank0_only=False)
+        optim_sd = opt.state_dict()
+        assert {n: tuple(t.shape) for n, t in model_sd.items()} == {n: tuple(p.shape) for n, p in full.items()}
+        for name, entry in optim_sd["dedicated"].items():  # full momentum buffers, also from the TP run
+            assert tuple(entry["momentum_buffer"].shape) == tuple(full[name].shape), name
+        state = (model_sd, optim_sd, sched.state_dict())
+    if rank == 0:
+        torch.save(state[0], out_path)
+
+
+def test_resume_without_tp_and_back(tmp_path):
+    path = tmp_path / "resumed.pt"
+    run_ranks(tmp_path, 2, _resume_across_tp, str(path))
+    got = torch.load(path)
+    for name, value in reference_train().items():
+        err = float((got[name] - value).abs().max() / value.abs().max())
+        assert err < 1e-10, f"{name} differs from the uninterrupted one-process run by {err}"
