@@ -5,6 +5,7 @@ identity autograd functions, the engine's end-of-backward callback)."""
 
 import contextlib
 import json
+import sys
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -63,13 +64,31 @@ def _sync_external(model: nn.Module, state: _State) -> Dict[str, nn.Parameter]:
     return state.external
 
 
+def _compiled_autograd_on() -> bool:
+    """Whether torch's compiled autograd is switched on (config flag or its context), without importing
+    Dynamo when nothing did."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return False
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(dynamo.config.compiled_autograd) or bool(ca is not None and ca.compiled_autograd_enabled)
+
+
 def _param_guard(params):
     """A check, run at every forward and step, that no parameter dmuon holds changed dtype or device after
     dedicate_params: model.to / .half() / .cuda() replace its data and its gradient accumulator, so
-    dmuon's gradient hooks would be gone and it would silently stop training."""
+    dmuon's gradient hooks would be gone and it would silently stop training. Also refuses compiled
+    autograd, which would run backward without those hooks."""
     kept = [(n, p, p.dtype, p.device) for n, p in params]
 
     def check():
+        if _compiled_autograd_on():
+            raise RuntimeError(
+                "dmuon: torch's compiled autograd is on (torch._dynamo.config.compiled_autograd or its context), "
+                "but dmuon's gradient hooks are C++ autograd node hooks that compiled autograd does not run: the "
+                "dedicated matrices would silently stop training. Turn it off (torch._dynamo.config."
+                "compiled_autograd = False); torch.compile on the blocks (layer.compile()) works as it is."
+            )
         for name, p, dtype, device in kept:
             if p.dtype != dtype or p.device != device:
                 raise ValueError(
@@ -444,9 +463,12 @@ def _full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def _first_names(model: nn.Module) -> Dict[int, str]:
-    """id(parameter) -> its first name in named_parameters(): the name the runtime knows a tied parameter by."""
+    """id(parameter) -> the name the runtime knows it by: its (first) name at dedicate_params, which a module
+    wrapped since renames in named_parameters() (torch.compile(layer) adds "_orig_mod."), else its first
+    name in named_parameters() (a tied parameter's)."""
     first = {}
-    for name, p in model.named_parameters():
+    state = getattr(model, "_dmuon", None)
+    for name, p in list(state.params.items() if state else []) + list(model.named_parameters()):
         first.setdefault(id(p), name)
     return first
 
