@@ -99,8 +99,9 @@ class ForwardHooks {
   // scope. On a boundary a tensor output, or a tuple/list whose first item is one, carries its
   // pre-backward hook (and gets its output cast). Returns None when the output passes on unchanged.
   py::object post(py::handle /*module*/, py::handle /*args*/, py::handle /*kwargs*/, const py::object& output) {
-    TORCH_CHECK(!scopes_.empty(), "dmuon: a forward hook ran without its pre-hook (hooks registered by dmuon were "
-                "removed or reordered by hand?)");
+    // an earlier pre-hook (FSDP2's, parallelize_module's) raised before this module's: torch still calls
+    // this always-called hook, and there is no scope of this call to close
+    if (scopes_.empty()) return py::none();
     std::unique_ptr<detail::BoundaryScope> scope = std::move(scopes_.back());
     scopes_.pop_back();
     const bool sequence = py::isinstance<py::tuple>(output) || py::isinstance<py::list>(output);

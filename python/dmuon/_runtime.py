@@ -16,7 +16,7 @@ from . import _C
 from ._clip import MuonGradClipStats, python_strategy, run_python_strategy
 from ._fsdp2 import assign_full, fsdp_modules, full_tensor, is_dtensor, shard_of
 from ._mesh import make_mesh
-from ._tp import find_tp_params, install_dtensor_hooks, swap_in_local_slices
+from ._tp import find_tp_params, install_dtensor_hooks, release_dtensors, restore_dtensors, swap_in_local_slices
 
 
 class _State:
@@ -32,6 +32,7 @@ class _State:
         self.params = params  # name -> the Parameter object dedicate_params saw
         self.external = {}    # name -> the DTensor parameter FSDP2 put in its place (trained by Muon's AdamW)
         self.tp_split = {}    # TP-split parameters (their local slices are the module's parameters) -> split dim
+        self.tp_names = set()  # every TP DTensor parameter dedicate_params swapped for its local slice
         self.dp_ranks = None  # with TP: the global ranks at this rank's TP position (replicate_tp's mesh)
 
 
@@ -50,12 +51,13 @@ def _sync_external(model: nn.Module, state: _State) -> Dict[str, nn.Parameter]:
                 "DTensor shard), so dmuon's hooks and routes no longer see it. Replace parameters (or call "
                 "model.to(...)) before dedicate_params, never after."
             )
-        if name in state.tp_split:
+        if name in state.tp_names:
             raise ValueError(
-                f"dmuon: parameter '{name}' is a tensor-parallel slice (split on dim {state.tp_split[name]}) that is "
-                "not dedicated, and fully_shard took it: FSDP2 would shard the slice as if it were the whole "
-                "parameter. Dedicate it (predicate), or leave it to dmuon (dmuon.replicate_tp, or route_hint_fn -> "
-                "'sharded_adamw') and keep it out of fully_shard (fully_shard(..., ignored_params={...}))."
+                f"dmuon: parameter '{name}' is a tensor-parallel DTensor parameter that is not dedicated, and "
+                "fully_shard took it: dmuon holds it as its local slice, which FSDP2 would shard as if it were the "
+                "whole parameter (and dmuon's forward hooks would keep showing the module the slice). Dedicate it "
+                "(predicate), or leave it to dmuon (dmuon.replicate_tp, or route_hint_fn -> 'sharded_adamw') and keep "
+                "it out of fully_shard (fully_shard(..., ignored_params={...}))."
             )
         fresh.append((name, p))
     if fresh:
@@ -226,11 +228,17 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
     swap_in_local_slices(tp_params)
     tp_split = {tp.name: tp.split_dim for tp in tp_params if tp.split_dim >= 0} if native_mesh.tp_size > 1 else {}
     params, buffers, modules = _model_view(model)
-    runtime = _C._dedicate(params, buffers, modules, native_mesh, predicate, options, ddp, tp_split)
+    try:
+        runtime = _C._dedicate(params, buffers, modules, native_mesh, predicate, options, ddp, tp_split)
+    except BaseException:
+        restore_dtensors(tp_params)  # the model is the caller's again, DTensors and all
+        raise
+    release_dtensors(tp_params)
     guard = _param_guard(params)
     hooks = _install_hooks(model, runtime, guard) + install_dtensor_hooks(tp_params)
     model._dmuon = _State(runtime, native_mesh, world_group, hooks, dict(params), guard)
     model._dmuon.tp_split = tp_split
+    model._dmuon.tp_names = {tp.name for tp in tp_params}
     model._dmuon.dp_ranks = dp_ranks  # with TP: the global ranks at this rank's TP position
     owners = {}
     for d, coord in _owner_coords(model._dmuon):
@@ -509,11 +517,12 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
             f"{unexpected[:5]}). Pass a full state dict of this architecture, with keys as in model.state_dict()."
         )
     external = _sync_external(model, state)
-    first_name, params = _first_names(model), {}
+    first_name, params, seen = _first_names(model), {}, set()
     for key, value in expected.items():
         name = first_name.get(id(value))
-        if name is not None and name == key and name not in external:
+        if name is not None and id(value) not in seen and name not in external:  # its first key (tied: once)
             params[name] = state_dict[key]
+        seen.add(id(value))
     state.runtime.assign_params(params)
     for name, p in external.items():
         assign_full(p, state_dict[name], name)

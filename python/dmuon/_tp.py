@@ -32,9 +32,10 @@ class TpParam:
 
     name: str
     owners: List[Tuple[nn.Module, str]]  # (module, attribute): a tied parameter lives in several modules
-    dtensor: nn.Parameter
+    dtensor: Optional[nn.Parameter]      # the original, until dedicate_params succeeded (restore_dtensors)
     split_dim: int                       # -1: whole (Replicate on the TP axis)
     local: Optional[nn.Parameter] = None
+    layout: Optional[tuple] = None       # (device_mesh, placements, shape, stride): what rebuilds the DTensor
 
 
 def _dp_names(mesh, replicate_mesh) -> set:
@@ -116,9 +117,25 @@ def swap_in_local_slices(params: List[TpParam]) -> None:
     """Each TP DTensor parameter becomes a plain Parameter holding its local slice, in every module that
     holds it (the DTensor is kept to rebuild it in forward)."""
     for tp in params:
-        tp.local = nn.Parameter(tp.dtensor.to_local().detach(), requires_grad=tp.dtensor.requires_grad)
+        d = tp.dtensor
+        tp.layout = (d.device_mesh, d.placements, d.shape, d.stride())
+        tp.local = nn.Parameter(d.to_local().detach(), requires_grad=d.requires_grad)
         for module, attr in tp.owners:
             module._parameters[attr] = tp.local
+
+
+def restore_dtensors(params: List[TpParam]) -> None:
+    """Undoes swap_in_local_slices (dedicate_params failed: the model is the caller's again)."""
+    for tp in params:
+        for module, attr in tp.owners:
+            module._parameters[attr] = tp.dtensor
+
+
+def release_dtensors(params: List[TpParam]) -> None:
+    """Drops the original DTensors once dedicate_params succeeded: their storage is the slices' first
+    storage, which dmuon's routes replace (packed buffers, Z3 placeholders) and must be free to release."""
+    for tp in params:
+        tp.dtensor = None
 
 
 def install_dtensor_hooks(params: List[TpParam]) -> list:
@@ -131,16 +148,24 @@ def install_dtensor_hooks(params: List[TpParam]) -> list:
         for module, attr in tp.owners:
             by_module.setdefault(id(module), (module, []))[1].append((attr, tp))
     handles = []
+    missing = object()
     for module, items in by_module.values():
-        def pre(mod, args, items=items):
-            for attr, tp in items:
-                d = tp.dtensor
-                mod.__dict__[attr] = DTensor.from_local(tp.local, d.device_mesh, d.placements, run_check=False,
-                                                        shape=d.shape, stride=d.stride())
+        saved: list = []  # what each (possibly nested) call of the module found in its __dict__
 
-        def post(mod, args, output, items=items):
-            for attr, _ in items:
-                mod.__dict__.pop(attr, None)
+        def pre(mod, args, items=items, saved=saved):
+            saved.append([mod.__dict__.get(attr, missing) for attr, _ in items])
+            for attr, tp in items:
+                mesh, placements, shape, stride = tp.layout
+                mod.__dict__[attr] = DTensor.from_local(tp.local, mesh, placements, run_check=False, shape=shape,
+                                                        stride=stride)
+
+        def post(mod, args, output, items=items, saved=saved):
+            before = saved.pop() if saved else [missing] * len(items)
+            for (attr, _), value in zip(items, before):
+                if value is missing:
+                    mod.__dict__.pop(attr, None)
+                else:
+                    mod.__dict__[attr] = value
 
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post, always_call=True))

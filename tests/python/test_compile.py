@@ -26,7 +26,8 @@ def _train(rank, world, layout, out_path):
     from torch._dynamo.utils import counters
     assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])  # the blocks did run compiled
     assert counters["aot_autograd"]["total"] >= 1, dict(counters["aot_autograd"])  # with compiled backward
-    sd = dmuon.get_model_state_dict(model)
+    sd = dmuon.get_model_state_dict(model, rank0_only=False)
+    dmuon.set_model_state_dict(model, sd)  # the round trip, under the model's own keys (_orig_mod. when wrapped)
     if rank == 0:
         torch.save(sd, out_path)
     # compiled autograd would trace backward without dmuon's C++ gradient hooks: refused at the forward

@@ -113,6 +113,11 @@ def _mistakes(rank, world):
         dmuon.dedicate_params_ddp(model, mesh["shard"], is_muon)
     with pytest.raises(ValueError, match="mesh_dim_names"):  # an unnamed data-parallel mesh: no TP axis to infer
         dmuon.dedicate_params(model, dist.group.WORLD, is_muon)
+    # a dedicate_params that fails after the TP parameters were swapped for their slices gives them back
+    with pytest.raises(ValueError, match="no-such-strategy"):
+        dmuon.dedicate_params(model, mesh["shard"], is_muon, owner_strategy="no-such-strategy")
+    k = model.model.layers[0].self_attn.k_proj.weight
+    assert type(k).__name__ == "DTensor" and tuple(k.shape) == (8, 16) and getattr(model, "_dmuon", None) is None
     plain = make_llama()
     with pytest.raises(ValueError, match="no tensor-parallel DTensor"):
         dmuon.dedicate_params_ddp_tp(plain, mesh["shard"], is_muon)
@@ -121,7 +126,7 @@ def _mistakes(rank, world):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
-    with pytest.raises(ValueError, match="'model.layers.0.self_attn.k_proj.weight' is a tensor-parallel slice"):
+    with pytest.raises(ValueError, match="'model.layers.0.self_attn.k_proj.weight' is a tensor-parallel DTensor"):
         dmuon.Muon(model)
 
 
