@@ -11,14 +11,20 @@
 #      (DP 2 x TP 2, distributed Gram) and checkpoint_test's (save on HSDP 2x2, resume on 3), float64
 #   4. with >= 2 GPUs only: torchrun 2 ranks (and 4 with >= 4 GPUs), and a rank killed mid-run
 #   5. dmuon train --device cuda (one GPU) on the shipped fortunes text, forced collectives too
-#   6. ns_bench: CUDA graphs vs eager (host us per call), Llama-3-8B shapes in bf16/fp16 (float64
+#   6. the Python package (import dmuon): pip install --no-build-isolation from this build tree (or,
+#      where pip cannot, the build tree's package copied out), then tests/python/test_device.py and the
+#      NS tests on the GPU (NCCL, world size 1; float64 equivalence at 1e-10, forced collectives too) and
+#      examples/train_llama.py under torchrun on one GPU
+#   7. ns_bench: CUDA graphs vs eager (host us per call), Llama-3-8B shapes in bf16/fp16 (float64
 #      references on the GPU), batched vs per-matrix
-#   7. the step benchmark: Muon vs AdamW on a GPT-2-small-sized model
+#   8. the step benchmark: Muon vs AdamW on a GPT-2-small-sized model
 # No CPU unit tests here: CI runs them. Writes OUT/gpu_report.md (the GPU's name, build durations,
 # every phase's exit code and time) and the logs beside it.
 #
 #   usage: scripts/gpu_check.sh OUT_DIR
 #   device tool: run(command='bash scripts/gpu_check.sh "$OUT"', carry=[".gpu-deps"], timeout_s=540)
+#   everything does not fit one call's budget: first DMUON_GPU_PHASES=2,3,5,6, then (machine still warm,
+#   the build kept) DMUON_GPU_PHASES=4,7,8 in a second call
 #                after `bash scripts/gpu_deps.sh` here (GoogleTest, CLI11, nlohmann-json headers and
 #                the fortunes text, which that machine's image lacks).
 set -uo pipefail
@@ -33,15 +39,23 @@ BUILD="${DMUON_GPU_BUILD_DIR:-build-gpu}"
 DATA="$(pwd)/.gpu-deps/share/fortunes.txt"
 GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 
+PHASE=1
 section() {
+  PHASE="${1%%.*}"
   echo "[gpu_check] $1 (t=$(($(date +%s) - T0)) s)"
   printf '\n## %s\n\n' "$1" >>"$REPORT"
 }
 # run LIMIT_S LOGNAME CMD...: CMD with a time limit (cut to the global deadline; skipped when under
-# 10 s remain), its whole output in OUT/LOGNAME.log and the last lines in the report.
+# 10 s remain), its whole output in OUT/LOGNAME.log and the last lines in the report. With
+# DMUON_GPU_PHASES (e.g. "2,3,6"), only those phases' commands run (the build, phase 1, always does:
+# split the check over two device calls on a warm machine, the build tree kept between them).
 run() {
   local limit=$1 log=$2
   shift 2
+  if [ -n "${DMUON_GPU_PHASES:-}" ] && [ "$PHASE" != 1 ] && [[ ",$DMUON_GPU_PHASES," != *",$PHASE,"* ]]; then
+    echo "SKIPPED (DMUON_GPU_PHASES=$DMUON_GPU_PHASES): $*" >>"$REPORT"
+    return 125
+  fi
   local left=$((DEADLINE - $(date +%s)))
   if [ "$left" -lt 10 ]; then
     echo "SKIPPED (global deadline): $*" >>"$REPORT"
@@ -122,7 +136,37 @@ else
   echo "SKIPPED: no training text ($DATA)" >>"$REPORT"
 fi
 
-section "6. ns_bench on the GPU: CUDA graphs vs eager, Llama-3-8B shapes, batched"
+section "6. Python: import dmuon on one GPU (NCCL, world size 1)"
+# the package: pip install from this build tree (scikit-build-core is on that machine's image; the same
+# generator and options, so only the extension is compiled), else the extension built here and copied out
+PYSITE=/tmp/dmuon-site
+rm -rf "$PYSITE"
+PYOPTS=(-DDMUON_BUILD_PYTHON=ON -DDMUON_PYTHON="$(command -v python3)")
+if python3 -c "import scikit_build_core" 2>/dev/null &&
+   run 200 pip_install env CMAKE_GENERATOR="$(sed -n 's/^CMAKE_GENERATOR:INTERNAL=//p' "$BUILD/CMakeCache.txt")" \
+     python3 -m pip install --no-build-isolation --no-deps --no-index --target "$PYSITE" -C build-dir="$BUILD" \
+     -C cmake.define.CMAKE_PREFIX_PATH="$PREFIXES" -C cmake.define.TORCH_CUDA_ARCH_LIST=9.0 \
+     -C cmake.define.DMUON_INSTALL=OFF -C cmake.define.DMUON_BUILD_TESTS=ON -C cmake.define.DMUON_BUILD_BENCHMARKS=ON \
+     -C cmake.define.DMUON_BUILD_CLI=ON .; then
+  echo "package: pip install into $PYSITE" >>"$REPORT"
+else
+  run 30 configure_python cmake -S . -B "$BUILD" "${PYOPTS[@]}" &&
+    run 200 build_python cmake --build "$BUILD" -j "$(nproc)" --target dmuon_python &&
+    mkdir -p "$PYSITE" && cp -r "$BUILD/python/dmuon" "$PYSITE/" &&
+    echo "package: the build tree's dmuon copied to $PYSITE (pip install did not run)" >>"$REPORT"
+fi
+if [ -f "$PYSITE/dmuon/__init__.py" ]; then
+  (cd /tmp && PYTHONPATH="$PYSITE" python3 -c 'import dmuon; print("dmuon", dmuon.__version__, dmuon.__file__); print(dmuon.get_ns_backend())') >>"$REPORT" 2>&1
+  run 150 python_device env PYTHONPATH="$PYSITE:$(pwd)/tests/python" OMP_NUM_THREADS=4 python3 -m pytest -q \
+    -p no:cacheprovider tests/python/test_device.py -k cuda
+  [ -f "$DATA" ] && run 90 python_example env PYTHONPATH="$PYSITE" "$(dirname "$(command -v python3)")/torchrun" \
+    --standalone --nproc-per-node 1 examples/train_llama.py --text "$DATA" --steps 40 --hidden 256 --layers 4 \
+    --batch 16 --seq 128 --log-every 10
+else
+  echo "SKIPPED: no dmuon package was built (see pip_install / build_python above)" >>"$REPORT"
+fi
+
+section "7. ns_bench on the GPU: CUDA graphs vs eager, Llama-3-8B shapes, batched"
 # Llama-3-8B: q/o 4096², k/v 1024x4096, gate/up 14336x4096, down 4096x14336
 LLAMA_SHAPES=4096x4096,4096x14336,14336x4096,1024x4096
 run 30 ns_bench_graphs "$BUILD/bench/ns_bench" --graphs --device cuda --reps 50
@@ -130,7 +174,7 @@ run 45 ns_bench_bf16 "$BUILD/bench/ns_bench" --device cuda --dtype bf16 --reps 2
 run 45 ns_bench_fp16 "$BUILD/bench/ns_bench" --device cuda --dtype f16 --reps 20 --shapes "$LLAMA_SHAPES"
 run 30 ns_bench_batched "$BUILD/bench/ns_bench" --batched --device cuda --reps 5
 
-section "7. step benchmark: Muon vs AdamW, GPT-2-small-sized (d 768, 12 layers, 12 heads, seq 1024, batch 8)"
+section "8. step benchmark: Muon vs AdamW, GPT-2-small-sized (d 768, 12 layers, 12 heads, seq 1024, batch 8)"
 if [ -f "$DATA" ]; then
   GPT2=(--device cuda --ranks 1 --data "$DATA" --steps 20 --batch 8 --seq-len 1024 --d-model 768 --layers 12
         --heads 12 --log-every 10)

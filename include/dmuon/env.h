@@ -30,6 +30,10 @@ std::string cpu_backend();                  // DMUON_CPU_BACKEND: "gloo" | "stor
 // DMUON_FORCE_COLLECTIVES=1: groups of one issue real collectives and the dedicated route takes the
 // reduce path at world size 1, so one GPU (NCCL, world size 1) exercises the multi-rank code.
 bool force_collectives();
+// DMUON_FAST_CLIP=0: the fused (foreach) clipping path off everywhere, and
+// try_clip_optimizer_grad_norm_buckets_ returns nullopt (it must be the same on every rank).
+std::optional<bool> fast_clip();
+std::string fast_clip_chunk_size();         // DMUON_FAST_CLIP_CHUNK_SIZE: elements per fused clip call
 
 // Parses a boolean flag value ("1", "0", "true", "false", "on", "off", "yes", "no", any case).
 // Throws std::invalid_argument naming `var` and the value when it is none of those.

@@ -146,7 +146,8 @@ SegmentedGradClipResult clip_grad_norm_buckets_(const std::vector<GradClipBucket
 // own; the "muon" bucket's stats become last_muon_grad_clip_stats() (strategy "segmented").
 // `group` defaults to the optimizer's world group. The reference math is always built, so a result
 // always comes back except when DMUON_FAST_CLIP=0 on every rank (nullopt: how a caller asks to run
-// its own path).
+// its own path); the setting is agreed over `group` first (one small all-gather), and a mixed one is a
+// c10::ValueError on every rank naming the ranks that have it off.
 // Whether the fused clip path is on for this install (DMUON_FAST_CLIP unset or not "0"): what
 // try_clip_optimizer_grad_norm_buckets_ returns nullopt on. Local.
 bool fast_clip_enabled();

@@ -95,8 +95,12 @@ void check_hyperparameter(const std::string& what, double v, HparamRange range);
 struct MuonParamGroup {
   std::string name;
   std::vector<at::Tensor> params;
+  // unset: MuonOptions' value
   std::optional<double> lr, momentum, weight_decay;
-  std::optional<double> adamw_lr, adamw_weight_decay;
+  std::optional<bool> nesterov;
+  std::optional<int> ns_steps;
+  std::optional<double> adamw_lr, adamw_weight_decay, adamw_eps;
+  std::optional<std::pair<double, double>> adamw_betas;
 };
 
 struct MuonOptions {

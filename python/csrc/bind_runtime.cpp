@@ -15,6 +15,7 @@
 #include "dmuon/checkpoint.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"
+#include "dmuon/memory.h"
 #include "dmuon/mesh.h"
 #include "dmuon/model_view.h"
 #include "dmuon/muon.h"
@@ -63,9 +64,11 @@ DedicateOptions dedicate_options(const py::dict& d) {
   o.compute_dtype = get_opt<at::ScalarType>(d, "compute_dtype");
   if (auto v = get_opt<bool>(d, "reshard_after_forward")) o.reshard_after_forward = *v;
   if (auto v = get_opt<bool>(d, "hook_boundary_strict")) o.hook_boundary_strict = *v;
-  if (auto v = get_opt<HookBoundaryResolver>(d, "hook_boundary_resolver")) o.hook_boundary_resolver = *v;
-  if (auto v = get_opt<AssignmentGroupKeyFn>(d, "assignment_group_key_fn")) o.assignment_group_key_fn = *v;
-  if (auto v = get_opt<RouteHintFn>(d, "route_hint_fn")) o.route_hint_fn = *v;
+  // the user's callables: a ValueError / TypeError they raise is a caller mistake on every rank
+  if (auto v = get_opt<HookBoundaryResolver>(d, "hook_boundary_resolver")) o.hook_boundary_resolver = caller_mistakes_kept(*v);
+  if (auto v = get_opt<AssignmentGroupKeyFn>(d, "assignment_group_key_fn"))
+    o.assignment_group_key_fn = caller_mistakes_kept(*v);
+  if (auto v = get_opt<RouteHintFn>(d, "route_hint_fn")) o.route_hint_fn = caller_mistakes_kept(*v);
   o.plan.max_owners_per_group = get_opt<int>(d, "max_owners_per_group");
   o.plan.owner_strategy = get_opt<std::string>(d, "owner_strategy");
   o.plan.owner_cost_model = get_opt<std::string>(d, "owner_cost_model");
@@ -83,7 +86,7 @@ DedicateOptions dedicate_options(const py::dict& d) {
   // returns a normalised dict or None; pybind's std::function wrapper takes the GIL to call and to release it
   using PolicyCallable = std::function<py::object(const std::string&, const at::Tensor&)>;
   if (auto fn = get_opt<PolicyCallable>(d, "param_policy_fn"))
-    o.param_policy_fn = [fn = *fn](const std::string& name, const at::Tensor& param) -> std::optional<ParamPolicy> {
+    o.param_policy_fn = [fn = caller_mistakes_kept(*fn)](const std::string& name, const at::Tensor& param) -> std::optional<ParamPolicy> {
       py::gil_scoped_acquire gil;
       py::object r = fn(name, param);
       if (r.is_none()) return std::nullopt;
@@ -129,6 +132,10 @@ MuonOptions muon_options(const py::dict& d) {
       pg.weight_decay = get_opt<double>(g, "weight_decay");
       pg.adamw_lr = get_opt<double>(g, "adamw_lr");
       pg.adamw_weight_decay = get_opt<double>(g, "adamw_weight_decay");
+      pg.nesterov = get_opt<bool>(g, "nesterov");
+      pg.ns_steps = get_opt<int>(g, "ns_steps");
+      pg.adamw_betas = get_opt<std::pair<double, double>>(g, "adamw_betas");
+      pg.adamw_eps = get_opt<double>(g, "adamw_eps");
       o.param_groups.push_back(std::move(pg));
     }
   return o;
@@ -161,6 +168,23 @@ void bind_runtime(py::module_& m) {
           out[comm_op_name(static_cast<CommOp>(op))] = mesh.counters().bytes(static_cast<CommOp>(op));
         return out;
       }, "Bytes this rank's collectives moved so far, by operation (communicator.h's convention).");
+  m.def("_install_counting_allocator", &memory::install_counting_allocator,
+        "Wrap LibTorch's CPU allocator with dmuon's counter (idempotent): CPU tensor bytes allocated from now on "
+        "are counted (live and peak, per phase).");
+  m.def("_counting_allocator_installed", &memory::counting_allocator_installed);
+  m.def(
+      "_tensor_memory_stats",
+      [](const std::string& device) {
+        const memory::Stats s = memory::device_stats(at::Device(device));
+        py::dict phases;
+        for (int ph = 0; ph < memory::kNumPhases; ++ph)
+          phases[memory::phase_name(static_cast<memory::Phase>(ph))] = s.peak_by_phase[static_cast<size_t>(ph)];
+        return py::dict("current"_a = s.current, "peak"_a = s.peak, "allocations"_a = s.allocations,
+                        "peak_by_phase"_a = phases);
+      },
+      "device"_a);
+  m.def("_reset_tensor_memory_peaks", [](const std::string& device) { memory::reset_device_peaks(at::Device(device)); },
+        "device"_a);
   m.def(
       "_collective_timeout",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string& device) {
@@ -251,9 +275,10 @@ void bind_runtime(py::module_& m) {
         for (const auto& [n, parent] : modules) v.modules.push_back({n, parent, {}});
         // the Python callables run during setup, on this thread: the GIL stays held
         const DedicateOptions o = dedicate_options(options);
-        if (!ddp) return RuntimeHandle{dedicate_model_view(std::move(v), mesh, predicate, o)};
-        return RuntimeHandle{mesh->has_tp() ? dedicate_model_view_ddp_tp(std::move(v), mesh, predicate, o)
-                                            : dedicate_model_view_ddp(std::move(v), mesh, predicate, o)};
+        const ParamPredicate select = caller_mistakes_kept(predicate);
+        if (!ddp) return RuntimeHandle{dedicate_model_view(std::move(v), mesh, select, o)};
+        return RuntimeHandle{mesh->has_tp() ? dedicate_model_view_ddp_tp(std::move(v), mesh, select, o)
+                                            : dedicate_model_view_ddp(std::move(v), mesh, select, o)};
       },
       "params"_a, "buffers"_a, "modules"_a, "mesh"_a, "predicate"_a, "options"_a, "ddp"_a,
       "tp_split"_a = std::map<std::string, int>{});

@@ -7,7 +7,9 @@
 
 #include <chrono>
 #include <exception>
+#include <functional>
 #include <memory>
+#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -23,8 +25,34 @@ namespace py = pybind11;
 
 // C++ exceptions as Python ones: c10::ValueError / std::invalid_argument -> ValueError,
 // c10::TypeError -> TypeError, other c10::Error / std::exception -> RuntimeError; the message without
-// the C++ backtrace.
+// the C++ backtrace. A PythonCallerError is raised again as the Python exception it carries.
 void register_errors(py::module_& m);
+
+// A ValueError or TypeError (or a subclass) that a Python callable dmuon calls (a predicate, a resolver,
+// a policy function) raised: a caller mistake, so the C++ core treats it as one (std::invalid_argument:
+// the other ranks of a collective setup raise ValueError too), and Python gets the original exception
+// back, type, message and traceback (register_errors).
+struct PythonCallerError : std::invalid_argument {
+  explicit PythonCallerError(py::error_already_set e)
+      : std::invalid_argument(e.what()), error(std::make_shared<py::error_already_set>(std::move(e))) {}
+  std::shared_ptr<py::error_already_set> error;
+};
+
+// `f` (a Python callable behind a std::function) with its ValueError / TypeError turned into a
+// PythonCallerError; other exceptions pass unchanged. An empty `f` stays empty.
+template <class R, class... A>
+std::function<R(A...)> caller_mistakes_kept(std::function<R(A...)> f) {
+  if (!f) return f;
+  return [f = std::move(f)](A... a) -> R {
+    try {
+      return f(std::forward<A>(a)...);
+    } catch (py::error_already_set& e) {
+      py::gil_scoped_acquire gil;
+      if (e.matches(PyExc_ValueError) || e.matches(PyExc_TypeError)) throw PythonCallerError(std::move(e));
+      throw;
+    }
+  };
+}
 // dmuon's collective timeout over a Python group: DMUON_COLLECTIVE_TIMEOUT (seconds) when set, else
 // the shorter of the group's own timeout and the default group's (what init_process_group was given;
 // torch gives new groups its built-in default instead), else dmuon's default. Call with the GIL held.

@@ -15,6 +15,8 @@ void register_errors(py::module_& /*m*/) {
     } catch (const Interrupted&) {
       // Python's own SIGINT handler ran too: let it raise (KeyboardInterrupt, or what the user installed)
       if (PyErr_CheckSignals() == 0) PyErr_SetNone(PyExc_KeyboardInterrupt);
+    } catch (const PythonCallerError& e) {
+      e.error->restore();  // the user's own exception, as their callable raised it
     } catch (const c10::ValueError& e) {
       PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
     } catch (const c10::TypeError& e) {

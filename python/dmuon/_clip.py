@@ -193,6 +193,27 @@ def clip_grad_norm_buckets_(buckets: Sequence[GradClipBucket], max_norm: Optiona
     return _clip_buckets(normalised, max_norm, process_group, "clip_grad_norm_buckets_", chunk_size)
 
 
+def _fast_clip_agreed(group) -> bool:
+    """Whether the fused clip path is on (DMUON_FAST_CLIP), agreed over ``group``: a mixed setting would send
+    some ranks into the clip's collectives and leave the others on their own path (a hang), so it is a
+    ValueError on every rank. Collective over ``group``."""
+    on = _C._fast_clip_enabled()
+    world = dist.get_world_size(group)
+    if world == 1:
+        return on
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    flags = torch.zeros(world, dtype=torch.int64, device=dev)
+    dist.all_gather_into_tensor(flags, torch.tensor([int(on)], dtype=torch.int64, device=dev), group=group)
+    off = [dist.get_global_rank(group, r) for r, f in enumerate(flags.tolist()) if f == 0]
+    if off and len(off) < world:
+        raise ValueError(
+            f"rank {dist.get_rank()}: try_clip_optimizer_grad_norm_buckets_: DMUON_FAST_CLIP=0 on rank(s) {off} but not "
+            "on the others; it decides whether the ranks clip here or on their own path, so set it the same on every "
+            "rank."
+        )
+    return on
+
+
 def try_clip_optimizer_grad_norm_buckets_(optimizer, *, regular_grads: Sequence[Optional[torch.Tensor]],
                                           adamw_grads: Sequence[Optional[torch.Tensor]], max_norm: float,
                                           process_group=None) -> Optional[SegmentedGradClipResult]:
@@ -200,12 +221,13 @@ def try_clip_optimizer_grad_norm_buckets_(optimizer, *, regular_grads: Sequence[
     gradients, not reduced), "muon" (``optimizer``'s dedicated gradients, waited here, reduced) and
     "adamw" (the caller's sharded AdamW gradients, e.g. FSDP2's DTensor shards, reduced; each element once
     over the mesh). The "muon" bucket's stats become ``optimizer.last_muon_grad_clip_stats`` (strategy
-    "segmented"). Returns None only when the fused path is switched off for the install
-    (``DMUON_FAST_CLIP=0``), so the caller runs its own path. ``process_group``: None is the model's mesh.
+    "segmented"). Returns None only when the fused path is switched off (``DMUON_FAST_CLIP=0`` on every rank;
+    set on some ranks only, it is a ``ValueError`` on all), so the caller runs its own path. ``process_group``: None is the model's mesh.
     Collective."""
     if not hasattr(optimizer, "_native"):
         raise ValueError(f"try_clip_optimizer_grad_norm_buckets_: optimizer must be a dmuon.Muon, got {type(optimizer).__name__}")
-    if not _C._fast_clip_enabled():
+    group = optimizer._model_state.world_group if process_group is None else process_group
+    if not _fast_clip_agreed(group):
         return None
     muon = _C._muon_clip_grads(optimizer._native, False)  # collective: waits the reduces
     regular, regular_copies = _split(regular_grads)
@@ -213,7 +235,6 @@ def try_clip_optimizer_grad_norm_buckets_(optimizer, *, regular_grads: Sequence[
     buckets = [("regular", regular + regular_copies, False, []),
                ("muon", [g for _, g, counted, _ in muon if counted], True, [g for _, g, counted, _ in muon if not counted]),
                ("adamw", adamw, True, adamw_copies)]
-    group = optimizer._model_state.world_group if process_group is None else process_group
     r = _clip_buckets(buckets, max_norm, group, "try_clip_optimizer_grad_norm_buckets_")
     s = r.find("muon")
     optimizer._last_clip = MuonGradClipStats(s.total_norm, s.max_norm, 2.0, s.clip_coef, s.clipped, s.param_count,

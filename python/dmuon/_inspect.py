@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ._fsdp2 import is_dtensor
+from . import _C
 from ._runtime import Muon, _owner_coords, _state_of, _sync_external
 
 OwnerRankLike = Union[int, Tuple[int, int]]
@@ -38,11 +39,14 @@ class DedicatedParam:
 
 @dataclass
 class ReplicatedGroup:
-    """What :func:`dmuon.replicate` attached: the replicated parameters (model order) and the number of
-    ranks each gradient is averaged over."""
+    """What :func:`dmuon.replicate` (or :func:`dmuon.replicate_tp`) attached: the replicated parameters (model
+    order), the number of ranks each gradient is averaged over (the data-parallel ranks; with TP, those at
+    this rank's TP position) and whether it was ``replicate_tp`` (TP slices among them: each rank's local
+    slice gradient is averaged over the data-parallel mesh)."""
 
     names: List[str]
     group_size: int
+    tp: bool = False
 
 
 def get_dedicated_params(model: nn.Module) -> List[DedicatedParam]:
@@ -69,12 +73,13 @@ def get_owned_params(model: nn.Module, rank: OwnerRankLike) -> List[DedicatedPar
 
 
 def get_replicated_group(model: nn.Module) -> Optional[ReplicatedGroup]:
-    """What :func:`dmuon.replicate` attached to ``model``, or None when it was not called. Local."""
+    """What :func:`dmuon.replicate` or :func:`dmuon.replicate_tp` attached to ``model``, or None when neither was
+    called. Local."""
     state = _state_of(model, "get_replicated_group")
     if not state.replicated:
         return None
     names = [n for n, route in state.runtime.routes() if route == "replicated"]
-    return ReplicatedGroup(names, state.mesh.shard_size * state.mesh.replicate_size)
+    return ReplicatedGroup(names, state.mesh.shard_size * state.mesh.replicate_size, tp=state.replicated_tp)
 
 
 def prepare_muon_grads(model: nn.Module, *, use_reduce_stream: bool = False, coalesce_wait: bool = False) -> None:
@@ -151,3 +156,38 @@ def collect_forward_unshard_profile(model: nn.Module, *, clear: bool = True, syn
 def consume_forward_unshard_profile(model: nn.Module, *, clear: bool = True) -> Dict[str, object]:
     """:func:`collect_forward_unshard_profile` under its former name. Local."""
     return collect_forward_unshard_profile(model, clear=clear)
+
+
+def comm_bytes(model: nn.Module) -> Dict[str, int]:
+    """Bytes this rank's dmuon collectives moved since :func:`dmuon.dedicate_params`, by operation
+    (``"broadcast"``, ``"reduce"``, ``"all_reduce"``, ...): counted by dmuon's communication layer as the
+    payload each collective sends or receives on this rank, not planned. FSDP2's own collectives (the
+    parameters dmuon does not own) are not in it. Local; take differences between two calls for a window."""
+    return dict(_state_of(model, "comm_bytes").mesh.bytes())
+
+
+def install_counting_allocator() -> None:
+    """Count CPU tensor memory from now on: wraps LibTorch's CPU allocator with dmuon's counter (the one
+    ``dmuon train`` reports). Idempotent. Tensors allocated before the call are not counted, nor are their
+    frees; allocations outside LibTorch's allocator (BLAS scratch, Gloo's buffers) never are. Call it before
+    building the model whose memory you want to measure."""
+    _C._install_counting_allocator()
+
+
+def tensor_memory_stats(device: Union[str, torch.device] = "cpu") -> Dict[str, Any]:
+    """Live tensor bytes: ``{"current", "peak", "allocations", "peak_by_phase"}``. On the CPU, what the
+    counting allocator (:func:`install_counting_allocator`) saw in this process (``ValueError`` before it is
+    installed: there is nothing to read); on CUDA, the caching allocator's allocated bytes of ``device``.
+    ``peak`` is the most live at once since the last :func:`reset_tensor_memory_peaks`."""
+    device = torch.device(device)
+    if device.type == "cpu" and not _C._counting_allocator_installed():
+        raise ValueError(
+            "tensor_memory_stats('cpu'): the counting allocator is not installed, so no CPU tensor bytes were "
+            "counted. Call dmuon.install_counting_allocator() before building the model."
+        )
+    return _C._tensor_memory_stats(str(device))
+
+
+def reset_tensor_memory_peaks(device: Union[str, torch.device] = "cpu") -> None:
+    """Restart the peaks of :func:`tensor_memory_stats` from the bytes live now."""
+    _C._reset_tensor_memory_peaks(str(torch.device(device)))

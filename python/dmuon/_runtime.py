@@ -16,7 +16,8 @@ from . import _C
 from ._clip import MuonGradClipStats, python_strategy, run_python_strategy
 from ._fsdp2 import assign_full, fsdp_modules, full_tensor, is_dtensor, shard_of
 from ._mesh import make_mesh
-from ._tp import find_tp_params, install_dtensor_hooks, release_dtensors, restore_dtensors, swap_in_local_slices
+from ._tp import (find_tp_params, install_dtensor_hooks, release_dtensors, restore_dtensors, show_dtensors,
+                  swap_in_local_slices)
 
 
 class _State:
@@ -28,7 +29,8 @@ class _State:
         self.guard = guard    # raises when a parameter changed dtype or device after dedicate_params
         self.mesh = mesh
         self.hooks = hooks
-        self.replicated = False
+        self.replicated = False  # replicate or replicate_tp ran
+        self.replicated_tp = False  # replicate_tp ran
         self.params = params  # name -> the Parameter object dedicate_params saw
         self.external = {}    # name -> the DTensor parameter FSDP2 put in its place (trained by Muon's AdamW)
         self.tp_split = {}    # TP-split parameters (their local slices are the module's parameters) -> split dim
@@ -226,6 +228,11 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
         options["hook_boundary_resolver"] = _boundary_resolver(model, hook_boundary_predicate, hook_boundary_strict)
     native_mesh, world_group, dp_ranks = make_mesh(mesh, replicate_mesh, process_group_policy, fn, tp=tp_group)
     swap_in_local_slices(tp_params)
+    # the user's callables see the TP parameters as they wrote the model: DTensors of the full shape
+    predicate = show_dtensors(tp_params, predicate)
+    for key in ("hook_boundary_resolver", "assignment_group_key_fn", "route_hint_fn", "param_policy_fn"):
+        if options.get(key) is not None:
+            options[key] = show_dtensors(tp_params, options[key])
     tp_split = {tp.name: tp.split_dim for tp in tp_params if tp.split_dim >= 0} if native_mesh.tp_size > 1 else {}
     params, buffers, modules = _model_view(model)
     try:
@@ -313,9 +320,7 @@ def dedicate_params(
         "delay_stage2_to_optimizer": delay_stage2_to_optimizer,
         **_policy_options(param_policy, param_policy_fn, "dedicate_params"),
     }
-    if tp_buffer_reuse not in (False, None):
-        raise ValueError(f"dedicate_params: tp_buffer_reuse={tp_buffer_reuse!r} is not implemented in this version of "
-                         "dmuon (each step allocates its TP gather/scatter buffers); leave it False.")
+    _check_tp_buffer_reuse(tp_buffer_reuse, "dedicate_params")
     return _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_predicate, hook_boundary_strict,
                      process_group_policy, False, "dedicate_params")
 
@@ -368,12 +373,16 @@ def dedicate_params_ddp_tp(
     mesh (e.g. ``mesh2d["dp"]``), then :func:`replicate_tp`. The TP ranks of the owner's data-parallel
     position gather their slices to a TP owner for Newton-Schulz, scatter the update back, and the updated
     slices are published over the data-parallel mesh. Returns parameter -> owner rank. Collective."""
-    if tp_buffer_reuse not in (False, None):
-        raise ValueError(f"dedicate_params_ddp_tp: tp_buffer_reuse={tp_buffer_reuse!r} is not implemented in this "
-                         "version of dmuon (each step allocates its TP gather/scatter buffers); leave it False.")
+    _check_tp_buffer_reuse(tp_buffer_reuse, "dedicate_params_ddp_tp")
     options = _ddp_options(locals(), "dedicate_params_ddp_tp")
     return _dedicate(model, mesh, None, predicate, options, hook_boundary_predicate, hook_boundary_strict,
                      process_group_policy, True, "dedicate_params_ddp_tp")
+
+
+def _check_tp_buffer_reuse(value, fn: str) -> None:
+    if value not in (False, None):
+        raise ValueError(f"{fn}: tp_buffer_reuse={value!r} is not implemented in this version of dmuon (each step "
+                         "allocates its TP gather/scatter buffers); leave it False.")
 
 
 def _ddp_options(args: dict, fn: str) -> dict:
@@ -417,7 +426,7 @@ def replicate_tp(model: nn.Module, mesh=None) -> nn.Module:
     if mesh is not None:
         _check_replicate_mesh(mesh, state, state.dp_ranks, "replicate_tp")
     state.runtime.replicate(25.0, tp=True)
-    state.replicated = True
+    state.replicated = state.replicated_tp = True
     return model
 
 
@@ -544,13 +553,35 @@ def clip_grad_norm_(optimizer, max_norm: Optional[float], *, norm_type: float = 
                                      foreach=foreach, strategy=strategy)
 
 
-_GROUP_KEYS = ("params", "name", "lr", "momentum", "weight_decay", "adamw_lr", "adamw_weight_decay")
+_GROUP_KEYS = ("params", "name", "lr", "momentum", "weight_decay", "nesterov", "ns_steps", "adamw_lr", "adamw_betas",
+               "adamw_weight_decay", "adamw_eps")
+
+
+def _group_value(key: str, value, where: str):
+    """A group's override as the core takes it: bool, int, (float, float) or float."""
+    try:
+        if key == "nesterov":
+            if not isinstance(value, bool):
+                raise TypeError
+            return value
+        if key == "ns_steps":
+            if isinstance(value, bool) or int(value) != value:
+                raise TypeError
+            return int(value)
+        if key == "adamw_betas":
+            b1, b2 = value
+            return (float(b1), float(b2))
+        return float(value)
+    except (TypeError, ValueError):
+        want = {"nesterov": "a bool", "ns_steps": "an int", "adamw_betas": "a pair of floats"}.get(key, "a float")
+        raise ValueError(f"Muon: {where} has {key}={value!r}; it must be {want}.") from None
 
 
 def _user_groups(param_groups, state: _State) -> List[dict]:
     """The API reference's semantic groups, checked: [{"params": [...], "name", "lr", "momentum",
-    "weight_decay", "adamw_lr", "adamw_weight_decay"}]; each parameter of the model in at most one group,
-    named by the model's parameter name. Returns [{"name", "params": [names], overrides...}]."""
+    "weight_decay", "nesterov", "ns_steps", "adamw_lr", "adamw_betas", "adamw_weight_decay", "adamw_eps"}];
+    each parameter of the model in at most one group, named by the model's parameter name. Returns
+    [{"name", "params": [names], overrides...}]."""
     if param_groups is None:
         return []
     if isinstance(param_groups, Mapping) or not isinstance(param_groups, Sequence):
@@ -568,7 +599,7 @@ def _user_groups(param_groups, state: _State) -> List[dict]:
         if unknown:
             raise ValueError(
                 f"Muon: param_groups[{i}] has key(s) {unknown}; a group may set {', '.join(_GROUP_KEYS[1:])}. "
-                "Other hyperparameters (betas, eps, nesterov, ns_steps) are per optimizer: pass them to Muon(...)."
+                "Other options (the NS backend, the TP and overlap settings) are per optimizer: pass them to Muon(...)."
             )
         params = g["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -587,7 +618,7 @@ def _user_groups(param_groups, state: _State) -> List[dict]:
             group["params"].append(name)
         for key in _GROUP_KEYS[2:]:
             if g.get(key) is not None:
-                group[key] = float(g[key])
+                group[key] = _group_value(key, g[key], f"param_groups[{i}] ('{group['name']}')")
         out.append(group)
     return out
 
@@ -606,10 +637,11 @@ class Muon(torch.optim.Optimizer):
     (``fully_shard`` after ``dedicate_params``), by torch's AdamW on each rank's shard.
 
     Parameter groups: without ``param_groups``, two (Muon, AdamW). With ``param_groups`` (PyTorch-style
-    semantic groups: ``[{"params": [...], "lr": ..., "momentum": ..., "weight_decay": ..., "adamw_lr": ...,
-    "adamw_weight_decay": ..., "name": ...}]``), each user group is lowered into a Muon subgroup (its
-    dedicated matrices) and an AdamW subgroup (its other parameters), in order, then a "default" pair for
-    the parameters in no group. ``torch.optim.lr_scheduler`` and the caller may change each group's
+    semantic groups: ``[{"params": [...], "lr": ..., "momentum": ..., "weight_decay": ..., "nesterov": ...,
+    "ns_steps": ..., "adamw_lr": ..., "adamw_betas": ..., "adamw_weight_decay": ..., "adamw_eps": ...,
+    "name": ...}]``, every key but ``params`` optional: unset, the optimizer's argument), each user group is
+    lowered into a Muon subgroup (its dedicated matrices) and an AdamW subgroup (its other parameters), in
+    order, then a "default" pair for the parameters in no group. ``torch.optim.lr_scheduler`` and the caller may change each group's
     ``lr``, ``weight_decay`` and ``momentum`` between steps.
 
     ``step()`` is collective: every rank of the model's mesh."""

@@ -115,11 +115,15 @@ def find_tp_params(model: nn.Module, mesh, replicate_mesh, fn: str) -> Tuple[Opt
 
 def swap_in_local_slices(params: List[TpParam]) -> None:
     """Each TP DTensor parameter becomes a plain Parameter holding its local slice, in every module that
-    holds it (the DTensor is kept to rebuild it in forward)."""
+    holds it, with the attributes the user set on the DTensor (the DTensor is kept until dedicate_params
+    succeeded, its layout to rebuild it in forward)."""
     for tp in params:
         d = tp.dtensor
         tp.layout = (d.device_mesh, d.placements, d.shape, d.stride())
         tp.local = nn.Parameter(d.to_local().detach(), requires_grad=d.requires_grad)
+        for key, value in d.__dict__.items():  # what the user attached to the parameter (flags, tags)
+            if key != "_is_param":
+                setattr(tp.local, key, value)
         for module, attr in tp.owners:
             module._parameters[attr] = tp.local
 
@@ -138,11 +142,29 @@ def release_dtensors(params: List[TpParam]) -> None:
         tp.dtensor = None
 
 
+def show_dtensors(params: List[TpParam], fn):
+    """``fn(name, param)`` (a user's predicate, policy or resolver) seeing each TP parameter as the DTensor
+    it was given (full shape, placements) rather than the local slice dmuon swapped in; None stays None."""
+    if fn is None or not params:
+        return fn
+    originals = {tp.name: tp.dtensor for tp in params}
+
+    def call(name, param):
+        return fn(name, originals.get(name, param))
+
+    return call
+
+
+def _as_dtensor(tp: TpParam, local: torch.Tensor):
+    DTensor, _, _ = _dtensor_types()
+    mesh, placements, shape, stride = tp.layout
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
 def install_dtensor_hooks(params: List[TpParam]) -> list:
     """Forward hooks that show each module its TP parameters as DTensors over the current local slices,
     and take them away again after the forward. Registered after dmuon's boundary hooks, so on a module
     that is itself a boundary they run after its slices were unsharded."""
-    DTensor, _, _ = _dtensor_types()
     by_module: Dict[int, Tuple[nn.Module, List[Tuple[str, TpParam]]]] = {}
     for tp in params:
         for module, attr in tp.owners:
@@ -155,9 +177,7 @@ def install_dtensor_hooks(params: List[TpParam]) -> list:
         def pre(mod, args, items=items, saved=saved):
             saved.append([mod.__dict__.get(attr, missing) for attr, _ in items])
             for attr, tp in items:
-                mesh, placements, shape, stride = tp.layout
-                mod.__dict__[attr] = DTensor.from_local(tp.local, mesh, placements, run_check=False, shape=shape,
-                                                        stride=stride)
+                mod.__dict__[attr] = _as_dtensor(tp, tp.local)
 
         def post(mod, args, output, items=items, saved=saved):
             before = saved.pop() if saved else [missing] * len(items)

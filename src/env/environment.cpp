@@ -44,5 +44,7 @@ std::string process_group_policy() { return get("DMUON_PROCESS_GROUP_POLICY"); }
 bool isolated_pg_barrier() { return get_bool("DMUON_ISOLATED_PG_BARRIER").value_or(false); }
 bool force_collectives() { return get_bool("DMUON_FORCE_COLLECTIVES").value_or(false); }
 bool record_forward_profile() { return get_bool("DMUON_RECORD_FORWARD_PROFILE").value_or(false); }
+std::optional<bool> fast_clip() { return get_bool("DMUON_FAST_CLIP"); }
+std::string fast_clip_chunk_size() { return get("DMUON_FAST_CLIP_CHUNK_SIZE"); }
 
 }  // namespace dmuon::env

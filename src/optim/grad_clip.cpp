@@ -15,6 +15,7 @@
 #include "dmuon/host_sync.h"
 #include "dmuon/muon.h"
 #include "dmuon/communicator.h"
+#include "dmuon/env.h"
 #include "dmuon/mesh.h"
 #include "optim/clip_norm.h"
 
@@ -42,10 +43,7 @@ void register_muon_grad_clip_strategy(const std::string& name, MuonGradClipStrat
 namespace {
 
 // ---- local arithmetic: reference (float64) or fused (foreach kernels), per tensor ------------------
-bool fast_clip_disabled() {
-  const char* v = std::getenv("DMUON_FAST_CLIP");
-  return v && std::string(v) == "0";
-}
+bool fast_clip_disabled() { return !env::fast_clip().value_or(true); }
 
 bool fusable(const at::Tensor& g) {
   return g.layout() == at::kStrided && (g.scalar_type() == at::kFloat || g.scalar_type() == at::kDouble);
@@ -63,9 +61,9 @@ int64_t resolve_chunk(std::optional<int64_t> chunk) {
     TORCH_CHECK_VALUE(*chunk > 0, "clip_grad_norm_buckets_: chunk_size must be > 0 elements, got ", *chunk);
     return *chunk;
   }
-  if (const char* v = std::getenv("DMUON_FAST_CLIP_CHUNK_SIZE")) {
+  if (const std::string v = env::fast_clip_chunk_size(); !v.empty()) {
     char* end = nullptr;
-    const long long n = std::strtoll(v, &end, 10);
+    const long long n = std::strtoll(v.c_str(), &end, 10);
     TORCH_CHECK_VALUE(end && *end == '\0' && n > 0, "DMUON_FAST_CLIP_CHUNK_SIZE='", v, "' is not a positive element count.");
     return n;
   }
@@ -321,12 +319,28 @@ bool fast_clip_enabled() { return !fast_clip_disabled(); }
 std::optional<SegmentedGradClipResult> try_clip_optimizer_grad_norm_buckets_(
     Muon& optimizer, const std::vector<at::Tensor>& regular_grads, const std::vector<at::Tensor>& adamw_grads,
     double max_norm, Communicator* group) {
-  if (fast_clip_disabled()) return std::nullopt;  // the caller runs its own path (uniform: an install setting)
+  Communicator* g = group;
+  if (!g) g = &optimizer.mesh().world();
+  // the setting agreed over the group first: with a mixed one, some ranks would enter the clip's
+  // collectives and the others not (a hang until the timeout)
+  const bool on = !fast_clip_disabled();
+  if (g->size() > 1) {
+    const at::Tensor mine = at::full({1}, on ? 1 : 0, at::TensorOptions().dtype(at::kLong)).to(g->device());
+    const at::Tensor all = at::empty({g->size()}, mine.options());
+    g->allgather_flat(all, mine, "try_clip_optimizer_grad_norm_buckets_: DMUON_FAST_CLIP").wait_host();
+    const at::Tensor host = detail::read_to_host(all);
+    std::string off;
+    for (int r = 0; r < g->size(); ++r)
+      if (host.data_ptr<int64_t>()[r] == 0) off += (off.empty() ? "" : ", ") + std::to_string(g->global_ranks()[r]);
+    TORCH_CHECK_VALUE(off.empty() || host.sum().item<int64_t>() == 0, "rank ", g->global_rank(),
+                      ": try_clip_optimizer_grad_norm_buckets_: DMUON_FAST_CLIP=0 on rank(s) ", off,
+                      " but not on the others; it decides whether the ranks clip here or on their own path, so "
+                      "set it the same on every rank.");
+  }
+  if (!on) return std::nullopt;  // the caller runs its own path (the same on every rank)
   std::vector<ClipGrad> muon = optimizer.clip_grads(ClipScope::Muon);  // collective: waits the reduces
   GradClipBucket m{"muon", {}, true, {}};
   for (ClipGrad& c : muon) (c.counted ? m.grads : m.scale_only).push_back(c.grad);
-  Communicator* g = group;
-  if (!g) g = &optimizer.mesh().world();
   SegmentedGradClipResult r = clip_grad_norm_buckets_(
       {GradClipBucket{"regular", regular_grads, false, {}}, m, GradClipBucket{"adamw", adamw_grads, true, {}}}, max_norm, g);
   if (const GradClipBucketStats* s = r.find("muon")) {

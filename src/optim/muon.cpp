@@ -159,15 +159,24 @@ std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_pt
   for (const auto& g : user) {
     std::vector<at::Tensor> muon_ps, adamw_ps;
     for (const auto& p : g.params) (dedicated.count(p.unsafeGetTensorImpl()) ? muon_ps : adamw_ps).push_back(p);
-    for (const auto& [field, v] : {std::pair{"lr", g.lr}, {"momentum", g.momentum}, {"weight_decay", g.weight_decay},
-                                   {"adamw_lr", g.adamw_lr}, {"adamw_weight_decay", g.adamw_weight_decay}})
-      if (v) check_hyperparameter("Muon: invalid " + std::string(field) + " of param group '" + g.name + "'", *v,
-                                  std::string(field) == "momentum" ? HparamRange::UnitInterval : HparamRange::NonNegative);
+    const std::optional<double> beta1 = g.adamw_betas ? std::optional(g.adamw_betas->first) : std::nullopt;
+    const std::optional<double> beta2 = g.adamw_betas ? std::optional(g.adamw_betas->second) : std::nullopt;
+    const std::optional<double> steps = g.ns_steps ? std::optional<double>(*g.ns_steps) : std::nullopt;
+    for (const auto& [field, v, range] :
+         {std::tuple{"lr", g.lr, HparamRange::NonNegative}, {"momentum", g.momentum, HparamRange::UnitInterval},
+          {"weight_decay", g.weight_decay, HparamRange::NonNegative}, {"ns_steps", steps, HparamRange::Count},
+          {"adamw_lr", g.adamw_lr, HparamRange::NonNegative}, {"adamw_betas.first", beta1, HparamRange::UnitInterval},
+          {"adamw_betas.second", beta2, HparamRange::UnitInterval},
+          {"adamw_weight_decay", g.adamw_weight_decay, HparamRange::NonNegative},
+          {"adamw_eps", g.adamw_eps, HparamRange::Positive}})
+      if (v) check_hyperparameter("Muon: invalid " + std::string(field) + " of param group '" + g.name + "'", *v, range);
     auto mo = std::make_unique<MuonGroupOptions>(g.lr.value_or(o.lr));
-    mo->is_muon(true).momentum(g.momentum.value_or(o.momentum)).nesterov(o.nesterov)
-        .weight_decay(g.weight_decay.value_or(o.weight_decay)).ns_steps(o.ns_steps).group_name(g.name);
+    mo->is_muon(true).momentum(g.momentum.value_or(o.momentum)).nesterov(g.nesterov.value_or(o.nesterov))
+        .weight_decay(g.weight_decay.value_or(o.weight_decay)).ns_steps(g.ns_steps.value_or(o.ns_steps))
+        .group_name(g.name);
+    const auto betas = g.adamw_betas.value_or(o.adamw_betas);
     auto ao = std::make_unique<MuonGroupOptions>(g.adamw_lr.value_or(o.adamw_lr));
-    ao->is_muon(false).beta1(o.adamw_betas.first).beta2(o.adamw_betas.second).eps(o.adamw_eps)
+    ao->is_muon(false).beta1(betas.first).beta2(betas.second).eps(g.adamw_eps.value_or(o.adamw_eps))
         .weight_decay(g.adamw_weight_decay.value_or(o.adamw_weight_decay)).group_name(g.name);
     groups.emplace_back(muon_ps, std::move(mo));
     groups.emplace_back(adamw_ps, std::move(ao));

@@ -59,7 +59,8 @@ def reference_train(compute_dtype=None, clip=None, hparams=None, muon_clip=None)
     AdamW (betas 0.9/0.999, eps 1e-8, decoupled weight decay) for the rest; lr scaled by the schedule.
     compute_dtype: forward and backward run on a copy in that dtype (mixed precision), the update in float64.
     clip: torch.nn.utils.clip_grad_norm_ over every parameter before the update. hparams: name -> dict
-    overriding lr / adamw_lr / wd / adamw_wd for that parameter (per-group hyperparameters). muon_clip:
+    overriding lr / adamw_lr / wd / adamw_wd / nesterov / ns_steps / betas / eps for that parameter
+    (per-group hyperparameters). muon_clip:
     called with {name: grad} of the Muon matrices before the update (a clipping strategy's math)."""
     model = make_net()
     buf, m1, m2 = {}, {}, {}
@@ -83,20 +84,23 @@ def reference_train(compute_dtype=None, clip=None, hparams=None, muon_clip=None)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 g = p.grad
-                h = {"lr": LR, "adamw_lr": ADAMW_LR, "wd": WD, "adamw_wd": ADAMW_WD, **(hparams(name) if hparams else {})}
+                h = {"lr": LR, "adamw_lr": ADAMW_LR, "wd": WD, "adamw_wd": ADAMW_WD, "nesterov": True, "ns_steps": 5,
+                     "betas": (0.9, 0.999), "eps": 1e-8, **(hparams(name) if hparams else {})}
                 if p.dim() == 2:
                     lr = h["lr"] * f
                     buf[name] = buf.get(name, torch.zeros_like(g)) * MOMENTUM + g
-                    u = g + MOMENTUM * buf[name]
+                    u = g + MOMENTUM * buf[name] if h["nesterov"] else buf[name]
                     p.mul_(1 - lr * h["wd"])
-                    p.sub_(reference_ns(u, dmuon.POLAR_EXPRESS_COEFFICIENTS) * (lr * 0.2 * max(p.shape) ** 0.5))
+                    ns = reference_ns(u, dmuon.POLAR_EXPRESS_COEFFICIENTS[:h["ns_steps"]])
+                    p.sub_(ns * (lr * 0.2 * max(p.shape) ** 0.5))
                 else:
                     lr = h["adamw_lr"] * f
-                    m1[name] = m1.get(name, torch.zeros_like(g)) * 0.9 + 0.1 * g
-                    m2[name] = m2.get(name, torch.zeros_like(g)) * 0.999 + 0.001 * g * g
+                    b1, b2 = h["betas"]
+                    m1[name] = m1.get(name, torch.zeros_like(g)) * b1 + (1 - b1) * g
+                    m2[name] = m2.get(name, torch.zeros_like(g)) * b2 + (1 - b2) * g * g
                     p.mul_(1 - lr * h["adamw_wd"])
-                    bc1, bc2 = 1 - 0.9 ** (step + 1), 1 - 0.999 ** (step + 1)
-                    p.sub_(lr / bc1 * m1[name] / ((m2[name] / bc2).sqrt() + 1e-8))
+                    bc1, bc2 = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)
+                    p.sub_(lr / bc1 * m1[name] / ((m2[name] / bc2).sqrt() + h["eps"]))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -462,12 +466,12 @@ def _inspect(rank, world):
     assert abs(plan["comm"]["per_rank"]["z3"]["formula"] - 1.5 * pm) < 1e-6  # 3 (N-1)/N P_M for N = 2
     # the planned Z3 bytes of this rank are what its collectives move in one step (minus the one-element
     # flags, float64 here, that ride with the reduces of the matrices it does not own)
-    before = model._dmuon.mesh.bytes()
+    before = dmuon.comm_bytes(model)
     x, y = batch(0)
     ((model(x) - y) ** 2).mean().backward()
     dmuon.prepare_muon_grads(model)  # what step() does first; a second call finds nothing to wait
     opt.step()
-    after = model._dmuon.mesh.bytes()
+    after = dmuon.comm_bytes(model)
     measured = sum(after[op] - before[op] for op in ("broadcast", "reduce"))
     flags = 8 * sum(not p.is_owner for p in params)
     assert measured - flags == plan["this_rank"]["z3"], (measured, flags, plan["this_rank"])
@@ -516,3 +520,63 @@ def test_mixed_precision_bf16_params_fp32_masters(tmp_path):
         assert err < (0.25 if value.dim() == 2 else 1e-2), f"{name}: {err}"
         # the masters keep float32 precision: most of their values are not bf16 numbers
         assert (got[name].bfloat16().float() != got[name]).float().mean() > 0.5, name
+
+
+def _memory_rank(rank, world):
+    dmuon.install_counting_allocator()
+    start = dmuon.tensor_memory_stats()["current"]
+    model = make_net()
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert dmuon.tensor_memory_stats()["current"] - start == full
+    mesh = init_device_mesh("cpu", (world,))
+    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: p.dim() == 2)
+    dmuon.replicate(model)
+    params = dmuon.get_dedicated_params(model)
+    not_owned = sum(8 * DIM * DIM for p in params if not p.is_owner)
+    assert not_owned > 0
+    # Z3: this rank keeps the matrices it owns and frees the others' storage until a forward needs them; on
+    # top, dmuon's own small tensors (measured: one float64 scalar, 8 bytes, on each rank)
+    held = dmuon.tensor_memory_stats()["current"] - start
+    assert 0 <= held - (full - not_owned) <= 64, (rank, held, full, not_owned)
+    dmuon.reset_tensor_memory_peaks()
+    assert dmuon.tensor_memory_stats()["peak"] == dmuon.tensor_memory_stats()["current"]
+
+
+def test_counting_allocator_sees_z3_free_the_matrices_a_rank_does_not_own(tmp_path):
+    run_ranks(tmp_path, 2, _memory_rank)
+
+
+class _NotAWeight(ValueError):
+    pass
+
+
+def _callable_mistake(rank, world):
+    """A ValueError (here a subclass) that the user's predicate raises on one rank: that rank gets the user's
+    own exception back, the other ranks a ValueError naming the rank, and nobody hangs."""
+    mesh = init_device_mesh("cpu", (world,))
+
+    def predicate(name, p):
+        if rank == 1 and name.endswith("gate.weight"):
+            raise _NotAWeight(f"predicate: no rule for {name}")
+        return p.dim() == 2
+
+    if rank == 1:
+        with pytest.raises(_NotAWeight, match="no rule for layers.0.gate.weight") as info:
+            dmuon.dedicate_params(make_net(), mesh, predicate=predicate)
+        assert any(frame.name == "predicate" for frame in info.traceback)  # the user's traceback survives
+    else:
+        with pytest.raises(ValueError, match=r"setup failed on rank\(s\) 1"):
+            dmuon.dedicate_params(make_net(), mesh, predicate=predicate)
+    # a RuntimeError from a callable stays one (not a caller mistake): every rank raises RuntimeError
+    def broken(name, p):
+        if rank == 0:
+            raise RuntimeError("predicate: lost its table")
+        return p.dim() == 2
+
+    with pytest.raises(RuntimeError) as info:
+        dmuon.dedicate_params(make_net(), mesh, predicate=broken)
+    assert not isinstance(info.value, ValueError)
+
+
+def test_a_callables_value_error_is_a_value_error_on_every_rank(tmp_path):
+    run_ranks(tmp_path, 2, _callable_mistake)

@@ -21,7 +21,9 @@ import dmuon
 from dmuon_testing import run_faulty_ranks, run_ranks
 from test_dedicate import ADAMW_LR, BLOCKS, LR, STEPS, batch, dedicated_net, make_net, reference_train, schedule
 
-EARLY = dict(lr=2 * LR, adamw_lr=3 * ADAMW_LR, wd=0.0, adamw_wd=0.0)  # the "early" group's hyperparameters
+# the "early" group's hyperparameters, every one a group may override
+EARLY = dict(lr=2 * LR, adamw_lr=3 * ADAMW_LR, wd=0.0, adamw_wd=0.0, nesterov=False, ns_steps=3, betas=(0.8, 0.95),
+             eps=1e-6)
 CLIP_M = 0.02  # per-matrix max norm of the strategy below: below most matrices' gradient norms here
 
 
@@ -59,7 +61,9 @@ def _groups_and_strategy(rank, world, layout, out_path):
     early = [p for n, p in model.named_parameters() if n.startswith("layers.0.")]  # DTensors too, under FSDP2
     opt = dmuon.Muon(model, lr=LR, adamw_lr=ADAMW_LR, weight_decay=0.01, adamw_weight_decay=0.01, momentum=0.95,
                      param_groups=[{"params": early, "name": "early", "lr": EARLY["lr"], "adamw_lr": EARLY["adamw_lr"],
-                                    "weight_decay": 0.0, "adamw_weight_decay": 0.0}],
+                                    "weight_decay": 0.0, "adamw_weight_decay": 0.0, "nesterov": EARLY["nesterov"],
+                                    "ns_steps": EARLY["ns_steps"], "adamw_betas": EARLY["betas"],
+                                    "adamw_eps": EARLY["eps"]}],
                      forward_prefetch_depth=0)  # each boundary's broadcast issued at its own forward
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     # the user group lowered into its Muon and AdamW subgroups, then the default pair
@@ -67,6 +71,9 @@ def _groups_and_strategy(rank, world, layout, out_path):
         ("early", True), ("early", False), ("default", True), ("default", False)]
     assert [len(g["params"]) for g in opt.param_groups] == [2, 1, 2 * BLOCKS - 2, BLOCKS]
     assert opt.param_groups[1]["lr"] == EARLY["adamw_lr"] and opt.param_groups[3]["weight_decay"] == 0.01
+    assert opt.param_groups[0]["ns_steps"] == 3 and not opt.param_groups[0]["nesterov"] and opt.param_groups[2]["nesterov"]
+    assert tuple(opt.param_groups[1]["betas"]) == (0.8, 0.95) and opt.param_groups[1]["eps"] == 1e-6
+    assert tuple(opt.param_groups[3]["betas"]) == (0.9, 0.999)
     dmuon.register_muon_grad_clip_strategy("per_matrix", per_matrix)
     per = BATCH_PER(world)
     for step in range(STEPS):
@@ -135,7 +142,9 @@ def _buckets_and_profile(rank, world):
     ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
     muon_norm = opt.clip_grad_norm_(None).total_norm
     dmuon.prepare_muon_grads(model)  # the replicated gradients' all-reduces: their averages land in .grad
-    names = set(dmuon.get_replicated_group(model).names)
+    group = dmuon.get_replicated_group(model)
+    assert not group.tp and group.group_size == world
+    names = set(group.names)
     regular = [p.grad for n, p in model.named_parameters() if n in names]
     assert len(regular) == BLOCKS + 1 and all(g is not None for g in regular)
     regular_norm = math.sqrt(sum(float(g.double().norm()) ** 2 for g in regular))
@@ -160,6 +169,10 @@ def _buckets_and_profile(rank, world):
         dmuon.Muon(model, post_step_prefetch_groups=2)
     with pytest.raises(ValueError, match="may set name, lr"):
         dmuon.Muon(model, param_groups=[{"params": list(model.parameters())[:1], "betas": (0.8, 0.9)}])
+    with pytest.raises(ValueError, match="ns_steps=2.5; it must be an int"):
+        dmuon.Muon(model, param_groups=[{"params": list(model.parameters())[:1], "ns_steps": 2.5}])
+    with pytest.raises(ValueError, match="invalid adamw_betas.second of param group 'g'"):
+        dmuon.Muon(model, param_groups=[{"params": list(model.parameters())[:1], "name": "g", "adamw_betas": (0.9, 1.0)}])
     with pytest.raises(ValueError, match="not a parameter of the dedicated model"):
         dmuon.Muon(model, param_groups=[{"params": [torch.zeros(3)]}])
     with pytest.raises(ValueError, match="'layers.0.proj.weight' is in param_groups\\[0\\] and param_groups\\[1\\]"):
@@ -285,3 +298,23 @@ def _hsdp_buckets(rank, world):
 
 def test_hsdp_dtensor_shards_count_once_in_bucket_norms(tmp_path):
     run_ranks(tmp_path, 4, _hsdp_buckets)
+
+
+def _fast_clip_setting(rank, world):
+    model = dedicated_net(init_device_mesh("cpu", (world,)), False)
+    opt = dmuon.Muon(model, lr=LR, adamw_lr=ADAMW_LR, first_step_progress_log=False)
+    x, y = batch(0)
+    ((model(x) - y) ** 2).mean().backward()
+    os.environ["DMUON_FAST_CLIP"] = "0"  # off everywhere: None on every rank, the caller's own path
+    assert dmuon.try_clip_optimizer_grad_norm_buckets_(opt, regular_grads=[], adamw_grads=[], max_norm=1.0) is None
+    if rank == 1:  # off on one rank only: an error on both, not a hang
+        os.environ.pop("DMUON_FAST_CLIP")
+    with pytest.raises(ValueError, match=r"DMUON_FAST_CLIP=0 on rank\(s\) \[0\] but not on the others"):
+        dmuon.try_clip_optimizer_grad_norm_buckets_(opt, regular_grads=[], adamw_grads=[], max_norm=1.0)
+    os.environ.pop("DMUON_FAST_CLIP", None)
+    assert dmuon.try_clip_optimizer_grad_norm_buckets_(opt, regular_grads=[], adamw_grads=[], max_norm=1e9) is not None
+    opt.step()
+
+
+def test_fast_clip_setting_is_agreed_across_ranks(tmp_path):
+    run_ranks(tmp_path, 2, _fast_clip_setting)

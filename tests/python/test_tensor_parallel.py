@@ -61,6 +61,8 @@ def _train(rank, world, layout, dp, out_path):
         fully_shard(model, mesh=dp_mesh)
     else:
         dmuon.replicate_tp(model, mesh["shard"])
+        group = dmuon.get_replicated_group(model)  # embeddings, norms, head: averaged over the dp ranks
+        assert group.tp and group.group_size == dp and "model.embed_tokens.weight" in group.names
     # Z2: the distributed Gram form wherever it applies (split along the long side), gathers elsewhere
     opt = dmuon.Muon(model, lr=LR, adamw_lr=ADAMW_LR, weight_decay=WD, adamw_weight_decay=ADAMW_WD,
                      momentum=MOMENTUM, first_step_progress_log=False, record_step_profile=True,
@@ -73,10 +75,10 @@ def _train(rank, world, layout, dp, out_path):
         opt.zero_grad()
         loss_of(model, tokens(step)[dp_rank * per:(dp_rank + 1) * per]).backward()
         dmuon.prepare_muon_grads(model)  # what step() does first: the reduces are not counted below
-        before = model._dmuon.mesh.bytes()
+        before = dmuon.comm_bytes(model)
         opt.step()
         dmuon.wait_all_post_step_broadcasts(model)
-        after = model._dmuon.mesh.bytes()
+        after = dmuon.comm_bytes(model)
         tp_bytes = sum(after[op] - before[op] for op in ("gather", "scatter"))
         profile = opt.consume_last_step_profile()
         gathered += profile["tp_gathered"]
@@ -186,3 +188,52 @@ def test_resume_without_tp_and_back(tmp_path):
     for name, value in reference_train().items():
         err = float((got[name] - value).abs().max() / value.abs().max())
         assert err < 1e-10, f"{name} differs from the uninterrupted one-process run by {err}"
+
+
+def _frozen_tp(rank, world):
+    """Frozen TP-split weights (colwise and rowwise; no optimizer route): the state dict has them whole, and
+    set_model_state_dict gives each TP rank its slice of a new value, which the next forward uses. Also: the
+    user's predicate sees TP parameters as DTensors of the full shape, and attributes the user set on a TP
+    parameter survive dedicate_params."""
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("shard", "tp"))
+    model = make_llama()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    frozen = ("model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+              "model.layers.0.input_layernorm.weight")  # colwise (dim 0), rowwise (dim 1), not TP
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+    parallelize_module(model, mesh["tp"], tp_plan(model))
+    model.get_parameter("model.layers.1.mlp.up_proj.weight").my_tag = "no-decay"  # a user's attribute
+    seen = {}
+
+    def predicate(name, p):  # the user's predicate sees the DTensor the model holds, at its full shape
+        seen[name] = (type(p).__name__, tuple(p.shape))
+        return is_muon(name, p) and p.requires_grad
+
+    dmuon.dedicate_params(model, mesh["shard"], predicate)
+    assert seen["model.layers.0.self_attn.k_proj.weight"] == ("DTensor", (8, 16)), seen
+    assert seen["model.layers.1.mlp.down_proj.weight"] == ("DTensor", (16, 24)), seen
+    assert model.get_parameter("model.layers.1.mlp.up_proj.weight").my_tag == "no-decay"
+    dmuon.replicate_tp(model, mesh["shard"])
+    opt = dmuon.Muon(model, lr=LR, adamw_lr=ADAMW_LR, first_step_progress_log=False)
+    loss_of(model, tokens(0)).backward()
+    opt.step()
+    sd = dmuon.get_model_state_dict(model, rank0_only=False)
+    for name in frozen:
+        assert sd[name].shape == initial[name].shape and torch.equal(sd[name], initial[name]), name
+    changed = dict(sd)
+    for name in frozen:
+        changed[name] = sd[name] + torch.arange(sd[name].numel(), dtype=sd[name].dtype).reshape(sd[name].shape)
+    dmuon.set_model_state_dict(model, changed)
+    again = dmuon.get_model_state_dict(model, rank0_only=False)
+    for name, value in changed.items():
+        assert torch.equal(again[name], value), name
+    # and the forward uses the loaded slices: the loss equals the one-process model's with these weights
+    plain = make_llama()
+    plain.load_state_dict(changed)
+    x = tokens(1)
+    assert abs(loss_of(model, x).item() - loss_of(plain, x).item()) < 1e-12
+
+
+def test_frozen_tp_weights_predicates_and_attributes(tmp_path):
+    run_ranks(tmp_path, 2, _frozen_tp)
