@@ -723,7 +723,7 @@ TEST(RuntimeTest, NoSyncReducesOnceAndRejectsMisuse) {
     if (error_of([&] { NoSync ns(*m); }).find("not dedicated") == std::string::npos) fail("no_sync without dedicate");
     auto mesh = make_mesh(ctx);
     dedicate_params(m.ptr(), mesh, models::is_muon_matrix);
-    replicate(m.ptr(), mesh);
+    if (replicate(m.ptr(), mesh).get() != m.ptr().get()) fail("replicate returns the model (chaining)");
     MuonOptions mo;
     mo.first_step_progress_log = false;
     Muon opt(m.ptr(), mo);

@@ -525,7 +525,7 @@ struct CkptRank {
     DedicateOptions o;
     o.plan.pack_small_params = false;
     dedicate_params(model.ptr(), mesh, models::is_muon_matrix, o);
-    replicate_tp(model.ptr(), mesh);
+    TORCH_CHECK(replicate_tp(model.ptr(), mesh).get() == model.ptr().get(), "replicate_tp returns the model");
     opt = std::make_unique<Muon>(model.ptr(), muon_options(tc));
   }
   void train(const std::vector<at::Tensor>& batches, size_t from, size_t to) {

@@ -239,12 +239,13 @@ class NoSync {
 // On a mesh with a TP axis the gradients are averaged over the R x G data-parallel ranks of each TP
 // position (whole parameters are then identical on every TP rank: their gradients are). Parameters
 // that are TP slices (e.g. a column-parallel bias) are refused here: use replicate_tp.
-void replicate(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh,
-               double bucket_mb = 25.0);
+// Returns `model` (the API reference's chaining).
+std::shared_ptr<torch::nn::Module> replicate(const std::shared_ptr<torch::nn::Module>& model,
+                                             const std::shared_ptr<Mesh>& mesh, double bucket_mb = 25.0);
 // replicate that also takes TP-split parameters: each TP rank's slice is averaged over its
-// data-parallel ranks. collective: all ranks.
-void replicate_tp(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh,
-                  double bucket_mb = 25.0);
+// data-parallel ranks. collective: all ranks. Returns `model`.
+std::shared_ptr<torch::nn::Module> replicate_tp(const std::shared_ptr<torch::nn::Module>& model,
+                                                const std::shared_ptr<Mesh>& mesh, double bucket_mb = 25.0);
 
 // What replicate / replicate_tp attached to a model (nullopt when neither was called).
 struct ReplicatedGroup {

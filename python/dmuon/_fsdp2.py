@@ -2,7 +2,8 @@
 
 ``import dmuon`` installs a patch of FSDP2's ``_get_managed_states`` (the function that lists the
 parameters a ``fully_shard`` call manages) so that every parameter marked ``_dedicated_owner_rank`` by
-:func:`dmuon.dedicate_params` is skipped, exactly as if it had been passed in ``ignored_params``.
+:func:`dmuon.dedicate_params` is skipped, exactly as if it had been passed in ``ignored_params``, and a
+tensor-parallel parameter dmuon holds as its local slice but does not train goes to FSDP2 as its DTensor.
 :func:`ignored_params` gives the same set for the public ``fully_shard(ignored_params=...)`` argument.
 """
 
@@ -35,6 +36,9 @@ def _dedicated_in(modules) -> Set[nn.Parameter]:
 def _call_get_managed_states(original, modules, ignored_params):
     """FSDP2's _get_managed_states with dmuon's parameters ignored: torch >= 2.7 takes the ignored set,
     torch 2.6 takes modules only (the dedicated parameters are then filtered from its result)."""
+    from ._tp import hand_to_fsdp2
+
+    hand_to_fsdp2(modules)  # TP slices dmuon does not train: FSDP2 gets their DTensors, not the slices
     dedicated = _dedicated_in(modules)
     if len(inspect.signature(original).parameters) >= 2:
         return original(modules, set(ignored_params or ()) | dedicated)

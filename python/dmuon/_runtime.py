@@ -16,8 +16,8 @@ from . import _C
 from ._clip import MuonGradClipStats, python_strategy, run_python_strategy
 from ._fsdp2 import assign_full, fsdp_modules, full_tensor, is_dtensor, shard_of
 from ._mesh import make_mesh
-from ._tp import (find_tp_params, install_dtensor_hooks, release_dtensors, restore_dtensors, show_dtensors,
-                  swap_in_local_slices)
+from ._tp import (find_tp_params, install_dtensor_hooks, register_undedicated, release_dtensors, restore_dtensors,
+                  show_dtensors, swap_in_local_slices, was_handed)
 
 
 class _State:
@@ -35,6 +35,7 @@ class _State:
         self.external = {}    # name -> the DTensor parameter FSDP2 put in its place (trained by Muon's AdamW)
         self.tp_split = {}    # TP-split parameters (their local slices are the module's parameters) -> split dim
         self.tp_names = set()  # every TP DTensor parameter dedicate_params swapped for its local slice
+        self.tp_params = []    # their records (_tp.TpParam), model order
         self.dp_ranks = None  # with TP: the global ranks at this rank's TP position (replicate_tp's mesh)
 
 
@@ -53,13 +54,14 @@ def _sync_external(model: nn.Module, state: _State) -> Dict[str, nn.Parameter]:
                 "DTensor shard), so dmuon's hooks and routes no longer see it. Replace parameters (or call "
                 "model.to(...)) before dedicate_params, never after."
             )
-        if name in state.tp_names:
+        if name in state.tp_names and not was_handed(state.tp_params, name):
             raise ValueError(
                 f"dmuon: parameter '{name}' is a tensor-parallel DTensor parameter that is not dedicated, and "
-                "fully_shard took it: dmuon holds it as its local slice, which FSDP2 would shard as if it were the "
-                "whole parameter (and dmuon's forward hooks would keep showing the module the slice). Dedicate it "
-                "(predicate), or leave it to dmuon (dmuon.replicate_tp, or route_hint_fn -> 'sharded_adamw') and keep "
-                "it out of fully_shard (fully_shard(..., ignored_params={...}))."
+                "fully_shard took its local slice, which FSDP2 shards as if it were the whole parameter: dmuon's "
+                "FSDP2 patch, which hands FSDP2 the DTensor instead, was not installed (dmuon.uninstall_patch() ran, "
+                "or fully_shard was called through another path). Call dmuon.install_patch() before fully_shard, "
+                "or dedicate the parameter (predicate), or leave it to dmuon (dmuon.replicate_tp) and keep it out of "
+                "fully_shard (fully_shard(..., ignored_params={...}))."
             )
         fresh.append((name, p))
     if fresh:
@@ -246,11 +248,13 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
     model._dmuon = _State(runtime, native_mesh, world_group, hooks, dict(params), guard)
     model._dmuon.tp_split = tp_split
     model._dmuon.tp_names = {tp.name for tp in tp_params}
+    model._dmuon.tp_params = tp_params
     model._dmuon.dp_ranks = dp_ranks  # with TP: the global ranks at this rank's TP position
     owners = {}
     for d, coord in _owner_coords(model._dmuon):
         d["param"]._dedicated_owner_rank = coord
         owners[d["param"]] = coord
+    register_undedicated(tp_params)  # what fully_shard may take later: as DTensors (hand_to_fsdp2)
     return owners
 
 

@@ -7,6 +7,7 @@ placeholders and gradients work as for any parameter), the split dimension comes
 the DTensor again, rebuilt from the slice (``DTensor.from_local``, differentiable: the gradient reaches
 the slice, partial sums reduced over TP as the placement says)."""
 
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -36,6 +37,21 @@ class TpParam:
     split_dim: int                       # -1: whole (Replicate on the TP axis)
     local: Optional[nn.Parameter] = None
     layout: Optional[tuple] = None       # (device_mesh, placements, shape, stride): what rebuilds the DTensor
+    handed: bool = False                 # not dedicated, and given back to FSDP2 as a DTensor (hand_to_fsdp2)
+
+
+# The local slices of TP parameters that dedicate_params did not dedicate, until fully_shard takes one
+# (hand_to_fsdp2): id(slice Parameter) -> (a weak reference to it, its record); an entry whose slice was
+# freed goes with it (tensors compare element-wise, so they cannot be the keys of a WeakKeyDictionary).
+_UNDEDICATED: Dict[int, Tuple["weakref.ref", TpParam]] = {}
+
+
+def _take_undedicated(p) -> Optional[TpParam]:
+    entry = _UNDEDICATED.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    del _UNDEDICATED[id(p)]
+    return entry[1]
 
 
 def _dp_names(mesh, replicate_mesh) -> set:
@@ -142,6 +158,39 @@ def release_dtensors(params: List[TpParam]) -> None:
         tp.dtensor = None
 
 
+def register_undedicated(params: List[TpParam]) -> None:
+    """After dedicate_params marked its owners: the slices it did not dedicate, for hand_to_fsdp2."""
+    for tp in params:
+        if not hasattr(tp.local, "_dedicated_owner_rank"):
+            key = id(tp.local)
+            _UNDEDICATED[key] = (weakref.ref(tp.local, lambda _, key=key: _UNDEDICATED.pop(key, None)), tp)
+
+
+def hand_to_fsdp2(modules) -> None:
+    """Before fully_shard lists the parameters of ``modules``: each TP slice dmuon did not dedicate becomes
+    the DTensor again (over the same storage, with the user's attributes), in every module that holds it,
+    so FSDP2 shards the DTensor on its data-parallel mesh the way FSDP2 + TP does without dmuon, instead of
+    taking the slice for the whole parameter. dmuon's forward hooks leave it alone from then on, and the
+    runtime forgets it (the next _sync_external). Local."""
+    for module in modules:
+        for attr, p in list(module._parameters.items()):
+            tp = _take_undedicated(p) if p is not None else None
+            if tp is None or tp.handed:
+                continue
+            dtensor = nn.Parameter(_as_dtensor(tp, p.detach()), requires_grad=p.requires_grad)
+            for key, value in p.__dict__.items():
+                if key != "_is_param":
+                    setattr(dtensor, key, value)
+            for owner, name in tp.owners:
+                owner._parameters[name] = dtensor
+            tp.handed = True
+
+
+def was_handed(params: List[TpParam], name: str) -> bool:
+    """Whether the TP parameter ``name`` went to FSDP2 as a DTensor (hand_to_fsdp2)."""
+    return any(tp.handed and tp.name == name for tp in params)
+
+
 def show_dtensors(params: List[TpParam], fn):
     """``fn(name, param)`` (a user's predicate, policy or resolver) seeing each TP parameter as the DTensor
     it was given (full shape, placements) rather than the local slice dmuon swapped in; None stays None."""
@@ -175,13 +224,16 @@ def install_dtensor_hooks(params: List[TpParam]) -> list:
         saved: list = []  # what each (possibly nested) call of the module found in its __dict__
 
         def pre(mod, args, items=items, saved=saved):
-            saved.append([mod.__dict__.get(attr, missing) for attr, _ in items])
-            for attr, tp in items:
+            active = [(attr, tp) for attr, tp in items if not tp.handed]  # FSDP2 shows the handed ones itself
+            saved.append((active, [mod.__dict__.get(attr, missing) for attr, _ in active]))
+            for attr, tp in active:
                 mod.__dict__[attr] = _as_dtensor(tp, tp.local)
 
-        def post(mod, args, output, items=items, saved=saved):
-            before = saved.pop() if saved else [missing] * len(items)
-            for (attr, _), value in zip(items, before):
+        def post(mod, args, output, saved=saved):
+            if not saved:
+                return
+            active, before = saved.pop()
+            for (attr, _), value in zip(active, before):
                 if value is missing:
                     mod.__dict__.pop(attr, None)
                 else:

@@ -267,13 +267,16 @@ void replicate_impl(const std::shared_ptr<torch::nn::Module>& model, const std::
 }
 }  // namespace
 
-void replicate(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh, double bucket_mb) {
+std::shared_ptr<torch::nn::Module> replicate(const std::shared_ptr<torch::nn::Module>& model,
+                                             const std::shared_ptr<Mesh>& mesh, double bucket_mb) {
   replicate_impl(model, mesh, bucket_mb, /*tp=*/false);
+  return model;
 }
 
-void replicate_tp(const std::shared_ptr<torch::nn::Module>& model, const std::shared_ptr<Mesh>& mesh,
-                  double bucket_mb) {
+std::shared_ptr<torch::nn::Module> replicate_tp(const std::shared_ptr<torch::nn::Module>& model,
+                                                const std::shared_ptr<Mesh>& mesh, double bucket_mb) {
   replicate_impl(model, mesh, bucket_mb, /*tp=*/true);
+  return model;
 }
 
 std::optional<ReplicatedGroup> get_replicated_group(const torch::nn::Module& model) {

@@ -19,8 +19,12 @@ from dmuon_testing import reference_ns, rel
 from test_transformers_equivalence import (ADAMW_LR, ADAMW_WD, LR, MOMENTUM, STEPS, WD, is_muon, loss_of, make_llama,
                                            reference_train, schedule, tokens)
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="no CUDA GPU (scripts/gpu_check.sh runs it)"))]
+NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU (scripts/gpu_check.sh runs it)")
+DEVICES = ["cpu", pytest.param("cuda", marks=NO_GPU)]
+# every layout on the GPU; on the CPU the forced group of one (the multi-rank tests cover the rest there)
+RUNS = [("cpu", "z3", True), ("cpu", "ddp", True)] + [
+    pytest.param("cuda", layout, forced, marks=NO_GPU)
+    for layout, forced in (("z3", False), ("z3", True), ("z2", True), ("ddp", True))]
 
 
 def _one_rank(rank, device, store, layout, forced, out_path):
@@ -61,8 +65,7 @@ def _one_rank(rank, device, store, layout, forced, out_path):
     os._exit(0)  # past torch's Gloo exit race (dmuon_testing._entry)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layout,forced", [("z3", False), ("z3", True), ("z2", True), ("ddp", True)])
+@pytest.mark.parametrize("device,layout,forced", RUNS)
 def test_one_rank_trains_like_one_process(tmp_path, device, layout, forced):
     path = tmp_path / "llama.pt"
     mp.spawn(_one_rank, args=(device, str(tmp_path / "store"), layout, forced, str(path)), nprocs=1, join=True)

@@ -2,7 +2,8 @@
 parallel by parallelize_module with a Megatron-style plan (q/k/v, gate/up ColwiseParallel; o, down
 RowwiseParallel) on the named TP axis of a (shard, tp) mesh, then dedicate_params on the data-parallel
 sub-mesh (the TP axis found by name-set difference) and replicate_tp or FSDP2's fully_shard on the
-data-parallel axis for the rest, or the DDP + TP path.
+data-parallel axis for the rest (with FSDP2 the lm_head is ColwiseParallel too, and FSDP2 shards its DTensor
+on (dp, tp)), or the DDP + TP path.
 8 steps in float64 under an lr scheduler equal the one-process pure-PyTorch Muon + AdamW of
 test_transformers_equivalence at 1e-10; the state dict holds full tensors under the one-process names."""
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dmuon
@@ -39,7 +41,10 @@ def _train(rank, world, layout, dp, out_path):
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("shard", "tp"))
         dp_mesh = mesh["shard"]
     model = make_llama()
-    parallelize_module(model, mesh["tp"], tp_plan(model))
+    plan = tp_plan(model)
+    if layout in ("fsdp2", "hsdp-fsdp2"):  # a TP parameter dmuon does not train: FSDP2 gets its DTensor
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(model, mesh["tp"], plan)
     if layout == "ddp-tp":
         owners = dmuon.dedicate_params_ddp_tp(model, mesh["shard"], is_muon)
     elif layout == "hsdp-fsdp2":
@@ -88,7 +93,16 @@ def _train(rank, world, layout, dp, out_path):
     assert (distributed > 0) == (layout == "z2"), distributed
     if layout != "z2":  # one step's TP gathers and scatters on this rank are what plan_tp_exchange planned
         assert tp_bytes == dmuon.summarize_comm_plan(model)["this_rank"]["tp"] > 0, (tp_bytes, rank)
-    sd = dmuon.get_model_state_dict(model)
+    if layout in ("fsdp2", "hsdp-fsdp2"):  # the lm_head FSDP2 shards on its data-parallel axes and TP: a DTensor
+        head = model.lm_head.weight
+        assert type(head).__name__ == "DTensor" and head.device_mesh.ndim == mesh.ndim, head.placements
+    sd = dmuon.get_model_state_dict(model, rank0_only=False)
+    if layout in ("fsdp2", "hsdp-fsdp2"):  # and back: every part of every parameter where it belongs
+        changed = {n: t + 0.5 for n, t in sd.items()}
+        dmuon.set_model_state_dict(model, changed)
+        again = dmuon.get_model_state_dict(model, rank0_only=False)
+        for name, value in changed.items():
+            assert torch.equal(again[name], value), name
     if rank == 0:
         torch.save(sd, out_path)
 
@@ -123,12 +137,19 @@ def _mistakes(rank, world):
     plain = make_llama()
     with pytest.raises(ValueError, match="no tensor-parallel DTensor"):
         dmuon.dedicate_params_ddp_tp(plain, mesh["shard"], is_muon)
-    # a TP slice left to FSDP2 (not dedicated): FSDP2 would take the slice for the whole parameter
+    # a TP slice left to FSDP2 (not dedicated) without dmuon's FSDP2 patch: FSDP2 takes the slice for the whole
+    # parameter, which Muon() refuses (with the patch, FSDP2 gets the DTensor: _train's lm_head)
     dmuon.dedicate_params(model, mesh["shard"], lambda n, p: is_muon(n, p) and "k_proj" not in n)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["shard"])
-    fully_shard(model, mesh=mesh["shard"])
-    with pytest.raises(ValueError, match="'model.layers.0.self_attn.k_proj.weight' is a tensor-parallel DTensor"):
+    dmuon.uninstall_patch()
+    try:
+        ignored = dmuon.ignored_params(model)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["shard"], ignored_params=ignored)
+        fully_shard(model, mesh=mesh["shard"], ignored_params=ignored)
+    finally:
+        dmuon.install_patch()
+    with pytest.raises(ValueError, match="'model.layers.0.self_attn.k_proj.weight' is a tensor-parallel DTensor.*"
+                                         "install_patch"):
         dmuon.Muon(model)
 
 
