@@ -16,8 +16,8 @@ from . import _C
 from ._clip import MuonGradClipStats, python_strategy, run_python_strategy
 from ._fsdp2 import assign_full, fsdp_modules, full_tensor, is_dtensor, shard_of
 from ._mesh import make_mesh
-from ._tp import (find_tp_params, install_dtensor_hooks, register_undedicated, release_dtensors, restore_dtensors,
-                  show_dtensors, swap_in_local_slices, was_handed)
+from ._tp import (find_tp_params, install_dtensor_hooks, is_tp_slice, register_undedicated, release_dtensors,
+                  restore_dtensors, show_dtensors, swap_in_local_slices)
 
 
 class _State:
@@ -34,8 +34,7 @@ class _State:
         self.params = params  # name -> the Parameter object dedicate_params saw
         self.external = {}    # name -> the DTensor parameter FSDP2 put in its place (trained by Muon's AdamW)
         self.tp_split = {}    # TP-split parameters (their local slices are the module's parameters) -> split dim
-        self.tp_names = set()  # every TP DTensor parameter dedicate_params swapped for its local slice
-        self.tp_params = []    # their records (_tp.TpParam), model order
+        self.tp_params = []    # every TP DTensor parameter dedicate_params swapped for its local slice (_tp.TpParam)
         self.dp_ranks = None  # with TP: the global ranks at this rank's TP position (replicate_tp's mesh)
 
 
@@ -54,7 +53,7 @@ def _sync_external(model: nn.Module, state: _State) -> Dict[str, nn.Parameter]:
                 "DTensor shard), so dmuon's hooks and routes no longer see it. Replace parameters (or call "
                 "model.to(...)) before dedicate_params, never after."
             )
-        if name in state.tp_names and not was_handed(state.tp_params, name):
+        if is_tp_slice(state.tp_params, name):
             raise ValueError(
                 f"dmuon: parameter '{name}' is a tensor-parallel DTensor parameter that is not dedicated, and "
                 "fully_shard took its local slice, which FSDP2 shards as if it were the whole parameter: dmuon's "
@@ -247,7 +246,6 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
     hooks = _install_hooks(model, runtime, guard) + install_dtensor_hooks(tp_params)
     model._dmuon = _State(runtime, native_mesh, world_group, hooks, dict(params), guard)
     model._dmuon.tp_split = tp_split
-    model._dmuon.tp_names = {tp.name for tp in tp_params}
     model._dmuon.tp_params = tp_params
     model._dmuon.dp_ranks = dp_ranks  # with TP: the global ranks at this rank's TP position
     owners = {}

@@ -129,6 +129,13 @@ def find_tp_params(model: nn.Module, mesh, replicate_mesh, fn: str) -> Tuple[Opt
     return (next(iter(groups.values())) if groups else None), list(found.values())
 
 
+def _copy_user_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """What the user attached to a parameter (flags, tags), from one Parameter object to its replacement."""
+    for key, value in src.__dict__.items():
+        if key != "_is_param":
+            setattr(dst, key, value)
+
+
 def swap_in_local_slices(params: List[TpParam]) -> None:
     """Each TP DTensor parameter becomes a plain Parameter holding its local slice, in every module that
     holds it, with the attributes the user set on the DTensor (the DTensor is kept until dedicate_params
@@ -137,9 +144,7 @@ def swap_in_local_slices(params: List[TpParam]) -> None:
         d = tp.dtensor
         tp.layout = (d.device_mesh, d.placements, d.shape, d.stride())
         tp.local = nn.Parameter(d.to_local().detach(), requires_grad=d.requires_grad)
-        for key, value in d.__dict__.items():  # what the user attached to the parameter (flags, tags)
-            if key != "_is_param":
-                setattr(tp.local, key, value)
+        _copy_user_attributes(d, tp.local)
         for module, attr in tp.owners:
             module._parameters[attr] = tp.local
 
@@ -178,17 +183,15 @@ def hand_to_fsdp2(modules) -> None:
             if tp is None or tp.handed:
                 continue
             dtensor = nn.Parameter(_as_dtensor(tp, p.detach()), requires_grad=p.requires_grad)
-            for key, value in p.__dict__.items():
-                if key != "_is_param":
-                    setattr(dtensor, key, value)
+            _copy_user_attributes(p, dtensor)
             for owner, name in tp.owners:
                 owner._parameters[name] = dtensor
             tp.handed = True
 
 
-def was_handed(params: List[TpParam], name: str) -> bool:
-    """Whether the TP parameter ``name`` went to FSDP2 as a DTensor (hand_to_fsdp2)."""
-    return any(tp.handed and tp.name == name for tp in params)
+def is_tp_slice(params: List[TpParam], name: str) -> bool:
+    """Whether ``name`` is a TP parameter that dmuon holds as its local slice (not handed to FSDP2)."""
+    return any(tp.name == name and not tp.handed for tp in params)
 
 
 def show_dtensors(params: List[TpParam], fn):
