@@ -15,6 +15,7 @@
 #include "dmuon/checkpoint.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"
+#include "dmuon/memory.h"
 #include "dmuon/muon.h"
 #include "dmuon/tensor_parallel.h"
 #include "dmuon/model_view.h"
@@ -425,6 +426,107 @@ TEST(TpBytes, StepExchangeEqualsTheSlicesOfTheOwnedMatrices) {
       }
     });
   }
+}
+
+// tp_buffer_reuse: the TP exchange's scratch kept across steps. Every policy trains exactly as "off" (float64,
+// same operations on the same values), and the counting allocator sees, per step and rank, exactly the
+// allocations the kept slots replace: "gather" the TP owner's gather buffer and full matrix (2 per matrix
+// it orthogonalises), "scatter" every holder's receive buffer and the TP owner's send buffer (1 + 1).
+TEST(TpBuffers, ReuseTrainsTheSameAndSavesExactlyTheKeptAllocations) {
+  namespace mem = dmuon::memory;
+  mem::install_counting_allocator();
+  const GPTConfig cfg = small_config(2);
+  const StateDict init = init_state(cfg, 11, at::kDouble);
+  const int steps = 4;
+  const auto batches = make_batches(steps, 8, 12, cfg.vocab_size, 5);
+  struct Run {
+    std::map<std::string, at::Tensor> params;  // "name@rank" after training
+    std::vector<int64_t> step_allocations;     // per rank: allocations inside step() of steps 2..4
+    std::vector<int64_t> gather_saving, scatter_saving;  // per rank, per step: what the plan says each saves
+  };
+  auto train = [&](const std::string& policy) {
+    Run out;
+    out.step_allocations.assign(4, 0);
+    out.gather_saving.assign(4, 0);
+    out.scatter_saving.assign(4, 0);
+    std::mutex mu;
+    run_ranks(4, [&](RankContext& ctx) {
+      mem::MemoryTag tag(ctx.rank + 1);
+      auto mesh = make_mesh(ctx, std::chrono::seconds(60), 1, 2);
+      GPTConfig c = cfg;
+      c.tp_mesh = mesh;
+      GPT m(c);
+      load_state(m, init);
+      DedicateOptions o;
+      o.plan.pack_small_params = false;
+      o.tp_buffer_reuse = policy;
+      dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
+      replicate_tp(m.ptr(), mesh);
+      MuonOptions mo;
+      mo.lr = 0.02;
+      Muon opt(m.ptr(), mo);
+      int64_t allocations = 0;
+      for (int i = 0; i < steps; ++i) {
+        opt.zero_grad();
+        m->loss(batches[static_cast<size_t>(i)].narrow(0, 4 * mesh->shard_rank(), 4)).backward();
+        prepare_muon_grads(*m);
+        const int64_t before = mem::stats().allocations;
+        opt.step();
+        if (i > 0) allocations += mem::stats().allocations - before;  // step 1 allocates what is kept
+      }
+      wait_all_post_step_broadcasts(*m);
+      int64_t gather = 0, scatter = 0;
+      for (const auto& d : get_dedicated_params(*m)) {
+        if (!d.is_owner) continue;
+        const bool tp_owner = d.tp_owner == mesh->tp_rank();
+        gather += tp_owner ? 2 : 0;
+        scatter += 1 + (tp_owner ? 1 : 0);
+      }
+      std::lock_guard<std::mutex> g(mu);
+      for (const auto& [name, p] : get_base_params(*m)) out.params[name + "@" + std::to_string(ctx.rank)] = p.clone();
+      for (const auto& d : get_dedicated_params(*m))
+        if (d.is_owner) out.params[d.name + "@" + std::to_string(ctx.rank)] = d.param.clone();
+      out.step_allocations[static_cast<size_t>(ctx.rank)] = allocations;
+      out.gather_saving[static_cast<size_t>(ctx.rank)] = gather;
+      out.scatter_saving[static_cast<size_t>(ctx.rank)] = scatter;
+    });
+    return out;
+  };
+  const Run off = train("off");
+  int64_t kept_matrices = 0;
+  for (int r = 0; r < 4; ++r) kept_matrices += off.gather_saving[static_cast<size_t>(r)];
+  ASSERT_GT(kept_matrices, 0) << "the layout gives some rank a TP-owned split matrix";
+  for (const std::string policy : {"gather", "scatter", "all"}) {
+    const Run run = train(policy);
+    ASSERT_EQ(run.params.size(), off.params.size());
+    double worst = 0;
+    for (const auto& [key, p] : off.params) worst = std::max(worst, max_rel(run.params.at(key), p));
+    EXPECT_LE(worst, kFloat64Bound) << policy;
+    for (int r = 0; r < 4; ++r) {
+      const auto i = static_cast<size_t>(r);
+      const int64_t per_step = (policy != "scatter" ? off.gather_saving[i] : 0) +
+                               (policy != "gather" ? off.scatter_saving[i] : 0);
+      EXPECT_EQ(off.step_allocations[i] - run.step_allocations[i], (steps - 1) * per_step)
+          << policy << " rank " << r << ": " << off.step_allocations[i] << " allocations in steps 2.." << steps
+          << " without reuse, " << run.step_allocations[i] << " with";
+    }
+    std::fprintf(stderr, "[tp_buffer_reuse %s] worst relative difference to \"off\" %.2e\n", policy.c_str(), worst);
+  }
+}
+
+TEST(TpBuffers, AnUnknownPolicyIsRefusedNamingTheChoices) {
+  run_ranks(2, [&](RankContext& ctx) {
+    auto mesh = make_mesh(ctx, std::chrono::seconds(60), 1, 2);
+    GPTConfig c = small_config(2);
+    c.tp_mesh = mesh;
+    GPT m(c);
+    DedicateOptions o;
+    o.tp_buffer_reuse = "both";
+    const std::string e = error_of([&] { dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o); });
+    expect(e.find("tp_buffer_reuse is 'both'") != std::string::npos && e.find("\"scatter\"") != std::string::npos &&
+               e.find("rank " + std::to_string(ctx.rank)) != std::string::npos,
+           "error: " + e);
+  });
 }
 
 TEST(TpErrors, SplitDimensionNotDivisible) {

@@ -127,6 +127,12 @@ struct DedicateOptions {
   // each boundary's next forward waits for its own publish; false waits in step(). No effect on a
   // 1-D mesh in broadcast mode. MuonOptions::replicate_async overrides it when set.
   bool replicate_async = true;
+  // Tensor parallelism: which scratch of the TP Newton-Schulz exchange (gather form, and the broadcast
+  // of a whole matrix) each matrix keeps across steps instead of allocating it every step: "off"
+  // (default), "gather" (the TP owner's gather buffer and the full matrix NS reads), "scatter" (the
+  // TP owner's send buffer and every rank's receive buffer), "all". Same results; the kept buffers
+  // stay allocated between steps (the TP owner: about twice its full matrices, every rank: its slices).
+  std::string tp_buffer_reuse = "off";
   // Deferred parameters (deferred_init.h: no storage yet) take their values from this source, each
   // rank only what it keeps. Required when the model has deferred parameters; ignored otherwise.
   std::shared_ptr<ParamSource> param_source;

@@ -46,6 +46,7 @@ namespace dmuon {
 class Mesh;
 struct ReadyGrad;    // a gradient the runtime hands to the optimizer (src/runtime/route.h)
 class RuntimeFace;   // what the optimizer sees of a dedicated model's runtime (src/runtime/runtime_face.h)
+class TpScratch;     // the TP Newton-Schulz exchange's kept buffers (src/optim/tp_newton_schulz.h)
 
 // Options of one lowered parameter group.
 struct MuonGroupOptions : torch::optim::OptimizerCloneableOptions<MuonGroupOptions> {
@@ -239,6 +240,7 @@ class Muon : public torch::optim::Optimizer {
   MuonOptions options_;
   NewtonSchulz ns_;
   std::shared_ptr<NsGraphs> ns_graphs_;  // ns_ for whole matrices, CUDA-graph replayed where it applies
+  std::shared_ptr<TpScratch> tp_scratch_;  // the TP exchange's kept buffers (DedicateOptions::tp_buffer_reuse)
   bool check_finite_ = true;  // the configured NsOptions::check_finite, applied once per step
   std::map<const c10::TensorImpl*, size_t> group_of_;  // parameter -> index in param_groups_
   size_t group_of_count_ = 0;                         // parameters grouped when group_of_ was built

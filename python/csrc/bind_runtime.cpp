@@ -53,7 +53,7 @@ DedicateOptions dedicate_options(const py::dict& d) {
                                       "hsdp_column_balance", "pack_small_params", "muon_forward_unshard",
                                       "forward_prefetch_depth", "replicate_async", "record_forward_profile",
                                       "param_policy", "param_policy_fn", "replicate_broadcast_bucket_mb",
-                                      "delay_stage2_to_optimizer"};
+                                      "delay_stage2_to_optimizer", "tp_buffer_reuse"};
   for (const auto& [k, v] : d) {
     const std::string key = k.cast<std::string>();
     bool ok = false;
@@ -94,6 +94,7 @@ DedicateOptions dedicate_options(const py::dict& d) {
     };
   if (auto v = get_opt<double>(d, "replicate_broadcast_bucket_mb")) o.replicate_broadcast_bucket_mb = *v;
   if (auto v = get_opt<bool>(d, "delay_stage2_to_optimizer")) o.delay_stage2_to_optimizer = *v;
+  if (auto v = get_opt<std::string>(d, "tp_buffer_reuse")) o.tp_buffer_reuse = *v;
   return o;
 }
 

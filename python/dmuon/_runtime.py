@@ -320,9 +320,9 @@ def dedicate_params(
         "muon_forward_unshard": muon_forward_unshard,
         "replicate_broadcast_bucket_mb": replicate_broadcast_bucket_mb,
         "delay_stage2_to_optimizer": delay_stage2_to_optimizer,
+        "tp_buffer_reuse": _tp_buffer_reuse(tp_buffer_reuse, "dedicate_params"),
         **_policy_options(param_policy, param_policy_fn, "dedicate_params"),
     }
-    _check_tp_buffer_reuse(tp_buffer_reuse, "dedicate_params")
     return _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_predicate, hook_boundary_strict,
                      process_group_policy, False, "dedicate_params")
 
@@ -375,16 +375,23 @@ def dedicate_params_ddp_tp(
     mesh (e.g. ``mesh2d["dp"]``), then :func:`replicate_tp`. The TP ranks of the owner's data-parallel
     position gather their slices to a TP owner for Newton-Schulz, scatter the update back, and the updated
     slices are published over the data-parallel mesh. Returns parameter -> owner rank. Collective."""
-    _check_tp_buffer_reuse(tp_buffer_reuse, "dedicate_params_ddp_tp")
     options = _ddp_options(locals(), "dedicate_params_ddp_tp")
+    options["tp_buffer_reuse"] = _tp_buffer_reuse(tp_buffer_reuse, "dedicate_params_ddp_tp")
     return _dedicate(model, mesh, None, predicate, options, hook_boundary_predicate, hook_boundary_strict,
                      process_group_policy, True, "dedicate_params_ddp_tp")
 
 
-def _check_tp_buffer_reuse(value, fn: str) -> None:
-    if value not in (False, None):
-        raise ValueError(f"{fn}: tp_buffer_reuse={value!r} is not implemented in this version of dmuon (each step "
-                         "allocates its TP gather/scatter buffers); leave it False.")
+def _tp_buffer_reuse(value, fn: str) -> str:
+    """The core's policy of ``tp_buffer_reuse``: which scratch of the TP exchange each matrix keeps across
+    steps. False/None: none; True or "all": every slot; "gather": the TP owner's gather buffer and full
+    matrix; "scatter": the scatter's send and receive buffers."""
+    if value is None or value is False:
+        return "off"
+    if value is True:
+        return "all"
+    if isinstance(value, str) and value in ("gather", "scatter", "all"):
+        return value
+    raise ValueError(f"{fn}: tp_buffer_reuse={value!r}; use False, True, \"gather\", \"scatter\" or \"all\".")
 
 
 def _ddp_options(args: dict, fn: str) -> dict:

@@ -314,7 +314,7 @@ struct Muon::StepRun final : StepVisitor {
     if (tp_pending.empty()) return;
     const auto t0 = clock.now();
     for (TpUpdate& job : tp_pending) {
-      TpScatter s = tp_scatter_update(job.gather, job.ready, job.steps, opt.ns_, rt.mesh());
+      TpScatter s = tp_scatter_update(job.gather, job.ready, job.steps, opt.ns_, rt.mesh(), *opt.tp_scratch_);
       rt.defer_update(job.name, [s, apply = std::move(job.apply)]() mutable {
         s.pending.wait();
         apply(s.slice);
@@ -369,6 +369,8 @@ Muon::Muon(const std::shared_ptr<RuntimeFace>& runtime, MuonOptions options)
   NsGraphOptions go;
   go.enabled = env::ns_cuda_graphs().value_or(options_.ns_cuda_graphs);
   ns_graphs_ = std::make_shared<NsGraphs>(ns_, go);
+  tp_scratch_ = std::make_shared<TpScratch>();
+  tp_scratch_->set_policy(runtime->options().tp_buffer_reuse);
   require_replicated(*runtime);
 }
 
@@ -456,12 +458,12 @@ void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh
     if (r.tp_dim >= 0) ++(dist ? prof.tp_distributed : prof.tp_gathered);
     flop_share = dist ? 1.0 / mesh.tp_size() : mesh.tp_rank() == r.tp_owner ? 1.0 : 0.0;
     if (r.tp_dim >= 0 && !dist) {  // gather now; NS and scatter once every gather is in flight
-      job.gather = tp_issue_gather(u, r, mesh);
+      job.gather = tp_issue_gather(u, r, mesh, *tp_scratch_);
       job.ready = r;
       job.steps = steps;
       run.tp_pending.push_back(std::move(job));
     } else {
-      job.apply(tp_orthogonalize(u, r, steps, ns_, dist, mesh));
+      job.apply(tp_orthogonalize(u, r, steps, ns_, dist, mesh, *tp_scratch_));
     }
     clock.add(detail::Phase::Ns, t0);  // (whole matrices: timed by the batched run)
   }

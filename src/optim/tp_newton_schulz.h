@@ -16,7 +16,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dmuon/mesh.h"
@@ -31,9 +33,28 @@ bool tp_distributed_gram_applies(const std::vector<int64_t>& full, int tp_dim);
 // windows * m^2 / (rows * cols), windows = 1 + restarts inside the run.
 double tp_factor_to_scatter_ratio(const std::vector<int64_t>& full, const NsOptions& opts, int steps);
 
+// The exchange's scratch tensors (DedicateOptions::tp_buffer_reuse): per matrix and slot, either
+// allocated for each use ("off") or kept and handed out again at the next step. Reuse is safe
+// because Runtime::step finishes every TP update of the step before (the deferred applies that
+// read the receive buffers) before it hands out a gradient, and each step waits its own gathers.
+class TpScratch {
+ public:
+  enum class Slot { Gathered = 0, Full, Send, Receive };
+  // "off", "gather" (Gathered, Full), "scatter" (Send, Receive) or "all" (validated by dedicate_params)
+  void set_policy(const std::string& policy);
+  // an uninitialised tensor of `sizes` for `name`'s `slot`: the kept one when that slot is reused and
+  // it matches (sizes, dtype, device), else a new one (kept when the slot is reused)
+  at::Tensor get(const std::string& name, Slot slot, at::IntArrayRef sizes, const at::TensorOptions& options);
+  int64_t kept_bytes() const;  // what the kept buffers hold
+
+ private:
+  bool reuse_[4] = {false, false, false, false};
+  std::map<std::pair<std::string, int>, at::Tensor> kept_;
+};
+
 // Synchronous: this rank's slice of NS(full input), by any of the three forms.
 at::Tensor tp_orthogonalize(const at::Tensor& u_local, const ReadyGrad& r, int steps, const NewtonSchulz& ns,
-                            bool distributed_gram, Mesh& mesh);
+                            bool distributed_gram, Mesh& mesh, TpScratch& scratch);
 
 // The gather form in two halves, so a step issues every gather before any NS (the TP owners compute
 // while the other gathers are in flight) and returns before the scatters land (async publish).
@@ -41,13 +62,14 @@ struct TpGather {
   at::Tensor u, gathered;  // kept alive while in flight
   Pending pending;
 };
-TpGather tp_issue_gather(const at::Tensor& u_local, const ReadyGrad& r, Mesh& mesh);
+TpGather tp_issue_gather(const at::Tensor& u_local, const ReadyGrad& r, Mesh& mesh, TpScratch& scratch);
 struct TpScatter {
   at::Tensor slice;  // this rank's slice of the update, valid once `pending` is waited
   Pending pending;
 };
 // The TP owner waits its gather and runs NS; every rank issues the scatter.
-TpScatter tp_scatter_update(TpGather& g, const ReadyGrad& r, int steps, const NewtonSchulz& ns, Mesh& mesh);
+TpScatter tp_scatter_update(TpGather& g, const ReadyGrad& r, int steps, const NewtonSchulz& ns, Mesh& mesh,
+                            TpScratch& scratch);
 
 // Muon::step's record of a TP matrix whose Newton-Schulz waits for its gather (`gather` in flight),
 // and how to apply its update.

@@ -25,6 +25,11 @@ void check_dedicate_options(const Mesh& mesh, const DedicateOptions& options) {
               options.replicate_broadcast_bucket_mb);
   TORCH_CHECK_VALUE(options.forward_prefetch_depth >= 0, "rank ", mesh.global_rank(),
               ": dedicate_params: forward_prefetch_depth must be >= 0, got ", options.forward_prefetch_depth);
+  const std::string& reuse = options.tp_buffer_reuse;
+  TORCH_CHECK_VALUE(reuse == "off" || reuse == "gather" || reuse == "scatter" || reuse == "all", "rank ",
+              mesh.global_rank(), ": dedicate_params: tp_buffer_reuse is '", reuse, "'; use \"off\", \"gather\" "
+              "(keep the TP owner's gather scratch), \"scatter\" (keep the scatter's send and receive buffers) or "
+              "\"all\".");
 }
 
 std::map<std::string, OwnerCoord> dedicate_impl(const std::shared_ptr<torch::nn::Module>& model,

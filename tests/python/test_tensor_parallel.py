@@ -45,12 +45,16 @@ def _train(rank, world, layout, dp, out_path):
     if layout in ("fsdp2", "hsdp-fsdp2"):  # a TP parameter dmuon does not train: FSDP2 gets its DTensor
         plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
     parallelize_module(model, mesh["tp"], plan)
+    # the TP exchange's scratch kept across steps (tp_buffer_reuse) trains the same: DP2 x TP2 Z3 keeps every
+    # slot, the DDP path the scatter's
+    reuse = {"ddp-tp": "scatter"}.get(layout, world == 4 and layout == "z3")
     if layout == "ddp-tp":
-        owners = dmuon.dedicate_params_ddp_tp(model, mesh["shard"], is_muon)
+        owners = dmuon.dedicate_params_ddp_tp(model, mesh["shard"], is_muon, tp_buffer_reuse=reuse)
     elif layout == "hsdp-fsdp2":
         owners = dmuon.dedicate_params(model, mesh=mesh["shard"], predicate=is_muon, replicate_mesh=mesh["replicate"])
     else:
-        owners = dmuon.dedicate_params(model, mesh["shard"], is_muon, reshard_after_forward=layout != "z2")
+        owners = dmuon.dedicate_params(model, mesh["shard"], is_muon, reshard_after_forward=layout != "z2",
+                                       tp_buffer_reuse=reuse)
     assert len(owners) == 7 * 2
     k = model.model.layers[0].self_attn.k_proj.weight  # 2 KV heads of 4 over 2 TP ranks: 4 rows here
     assert type(k) is torch.nn.Parameter and tuple(k.shape) in ((4, 16), (0,))
@@ -127,6 +131,8 @@ def _mistakes(rank, world):
     parallelize_module(model, mesh["tp"], tp_plan(model))
     with pytest.raises(ValueError, match="dedicate_params_ddp_tp"):
         dmuon.dedicate_params_ddp(model, mesh["shard"], is_muon)
+    with pytest.raises(ValueError, match="tp_buffer_reuse='both'; use False, True"):
+        dmuon.dedicate_params(model, mesh["shard"], is_muon, tp_buffer_reuse="both")
     with pytest.raises(ValueError, match="mesh_dim_names"):  # an unnamed data-parallel mesh: no TP axis to infer
         dmuon.dedicate_params(model, dist.group.WORLD, is_muon)
     # a dedicate_params that fails after the TP parameters were swapped for their slices gives them back
