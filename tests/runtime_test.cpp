@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "dmuon/bootstrap.h"
+#include "dmuon/checkpoint.h"
 #include "dmuon/compat.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"
@@ -1797,6 +1798,110 @@ TEST(RuntimeTest, ModelViewOverPlainTensorsMatchesSingleProcess) {
   EXPECT_GT((single.at("blocks.1.weight") - init.w[1].detach()).abs().max().item<double>(), 1e-3);
   EXPECT_GT((single.at("blocks.2.bias") - init.b[2].detach()).abs().max().item<double>(), 1e-4);
   EXPECT_GT((single.at("scale") - init.scale.detach()).abs().max().item<double>(), 1e-4);
+}
+
+}  // namespace
+}  // namespace dmuon
+
+namespace dmuon {
+namespace {
+
+// post_step_prefetch_groups / post_step_prefetch_sharded_adamw: step() issues the first K boundaries'
+// unshards of the next forward. Same values (float64, bitwise: the same collectives carry the same data),
+// the same unshard bytes per training step (moved from the forward into step(), none added), and the
+// bytes step() issues are exactly the forward unshards of the first K boundaries of the recorded order.
+struct PrefetchRun {
+  std::map<std::string, at::Tensor> params;  // "name@rank"
+  std::vector<int64_t> per_step_bytes;       // rank 0: shard-group broadcast + all-gather bytes of each step
+  std::vector<int64_t> in_step_bytes;        // rank 0: of those, issued inside step()
+  int64_t prefetched = 0;                    // rank 0: forward_prefetched in the unshard profile
+};
+
+PrefetchRun train_with_prefetch(const testing::Layout& l, int groups, bool sharded) {
+  const models::GPTConfig cfg = testing::small_config(3);
+  const auto init = testing::init_state(cfg, 7);
+  const int steps = 4;
+  const auto batches = testing::make_batches(steps, 8, 8, cfg.vocab_size, 3);
+  PrefetchRun out;
+  std::mutex mu;
+  testing::run_ranks(l.world, [&](testing::RankContext& ctx) {
+    models::GPT m(cfg);
+    testing::load_state(m, init);
+    auto mesh = testing::make_mesh(ctx, std::chrono::seconds(60), l.replicate);
+    DedicateOptions o;
+    o.record_forward_profile = true;
+    testing::dedicate_gpt(m, mesh, l, o);
+    testing::TrainConfig tc;
+    MuonOptions mo = testing::muon_options(tc);
+    mo.post_step_prefetch_groups = groups;
+    mo.post_step_prefetch_sharded_adamw = sharded;
+    Muon opt(m.ptr(), mo);
+    Communicator& shard = mesh->shard();
+    auto unshard_bytes = [&] {
+      return shard.own_counters().bytes(CommOp::Broadcast) + shard.own_counters().bytes(CommOp::AllGather);
+    };
+    const int64_t per = 8 / l.world;
+    std::vector<int64_t> per_step, in_step;
+    for (const auto& tokens : batches) {
+      const int64_t start = unshard_bytes();
+      opt.zero_grad();
+      m->loss(tokens.narrow(0, ctx.rank * per, per)).backward();
+      const int64_t before_step = unshard_bytes();
+      opt.step();
+      per_step.push_back(unshard_bytes() - start);
+      in_step.push_back(unshard_bytes() - before_step);
+    }
+    wait_all_post_step_broadcasts(*m);
+    const ForwardUnshardProfile prof = consume_forward_unshard_profile(*m);
+    int64_t prefetched = 0;
+    for (const auto& b : prof.boundaries) prefetched += b.forward_prefetched;
+    const TensorDict sd = get_model_state_dict(*m);  // collective; rank 0 holds every full value (sharded_adamw too)
+    std::lock_guard<std::mutex> g(mu);
+    for (const auto& d : get_dedicated_params(*m))
+      if (d.is_owner) out.params[d.name + "@" + std::to_string(ctx.rank)] = d.param.clone();
+    for (const auto& [name, v] : sd) out.params[name + "@sd" + std::to_string(ctx.rank)] = v.clone();
+    if (ctx.rank == 0) {
+      out.per_step_bytes = per_step;
+      out.in_step_bytes = in_step;
+      out.prefetched = prefetched;
+    }
+  });
+  return out;
+}
+
+TEST(RuntimeTest, PostStepPrefetchMovesTheFirstUnshardsIntoStepWithSameValuesAndBytes) {
+  testing::Layout z3;
+  z3.label = "1-D Z3";
+  testing::Layout z2 = z3;
+  z2.label = "1-D Z2";
+  z2.z3 = false;
+  testing::Layout hsdp;
+  hsdp.label = "HSDP 2x2 Z3, sharded_adamw";
+  hsdp.world = 4;
+  hsdp.replicate = 2;
+  hsdp.sharded = true;
+  testing::Layout gather = z3;
+  gather.label = "1-D Z3 all_gather, sharded_adamw";
+  gather.unshard = "all_gather";
+  gather.sharded = true;
+  for (const auto& l : {z3, z2, hsdp, gather}) {
+    SCOPED_TRACE(l.label);
+    const PrefetchRun off = train_with_prefetch(l, 0, false);
+    for (const auto& [groups, sharded] : std::vector<std::pair<int, bool>>{{2, false}, {1, l.sharded}}) {
+      const PrefetchRun on = train_with_prefetch(l, groups, sharded);
+      ASSERT_EQ(on.params.size(), off.params.size());
+      for (const auto& [key, v] : off.params) EXPECT_TRUE(at::equal(on.params.at(key), v)) << key;
+      // the first step has no recorded order before its forward; afterwards each training step moves the
+      // same bytes, and step() issues some of them (none without prefetch: 1-D broadcast mode publishes nothing)
+      for (size_t i = 0; i < off.per_step_bytes.size(); ++i) {
+        EXPECT_EQ(on.per_step_bytes[i] - on.in_step_bytes[i] + (i > 0 ? on.in_step_bytes[i - 1] : 0),
+                  off.per_step_bytes[i] - off.in_step_bytes[i] + (i > 0 ? off.in_step_bytes[i - 1] : 0))
+            << "step " << i << ": the unshard bytes of its forward and backward";
+        EXPECT_GT(on.in_step_bytes[i], off.in_step_bytes[i]) << "step " << i;
+      }
+      EXPECT_GT(on.prefetched, off.prefetched);
+    }
+  }
 }
 
 }  // namespace

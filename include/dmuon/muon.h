@@ -150,6 +150,15 @@ struct MuonOptions {
   // replayed (ns_graphs.h): the host cost of an NS call drops from ~30 launches to one. Ignored on
   // the CPU and in CPU-only builds; DMUON_NS_CUDA_GRAPHS=0 overrides it to off. Same results.
   bool ns_cuda_graphs = true;
+  // After step(): issue the first K boundaries' forward unshards of the next forward (the recorded
+  // forward order of the last pass) so they overlap the tail of the step and whatever the trainer
+  // does before its next forward; that forward then only waits them. 0 (default): the next forward
+  // issues its own (forward_prefetch_depth ahead). post_step_prefetch_sharded_adamw: the same for
+  // the sharded_adamw all-gathers of those boundaries (of the first one when K is 0). Same results
+  // and the same bytes per step: the collectives move from the forward into step(). No effect on the
+  // DDP path (no unshards) or before a forward order is recorded. Collective.
+  int post_step_prefetch_groups = 0;
+  bool post_step_prefetch_sharded_adamw = false;
 };
 
 // The split of the last step (milliseconds), when record_step_profile is on: host clocks on the

@@ -115,6 +115,8 @@ MuonOptions muon_options(const py::dict& d) {
   if (auto v = get_opt<bool>(d, "nesterov")) o.nesterov = *v;
   o.replicate_async = get_opt<bool>(d, "replicate_async");
   if (auto v = get_opt<bool>(d, "record_step_profile")) o.record_step_profile = *v;
+  if (auto v = get_opt<int>(d, "post_step_prefetch_groups")) o.post_step_prefetch_groups = *v;
+  if (auto v = get_opt<bool>(d, "post_step_prefetch_sharded_adamw")) o.post_step_prefetch_sharded_adamw = *v;
   if (auto v = get_opt<bool>(d, "group_prepare_ahead")) o.group_prepare_ahead = *v;
   if (auto v = get_opt<bool>(d, "first_step_progress_log")) o.first_step_progress_log = *v;
   if (auto v = get_opt<int>(d, "first_step_progress_log_limit")) o.first_step_progress_log_limit = *v;

@@ -683,14 +683,14 @@ class Muon(torch.optim.Optimizer):
         first_step_progress_log_limit: int = 8,
     ):
         state = _state_of(model, "Muon")
-        for key, value, default in (("post_step_prefetch_groups", post_step_prefetch_groups, 0),
-                                    ("post_step_prefetch_sharded_adamw", post_step_prefetch_sharded_adamw, False),
-                                    ("sharded_adamw_unshard_separate_stream", sharded_adamw_unshard_separate_stream, False)):
-            if value != default:
-                raise ValueError(
-                    f"Muon: {key}={value!r} is not implemented in this version of dmuon; leave it at {default!r}. The "
-                    "next forward issues its own unshards (forward_prefetch_depth sets how far ahead)."
-                )
+        if sharded_adamw_unshard_separate_stream:
+            raise ValueError(
+                "Muon: sharded_adamw_unshard_separate_stream=True is not implemented in this version of dmuon; leave "
+                "it False (the sharded_adamw all-gathers share the shard group with the dedicated broadcasts)."
+            )
+        if isinstance(post_step_prefetch_groups, bool) or not isinstance(post_step_prefetch_groups, int) \
+                or post_step_prefetch_groups < 0:
+            raise ValueError(f"Muon: post_step_prefetch_groups must be an int >= 0, got {post_step_prefetch_groups!r}")
         if isinstance(forward_prefetch_depth, bool) or not isinstance(forward_prefetch_depth, int) or forward_prefetch_depth < 0:
             raise ValueError(f"Muon: forward_prefetch_depth must be an int >= 0, got {forward_prefetch_depth!r}")
         # FSDP2's DTensor shards (fully_shard after dedicate_params) leave dmuon's routes before the native
@@ -715,6 +715,8 @@ class Muon(torch.optim.Optimizer):
             tp_distributed_gram_max_factor_to_scatter_ratio=tp_distributed_gram_max_factor_to_scatter_ratio,
             first_step_progress_log=first_step_progress_log,
             first_step_progress_log_limit=first_step_progress_log_limit,
+            post_step_prefetch_groups=post_step_prefetch_groups,
+            post_step_prefetch_sharded_adamw=bool(post_step_prefetch_sharded_adamw),
         )
         self._native = _C._Muon(state.runtime, options)
         state.runtime.set_forward_prefetch_depth(forward_prefetch_depth)

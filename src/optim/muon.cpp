@@ -132,6 +132,7 @@ std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_pt
               "Muon: invalid tp_distributed_gram_policy: '", o.tp_distributed_gram_policy, "'. Must be \"beneficial\" "
               "(the distributed Gram form where its payload is at most tp_distributed_gram_max_factor_to_scatter_ratio "
               "of the full scatter) or \"always\" (wherever it applies).");
+  check_hparam(o.post_step_prefetch_groups >= 0, "post_step_prefetch_groups", o.post_step_prefetch_groups, ">= 0");
   check_hparam(o.tp_distributed_gram_max_factor_to_scatter_ratio >= 0, "tp_distributed_gram_max_factor_to_scatter_ratio",
                o.tp_distributed_gram_max_factor_to_scatter_ratio, ">= 0");
   TORCH_CHECK_VALUE(state, "Muon: the runtime is null.");
@@ -523,6 +524,8 @@ at::Tensor Muon::step(LossClosure closure) {
   // collective: prepare (reduces waited), update group by group, publish
   StepRun run(*this, *state, prof, clock);
   state->step(options_.group_prepare_ahead, async, std::move(taken), run);
+  if (options_.post_step_prefetch_groups > 0 || options_.post_step_prefetch_sharded_adamw)
+    state->prefetch_next_forward(options_.post_step_prefetch_groups, options_.post_step_prefetch_sharded_adamw);
   clock.add(detail::Phase::Total, t_start);
   ++steps_;
   prof.valid = true;

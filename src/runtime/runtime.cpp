@@ -85,16 +85,17 @@ void Runtime::prefetch_after(int b, bool backward) {
   }
 }
 
-void Runtime::issue_unshards(int b, const char* phase, bool backward, bool prefetch) {
+void Runtime::issue_unshards(int b, const char* phase, bool backward, bool prefetch, const std::vector<Route*>* only) {
+  const std::vector<Route*>& which = only ? *only : routes();
   if (unshard_stats_.empty()) {
-    for (Route* r : routes()) r->issue_unshard(b, phase);
+    for (Route* r : which) r->issue_unshard(b, phase);
     return;
   }
   CommCounters& c = mesh().counters();
   auto received = [&] { return c.bytes(CommOp::Broadcast) + c.bytes(CommOp::AllGather); };
   const int64_t before = received();
   const int64_t calls = c.calls(CommOp::Broadcast) + c.calls(CommOp::AllGather);
-  for (Route* r : routes()) r->issue_unshard(b, phase);
+  for (Route* r : which) r->issue_unshard(b, phase);
   if (c.calls(CommOp::Broadcast) + c.calls(CommOp::AllGather) == calls) return;  // already unsharded
   BoundaryUnshardStats& s = unshard_stats_[static_cast<size_t>(b)];
   (backward ? s.backward_unshards : s.forward_unshards) += 1;
@@ -143,12 +144,17 @@ void Runtime::begin_forward_pass() {
 
 void Runtime::begin_root_forward() {
   std::lock_guard<std::recursive_mutex> g(mu_);
+  if (pass_begun_by_step_) {  // step() began this pass and prefetched into it
+    pass_begun_by_step_ = false;
+    return;
+  }
   begin_forward_pass();
 }
 
 void Runtime::pre_forward(int b) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   Boundary& B = boundaries_[static_cast<size_t>(b)];
+  pass_begun_by_step_ = false;
   if (backward_since_forward_ || B.ran_forward) begin_forward_pass();
   B.ran_forward = true;
   B.ran_since_backward = true;
@@ -373,6 +379,31 @@ void Runtime::step(bool group_prepare_ahead, bool async, std::optional<std::vect
   v.begin(StepVisitor::Phase::Publish);
   publish(async);  // (the groups published above are skipped)
   v.end(StepVisitor::Phase::Publish);
+}
+
+void Runtime::prefetch_next_forward(int groups, bool sharded_adamw) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  at::NoGradGuard ng;
+  const ScheduleState& sched = ctx_.schedule;
+  // the order of the pass that just ran (not yet moved to recorded_order), else the one before
+  const std::vector<int> order = !sched.current_order.empty() ? sched.current_order : sched.recorded_order;
+  if (ddp() || order.empty() || no_sync_) return;
+  std::vector<Route*> dedicated{dedicated_.get()}, sharded;
+  for (Route* r : routes())
+    if (r->kind() == RouteKind::Sharded) sharded.push_back(r);
+  begin_forward_pass();  // the unshards issued now belong to the next forward
+  pass_begun_by_step_ = true;
+  std::vector<int> done;
+  const size_t n_sharded = sharded_adamw ? static_cast<size_t>(std::max(groups, 1)) : 0;
+  for (int b : order) {
+    if (std::find(done.begin(), done.end(), b) != done.end()) continue;  // a block run twice: once
+    if (done.size() >= std::max(static_cast<size_t>(groups), n_sharded)) break;
+    if (done.size() < static_cast<size_t>(groups))
+      issue_unshards(b, "post-step prefetch broadcast", false, true, &dedicated);
+    if (done.size() < n_sharded && !sharded.empty())
+      issue_unshards(b, "post-step prefetch all-gather", false, true, &sharded);
+    done.push_back(b);
+  }
 }
 
 void Runtime::defer_update(const std::string& name, std::function<void()> apply) {

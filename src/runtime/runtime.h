@@ -114,6 +114,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void step(bool group_prepare_ahead, bool async, std::optional<std::vector<ReadyGrad>> taken,
             StepVisitor& v) override;
   void defer_update(const std::string& name, std::function<void()> apply) override;
+  void prefetch_next_forward(int groups, bool sharded_adamw) override;
   void discard_grads() override;
   // ---- RuntimeFace: checkpoints ----
   void drain() override;
@@ -182,7 +183,8 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void check_tp_modules() const;
   void begin_forward_pass();
   // every route's unshard of boundary b (counted when recording), and the wait for it
-  void issue_unshards(int b, const char* phase, bool backward, bool prefetch);
+  // (`only`: of those routes alone)
+  void issue_unshards(int b, const char* phase, bool backward, bool prefetch, const std::vector<Route*>* only = nullptr);
   void wait_unshards(int b, bool backward);
   void prefetch_after(int b, bool backward);
   void try_issue_reduces();
@@ -213,6 +215,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   mutable std::recursive_mutex mu_;
   bool no_sync_ = false;
   bool backward_since_forward_ = true;
+  bool pass_begun_by_step_ = false;  // prefetch_next_forward began the next pass: its root forward does not
   bool callback_queued_ = false;
   size_t next_reduce_ = 0;                // position in reduce_order_
   std::vector<int> reduce_order_;         // reverse of the current forward order, fixed at the first backward hook

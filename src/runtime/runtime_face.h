@@ -72,6 +72,11 @@ class RuntimeFace {
   // (async: the next forward waits the publishes).
   virtual void step(bool group_prepare_ahead, bool async, std::optional<std::vector<ReadyGrad>> taken,
                     StepVisitor& v) = 0;
+  // After step(): the next forward pass begins now; the first `groups` boundaries of the recorded
+  // forward order issue their dedicated unshards (and, with `sharded_adamw`, their sharded_adamw
+  // all-gathers; of the first boundary when `groups` is 0), which that forward then only waits.
+  // Nothing without a recorded order or on the DDP path.
+  virtual void prefetch_next_forward(int groups, bool sharded_adamw) = 0;
   // TP: `apply` finishes the update of `name` when its slice has arrived -- before the holder's data
   // are read or sent again (local)
   virtual void defer_update(const std::string& name, std::function<void()> apply) = 0;

@@ -125,10 +125,10 @@ def dedicated_net(mesh, fsdp2):
     return model
 
 
-def make_optimizer(model):
+def make_optimizer(model, **options):
     """Muon with the reference's hyperparameters and the lr schedule of every test here."""
     opt = dmuon.Muon(model, lr=LR, adamw_lr=ADAMW_LR, weight_decay=WD, adamw_weight_decay=ADAMW_WD,
-                     momentum=MOMENTUM)
+                     momentum=MOMENTUM, **options)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
 
 
@@ -195,7 +195,10 @@ def _train(rank, world, layout, accumulate, out_path):
     routes = dict(model._dmuon.runtime.routes())
     if layout == "sharded":
         assert routes["scale"] == routes["layers.0.proj.bias"] == "sharded_adamw" and world > 1 or world == 1
-    opt, sched = make_optimizer(model)
+    # step() issues the next forward's first unshards (the same values and bytes; tests/runtime_test.cpp)
+    prefetch = {"post_step_prefetch_groups": 2, "post_step_prefetch_sharded_adamw": True} \
+        if layout in ("sharded", "fsdp2-z3", "hsdp") else {}
+    opt, sched = make_optimizer(model, **prefetch)
     assert [g["is_muon"] for g in opt.param_groups] == [True, False]
     per = BATCH // world
     for step in range(STEPS):
@@ -554,6 +557,42 @@ def _memory_rank(rank, world):
 
 def test_counting_allocator_sees_z3_free_the_matrices_a_rank_does_not_own(tmp_path):
     run_ranks(tmp_path, 2, _memory_rank)
+
+
+def _prefetch_bytes(rank, world):
+    """post_step_prefetch_groups through Python's root forward hook (which opens each forward pass): step()
+    issues the first boundaries' broadcasts and the next forward only waits them, so every training step
+    moves exactly the broadcast bytes it moves without prefetch (none issued twice), some of them in step()."""
+    mesh = init_device_mesh("cpu", (world,))
+
+    def run(groups):
+        model = make_net()
+        dmuon.dedicate_params(model, mesh, lambda n, p: p.dim() == 2)
+        dmuon.replicate(model)
+        opt, _ = make_optimizer(model, post_step_prefetch_groups=groups)
+        per, in_step = [], []
+        for step in range(STEPS):
+            start = dmuon.comm_bytes(model)["broadcast"]
+            x, y = batch(step)
+            opt.zero_grad()
+            ((model(x[rank::world]) - y[rank::world]) ** 2).mean().backward()
+            before = dmuon.comm_bytes(model)["broadcast"]
+            opt.step()
+            per.append(dmuon.comm_bytes(model)["broadcast"] - start)
+            in_step.append(dmuon.comm_bytes(model)["broadcast"] - before)
+        return per, in_step, dmuon.get_model_state_dict(model, rank0_only=False)
+
+    per0, in0, sd0 = run(0)
+    per2, in2, sd2 = run(2)
+    assert all(b == 0 for b in in0) and all(b > 0 for b in in2), (in0, in2)
+    for i in range(STEPS):  # a step's forward and backward: what it moved itself plus what the step before issued
+        assert per0[i] == per2[i] - in2[i] + (in2[i - 1] if i else 0), (i, per0, per2, in2)
+    for name, value in sd0.items():
+        assert torch.equal(sd2[name], value), name
+
+
+def test_post_step_prefetch_moves_broadcasts_into_step_without_adding_any(tmp_path):
+    run_ranks(tmp_path, 2, _prefetch_bytes)
 
 
 class _NotAWeight(ValueError):

@@ -165,8 +165,10 @@ def _buckets_and_profile(rank, world):
         dmuon.register_muon_grad_clip_strategy("global_norm", per_matrix)
     with pytest.raises(ValueError, match="forward_prefetch_depth must be an int >= 0"):
         dmuon.Muon(model, forward_prefetch_depth=-1)
-    with pytest.raises(ValueError, match="post_step_prefetch_groups=2 is not implemented"):
-        dmuon.Muon(model, post_step_prefetch_groups=2)
+    with pytest.raises(ValueError, match="post_step_prefetch_groups must be an int >= 0, got -1"):
+        dmuon.Muon(model, post_step_prefetch_groups=-1)
+    with pytest.raises(ValueError, match="sharded_adamw_unshard_separate_stream=True is not implemented"):
+        dmuon.Muon(model, sharded_adamw_unshard_separate_stream=True)
     with pytest.raises(ValueError, match="may set name, lr"):
         dmuon.Muon(model, param_groups=[{"params": list(model.parameters())[:1], "betas": (0.8, 0.9)}])
     with pytest.raises(ValueError, match="ns_steps=2.5; it must be an int"):
