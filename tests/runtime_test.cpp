@@ -1852,9 +1852,17 @@ PrefetchRun train_with_prefetch(const testing::Layout& l, int groups, bool shard
       in_step.push_back(unshard_bytes() - before_step);
     }
     wait_all_post_step_broadcasts(*m);
+    // the order prefetching follows: the layers in model order (their blocks are the dedicated boundaries)
+    std::vector<std::string> layers;
+    for (const std::string& b : post_forward_order(*m))
+      if (b.rfind("layers.", 0) == 0) layers.push_back(b);
+    testing::expect(layers == std::vector<std::string>{"layers.0", "layers.1", "layers.2"},
+                    "post_forward_order: " + std::to_string(layers.size()) + " layers");
     const ForwardUnshardProfile prof = consume_forward_unshard_profile(*m);
     int64_t prefetched = 0;
     for (const auto& b : prof.boundaries) prefetched += b.forward_prefetched;
+    reset_post_forward_order(*m);
+    testing::expect(post_forward_order(*m).empty(), "reset_post_forward_order leaves no order");
     const TensorDict sd = get_model_state_dict(*m);  // collective; rank 0 holds every full value (sharded_adamw too)
     std::lock_guard<std::mutex> g(mu);
     for (const auto& d : get_dedicated_params(*m))

@@ -113,5 +113,8 @@ void runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on);
 // How many boundaries ahead the forward issues its unshards (DedicateOptions::forward_prefetch_depth;
 // the Python Muon's forward_prefetch_depth). Local; takes effect at the next boundary.
 void runtime_set_forward_prefetch_depth(const std::shared_ptr<Runtime>& runtime, int depth);
+// reset_post_forward_order / post_forward_order (unshard_profile.h) for a model given as data. Local.
+void runtime_reset_post_forward_order(const std::shared_ptr<Runtime>& runtime);
+std::vector<std::string> runtime_post_forward_order(const std::shared_ptr<Runtime>& runtime);
 
 }  // namespace dmuon

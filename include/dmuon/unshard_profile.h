@@ -52,5 +52,8 @@ ForwardUnshardProfile collect_forward_unshard_profile(torch::nn::Module& model, 
 // model order meanwhile (call when the boundaries' execution order changes, e.g. a different
 // branch of the model runs from now on). Every rank must call it at the same point. Local.
 void reset_post_forward_order(torch::nn::Module& model);
+// The boundaries (module names) in the forward order prefetching follows: the last complete forward
+// pass's, or the running one's while none completed; empty before any forward. Local.
+std::vector<std::string> post_forward_order(const torch::nn::Module& model);
 
 }  // namespace dmuon

@@ -249,6 +249,8 @@ void bind_runtime(py::module_& m) {
            [](const RuntimeHandle& h, const std::vector<std::string>& names) { runtime_release_params(h.runtime, names); },
            "names"_a)
       .def("routes", [](const RuntimeHandle& h) { return runtime_param_routes(*h.runtime); })
+      .def("post_forward_order", [](const RuntimeHandle& h) { return runtime_post_forward_order(h.runtime); })
+      .def("reset_post_forward_order", [](const RuntimeHandle& h) { runtime_reset_post_forward_order(h.runtime); })
       .def("prepare_grads", [](const RuntimeHandle& h, bool coalesce) { runtime_prepare_grads(h.runtime, coalesce); },
            "coalesce_wait"_a = true, release)
       .def("publish", [](const RuntimeHandle& h, bool async) { runtime_publish(h.runtime, async); }, "async_"_a, release)

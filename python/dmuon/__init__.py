@@ -63,6 +63,7 @@ from ._runtime import (  # noqa: E402
 )
 from ._fsdp2 import ignored_params, install_patch, uninstall_patch  # noqa: E402
 from ._inspect import (  # noqa: E402
+    DedicatedCommContext,
     DedicatedParam,
     ReplicatedGroup,
     broadcast_all_updates,
@@ -70,6 +71,7 @@ from ._inspect import (  # noqa: E402
     collect_forward_unshard_profile,
     comm_bytes,
     consume_forward_unshard_profile,
+    get_comm_ctx,
     get_dedicated_params,
     get_owned_params,
     get_replicated_group,
@@ -91,6 +93,7 @@ from ._ns import (  # noqa: E402
 
 __all__ = [
     "__version__",
+    "DedicatedCommContext",
     "DedicatedParam",
     "GradClipBucket",
     "GradClipBucketStats",
@@ -115,6 +118,7 @@ __all__ = [
     "dedicate_params_ddp_tp",
     "direct_newton_schulz",
     "get_backend_status",
+    "get_comm_ctx",
     "get_dedicated_params",
     "get_model_state_dict",
     "get_ns_backend",

@@ -191,3 +191,71 @@ def tensor_memory_stats(device: Union[str, torch.device] = "cpu") -> Dict[str, A
 def reset_tensor_memory_peaks(device: Union[str, torch.device] = "cpu") -> None:
     """Restart the peaks of :func:`tensor_memory_stats` from the bytes live now."""
     _C._reset_tensor_memory_peaks(str(torch.device(device)))
+
+
+class DedicatedCommContext:
+    """How a dedicated model communicates, read-only (:func:`get_comm_ctx`; the API reference's
+    DedicatedCommContext, built by :func:`dedicate_params`, never by user code).
+
+    Process groups (torch.distributed groups; dmuon's clones under process_group_policy="isolated", the
+    caller's under "shared"): ``shard_group`` (the shard axis: dedicated broadcasts and reduces, sharded_adamw
+    all-gathers and reduce-scatters), ``replicate_group`` (HSDP's replicate axis: stage-2 reduces, post-step
+    publishes, replicated all-reduces; None on a 1-D mesh), ``tp_group`` (None without tensor parallelism),
+    ``data_parallel_group`` (the data-parallel ranks at this rank's TP position) and ``world_group``.
+
+    Streams: dmuon issues no kernels of its own for communication; each collective runs on its process
+    group's stream (NCCL's internal one), and dmuon's waits become stream dependencies. The shard axis's
+    groups dmuon builds on NCCL run on high-priority streams (``shard_high_priority``), the replicate and TP
+    axes on default-priority ones, so a large replicate all-reduce never sits in front of a broadcast the next
+    forward waits for; on Gloo there are no streams.
+
+    Prefetch state: ``post_forward_order`` (the boundaries, by module name, in the forward order prefetching
+    follows), :meth:`reset_post_forward_order`, and :meth:`consume_forward_unshard_profile`."""
+
+    def __init__(self, model: nn.Module):
+        self._model = model
+        state = model._dmuon
+        self._state = state
+        groups = state.groups
+        self.device: torch.device = groups.device
+        self.process_group_policy: str = state.mesh.policy
+        self.world_group = groups.world
+        self.shard_group = groups.shard
+        self.replicate_group = groups.replicate
+        self.tp_group = groups.tp
+        self.data_parallel_group = groups.dp
+        self.shard_high_priority: bool = groups.shard_high_priority
+        reuse = state.comm_options.get("tp_buffer_reuse") or "off"
+        self.tp_buffer_reuse: Union[bool, str] = {"off": False, "all": True}.get(reuse, reuse)
+        self.replicate_broadcast_bucket_mb: float = float(state.comm_options.get("replicate_broadcast_bucket_mb") or 0.0)
+
+    @property
+    def post_forward_order(self) -> List[str]:
+        """The hook boundaries (module names; "" is the root) in the recorded forward order: the last complete
+        forward pass's, or the running one's before any completed. Local."""
+        return list(self._state.runtime.post_forward_order())
+
+    def reset_post_forward_order(self) -> None:
+        """Forget the recorded forward order: the next forward records it afresh and prefetches in model order
+        meanwhile (call when the boundaries' order changes, e.g. another branch runs from now on). Every rank
+        at the same point."""
+        self._state.runtime.reset_post_forward_order()
+
+    def consume_forward_unshard_profile(self, *, clear: bool = True) -> Dict[str, object]:
+        """:func:`collect_forward_unshard_profile` of this model. Local."""
+        return collect_forward_unshard_profile(self._model, clear=clear)
+
+    def __repr__(self) -> str:
+        sizes = {name: (g.size() if g is not None else None) for name, g in (
+            ("shard", self.shard_group), ("replicate", self.replicate_group), ("tp", self.tp_group))}
+        return (f"DedicatedCommContext(device={self.device}, policy={self.process_group_policy!r}, group sizes={sizes}, "
+                f"post_forward_order={self.post_forward_order})")
+
+
+def get_comm_ctx(model: nn.Module) -> Optional[DedicatedCommContext]:
+    """The communication context of a model :func:`dedicate_params` (or a DDP variant) dedicated, else None.
+    Local."""
+    state = getattr(model, "_dmuon", None)
+    if state is None or state.groups is None:
+        return None
+    return DedicatedCommContext(model)

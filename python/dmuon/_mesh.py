@@ -5,7 +5,7 @@ name the rank)."""
 
 import os
 from datetime import timedelta
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -106,12 +106,17 @@ def _partition(my_axes, world_size) -> Tuple[list, list, list]:
     return sorted(worlds), shards, replicas
 
 
-def _new_groups(partition, backend, timeout_s):
+def _new_groups(partition, backend, timeout_s, high_priority=False):
     """Every group of `partition` (lists of global ranks), created by every rank in one order (new_group is
-    collective over the default group); returns this rank's own (None when it is in none)."""
+    collective over the default group); returns this rank's own (None when it is in none). ``high_priority``:
+    on NCCL, the groups' collectives run on high-priority CUDA streams (the shard axis: the broadcasts and
+    reduces the next forward and the optimizer wait for, ahead of compute and of the replicate axis)."""
     me, out = dist.get_rank(), None
+    options = None
+    if high_priority and backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
     for ranks in partition:
-        g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timedelta(seconds=timeout_s))
+        g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timedelta(seconds=timeout_s), pg_options=options)
         if me in ranks:
             out = g
     return out
@@ -139,7 +144,8 @@ def _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device):
 
     world = new(worlds)
     isolated = policy == "isolated"
-    shard_group = new(order({tuple(s) for s, _, _ in everyone})) if isolated else shard
+    shard_group = _new_groups(order({tuple(s) for s, _, _ in everyone}), backend, timeout_s, high_priority=True) \
+        if isolated else shard
     replicate_group = None
     if replicate is not None:
         replicate_group = new(order({tuple(r) for _, r, _ in everyone if r})) if isolated else replicate
@@ -153,7 +159,19 @@ def _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device):
         groups.append((replicate_group, [index[g] for g in replicate_ranks]))
     native = _C._mesh(groups, device, policy, timeout_s, tp=(tp_group, [index[g] for g in tp_ranks]),
                       dp=(dp_group, [index[g] for g in dp_ranks]))
-    return native, world, dp_ranks
+    return native, world, dp_ranks, MeshGroups(world, shard_group, replicate_group, tp_group, dp_group,
+                                               isolated and backend == "nccl", torch.device(device))
+
+
+class MeshGroups(NamedTuple):
+    """The torch.distributed groups of a dedicated model's mesh (what get_comm_ctx shows)."""
+    world: dist.ProcessGroup                # every rank of the mesh
+    shard: dist.ProcessGroup                # the shard axis: dedicated broadcasts and reduces, sharded_adamw
+    replicate: Optional[dist.ProcessGroup]  # HSDP's replicate axis (None on a 1-D mesh)
+    tp: Optional[dist.ProcessGroup]         # tensor parallelism's axis (None without TP)
+    dp: dist.ProcessGroup                   # the data-parallel ranks at this rank's TP position (the world without TP)
+    shard_high_priority: bool               # the shard groups run on high-priority NCCL streams (dmuon built them)
+    device: torch.device                    # where the collectives' tensors live
 
 
 def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str, tp=None):
@@ -164,7 +182,8 @@ def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str
     collective dmuon issues on the mesh fails after DMUON_COLLECTIVE_TIMEOUT seconds, else after the timeout
     given to init_process_group (or the group's own, when shorter). ``tp``: this rank's tensor-parallel
     group (the TP axis of the model's DTensor parameters): the mesh gets TP and data-parallel axes and
-    ``dp_ranks`` (the global ranks at this rank's TP position) is returned as a third value."""
+    ``dp_ranks`` (the global ranks at this rank's TP position) is returned as a third value; the fourth is
+    the mesh's torch groups (MeshGroups)."""
     _require_initialized(fn)
     policy = process_group_policy or os.environ.get("DMUON_PROCESS_GROUP_POLICY", "") or "isolated"
     if policy not in ("isolated", "shared"):
@@ -187,14 +206,15 @@ def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str
 
         world_ranks = next(list(w) for w in worlds if me in w)
         if replicate is None:  # 1-D isolated: one clone serves as world and shard group
-            world = shard_group = new(shards)
+            world = shard_group = _new_groups(shards, backend, timeout_s, high_priority=True)
             replicate_group = None
         else:
             world = new(worlds)
-            shard_group = new(shards) if policy == "isolated" else shard
+            shard_group = _new_groups(shards, backend, timeout_s, high_priority=True) if policy == "isolated" else shard
             replicate_group = new(replicas) if policy == "isolated" else replicate
     index = {g: i for i, g in enumerate(world_ranks)}  # global rank -> rank in the mesh's world group
     groups = [(world, list(range(len(world_ranks)))), (shard_group, [index[g] for g in shard_ranks])]
     if replicate is not None:
         groups.append((replicate_group, [index[g] for g in replicate_ranks]))
-    return _C._mesh(groups, device, policy, timeout_s), world, None
+    return _C._mesh(groups, device, policy, timeout_s), world, None, MeshGroups(
+        world, shard_group, replicate_group, None, world, policy == "isolated" and backend == "nccl", torch.device(device))

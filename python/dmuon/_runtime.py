@@ -36,6 +36,8 @@ class _State:
         self.tp_split = {}    # TP-split parameters (their local slices are the module's parameters) -> split dim
         self.tp_params = []    # every TP DTensor parameter dedicate_params swapped for its local slice (_tp.TpParam)
         self.dp_ranks = None  # with TP: the global ranks at this rank's TP position (replicate_tp's mesh)
+        self.groups = None    # _mesh.MeshGroups: the mesh's torch groups
+        self.comm_options = {}  # tp_buffer_reuse, replicate_broadcast_bucket_mb as dedicate_params lowered them
 
 
 def _sync_external(model: nn.Module, state: _State) -> Dict[str, nn.Parameter]:
@@ -227,7 +229,7 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
                          "parallelize_module first); without TP use dedicate_params_ddp.")
     if hook_boundary_predicate is not None and options.get("hook_boundary_resolver") is None:
         options["hook_boundary_resolver"] = _boundary_resolver(model, hook_boundary_predicate, hook_boundary_strict)
-    native_mesh, world_group, dp_ranks = make_mesh(mesh, replicate_mesh, process_group_policy, fn, tp=tp_group)
+    native_mesh, world_group, dp_ranks, groups = make_mesh(mesh, replicate_mesh, process_group_policy, fn, tp=tp_group)
     swap_in_local_slices(tp_params)
     # the user's callables see the TP parameters as they wrote the model: DTensors of the full shape
     predicate = show_dtensors(tp_params, predicate)
@@ -248,6 +250,8 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
     model._dmuon.tp_split = tp_split
     model._dmuon.tp_params = tp_params
     model._dmuon.dp_ranks = dp_ranks  # with TP: the global ranks at this rank's TP position
+    model._dmuon.groups = groups  # the mesh's torch groups (get_comm_ctx)
+    model._dmuon.comm_options = {k: options.get(k) for k in ("tp_buffer_reuse", "replicate_broadcast_bucket_mb")}
     owners = {}
     for d, coord in _owner_coords(model._dmuon):
         d["param"]._dedicated_owner_rank = coord

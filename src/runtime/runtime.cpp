@@ -132,6 +132,15 @@ void Runtime::reset_post_forward_order() {
   ctx_.schedule.current_order.clear();
 }
 
+std::vector<std::string> Runtime::post_forward_order() const {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  const ScheduleState& sched = ctx_.schedule;
+  std::vector<std::string> out;
+  for (int b : sched.recorded_order.empty() ? sched.current_order : sched.recorded_order)
+    out.push_back(boundaries_[static_cast<size_t>(b)].name);
+  return out;
+}
+
 void Runtime::begin_forward_pass() {
   ScheduleState& sched = ctx_.schedule;
   if (!sched.current_order.empty()) sched.recorded_order = sched.current_order;
@@ -578,7 +587,21 @@ ForwardUnshardProfile runtime_forward_unshard_profile(const std::shared_ptr<Runt
 }
 
 void reset_post_forward_order(torch::nn::Module& model) {
-  detail::require_state(model, "reset_post_forward_order")->reset_post_forward_order();
+  runtime_reset_post_forward_order(detail::require_state(model, "reset_post_forward_order"));
+}
+
+std::vector<std::string> post_forward_order(const torch::nn::Module& model) {
+  return runtime_post_forward_order(detail::require_state(model, "post_forward_order"));
+}
+
+void runtime_reset_post_forward_order(const std::shared_ptr<Runtime>& runtime) {
+  TORCH_CHECK_VALUE(runtime, "reset_post_forward_order: the runtime is null (dedicate_model_view returns it).");
+  runtime->reset_post_forward_order();
+}
+
+std::vector<std::string> runtime_post_forward_order(const std::shared_ptr<Runtime>& runtime) {
+  TORCH_CHECK_VALUE(runtime, "post_forward_order: the runtime is null (dedicate_model_view returns it).");
+  return runtime->post_forward_order();
 }
 
 NoSync::NoSync(torch::nn::Module& model) : state_(detail::state_of_model(&model)) {

@@ -176,6 +176,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   std::vector<BoundaryUnshardStats> unshard_stats(bool clear);
   int64_t profiled_passes() const { return profiled_passes_; }
   void reset_post_forward_order();
+  std::vector<std::string> post_forward_order() const;  // boundary names (unshard_profile.h)
 
  private:
   // Every TP module was built on this runtime's mesh; returns their split parameters (full name ->

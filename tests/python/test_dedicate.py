@@ -170,6 +170,15 @@ def _train(rank, world, layout, accumulate, out_path):
         owners = dmuon.dedicate_params(model, mesh, lambda n, p: p.dim() == 2, reshard_after_forward=z3,
                                        process_group_policy=policy)
     assert model._dmuon.mesh.policy == policy and model._dmuon.mesh.replicate_size == (2 if hsdp else 1)
+    ctx = dmuon.get_comm_ctx(model)  # the groups dmuon communicates on: the caller's ("shared") or its clones
+    assert dmuon.get_comm_ctx(make_net()) is None and ctx.process_group_policy == policy
+    assert ctx.shard_group.size() == world // (2 if hsdp else 1) and ctx.world_group.size() == world and ctx.tp_group is None
+    assert (ctx.replicate_group is None) == (not hsdp) and ctx.device == torch.device("cpu")
+    assert not ctx.shard_high_priority and ctx.tp_buffer_reuse is False and ctx.post_forward_order == []
+    if layout == "hsdp":
+        assert ctx.shard_group is mesh["shard"].get_group() and ctx.replicate_group is mesh["replicate"].get_group()
+    elif policy == "isolated" and not fsdp2:
+        assert ctx.shard_group is not torch.distributed.group.WORLD
     assert len(owners) == 2 * BLOCKS
     replicas = 2 if hsdp else 1
     coords = [o if hsdp else (o, 0) for o in owners.values()]  # HSDP: (shard, replicate)
@@ -223,6 +232,11 @@ def _train(rank, world, layout, accumulate, out_path):
         opt.step()
         sched.step()
     assert opt.steps_taken == STEPS
+    # the recorded forward order: every block in model order (the root "" first when it is a boundary)
+    order = ctx.post_forward_order
+    assert [b for b in order if b] == [f"layers.{i}" for i in range(BLOCKS)], order
+    ctx.reset_post_forward_order()
+    assert ctx.post_forward_order == []
     assert (dmuon.get_model_state_dict(model) == {}) == (rank != 0)  # rank0_only by default
     sd = dmuon.get_model_state_dict(model, rank0_only=False)
     plain = make_net().state_dict()

@@ -56,6 +56,9 @@ def _train(rank, world, layout, dp, out_path):
         owners = dmuon.dedicate_params(model, mesh["shard"], is_muon, reshard_after_forward=layout != "z2",
                                        tp_buffer_reuse=reuse)
     assert len(owners) == 7 * 2
+    ctx = dmuon.get_comm_ctx(model)
+    assert ctx.tp_group.size() == tp and ctx.data_parallel_group.size() == dp and ctx.world_group.size() == world
+    assert ctx.tp_buffer_reuse == (reuse if layout != "hsdp-fsdp2" else False), ctx.tp_buffer_reuse
     k = model.model.layers[0].self_attn.k_proj.weight  # 2 KV heads of 4 over 2 TP ranks: 4 rows here
     assert type(k) is torch.nn.Parameter and tuple(k.shape) in ((4, 16), (0,))
     ded = {d.name: d for d in dmuon.get_dedicated_params(model)}
