@@ -21,7 +21,10 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "dmuon/bootstrap.h"
 #include "dmuon/checkpoint.h"
@@ -1910,6 +1913,109 @@ TEST(RuntimeTest, PostStepPrefetchMovesTheFirstUnshardsIntoStepWithSameValuesAnd
       EXPECT_GT(on.prefetched, off.prefetched);
     }
   }
+}
+
+}  // namespace
+}  // namespace dmuon
+
+namespace dmuon {
+namespace {
+
+// A model dropped right after step() with its async publish in flight (ranks as threads of one process):
+// its runtime stays registered until that collective finished -- releasing it earlier destroyed its groups
+// under the peers' side, which then waited out the mesh timeout inside whichever rank thread made the
+// next lookup -- and is released by a later lookup once the collective finished (no leak).
+TEST(RuntimeTest, ADroppedModelsRuntimeIsReleasedOnceItsCollectivesFinished) {
+  const models::GPTConfig cfg = testing::small_config(2);
+  std::mutex mu;
+  std::vector<std::weak_ptr<Runtime>> dropped;
+  testing::run_ranks(4, [&](testing::RankContext& ctx) {
+    models::GPT m(cfg);
+    auto mesh = testing::make_mesh(ctx, std::chrono::seconds(60), /*replicate=*/2);
+    testing::Layout l;
+    l.world = 4;
+    l.replicate = 2;
+    testing::dedicate_gpt(m, mesh, l);
+    Muon opt(m.ptr(), testing::muon_options(testing::TrainConfig{}));
+    m->loss(at::randint(cfg.vocab_size, {2, 6}, at::kLong)).backward();
+    opt.step();  // HSDP: the publish over the replicate group is still in flight when the model goes
+    std::lock_guard<std::mutex> g(mu);
+    dropped.push_back(detail::state_of_model(m.ptr().get()));
+  });
+  ASSERT_EQ(dropped.size(), 4u);
+  auto alive = [&] {
+    detail::state_of_model(nullptr);  // a lookup: releases the dead models' finished runtimes
+    return std::count_if(dropped.begin(), dropped.end(), [](const auto& w) { return !w.expired(); });
+  };
+  for (int i = 0; i < 500 && alive() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(alive(), 0) << "runtimes of dropped models still alive after their collectives finished";
+}
+
+}  // namespace
+}  // namespace dmuon
+
+namespace dmuon {
+namespace {
+
+// sharded_adamw_unshard_separate_stream: the sharded_adamw all-gathers run on the mesh's second shard
+// group (its own connections here; its own stream on NCCL) and the dedicated broadcasts stay on the shard
+// group: bitwise the same training, the same total bytes, every all-gather byte on the second group.
+TEST(RuntimeTest, ShardedAdamwAllGathersOnTheirOwnGroupTrainTheSame) {
+  const models::GPTConfig cfg = testing::small_config(2);
+  const auto init = testing::init_state(cfg, 7);
+  const auto batches = testing::make_batches(3, 4, 8, cfg.vocab_size, 3);
+  std::map<std::string, at::Tensor> results[2];
+  int64_t total[2] = {0, 0};
+  for (int separate = 0; separate < 2; ++separate) {
+    std::mutex mu;
+    testing::run_ranks(2, [&](testing::RankContext& ctx) {
+      models::GPT m(cfg);
+      testing::load_state(m, init);
+      auto mesh = testing::make_mesh(ctx);
+      if (separate) {
+        auto store = c10::make_intrusive<c10d::PrefixStore>("sharded-unshard", ctx.store);
+        mesh->set_sharded_unshard_group({ctx.factory(store, ctx.rank, 2, std::chrono::seconds(60)), {0, 1}});
+        const std::string e = testing::error_of([&] { mesh->set_sharded_unshard_group({ctx.pg, {0, 1}}); });
+        testing::expect(e.find("has one already") != std::string::npos, e);
+      }
+      testing::Layout l;
+      l.sharded = true;
+      testing::dedicate_gpt(m, mesh, l);
+      MuonOptions mo = testing::muon_options(testing::TrainConfig{});
+      mo.sharded_adamw_unshard_separate_stream = separate == 1;
+      Muon opt(m.ptr(), mo);
+      for (const auto& tokens : batches) {
+        opt.zero_grad();
+        m->loss(tokens.narrow(0, 2 * ctx.rank, 2)).backward();
+        opt.step();
+      }
+      wait_all_post_step_broadcasts(*m);
+      const int64_t on_shard = mesh->shard().own_counters().bytes(CommOp::AllGather);
+      const int64_t on_twin = separate ? mesh->sharded_unshard().own_counters().bytes(CommOp::AllGather) : 0;
+      testing::expect(separate ? on_shard == 0 && on_twin > 0 : on_shard > 0,
+                      "all-gather bytes: shard group " + std::to_string(on_shard) + ", second group " +
+                          std::to_string(on_twin));
+      const TensorDict sd = get_model_state_dict(*m);
+      std::lock_guard<std::mutex> g(mu);
+      total[separate] += mesh->counters().total_bytes();
+      for (const auto& [name, v] : sd) results[separate][name + "@" + std::to_string(ctx.rank)] = v.clone();
+    });
+  }
+  EXPECT_EQ(total[0], total[1]);
+  ASSERT_EQ(results[0].size(), results[1].size());
+  for (const auto& [key, v] : results[0]) EXPECT_TRUE(at::equal(results[1].at(key), v)) << key;
+  // without the group, the option is a clear error
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    models::GPT m(cfg);
+    auto mesh = testing::make_mesh(ctx);
+    testing::Layout l;
+    l.sharded = true;
+    testing::dedicate_gpt(m, mesh, l);
+    MuonOptions mo;
+    mo.sharded_adamw_unshard_separate_stream = true;
+    const std::string e = testing::error_of([&] { Muon opt(m.ptr(), mo); });
+    testing::expect(e.find("set_sharded_unshard_group") != std::string::npos, e);
+  });
 }
 
 }  // namespace

@@ -151,6 +151,9 @@ SegmentedGradClipResult clip_grad_norm_buckets_(const std::vector<GradClipBucket
 // Whether the fused clip path is on for this install (DMUON_FAST_CLIP unset or not "0"): what
 // try_clip_optimizer_grad_norm_buckets_ returns nullopt on. Local.
 bool fast_clip_enabled();
+// fast_clip_enabled, agreed over `group` (one small all-gather; none for a group of one): a mixed
+// setting is a c10::ValueError on every rank naming the ranks that have it off and `fn`. collective.
+bool fast_clip_agreed(Communicator& group, const std::string& fn);
 
 // collective: every rank of `group`.
 std::optional<SegmentedGradClipResult> try_clip_optimizer_grad_norm_buckets_(

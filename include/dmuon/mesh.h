@@ -97,6 +97,14 @@ class Mesh {
   Communicator& world() { return *world_; }
   // The R x G data-parallel ranks of this rank's TP position (the world group when T = 1).
   Communicator& dp() { return dp_ ? *dp_ : *world_; }
+  // A second group over this rank's shard group's ranks (same order), for the sharded_adamw all-gathers
+  // apart from the dedicated broadcasts (MuonOptions::sharded_adamw_unshard_separate_stream): its own
+  // connections (Gloo) or its own stream (NCCL). The caller built it and keeps it (Python: a new_group
+  // of the shard group's ranks); `group.ranks` are ranks of the world group, as in MeshGroups. Checks
+  // that they are the shard group's. Local; once.
+  void set_sharded_unshard_group(const MeshGroup& group);
+  bool has_sharded_unshard_group() const { return static_cast<bool>(sharded_unshard_); }
+  Communicator& sharded_unshard() { return sharded_unshard_ ? *sharded_unshard_ : *shard_; }
   CommCounters& counters() { return *counters_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
   // Where this mesh's tensors live; small exchanges (flags, digests, norms) allocate there.
@@ -126,6 +134,7 @@ class Mesh {
   std::shared_ptr<CommCounters> counters_;
   std::vector<Communicator*> groups();  // each distinct process group once
   std::unique_ptr<Communicator> world_, shard_, replicate_, tp_, dp_;
+  std::unique_ptr<Communicator> sharded_unshard_;  // the caller's (set_sharded_unshard_group)
   bool owns_groups_ = false;  // dmuon built its groups (isolated policy, HSDP, TP)
   bool closed_ = false;
 };

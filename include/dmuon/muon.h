@@ -159,6 +159,11 @@ struct MuonOptions {
   // DDP path (no unshards) or before a forward order is recorded. Collective.
   int post_step_prefetch_groups = 0;
   bool post_step_prefetch_sharded_adamw = false;
+  // The sharded_adamw all-gathers on a group of their own (the mesh's sharded_unshard group, which the
+  // caller adds with Mesh::set_sharded_unshard_group; the Python Muon builds it), apart from the
+  // dedicated broadcasts: on NCCL their own stream, on Gloo their own connections, so neither waits
+  // behind the other. Same results and bytes. false: both on the shard group.
+  bool sharded_adamw_unshard_separate_stream = false;
 };
 
 // The split of the last step (milliseconds), when record_step_profile is on: host clocks on the

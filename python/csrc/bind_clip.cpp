@@ -75,6 +75,17 @@ void bind_clip(py::module_& m) {
       "buckets"_a, "max_norm"_a, "group"_a, "global_ranks"_a, "device"_a, "chunk_size"_a, "foreach"_a);
 
   m.def("_fast_clip_enabled", &fast_clip_enabled, "DMUON_FAST_CLIP is unset or not 0.");
+  m.def(
+      "_fast_clip_agreed",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::vector<int> global_ranks, const std::string& device,
+         const std::string& fn) {
+        if (!group) return fast_clip_enabled();  // one process, no torch.distributed
+        const auto comm = communicator_of(group, std::move(global_ranks), at::Device(device), fn);
+        py::gil_scoped_release nogil;
+        return fast_clip_agreed(*comm, fn);
+      },
+      "DMUON_FAST_CLIP agreed over the group (collective; a mixed setting is a ValueError on every rank).", "group"_a,
+      "global_ranks"_a, "device"_a, "fn"_a);
 }
 
 }  // namespace dmuon::python

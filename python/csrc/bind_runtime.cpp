@@ -117,6 +117,7 @@ MuonOptions muon_options(const py::dict& d) {
   if (auto v = get_opt<bool>(d, "record_step_profile")) o.record_step_profile = *v;
   if (auto v = get_opt<int>(d, "post_step_prefetch_groups")) o.post_step_prefetch_groups = *v;
   if (auto v = get_opt<bool>(d, "post_step_prefetch_sharded_adamw")) o.post_step_prefetch_sharded_adamw = *v;
+  if (auto v = get_opt<bool>(d, "sharded_adamw_unshard_separate_stream")) o.sharded_adamw_unshard_separate_stream = *v;
   if (auto v = get_opt<bool>(d, "group_prepare_ahead")) o.group_prepare_ahead = *v;
   if (auto v = get_opt<bool>(d, "first_step_progress_log")) o.first_step_progress_log = *v;
   if (auto v = get_opt<int>(d, "first_step_progress_log_limit")) o.first_step_progress_log_limit = *v;
@@ -165,6 +166,13 @@ void bind_runtime(py::module_& m) {
       .def_property_readonly("tp_size", &Mesh::tp_size)
       .def_property_readonly("policy", &Mesh::policy)
       .def_property_readonly("timeout_s", [](const Mesh& mesh) { return static_cast<double>(mesh.timeout().count()) / 1000.0; })
+      .def_property_readonly("has_sharded_unshard_group", &Mesh::has_sharded_unshard_group)
+      .def("set_sharded_unshard_group",
+           [](Mesh& mesh, const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::vector<int> ranks) {
+             TORCH_CHECK_VALUE(group, "set_sharded_unshard_group: the process group is None");
+             mesh.set_sharded_unshard_group(MeshGroup{group->getBackend(mesh.device().type()), std::move(ranks)});
+           },
+           "group"_a, "ranks"_a)
       .def("bytes", [](Mesh& mesh) {
         py::dict out;
         for (int op = 0; op < static_cast<int>(CommOp::kCount); ++op)

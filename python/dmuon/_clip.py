@@ -193,25 +193,12 @@ def clip_grad_norm_buckets_(buckets: Sequence[GradClipBucket], max_norm: Optiona
     return _clip_buckets(normalised, max_norm, process_group, "clip_grad_norm_buckets_", chunk_size)
 
 
-def _fast_clip_agreed(group) -> bool:
-    """Whether the fused clip path is on (DMUON_FAST_CLIP), agreed over ``group``: a mixed setting would send
-    some ranks into the clip's collectives and leave the others on their own path (a hang), so it is a
-    ValueError on every rank. Collective over ``group``."""
-    on = _C._fast_clip_enabled()
-    world = dist.get_world_size(group)
-    if world == 1:
-        return on
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    flags = torch.zeros(world, dtype=torch.int64, device=dev)
-    dist.all_gather_into_tensor(flags, torch.tensor([int(on)], dtype=torch.int64, device=dev), group=group)
-    off = [dist.get_global_rank(group, r) for r, f in enumerate(flags.tolist()) if f == 0]
-    if off and len(off) < world:
-        raise ValueError(
-            f"rank {dist.get_rank()}: try_clip_optimizer_grad_norm_buckets_: DMUON_FAST_CLIP=0 on rank(s) {off} but not "
-            "on the others; it decides whether the ranks clip here or on their own path, so set it the same on every "
-            "rank."
-        )
-    return on
+def _fast_clip_agreed(process_group, fn: str) -> bool:
+    """Whether the fused clip path is on (DMUON_FAST_CLIP), agreed over ``process_group`` by the C++
+    fast_clip_agreed: a mixed setting would send some ranks into the clip's collectives and leave the others
+    on their own path (a hang), so it is a ValueError on every rank. Collective over the group."""
+    group, ranks, device = _group_args(process_group, fn)
+    return _C._fast_clip_agreed(group, ranks, device, fn)
 
 
 def try_clip_optimizer_grad_norm_buckets_(optimizer, *, regular_grads: Sequence[Optional[torch.Tensor]],
@@ -227,7 +214,7 @@ def try_clip_optimizer_grad_norm_buckets_(optimizer, *, regular_grads: Sequence[
     if not hasattr(optimizer, "_native"):
         raise ValueError(f"try_clip_optimizer_grad_norm_buckets_: optimizer must be a dmuon.Muon, got {type(optimizer).__name__}")
     group = optimizer._model_state.world_group if process_group is None else process_group
-    if not _fast_clip_agreed(group):
+    if not _fast_clip_agreed(group, "try_clip_optimizer_grad_norm_buckets_"):
         return None
     muon = _C._muon_clip_grads(optimizer._native, False)  # collective: waits the reduces
     regular, regular_copies = _split(regular_grads)

@@ -160,7 +160,8 @@ def _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device):
     native = _C._mesh(groups, device, policy, timeout_s, tp=(tp_group, [index[g] for g in tp_ranks]),
                       dp=(dp_group, [index[g] for g in dp_ranks]))
     return native, world, dp_ranks, MeshGroups(world, shard_group, replicate_group, tp_group, dp_group,
-                                               isolated and backend == "nccl", torch.device(device))
+                                               isolated and backend == "nccl", torch.device(device), shard_ranks,
+                                               [index[g] for g in shard_ranks])
 
 
 class MeshGroups(NamedTuple):
@@ -172,6 +173,8 @@ class MeshGroups(NamedTuple):
     dp: dist.ProcessGroup                   # the data-parallel ranks at this rank's TP position (the world without TP)
     shard_high_priority: bool               # the shard groups run on high-priority NCCL streams (dmuon built them)
     device: torch.device                    # where the collectives' tensors live
+    shard_ranks: List[int]                  # the shard group's global ranks, in its order
+    shard_in_world: List[int]               # the same as ranks of the world group (what the C++ mesh takes)
 
 
 def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str, tp=None):
@@ -217,4 +220,18 @@ def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str
     if replicate is not None:
         groups.append((replicate_group, [index[g] for g in replicate_ranks]))
     return _C._mesh(groups, device, policy, timeout_s), world, None, MeshGroups(
-        world, shard_group, replicate_group, None, world, policy == "isolated" and backend == "nccl", torch.device(device))
+        world, shard_group, replicate_group, None, world, policy == "isolated" and backend == "nccl", torch.device(device),
+        shard_ranks, [index[g] for g in shard_ranks])
+
+
+def add_sharded_unshard_group(native_mesh, groups: MeshGroups) -> None:
+    """A second group over this rank's shard group's ranks for the sharded_adamw all-gathers
+    (Muon(sharded_adamw_unshard_separate_stream=True)): on NCCL its own stream (default priority, behind none of
+    the shard group's high-priority broadcasts), on Gloo its own connections. Collective over the shard group's
+    ranks only (new_group with local synchronization); once per mesh."""
+    if native_mesh.has_sharded_unshard_group:
+        return
+    backend = dist.get_backend(groups.shard)
+    group = dist.new_group(ranks=list(groups.shard_ranks), backend=backend,
+                           timeout=timedelta(seconds=native_mesh.timeout_s), use_local_synchronization=True)
+    native_mesh.set_sharded_unshard_group(group, list(groups.shard_in_world))

@@ -15,7 +15,7 @@ from torch import nn
 from . import _C
 from ._clip import MuonGradClipStats, python_strategy, run_python_strategy
 from ._fsdp2 import assign_full, fsdp_modules, full_tensor, is_dtensor, shard_of
-from ._mesh import make_mesh
+from ._mesh import add_sharded_unshard_group, make_mesh
 from ._tp import (find_tp_params, install_dtensor_hooks, is_tp_slice, register_undedicated, release_dtensors,
                   restore_dtensors, show_dtensors, swap_in_local_slices)
 
@@ -687,11 +687,6 @@ class Muon(torch.optim.Optimizer):
         first_step_progress_log_limit: int = 8,
     ):
         state = _state_of(model, "Muon")
-        if sharded_adamw_unshard_separate_stream:
-            raise ValueError(
-                "Muon: sharded_adamw_unshard_separate_stream=True is not implemented in this version of dmuon; leave "
-                "it False (the sharded_adamw all-gathers share the shard group with the dedicated broadcasts)."
-            )
         if isinstance(post_step_prefetch_groups, bool) or not isinstance(post_step_prefetch_groups, int) \
                 or post_step_prefetch_groups < 0:
             raise ValueError(f"Muon: post_step_prefetch_groups must be an int >= 0, got {post_step_prefetch_groups!r}")
@@ -722,6 +717,9 @@ class Muon(torch.optim.Optimizer):
             post_step_prefetch_groups=post_step_prefetch_groups,
             post_step_prefetch_sharded_adamw=bool(post_step_prefetch_sharded_adamw),
         )
+        if sharded_adamw_unshard_separate_stream:  # the all-gathers' own group: built once per mesh (collective)
+            add_sharded_unshard_group(state.mesh, state.groups)
+        options["sharded_adamw_unshard_separate_stream"] = bool(sharded_adamw_unshard_separate_stream)
         self._native = _C._Muon(state.runtime, options)
         state.runtime.set_forward_prefetch_depth(forward_prefetch_depth)
         self._model_state = state

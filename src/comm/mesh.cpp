@@ -181,6 +181,24 @@ std::shared_ptr<Mesh> Mesh::from_groups(const MeshGroups& g, const MeshOptions& 
   return mesh;
 }
 
+void Mesh::set_sharded_unshard_group(const MeshGroup& g) {
+  TORCH_CHECK_VALUE(!sharded_unshard_, "rank ", global_rank_, ": set_sharded_unshard_group: this mesh has one already.");
+  TORCH_CHECK_VALUE(g.group, "rank ", global_rank_, ": set_sharded_unshard_group: the process group is null.");
+  std::vector<int> globals;
+  for (int r : g.ranks) {
+    TORCH_CHECK_VALUE(r >= 0 && r < world_->size(), "rank ", global_rank_, ": set_sharded_unshard_group: rank ", r,
+                      " is not a rank of the mesh's world group (", world_->size(), " ranks).");
+    globals.push_back(world_->global_ranks()[static_cast<size_t>(r)]);
+  }
+  TORCH_CHECK_VALUE(globals == shard_->global_ranks() && g.group->getSize() == shard_->size() &&
+                        g.group->getRank() == shard_->rank(),
+                    "rank ", global_rank_, ": set_sharded_unshard_group: the group must hold the shard group's ranks in "
+                    "its order (", shard_->size(), " ranks, this one at ", shard_->rank(), "); got ", g.group->getSize(),
+                    " ranks, this one at ", g.group->getRank(), ". Build it over the shard group's ranks.");
+  sharded_unshard_ = std::make_unique<Communicator>(g.group, shard_->name() + "/sharded-unshard", globals, timeout_,
+                                                    counters_, world_->device());
+}
+
 std::vector<Communicator*> Mesh::groups() {
   std::vector<Communicator*> out;
   for (Communicator* c : {world_.get(), shard_.get(), replicate_.get(), tp_.get(), dp_.get()}) {

@@ -316,6 +316,22 @@ SegmentedGradClipResult clip_grad_norm_buckets_(const std::vector<GradClipBucket
 
 bool fast_clip_enabled() { return !fast_clip_disabled(); }
 
+bool fast_clip_agreed(Communicator& g, const std::string& fn) {
+  const bool on = !fast_clip_disabled();
+  if (g.size() == 1) return on;
+  const at::Tensor mine = at::full({1}, on ? 1 : 0, at::TensorOptions().dtype(at::kLong)).to(g.device());
+  const at::Tensor all = at::empty({g.size()}, mine.options());
+  g.allgather_flat(all, mine, fn + ": DMUON_FAST_CLIP").wait_host();
+  const at::Tensor host = detail::read_to_host(all);
+  std::string off;
+  for (int r = 0; r < g.size(); ++r)
+    if (host.data_ptr<int64_t>()[r] == 0) off += (off.empty() ? "" : ", ") + std::to_string(g.global_ranks()[r]);
+  TORCH_CHECK_VALUE(off.empty() || host.sum().item<int64_t>() == 0, "rank ", g.global_rank(), ": ", fn,
+                    ": DMUON_FAST_CLIP=0 on rank(s) ", off, " but not on the others; it decides whether the ranks "
+                    "clip here or on their own path, so set it the same on every rank.");
+  return on;
+}
+
 std::optional<SegmentedGradClipResult> try_clip_optimizer_grad_norm_buckets_(
     Muon& optimizer, const std::vector<at::Tensor>& regular_grads, const std::vector<at::Tensor>& adamw_grads,
     double max_norm, Communicator* group) {
@@ -323,21 +339,8 @@ std::optional<SegmentedGradClipResult> try_clip_optimizer_grad_norm_buckets_(
   if (!g) g = &optimizer.mesh().world();
   // the setting agreed over the group first: with a mixed one, some ranks would enter the clip's
   // collectives and the others not (a hang until the timeout)
-  const bool on = !fast_clip_disabled();
-  if (g->size() > 1) {
-    const at::Tensor mine = at::full({1}, on ? 1 : 0, at::TensorOptions().dtype(at::kLong)).to(g->device());
-    const at::Tensor all = at::empty({g->size()}, mine.options());
-    g->allgather_flat(all, mine, "try_clip_optimizer_grad_norm_buckets_: DMUON_FAST_CLIP").wait_host();
-    const at::Tensor host = detail::read_to_host(all);
-    std::string off;
-    for (int r = 0; r < g->size(); ++r)
-      if (host.data_ptr<int64_t>()[r] == 0) off += (off.empty() ? "" : ", ") + std::to_string(g->global_ranks()[r]);
-    TORCH_CHECK_VALUE(off.empty() || host.sum().item<int64_t>() == 0, "rank ", g->global_rank(),
-                      ": try_clip_optimizer_grad_norm_buckets_: DMUON_FAST_CLIP=0 on rank(s) ", off,
-                      " but not on the others; it decides whether the ranks clip here or on their own path, so "
-                      "set it the same on every rank.");
-  }
-  if (!on) return std::nullopt;  // the caller runs its own path (the same on every rank)
+  if (!fast_clip_agreed(*g, "try_clip_optimizer_grad_norm_buckets_"))
+    return std::nullopt;  // the caller runs its own path (the same on every rank)
   std::vector<ClipGrad> muon = optimizer.clip_grads(ClipScope::Muon);  // collective: waits the reduces
   GradClipBucket m{"muon", {}, true, {}};
   for (ClipGrad& c : muon) (c.counted ? m.grads : m.scale_only).push_back(c.grad);

@@ -372,6 +372,7 @@ Muon::Muon(const std::shared_ptr<RuntimeFace>& runtime, MuonOptions options)
   ns_graphs_ = std::make_shared<NsGraphs>(ns_, go);
   tp_scratch_ = std::make_shared<TpScratch>();
   tp_scratch_->set_policy(runtime->options().tp_buffer_reuse);
+  runtime->set_separate_sharded_unshard(options_.sharded_adamw_unshard_separate_stream);
   require_replicated(*runtime);
 }
 

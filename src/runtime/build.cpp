@@ -26,7 +26,18 @@ Runtime::Runtime(ModelView view, std::shared_ptr<torch::nn::Module> module, std:
       id_(detail::next_runtime_id()),
       dedicated_(std::make_unique<DedicatedRoute>(ctx_, ddp)) {}
 
-Runtime::~Runtime() = default;
+Runtime::~Runtime() {
+  // Collectives still in flight (the last step's async publish, a post-step prefetch, the reduces of a
+  // backward no step consumed) finish before the groups they run on go: a group destroyed under an
+  // in-flight collective leaves its peers' side of it waiting out their whole timeout (the runtime of a
+  // model dropped right after step() used to stall the next lookup, in whichever thread made it, by the
+  // mesh timeout). Issues nothing; a failed wait (a peer already gone) changes nothing now.
+  try {
+    wait_publishes();
+    discard_grads();
+  } catch (const std::exception&) {
+  }
+}
 
 void Runtime::build(const ParamPredicate& predicate) {
   Mesh& mesh = ctx_.mesh();

@@ -475,6 +475,15 @@ void DedicatedRoute::wait_publish(PackedBuffer& buf) {
   buf.publish.clear();
 }
 
+bool DedicatedRoute::in_flight() {
+  bool busy = false;
+  for_each_buffer([&](int, PackedBuffer& buf) {
+    for (Pending* p : {&buf.bcast, &buf.reduce, &buf.stage2, &buf.scatter}) busy = busy || !p->poll();
+    for (Pending& p : buf.publish) busy = busy || !p.poll();
+  });
+  return busy;
+}
+
 void DedicatedRoute::wait_publishes() {
   for_each_buffer([&](int, PackedBuffer& buf) {
     wait_publish(buf);

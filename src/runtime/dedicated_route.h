@@ -121,6 +121,7 @@ class DedicatedRoute final : public Route {
   void upcast_local_grads() override;
   void publish(bool async) override;
   void wait_publishes() override;
+  bool in_flight() override;
   void gather_full(const TensorSink& put) override;
   void assign_from(ParamSource& source) override;
   void full_shapes(std::map<std::string, std::vector<int64_t>>& out) const override;

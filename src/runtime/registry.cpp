@@ -42,10 +42,13 @@ std::map<uint64_t, std::weak_ptr<Runtime>>& by_id() {
   return m;
 }
 // Drops the entries of destroyed models; their runtimes move to `dead`, to be released after the
-// lock (a Runtime holds tensors).
+// lock (a Runtime holds tensors). A runtime with a collective still in flight (the last step's async
+// publish...) stays until it finished: destroying its groups under it would leave the peers' side
+// waiting out the timeout -- and with ranks as threads of one process, the lookup that releases it may
+// be the very peer thread that has yet to issue its side.
 void drop_dead_models_locked(std::vector<std::shared_ptr<Runtime>>& dead) {
   for (auto it = models().begin(); it != models().end();) {
-    if (!it->second.model.expired()) {
+    if (!it->second.model.expired() || it->second.state->in_flight()) {
       ++it;
       continue;
     }

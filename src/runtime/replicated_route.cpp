@@ -146,6 +146,12 @@ void ReplicatedRoute::ready_grads(std::vector<ReadyGrad>& out) {
   whole_.ready_grads(out, mesh.shard_rank() == 0 && mesh.replicate_rank() == 0);
 }
 
+bool ReplicatedRoute::in_flight() {
+  bool busy = false;
+  for (auto& b : buckets_) busy = busy || !b.pending.poll();
+  return busy;
+}
+
 void ReplicatedRoute::discard_grads() {
   for (auto& b : buckets_) {
     if (issued_) b.pending.wait();

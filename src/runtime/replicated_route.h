@@ -37,6 +37,7 @@ class ReplicatedRoute final : public WholeParamsRoute {
   void install_grads(const float*& flag) override;
   void ready_grads(std::vector<ReadyGrad>& out) override;
   void discard_grads() override;
+  bool in_flight() override;
   void upcast_local_grads() override;
 
   std::vector<std::string> names() const;

@@ -149,6 +149,8 @@ class Route {
   virtual void upcast_local_grads() {}                           // NoSync: accumulate in the master dtype
   virtual void publish(bool /*async*/) {}                        // after the update
   virtual void wait_publishes() {}
+  // a collective of this route is issued and not finished (non-blocking: polls; local)
+  virtual bool in_flight() { return false; }
 
   // ---- what it trains ----
   // true when this route trains `name` (fills v: route, full shape, boundary, owner, slice)

@@ -57,6 +57,11 @@ class RouteContext {
   const std::shared_ptr<Mesh>& mesh_ptr() const { return mesh_; }
   const DedicateOptions& options() const { return opts_; }
   void set_forward_prefetch_depth(int depth) { opts_.forward_prefetch_depth = depth; }  // Runtime only
+  // the sharded_adamw all-gathers on the mesh's sharded_unshard group (Runtime only)
+  void set_separate_sharded_unshard(bool on) { separate_sharded_unshard_ = on; }
+  Communicator& sharded_unshard_group() const {
+    return separate_sharded_unshard_ ? mesh_->sharded_unshard() : mesh_->shard();
+  }
   bool ddp() const { return ddp_; }  // dedicate_params_ddp: every rank keeps full matrices
   bool z3() const { return opts_.reshard_after_forward && !ddp_; }
 
@@ -111,6 +116,7 @@ class RouteContext {
   std::shared_ptr<Mesh> mesh_;
   DedicateOptions opts_;
   bool ddp_ = false;
+  bool separate_sharded_unshard_ = false;
   std::vector<std::string> boundary_names_;
   // the resolved policy of every parameter dedicate_params cast or gave a master, and the master
   // copies this rank updates (owned Muon matrices: views into the packed master; replicated

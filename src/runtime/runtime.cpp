@@ -132,6 +132,17 @@ void Runtime::reset_post_forward_order() {
   ctx_.schedule.current_order.clear();
 }
 
+bool Runtime::in_flight() {
+  std::unique_lock<std::recursive_mutex> g(mu_, std::try_to_lock);
+  if (!g.owns_lock()) return true;
+  try {
+    for (Route* r : routes())
+      if (r->in_flight()) return true;
+  } catch (const std::exception&) {  // finished, with an error (a lost peer): nothing left in flight to protect
+  }
+  return false;
+}
+
 std::vector<std::string> Runtime::post_forward_order() const {
   std::lock_guard<std::recursive_mutex> g(mu_);
   const ScheduleState& sched = ctx_.schedule;
@@ -413,6 +424,15 @@ void Runtime::prefetch_next_forward(int groups, bool sharded_adamw) {
       issue_unshards(b, "post-step prefetch all-gather", false, true, &sharded);
     done.push_back(b);
   }
+}
+
+void Runtime::set_separate_sharded_unshard(bool on) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  TORCH_CHECK_VALUE(!on || mesh().has_sharded_unshard_group(), "rank ", mesh().global_rank(),
+                    ": Muon: sharded_adamw_unshard_separate_stream=true needs a second group over the shard group's "
+                    "ranks for the sharded_adamw all-gathers; give the mesh one with Mesh::set_sharded_unshard_group "
+                    "(the Python Muon builds it itself).");
+  ctx_.set_separate_sharded_unshard(on);
 }
 
 void Runtime::defer_update(const std::string& name, std::function<void()> apply) {

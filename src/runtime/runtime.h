@@ -115,6 +115,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
             StepVisitor& v) override;
   void defer_update(const std::string& name, std::function<void()> apply) override;
   void prefetch_next_forward(int groups, bool sharded_adamw) override;
+  void set_separate_sharded_unshard(bool on) override;
   void discard_grads() override;
   // ---- RuntimeFace: checkpoints ----
   void drain() override;
@@ -176,6 +177,10 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   std::vector<BoundaryUnshardStats> unshard_stats(bool clear);
   int64_t profiled_passes() const { return profiled_passes_; }
   void reset_post_forward_order();
+  // a collective of this runtime is issued and not finished (non-blocking; true while another thread
+  // holds the runtime's lock; a failed one counts as finished). The registry keeps a dead model's
+  // runtime until this is false.
+  bool in_flight();
   std::vector<std::string> post_forward_order() const;  // boundary names (unshard_profile.h)
 
  private:

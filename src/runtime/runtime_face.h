@@ -77,6 +77,10 @@ class RuntimeFace {
   // all-gathers; of the first boundary when `groups` is 0), which that forward then only waits.
   // Nothing without a recorded order or on the DDP path.
   virtual void prefetch_next_forward(int groups, bool sharded_adamw) = 0;
+  // The sharded_adamw all-gathers on the mesh's sharded_unshard group (true; the mesh must have one:
+  // Mesh::set_sharded_unshard_group) or on the shard group with the dedicated broadcasts. Local; every
+  // rank the same, before the next forward.
+  virtual void set_separate_sharded_unshard(bool on) = 0;
   // TP: `apply` finishes the update of `name` when its slice has arrived -- before the holder's data
   // are read or sent again (local)
   virtual void defer_update(const std::string& name, std::function<void()> apply) = 0;

@@ -82,7 +82,7 @@ void ShardedRoute::install() {
 
 void ShardedRoute::issue_unshard(int b, const char* phase) {
   if (static_cast<size_t>(b) >= by_boundary_.size()) return;
-  Communicator& comm = ctx_.mesh().shard();
+  Communicator& comm = ctx_.sharded_unshard_group();  // the shard group, or its twin apart from the broadcasts
   for (int i : by_boundary_[static_cast<size_t>(b)]) {  // all-gather the full tensor from the shards
     ShardedEntry& e = entries_[i];
     if (e.state != ShardedEntry::State::Released && e.ready_pass == ctx_.pass()) continue;
@@ -200,6 +200,12 @@ void ShardedRoute::ready_grads(std::vector<ReadyGrad>& out) {
     }
     e.grad = at::Tensor();  // handed over
   }
+}
+
+bool ShardedRoute::in_flight() {
+  bool busy = false;
+  for (auto& e : entries_) busy = busy || !e.gather.poll() || !e.rs.poll();
+  return busy;
 }
 
 void ShardedRoute::discard_grads() {

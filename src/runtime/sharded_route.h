@@ -74,6 +74,7 @@ class ShardedRoute final : public Route {
   void install_grads(const float*& flag) override;
   void ready_grads(std::vector<ReadyGrad>& out) override;
   void discard_grads() override;
+  bool in_flight() override;
   void upcast_local_grads() override;
   void gather_full(const TensorSink& put) override;
   void assign_from(ParamSource& source) override;

@@ -204,9 +204,12 @@ def _train(rank, world, layout, accumulate, out_path):
     routes = dict(model._dmuon.runtime.routes())
     if layout == "sharded":
         assert routes["scale"] == routes["layers.0.proj.bias"] == "sharded_adamw" and world > 1 or world == 1
-    # step() issues the next forward's first unshards (the same values and bytes; tests/runtime_test.cpp)
+    # step() issues the next forward's first unshards (the same values and bytes; tests/runtime_test.cpp), and
+    # the sharded_adamw all-gathers run on a group of their own
     prefetch = {"post_step_prefetch_groups": 2, "post_step_prefetch_sharded_adamw": True} \
         if layout in ("sharded", "fsdp2-z3", "hsdp") else {}
+    if layout == "sharded":
+        prefetch["sharded_adamw_unshard_separate_stream"] = True
     opt, sched = make_optimizer(model, **prefetch)
     assert [g["is_muon"] for g in opt.param_groups] == [True, False]
     per = BATCH // world
@@ -232,6 +235,8 @@ def _train(rank, world, layout, accumulate, out_path):
         opt.step()
         sched.step()
     assert opt.steps_taken == STEPS
+    if layout == "sharded" and world > 1:  # the all-gathers went through the second group
+        assert model._dmuon.mesh.has_sharded_unshard_group
     # the recorded forward order: every block in model order (the root "" first when it is a boundary)
     order = ctx.post_forward_order
     assert [b for b in order if b] == [f"layers.{i}" for i in range(BLOCKS)], order
