@@ -2020,3 +2020,78 @@ TEST(RuntimeTest, ShardedAdamwAllGathersOnTheirOwnGroupTrainTheSame) {
 
 }  // namespace
 }  // namespace dmuon
+
+namespace dmuon {
+namespace {
+
+// get_comm_plan's step_traffic (summarize_comm_plan's "step_traffic"): every collective of one training
+// step that the broadcast-mode tables do not cover -- sharded_adamw (all-gathers, reduce-scatters, HSDP
+// replicate all-reduces), the replicated buckets' all-reduces and the all_gather-mode dedicated units --
+// equals what each group's counters measure in that step, per group and operation, exactly.
+TEST(RuntimeTest, StepTrafficPlanEqualsTheMeasuredBytesOfEveryGroup) {
+  testing::Layout a;
+  a.label = "1-D Z3 all_gather, sharded_adamw";
+  a.unshard = "all_gather";
+  a.sharded = true;
+  testing::Layout b = a;
+  b.label = "1-D Z2 all_gather on 3 ranks, replicated";
+  b.world = 3;
+  b.z3 = false;
+  b.sharded = false;
+  testing::Layout c = a;
+  c.label = "HSDP 2x2 Z3 all_gather, sharded_adamw";
+  c.world = 4;
+  c.replicate = 2;
+  testing::Layout d = b;
+  d.label = "DDP path all_gather, replicated";
+  d.world = 2;
+  d.ddp = true;
+  const models::GPTConfig cfg = testing::small_config(2);
+  const auto batches = testing::make_batches(2, 12, 8, cfg.vocab_size, 3);
+  for (const auto& l : {a, b, c, d}) {
+    SCOPED_TRACE(l.label);
+    testing::run_ranks(l.world, [&](testing::RankContext& ctx) {
+      models::GPT m(cfg);
+      auto mesh = testing::make_mesh(ctx, std::chrono::seconds(60), l.replicate);
+      testing::dedicate_gpt(m, mesh, l);
+      Muon opt(m.ptr(), testing::muon_options(testing::TrainConfig{}));
+      const int64_t per = 12 / l.world;
+      std::map<std::string, Communicator*> groups;  // by name: each distinct group once
+      for (Communicator* g : {&mesh->world(), &mesh->shard(), mesh->replicate(), &mesh->dp()})
+        if (g) groups[g->name()] = g;
+      std::map<std::string, CommCounters::Snapshot> before;
+      for (size_t i = 0; i < batches.size(); ++i) {
+        if (i == 1)  // the second step is measured (the first set up the forward order)
+          for (auto& [name, g] : groups) before[name] = g->own_counters().snapshot();
+        opt.zero_grad();
+        m->loss(batches[i].narrow(0, ctx.rank * per, per)).backward();
+        opt.step();
+        wait_all_post_step_broadcasts(*m);
+      }
+      const ModelCommPlan plan = get_comm_plan(*m);
+      testing::expect(!plan.step_traffic.empty(), "a plan");
+      std::map<std::pair<std::string, int>, int64_t> planned, measured;
+      for (const PlannedTraffic& t : plan.step_traffic) planned[{t.group, static_cast<int>(t.op)}] += t.bytes;
+      for (auto& [name, g] : groups) {
+        const auto now = g->own_counters().snapshot();
+        for (int op = 0; op < static_cast<int>(CommOp::kCount); ++op)
+          if (const int64_t n = now.bytes[static_cast<size_t>(op)] - before[name].bytes[static_cast<size_t>(op)])
+            measured[{name, op}] = n;
+      }
+      for (const auto& [key, n] : measured)
+        testing::expect(planned.count(key) && planned.at(key) == n,
+                        "rank " + std::to_string(ctx.rank) + ": " + comm_op_name(static_cast<CommOp>(key.second)) +
+                            " on " + key.first + ": measured " + std::to_string(n) + ", planned " +
+                            std::to_string(planned.count(key) ? planned.at(key) : -1));
+      for (const auto& [key, n] : planned)
+        testing::expect(n == 0 || measured.count(key), "planned but not measured: " +
+                                                          std::string(comm_op_name(static_cast<CommOp>(key.second))) +
+                                                          " on " + key.first);
+      testing::expect(summarize_comm_plan(*m)["this_rank"]["step_traffic"].get<int64_t>() == plan.step_traffic_bytes(),
+                      "summarize_comm_plan's step_traffic");
+    });
+  }
+}
+
+}  // namespace
+}  // namespace dmuon

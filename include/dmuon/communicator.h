@@ -90,6 +90,17 @@ class CommCounters {
   mutable std::vector<std::pair<c10::Event, c10::Event>> stalls_;
 };
 
+// One planned collective of a training step on this rank, as the counters will count it: the route
+// that issues it ("muon", "sharded_adamw", "replicated"), the group's name, the operation, the bytes
+// and how many calls (diagnostics.h's get_comm_plan).
+struct PlannedTraffic {
+  std::string route;
+  std::string group;
+  CommOp op = CommOp::Broadcast;
+  int64_t bytes = 0;
+  int64_t calls = 0;
+};
+
 // An in-flight collective. wait() blocks at most the communicator's timeout, then runs the
 // completion step (e.g. the AVG division on the root) once. Destroying an unwaited Pending does
 // not wait: call wait() (or drain the runtime) before reading its tensors.
@@ -154,6 +165,12 @@ class Communicator {
   // A group of one that issues nothing (DMUON_FORCE_COLLECTIVES unset): callers may skip the
   // collective's bookkeeping entirely.
   bool local_only() const { return size_ == 1 && !force_; }
+  // What one collective adds to this rank's counters (the byte convention above) and under which
+  // operation: `bytes` is the payload the method takes (the tensor of a broadcast, reduce or
+  // all-reduce; the whole flat buffer of an all-gather or reduce-scatter; this rank's chunk of a
+  // scatter or gather; `root`: this rank is the root). Gloo runs a reduce-scatter as an all-reduce of
+  // the whole buffer; a group of one counts nothing. Plans use it; the counters confirm them.
+  std::pair<CommOp, int64_t> counted(CommOp op, int64_t bytes, bool root = false) const;
   // A tensor of this group's device for a small exchange (flags, digests, norms).
   at::TensorOptions options(at::ScalarType dtype) const { return at::TensorOptions().dtype(dtype).device(device_); }
 

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "dmuon/communicator.h"
 #include "dmuon/muon.h"
 #include "dmuon/owner_plan.h"
 #include "dmuon/unshard_profile.h"
@@ -38,6 +39,13 @@ struct ModelCommPlan {
   // (plan_tp_exchange with each matrix's optimizer dtype; empty without a TP axis)
   std::vector<int64_t> tp_exchange;
   int64_t tp_bytes() const;            // this rank's entry
+  // The rest of one training step's collectives on this rank, per route, group and operation, as the
+  // byte counters count them: sharded_adamw's all-gathers, reduce-scatters (Gloo: all-reduces) and
+  // replicate all-reduces, the replicated route's bucket all-reduces, and the dedicated units in
+  // muon_forward_unshard="all_gather" mode (all-gathers, reduces, post-step scatters and the HSDP shard
+  // publish; `comm` and `tp_exchange` cover broadcast mode). One step: forward, backward, step.
+  std::vector<PlannedTraffic> step_traffic;
+  int64_t step_traffic_bytes() const;  // their sum
   // this rank's planned shard-axis bytes per step (Z3 or Z2 as configured) and replicate-axis bytes
   int64_t shard_bytes() const;
   int64_t replicate_bytes() const;
@@ -49,7 +57,8 @@ ModelCommPlan get_comm_plan(const std::shared_ptr<RuntimeFace>& runtime);  // a 
 
 // get_comm_plan as JSON: mesh {shard, replicate, world, policy}, mode, fingerprint, owner_strategy,
 // owner_cost_model, makespan, lower_bound, imbalance, violations, params (names), this_rank {rank, z2,
-// z3, replicate, tp}, tp {tp_size, imbalance, exchange (per global rank)} on a TP mesh, and `comm` in the schema of `dmuon plan --json` (docs/PLAN_TOOL.md).
+// z3, replicate, tp, step_traffic (the sum of step_traffic's bytes)}, step_traffic [{route, group, op,
+// bytes, calls}], tp {tp_size, imbalance, exchange (per global rank)} on a TP mesh, and `comm` in the schema of `dmuon plan --json` (docs/PLAN_TOOL.md).
 nlohmann::json summarize_comm_plan(const torch::nn::Module& model, int max_groups = 64, int max_params_per_group = 128);
 nlohmann::json summarize_comm_plan(const std::shared_ptr<RuntimeFace>& runtime, int max_groups = 64,
                                    int max_params_per_group = 128);

@@ -326,6 +326,26 @@ void Communicator::abort() {
 #endif
 }
 
+std::pair<CommOp, int64_t> Communicator::counted(CommOp op, int64_t bytes, bool root) const {
+  const int64_t n = size_;
+  if (n == 1) return {op, 0};
+  switch (op) {
+    case CommOp::Broadcast:
+    case CommOp::Reduce:
+    case CommOp::Scatter:
+    case CommOp::Gather:
+      return {op, root ? 0 : bytes};
+    case CommOp::AllReduce:
+      return {op, 2 * (n - 1) * bytes / n};
+    case CommOp::AllGather:
+      return {op, (n - 1) * bytes / n};
+    case CommOp::ReduceScatter:
+      return is_gloo_ ? std::pair{CommOp::AllReduce, 2 * (n - 1) * bytes / n} : std::pair{op, (n - 1) * bytes / n};
+    default:
+      return {op, 0};
+  }
+}
+
 void Communicator::count(CommOp op, int64_t bytes) {
   counters_->add(op, bytes);
   own_->add(op, bytes);
@@ -389,7 +409,7 @@ Pending Communicator::broadcast(at::Tensor tensor_in, int root, std::string what
   if (local_only()) return Pending();
   at::Tensor tensor = wire(is_gloo_, tensor_in);
   const int64_t bytes = static_cast<int64_t>(tensor.numel()) * tensor.element_size();
-  count(CommOp::Broadcast, rank_ == root ? 0 : bytes);
+  count(CommOp::Broadcast, counted(CommOp::Broadcast, bytes, rank_ == root).second);
   return issue(CommOp::Broadcast, what, [&] {
     std::vector<at::Tensor> v{tensor};
     c10d::BroadcastOptions o;
@@ -415,7 +435,7 @@ Pending Communicator::reduce(at::Tensor tensor_in, int root, Reduction op, std::
   }
   at::Tensor tensor = tensor_in;
   const int64_t bytes = static_cast<int64_t>(tensor.numel()) * tensor.element_size();
-  count(CommOp::Reduce, rank_ == root ? 0 : bytes);
+  count(CommOp::Reduce, counted(CommOp::Reduce, bytes, rank_ == root).second);
   const bool emulate_avg = op == Reduction::Avg && (is_gloo_ || !native_avg_);
   std::function<void()> done;
   if (emulate_avg && rank_ == root) {
@@ -448,7 +468,7 @@ Pending Communicator::allreduce(at::Tensor tensor_in, Reduction op, std::string 
   }
   at::Tensor tensor = tensor_in;
   const int64_t bytes = static_cast<int64_t>(tensor.numel()) * tensor.element_size();
-  count(CommOp::AllReduce, 2 * (size_ - 1) * bytes / size_);
+  count(CommOp::AllReduce, counted(CommOp::AllReduce, bytes).second);
   const bool emulate_avg = op == Reduction::Avg && !native_avg_;
   std::function<void()> done;
   if (emulate_avg) {
@@ -475,7 +495,7 @@ Pending Communicator::allgather_flat(at::Tensor out_in, at::Tensor in_in, std::s
     return Pending();
   }
   const int64_t total = static_cast<int64_t>(out.numel()) * out.element_size();
-  count(CommOp::AllGather, (size_ - 1) * total / size_);
+  count(CommOp::AllGather, counted(CommOp::AllGather, total).second);
   return issue(CommOp::AllGather, what, [&] {
     if (!is_gloo_) {
       // straight into the flat output: a list of views would make NCCL allocate a flat temporary of
@@ -515,7 +535,7 @@ Pending Communicator::reduce_scatter_flat(at::Tensor out, at::Tensor in, Reducti
     // Gloo 1.13 has no reduce-scatter: all-reduce a copy and keep this rank's chunk (bf16, which
     // Gloo cannot reduce, in an fp32 copy).
     at::Tensor tmp = gloo_bf16(true, in) ? in.reshape(-1).to(at::kFloat) : in.reshape(-1).clone();
-    count(CommOp::AllReduce, 2 * (size_ - 1) * (tmp.numel() * static_cast<int64_t>(tmp.element_size())) / size_);
+    count(CommOp::AllReduce, counted(CommOp::AllReduce, tmp.numel() * static_cast<int64_t>(tmp.element_size())).second);
     return issue(CommOp::AllReduce, what + (gloo_bf16(true, in) ? " [reduce-scatter fallback, bf16 reduced in fp32]"
                                                                   : " [reduce-scatter fallback]"), [&] {
       std::vector<at::Tensor> v{tmp};
@@ -528,7 +548,7 @@ Pending Communicator::reduce_scatter_flat(at::Tensor out, at::Tensor in, Reducti
       if (avg) out.div_(div);
     });
   }
-  count(CommOp::ReduceScatter, (size_ - 1) * total / size_);
+  count(CommOp::ReduceScatter, counted(CommOp::ReduceScatter, total).second);
   return issue(CommOp::ReduceScatter, what, [&] {
     at::Tensor o_flat = out.view(-1), i_flat = in.reshape(-1);
     c10d::ReduceScatterOptions o;
@@ -549,7 +569,7 @@ Pending Communicator::scatter_flat(at::Tensor out_in, at::Tensor in_in, int root
     out.view(-1).copy_(in.reshape(-1));
     return Pending();
   }
-  count(CommOp::Scatter, rank_ == root ? 0 : static_cast<int64_t>(out.numel()) * out.element_size());
+  count(CommOp::Scatter, counted(CommOp::Scatter, static_cast<int64_t>(out.numel()) * out.element_size(), rank_ == root).second);
   return issue(CommOp::Scatter, what, [&] {
     std::vector<at::Tensor> outs{out};
     std::vector<std::vector<at::Tensor>> ins;
@@ -577,7 +597,7 @@ Pending Communicator::gather_flat(at::Tensor out_in, at::Tensor in_in, int root,
     out.view(-1).copy_(in.reshape(-1));
     return Pending();
   }
-  count(CommOp::Gather, rank_ == root ? 0 : static_cast<int64_t>(in.numel()) * in.element_size());
+  count(CommOp::Gather, counted(CommOp::Gather, static_cast<int64_t>(in.numel()) * in.element_size(), rank_ == root).second);
   return issue(CommOp::Gather, what, [&] {
     std::vector<at::Tensor> ins{in.reshape(-1)};
     std::vector<std::vector<at::Tensor>> outs;

@@ -127,6 +127,12 @@ int64_t ModelCommPlan::replicate_bytes() const {
   return comm.per_rank_replicate_bytes.empty() ? 0 : comm.per_rank_replicate_bytes[static_cast<size_t>(slot)];
 }
 
+int64_t ModelCommPlan::step_traffic_bytes() const {
+  int64_t n = 0;
+  for (const PlannedTraffic& t : step_traffic) n += t.bytes;
+  return n;
+}
+
 int64_t ModelCommPlan::tp_bytes() const { return tp_exchange.empty() ? 0 : tp_exchange[static_cast<size_t>(rank)]; }
 
 double ModelCommPlan::formula() const { return (z3 ? comm.formula_z3 : comm.formula_z2) + comm.formula_replicate; }
@@ -150,6 +156,7 @@ ModelCommPlan get_comm_plan(const std::shared_ptr<RuntimeFace>& state) {
   out.plan = state->plan();
   out.comm = plan_comm(state->specs(), state->plan(), state->boundary_of_param());
   for (const auto& s : state->specs()) out.params.push_back(s.name);
+  out.step_traffic = state->planned_step_traffic();
   if (mesh.has_tp()) {
     out.tp_exchange = plan_tp_exchange(state->specs(), state->plan(), state->optim_element_sizes());
   }
@@ -178,7 +185,13 @@ nlohmann::json summarize_comm_plan(const std::shared_ptr<RuntimeFace>& state, in
                       {"z2", at(cp.comm.per_rank_bytes_z2)},
                       {"z3", at(cp.comm.per_rank_bytes_z3)},
                       {"replicate", at(cp.comm.per_rank_replicate_bytes)},
-                      {"tp", cp.tp_bytes()}};
+                      {"tp", cp.tp_bytes()},
+                      {"step_traffic", cp.step_traffic_bytes()}};
+  nlohmann::json traffic = nlohmann::json::array();
+  for (const PlannedTraffic& t : cp.step_traffic)
+    traffic.push_back({{"route", t.route}, {"group", t.group}, {"op", comm_op_name(t.op)}, {"bytes", t.bytes},
+                       {"calls", t.calls}});
+  out["step_traffic"] = traffic;
   if (cp.tp_size > 1)
     out["tp"] = {{"tp_size", cp.tp_size}, {"imbalance", cp.plan.tp_imbalance()}, {"exchange", cp.tp_exchange}};
   out["comm"] = comm_plan_json(cp.comm, max_groups, max_params_per_group);

@@ -475,6 +475,38 @@ void DedicatedRoute::wait_publish(PackedBuffer& buf) {
   buf.publish.clear();
 }
 
+void DedicatedRoute::plan_step_traffic(std::vector<PlannedTraffic>& out) const {
+  Mesh& mesh = ctx_.mesh();
+  Communicator& shard = mesh.shard();
+  Communicator* rep = mesh.replicate();
+  const int64_t G = mesh.shard_size();
+  for (const auto& bufs : buffers_)
+    for (const PackedBuffer& buf : bufs) {
+      if (!buf.gather_mode()) continue;  // broadcast mode: get_comm_plan's per-rank tables
+      const int64_t es = buf.flat.element_size();
+      const int64_t payload = (buf.numel + static_cast<int64_t>(buf.params.size())) *
+                              static_cast<int64_t>(c10::elementSize(buf.prec.reduce));
+      const bool holder_row = mesh.shard_rank() == buf.owner.shard;
+      // backward: the gradient reduce to the holder, then (HSDP) the holders' reduce to the global owner
+      add_planned(out, "muon", shard, CommOp::Reduce, payload, 1, holder_row);
+      if (rep && holder_row)
+        add_planned(out, "muon", *rep, CommOp::Reduce, payload, 1, mesh.replicate_rank() == buf.owner.replicate);
+      if (ddp_) {  // after step: scatter the update into the shards, every rank all-gathers it
+        add_planned(out, "muon", shard, CommOp::Scatter, buf.shard_len * es, 1, holder_row);
+        add_planned(out, "muon", shard, CommOp::AllGather, G * buf.shard_len * es);
+        continue;
+      }
+      // forward all-gather (Z3: again in backward); after step the owner's group scatters the update
+      // into its shards and (HSDP) each shard crosses the replicate axis from there
+      add_planned(out, "muon", shard, CommOp::AllGather, G * buf.shard_len * es, ctx_.z3() ? 2 : 1);
+      if (!rep || mesh.replicate_rank() == buf.owner.replicate)
+        add_planned(out, "muon", shard, CommOp::Scatter, buf.shard_len * es, 1, holder_row);
+      if (rep)
+        add_planned(out, "muon", *rep, CommOp::Broadcast, buf.shard_len * es, 1,
+                    mesh.replicate_rank() == buf.owner.replicate);
+    }
+}
+
 bool DedicatedRoute::in_flight() {
   bool busy = false;
   for_each_buffer([&](int, PackedBuffer& buf) {

@@ -122,6 +122,7 @@ class DedicatedRoute final : public Route {
   void publish(bool async) override;
   void wait_publishes() override;
   bool in_flight() override;
+  void plan_step_traffic(std::vector<PlannedTraffic>& out) const override;
   void gather_full(const TensorSink& put) override;
   void assign_from(ParamSource& source) override;
   void full_shapes(std::map<std::string, std::vector<int64_t>>& out) const override;

@@ -146,6 +146,12 @@ void ReplicatedRoute::ready_grads(std::vector<ReadyGrad>& out) {
   whole_.ready_grads(out, mesh.shard_rank() == 0 && mesh.replicate_rank() == 0);
 }
 
+void ReplicatedRoute::plan_step_traffic(std::vector<PlannedTraffic>& out) const {
+  for (const Bucket& b : buckets_)  // one all-reduce of [grads, has-grad flags] per bucket
+    add_planned(out, "replicated", ctx_.mesh().dp(), CommOp::AllReduce,
+                (b.numel + static_cast<int64_t>(b.params.size())) * static_cast<int64_t>(c10::elementSize(b.prec.reduce)));
+}
+
 bool ReplicatedRoute::in_flight() {
   bool busy = false;
   for (auto& b : buckets_) busy = busy || !b.pending.poll();

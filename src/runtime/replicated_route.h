@@ -38,6 +38,7 @@ class ReplicatedRoute final : public WholeParamsRoute {
   void ready_grads(std::vector<ReadyGrad>& out) override;
   void discard_grads() override;
   bool in_flight() override;
+  void plan_step_traffic(std::vector<PlannedTraffic>& out) const override;
   void upcast_local_grads() override;
 
   std::vector<std::string> names() const;

@@ -107,6 +107,11 @@ class OptimizerStateAccess : public OptimizerStateReader {
   virtual void set(const at::Tensor& param, ParamState state) = 0;  // no tensors: fresh state
 };
 
+// Adds `calls` collectives `op` of `bytes` (the payload Communicator::counted takes) on `comm` to `out`
+// as `route`'s, merged with an entry of the same route, group and counted op.
+void add_planned(std::vector<PlannedTraffic>& out, const char* route, const Communicator& comm, CommOp op,
+                 int64_t bytes, int64_t calls = 1, bool root = false);
+
 // A parameter with optimizer state in a checkpoint: its name, the shape of each state tensor (this
 // TP rank's slice of the full parameter) and whether it is a Muon matrix.
 struct StateSlot {
@@ -151,6 +156,10 @@ class Route {
   virtual void wait_publishes() {}
   // a collective of this route is issued and not finished (non-blocking: polls; local)
   virtual bool in_flight() { return false; }
+  // the collectives one training step (forward, backward, step; no accumulation) issues on this
+  // rank, as the counters count them (local; the dedicated route: its all_gather-mode units only,
+  // get_comm_plan's per-rank tables cover broadcast mode)
+  virtual void plan_step_traffic(std::vector<PlannedTraffic>& /*out*/) const {}
 
   // ---- what it trains ----
   // true when this route trains `name` (fills v: route, full shape, boundary, owner, slice)

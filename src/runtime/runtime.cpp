@@ -426,6 +426,13 @@ void Runtime::prefetch_next_forward(int groups, bool sharded_adamw) {
   }
 }
 
+std::vector<PlannedTraffic> Runtime::planned_step_traffic() const {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  std::vector<PlannedTraffic> out;
+  for (const Route* r : routes()) r->plan_step_traffic(out);
+  return out;
+}
+
 void Runtime::set_separate_sharded_unshard(bool on) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   TORCH_CHECK_VALUE(!on || mesh().has_sharded_unshard_group(), "rank ", mesh().global_rank(),

@@ -116,6 +116,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void defer_update(const std::string& name, std::function<void()> apply) override;
   void prefetch_next_forward(int groups, bool sharded_adamw) override;
   void set_separate_sharded_unshard(bool on) override;
+  std::vector<PlannedTraffic> planned_step_traffic() const override;
   void discard_grads() override;
   // ---- RuntimeFace: checkpoints ----
   void drain() override;

@@ -57,6 +57,8 @@ class RuntimeFace {
   virtual bool has_replicated_route() const = 0;        // dmuon::replicate was called
   virtual const std::map<std::string, int>& tp_split() const = 0;  // TP-split parameters -> split dim
   virtual const OwnerPlan& plan() const = 0;
+  // every route's collectives of one training step on this rank (Route::plan_step_traffic)
+  virtual std::vector<PlannedTraffic> planned_step_traffic() const = 0;
   virtual const std::vector<ParamSpec>& specs() const = 0;               // planner input, per Muon matrix
   virtual const std::vector<std::string>& boundary_of_param() const = 0;  // per Muon matrix
   virtual std::vector<int64_t> optim_element_sizes() const = 0;          // per Muon matrix (TP exchange)

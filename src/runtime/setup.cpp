@@ -98,6 +98,19 @@ const RouteRow& route_row(RouteKind k) {
   TORCH_INTERNAL_ASSERT(false, "route kind ", static_cast<int>(k), " has no row in route_table()");
 }
 
+void add_planned(std::vector<PlannedTraffic>& out, const char* route, const Communicator& comm, CommOp op,
+                 int64_t bytes, int64_t calls, bool root) {
+  if (comm.local_only() || calls == 0) return;  // a group of one issues nothing
+  const auto [counted_op, per_call] = comm.counted(op, bytes, root);
+  for (PlannedTraffic& t : out)
+    if (t.route == route && t.group == comm.name() && t.op == counted_op) {
+      t.bytes += per_call * calls;
+      t.calls += calls;
+      return;
+    }
+  out.push_back(PlannedTraffic{route, comm.name(), counted_op, per_call * calls, calls});
+}
+
 const char* route_name(RouteKind k) {
   if (k == RouteKind::Local) return "local";  // no data-parallel route: frozen, or not replicated
   if (k == RouteKind::Replicated) return "replicated";

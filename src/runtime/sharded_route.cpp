@@ -202,6 +202,22 @@ void ShardedRoute::ready_grads(std::vector<ReadyGrad>& out) {
   }
 }
 
+void ShardedRoute::plan_step_traffic(std::vector<PlannedTraffic>& out) const {
+  Mesh& mesh = ctx_.mesh();
+  const int64_t G = mesh.shard_size();
+  for (const ShardedEntry& e : entries_) {
+    const int64_t param_bytes = static_cast<int64_t>(c10::elementSize(e.full.scalar_type()));
+    const int64_t reduce_bytes = static_cast<int64_t>(c10::elementSize(e.prec.reduce));
+    // forward all-gather (Z3: again in backward), the reduce-scatter of [L grads, flag] per rank, and
+    // on HSDP the all-reduce of this rank's [L + 1] over the replicate group
+    add_planned(out, "sharded_adamw", ctx_.sharded_unshard_group(), CommOp::AllGather, G * e.shard_len * param_bytes,
+                ctx_.z3() ? 2 : 1);
+    add_planned(out, "sharded_adamw", mesh.shard(), CommOp::ReduceScatter, G * (e.shard_len + 1) * reduce_bytes);
+    if (Communicator* rep = mesh.replicate())
+      add_planned(out, "sharded_adamw", *rep, CommOp::AllReduce, (e.shard_len + 1) * reduce_bytes);
+  }
+}
+
 bool ShardedRoute::in_flight() {
   bool busy = false;
   for (auto& e : entries_) busy = busy || !e.gather.poll() || !e.rs.poll();

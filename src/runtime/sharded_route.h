@@ -75,6 +75,7 @@ class ShardedRoute final : public Route {
   void ready_grads(std::vector<ReadyGrad>& out) override;
   void discard_grads() override;
   bool in_flight() override;
+  void plan_step_traffic(std::vector<PlannedTraffic>& out) const override;
   void upcast_local_grads() override;
   void gather_full(const TensorSink& put) override;
   void assign_from(ParamSource& source) override;
