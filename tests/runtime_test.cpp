@@ -369,7 +369,7 @@ TEST(RuntimeTest, GlobalNormClippingMatchesSingleProcess) {
     dc.z3 = c.z3;
     dc.sharded = c.sharded;
     dc.pack_small_params = false;
-    SCOPED_TRACE("N" + std::to_string(c.world) + " R" + std::to_string(c.replicate) + (c.sharded ? " sharded" : "") +
+    SCOPED_TRACE(std::string("N") + std::to_string(c.world) + " R" + std::to_string(c.replicate) + (c.sharded ? " sharded" : "") +
                  " accum " + std::to_string(c.accum));
     check_equivalence(small_config(), tc, dc);
   }
@@ -393,7 +393,7 @@ TEST(RuntimeTest, Float32TrainingMatchesSingleProcessWithinTheMeasuredNoise) {
     dc.z3 = c.z3;
     dc.sharded = c.sharded;
     dc.pack_small_params = false;
-    SCOPED_TRACE("N" + std::to_string(c.world) + " R" + std::to_string(c.replicate));
+    SCOPED_TRACE(std::string("N") + std::to_string(c.world) + " R" + std::to_string(c.replicate));
     check_equivalence(small_config(), tc, dc);
   }
 }
