@@ -58,6 +58,7 @@ struct BenchArgs {
   uint64_t seed = 0;
   int pack = -1;  // pack_small_params for DMuon: -1 = library default
   int replicate = 1;  // HSDP replicate groups for the DMuon variants (adds dmuon_z3_1pass)
+  bool one_pass = false;  // add dmuon_z3_1pass on any mesh
   bool shard_base = false;  // adds dmuon_z3_sb: Z3 with the non-matrix parameters on sharded_adamw
   std::string predict;      // a hardware description: price every variant with the step simulator
 };
@@ -121,7 +122,7 @@ class Variant {
     ns_ = NewtonSchulz(a.ns_backend);
     opts_.record_step_profile = true;
     opts_.first_step_progress_log = false;
-    opts_.group_prepare_ahead = name_ != "dmuon_z3_1pass";  // HSDP: per-group prepare / publish, or one pass
+    opts_.group_prepare_ahead = name_ != "dmuon_z3_1pass";  // per-group prepare / publish, or one pass
     if (dmuon_ || name_ == "adamw") opt_ = std::make_unique<Muon>(model_.ptr(), opts_);
     for (const auto& item : model_->named_parameters(true))
       (models::is_muon_matrix(item.key(), item.value()) ? matrices_ : others_).emplace_back(item.key(), item.value());
@@ -476,7 +477,7 @@ int run_bench_rank(const BenchArgs& a, std::ostream& out) {
   Communicator trainer(b.world, "bench", ranks, kDefaultCollectiveTimeout, nullptr);
   std::vector<std::unique_ptr<Variant>> vs;
   std::vector<std::string> names = {"dmuon_z2", "dmuon_z3", "baseline_a", "baseline_b", "adamw"};
-  if (a.replicate > 1) names.insert(names.begin() + 2, "dmuon_z3_1pass");
+  if (a.replicate > 1 || a.one_pass) names.insert(names.begin() + 2, "dmuon_z3_1pass");
   if (a.shard_base) names.insert(names.begin() + 2, "dmuon_z3_sb");
   for (const auto& v : names) vs.push_back(std::make_unique<Variant>(v, a, b, static_cast<int>(vs.size()) + 1));
   // Interleaved: every step runs all variants in turn on the same batch, so machine noise hits them
@@ -581,6 +582,9 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
                  "HSDP replicate groups R for the DMuon variants (N/R shard ranks each); R > 1 adds dmuon_z3_1pass, "
                  "Z3 with group_prepare_ahead off")
       ->capture_default_str();
+  app.add_flag("--one-pass", a.one_pass,
+               "add dmuon_z3_1pass (Z3 with group_prepare_ahead off: the one-pass step) on any mesh, for the "
+               "step/1pass column");
   app.add_flag("--shard-base", a.shard_base, "add dmuon_z3_sb: Z3 with the non-matrix parameters on sharded_adamw");
   app.add_option("--predict", a.predict,
                  "a hardware description: print the step simulator's prediction of every variant next to the "
@@ -641,7 +645,7 @@ int run_bench_command(const std::vector<std::string>& args, std::ostream& out, s
     out << "\n" << std::left << std::setw(4) << "N" << std::setw(12) << "variant" << std::right << std::setw(10)
         << "step_ms" << std::setw(10) << "NS_ms" << std::setw(14) << "bytes/rank" << std::setw(9) << "step/A"
         << std::setw(9) << "NS/A" << std::setw(11) << "step/AdamW" << std::setw(11) << "peak_MB"
-        << (a.replicate > 1 ? "  step/1pass" : "") << "\n";
+        << (a.replicate > 1 || a.one_pass ? "  step/1pass" : "") << "\n";
     for (int n : ns) {
       const auto& rows = all[std::to_string(n)];
       double a_step = 0, a_ns = 0, w_step = 0, p_step = 0;

@@ -439,6 +439,14 @@ std::map<std::string, std::string> run_metadata(const TrainArgs& a, const TrainR
   for (const RunKey& k : run_identity(a, r)) m["dmuon.run." + k.key] = k.value;
   return m;
 }
+// A safetensors file another tool wrote (no "crc32c" metadata); a format-2 dmuon file always has them.
+bool safetensors_without_checksums(const std::string& path) {
+  try {
+    return !SafetensorsFile(path).metadata().count("crc32c");
+  } catch (const std::exception&) {  // not safetensors
+    return false;
+  }
+}
 // --resume: the checkpoint's run must be this one (the data may differ with --allow-data-change).
 void check_same_run(const TrainArgs& a, const TrainRun& r, const Checkpoint& ck, std::ostream& out) {
   std::string diffs;
@@ -618,21 +626,19 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
       out << "  " << r.opt->ns().describe(r.device.type()) << "; unigram baseline " << r.baseline << " nats/byte\n";
   }
   if (!a.resume.empty()) {  // every rank reads the file; the new owners take their matrices
-    // a safetensors checkpoint is read by offset: each rank only the model tensors and rows it keeps
-    const bool by_offset = a.resume.size() > 12 && a.resume.compare(a.resume.size() - 12, 12, ".safetensors") == 0;
-    const Checkpoint ck = load_checkpoint(a.resume, /*include_model=*/!by_offset, a.allow_unverified);
+    // a safetensors checkpoint (what --checkpoint writes) is read by offset: each rank only the model
+    // tensors and rows it keeps; a format-2 file of an earlier dmuon is read and verified whole
+    const Checkpoint ck = load_checkpoint(a.resume, /*include_model=*/false, a.allow_unverified);
     TORCH_CHECK(ck.optim, "--resume ", a.resume, ": the checkpoint has no optimizer state; write it with --checkpoint.");
     check_same_run(a, r, ck, out);
     TORCH_CHECK(ck.optim->steps_taken < a.steps, "--resume ", a.resume, ": the checkpoint is at step ",
                 ck.optim->steps_taken, ", so --steps ", a.steps,
                 " leaves nothing to do; --steps counts all steps, pass a larger one.");
-    if (r.lead && a.allow_unverified && by_offset && !SafetensorsFile(a.resume).metadata().count("crc32c"))
+    if (r.lead && a.allow_unverified && safetensors_without_checksums(a.resume))
       out << "  note: " << a.resume << " has no checksums (another tool wrote it); loaded unverified "
           << "(--allow-unverified-checkpoint)\n";
     const std::string what = "--resume " + a.resume;
-    CheckedSource source(by_offset ? checkpoint_model_source(a.resume, a.allow_unverified)
-                                   : tensor_dict_source(ck.model, "checkpoint '" + a.resume + "'"),
-                         what);
+    CheckedSource source(checkpoint_model_source(a.resume, a.allow_unverified), what);
     set_model_state_dict(*r.model, source);
     set_optimizer_state_dict(*r.model, *r.opt, *ck.optim);
     r.first_step = static_cast<int>(r.opt->steps_taken()) + 1;

@@ -22,6 +22,7 @@
 #include "dmuon/checkpoint.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/muon.h"
+#include "dmuon/safetensors.h"
 #include "io/file_io.h"  // white-box: a save interrupted by a signal
 #include "model/gpt.h"
 #include "runtime/inspect.h"  // white-box: which parameters are sharded
@@ -42,6 +43,15 @@ using testing::Layout;
 
 void dedicate(GPT& m, const std::shared_ptr<Mesh>& mesh, const Layout& l, DedicateOptions o = {}) {
   testing::dedicate_gpt(m, mesh, l, std::move(o));
+}
+
+// The rest of a run on this rank's slices; then the full state dicts, on every rank.
+std::pair<TensorDict, OptimizerStateDict> train_rest(GPT& m, Muon& opt, const std::vector<at::Tensor>& batches,
+                                                     int rank, int world, int64_t global_batch) {
+  testing::train_slices(m, opt, batches, rank, global_batch / world);
+  StateDictOptions all;
+  all.rank0_only = false;
+  return {get_model_state_dict(*m, all), get_optimizer_state_dict(*m, opt, all)};
 }
 
 // Trains `first` for half the steps, checkpoints to a file, resumes on `second` for the rest and
@@ -104,11 +114,7 @@ void check_resume(const Layout& first, const Layout& second,
       for (const auto& [k, v] : ck.optim->muon) expect(osd.muon.at(k).cpu().equal(v.cpu()), "momentum round trip of " + k);
       for (const auto& [k, v] : ck.optim->adamw) expect(osd.adamw.at(k).cpu().equal(v.cpu()), "AdamW round trip of " + k);
     }
-    testing::train_slices(m, opt, part2, ctx.rank, global_batch / ctx.world);
-    StateDictOptions all;
-    all.rank0_only = false;
-    const auto msd = get_model_state_dict(*m, all);
-    const auto osd = get_optimizer_state_dict(*m, opt, all);
+    const auto [msd, osd] = train_rest(m, opt, part2, ctx.rank, ctx.world, global_batch);
     std::lock_guard<std::mutex> g(mu);
     if (ctx.rank == 0) {
       final_model = msd;
@@ -129,6 +135,66 @@ void check_resume(const Layout& first, const Layout& second,
   for (const auto& [k, v] : ref.exp_avg) {
     EXPECT_LE(max_rel(final_optim.adamw.at(k + ".exp_avg"), v), bound) << k << " exp_avg";
     EXPECT_EQ(final_optim.adamw.at(k + ".step").item<int64_t>(), 6) << k;
+  }
+}
+
+// A format-2 checkpoint written by an earlier dmuon (8716d32: a one-block GPT trained 3 steps on 2
+// ranks, Z3) resumes on another world size and mesh exactly where uninterrupted float64 training
+// goes (tests/data/checkpoint_v2_gpt_expected.safetensors: the reference's parameters, momentum
+// buffers and AdamW moments after step 6, and the batches of steps 4-6; testing::kFloat64Bound).
+TEST(CheckpointTest, AFormat2FileOfAnEarlierDmuonStillResumes) {
+  const std::string old_file = std::string(DMUON_TEST_DATA_DIR) + "/checkpoint_v2_gpt_step3.dmuonckp";
+  const SafetensorsFile expected(std::string(DMUON_TEST_DATA_DIR) + "/checkpoint_v2_gpt_expected.safetensors");
+  testing::TrainConfig tc;  // as when the file was written
+  tc.steps = 6;
+  const GPTConfig cfg = testing::small_config(1);
+  const int64_t global_batch = 12;
+  std::vector<at::Tensor> part2;
+  for (int s = 3; s < 6; ++s) part2.push_back(expected.load("batch/" + std::to_string(s)));
+  for (const Layout& l : {Layout{"N3 Z3 sharded", 3, 1, true, false, true}, Layout{"HSDP 2x2 Z2", 4, 2, false}}) {
+    SCOPED_TRACE(l.label);
+    std::mutex mu;
+    TensorDict final_model;
+    OptimizerStateDict final_optim;
+    testing::run_ranks(l.world, [&](testing::RankContext& ctx) {
+      GPT m = testing::make_gpt(cfg);  // a fresh random init: everything comes from the file
+      auto mesh = make_mesh(ctx, std::chrono::seconds(60), l.replicate);
+      dedicate(m, mesh, l);
+      Muon opt(m.ptr(), testing::muon_options(tc));
+      const Checkpoint ck = load_checkpoint(old_file);
+      expect(ck.optim && ck.optim->steps_taken == 3, "the file holds the optimizer state after step 3");
+      expect(ck.metadata.at("written_by") == "dmuon 8716d32 (checkpoint format 2)", "the caller's metadata");
+      set_model_state_dict(*m, *checkpoint_model_source(old_file));  // a format-2 file: read whole
+      set_optimizer_state_dict(*m, opt, *ck.optim);
+      const auto [msd, osd] = train_rest(m, opt, part2, ctx.rank, ctx.world, global_batch);
+      std::lock_guard<std::mutex> g(mu);
+      if (ctx.rank == 0) {
+        final_model = msd;
+        final_optim = osd;
+      }
+    });
+    size_t params = 0, momenta = 0, moments = 0;
+    for (const std::string& key : expected.keys()) {
+      const auto slash = key.find('/');
+      const std::string kind = key.substr(0, slash), name = key.substr(slash + 1);
+      const at::Tensor want = expected.load(key);
+      if (kind == "param") {
+        ++params;
+        EXPECT_LE(max_rel(final_model.at(name), want), testing::kFloat64Bound) << name;
+      } else if (kind == "momentum") {
+        ++momenta;
+        EXPECT_LE(max_rel(final_optim.muon.at(name + ".momentum_buffer"), want), testing::kFloat64Bound) << name;
+      } else if (kind == "exp_avg") {
+        ++moments;
+        EXPECT_LE(max_rel(final_optim.adamw.at(name + ".exp_avg"), want), testing::kFloat64Bound) << name;
+        EXPECT_EQ(final_optim.adamw.at(name + ".step").item<int64_t>(), 6) << name;
+      }
+    }
+    EXPECT_EQ(params, final_model.size());
+    EXPECT_EQ(2 * momenta, final_optim.muon.size());
+    EXPECT_EQ(3 * moments, final_optim.adamw.size());
+    EXPECT_GT(momenta, 0u);
+    EXPECT_GT(moments, 0u);
   }
 }
 
@@ -408,14 +474,46 @@ SmallCheckpoint small_checkpoint() {
   return c;
 }
 
+// The format-2 files earlier dmuon versions wrote (tests/data, written by small_checkpoint() at
+// 8716d32): the reader still verifies every byte of them and names what is damaged.
+const std::string kSmallFormat2 = std::string(DMUON_TEST_DATA_DIR) + "/checkpoint_v2_small.dmuonckp";
+
+// The file holds small_checkpoint(): its integers, names and hyperparameters exactly, and its
+// random tensors as this torch draws them up to the last bits of libm's log/cos (<= 1e-5 here:
+// the draws agree to ~1e-7 across torch 1.13/2.11; any misread byte is far larger or NaN).
+SmallCheckpoint small_format2_file() {
+  const Checkpoint ck = load_checkpoint(kSmallFormat2);
+  const SmallCheckpoint want = small_checkpoint();
+  EXPECT_TRUE(ck.optim.has_value());
+  EXPECT_EQ(ck.metadata.size(), 0u);
+  auto same = [](const TensorDict& got, const TensorDict& w, const char* what) {
+    ASSERT_EQ(got.size(), w.size()) << what;
+    for (const auto& [k, v] : w) {
+      ASSERT_TRUE(got.count(k)) << what << " " << k;
+      const at::Tensor g = got.at(k);
+      ASSERT_TRUE(g.sizes() == v.sizes() && g.scalar_type() == v.scalar_type()) << k;
+      if (v.is_floating_point())
+        EXPECT_TRUE(g.allclose(v, 1e-5, 1e-5)) << k << ": " << (g - v).abs().max().item<double>();
+      else
+        EXPECT_TRUE(g.equal(v)) << k;
+    }
+  };
+  same(ck.model, want.model, "model");
+  same(ck.optim->muon, want.optim.muon, "muon");
+  same(ck.optim->adamw, want.optim.adamw, "adamw");
+  return SmallCheckpoint{ck.model, *ck.optim};
+}
+
 TEST(CheckpointTest, CorruptedCheckpointsAreRefusedNamingTheTensorOrSection) {
   const std::string dir = testing::fresh_temp_dir("dmuon-ckpt-crc");
-  const SmallCheckpoint sc = small_checkpoint();
-  const std::string path = dir + "/ck.pt", bad = dir + "/bad.pt";
-  save_checkpoint(path, sc.model, &sc.optim);
-  const std::string good = read_bytes(path);
-  {  // the intact file loads exactly
-    const Checkpoint ck = load_checkpoint(path);
+  const SmallCheckpoint sc = small_format2_file();
+  const std::string bad = dir + "/bad.pt";
+  const std::string good = read_bytes(kSmallFormat2);
+  {  // the intact file loads exactly; saved again it is safetensors, and reads back the same
+    const std::string resaved = dir + "/resaved.pt";
+    save_checkpoint(resaved, sc.model, &sc.optim);
+    EXPECT_EQ(SafetensorsFile(resaved).metadata().at("format"), "dmuon-checkpoint-safetensors-v1");
+    const Checkpoint ck = load_checkpoint(resaved);
     ASSERT_TRUE(ck.optim.has_value());
     ASSERT_EQ(ck.model.size(), sc.model.size());
     for (const auto& [k, v] : sc.model) EXPECT_TRUE(ck.model.at(k).equal(v)) << k;
@@ -497,13 +595,9 @@ TEST(CheckpointTest, CorruptedCheckpointsAreRefusedNamingTheTensorOrSection) {
 
 TEST(CheckpointTest, TruncatedEmptyForeignAndFormat1FilesAreClearErrors) {
   const std::string dir = testing::fresh_temp_dir("dmuon-ckpt-trunc");
-  const SmallCheckpoint sc = small_checkpoint();
-  const std::string path = dir + "/ck.pt", bad = dir + "/bad.pt";
-  save_checkpoint(path, sc.model);  // no optimizer state
-  const Checkpoint ck = load_checkpoint(path);
-  EXPECT_FALSE(ck.optim.has_value());
-  for (const auto& [k, v] : sc.model) EXPECT_TRUE(ck.model.at(k).equal(v)) << k;
-  const std::string good = read_bytes(path);
+  const SmallCheckpoint sc = small_format2_file();
+  const std::string bad = dir + "/bad.pt";
+  const std::string good = read_bytes(kSmallFormat2);
   auto load_error = [&](const std::string& bytes) {
     write_bytes(bad, bytes);
     return error_of([&] { load_checkpoint(bad); });
@@ -547,7 +641,7 @@ TEST(CheckpointTest, TruncatedEmptyForeignAndFormat1FilesAreClearErrors) {
   std::filesystem::remove_all(dir);
 }
 
-// issue 34: what a file says is checked as strictly as a state dict (both formats), and the
+// issue 34: what a file says is checked as strictly as a state dict (every file), and the
 // caller's metadata round-trips under the checksums
 TEST(CheckpointTest, FilesWithOutOfRangeHyperparametersAreRefusedAndMetadataRoundTrips) {
   const std::string dir = testing::fresh_temp_dir("dmuon-ckpt-hp");
@@ -556,6 +650,8 @@ TEST(CheckpointTest, FilesWithOutOfRangeHyperparametersAreRefusedAndMetadataRoun
   for (const std::string ext : {".pt", ".safetensors"}) {
     const std::string path = dir + "/ck" + ext;
     save_checkpoint(path, sc.model, &sc.optim, meta);
+    // safetensors whatever the name ends in
+    EXPECT_EQ(SafetensorsFile(path).metadata().at("format"), "dmuon-checkpoint-safetensors-v1") << ext;
     const Checkpoint ck = load_checkpoint(path);
     EXPECT_EQ(ck.metadata, meta) << ext;
     OptimizerStateDict bad = sc.optim;

@@ -69,6 +69,14 @@ void expect_tensor_eq(const at::Tensor& actual, const at::Tensor& expected, cons
                                                                     << "\n expected " << expected;
 }
 
+// The caller's world group (ctx.pg) still runs an all-reduce over every rank.
+void expect_callers_group_works(testing::RankContext& ctx, const std::string& when) {
+  auto caller = make_comm(ctx);
+  at::Tensor c = at::full({2}, 1.0f);
+  caller->allreduce(c, Reduction::Sum, "caller " + when).wait();
+  expect_tensor_eq(c, at::full({2}, static_cast<float>(ctx.world)), "the caller's world group " + when);
+}
+
 using testing::error_of;
 
 int64_t allreduce_bytes(int n, int64_t s) { return n > 1 ? 2 * (n - 1) * s / n : 0; }
@@ -478,11 +486,7 @@ TEST(MeshTest, OneDIsolatedIsTheDefault) {
     EXPECT_EQ(mesh->counters().calls(CommOp::AllReduce), 2);
     EXPECT_EQ(&mesh->shard().counters(), &mesh->counters());
     EXPECT_EQ(&mesh->world().counters(), &mesh->counters());
-    // the caller's group stays usable next to dmuon's
-    auto caller = make_comm(ctx);
-    at::Tensor c = at::full({2}, 1.0f);
-    caller->allreduce(c, Reduction::Sum, "caller").wait();
-    expect_tensor_eq(c, at::full({2}, 3.0f), "caller's world group");
+    expect_callers_group_works(ctx, "next to dmuon's groups");
   });
 }
 
@@ -508,6 +512,75 @@ TEST(MeshTest, SharedPolicyUsesTheCallersGroup) {
     at::Tensor b = at::full({2}, static_cast<float>(ctx.rank));
     mesh->shard().broadcast(b, 3, "from 3").wait();
     expect_tensor_eq(b, at::full({2}, 3.0f), "shared broadcast from 3");
+  });
+}
+
+// issue 37: "shared" is honoured on a 2-D and a TP mesh too: the world collectives run on the
+// caller's group (never shut down by dmuon), the axes' groups the caller did not give are dmuon's.
+TEST(MeshTest, SharedPolicyOnA2DOrTpMeshRunsTheWorldOnTheCallersGroup) {
+  EnvGuard env("DMUON_PROCESS_GROUP_POLICY", std::nullopt);
+  for (const auto& [R, T] : {std::pair{2, 1}, std::pair{1, 2}}) {
+    SCOPED_TRACE("R " + std::to_string(R) + " T " + std::to_string(T));
+    for (const std::string policy : {"shared", "isolated"}) {
+      testing::run_ranks(4, [&](testing::RankContext& ctx) {
+        MeshOptions mo;
+        mo.process_group_policy = policy;
+        mo.store = ctx.store;
+        mo.factory = process_group_factory(c10::DeviceType::CPU);
+        mo.replicate_size = R;
+        mo.tp_size = T;
+        auto mesh = Mesh::create(ctx.pg, mo);
+        EXPECT_EQ(mesh->policy(), policy);
+        EXPECT_EQ(mesh->world().process_group().get() == ctx.pg.get(), policy == "shared");
+        EXPECT_NE(mesh->shard().process_group().get(), ctx.pg.get());  // an axis: always built
+        Communicator& axis = R > 1 ? *mesh->replicate() : *mesh->tp();
+        EXPECT_NE(axis.process_group().get(), ctx.pg.get());
+        at::Tensor w = at::full({2}, static_cast<float>(ctx.rank));
+        mesh->world().allreduce(w, Reduction::Sum, "world sum").wait();
+        expect_tensor_eq(w, at::full({2}, 6.0f), "world sum 0+1+2+3");
+        at::Tensor a = at::full({1}, 1.0f);
+        axis.allreduce(a, Reduction::Sum, "axis sum").wait();
+        expect_tensor_eq(a, at::full({1}, 2.0f), "the axis' two ranks");
+        mesh->shutdown();
+        expect_callers_group_works(ctx, "after the mesh's shutdown (dmuon shut down only what it built)");
+      });
+    }
+  }
+}
+
+// issue 37: on HSDP the post-step publish has its own group over the replicate ranks (Mesh::create
+// builds it), apart from the replicate-axis reduces; a caller's one is checked like any axis twin.
+TEST(MeshTest, HsdpPublishesOnItsOwnReplicateGroup) {
+  EnvGuard env("DMUON_PROCESS_GROUP_POLICY", std::nullopt);
+  testing::run_ranks(4, [&](testing::RankContext& ctx) {
+    auto mesh = make_isolated_mesh(ctx, /*replicate_size=*/2);
+    ASSERT_TRUE(mesh->has_replicate_publish_group());
+    Communicator& pub = *mesh->replicate_publish();
+    EXPECT_NE(pub.process_group().get(), mesh->replicate()->process_group().get());
+    EXPECT_EQ(pub.global_ranks(), mesh->replicate()->global_ranks());
+    EXPECT_EQ(pub.name(), mesh->replicate()->name() + "/publish");
+    at::Tensor t = at::full({3}, static_cast<float>(ctx.rank));
+    pub.broadcast(t, 1, "publish from replicate rank 1").wait();
+    expect_tensor_eq(t, at::full({3}, static_cast<float>(mesh->global_rank_of(mesh->shard_rank(), 1))), "publish");
+    EXPECT_EQ(pub.own_counters().calls(CommOp::Broadcast), 1);
+    EXPECT_EQ(mesh->replicate()->own_counters().calls(CommOp::Broadcast), 0);
+    // over the caller's groups: none until set_replicate_publish_group, which checks the ranks
+    auto group = [](Communicator& c) { return MeshGroup{c.process_group(), c.global_ranks()}; };
+    MeshGroups g{group(mesh->world()), group(mesh->shard()), group(*mesh->replicate()), std::nullopt, std::nullopt};
+    auto theirs = Mesh::from_groups(g);
+    EXPECT_FALSE(theirs->has_replicate_publish_group());
+    EXPECT_EQ(theirs->replicate_publish(), theirs->replicate());
+    std::string err = error_of([&] { theirs->set_replicate_publish_group(group(mesh->shard())); });
+    EXPECT_NE(err.find("set_replicate_publish_group: the group must hold the"), std::string::npos) << err;
+    theirs->set_replicate_publish_group(group(pub));
+    EXPECT_EQ(theirs->replicate_publish()->process_group().get(), pub.process_group().get());
+    err = error_of([&] { theirs->set_replicate_publish_group(group(pub)); });
+    EXPECT_NE(err.find("has one already"), std::string::npos) << err;
+    auto one_d = make_isolated_mesh(ctx);
+    err = error_of([&] { one_d->set_replicate_publish_group(group(pub)); });
+    EXPECT_NE(err.find("rank " + std::to_string(ctx.rank) + ": set_replicate_publish_group: this mesh has no "
+                       "replicate axis"), std::string::npos) << err;
+    mesh->shutdown();
   });
 }
 

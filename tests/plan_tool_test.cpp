@@ -557,11 +557,29 @@ TEST(StepSimulator, RanksSharingCoresSlowComputeShareNsAndExposeEveryCollective)
   hsdp.replicate = 2;
   const OwnerPlan plan12 = plan_owners(muon, 1, 2);
   const double lat = hw.inter_node.latency_us * 1e-6;  // one hop over R = 2
+  // each rank holds one matrix owned by the other replica: 2 S replicate bytes (stage-2 reduce S, publish S)
+  const double S = 64 * 256 * 2;
+  ASSERT_EQ(plan_comm(muon, plan12).max_replicate(), 2 * S);
+  // the stage-2 reduces go out in backward, each boundary's (S / 2: half the reduce) when the next
+  // one's backward ends; boundary 0 ends backward, so both boundaries' run after it here
+  const double stage2 = lat + S / 2 / 1e9;
   const double rep_own = simulate_step(m, muon, plan12, hsdp, hw).designs[0].replicate_s;
+  EXPECT_NEAR(rep_own, 2 * stage2, 1e-15);
+  {  // four boundaries, each's backward longer than a stage 2: only the last two outlast backward
+    ModelSpec four = m;
+    four.params.push_back(bf16("model.layers.2.mlp.up_proj.weight", {64, 256}));
+    four.params.push_back(bf16("model.layers.3.mlp.up_proj.weight", {64, 256}));
+    const std::vector<ParamSpec> mu4 = select_muon_params(four);
+    const OwnerPlan plan4 = plan_owners(mu4, 1, 2);
+    ASSERT_EQ(plan_comm(mu4, plan4).max_replicate(), 4 * S);
+    const Simulation s4 = simulate_step(four, mu4, plan4, hsdp, hw);
+    ASSERT_GT(s4.designs[0].backward_s / 4, stage2);
+    EXPECT_NEAR(s4.designs[0].replicate_s, 2 * stage2, 1e-15);
+  }
+  // every core has a rank: nothing moves under compute, the reduce and the publish are exposed
   hw.cores_per_node = 2;
   const double rep_shared = simulate_step(m, muon, plan12, hsdp, hw).designs[0].replicate_s;
-  ASSERT_GT(rep_own, lat);
-  EXPECT_NEAR(rep_shared - lat, 2 * (rep_own - lat), 1e-15);
+  EXPECT_NEAR(rep_shared, lat + 2 * S / 1e9, 1e-15);
   // a plan for another grid is refused, not misread
   EXPECT_THROW(simulate_step(m, muon, plan12, l, hw), std::invalid_argument);
 }

@@ -22,6 +22,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -893,6 +894,54 @@ TEST(RuntimeTest, HsdpGroupPrepareAheadAndPerGroupPrepareMatchTheOnePassPath) {
   });
 }
 
+// issue 37: group_prepare_ahead on every mesh where it pays (Runtime::step's rule): on a CPU mesh
+// the 1-D step (Z2, Z3, all_gather mode) and the DDP path prepare group by group too, with the same
+// numbers as the one-pass step; the host reads show which path ran (two per step for the one pass,
+// up to two per group for the per-group one).
+TEST(RuntimeTest, OneDAndDdpGroupPrepareAheadMatchTheOnePassPath) {
+  TrainConfig tc;
+  tc.steps = 3;
+  for (const char* mode : {"z3", "z2", "all_gather", "ddp"})
+    for (const bool ahead : {true, false}) {
+      SCOPED_TRACE(std::string(mode) + (ahead ? " per group" : " one pass"));
+      DistConfig dc;
+      dc.world = 3;
+      dc.z3 = std::string(mode) != "z2";
+      dc.ddp = std::string(mode) == "ddp";
+      if (std::string(mode) == "all_gather") dc.unshard = "all_gather";
+      dc.group_prepare_ahead = ahead;
+      check_equivalence(small_config(3), tc, dc);
+    }
+  const GPTConfig cfg = small_config(3);
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    auto mesh = make_mesh(ctx);
+    const at::Tensor tokens = make_batches(1, 4, 8, cfg.vocab_size, 5)[0].narrow(0, 2 * ctx.rank, 2);
+    std::map<bool, int64_t> reads;
+    for (const bool ahead : {true, false}) {
+      GPT m(cfg);
+      load_state(m, init_state(cfg, 7, at::kDouble));
+      testing::Layout l;
+      l.pack_small_params = true;  // one packed unit per (boundary, owner): every rank owns in every group
+      testing::dedicate_gpt(m, mesh, l);
+      MuonOptions mo = testing::muon_options(TrainConfig{});
+      mo.group_prepare_ahead = ahead;
+      Muon opt(m.ptr(), mo);
+      for (int step = 0; step < 2; ++step) {  // the second: the forward order is recorded
+        opt.zero_grad();
+        m->loss(tokens).backward();
+        const int64_t before = host_sync_count();
+        opt.step();
+        reads[ahead] = host_sync_count() - before;
+      }
+    }
+    const std::string r = "rank " + std::to_string(ctx.rank) + ": " + std::to_string(reads[true]) + " host reads per " +
+                          "group, " + std::to_string(reads[false]) + " one pass";
+    testing::expect(reads[false] <= 2, r + " (the one-pass step reads at most twice)");
+    testing::expect(reads[true] >= cfg.n_layers && reads[true] <= 1 + 2 * cfg.n_layers,
+                    r + " (the per-group step reads each group's flags, at most twice per group)");
+  });
+}
+
 TEST(RuntimeTest, HsdpBytesPerAxisMatchThePlanAndStaleReadsEndAtTheWait) {
   const GPTConfig cfg = small_config(2);
   for (bool async : {true, false}) {
@@ -909,10 +958,12 @@ TEST(RuntimeTest, HsdpBytesPerAxisMatchThePlanAndStaleReadsEndAtTheWait) {
       m->loss(at::randint(32, {2, 6}, at::kLong)).backward();
       opt.step();
       opt.zero_grad();
+      mesh->replicate()->own_counters().reset();
+      mesh->replicate_publish()->own_counters().reset();
       m->loss(at::randint(32, {2, 6}, at::kLong)).backward();
       mesh->shard().own_counters().reset();
-      mesh->replicate()->own_counters().reset();
-      // backward already issued stage 1 (counted before the reset); measure stage 2 + publish here
+      // backward issued stage 1 (not counted: the shard counters are reset after it) and stage 2
+      // (counted); step adds the publish
       opt.step();
       // Documented: with the async publish (default) a holder in another replicate group may read
       // the previous value until its boundary's next forward or wait_all_replicate_broadcasts; with
@@ -922,7 +973,11 @@ TEST(RuntimeTest, HsdpBytesPerAxisMatchThePlanAndStaleReadsEndAtTheWait) {
       int64_t flags = 0;
       for (const auto& d : get_dedicated_params(*m))
         if (d.owner.shard == mesh->shard_rank() && !d.is_owner) flags += 4;
-      const int64_t rep_bytes = mesh->replicate()->own_counters().total_bytes();
+      // the stage-2 reduces on the replicate group, the publish on its own twin (Mesh::create's)
+      if (!mesh->has_replicate_publish_group()) fail("Mesh::create built no publish group");
+      if (mesh->replicate()->own_counters().bytes(CommOp::Broadcast) != 0) fail("a publish ran on the replicate group");
+      const int64_t rep_bytes =
+          mesh->replicate()->own_counters().total_bytes() + mesh->replicate_publish()->own_counters().total_bytes();
       const int64_t planned = plan.comm.per_rank_replicate_bytes[static_cast<size_t>(ctx.rank)];
       if (rep_bytes - flags != planned)
         fail("replicate-axis bytes " + std::to_string(rep_bytes - flags) + " vs plan " + std::to_string(planned));
@@ -953,6 +1008,62 @@ TEST(RuntimeTest, HsdpBytesPerAxisMatchThePlanAndStaleReadsEndAtTheWait) {
       opt.step();
     });
   }
+}
+
+// issue 37: delay_stage2_to_optimizer as the API reference has it. Either way the stage-2
+// (replicate-axis) reduces go out during backward, each boundary's as the next one's stage 1 is
+// issued: when backward reaches the token embedding (after every block), some rank has issued some;
+// at its end every holder has issued all of its units' (one per boundary and owner), and step()
+// issues none. The training itself: check_equivalence in both modes, with and without the per-group step.
+TEST(RuntimeTest, HsdpStage2ReducesGoOutDuringBackwardAndStepWaitsThem) {
+  const GPTConfig cfg = small_config(3);
+  for (const bool delay : {true, false}) {
+    SCOPED_TRACE(delay ? "delay_stage2_to_optimizer" : "stage 2 waited in backward");
+    std::atomic<int64_t> issued_before_the_embedding{0};
+    testing::run_ranks(4, [&](testing::RankContext& ctx) {
+      GPT m(cfg);
+      auto mesh = make_mesh(ctx, std::chrono::seconds(60), /*replicate=*/2);
+      testing::Layout l;
+      l.world = 4;
+      l.replicate = 2;
+      DedicateOptions dopts;
+      dopts.delay_stage2_to_optimizer = delay;
+      testing::dedicate_gpt(m, mesh, l, dopts);
+      MuonOptions mo;
+      mo.first_step_progress_log = false;
+      Muon opt(m.ptr(), mo);
+      std::set<std::tuple<std::string, int, int>> held;  // this rank's stage-2 reduces: (boundary, owner)
+      for (const auto& d : get_dedicated_params(*m))
+        if (d.owner.shard == mesh->shard_rank()) held.insert({d.boundary, d.owner.shard, d.owner.replicate});
+      CommCounters& rep = mesh->replicate()->own_counters();
+      m->tok_emb->weight.register_hook([&](const at::Tensor&) { issued_before_the_embedding += rep.calls(CommOp::Reduce); });
+      for (int step = 0; step < 2; ++step) {  // the first step records the forward order
+        opt.zero_grad();
+        rep.reset();
+        m->loss(at::randint(32, {2, 6}, at::kLong)).backward();
+        const int64_t after_backward = rep.calls(CommOp::Reduce);
+        opt.step();
+        testing::expect(after_backward == static_cast<int64_t>(held.size()),
+               "rank " + std::to_string(ctx.rank) + " step " + std::to_string(step) + ": " +
+                   std::to_string(after_backward) + " stage-2 reduces issued in backward, " +
+                   std::to_string(held.size()) + " units held");
+        testing::expect(rep.calls(CommOp::Reduce) == after_backward, "step() issued a stage-2 reduce");
+      }
+    });
+    EXPECT_GT(issued_before_the_embedding.load(), 0) << "no stage-2 reduce before the end of backward";
+  }
+  TrainConfig tc;
+  tc.steps = 3;
+  DistConfig dc;
+  dc.world = 4;
+  dc.replicate = 2;
+  for (const bool delay : {true, false})
+    for (const bool ahead : {true, false}) {
+      SCOPED_TRACE(std::string(delay ? "delayed" : "waited in backward") + (ahead ? ", per group" : ", one pass"));
+      dc.delay_stage2 = delay;
+      dc.group_prepare_ahead = ahead;
+      check_equivalence(small_config(3), tc, dc);
+    }
 }
 
 TEST(RuntimeTest, HsdpStrictPostStepFence) {
@@ -2057,7 +2168,7 @@ TEST(RuntimeTest, StepTrafficPlanEqualsTheMeasuredBytesOfEveryGroup) {
       Muon opt(m.ptr(), testing::muon_options(testing::TrainConfig{}));
       const int64_t per = 12 / l.world;
       std::map<std::string, Communicator*> groups;  // by name: each distinct group once
-      for (Communicator* g : {&mesh->world(), &mesh->shard(), mesh->replicate(), &mesh->dp()})
+      for (Communicator* g : {&mesh->world(), &mesh->shard(), mesh->replicate(), mesh->replicate_publish(), &mesh->dp()})
         if (g) groups[g->name()] = g;
       std::map<std::string, CommCounters::Snapshot> before;
       for (size_t i = 0; i < batches.size(); ++i) {

@@ -93,23 +93,24 @@ void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon&
                               const OptimizerStateDict& state_dict);
 
 // One file: written to a temporary name in the same directory, flushed to disk, then renamed over
-// `path`, so a crash never leaves a partial checkpoint. Format version 2: a 32-byte header (magic
-// "DMUONCKP", the version, the archive's length and CRC32C, the header's own CRC32C), then a
-// torch::serialize archive whose "checksums" entry holds a CRC32C for every tensor (over its
-// dtype, shape and contiguous bytes, as written) and one for the optimizer metadata (param_groups'
-// names, flags and hyperparameters, steps_taken).
+// `path`, so a crash never leaves a partial checkpoint. The file is safetensors (safetensors.h),
+// whatever `path` ends in, so Python and other tools read it: `safetensors.torch.load_file(path)`
+// returns every tensor, keyed "model/<name>", "optim_muon/<name>.momentum_buffer" / "<name>.step",
+// "optim_adamw/<name>.exp_avg" / ".exp_avg_sq" / ".step"; its metadata holds "format":
+// "dmuon-checkpoint-safetensors-v1", "optimizer": JSON {"steps_taken", "param_groups": [{"name",
+// "is_muon", "lr", "momentum", "weight_decay", "beta1", "beta2", "eps", "nesterov", "ns_steps"},
+// ...]}, and "crc32c": JSON {"<tensor key>": CRC32C of its data bytes, ..., "optimizer": CRC32C of
+// that string}. A rank reads only what it keeps (checkpoint_model_source reads by offset).
 //
-// A `path` ending in ".safetensors" is written as one safetensors file instead (safetensors.h), for
-// Python and other tools: `safetensors.torch.load_file(path)` returns every tensor, keyed
-// "model/<name>", "optim_muon/<name>.momentum_buffer" / "<name>.step", "optim_adamw/<name>.exp_avg" /
-// ".exp_avg_sq" / ".step"; its metadata holds "format": "dmuon-checkpoint-safetensors-v1",
-// "optimizer": JSON {"steps_taken", "param_groups": [{"name", "is_muon", "lr", "momentum",
-// "weight_decay", "beta1", "beta2", "eps", "nesterov", "ns_steps"}, ...]}, and "crc32c": JSON
-// {"<tensor key>": CRC32C of its data bytes, ..., "optimizer": CRC32C of that string}.
+// Earlier dmuon versions wrote format version 2, a 32-byte header (magic "DMUONCKP", the version, the
+// archive's length and CRC32C, the header's own CRC32C) and a torch::serialize archive with a
+// CRC32C for every tensor and for the optimizer metadata. load_checkpoint still reads and verifies
+// those files (they resume like any other); nothing writes them any more.
 //
-// `metadata` (optional) is stored with the checkpoint and covered by its checksums: the archive's
-// "metadata" entry, or the safetensors metadata "user" (a JSON object of strings). A caller keeps
-// there what defines its run (the CLI: the architecture, the data's digest, the seed, the batch).
+// `metadata` (optional) is stored with the checkpoint and covered by its checksums: the
+// safetensors metadata "user" (a JSON object of strings; in a format-2 file, the archive's
+// "metadata" entry). A caller keeps there what defines its run (the CLI: the architecture, the
+// data's digest, the seed, the batch).
 void save_checkpoint(const std::string& path, const TensorDict& model, const OptimizerStateDict* optimizer = nullptr,
                      const std::map<std::string, std::string>& metadata = {});
 
@@ -118,8 +119,8 @@ struct Checkpoint {
   std::optional<OptimizerStateDict> optim;
   std::map<std::string, std::string> metadata;  // as passed to save_checkpoint
 };
-// Either format (the file's first bytes tell). A safetensors checkpoint written elsewhere (e.g. by
-// Python with the layout above) loads too, but only with allow_unverified = true when it has no
+// Either format, safetensors or format 2 (the file's first bytes tell). A safetensors checkpoint
+// written elsewhere (e.g. by Python with the layout above) loads too, but only with allow_unverified = true when it has no
 // "crc32c" metadata (dmuon always writes it); with "crc32c", every tensor in the file must have its
 // entry and every entry its tensor.
 // Every rank may call it; it changes nothing and returns the file's contents only when they are
@@ -134,7 +135,7 @@ Checkpoint load_checkpoint(const std::string& path);
 Checkpoint load_checkpoint(const std::string& path, bool include_model, bool allow_unverified = false);
 // The model section of a checkpoint as a ParamSource for set_model_state_dict: a safetensors
 // checkpoint is read by offset, each rank only what it keeps, each tensor verified against its
-// CRC32C as it is read; the archive format (no random access) is read and verified whole.
+// CRC32C as it is read; a format-2 archive (no random access) is read and verified whole.
 std::shared_ptr<ParamSource> checkpoint_model_source(const std::string& path, bool allow_unverified = false);
 
 // Whether `path` is a dmuon checkpoint of either format (by its first bytes and, for safetensors, its

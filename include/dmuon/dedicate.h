@@ -121,8 +121,11 @@ struct DedicateOptions {
   std::string muon_forward_unshard = "broadcast";
   // HSDP (2-D mesh) only:
   double replicate_broadcast_bucket_mb = 0.0;   // post-step publish chunk size in MiB; 0 = one per packed unit
-  bool delay_stage2_to_optimizer = true;        // replicate-axis reduce waited/issued in step() (true) or
-                                                // at the end of backward (false)
+  // The stage-2 (replicate-axis) gradient reduce is issued in backward either way, each boundary's
+  // as the next boundary's reduce goes out (so it runs under the rest of backward). true: backward
+  // waits only the stage-1 (shard) reduces, step() waits stage 2, group by group, so late reduce
+  // tails overlap earlier groups' Newton-Schulz and publish; false: backward waits stage 2 as well.
+  bool delay_stage2_to_optimizer = true;
   // Post-step publish (HSDP, the DDP path, all_gather unshard): true returns from step() at once and
   // each boundary's next forward waits for its own publish; false waits in step(). No effect on a
   // 1-D mesh in broadcast mode. MuonOptions::replicate_async overrides it when set.

@@ -33,9 +33,15 @@ using ProcessGroupFactory =
     std::function<CommPtr(const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout)>;
 
 struct MeshOptions {
-  std::string process_group_policy;  // "" = DMUON_PROCESS_GROUP_POLICY, else "isolated"
-  StorePtr store;                    // required for "isolated" and for R > 1
-  ProcessGroupFactory factory;       // required for "isolated" and for R > 1
+  // "isolated": every group is dmuon's own (a clone of the world and the axes' groups), so the
+  // caller's collectives (logging, metrics, checkpoints) never interleave with dmuon's asynchronous
+  // ones on one communicator. "shared": dmuon runs on the caller's `world` group; on a 1-D mesh that
+  // is every group, on a 2-D or TP mesh the world collectives (fingerprints, agreements, barriers)
+  // while the axes' groups, which the caller did not give, are built (pass them to
+  // Mesh::from_groups to share those too). "" = DMUON_PROCESS_GROUP_POLICY, else "isolated".
+  std::string process_group_policy;
+  StorePtr store;                    // required for "isolated" and for R > 1 or T > 1
+  ProcessGroupFactory factory;       // required for "isolated" and for R > 1 or T > 1
   // HSDP: the replicate groups' factory (unset: `factory`). The CLI gives them normal-priority NCCL
   // streams (the post-step publish overlaps the next forward), the world/shard groups high-priority
   // ones (broadcasts and reduces sit on the critical path).
@@ -105,6 +111,16 @@ class Mesh {
   void set_sharded_unshard_group(const MeshGroup& group);
   bool has_sharded_unshard_group() const { return static_cast<bool>(sharded_unshard_); }
   Communicator& sharded_unshard() { return sharded_unshard_ ? *sharded_unshard_ : *shard_; }
+  // HSDP: the post-step publish's own group over this rank's replicate group's ranks (same order), so
+  // a large replicate-axis reduce (the stage-2 reduces, sharded_adamw's all-reduces) never sits in
+  // front of a publish the next forward waits for: its own connections (Gloo) or stream (NCCL).
+  // Mesh::create builds it; over the caller's groups (from_groups) set_replicate_publish_group adds
+  // one (the caller builds and keeps it; Python's "isolated" policy does), else the publish shares the
+  // replicate group. Checks the ranks like set_sharded_unshard_group. Local; once.
+  void set_replicate_publish_group(const MeshGroup& group);
+  bool has_replicate_publish_group() const { return static_cast<bool>(replicate_publish_); }
+  // The group the HSDP publish runs on (null on a 1-D mesh).
+  Communicator* replicate_publish() { return replicate_publish_ ? replicate_publish_.get() : replicate_.get(); }
   CommCounters& counters() { return *counters_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
   // Where this mesh's tensors live; small exchanges (flags, digests, norms) allocate there.
@@ -133,9 +149,15 @@ class Mesh {
   std::chrono::milliseconds timeout_{kDefaultCollectiveTimeout};
   std::shared_ptr<CommCounters> counters_;
   std::vector<Communicator*> groups();  // each distinct process group once
+  std::unique_ptr<Communicator> twin_of(const Communicator& axis, const MeshGroup& group, const char* setter,
+                                        const std::string& suffix) const;
+  std::vector<Communicator*> owned_groups();  // those dmuon built (shutdown/abort end them)
   std::unique_ptr<Communicator> world_, shard_, replicate_, tp_, dp_;
   std::unique_ptr<Communicator> sharded_unshard_;  // the caller's (set_sharded_unshard_group)
+  std::unique_ptr<Communicator> replicate_publish_;  // HSDP: Mesh::create's, or the caller's
+  bool owns_replicate_publish_ = false;              // Mesh::create built it
   bool owns_groups_ = false;  // dmuon built its groups (isolated policy, HSDP, TP)
+  bool owns_world_ = false;   // ... the world group too (not the caller's: a "shared" 2-D/TP mesh)
   bool closed_ = false;
 };
 

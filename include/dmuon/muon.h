@@ -123,12 +123,15 @@ struct MuonOptions {
   // would wait before the parameters are read again.
   std::optional<bool> replicate_async;
   bool record_step_profile = false;
-  // HSDP: prepare the dedicated gradients group by group (hook boundaries, forward order): the next
-  // group's stage-2 reduce is in flight while this group's Newton-Schulz runs, and with async
-  // publishing each group publishes right after its own update. false: every reduce is waited
-  // first, every group published after every update. Same results either way. Cost: two host reads
-  // per group instead of two per step. (1-D meshes, TP meshes and steps after clip_grad_norm_ take
-  // the one-pass path: there is no stage 2 to overlap, or every gradient was waited already.)
+  // Prepare the dedicated gradients group by group (hook boundaries): a later group's reduce (HSDP:
+  // its stage-2 reduce) is still in flight while this group's Newton-Schulz runs, and with async
+  // publishing each group publishes right after its own update (HSDP, the DDP path, all_gather
+  // mode: groups in the next forward's order; 1-D broadcast mode: in reduce order). false: every
+  // reduce is waited first, every group published after every update. Same results either way.
+  // Cost: two host reads per group instead of two per step, so it applies where it pays (measured,
+  // docs/PERF.md): wherever step() has per-group traffic (HSDP, a post-step publish) and on CPU
+  // meshes (host reads are free); a 1-D GPU mesh in broadcast mode, TP meshes and steps after
+  // clip_grad_norm_ (every gradient waited already) take the one-pass path.
   bool group_prepare_ahead = true;
   // One line per matrix in the first step (NS kernel, shape, time): off by default in the library
   // (the CLI turns it on). Lines go to `log` when set, else to stderr.

@@ -154,6 +154,13 @@ MuonGroupOptions& group_options(Muon& opt, size_t i) {
 
 void bind_runtime(py::module_& m) {
   const auto release = py::call_guard<py::gil_scoped_release>();
+  // Mesh::set_*_group: a torch group (its backend for the mesh's device) and its members' world-group ranks
+  auto set_twin = [](void (Mesh::*set)(const MeshGroup&), const char* what) {
+    return [set, what](Mesh& mesh, const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::vector<int> ranks) {
+      TORCH_CHECK_VALUE(group, what, ": the process group is None");
+      (mesh.*set)(MeshGroup{group->getBackend(mesh.device().type()), std::move(ranks)});
+    };
+  };
 
   py::class_<Mesh, std::shared_ptr<Mesh>>(m, "_Mesh")
       .def_property_readonly("global_rank", &Mesh::global_rank)
@@ -167,11 +174,10 @@ void bind_runtime(py::module_& m) {
       .def_property_readonly("policy", &Mesh::policy)
       .def_property_readonly("timeout_s", [](const Mesh& mesh) { return static_cast<double>(mesh.timeout().count()) / 1000.0; })
       .def_property_readonly("has_sharded_unshard_group", &Mesh::has_sharded_unshard_group)
-      .def("set_sharded_unshard_group",
-           [](Mesh& mesh, const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::vector<int> ranks) {
-             TORCH_CHECK_VALUE(group, "set_sharded_unshard_group: the process group is None");
-             mesh.set_sharded_unshard_group(MeshGroup{group->getBackend(mesh.device().type()), std::move(ranks)});
-           },
+      .def("set_sharded_unshard_group", set_twin(&Mesh::set_sharded_unshard_group, "set_sharded_unshard_group"),
+           "group"_a, "ranks"_a)
+      .def_property_readonly("has_replicate_publish_group", &Mesh::has_replicate_publish_group)
+      .def("set_replicate_publish_group", set_twin(&Mesh::set_replicate_publish_group, "set_replicate_publish_group"),
            "group"_a, "ranks"_a)
       .def("bytes", [](Mesh& mesh) {
         py::dict out;

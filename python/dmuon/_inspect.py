@@ -199,8 +199,10 @@ class DedicatedCommContext:
 
     Process groups (torch.distributed groups; dmuon's clones under process_group_policy="isolated", the
     caller's under "shared"): ``shard_group`` (the shard axis: dedicated broadcasts and reduces, sharded_adamw
-    all-gathers and reduce-scatters), ``replicate_group`` (HSDP's replicate axis: stage-2 reduces, post-step
-    publishes, replicated all-reduces; None on a 1-D mesh), ``tp_group`` (None without tensor parallelism),
+    all-gathers and reduce-scatters), ``replicate_group`` (HSDP's replicate axis: stage-2 reduces, sharded_adamw
+    all-reduces; None on a 1-D mesh), ``replicate_publish_group`` (HSDP: the post-step publishes, on a group
+    of their own under "isolated" so no replicate-axis reduce sits in front of a publish the next forward
+    waits for; the replicate group itself under "shared"), ``tp_group`` (None without tensor parallelism),
     ``data_parallel_group`` (the data-parallel ranks at this rank's TP position) and ``world_group``.
 
     Streams: dmuon issues no kernels of its own for communication; each collective runs on its process
@@ -222,6 +224,8 @@ class DedicatedCommContext:
         self.world_group = groups.world
         self.shard_group = groups.shard
         self.replicate_group = groups.replicate
+        self.replicate_publish_group = groups.replicate_publish if groups.replicate_publish is not None \
+            else groups.replicate
         self.tp_group = groups.tp
         self.data_parallel_group = groups.dp
         self.shard_high_priority: bool = groups.shard_high_priority

@@ -146,9 +146,11 @@ def _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device):
     isolated = policy == "isolated"
     shard_group = _new_groups(order({tuple(s) for s, _, _ in everyone}), backend, timeout_s, high_priority=True) \
         if isolated else shard
-    replicate_group = None
+    replicate_group = publish_group = None
     if replicate is not None:
         replicate_group = new(order({tuple(r) for _, r, _ in everyone if r})) if isolated else replicate
+        if isolated:  # the post-step publish apart from the replicate-axis reduces
+            publish_group = new(order({tuple(r) for _, r, _ in everyone if r}))
     tp_group = new(order({tuple(t) for _, _, t in everyone})) if isolated else tp
     dp_group = new(order(dps))
     world_ranks = next(list(w) for w in worlds if me in w)
@@ -159,9 +161,11 @@ def _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device):
         groups.append((replicate_group, [index[g] for g in replicate_ranks]))
     native = _C._mesh(groups, device, policy, timeout_s, tp=(tp_group, [index[g] for g in tp_ranks]),
                       dp=(dp_group, [index[g] for g in dp_ranks]))
+    if publish_group is not None:
+        native.set_replicate_publish_group(publish_group, [index[g] for g in replicate_ranks])
     return native, world, dp_ranks, MeshGroups(world, shard_group, replicate_group, tp_group, dp_group,
                                                isolated and backend == "nccl", torch.device(device), shard_ranks,
-                                               [index[g] for g in shard_ranks])
+                                               [index[g] for g in shard_ranks], publish_group)
 
 
 class MeshGroups(NamedTuple):
@@ -175,6 +179,7 @@ class MeshGroups(NamedTuple):
     device: torch.device                    # where the collectives' tensors live
     shard_ranks: List[int]                  # the shard group's global ranks, in its order
     shard_in_world: List[int]               # the same as ranks of the world group (what the C++ mesh takes)
+    replicate_publish: Optional[dist.ProcessGroup] = None  # HSDP, "isolated": the post-step publish's own group
 
 
 def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str, tp=None):
@@ -201,6 +206,7 @@ def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str
     timeout_s = _C._collective_timeout(shard, device)
     if tp is not None and dist.get_world_size(tp) > 1:
         return _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device)
+    publish_group = None
     if policy == "shared" and replicate is None:
         world_ranks, world, shard_group, replicate_group = shard_ranks, shard, shard, None
     else:
@@ -215,13 +221,18 @@ def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str
             world = new(worlds)
             shard_group = _new_groups(shards, backend, timeout_s, high_priority=True) if policy == "isolated" else shard
             replicate_group = new(replicas) if policy == "isolated" else replicate
+            # isolated: the post-step publish on its own group, apart from the replicate-axis reduces
+            publish_group = new(replicas) if policy == "isolated" else None
     index = {g: i for i, g in enumerate(world_ranks)}  # global rank -> rank in the mesh's world group
     groups = [(world, list(range(len(world_ranks)))), (shard_group, [index[g] for g in shard_ranks])]
     if replicate is not None:
         groups.append((replicate_group, [index[g] for g in replicate_ranks]))
-    return _C._mesh(groups, device, policy, timeout_s), world, None, MeshGroups(
+    native = _C._mesh(groups, device, policy, timeout_s)
+    if publish_group is not None:
+        native.set_replicate_publish_group(publish_group, [index[g] for g in replicate_ranks])
+    return native, world, None, MeshGroups(
         world, shard_group, replicate_group, None, world, policy == "isolated" and backend == "nccl", torch.device(device),
-        shard_ranks, [index[g] for g in shard_ranks])
+        shard_ranks, [index[g] for g in shard_ranks], publish_group)
 
 
 def add_sharded_unshard_group(native_mesh, groups: MeshGroups) -> None:

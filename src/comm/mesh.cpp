@@ -44,7 +44,8 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
                : R > 1 ? "a 2-D (replicate x shard) mesh"
                        : "process_group_policy=\"isolated\""),
               " builds dmuon's own process groups and needs MeshOptions::store and MeshOptions::factory (see "
-              "dmuon::process_group_factory in bootstrap.h), or use process_group_policy=\"shared\" on a 1-D mesh.");
+              "dmuon::process_group_factory in bootstrap.h), or use process_group_policy=\"shared\" on a 1-D mesh"
+              ", or pass the caller's groups of every axis to Mesh::from_groups.");
 
   auto mesh = std::shared_ptr<Mesh>(new Mesh());
   mesh->global_rank_ = rank;
@@ -61,6 +62,7 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
     return mesh;
   }
   mesh->owns_groups_ = true;
+  mesh->owns_world_ = true;
   // A generation number per rank and tag keeps the PrefixStore keys of a second mesh (another
   // model) apart from the first; ranks create meshes in the same order, so they agree on it.
   const int64_t gen = opts.store->add(opts.tag + "/mesh_generation/rank" + std::to_string(rank), 1);
@@ -82,10 +84,16 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
 #endif
     return std::make_unique<Communicator>(pg, opts.tag + "/" + name, ranks, opts.timeout, mesh->counters_, device);
   };
-  // Same global order on every rank: world, then all shard groups, then all replicate groups, then
-  // all TP groups, then all data-parallel groups (each rank builds only the groups it belongs to; groups of one kind are disjoint,
+  // Same global order on every rank: world, then all shard groups, then all replicate groups (each
+  // with its publish twin), then all TP groups, then all data-parallel groups (each rank builds only the groups it belongs to; groups of one kind are disjoint,
   // so no rank waits on a group its peers build later).
-  mesh->world_ = make("world", iota_ranks(n, 0, 1), opts.factory);
+  // "shared": the world collectives run on the caller's group; the sub-groups, which the caller did
+  // not give (Mesh::from_groups takes them), are built here
+  const bool share_world = policy == "shared";
+  mesh->world_ = share_world ? std::make_unique<Communicator>(world, opts.tag + "/world", iota_ranks(n, 0, 1),
+                                                              opts.timeout, mesh->counters_, device)
+                             : make("world", iota_ranks(n, 0, 1), opts.factory);
+  mesh->owns_world_ = !share_world;
   const int t = rank % T, rs = rank / T, r = rs / G, s = rs % G;
   if (R == 1 && T == 1) {
     mesh->shard_ = std::make_unique<Communicator>(mesh->world_->process_group(), opts.tag + "/shard",
@@ -93,9 +101,14 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
   } else {
     const std::string at_t = T > 1 ? "t" + std::to_string(t) : std::string();
     mesh->shard_ = make("shard" + std::to_string(r) + at_t, iota_ranks(G, r * G * T + t, T), opts.factory);
-    if (R > 1)
-      mesh->replicate_ = make("replicate" + std::to_string(s) + at_t, iota_ranks(R, s * T + t, G * T),
-                              opts.replicate_factory ? opts.replicate_factory : opts.factory);
+    if (R > 1) {
+      const auto& factory = opts.replicate_factory ? opts.replicate_factory : opts.factory;
+      const std::string name = "replicate" + std::to_string(s) + at_t;
+      mesh->replicate_ = make(name, iota_ranks(R, s * T + t, G * T), factory);
+      // the post-step publish apart from the replicate-axis reduces (its own connections or stream)
+      mesh->replicate_publish_ = make(name + "/publish", iota_ranks(R, s * T + t, G * T), factory);
+      mesh->owns_replicate_publish_ = true;
+    }
     if (T > 1) {
       mesh->tp_ = make("tp" + std::to_string(rs), iota_ranks(T, rs * T, 1), opts.factory);
       mesh->dp_ = make("dp" + std::to_string(t), iota_ranks(R * G, t, T), opts.factory);
@@ -181,27 +194,41 @@ std::shared_ptr<Mesh> Mesh::from_groups(const MeshGroups& g, const MeshOptions& 
   return mesh;
 }
 
-void Mesh::set_sharded_unshard_group(const MeshGroup& g) {
-  TORCH_CHECK_VALUE(!sharded_unshard_, "rank ", global_rank_, ": set_sharded_unshard_group: this mesh has one already.");
-  TORCH_CHECK_VALUE(g.group, "rank ", global_rank_, ": set_sharded_unshard_group: the process group is null.");
+// A second group over the ranks of `axis` (same order), given with world-group ranks as in MeshGroups.
+std::unique_ptr<Communicator> Mesh::twin_of(const Communicator& axis, const MeshGroup& g, const char* setter,
+                                            const std::string& suffix) const {
+  TORCH_CHECK_VALUE(g.group, "rank ", global_rank_, ": ", setter, ": the process group is null.");
   std::vector<int> globals;
   for (int r : g.ranks) {
-    TORCH_CHECK_VALUE(r >= 0 && r < world_->size(), "rank ", global_rank_, ": set_sharded_unshard_group: rank ", r,
+    TORCH_CHECK_VALUE(r >= 0 && r < world_->size(), "rank ", global_rank_, ": ", setter, ": rank ", r,
                       " is not a rank of the mesh's world group (", world_->size(), " ranks).");
     globals.push_back(world_->global_ranks()[static_cast<size_t>(r)]);
   }
-  TORCH_CHECK_VALUE(globals == shard_->global_ranks() && g.group->getSize() == shard_->size() &&
-                        g.group->getRank() == shard_->rank(),
-                    "rank ", global_rank_, ": set_sharded_unshard_group: the group must hold the shard group's ranks in "
-                    "its order (", shard_->size(), " ranks, this one at ", shard_->rank(), "); got ", g.group->getSize(),
-                    " ranks, this one at ", g.group->getRank(), ". Build it over the shard group's ranks.");
-  sharded_unshard_ = std::make_unique<Communicator>(g.group, shard_->name() + "/sharded-unshard", globals, timeout_,
-                                                    counters_, world_->device());
+  TORCH_CHECK_VALUE(globals == axis.global_ranks() && g.group->getSize() == axis.size() &&
+                        g.group->getRank() == axis.rank(),
+                    "rank ", global_rank_, ": ", setter, ": the group must hold the ", axis.name(), " group's ranks in "
+                    "its order (", axis.size(), " ranks, this one at ", axis.rank(), "); got ", g.group->getSize(),
+                    " ranks, this one at ", g.group->getRank(), ". Build it over that group's ranks.");
+  return std::make_unique<Communicator>(g.group, axis.name() + suffix, globals, timeout_, counters_, world_->device());
+}
+
+void Mesh::set_sharded_unshard_group(const MeshGroup& g) {
+  TORCH_CHECK_VALUE(!sharded_unshard_, "rank ", global_rank_, ": set_sharded_unshard_group: this mesh has one already.");
+  sharded_unshard_ = twin_of(*shard_, g, "set_sharded_unshard_group", "/sharded-unshard");
+}
+
+void Mesh::set_replicate_publish_group(const MeshGroup& g) {
+  TORCH_CHECK_VALUE(replicate_, "rank ", global_rank_, ": set_replicate_publish_group: this mesh has no replicate "
+                    "axis (a 1-D mesh publishes nothing over one).");
+  TORCH_CHECK_VALUE(!replicate_publish_, "rank ", global_rank_,
+                    ": set_replicate_publish_group: this mesh has one already.");
+  replicate_publish_ = twin_of(*replicate_, g, "set_replicate_publish_group", "/publish");
 }
 
 std::vector<Communicator*> Mesh::groups() {
   std::vector<Communicator*> out;
-  for (Communicator* c : {world_.get(), shard_.get(), replicate_.get(), tp_.get(), dp_.get()}) {
+  for (Communicator* c : {world_.get(), shard_.get(), replicate_.get(), tp_.get(), dp_.get(),
+                          owns_replicate_publish_ ? replicate_publish_.get() : nullptr}) {
     if (!c) continue;
     bool seen = false;
     for (Communicator* o : out) seen = seen || o->process_group().get() == c->process_group().get();
@@ -214,16 +241,23 @@ void Mesh::shutdown() {
   if (closed_) return;
   world_->barrier("mesh shutdown: every rank finished its collectives");
   closed_ = true;
-  // a 1-D "shared" mesh runs on the caller's world group, which is the caller's to shut down
-  if (owns_groups_)
-    for (Communicator* c : groups()) c->shutdown();
+  for (Communicator* c : owned_groups()) c->shutdown();
+}
+
+// What dmuon built: none on a 1-D "shared" mesh or from_groups; no world group (the caller's) on a
+// "shared" 2-D or TP mesh.
+std::vector<Communicator*> Mesh::owned_groups() {
+  std::vector<Communicator*> out;
+  if (!owns_groups_) return out;
+  for (Communicator* c : groups())
+    if (owns_world_ || c->process_group().get() != world_->process_group().get()) out.push_back(c);
+  return out;
 }
 
 void Mesh::abort() {
   if (closed_) return;
   closed_ = true;
-  if (owns_groups_)
-    for (Communicator* c : groups()) c->abort();
+  for (Communicator* c : owned_groups()) c->abort();
 }
 
 }  // namespace dmuon

@@ -1,5 +1,7 @@
-// Checkpoint files (see include/dmuon/checkpoint.h): atomic writes, a versioned header, and a
-// CRC32C for the whole archive and for every tensor and the optimizer metadata, verified on load.
+// Checkpoint files (see include/dmuon/checkpoint.h). dmuon writes safetensors checkpoints
+// (checkpoint_safetensors.cpp); this file reads both those and the format-2 archives earlier dmuon
+// versions wrote (a versioned header, a CRC32C for the whole archive and for every tensor and the
+// optimizer metadata, all verified on load), and holds the CRC32C both formats use.
 #include <c10/util/Exception.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -27,7 +29,8 @@ constexpr const char* kFormat = "dmuon-checkpoint-v2";  // the archive's "format
 }  // namespace
 
 // ---- files ---------------------------------------------------------------------------------------
-// Format version 2 (see checkpoint.h): a 32-byte header, then a torch::serialize archive.
+// Format version 2 (read only; dmuon wrote it up to 2026-12): a 32-byte header, then a
+// torch::serialize archive.
 //   [0, 8)   magic "DMUONCKP"
 //   [8, 12)  format version (u32, little-endian)
 //   [12, 16) reserved, 0
@@ -148,39 +151,6 @@ uint32_t user_crc(const std::map<std::string, std::string>& m) {
     b.str(v);
   }
   return b.crc();
-}
-
-c10::Dict<std::string, at::Tensor> to_dict(const TensorDict& d, const std::string& section,
-                                           c10::Dict<std::string, int64_t>& sums) {
-  c10::Dict<std::string, at::Tensor> out;
-  for (const auto& [k, v] : d) {
-    at::Tensor t = v.detach().cpu();
-    sums.insert(section + "/" + k, tensor_crc(t));
-    out.insert(k, t);
-  }
-  return out;
-}
-
-// Writes the header and the archive to the open file `fd`.
-void write_file(int fd, torch::serialize::OutputArchive& ar) {
-  uint64_t len = 0;
-  uint32_t crc = 0;
-  int write_errno = 0;
-  // torch's zip writer calls this from C code: report failures by the return value, never throw
-  ar.save_to([&](const void* data, size_t n) -> size_t {
-    if (write_errno != 0 || (write_errno = io::write_all(fd, data, n, kHeaderSize + len)) != 0) return 0;
-    crc = checkpoint_crc32c(data, n, crc);
-    len += n;
-    return n;
-  });
-  if (write_errno != 0) throw std::runtime_error(std::strerror(write_errno));
-  unsigned char h[kHeaderSize] = {};
-  std::memcpy(h, kMagic, sizeof(kMagic));
-  put_u32(h + 8, kVersion);
-  put_u64(h + 16, len);
-  put_u32(h + 24, crc);
-  put_u32(h + 28, checkpoint_crc32c(h, 28));
-  if ((write_errno = io::write_all(fd, h, kHeaderSize, 0)) != 0) throw std::runtime_error(std::strerror(write_errno));
 }
 
 // A file that is a torch archive (a zip) but has no dmuon header: a format-1 dmuon checkpoint or something else.
@@ -317,48 +287,7 @@ uint32_t checkpoint_crc32c(const void* data, size_t n, uint32_t crc) {
 
 void save_checkpoint(const std::string& path, const TensorDict& model, const OptimizerStateDict* optim,
                      const std::map<std::string, std::string>& metadata) {
-  const std::string ext = ".safetensors";
-  if (path.size() > ext.size() && path.compare(path.size() - ext.size(), ext.size(), ext) == 0)
-    return io::save_checkpoint_safetensors(path, model, optim, metadata);
-  torch::serialize::OutputArchive ar;
-  c10::Dict<std::string, int64_t> sums;
-  ar.write("format", c10::IValue(std::string(kFormat)));
-  ar.write("model", c10::IValue(to_dict(model, "model", sums)));
-  if (optim) {
-    ar.write("optim_muon", c10::IValue(to_dict(optim->muon, "optim_muon", sums)));
-    ar.write("optim_adamw", c10::IValue(to_dict(optim->adamw, "optim_adamw", sums)));
-    GroupLists g;
-    g.hparams = at::empty({static_cast<int64_t>(optim->param_groups.size()), 7}, at::kDouble);
-    double* row = g.hparams.data_ptr<double>();
-    for (const auto& gs : optim->param_groups) {
-      g.names.push_back(gs.name);
-      g.is_muon.push_back(gs.is_muon);
-      g.nesterov.push_back(gs.nesterov);
-      const double r[7] = {gs.lr, gs.momentum, gs.weight_decay, gs.beta1, gs.beta2, gs.eps,
-                           static_cast<double>(gs.ns_steps)};
-      row = std::copy(r, r + 7, row);
-    }
-    g.steps_taken = optim->steps_taken;
-    sums.insert(kMetaKey, meta_crc(g));
-    c10::List<std::string> names;
-    c10::List<bool> is_muon, nesterov;
-    for (const auto& n : g.names) names.push_back(n);
-    for (bool b : g.is_muon) is_muon.push_back(b);
-    for (bool b : g.nesterov) nesterov.push_back(b);
-    ar.write("optim_group_names", c10::IValue(names));
-    ar.write("optim_group_is_muon", c10::IValue(is_muon));
-    ar.write("optim_group_nesterov", c10::IValue(nesterov));
-    ar.write("optim_group_hparams", c10::IValue(g.hparams));
-    ar.write("optim_steps_taken", c10::IValue(g.steps_taken));
-  }
-  if (!metadata.empty()) {
-    c10::Dict<std::string, std::string> m;
-    for (const auto& [k, v] : metadata) m.insert(k, v);
-    ar.write(kUserKey, c10::IValue(m));
-    sums.insert(kUserKey, user_crc(metadata));
-  }
-  ar.write("checksums", c10::IValue(sums));
-  io::write_atomically(path, "save_checkpoint", [&](int fd) { write_file(fd, ar); });
+  io::save_checkpoint_safetensors(path, model, optim, metadata);
 }
 
 bool is_dmuon_checkpoint(const std::string& path) {

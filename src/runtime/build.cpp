@@ -29,9 +29,10 @@ Runtime::Runtime(ModelView view, std::shared_ptr<torch::nn::Module> module, std:
 Runtime::~Runtime() {
   // Collectives still in flight (the last step's async publish, a post-step prefetch, the reduces of a
   // backward no step consumed) finish before the groups they run on go: a group destroyed under an
-  // in-flight collective leaves its peers' side of it waiting out their whole timeout (the runtime of a
-  // model dropped right after step() used to stall the next lookup, in whichever thread made it, by the
-  // mesh timeout). Issues nothing; a failed wait (a peer already gone) changes nothing now.
+  // in-flight collective leaves its peers' side of it waiting out their whole timeout. (The registry
+  // keeps a dropped model's runtime until Runtime::in_flight() is false -- that is what ended the stalls
+  // of a lookup made right after a model was dropped; this is the backstop for a runtime destroyed
+  // otherwise, e.g. at exit.) Issues nothing; a failed wait (a peer already gone) changes nothing now.
   try {
     wait_publishes();
     discard_grads();

@@ -294,6 +294,18 @@ void DedicatedRoute::issue_reduce(int b) {
   }
   sent_reduces_.push_back(b);
   release_sent_reduces();
+  if (mesh.replicate()) {
+    stage2_due_.push_back(b);
+    issue_due_stage2(kStage2Lag);
+  }
+}
+
+void DedicatedRoute::issue_due_stage2(size_t keep) {
+  while (stage2_due_.size() > keep) {
+    for (auto& buf : buffers_[static_cast<size_t>(stage2_due_.front())])
+      if (buf.holder) finish_stage1(buf);  // waits stage 1, issues stage 2
+    stage2_due_.pop_front();
+  }
 }
 
 void DedicatedRoute::release_sent_reduces() {
@@ -355,8 +367,10 @@ void DedicatedRoute::finish_stage2(PackedBuffer& buf) {
 }
 
 void DedicatedRoute::end_of_backward() {
-  if (ctx_.mesh().replicate() && !ctx_.options().delay_stage2_to_optimizer)
-    for_each_buffer([&](int, PackedBuffer& buf) { finish_stage1(buf); });  // waits stage 1, issues stage 2 now
+  if (!ctx_.mesh().replicate()) return;
+  issue_due_stage2(0);  // the last boundaries' stage 2 (every earlier one is issued already)
+  // delay_stage2_to_optimizer (the default): step() waits stage 2, group by group; else backward does
+  if (!ctx_.options().delay_stage2_to_optimizer) for_each_buffer([&](int, PackedBuffer& buf) { finish_stage2(buf); });
 }
 
 void DedicatedRoute::reset_pass() {
@@ -365,6 +379,7 @@ void DedicatedRoute::reset_pass() {
 
 void DedicatedRoute::finish_reduces() {
   sent_reduces_.clear();  // waited below with the rest
+  stage2_due_.clear();
   // stage 1 everywhere first (HSDP holders issue stage 2 as they go), then stage 2
   for_each_buffer([&](int, PackedBuffer& buf) { finish_stage1(buf); });
   for_each_buffer([&](int, PackedBuffer& buf) { finish_stage2(buf); });
@@ -408,16 +423,16 @@ void DedicatedRoute::ready_grads(std::vector<ReadyGrad>& out) {
 
 // ---- per group (Muon::step with group_prepare_ahead, prepare_muon_grads without coalesce_wait) ----
 void DedicatedRoute::prepare_group(int b) {
+  // (stage 2 is normally issued in backward already: then this only drops the boundary from the due list)
+  stage2_due_.erase(std::remove(stage2_due_.begin(), stage2_due_.end(), b), stage2_due_.end());
   for (auto& buf : buffers_[static_cast<size_t>(b)]) finish_stage1(buf);
 }
 
 std::vector<ReadyGrad> DedicatedRoute::finish_group(int b) {
   at::NoGradGuard ng;
   auto& bufs = buffers_[static_cast<size_t>(b)];
-  for (auto& buf : bufs) {
-    finish_stage1(buf);  // (prepare_group normally did)
-    finish_stage2(buf);
-  }
+  prepare_group(b);  // (normally done already)
+  for (auto& buf : bufs) finish_stage2(buf);
   std::vector<at::Tensor> parts;
   for (auto& buf : bufs)
     if (buf.is_owner && buf.acc.has_value()) parts.push_back(buf.acc.flags_for_read());
@@ -434,6 +449,7 @@ std::vector<ReadyGrad> DedicatedRoute::finish_group(int b) {
 
 void DedicatedRoute::discard_grads() {
   sent_reduces_.clear();
+  stage2_due_.clear();
   for_each_buffer([&](int, PackedBuffer& buf) {
     for (auto [issued, pending] : {std::pair{&buf.reduce_issued, &buf.reduce}, {&buf.stage2_issued, &buf.stage2}})
       if (*issued) {
@@ -502,7 +518,7 @@ void DedicatedRoute::plan_step_traffic(std::vector<PlannedTraffic>& out) const {
       if (!rep || mesh.replicate_rank() == buf.owner.replicate)
         add_planned(out, "muon", shard, CommOp::Scatter, buf.shard_len * es, 1, holder_row);
       if (rep)
-        add_planned(out, "muon", *rep, CommOp::Broadcast, buf.shard_len * es, 1,
+        add_planned(out, "muon", *mesh.replicate_publish(), CommOp::Broadcast, buf.shard_len * es, 1,
                     mesh.replicate_rank() == buf.owner.replicate);
     }
 }
@@ -523,15 +539,24 @@ void DedicatedRoute::wait_publishes() {
   });
 }
 
+bool DedicatedRoute::publishes_in_step() const {
+  if (ddp_ || ctx_.mesh().replicate()) return !entries_.empty();
+  for (const auto& bufs : buffers_)
+    for (const auto& buf : bufs)
+      if (buf.gather_mode()) return true;
+  return false;
+}
+
 void DedicatedRoute::publish_group(int b, bool async) {
   if (published_.size() != buffers_.size()) published_.assign(buffers_.size(), false);
   if (published_[static_cast<size_t>(b)]) return;
   published_[static_cast<size_t>(b)] = true;
   Mesh& mesh = ctx_.mesh();
   auto& bufs = buffers_[static_cast<size_t>(b)];
-  if (Communicator* rep = mesh.replicate(); rep && !ddp_) {
+  if (Communicator* rep = mesh.replicate_publish(); rep && !ddp_) {
     // HSDP: the global owner's update goes to the holders of the other replicate groups, chunked by
-    // replicate_broadcast_bucket_mb; all_gather mode: its shards cross instead
+    // replicate_broadcast_bucket_mb; all_gather mode: its shards cross instead (on the publish's own
+    // group: no replicate-axis reduce in front of it)
     const int64_t chunk_bytes = static_cast<int64_t>(ctx_.options().replicate_broadcast_bucket_mb * 1024 * 1024);
     for (auto& buf : bufs) {
       if (!buf.holder || buf.gather_mode()) continue;
@@ -600,7 +625,7 @@ void DedicatedRoute::publish(bool async) {
 // other groups' holders get the new value from the next forward's all-gather, like everyone else.
 void DedicatedRoute::publish_gather_hsdp(int b, bool async) {
   Mesh& mesh = ctx_.mesh();
-  Communicator& rep = *mesh.replicate();
+  Communicator& rep = *mesh.replicate_publish();
   auto& bufs = buffers_[static_cast<size_t>(b)];
   // 1. scatters inside the owner's replicate group (shard-group collectives, in buffer order)
   for (auto& buf : bufs) {

@@ -145,6 +145,9 @@ class DedicatedRoute final : public Route {
   void prepare_group(int b);
   std::vector<ReadyGrad> finish_group(int b);
   void publish_group(int b, bool async);
+  // Whether step() sends anything per group: HSDP's publish, the DDP path's broadcasts, all_gather
+  // mode's scatters (1-D broadcast mode publishes nothing: the next forward broadcasts).
+  bool publishes_in_step() const;
 
   // ---- queries ----
   const std::vector<DedicatedEntry>& entries() const { return entries_; }
@@ -181,6 +184,14 @@ class DedicatedRoute final : public Route {
   static constexpr size_t kMaxReducesInFlight = 1;
   std::deque<int> sent_reduces_;
   void release_sent_reduces();
+  // HSDP: boundaries whose holders still owe the stage-2 (replicate-axis) reduce, in reduce order.
+  // Each boundary's hook issues the stage 2 of those more than kStage2Lag boundaries back (waiting
+  // their stage 1, issued that much earlier on every rank), so stage 2 runs under the rest of
+  // backward; end_of_backward issues the rest. A fixed lag, never a poll: every rank of a replicate
+  // group issues its collectives in the same order.
+  static constexpr size_t kStage2Lag = 1;
+  std::deque<int> stage2_due_;
+  void issue_due_stage2(size_t keep);
   std::vector<bool> published_;                      // per boundary: published in this step already
 };
 

@@ -290,7 +290,7 @@ void Runtime::end_of_backward() {
   if (no_sync_) {
     for (Route* r : routes()) r->upcast_local_grads();
   } else {
-    for (Route* r : routes()) r->end_of_backward();  // HSDP stage 2 (unless delayed), replicated all-reduces
+    for (Route* r : routes()) r->end_of_backward();  // HSDP: the last stage-2 reduces; replicated all-reduces
   }
   callback_queued_ = false;
   reduce_order_fixed_ = false;
@@ -370,20 +370,30 @@ void Runtime::step(bool group_prepare_ahead, bool async, std::optional<std::vect
   std::lock_guard<std::recursive_mutex> g(mu_);
   at::NoGradGuard ng;
   const Mesh& m = mesh();
-  // group_prepare_ahead: the dedicated route group by group where there is a stage-2 reduce to
-  // overlap with the Newton-Schulz of the group before it (HSDP). It costs two host reads per group
-  // (has-gradient flags, finiteness) instead of two per step, so 1-D meshes keep the one-pass path;
-  // so do steps on gradients taken before (clipping took every one) and TP (all gathers first).
-  const bool per_group = group_prepare_ahead && !taken && !m.has_tp() && m.is_hsdp() && !ddp();
+  // group_prepare_ahead: the dedicated route group by group, each group's Newton-Schulz running
+  // while later groups' reduces still arrive and, where step() publishes, each group's publish
+  // leaving right after its update. It costs two host reads per group (has-gradient flags,
+  // finiteness) instead of two per step. The rule (docs/PERF.md): per group where step() has
+  // per-group traffic to overlap -- HSDP's stage-2 reduces, a post-step publish (HSDP, the DDP path,
+  // all_gather mode) -- and on the CPU always (its reads are of host memory, free); a 1-D mesh in
+  // broadcast mode on a GPU keeps the one-pass step: its only overlap is the last boundary's reduce
+  // tail, while each per-group read synchronises the device and drains the launch queue. Never on
+  // gradients taken before (clipping took every one) nor with TP (all gathers first).
+  const bool traffic = m.is_hsdp() || dedicated_->publishes_in_step();
+  const bool per_group = group_prepare_ahead && !taken && !m.has_tp() && (traffic || m.device().is_cpu());
   v.begin(StepVisitor::Phase::Prepare);
   prepare_grads(/*dedicated=*/!per_group);  // collective: the reduces are waited (HSDP: stage 2 too)
   const std::vector<ReadyGrad> ready = taken ? std::move(*taken) : take_ready_grads_locked(!per_group);
   v.end(StepVisitor::Phase::Prepare);
   // TP updates of the last step still arriving by scatter land before this step changes anything
   dedicated_->finish_deferred();
+  // the next forward's order where groups are published (the first needed goes first), else the
+  // reduce order (the reverse: the last reduce of backward is waited last)
+  std::vector<int> order = publish_order();
+  if (!traffic) std::reverse(order.begin(), order.end());
   if (per_group)  // each group's Newton-Schulz overlaps the next group's reduce; async: published at once
     prepare_groups_ahead(
-        *dedicated_, publish_order(),
+        *dedicated_, order,
         [&](int b, const std::vector<ReadyGrad>& group) {
           v.update(group);
           if (!async) return;

@@ -355,10 +355,27 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
     dm.adamw_s = PB / T / (l.shard_base ? G : 1) * adamw_per_param;
     // HSDP: the stage-2 reduce of the owners' gradients over the replicate axis (inter-node)
     if (R > 1) {
-      // the reduce half; the publish overlaps the next forward, except on saturated shared cores
-      const double rep = static_cast<double>(comm.max_replicate()) / (saturated ? 1.0 : 2.0);
-      dm.replicate_s = hw.inter_node.latency_us * 1e-6 * log2_hops(R) + rep / (hw.inter_node.bandwidth_GBps * 1e9);
-      dm.inter_node_bytes_per_rank = static_cast<double>(comm.max_replicate());
+      const double hop = hw.inter_node.latency_us * 1e-6 * log2_hops(R);
+      const double per_byte = 1.0 / (hw.inter_node.bandwidth_GBps * 1e9);
+      const double rep_bytes = static_cast<double>(comm.max_replicate());  // stage-2 reduce + publish
+      if (saturated || L == 0) {  // every core has a rank: nothing moves under compute, the publish neither
+        dm.replicate_s = hop + rep_bytes * per_byte;
+      } else {
+        // the reduce half (the publish overlaps the next forward), issued in backward: boundary b's
+        // stage 2 as the next boundary (in reduce order) ends its backward, the last one's at the end
+        // of backward; the link runs them one after another and what outlasts backward is exposed
+        std::vector<double> hook(L);
+        double t = 0;
+        for (size_t b = L; b-- > 0;) hook[b] = (t += bwd_c[b]);
+        double link = 0;
+        for (size_t b = L; b-- > 0;) {
+          const double share = local_PM > 0 ? static_cast<double>(comm.boundaries[b].payload_bytes) / local_PM
+                                             : 1.0 / static_cast<double>(L);
+          link = std::max(link, b > 0 ? hook[b - 1] : t) + hop + share * rep_bytes / 2.0 * per_byte;
+        }
+        dm.replicate_s = std::max(0.0, link - t);
+      }
+      dm.inter_node_bytes_per_rank = rep_bytes;
     }
     // + the base: an all-reduce of the replicated parameters' gradients, or (sharded) an all-gather in
     // forward and backward and a reduce-scatter

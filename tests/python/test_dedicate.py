@@ -174,6 +174,10 @@ def _train(rank, world, layout, accumulate, out_path):
     assert dmuon.get_comm_ctx(make_net()) is None and ctx.process_group_policy == policy
     assert ctx.shard_group.size() == world // (2 if hsdp else 1) and ctx.world_group.size() == world and ctx.tp_group is None
     assert (ctx.replicate_group is None) == (not hsdp) and ctx.device == torch.device("cpu")
+    if hsdp:  # "isolated": the post-step publish on a group of its own, apart from the replicate-axis reduces
+        assert model._dmuon.mesh.has_replicate_publish_group == (policy == "isolated")
+        assert (ctx.replicate_publish_group is ctx.replicate_group) == (policy == "shared")
+        assert ctx.replicate_publish_group.size() == 2
     assert not ctx.shard_high_priority and ctx.tp_buffer_reuse is False and ctx.post_forward_order == []
     if layout == "hsdp":
         assert ctx.shard_group is mesh["shard"].get_group() and ctx.replicate_group is mesh["replicate"].get_group()
