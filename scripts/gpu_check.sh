@@ -7,7 +7,8 @@
 #      (world size 1) under CUDA's sync debug mode, every group bound to the GPU, the host-blocking
 #      probe (NCCL and the CUDA loopback backend)
 #   3. runtime_test's loopback equivalence suites on CUDA tensors (Z3, Z2, HSDP 2x2, DDP path,
-#      all_gather mode, sharded_adamw, no_sync accumulation; default and side streams), tp_test's
+#      all_gather mode, sharded_adamw, no_sync accumulation; default and side streams; the forward-unshard
+#      profile's CUDA-event stream stall), tp_test's
 #      (DP 2 x TP 2, distributed Gram) and checkpoint_test's (save on HSDP 2x2, resume on 3), float64
 #   4. with >= 2 GPUs only: torchrun 2 ranks (and 4 with >= 4 GPUs), and a rank killed mid-run
 #   5. dmuon train --device cuda (one GPU) on the shipped fortunes text, forced collectives too
@@ -103,7 +104,7 @@ run 90 cuda_test "$BUILD/tests/cuda_test" --gtest_color=no
 
 section "3. loopback equivalence on CUDA tensors (float64, every layout, default and side streams)"
 run 90 loopback "$BUILD/tests/runtime_test" --gtest_color=no --gtest_brief=1 \
-  --gtest_filter='Layouts/LoopbackEquivalenceTest.*Cuda*:RuntimeTest.ForcedCollectives*'
+  --gtest_filter='Layouts/LoopbackEquivalenceTest.*Cuda*:RuntimeTest.ForcedCollectives*:RuntimeTest.*OnCuda'
 run 45 loopback_tp "$BUILD/tests/tp_test" --gtest_color=no --gtest_brief=1 --gtest_filter='TpEquivalence.LoopbackCuda*'
 run 45 loopback_resume "$BUILD/tests/checkpoint_test" --gtest_color=no --gtest_brief=1 \
   --gtest_filter='CheckpointTest.ResumeThroughTheLoopbackBackendOnCuda'

@@ -27,6 +27,7 @@
 
 #include "dmuon/checkpoint.h"
 #include "dmuon/safetensors.h"
+#include "support/temp_dir.h"
 
 namespace {
 
@@ -53,11 +54,7 @@ Result run(const std::string& args, int limit_s = 240, const std::string& env = 
   return r;
 }
 
-std::string temp_dir() {
-  std::string t = (std::filesystem::temp_directory_path() / "dmuon-cli-XXXXXX").string();
-  if (!mkdtemp(t.data())) throw std::runtime_error("mkdtemp");
-  return t;
-}
+std::string temp_dir() { return dmuon::testing::fresh_temp_dir("dmuon-cli"); }
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 

@@ -19,6 +19,7 @@
 #include "dmuon/checkpoint.h"
 #include "dmuon/safetensors.h"
 #include "model/hf_decoder.h"
+#include "support/temp_dir.h"
 
 #ifndef DMUON_PYTHON
 #define DMUON_PYTHON ""
@@ -32,11 +33,7 @@ using json = nlohmann::json;
 std::string python() { return DMUON_PYTHON; }
 constexpr double kBound = 2e-6;  // see the top of the file
 
-std::string temp_dir() {
-  std::string t = (std::filesystem::temp_directory_path() / "dmuon-interop-XXXXXX").string();
-  if (!mkdtemp(t.data())) throw std::runtime_error("mkdtemp");
-  return t;
-}
+std::string temp_dir() { return dmuon::testing::fresh_temp_dir("dmuon-interop"); }
 
 // Runs tests/python/interop.py; returns its exit status (its output goes to the test log).
 int py(const std::string& mode, const std::string& dir) {

@@ -1248,6 +1248,8 @@ TEST(RuntimeTest, ForwardUnshardProfileCountsEveryBoundarysUnshardsBytesAndWaits
       expect(s.forward_unshards == 1 && s.backward_unshards == 1, s.boundary + " unshards");
       expect(s.forward_prefetched == (b > 0 ? 1 : 0), s.boundary + " prefetched");
       expect(s.forward_waits == 1 && s.backward_waits == 1 && s.forward_wait_ms >= 0, s.boundary + " waits");
+      expect(!s.device_timed && s.forward_device_wait_ms == 0 && s.backward_device_wait_ms == 0,
+             s.boundary + ": no device timing on the CPU");
       expect(s.forward_bytes == s.backward_bytes, s.boundary + " Z3: the same bytes twice");
     }
     const nlohmann::json j = to_json(p);
@@ -1268,6 +1270,35 @@ TEST(RuntimeTest, ForwardUnshardProfileCountsEveryBoundarysUnshardsBytesAndWaits
     const ForwardUnshardProfile off = collect_forward_unshard_profile(*m2);
     expect(!off.enabled && off.boundaries.empty(), "off by default");
   });
+}
+
+// issue 37: on CUDA a wait is a stream dependency (the host spends ~0 in it), so the profile times
+// the compute stream's stall with CUDA events around each wait: with dmuon's loopback backend
+// sleeping before every copy, the first boundary's forward broadcast (never prefetched) stalls it.
+TEST(RuntimeTest, ForwardUnshardProfileTimesTheStreamStallOnCuda) {
+  if (!DMUON_WITH_CUDA) GTEST_SKIP() << "this dmuon build has no CUDA (CPU LibTorch)";
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";
+  LoopbackOptions lo;
+  lo.device = at::Device(at::kCUDA, 0);
+  lo.sleep_cycles = 2000000;  // ~1 ms at the GPU's clock
+  const GPTConfig cfg = small_config(3);
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    GPT m(cfg);
+    m->to(ctx.device);
+    auto mesh = make_mesh(ctx);
+    DedicateOptions o;
+    o.record_forward_profile = true;
+    testing::dedicate_gpt(m, mesh, testing::Layout{}, o);
+    m->loss(at::randint(32, {2, 6}, at::kLong).to(ctx.device)).backward();
+    const ForwardUnshardProfile p = collect_forward_unshard_profile(*m, /*clear=*/true);
+    testing::expect(p.boundaries.size() == 3 && p.boundaries[0].device_timed, "CUDA events time the waits");
+    testing::expect(p.boundaries[0].forward_device_wait_ms > 0.05,
+                    "the stream stalled " + std::to_string(p.boundaries[0].forward_device_wait_ms) +
+                        " ms for layers.0's broadcast (the loopback sleeps ~1 ms before it)");
+    testing::expect(p.total_device_wait_ms() >= p.boundaries[0].forward_device_wait_ms, "totals");
+    const ForwardUnshardProfile cleared = collect_forward_unshard_profile(*m);
+    testing::expect(cleared.total_device_wait_ms() == 0 && cleared.boundaries[0].device_timed, "cleared");
+  }, std::chrono::seconds(60), lo);
 }
 
 TEST(RuntimeTest, Bf16CommunicationStaysFiniteAndCloseToFp32) {

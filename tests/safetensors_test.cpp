@@ -18,11 +18,7 @@ using namespace dmuon;
 using dmuon::testing::error_of;
 using json = nlohmann::json;
 
-std::string temp_dir() {
-  std::string t = (std::filesystem::temp_directory_path() / "dmuon-st-XXXXXX").string();
-  if (!mkdtemp(t.data())) throw std::runtime_error("mkdtemp");
-  return t;
-}
+std::string temp_dir() { return dmuon::testing::fresh_temp_dir("dmuon-st"); }
 
 std::string read_all(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -8,9 +8,10 @@
 //     auto prof = dmuon::collect_forward_unshard_profile(*model, /*clear=*/true, /*synchronize=*/true);
 //     std::cout << dmuon::to_json(prof).dump(2);      // diagnostics.h
 // Overhead when on: two counter snapshots per unshard issue and one steady_clock pair per wait (well
-// under a microsecond per boundary); off, one branch. Waits are host time: on CUDA a wait is a
-// stream dependency, so wait_ms is what the host spent, and a device-side stall shows in the step
-// time instead. Local: reads this rank's counters, no collective.
+// under a microsecond per boundary; on CUDA two event records per wait, ~2 us each); off, one
+// branch. wait_ms is host time: on CUDA a wait is a stream dependency, so the host spends ~0 there,
+// and device_wait_ms (CUDA events around each wait, on the compute stream) is the stall that
+// matters. Local: reads this rank's counters, no collective.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -23,6 +24,7 @@ namespace dmuon {
 
 struct BoundaryUnshardStats {
   std::string boundary;
+  bool device_timed = false;        // CUDA: the *_device_wait_ms below are measured (CUDA events)
   int64_t forward_unshards = 0;     // unshards issued for a forward pass (its own or prefetched)
   int64_t forward_prefetched = 0;   // of which issued ahead, by the previous boundary's prefetch
   int64_t backward_unshards = 0;    // Z3: re-unshards for backward (own or prefetched)
@@ -32,6 +34,11 @@ struct BoundaryUnshardStats {
   int64_t backward_waits = 0;
   double forward_wait_ms = 0;       // host time blocked in those waits
   double backward_wait_ms = 0;
+  // CUDA: how long the compute stream stalled in those waits (a CUDA event before and after each
+  // wait on the current stream: the wait is a stream dependency, so this is the device-side stall
+  // the host time cannot show). Read when the profile is collected, which waits for those events.
+  double forward_device_wait_ms = 0;
+  double backward_device_wait_ms = 0;
 };
 
 struct ForwardUnshardProfile {
@@ -41,6 +48,7 @@ struct ForwardUnshardProfile {
   std::vector<BoundaryUnshardStats> boundaries;  // model order
   int64_t total_bytes() const;
   double total_wait_ms() const;
+  double total_device_wait_ms() const;  // CUDA (device_timed), else 0
 };
 
 // This rank's counters since the last clear; clear=true resets them. synchronize=true waits for the

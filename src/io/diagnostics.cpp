@@ -227,12 +227,16 @@ nlohmann::json to_json(const ForwardUnshardProfile& p) {
                     {"forward_waits", b.forward_waits},
                     {"backward_waits", b.backward_waits},
                     {"forward_wait_ms", b.forward_wait_ms},
-                    {"backward_wait_ms", b.backward_wait_ms}});
+                    {"backward_wait_ms", b.backward_wait_ms},
+                    {"device_timed", b.device_timed},
+                    {"forward_device_wait_ms", b.forward_device_wait_ms},
+                    {"backward_device_wait_ms", b.backward_device_wait_ms}});
   return {{"enabled", p.enabled},
           {"rank", p.rank},
           {"forward_passes", p.forward_passes},
           {"total_bytes", p.total_bytes()},
           {"total_wait_ms", p.total_wait_ms()},
+          {"total_device_wait_ms", p.total_device_wait_ms()},
           {"boundaries", rows}};
 }
 

@@ -13,6 +13,7 @@
 #include <memory>
 #include <vector>
 
+#include "device/device_spans.h"
 #include "dmuon/muon.h"
 
 namespace dmuon::detail {
@@ -40,9 +41,8 @@ class PhaseClock {
   bool cuda_events() const { return events_ != nullptr; }
 
  private:
-  struct Events;  // CUDA events (defined only in a CUDA build)
   std::array<double, static_cast<size_t>(Phase::kCount)> host_ms_{};
-  std::unique_ptr<Events> events_;
+  std::unique_ptr<DeviceSpans> events_;  // CUDA: spans keyed by Phase
 };
 
 }  // namespace dmuon::detail

@@ -112,8 +112,10 @@ void Runtime::build(const ParamPredicate& predicate) {
     ctx_.add_boundary(name);
     boundaries_.push_back(std::move(b));
   }
-  if (opts.record_forward_profile.value_or(env::record_forward_profile()))
+  if (opts.record_forward_profile.value_or(env::record_forward_profile())) {
     for (const auto& B : boundaries_) unshard_stats_.push_back(BoundaryUnshardStats{B.name});
+    unshard_spans_ = std::make_unique<detail::DeviceSpans>(mesh.device());
+  }
 
   // 4. the routes take their parameters: packed buffers (owners copy their masters before any
   // cast), then sharded slices of rank 0's value; deferred parameters are filled from the source,

@@ -109,7 +109,9 @@ void Runtime::wait_unshards(int b, bool backward) {
     return;
   }
   const auto t0 = std::chrono::steady_clock::now();
+  const int span = unshard_spans_->begin();  // CUDA: the waits are stream dependencies, timed on the stream
   for (Route* r : routes()) r->wait_unshard(b);
+  unshard_spans_->end(span, 2 * b + (backward ? 1 : 0));
   BoundaryUnshardStats& s = unshard_stats_[static_cast<size_t>(b)];
   (backward ? s.backward_waits : s.forward_waits) += 1;
   (backward ? s.backward_wait_ms : s.forward_wait_ms) +=
@@ -118,9 +120,16 @@ void Runtime::wait_unshards(int b, bool backward) {
 
 std::vector<BoundaryUnshardStats> Runtime::unshard_stats(bool clear) {
   std::lock_guard<std::recursive_mutex> g(mu_);
+  if (unshard_spans_ && unshard_spans_->active()) {
+    for (auto& s : unshard_stats_) s.device_timed = true;
+    for (const auto& [key, ms] : unshard_spans_->take_ms()) {  // waits for the recorded events
+      BoundaryUnshardStats& s = unshard_stats_[static_cast<size_t>(key / 2)];
+      (key % 2 ? s.backward_device_wait_ms : s.forward_device_wait_ms) += ms;
+    }
+  }
   std::vector<BoundaryUnshardStats> out = unshard_stats_;
   if (clear) {
-    for (auto& s : unshard_stats_) s = BoundaryUnshardStats{s.boundary};
+    for (auto& s : unshard_stats_) s = BoundaryUnshardStats{s.boundary, s.device_timed};
     profiled_passes_ = 0;
   }
   return out;
@@ -600,6 +609,12 @@ int64_t ForwardUnshardProfile::total_bytes() const {
 double ForwardUnshardProfile::total_wait_ms() const {
   double ms = 0;
   for (const auto& b : boundaries) ms += b.forward_wait_ms + b.backward_wait_ms;
+  return ms;
+}
+
+double ForwardUnshardProfile::total_device_wait_ms() const {
+  double ms = 0;
+  for (const auto& b : boundaries) ms += b.forward_device_wait_ms + b.backward_device_wait_ms;
   return ms;
 }
 

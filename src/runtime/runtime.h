@@ -44,6 +44,7 @@
 #include "dmuon/mesh.h"
 #include "dmuon/model_view.h"
 #include "dmuon/owner_plan.h"
+#include "device/device_spans.h"
 #include "dmuon/unshard_profile.h"
 #include "runtime/precision.h"
 #include "runtime/route.h"
@@ -228,6 +229,8 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   std::vector<int> reduce_order_;         // reverse of the current forward order, fixed at the first backward hook
   bool reduce_order_fixed_ = false;
   std::vector<BoundaryUnshardStats> unshard_stats_;  // per boundary, when recording
+  // when recording on CUDA: the compute stream's stall in each wait (key: boundary * 2 + backward)
+  std::unique_ptr<detail::DeviceSpans> unshard_spans_;
   int64_t profiled_passes_ = 0;
 };
 

@@ -18,14 +18,6 @@
 
 namespace dmuon::testing {
 
-std::string fresh_temp_dir(const std::string& prefix) {
-  std::string tmpl = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  if (!mkdtemp(buf.data())) throw std::runtime_error("mkdtemp failed for " + tmpl);
-  return std::string(buf.data());
-}
-
 void run_ranks(int world, const std::function<void(RankContext&)>& fn, std::chrono::milliseconds timeout,
                const std::optional<LoopbackOptions>& loopback) {
   const std::string dir = fresh_temp_dir("dmuon-store");

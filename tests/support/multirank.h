@@ -11,6 +11,7 @@
 
 #include "dmuon/bootstrap.h"
 #include "dmuon/process_group.h"
+#include "support/temp_dir.h"  // fresh_temp_dir
 
 namespace dmuon::testing {
 
@@ -30,8 +31,6 @@ inline void expect(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error(what);
 }
 
-// A fresh, empty directory under $TMPDIR (unique per call).
-std::string fresh_temp_dir(const std::string& prefix = "dmuon-test");
 
 struct RankContext {
   int rank = 0;
