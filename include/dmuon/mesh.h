@@ -148,16 +148,15 @@ class Mesh {
   std::string policy_;
   std::chrono::milliseconds timeout_{kDefaultCollectiveTimeout};
   std::shared_ptr<CommCounters> counters_;
-  std::vector<Communicator*> groups();  // each distinct process group once
   std::unique_ptr<Communicator> twin_of(const Communicator& axis, const MeshGroup& group, const char* setter,
                                         const std::string& suffix) const;
-  std::vector<Communicator*> owned_groups();  // those dmuon built (shutdown/abort end them)
   std::unique_ptr<Communicator> world_, shard_, replicate_, tp_, dp_;
   std::unique_ptr<Communicator> sharded_unshard_;  // the caller's (set_sharded_unshard_group)
   std::unique_ptr<Communicator> replicate_publish_;  // HSDP: Mesh::create's, or the caller's
-  bool owns_replicate_publish_ = false;              // Mesh::create built it
-  bool owns_groups_ = false;  // dmuon built its groups (isolated policy, HSDP, TP)
-  bool owns_world_ = false;   // ... the world group too (not the caller's: a "shared" 2-D/TP mesh)
+  // The groups Mesh::create built, each once (shutdown/abort end them): none on a 1-D "shared" mesh
+  // or over the caller's groups (from_groups), every axis but the caller's world on a "shared" 2-D or
+  // TP mesh.
+  std::vector<Communicator*> built_;
   bool closed_ = false;
 };
 

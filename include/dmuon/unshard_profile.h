@@ -24,7 +24,6 @@ namespace dmuon {
 
 struct BoundaryUnshardStats {
   std::string boundary;
-  bool device_timed = false;        // CUDA: the *_device_wait_ms below are measured (CUDA events)
   int64_t forward_unshards = 0;     // unshards issued for a forward pass (its own or prefetched)
   int64_t forward_prefetched = 0;   // of which issued ahead, by the previous boundary's prefetch
   int64_t backward_unshards = 0;    // Z3: re-unshards for backward (own or prefetched)
@@ -43,6 +42,7 @@ struct BoundaryUnshardStats {
 
 struct ForwardUnshardProfile {
   bool enabled = false;             // recording was on when the model was dedicated
+  bool device_timed = false;        // CUDA: the boundaries' *_device_wait_ms are measured (CUDA events)
   int rank = 0;                     // global rank
   int64_t forward_passes = 0;       // forward passes since the last clear
   std::vector<BoundaryUnshardStats> boundaries;  // model order

@@ -148,9 +148,10 @@ def _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device):
         if isolated else shard
     replicate_group = publish_group = None
     if replicate is not None:
-        replicate_group = new(order({tuple(r) for _, r, _ in everyone if r})) if isolated else replicate
+        replicas = order({tuple(r) for _, r, _ in everyone if r})
+        replicate_group = new(replicas) if isolated else replicate
         if isolated:  # the post-step publish apart from the replicate-axis reduces
-            publish_group = new(order({tuple(r) for _, r, _ in everyone if r}))
+            publish_group = new(replicas)
     tp_group = new(order({tuple(t) for _, _, t in everyone})) if isolated else tp
     dp_group = new(order(dps))
     world_ranks = next(list(w) for w in worlds if me in w)

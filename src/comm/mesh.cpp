@@ -61,8 +61,6 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
                                                   mesh->counters_, mesh->world_->device());
     return mesh;
   }
-  mesh->owns_groups_ = true;
-  mesh->owns_world_ = true;
   // A generation number per rank and tag keeps the PrefixStore keys of a second mesh (another
   // model) apart from the first; ranks create meshes in the same order, so they agree on it.
   const int64_t gen = opts.store->add(opts.tag + "/mesh_generation/rank" + std::to_string(rank), 1);
@@ -82,7 +80,9 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
                   "device is ", *device, ". Make that device current (c10::cuda::set_device) before Mesh::create, or "
                   "leave MeshOptions::device unset.");
 #endif
-    return std::make_unique<Communicator>(pg, opts.tag + "/" + name, ranks, opts.timeout, mesh->counters_, device);
+    auto c = std::make_unique<Communicator>(pg, opts.tag + "/" + name, ranks, opts.timeout, mesh->counters_, device);
+    mesh->built_.push_back(c.get());
+    return c;
   };
   // Same global order on every rank: world, then all shard groups, then all replicate groups (each
   // with its publish twin), then all TP groups, then all data-parallel groups (each rank builds only the groups it belongs to; groups of one kind are disjoint,
@@ -93,7 +93,6 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
   mesh->world_ = share_world ? std::make_unique<Communicator>(world, opts.tag + "/world", iota_ranks(n, 0, 1),
                                                               opts.timeout, mesh->counters_, device)
                              : make("world", iota_ranks(n, 0, 1), opts.factory);
-  mesh->owns_world_ = !share_world;
   const int t = rank % T, rs = rank / T, r = rs / G, s = rs % G;
   if (R == 1 && T == 1) {
     mesh->shard_ = std::make_unique<Communicator>(mesh->world_->process_group(), opts.tag + "/shard",
@@ -104,10 +103,10 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
     if (R > 1) {
       const auto& factory = opts.replicate_factory ? opts.replicate_factory : opts.factory;
       const std::string name = "replicate" + std::to_string(s) + at_t;
-      mesh->replicate_ = make(name, iota_ranks(R, s * T + t, G * T), factory);
+      const std::vector<int> ranks = iota_ranks(R, s * T + t, G * T);
+      mesh->replicate_ = make(name, ranks, factory);
       // the post-step publish apart from the replicate-axis reduces (its own connections or stream)
-      mesh->replicate_publish_ = make(name + "/publish", iota_ranks(R, s * T + t, G * T), factory);
-      mesh->owns_replicate_publish_ = true;
+      mesh->replicate_publish_ = make(name + "/publish", ranks, factory);
     }
     if (T > 1) {
       mesh->tp_ = make("tp" + std::to_string(rs), iota_ranks(T, rs * T, 1), opts.factory);
@@ -225,39 +224,17 @@ void Mesh::set_replicate_publish_group(const MeshGroup& g) {
   replicate_publish_ = twin_of(*replicate_, g, "set_replicate_publish_group", "/publish");
 }
 
-std::vector<Communicator*> Mesh::groups() {
-  std::vector<Communicator*> out;
-  for (Communicator* c : {world_.get(), shard_.get(), replicate_.get(), tp_.get(), dp_.get(),
-                          owns_replicate_publish_ ? replicate_publish_.get() : nullptr}) {
-    if (!c) continue;
-    bool seen = false;
-    for (Communicator* o : out) seen = seen || o->process_group().get() == c->process_group().get();
-    if (!seen) out.push_back(c);
-  }
-  return out;
-}
-
 void Mesh::shutdown() {
   if (closed_) return;
   world_->barrier("mesh shutdown: every rank finished its collectives");
   closed_ = true;
-  for (Communicator* c : owned_groups()) c->shutdown();
-}
-
-// What dmuon built: none on a 1-D "shared" mesh or from_groups; no world group (the caller's) on a
-// "shared" 2-D or TP mesh.
-std::vector<Communicator*> Mesh::owned_groups() {
-  std::vector<Communicator*> out;
-  if (!owns_groups_) return out;
-  for (Communicator* c : groups())
-    if (owns_world_ || c->process_group().get() != world_->process_group().get()) out.push_back(c);
-  return out;
+  for (Communicator* c : built_) c->shutdown();
 }
 
 void Mesh::abort() {
   if (closed_) return;
   closed_ = true;
-  for (Communicator* c : owned_groups()) c->abort();
+  for (Communicator* c : built_) c->abort();
 }
 
 }  // namespace dmuon

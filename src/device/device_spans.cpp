@@ -15,7 +15,7 @@ namespace dmuon::detail {
 struct DeviceSpans::Events {
 #if DMUON_WITH_CUDA
   c10::DeviceIndex device = 0;
-  std::vector<std::unique_ptr<at::cuda::CUDAEvent>> starts;  // by id; null once ended and taken
+  std::vector<std::unique_ptr<at::cuda::CUDAEvent>> starts;  // by id, until take_ms
   struct Ended {
     int key, id;
     std::unique_ptr<at::cuda::CUDAEvent> end;
@@ -57,9 +57,7 @@ int DeviceSpans::begin() {
 
 void DeviceSpans::end(int id, int key) {
 #if DMUON_WITH_CUDA
-  // (an id from before the last take_ms is stale: that span is not measured)
-  if (events_ && id >= 0 && static_cast<size_t>(id) < events_->starts.size() && events_->starts[static_cast<size_t>(id)])
-    events_->ended.push_back(Events::Ended{key, id, events_->record()});
+  if (events_ && id >= 0) events_->ended.push_back(Events::Ended{key, id, events_->record()});
 #else
   (void)id;
   (void)key;
@@ -75,7 +73,7 @@ std::map<int, double> DeviceSpans::take_ms() {
     out[e.key] += events_->starts[static_cast<size_t>(e.id)]->elapsed_time(*e.end);
   }
   events_->ended.clear();
-  events_->starts.clear();  // (a span begun and not yet ended is not measured)
+  events_->starts.clear();
 #endif
   return out;
 }

@@ -19,7 +19,8 @@ class DeviceSpans {
   bool active() const { return events_ != nullptr; }
   // Records a start event on the device's current stream: the id to end() with (-1 when inactive).
   int begin();
-  // Records the end event of span `id`, counted under `key`.
+  // Records the end event of span `id` (begun since the last take_ms), counted under `key`; a span
+  // may end several times (each end is its own span from the same start).
   void end(int id, int key);
   // Waits for the recorded events and returns the milliseconds per key of every span ended since
   // the last take (then forgets them).

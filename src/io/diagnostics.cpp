@@ -228,10 +228,10 @@ nlohmann::json to_json(const ForwardUnshardProfile& p) {
                     {"backward_waits", b.backward_waits},
                     {"forward_wait_ms", b.forward_wait_ms},
                     {"backward_wait_ms", b.backward_wait_ms},
-                    {"device_timed", b.device_timed},
                     {"forward_device_wait_ms", b.forward_device_wait_ms},
                     {"backward_device_wait_ms", b.backward_device_wait_ms}});
   return {{"enabled", p.enabled},
+          {"device_timed", p.device_timed},
           {"rank", p.rank},
           {"forward_passes", p.forward_passes},
           {"total_bytes", p.total_bytes()},

@@ -120,8 +120,7 @@ void Runtime::wait_unshards(int b, bool backward) {
 
 std::vector<BoundaryUnshardStats> Runtime::unshard_stats(bool clear) {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  if (unshard_spans_ && unshard_spans_->active()) {
-    for (auto& s : unshard_stats_) s.device_timed = true;
+  if (device_timed_unshards()) {
     for (const auto& [key, ms] : unshard_spans_->take_ms()) {  // waits for the recorded events
       BoundaryUnshardStats& s = unshard_stats_[static_cast<size_t>(key / 2)];
       (key % 2 ? s.backward_device_wait_ms : s.forward_device_wait_ms) += ms;
@@ -129,7 +128,7 @@ std::vector<BoundaryUnshardStats> Runtime::unshard_stats(bool clear) {
   }
   std::vector<BoundaryUnshardStats> out = unshard_stats_;
   if (clear) {
-    for (auto& s : unshard_stats_) s = BoundaryUnshardStats{s.boundary, s.device_timed};
+    for (auto& s : unshard_stats_) s = BoundaryUnshardStats{s.boundary};
     profiled_passes_ = 0;
   }
   return out;
@@ -396,11 +395,11 @@ void Runtime::step(bool group_prepare_ahead, bool async, std::optional<std::vect
   v.end(StepVisitor::Phase::Prepare);
   // TP updates of the last step still arriving by scatter land before this step changes anything
   dedicated_->finish_deferred();
-  // the next forward's order where groups are published (the first needed goes first), else the
-  // reduce order (the reverse: the last reduce of backward is waited last)
-  std::vector<int> order = publish_order();
-  if (!traffic) std::reverse(order.begin(), order.end());
-  if (per_group)  // each group's Newton-Schulz overlaps the next group's reduce; async: published at once
+  if (per_group) {  // each group's Newton-Schulz overlaps the next group's reduce; async: published at once
+    // the next forward's order where groups are published (the first needed goes first), else the
+    // reduce order (the reverse: the last reduce of backward is waited last)
+    std::vector<int> order = publish_order();
+    if (!traffic) std::reverse(order.begin(), order.end());
     prepare_groups_ahead(
         *dedicated_, order,
         [&](int b, const std::vector<ReadyGrad>& group) {
@@ -411,6 +410,7 @@ void Runtime::step(bool group_prepare_ahead, bool async, std::optional<std::vect
           v.end(StepVisitor::Phase::Publish);
         },
         &v);
+  }
   v.update(ready);
   v.before_publish();
   // collective: HSDP publishes over the replicate group, the DDP path broadcasts from the owners,
@@ -633,6 +633,7 @@ ForwardUnshardProfile runtime_forward_unshard_profile(const std::shared_ptr<Runt
   ForwardUnshardProfile out;
   out.rank = st->mesh().global_rank();
   out.enabled = st->recording_unshards();
+  out.device_timed = st->device_timed_unshards();
   out.forward_passes = st->profiled_passes();
   out.boundaries = st->unshard_stats(clear);
   return out;

@@ -176,6 +176,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   uint64_t id() const { return id_; }
   // unshard_profile.h: per-boundary unshard counters (empty unless recording)
   bool recording_unshards() const { return !unshard_stats_.empty(); }
+  bool device_timed_unshards() const { return unshard_spans_ && unshard_spans_->active(); }
   std::vector<BoundaryUnshardStats> unshard_stats(bool clear);
   int64_t profiled_passes() const { return profiled_passes_; }
   void reset_post_forward_order();
