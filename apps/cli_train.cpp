@@ -84,6 +84,12 @@ void add_options(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   app.add_flag("--shard-base", a.shard_base,
                "route the embedding, norms and head to sharded_adamw (1/N per rank) instead of replicating them");
+  app.add_flag("--one-pass", a.one_pass,
+               "step() waits every gradient reduce before any Newton-Schulz and publishes once "
+               "(group_prepare_ahead off; default: group by group where it pays)");
+  app.add_flag("--per-param-optim", a.per_param_optim,
+               "AdamW and the Muon momentum by per-parameter ops (fused/foreach off; default: LibTorch's fused "
+               "AdamW wherever it has one, _foreach_ momentum on CUDA)");
   app.add_option("--param-dtype", a.param_dtype,
                  "forward/backward and communication dtype of every parameter; bf16/fp16 keep fp32 master weights "
                  "and fp32 optimizer state; fp64 trains in float64 throughout (runs that verify equivalence)")
@@ -601,6 +607,8 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   opts.weight_decay = a.weight_decay;
   opts.ns_backend = a.ns_backend;
   opts.record_step_profile = true;
+  opts.group_prepare_ahead = !a.one_pass;
+  if (a.per_param_optim) opts.fused = opts.foreach = false;
   // the first step's per-matrix NS lines (kernel, shape, time), rank 0's only, in the run's output
   opts.first_step_progress_log = r.lead && r.use_muon;
   opts.log = [&out](const std::string& line) { out << "  " << line << "\n"; };

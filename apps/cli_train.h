@@ -44,6 +44,8 @@ struct TrainArgs {
   int replicate = 1;
   int tp = 1;  // tensor-parallel ranks per group (ranks = R x G x T)
   bool shard_base = false;
+  bool one_pass = false;         // MuonOptions::group_prepare_ahead off: every reduce waited, then one publish
+  bool per_param_optim = false;  // MuonOptions::fused / foreach off: the per-parameter element-wise ops
   std::string param_dtype = "fp32";
   std::string checkpoint;       // write a checkpoint here (at the end, and every checkpoint_every steps)
   int checkpoint_every = 0;

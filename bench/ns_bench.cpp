@@ -8,6 +8,12 @@
 //   usage: ns_bench [--reps N] [--dtype f32|bf16|f16] [--device cpu|cuda] [--shapes 512x512,...]
 //          ns_bench --batched [--reps N] [--device cpu|cuda]
 //          ns_bench --fused [--reps N]      (CPU: the fused small-matrix kernel vs ATen calls)
+//          ns_bench --kernels [--reps N] [--dtype f16|bf16|f32] [--device cpu|cuda] [--shapes ...]
+//
+// --kernels: the "syrk" kernel against the plain GEMMs ("cublas"), per shape in the compute dtype:
+// the Gram product X X^T alone (cuBLAS / BLAS SYRK for 2-D fp32/fp64, the block triangle for
+// 16-bit, kernels.h) and whole Gram NS, their ratios, the relative difference of the NS results,
+// and what "auto" resolves to for the shape (on CUDA: measured once per shape).
 //
 // --batched: the optimizer's two ways of running many matrices, per case: one NS call per matrix
 // vs one stacked call per oriented shape (as Muon::step does; stacking and unstacking timed), their
@@ -20,6 +26,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -29,6 +36,7 @@
 #include "dmuon/newton_schulz.h"
 #include "dmuon/ns_graphs.h"
 #include "ns/fused_cpu.h"  // internal: which copy of the fused CPU kernel runs
+#include "ns/kernels.h"    // internal: the Gram products of --kernels
 
 
 namespace {
@@ -223,11 +231,41 @@ int run_graphs(int reps, const at::Device& dev) {
 
 }  // namespace
 
+int run_kernels(int reps, const at::Device& dev, at::ScalarType dt, const std::vector<Shape>& shapes) {
+  namespace k = dmuon::detail::kernels;
+  std::printf("# ns_bench --kernels: \"syrk\" vs plain GEMMs, device %s, compute dtype %s, %d reps (median)\n",
+              dev.str().c_str(), c10::toString(dt), reps);
+  std::printf("%-12s %6s %10s %10s %7s %10s %10s %7s %9s %7s\n", "shape", "depth", "mm_ms", "syrk_ms", "mm/syrk",
+              "ns_mm_ms", "ns_syrk_ms", "ratio", "ns_diff", "auto");
+  at::manual_seed(0);
+  for (const auto& s : shapes) {
+    const int64_t m = std::min(s.m, s.n), n = std::max(s.m, s.n);
+    const at::Tensor X = at::randn({m, n}, at::TensorOptions().dtype(at::kFloat).device(dev)).div(std::sqrt(n)).to(dt);
+    const double t_mm = median_seconds([&] { k::gram(X, "cublas"); }, reps, dev);
+    const double t_sy = median_seconds([&] { k::gram(X, "syrk"); }, reps, dev);
+    dmuon::NsOptions plain, syrk;
+    plain.kernel = "cublas";
+    syrk.kernel = "syrk";
+    plain.compute_dtype = syrk.compute_dtype = dt;
+    const at::Tensor G = at::randn({s.m, s.n}, at::TensorOptions().dtype(at::kFloat).device(dev));
+    at::Tensor a, b;
+    const double n_mm = median_seconds([&] { a = dmuon::gram_newton_schulz(G, plain); }, reps, dev);
+    const double n_sy = median_seconds([&] { b = dmuon::gram_newton_schulz(G, syrk); }, reps, dev);
+    std::printf("%-12s %6d %10.3f %10.3f %7.3f %10.3f %10.3f %7.3f %9.2e %7s\n",
+                (std::to_string(s.m) + "x" + std::to_string(s.n)).c_str(), k::block_triangle_depth(m), t_mm * 1e3,
+                t_sy * 1e3, t_mm / t_sy, n_mm * 1e3, n_sy * 1e3, n_mm / n_sy, rel(b, a), k::resolve_kernel("auto", X).c_str());
+    std::fflush(stdout);
+  }
+  std::printf("# mm/syrk, ratio > 1: the symmetric product is faster (Gram product alone; whole Gram NS). depth: the\n"
+              "# block triangle's (0: none; 16-bit inputs then take the plain GEMMs). auto: what \"auto\" runs here.\n");
+  return 0;
+}
+
 int main(int argc, char** argv) {
   int reps = 5;
   std::string dtype = "f32", device = "cpu";
   std::vector<Shape> shapes = {{512, 512}, {512, 2048}, {1024, 4096}, {2048, 2048}, {4096, 1024}};
-  bool batched = false, graphs = false, fused = false;
+  bool batched = false, graphs = false, fused = false, kernels = false;
   for (int i = 1; i < argc; ++i) {
     auto next = [&]() -> std::string {
       if (i + 1 >= argc) {
@@ -243,10 +281,12 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--batched")) batched = true;
     else if (!std::strcmp(argv[i], "--graphs")) graphs = true;
     else if (!std::strcmp(argv[i], "--fused")) fused = true;
+    else if (!std::strcmp(argv[i], "--kernels")) kernels = true;
     else {
       std::fprintf(stderr, "usage: ns_bench [--reps N] [--dtype f32|bf16|f16] [--device cpu|cuda] [--shapes MxN,...]\n"
                            "       ns_bench --batched [--reps N] [--device cpu|cuda]\n"
-                           "       ns_bench --graphs [--reps N] --device cuda\n");
+                           "       ns_bench --graphs [--reps N] --device cuda\n"
+                           "       ns_bench --kernels [--reps N] [--dtype f32|bf16|f16] [--device cpu|cuda] [--shapes MxN,...]\n");
       return 2;
     }
   }
@@ -255,6 +295,7 @@ int main(int argc, char** argv) {
   if (graphs) return run_graphs(reps, at::Device(device == "cuda" ? at::kCUDA : at::kCPU));
   const at::ScalarType dt = dtype == "bf16" ? at::kBFloat16 : dtype == "f16" ? at::kHalf : at::kFloat;
   const at::Device dev(device == "cuda" ? at::kCUDA : at::kCPU);
+  if (kernels) return run_kernels(reps, dev, dt, shapes);
   std::printf("# ns_bench: %s, device %s, input %s, %d reps (median), PE x1.05 coefficients, Gram restarts {2}\n",
               dmuon::get_ns_backend().c_str(), device.c_str(), dtype.c_str(), reps);
   std::printf("%-11s %10s %10s %7s %7s %9s %9s %9s %8s %8s %9s %9s\n", "shape", "direct_ms", "gram_ms", "g/d", "theory",

@@ -1,7 +1,7 @@
 // optim_step_bench -- issue 19's optimizer probe: what Muon adds to a training step made of many
 // small matrices, on one process.
 //
-//   optim_step_bench [--blocks 32] [--dim 32] [--batch 4] [--reps 200] [--threads 1]
+//   optim_step_bench [--blocks 32] [--dim 32] [--batch 4] [--reps 200] [--threads 1] [--device cpu]
 //                    [--variants adamw,dmuon-adamw,muon-aten,muon]
 //
 // The model: `--blocks` residual blocks h <- h + W2 relu(W1 h), each W a --dim x --dim matrix without
@@ -12,6 +12,10 @@
 //   muon-aten    dmuon Muon, every matrix on Newton-Schulz through one ATen call per GEMM
 //                (DMUON_NS_CPU_FUSED=0 around its step);
 //   muon         dmuon Muon as configured by default (small matrices on the fused CPU NS kernel).
+//   dmuon-adamw-mt / muon-mt   as dmuon-adamw / muon with MuonOptions::fused and foreach on (AdamW by
+//                LibTorch's fused kernel, the momentum by _foreach_ ops: the CUDA default);
+//   dmuon-adamw-pp / muon-pp   with both off (the per-parameter ops and host loops: the CPU default).
+// --device cuda runs every variant on the GPU (each step ends with a device synchronize).
 // Prints each variant's ms per step, its ratio to adamw, and the NS share Muon's step profile
 // measured. --variants runs a subset (adamw, the baseline of the ratios, always runs): e.g. one
 // variant under perf. Issue 19's goal: muon at <= 1.5x adamw for 32 blocks of 32 x 32, batch 4.
@@ -29,13 +33,16 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "dmuon/bootstrap.h"
 #include "dmuon/dedicate.h"
+#include "dmuon/host_sync.h"
 #include "dmuon/mesh.h"
 #include "dmuon/muon.h"
+#include "optim/multi_tensor.h"  // fused_adamw_available
 
 namespace {
 
@@ -88,7 +95,7 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   int64_t blocks = 32, dim = 32, batch = 4;
   int reps = 200, threads = 1;
-  std::string only = "adamw,dmuon-adamw,muon-aten,muon";
+  std::string only = "adamw,dmuon-adamw,muon-aten,muon", device_name = "cpu";
   for (int i = 1; i < argc; ++i) {
     auto next = [&]() -> const char* {
       if (i + 1 >= argc) {
@@ -103,10 +110,12 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(next());
     else if (!std::strcmp(argv[i], "--threads")) threads = std::atoi(next());
     else if (!std::strcmp(argv[i], "--variants")) only = next();
+    else if (!std::strcmp(argv[i], "--device")) device_name = next();
     else {
       std::fprintf(stderr,
                    "usage: optim_step_bench [--blocks N] [--dim D] [--batch B] [--reps R] [--threads T] "
-                   "[--variants adamw,dmuon-adamw,muon-aten,muon]\n");
+                   "[--device cpu|cuda] [--variants adamw,dmuon-adamw,muon-aten,muon,dmuon-adamw-mt,muon-mt,"
+                   "dmuon-adamw-pp,muon-pp]\n");
       return 2;
     }
   }
@@ -114,11 +123,21 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "optim_step_bench: --blocks, --dim, --batch, --reps and --threads must be >= 1\n");
     return 2;
   }
+  if (device_name != "cpu" && device_name != "cuda") {
+    std::fprintf(stderr, "optim_step_bench: --device must be cpu or cuda, got '%s'\n", device_name.c_str());
+    return 2;
+  }
+  const at::Device device(device_name == "cuda" ? at::kCUDA : at::kCPU);
+  if (device.is_cuda() && !at::hasCUDA()) {
+    std::fprintf(stderr, "optim_step_bench: --device cuda, but this LibTorch has no CUDA device here\n");
+    return 2;
+  }
   at::set_num_threads(threads);
   at::manual_seed(0);
-  const at::Tensor x = at::randn({batch, dim});
+  const at::Tensor x = at::randn({batch, dim}).to(device);
+  auto done = [device] { if (device.is_cuda()) dmuon::wait_for_device(device); };  // a step's time includes its kernels
 
-  dmuon::Bootstrap boot = dmuon::bootstrap_from_environment(c10::DeviceType::CPU);
+  dmuon::Bootstrap boot = dmuon::bootstrap_from_environment(device.type());
   dmuon::MeshOptions mesh_options;
   mesh_options.process_group_policy = "shared";  // one process: the world group serves every axis
   auto mesh = dmuon::Mesh::create(boot.world, mesh_options);
@@ -129,12 +148,14 @@ int main(int argc, char** argv) {
   // (1) plain LibTorch AdamW.
   Probe plain(blocks, dim);
   copy_params(reference, plain);
+  plain->to(device);
   auto adamw = std::make_shared<torch::optim::AdamW>(
       plain->parameters(), torch::optim::AdamWOptions(1e-3).betas({0.9, 0.999}).weight_decay(0.01).eps(1e-8));
   variants.push_back({"adamw", [&] {
                         adamw->zero_grad();
                         plain->forward(x, false).square().mean().backward();
                         adamw->step();
+                        done();
                       },
                       [] { return dmuon::StepProfile{}; }, {}});
 
@@ -143,9 +164,10 @@ int main(int argc, char** argv) {
     Probe model{nullptr};
     std::shared_ptr<dmuon::Muon> opt;
   };
-  auto make = [&](bool muon) {
+  auto make = [&](bool muon, std::optional<bool> multi_tensor) {
     Dedicated d{Probe(blocks, dim), nullptr};
     copy_params(reference, d.model);
+    d.model->to(device);
     dmuon::dedicate_params(d.model.ptr(), mesh, [muon](const std::string&, const at::Tensor& p) {
       return muon && p.dim() == 2;
     });
@@ -153,34 +175,46 @@ int main(int argc, char** argv) {
     dmuon::MuonOptions o;
     o.ns = dmuon::NewtonSchulz("gram", "auto");
     o.record_step_profile = true;
+    o.foreach = multi_tensor;
+    // fused where this LibTorch has the kernel (a forced-on fused elsewhere is refused)
+    if (multi_tensor && (!*multi_tensor || dmuon::detail::fused_adamw_available(device.type()))) o.fused = multi_tensor;
     d.opt = std::make_shared<dmuon::Muon>(d.model.ptr(), o);
     return d;
   };
-  const char* names[] = {"dmuon-adamw", "muon-aten", "muon"};
+  struct Kind {
+    const char* name;
+    bool muon, aten;                    // Muon on the matrices; the fused CPU NS kernel off
+    std::optional<bool> multi_tensor;   // MuonOptions::fused and foreach (unset: the device's default)
+  };
+  const std::vector<Kind> kinds = {{"dmuon-adamw", false, false, std::nullopt}, {"muon-aten", true, true, std::nullopt},
+                                   {"muon", true, false, std::nullopt},        {"dmuon-adamw-mt", false, false, true},
+                                   {"muon-mt", true, false, true},             {"dmuon-adamw-pp", false, false, false},
+                                   {"muon-pp", true, false, false}};
   auto wanted = [&](const std::string& name) { return ("," + only + ",").find("," + name + ",") != std::string::npos; };
   for (size_t a = 0, b = 0; a <= only.size(); a = b + 1) {
     b = only.find(',', a);
     if (b == std::string::npos) b = only.size();
     const std::string v = only.substr(a, b - a);
-    if (v != "adamw" && v != names[0] && v != names[1] && v != names[2]) {
-      std::fprintf(stderr, "optim_step_bench: unknown variant '%s' in --variants (adamw, dmuon-adamw, muon-aten, muon)\n",
-                   v.c_str());
+    if (v != "adamw" && std::none_of(kinds.begin(), kinds.end(), [&](const Kind& k) { return v == k.name; })) {
+      std::fprintf(stderr, "optim_step_bench: unknown variant '%s' in --variants (adamw, dmuon-adamw, muon-aten, muon, "
+                           "dmuon-adamw-mt, muon-mt, dmuon-adamw-pp, muon-pp)\n", v.c_str());
       return 2;
     }
   }
   std::vector<Dedicated> dedicated;
-  dedicated.reserve(3);  // the step closures hold pointers into it
-  for (size_t k = 0; k < 3; ++k) {
-    if (!wanted(names[k])) continue;
-    dedicated.push_back(make(/*muon=*/k > 0));
+  dedicated.reserve(kinds.size());  // the step closures hold pointers into it
+  for (const Kind& k : kinds) {
+    if (!wanted(k.name)) continue;
+    dedicated.push_back(make(k.muon, k.multi_tensor));
     Dedicated* d = &dedicated.back();
-    const bool aten = k == 1;  // the fused CPU kernel off for this variant (read per NS call)
-    variants.push_back({names[k], [d, &x, aten] {
+    const bool aten = k.aten;  // the fused CPU kernel off for this variant (read per NS call)
+    variants.push_back({k.name, [d, &x, aten, &done] {
                           d->opt->zero_grad();
                           d->model->forward(x, true).square().mean().backward();
                           if (aten) setenv("DMUON_NS_CPU_FUSED", "0", 1);
                           d->opt->step();
                           if (aten) unsetenv("DMUON_NS_CPU_FUSED");
+                          done();
                         },
                         [d] { return d->opt->consume_last_step_profile(); }, {}});
   }
@@ -197,16 +231,16 @@ int main(int argc, char** argv) {
     }
   }
   const double base = median(variants[0].ms);
-  std::printf("# optim_step_bench: %lld blocks x 2 matrices %lldx%lld, batch %lld, %d threads, %d reps (median, "
+  std::printf("# optim_step_bench: %lld blocks x 2 matrices %lldx%lld, batch %lld, %s, %d threads, %d reps (median, "
               "interleaved); NS kernel \"auto\" runs %s here\n",
               static_cast<long long>(blocks), static_cast<long long>(dim), static_cast<long long>(dim),
-              static_cast<long long>(batch), threads, reps,
-              dmuon::NewtonSchulz().describe(c10::DeviceType::CPU).c_str());
-  std::printf("%-12s %9s %9s %9s %9s %9s %9s\n", "variant", "step_ms", "vs_adamw", "opt_ms", "muon_ms", "ns_ms",
+              static_cast<long long>(batch), device_name.c_str(), threads, reps,
+              dmuon::NewtonSchulz().describe(device.type()).c_str());
+  std::printf("%-15s %9s %9s %9s %9s %9s %9s\n", "variant", "step_ms", "vs_adamw", "opt_ms", "muon_ms", "ns_ms",
               "adamw_ms");
   for (size_t k = 0; k < variants.size(); ++k) {
     const double step = median(variants[k].ms);
-    std::printf("%-12s %9.3f %9.3f", variants[k].name.c_str(), step, step / base);
+    std::printf("%-15s %9.3f %9.3f", variants[k].name.c_str(), step, step / base);
     if (!prof[k].empty() && prof[k][0].valid) {
       auto field = [&](double dmuon::StepProfile::*f) {
         std::vector<double> v;

@@ -2,7 +2,8 @@
 # The GPU machine's check (one H200, PyTorch 2.11 + CUDA 13 + NCCL, 16 cores, no network), in order
 # of value, under one global deadline (DMUON_GPU_BUDGET_S, default 470 s: the device tool's 600 s
 # call with room to spare); a phase that would start past the deadline is skipped and named so.
-#   1. configure + build of what the GPU runs (cuda_test, runtime_test, tp_test, checkpoint_test, ns_bench, dmuon), timed
+#   1. configure + build of what the GPU runs (cuda_test, runtime_test, tp_test, checkpoint_test, ns_bench,
+#      optim_step_bench, dmuon), timed
 #   2. cuda_test: NS precisions vs float64, one-GPU training vs CPU, forced collectives on NCCL
 #      (world size 1) under CUDA's sync debug mode, every group bound to the GPU, the host-blocking
 #      probe (NCCL and the CUDA loopback backend)
@@ -17,8 +18,10 @@
 #      NS tests on the GPU (NCCL, world size 1; float64 equivalence at 1e-10, forced collectives too) and
 #      examples/train_llama.py under torchrun on one GPU
 #   7. ns_bench: CUDA graphs vs eager (host us per call), Llama-3-8B shapes in bf16/fp16 (float64
-#      references on the GPU), batched vs per-matrix
-#   8. the step benchmark: Muon vs AdamW on a GPT-2-small-sized model
+#      references on the GPU), batched vs per-matrix, the fp16 symmetric Gram product (block triangle)
+#      vs plain GEMMs per shape and what "auto" keeps
+#   8. the step benchmark: Muon vs AdamW on a GPT-2-small-sized model; optim_step_bench on the GPU: the
+#      fused AdamW / foreach momentum (the CUDA default) vs the per-parameter ops
 # No CPU unit tests here: CI runs them. Writes OUT/gpu_report.md (the GPU's name, build durations,
 # every phase's exit code and time) and the logs beside it.
 #
@@ -96,7 +99,7 @@ GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
 run 60 configure cmake -S . -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PREFIXES" \
   -DTORCH_CUDA_ARCH_LIST=9.0 -DDMUON_INSTALL=OFF || { echo "configure failed" >>"$REPORT"; exit 1; }
-run 230 build cmake --build "$BUILD" -j "$(nproc)" --target cuda_test runtime_test tp_test checkpoint_test ns_bench dmuon_cli ||
+run 230 build cmake --build "$BUILD" -j "$(nproc)" --target cuda_test runtime_test tp_test checkpoint_test ns_bench optim_step_bench dmuon_cli ||
   { echo "build failed" >>"$REPORT"; exit 1; }
 
 section "2. cuda_test: NS precisions, one-GPU training, forced NCCL collectives under sync debug, host-blocking probe"
@@ -174,18 +177,26 @@ run 30 ns_bench_graphs "$BUILD/bench/ns_bench" --graphs --device cuda --reps 50
 run 45 ns_bench_bf16 "$BUILD/bench/ns_bench" --device cuda --dtype bf16 --reps 20 --shapes "$LLAMA_SHAPES"
 run 45 ns_bench_fp16 "$BUILD/bench/ns_bench" --device cuda --dtype f16 --reps 20 --shapes "$LLAMA_SHAPES"
 run 30 ns_bench_batched "$BUILD/bench/ns_bench" --batched --device cuda --reps 5
+run 45 ns_bench_kernels "$BUILD/bench/ns_bench" --kernels --device cuda --dtype f16 --reps 10 \
+  --shapes "$LLAMA_SHAPES,768x3072,1024x1024,2048x8192"
 
-section "8. step benchmark: Muon vs AdamW, GPT-2-small-sized (d 768, 12 layers, 12 heads, seq 1024, batch 8)"
+section "8. step benchmarks: Muon vs AdamW, GPT-2-small-sized (d 768, 12 layers, 12 heads, seq 1024, batch 8); multi-tensor kernels"
+# fused AdamW + foreach momentum (-mt, the CUDA default) against the per-parameter ops (-pp)
+run 30 optim_step_cuda_small "$BUILD/bench/optim_step_bench" --device cuda --reps 100 --blocks 32 --dim 32 \
+  --variants adamw,dmuon-adamw-mt,dmuon-adamw-pp,muon-mt,muon-pp
+run 30 optim_step_cuda_256 "$BUILD/bench/optim_step_bench" --device cuda --reps 50 --blocks 32 --dim 256 --batch 64 \
+  --variants adamw,dmuon-adamw-mt,dmuon-adamw-pp,muon-mt,muon-pp
 if [ -f "$DATA" ]; then
   GPT2=(--device cuda --ranks 1 --data "$DATA" --steps 20 --batch 8 --seq-len 1024 --d-model 768 --layers 12
         --heads 12 --log-every 10)
   run 60 step_muon "$BUILD/apps/dmuon" train "${GPT2[@]}" --optimizer dmuon --out "$OUT/step_muon"
   run 50 step_adamw "$BUILD/apps/dmuon" train "${GPT2[@]}" --optimizer adamw --out "$OUT/step_adamw"
+  run 60 step_muon_pp "$BUILD/apps/dmuon" train "${GPT2[@]}" --optimizer dmuon --per-param-optim --out "$OUT/step_muon_pp"
   python3 - "$OUT" >>"$REPORT" 2>&1 <<'PY'
 import json, sys, os
 out = sys.argv[1]
 rows = {}
-for v in ("muon", "adamw"):
+for v in ("muon", "adamw", "muon_pp"):
     p = os.path.join(out, f"step_{v}", "summary.json")
     if os.path.exists(p):
         rows[v] = json.load(open(p))
@@ -193,13 +204,15 @@ for v, s in rows.items():
     peak = s.get("peak_memory_bytes") or [0]
     print(f"- {v}: step {s.get('step_ms', {})}, tokens/s {s.get('tokens_per_s')}, "
           f"peak CUDA memory {max(peak) / 2**30:.2f} GiB (caching allocator, allocated bytes)")
-if len(rows) == 2:
-    def mean_step(s):
-        st = s.get("step_ms")
-        return st.get("mean") if isinstance(st, dict) else st
-    a, b = mean_step(rows["muon"]), mean_step(rows["adamw"])
-    if a and b:
-        print(f"- Muon step / AdamW step: {a / b:.3f}")
+def mean_step(s):
+    st = s.get("step_ms")
+    return st.get("mean") if isinstance(st, dict) else st
+for num, den, what in (("muon", "adamw", "Muon step / AdamW step"),
+                       ("muon_pp", "muon", "per-parameter optimizer ops / fused+foreach (step time)")):
+    if num in rows and den in rows:
+        a, b = mean_step(rows[num]), mean_step(rows[den])
+        if a and b:
+            print(f"- {what}: {a / b:.3f}")
 PY
 fi
 

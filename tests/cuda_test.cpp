@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <optional>
 #include <cmath>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,7 @@
 #include "dmuon/newton_schulz.h"
 #include "dmuon/ns_graphs.h"
 #include "model/gpt.h"
+#include "ns/kernels.h"  // internal: what "auto" resolves to per shape
 #include "support/multirank.h"
 #include "support/training.h"
 
@@ -152,6 +154,31 @@ TEST(CudaTest, AutoKernelPicksAKernelPerShapeAndKeepsTheResult) {
   EXPECT_EQ(ns.describe(c10::DeviceType::CUDA).find("cpu"), std::string::npos) << ns.describe(c10::DeviceType::CUDA);
 }
 
+// issue 37: the default half-precision Gram NS gets a symmetric product (the block triangle, as no
+// cuBLAS SYRK takes fp16/bf16): "syrk" stays within the fp16 Gram bound of NEWTON_SCHULZ.md §8 and
+// close to the plain GEMMs; "auto" measures the two per shape and keeps one, with the same bound.
+TEST(CudaTest, HalfPrecisionSyrkStaysWithinTheFp16GramBound) {
+  DMUON_REQUIRE_CUDA();
+  at::manual_seed(5);
+  for (const auto& s : kShapes) {
+    const at::Tensor G = at::randn({s.m, s.n}, at::TensorOptions().device(kGpu));
+    NsOptions syrk, plain, automatic;
+    syrk.force_gram = plain.force_gram = automatic.force_gram = true;
+    syrk.kernel = "syrk";
+    plain.kernel = "cublas";
+    const at::Tensor ref = reference_ns(G, POLAR_EXPRESS_COEFFICIENTS);
+    const at::Tensor W = gram_newton_schulz(G, syrk), P = gram_newton_schulz(G, plain);
+    EXPECT_LE(rel(W, ref), 1e-2) << s.m << "x" << s.n;
+    EXPECT_LE(rel(W, P), 1e-2) << s.m << "x" << s.n;
+    EXPECT_LE(rel(gram_newton_schulz(G, automatic), ref), 1e-2) << s.m << "x" << s.n;
+    const at::Tensor X = at::randn({std::min(s.m, s.n), std::max(s.m, s.n)}, at::TensorOptions().device(kGpu)).to(at::kHalf);
+    const std::string k = detail::kernels::resolve_kernel("auto", X);
+    EXPECT_TRUE(k == "syrk" || k == "cublas") << k;
+    std::printf("[auto] fp16 %lldx%lld Gram product: %s\n", static_cast<long long>(X.size(0)),
+                static_cast<long long>(X.size(1)), k.c_str());
+  }
+}
+
 // CUDA's sync debug mode: L_ERROR makes every synchronising call throw.
 void set_sync_debug(bool on) {
 #if DMUON_WITH_CUDA
@@ -190,6 +217,7 @@ struct OneGpuRun {
   StepProfile profile;
   std::vector<std::string> unbound_groups;  // process groups without a bound device
   double worst = 0;                         // vs the CPU reference
+  size_t params = 0;                        // dmuon's parameters: dedicated matrices and the rest
 };
 
 // One GPU, NCCL with world size 1: `steps` of float64 training on the GPU, compared with float64
@@ -243,6 +271,7 @@ OneGpuRun train_on_one_gpu(int steps, bool sync_debug) {
     out.most_reads = std::max(out.most_reads, host_sync_count() - before);
   }
   out.comm = mesh->counters().snapshot();
+  out.params = get_dedicated_params(*m).size() + get_base_params(*m).size();
   out.profile = opt.consume_last_step_profile();
   for (const auto& item : m->named_parameters(true)) {
     EXPECT_TRUE(item.value().is_cuda()) << item.key();
@@ -267,6 +296,10 @@ TEST(CudaTest, OneGpuTrainingMatchesTheCpuReferenceWithFewHostReads) {
   EXPECT_LE(p.ns_ms, p.muon_ms + 1e-3);
   EXPECT_LE(p.muon_ms + p.adamw_ms, p.total_ms + 1e-3);
   EXPECT_GT(p.host_total_ms, 0.0);
+  // the CUDA defaults: AdamW by the fused kernel, the momentum by _foreach_ ops (issue 37)
+  EXPECT_GT(p.adamw_fused, 0);
+  EXPECT_GT(p.momentum_foreach, 0);
+  EXPECT_EQ(p.adamw_fused + p.momentum_foreach, static_cast<int>(r.params));
 }
 
 // DMUON_FORCE_COLLECTIVES=1: the same training through NCCL's real collectives on a group of one

@@ -19,6 +19,7 @@
 #include "dmuon/tools/ns_calibration.h"
 #include "dmuon/ns_graphs.h"
 #include "ns/fused_cpu.h"  // internal: the fused CPU kernel
+#include "ns/kernels.h"    // internal: the block-triangle Gram product
 #include "support/multirank.h"
 
 namespace dmuon {
@@ -483,6 +484,63 @@ TEST(NewtonSchulzTest, SyrkKernelMatchesPlainGemm) {
     EXPECT_LE(rel(gram_newton_schulz(G, syrk), gram_newton_schulz(G, plain)), tol);
     EXPECT_LE(rel(direct_newton_schulz(G, syrk), direct_newton_schulz(G, plain)), tol);
   }
+}
+
+// The "syrk" kernel's product for what no BLAS SYRK takes (16-bit, batches): the lower block
+// triangle (issue 37). float64: equal to X X^T up to float64 rounding (measured <= 1.3e-16 relative,
+// OMP_NUM_THREADS 1 and 2; bound 1e-13) and exactly symmetric. bf16: each block is an fp32-accumulated
+// sum rounded once to bf16, as the plain product's elements are (measured here: identical to the plain
+// bf16 product; another BLAS may order a sum differently and flip a rounding: bound 8e-3, two bf16
+// ulps), and as close to the float64 product as the plain one is (1.6e-3 to 1.8e-3 both).
+TEST(NewtonSchulzTest, BlockTriangleGramEqualsTheFullProduct) {
+  namespace k = detail::kernels;
+  EXPECT_EQ(k::block_triangle_depth(256), 1);
+  EXPECT_EQ(k::block_triangle_depth(512), 2);
+  EXPECT_EQ(k::block_triangle_depth(1024), 3);
+  EXPECT_EQ(k::block_triangle_depth(4096), 3);
+  EXPECT_EQ(k::block_triangle_depth(384), 1);  // 192-row halves; quarters of 96 are too small
+  EXPECT_EQ(k::block_triangle_depth(200), 0);
+  EXPECT_EQ(k::block_triangle_depth(258), 1);  // two 129-row halves; 258 is not a multiple of 4
+  at::manual_seed(31);
+  struct Case {
+    std::vector<int64_t> shape;
+    int depth;
+  };
+  for (const Case& c : {Case{{256, 300}, 1}, Case{{512, 100}, 2}, Case{{1024, 40}, 3}, Case{{3, 256, 40}, 1},
+                        Case{{2, 512, 64}, 2}, Case{{96, 50}, 0}}) {
+    SCOPED_TRACE(::testing::PrintToString(c.shape) + " depth " + std::to_string(c.depth));
+    const at::Tensor X = at::randn(c.shape, at::kDouble);
+    const at::Tensor C = k::block_triangle_gram(X, c.depth);
+    const at::Tensor ref = at::matmul(X, X.transpose(-1, -2));
+    EXPECT_LE(rel(C, ref), 1e-13);
+    EXPECT_TRUE(at::equal(C, C.transpose(-1, -2)));
+    const at::Tensor H = X.to(at::kBFloat16);
+    const at::Tensor CH = k::block_triangle_gram(H, c.depth);
+    EXPECT_EQ(CH.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::equal(CH, CH.transpose(-1, -2)));
+    const at::Tensor plain = k::mm(H, H.transpose(-1, -2));
+    EXPECT_LE(rel(CH, plain), 8e-3);
+    const at::Tensor exact = at::matmul(H.to(at::kDouble), H.to(at::kDouble).transpose(-1, -2));
+    EXPECT_LE(rel(CH, exact), 2 * rel(plain, exact) + 1e-6);
+  }
+}
+
+// "syrk" on 16-bit inputs runs Newton-Schulz with the block-triangle Gram product: the same result as
+// the plain GEMMs up to bf16 rounding (measured here: identical; bound 2e-2), and as close to the
+// float64 NS (both 2.7e-2: bf16 Gram NS without restarts' benefit on a 256 x 700 Gaussian).
+TEST(NewtonSchulzTest, SyrkOn16BitInputsUsesTheBlockTriangle) {
+  at::manual_seed(32);
+  const at::Tensor G = at::randn({256, 700});
+  NsOptions plain, syrk;
+  plain.kernel = "cublas";
+  syrk.kernel = "syrk";
+  plain.compute_dtype = syrk.compute_dtype = at::kBFloat16;
+  const at::Tensor a = gram_newton_schulz(G, syrk), b = gram_newton_schulz(G, plain);
+  const at::Tensor ref = reference_ns(G.to(at::kDouble), POLAR_EXPRESS_COEFFICIENTS);
+  EXPECT_LE(rel(a, b), 2e-2);
+  EXPECT_LE(rel(a, ref), 1.5 * rel(b, ref) + 1e-3);
+  EXPECT_EQ(detail::kernels::resolve_kernel("syrk", G.to(at::kBFloat16)), "syrk");
+  EXPECT_EQ(detail::kernels::resolve_kernel("syrk", at::zeros({100, 700}, at::kBFloat16)), "cublas");  // no depth
 }
 
 TEST(NewtonSchulzTest, NewtonSchulzObjectAndBackendStatus) {

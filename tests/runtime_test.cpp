@@ -37,6 +37,7 @@
 #include "dmuon/muon.h"
 #include "dmuon/newton_schulz.h"
 #include "model/gpt.h"
+#include "optim/multi_tensor.h"  // fused_adamw_available
 #include "runtime/inspect.h"  // white-box checks of buffer storage
 #include "support/multirank.h"
 #include "support/training.h"
@@ -75,6 +76,9 @@ struct DistConfig : testing::Layout {
   // device, the model and the data live there too
   std::optional<LoopbackOptions> loopback;
   bool side_stream = false;  // a device: each rank trains on a side stream (not the default stream)
+  std::optional<bool> fused, foreach;  // MuonOptions' multi-tensor kernels (unset: on CUDA)
+  // when set, every rank's steps must have run this many AdamW / momentum updates on them
+  std::optional<int> expect_fused_min, expect_foreach_min;
 };
 
 // Runs the distributed training and compares every rank's view with the reference.
@@ -118,6 +122,9 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
     MuonOptions mo = testing::muon_options(tc);
     mo.replicate_async = dc.replicate_async;
     mo.group_prepare_ahead = dc.group_prepare_ahead;
+    mo.fused = dc.fused;
+    mo.foreach = dc.foreach;
+    mo.record_step_profile = dc.expect_fused_min.has_value() || dc.expect_foreach_min.has_value();
     Muon opt(m.ptr(), mo);
     std::unique_ptr<torch::optim::StepLR> sched;
     if (tc.scheduler) sched = std::make_unique<torch::optim::StepLR>(opt, 3, 0.5);
@@ -152,6 +159,13 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
         opt.clip_grad_norm_(tc.clip, co);
       }
       opt.step();
+      if (mo.record_step_profile) {  // the multi-tensor kernels ran (a path that silently fell back fails here)
+        const StepProfile p = opt.consume_last_step_profile();
+        if (p.adamw_fused < dc.expect_fused_min.value_or(0) || p.momentum_foreach < dc.expect_foreach_min.value_or(0))
+          throw std::runtime_error("rank " + std::to_string(ctx.rank) + ": " + std::to_string(p.adamw_fused) +
+                                   " fused AdamW and " + std::to_string(p.momentum_foreach) +
+                                   " foreach momentum updates in a step");
+      }
       if (sched) sched->step();
     }
     // compare: owned matrices (param + momentum), replicated params (param + AdamW moment)
@@ -637,8 +651,11 @@ TEST(RuntimeTest, HostReadsPerStepDoNotGrowWithTheParameterCount) {
 // of a non-finite matrix stops with an error naming it, before any weight changes.
 TEST(RuntimeTest, NonFiniteMuonGradientIsAnErrorNamingTheMatrix) {
   const double inf = std::numeric_limits<double>::infinity();
+  // foreach: the check by one _foreach_norm per dtype (the CUDA default) instead of a sum per gradient
+  for (bool foreach : {false, true})
   for (const std::pair<double, double>& poison :
        std::vector<std::pair<double, double>>{{std::nan(""), 0.0}, {inf, 0.0}, {-inf, 0.0}, {inf, -inf}}) {
+    SCOPED_TRACE(foreach ? "foreach" : "per-gradient sums");
     testing::run_ranks(2, [&](testing::RankContext& ctx) {
       const GPTConfig cfg = small_config(1);
       GPT m(cfg);
@@ -646,7 +663,9 @@ TEST(RuntimeTest, NonFiniteMuonGradientIsAnErrorNamingTheMatrix) {
       DistConfig dc;
       dc.pack_small_params = false;
       testing::dedicate_gpt(m, mesh, dc);
-      Muon opt(m.ptr(), testing::muon_options(TrainConfig{}));
+      MuonOptions mo = testing::muon_options(TrainConfig{});
+      mo.foreach = foreach;
+      Muon opt(m.ptr(), mo);
       const auto tokens = make_batches(1, 4, 8, cfg.vocab_size, 3)[0];
       m->loss(tokens.narrow(0, ctx.rank * 2, 2)).backward();
       prepare_muon_grads(*m);
@@ -1131,6 +1150,72 @@ TEST(RuntimeTest, ShardedAdamwRouteMatchesSingleProcess) {
   dc.replicate = 2;
   tc.accum = 1;
   check_equivalence(small_config(2), tc, dc);
+}
+
+// MuonOptions::fused / foreach (issue 37): AdamW by LibTorch's fused kernel and Muon's momentum by
+// _foreach_ ops train as the single-process reference does (float64, the equivalence bound), on the
+// replicated, sharded_adamw and HSDP routes, and the profile shows each rank ran them; both off, the
+// per-parameter path does. Unset on the CPU: fused where LibTorch has the kernel, no foreach. (The
+// fused kernel needs LibTorch >= 2.4 on the CPU: the 1.13 build checks foreach, and that fused=true
+// is refused at construction.)
+TEST(RuntimeTest, FusedAdamwAndForeachMomentumMatchSingleProcess) {
+  const bool fused = detail::fused_adamw_available(c10::DeviceType::CPU);
+  struct Case {
+    const char* name;
+    int world, replicate;
+    bool sharded, multi_tensor;
+  };
+  for (const Case& c : {Case{"Z3_N3", 3, 1, false, true}, Case{"ShardedAdamw_N2", 2, 1, true, true},
+                        Case{"Hsdp2x2ShardedAdamw", 4, 2, true, true}, Case{"ShardedAdamw_N2_PerParam", 2, 1, true, false}}) {
+    SCOPED_TRACE(std::string(c.name) + (!c.multi_tensor ? " per-parameter" : fused ? " fused+foreach" : " foreach"));
+    TrainConfig tc;
+    tc.steps = 4;
+    tc.scheduler = true;  // lr changes between steps reach the fused call
+    DistConfig dc;
+    dc.world = c.world;
+    dc.replicate = c.replicate;
+    dc.sharded = c.sharded;
+    dc.pack_small_params = false;
+    dc.fused = c.multi_tensor && fused;
+    dc.foreach = c.multi_tensor;
+    dc.expect_fused_min = c.multi_tensor && fused ? 1 : 0;  // every rank updates AdamW parameters (or shards)
+    check_equivalence(small_config(2), tc, dc);
+  }
+  // what each setting runs on one rank: every matrix's momentum, every other parameter's AdamW
+  testing::run_ranks(1, [&](testing::RankContext& ctx) {
+    GPT m(small_config(2));
+    load_state(m, init_state(small_config(2), 1234, at::kDouble));
+    auto mesh = make_mesh(ctx, std::chrono::seconds(60), 1);
+    DistConfig dc;
+    dc.world = 1;
+    testing::dedicate_gpt(m, mesh, dc, DedicateOptions{});
+    const int matrices = static_cast<int>(get_dedicated_params(*m).size());
+    const int others = static_cast<int>(get_base_params(*m).size());
+    ASSERT_GT(matrices, 0);
+    ASSERT_GT(others, 0);
+    for (std::optional<bool> setting : {std::optional<bool>(), std::optional<bool>(true), std::optional<bool>(false)}) {
+      SCOPED_TRACE(setting ? (*setting ? "on" : "off") : "unset");
+      MuonOptions mo = testing::muon_options(TrainConfig{});
+      mo.record_step_profile = true;
+      mo.foreach = setting;
+      mo.fused = setting && *setting && !fused ? std::nullopt : setting;
+      Muon opt(m.ptr(), mo);
+      opt.zero_grad();
+      m->loss(make_batches(1, 2, 12, small_config(2).vocab_size, 7)[0]).backward();
+      opt.step();
+      const StepProfile p = opt.consume_last_step_profile();
+      EXPECT_EQ(p.momentum_foreach, setting.value_or(false) ? matrices : 0);
+      EXPECT_EQ(p.adamw_fused, setting.value_or(true) && fused ? others : 0);
+      EXPECT_EQ(to_json(p)["adamw_fused"].get<int>(), p.adamw_fused);
+    }
+    if (!fused) {
+      MuonOptions mo;
+      mo.fused = true;
+      const std::string e = error_of([&] { Muon opt(m.ptr(), mo); });
+      EXPECT_NE(e.find("fused=true, but this LibTorch"), std::string::npos) << e;
+      EXPECT_NE(e.find("rank 0"), std::string::npos) << e;
+    }
+  });
 }
 
 TEST(RuntimeTest, AllGatherUnshardModeMatchesSingleProcess) {

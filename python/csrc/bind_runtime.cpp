@@ -119,6 +119,8 @@ MuonOptions muon_options(const py::dict& d) {
   if (auto v = get_opt<bool>(d, "post_step_prefetch_sharded_adamw")) o.post_step_prefetch_sharded_adamw = *v;
   if (auto v = get_opt<bool>(d, "sharded_adamw_unshard_separate_stream")) o.sharded_adamw_unshard_separate_stream = *v;
   if (auto v = get_opt<bool>(d, "group_prepare_ahead")) o.group_prepare_ahead = *v;
+  o.fused = get_opt<bool>(d, "fused");
+  o.foreach = get_opt<bool>(d, "foreach");
   if (auto v = get_opt<bool>(d, "first_step_progress_log")) o.first_step_progress_log = *v;
   if (auto v = get_opt<int>(d, "first_step_progress_log_limit")) o.first_step_progress_log_limit = *v;
   if (auto v = get_opt<bool>(d, "tp_distributed_gram")) o.tp_distributed_gram = *v;

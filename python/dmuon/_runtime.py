@@ -657,6 +657,10 @@ class Muon(torch.optim.Optimizer):
     order, then a "default" pair for the parameters in no group. ``torch.optim.lr_scheduler`` and the caller may change each group's
     ``lr``, ``weight_decay`` and ``momentum`` between steps.
 
+    ``fused`` / ``foreach``, as torch.optim's: AdamW by LibTorch's fused kernel (None: wherever torch has it,
+    the CPU included), Muon's momentum by ``torch._foreach_*`` ops (None: on CUDA), one call per list of
+    parameters; same results up to rounding. torch's AdamW on FSDP2 shards gets them as given.
+
     ``step()`` is collective: every rank of the model's mesh."""
 
     def __init__(
@@ -685,6 +689,8 @@ class Muon(torch.optim.Optimizer):
         forward_prefetch_depth: int = 1,
         first_step_progress_log: bool = True,
         first_step_progress_log_limit: int = 8,
+        fused: Optional[bool] = None,
+        foreach: Optional[bool] = None,
     ):
         state = _state_of(model, "Muon")
         if isinstance(post_step_prefetch_groups, bool) or not isinstance(post_step_prefetch_groups, int) \
@@ -716,6 +722,7 @@ class Muon(torch.optim.Optimizer):
             first_step_progress_log_limit=first_step_progress_log_limit,
             post_step_prefetch_groups=post_step_prefetch_groups,
             post_step_prefetch_sharded_adamw=bool(post_step_prefetch_sharded_adamw),
+            fused=None if fused is None else bool(fused), foreach=None if foreach is None else bool(foreach),
         )
         if sharded_adamw_unshard_separate_stream:  # the all-gathers' own group: built once per mesh (collective)
             add_sharded_unshard_group(state.mesh, state.groups)
@@ -755,7 +762,10 @@ class Muon(torch.optim.Optimizer):
                 g = groups[k]
                 torch_groups.append(dict(params=ps, lr=g["lr"], betas=g["betas"], eps=g["eps"],
                                          weight_decay=g["weight_decay"]))
-            self._external = torch.optim.AdamW(torch_groups)
+            kernels = {} if fused is None else {"fused": bool(fused)}
+            if foreach is not None and not fused:
+                kernels["foreach"] = bool(foreach)
+            self._external = torch.optim.AdamW(torch_groups, **kernels)
         self._group_count = len(groups)
         super().__init__(groups, defaults={})
 

@@ -212,7 +212,9 @@ nlohmann::json to_json(const StepProfile& p) {
           {"owned_updates", p.owned_updates},
           {"tp_gathered", p.tp_gathered},
           {"tp_distributed", p.tp_distributed},
-          {"ns_flops", p.ns_flops}};
+          {"ns_flops", p.ns_flops},
+          {"adamw_fused", p.adamw_fused},
+          {"momentum_foreach", p.momentum_foreach}};
 }
 
 nlohmann::json to_json(const ForwardUnshardProfile& p) {

@@ -93,14 +93,57 @@ at::Tensor cuda_syrk(const at::Tensor& X) {
 }
 #endif
 
-bool syrk_supports(const at::Tensor& X) {
+// Where a BLAS SYRK takes X: a 2-D fp32/fp64 matrix on a device with one.
+bool blas_syrk_takes(const at::Tensor& X) {
   const bool f = X.scalar_type() == at::kFloat || X.scalar_type() == at::kDouble;
   if (!f || X.dim() != 2) return false;
   if (X.is_cuda()) return cuda_syrk_available();
   return X.device().is_cpu() && cpu_blas_syrk_available();
 }
 
+// The symmetric product of what no BLAS SYRK takes (16-bit inputs, batches): block_triangle_gram.
+bool triangle_takes(const at::Tensor& X) {
+  return (X.dim() == 2 || X.dim() == 3) && at::isFloatingType(X.scalar_type()) &&
+         block_triangle_depth(X.size(-2)) > 0;
+}
+
+bool syrk_supports(const at::Tensor& X) { return blas_syrk_takes(X) || triangle_takes(X); }
+
 }  // namespace
+
+int block_triangle_depth(int64_t m) {
+  int d = 0;
+  while (d < kBlockTriangleMaxDepth && m % (int64_t{2} << d) == 0 && m / (int64_t{2} << d) >= kBlockTriangleMinBlock)
+    ++d;
+  return d;
+}
+
+at::Tensor block_triangle_gram(const at::Tensor& X_in, int depth) {
+  TORCH_INTERNAL_ASSERT(X_in.dim() == 2 || X_in.dim() == 3);
+  const at::Tensor X = (X_in.dim() == 2 ? X_in.unsqueeze(0) : X_in).contiguous();
+  const int64_t B = X.size(0), m = X.size(1), k = X.size(2);
+  TORCH_INTERNAL_ASSERT(depth >= 0 && m % (int64_t{1} << depth) == 0);
+  at::Tensor C = at::empty({B, m, m}, X.options());
+  const int64_t off = C.storage_offset();
+  // level l: the 2^l sibling pairs of row blocks of s = m / 2^(l+1) rows (upper A, lower L): the
+  // block L A^T below the diagonal and its transpose above, for every pair in one batched GEMM
+  for (int l = 0; l < depth; ++l) {
+    const int64_t n = int64_t{1} << l, s = m / (2 * n);
+    const at::Tensor V = X.view({B, n, 2, s, k});
+    const at::Tensor A = V.select(2, 0).reshape({B * n, s, k}), L = V.select(2, 1).reshape({B * n, s, k});
+    const at::Tensor P = kernels::mm(L, A.transpose(1, 2)).view({B, n, s, s});
+    const std::vector<int64_t> sizes = {B, n, s, s};
+    C.as_strided(sizes, {m * m, 2 * s * m + 2 * s, m, 1}, off + s * m).copy_(P);                  // below
+    C.as_strided(sizes, {m * m, 2 * s * m + 2 * s, m, 1}, off + s).copy_(P.transpose(-1, -2));  // above
+  }
+  // the 2^depth diagonal blocks, each made exactly symmetric from its lower triangle
+  const int64_t n = int64_t{1} << depth, s = m / n;
+  const at::Tensor V = X.view({B * n, s, k});
+  const at::Tensor D = kernels::mm(V, V.transpose(1, 2));
+  const at::Tensor sym = D.tril().add_(D.tril(-1).transpose(-1, -2)).view({B, n, s, s});
+  C.as_strided({B, n, s, s}, {m * m, s * m + s, m, 1}, off).copy_(sym);
+  return X_in.dim() == 2 ? C.squeeze(0) : C;
+}
 
 bool cpu_blas_syrk_available() { return DMUON_HAVE_CPU_BLAS != 0; }
 
@@ -114,6 +157,7 @@ bool cuda_syrk_available() {
 
 namespace {
 at::Tensor syrk_gram(const at::Tensor& X) {
+  if (!blas_syrk_takes(X)) return block_triangle_gram(X, block_triangle_depth(X.size(-2)));
 #if DMUON_WITH_CUDA
   if (X.is_cuda()) return cuda_syrk(X);
 #endif
@@ -121,20 +165,21 @@ at::Tensor syrk_gram(const at::Tensor& X) {
   if (X.scalar_type() == at::kFloat) return cpu_syrk_impl<float>(X, ssyrk_);
   return cpu_syrk_impl<double>(X, dsyrk_);
 #else
-  TORCH_INTERNAL_ASSERT(false, "syrk_gram without a SYRK (syrk_supports is false)");
+  TORCH_INTERNAL_ASSERT(false, "syrk_gram without a SYRK (blas_syrk_takes is false)");
   return {};
 #endif
 }
 
 bool always() { return true; }
 bool never() { return false; }
-bool syrk_available() { return cuda_syrk_available() || cpu_blas_syrk_available(); }
 std::string syrk_detail() {
   std::string d = "symmetric rank-k update for X X^T (exactly symmetric result): cuBLAS SYRK on CUDA ";
   d += cuda_syrk_available() ? "(available)" : "(not here: no CUDA device or a CPU-only build)";
   d += ", CPU BLAS syrk ";
   d += cpu_blas_syrk_available() ? "(available)" : "(not here: LibTorch's BLAS is not linked for it)";
-  return d + "; where neither runs it takes the plain GEMMs";
+  return d + " for 2-D fp32/fp64; 16-bit inputs and batches (no BLAS SYRK takes them) compute the lower block "
+             "triangle with batched GEMMs (56% of the FLOPs at depth 3; rows a multiple of " +
+             std::to_string(2 * kBlockTriangleMinBlock) + "); other inputs take the plain GEMMs";
 }
 }  // namespace
 
@@ -145,7 +190,7 @@ const std::vector<NsKernel>& kernel_rows() {
       {"cublas", "cpu-gemm", "cublas", always,
        [] { return std::string("plain GEMMs (cuBLAS on CUDA, the CPU BLAS on the CPU), bit-exact across runs; "
                                "always available"); }},
-      {"syrk", "cpu-blas-syrk", "cublas-syrk", syrk_available, syrk_detail, syrk_supports, syrk_gram},
+      {"syrk", "cpu-blas-syrk", "cublas-syrk", always, syrk_detail, syrk_supports, syrk_gram},
       {"quack", "", "", never,
        [] { return std::string("Tri Dao's quack SYRK (SM90+): a Python CuTe-DSL package that this C++ library does "
                                "not bind; on SM90 \"syrk\" (cuBLAS SYRK) or \"auto\" is the equivalent here"); }},
@@ -206,9 +251,8 @@ std::string resolve_kernel_for(const std::string& requested, c10::DeviceType dev
     return env;
   }
   // Measured (docs/PERF.md): the plain GEMM path is at least as fast as SYRK + mirror on the
-  // CPU BLAS this project builds with, and on CUDA the default compute dtypes (bf16/fp16) have no
-  // cuBLAS SYRK. So "auto" names the plain path; on CUDA resolve_kernel then measures both kernels
-  // per shape where SYRK can run (fp32/fp64) and keeps the faster.
+  // CPU BLAS this project builds with. So "auto" names the plain path; on CUDA resolve_kernel then
+  // measures both kernels per shape where "syrk" takes the input and keeps the faster.
   (void)device;
   return "cublas";
 }
@@ -221,13 +265,14 @@ std::string kernel_label(const std::string& kernel, c10::DeviceType device) {
 
 #if DMUON_WITH_CUDA
 namespace {
-// "auto" on CUDA, where SYRK can run (fp32/fp64 Gram products): time both kernels once per device,
-// shape and dtype (CUDA events on the current stream, best of 3 after a warm-up) and keep the faster.
+// "auto" on CUDA, where "syrk" takes X (cuBLAS SYRK for 2-D fp32/fp64, the block triangle for the
+// default 16-bit compute dtypes and batches): time both kernels once per device, shape and dtype
+// (CUDA events on the current stream, best of 3 after a warm-up) and keep the faster.
 // One host wait per new shape, never again for it.
 std::string measured_cuda_choice(const at::Tensor& X) {
   static std::mutex mu;
-  static std::map<std::tuple<int, int64_t, int64_t, int>, std::string> chosen;
-  const auto key = std::make_tuple(static_cast<int>(X.device().index()), X.size(0), X.size(1),
+  static std::map<std::tuple<int, std::vector<int64_t>, int>, std::string> chosen;
+  const auto key = std::make_tuple(static_cast<int>(X.device().index()), X.sizes().vec(),
                                    static_cast<int>(X.scalar_type()));
   {
     std::lock_guard<std::mutex> g(mu);

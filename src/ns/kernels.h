@@ -75,6 +75,19 @@ std::string resolve_kernel(const std::string& requested, const at::Tensor& X);
 std::string resolve_kernel_for(const std::string& requested, c10::DeviceType device);
 bool cpu_blas_syrk_available();
 bool cuda_syrk_available();
+
+// X X^T ([m, k] or [B, m, k], any floating dtype; 16-bit on the CPU through mm's fp32 accumulation)
+// from the lower block triangle: the rows split in halves `depth` times, each level's sibling blocks
+// L A^T in one batched GEMM (mirrored above the diagonal), the 2^depth diagonal blocks in one more,
+// each made exactly symmetric. FLOPs: 1/2 + 1/2^(depth+1) of the full product (depth 3: 56%). The
+// "syrk" kernel's product where no BLAS SYRK takes the input (16-bit: the default CUDA compute
+// dtypes; batches). m must be a multiple of 2^depth.
+at::Tensor block_triangle_gram(const at::Tensor& X, int depth);
+inline constexpr int kBlockTriangleMaxDepth = 3;
+inline constexpr int64_t kBlockTriangleMinBlock = 128;  // rows per block: smaller GEMMs waste tensor-core tiles
+// The depth block_triangle_gram takes for m rows: the largest <= kBlockTriangleMaxDepth leaving blocks of
+// at least kBlockTriangleMinBlock rows that divide m evenly; 0: none (the plain product).
+int block_triangle_depth(int64_t m);
 }  // namespace kernels
 
 }  // namespace dmuon::detail

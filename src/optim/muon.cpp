@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <torch/optim/serialize.h>
 #include <torch/serialize/archive.h>
+#include <torch/version.h>
 
 #include <chrono>
 #include <cmath>
@@ -19,6 +20,7 @@
 #include "dmuon/host_sync.h"
 #include "optim/clip_norm.h"
 #include "optim/host_ops.h"
+#include "optim/multi_tensor.h"
 #include "optim/phase_clock.h"
 #include "dmuon/ns_runner.h"
 #include "optim/tp_newton_schulz.h"
@@ -219,34 +221,61 @@ void check_finite_grad(bool ok, const ReadyGrad& r, int rank) {
               "propagate.");
 }
 
-void check_finite_grads(const std::vector<ReadyGrad>& ready, int rank) {
-  std::vector<at::Tensor> sums[2];  // device sums in fp32, in fp64 (one stack each: no per-matrix cast)
-  // per dedicated gradient, in `ready` order: k 0 / 1: the i-th fp32 / fp64 device sum; k 2: summed
-  // on the host (small CPU matrices: no op per matrix), i = finite
+// `foreach` (MuonOptions::foreach, by default on CUDA): the norms of every fp32/fp64/bf16 gradient in
+// one multi-tensor call per dtype instead of one sum per gradient (a norm is not finite exactly when
+// the sum test above fails or the norm overflows); fp16 keeps the fp32 sums (its norm would overflow
+// at 65504).
+void check_finite_grads(const std::vector<ReadyGrad>& ready, int rank, std::optional<bool> foreach) {
+  // device reductions by their dtype, each list stacked into one flag vector, all read at once
+  std::map<at::ScalarType, std::vector<at::Tensor>> values;
+  std::map<at::ScalarType, std::vector<at::Tensor>> norm_grads;  // by dtype, for _foreach_norm
+  std::map<at::ScalarType, std::vector<size_t>> norm_at;          // their entries in `where`
+  // per dedicated gradient, in `ready` order: the dtype of its value and its index there; or summed
+  // on the host (small CPU matrices: no op per matrix), finite = i
   struct At {
     const ReadyGrad* r;
-    int k;
+    bool host;
+    at::ScalarType dtype;
     size_t i;
   };
   std::vector<At> where;
   for (const auto& r : ready) {
     if (!r.muon) continue;
-    if (const std::optional<bool> h = detail::host_sum_finite(r.grad)) {
-      where.push_back({&r, 2, *h ? size_t{1} : size_t{0}});
+    const bool multi = detail::foreach_on(foreach, r.grad);
+    if (const std::optional<bool> h = multi ? std::nullopt : detail::host_sum_finite(r.grad)) {
+      where.push_back({&r, true, at::kBool, *h ? size_t{1} : size_t{0}});
       continue;
     }
-    const int k = r.grad.scalar_type() == at::kDouble ? 1 : 0;
-    where.push_back({&r, k, sums[k].size()});
-    sums[k].push_back(r.grad.sum(k ? at::kDouble : at::kFloat));
+    const at::ScalarType t = r.grad.scalar_type();
+    if (multi && (t == at::kFloat || t == at::kDouble || t == at::kBFloat16)) {
+      norm_at[t].push_back(where.size());
+      norm_grads[t].push_back(r.grad);
+      where.push_back({&r, false, t, 0});  // index set below
+      continue;
+    }
+    const at::ScalarType acc = t == at::kDouble ? at::kDouble : at::kFloat;
+    where.push_back({&r, false, acc, values[acc].size()});
+    values[acc].push_back(r.grad.sum(acc));
+  }
+  for (auto& [t, grads] : norm_grads) {
+    const std::vector<at::Tensor> norms = at::_foreach_norm(grads);
+    for (size_t j = 0; j < norms.size(); ++j) {
+      where[norm_at[t][j]].i = values[t].size();
+      values[t].push_back(norms[j]);
+    }
   }
   std::vector<at::Tensor> finite;
-  for (const auto& s : sums)
-    if (!s.empty()) finite.push_back(at::isfinite(at::stack(s)));
-  at::Tensor host;  // one host read for every device sum
+  std::map<at::ScalarType, size_t> offset;  // where each dtype's flags start in the read vector
+  size_t n = 0;
+  for (const auto& [t, v] : values) {
+    offset[t] = n;
+    n += v.size();
+    finite.push_back(at::isfinite(at::stack(v)));
+  }
+  at::Tensor host;  // one host read for every device reduction
   if (!finite.empty()) host = detail::read_to_host(finite.size() == 1 ? finite[0] : at::cat(finite));
-  const size_t fp64_at = sums[0].size();  // the fp64 flags follow the fp32 ones
   for (const At& a : where)
-    check_finite_grad(a.k == 2 ? a.i != 0 : host.data_ptr<bool>()[a.k ? fp64_at + a.i : a.i], *a.r, rank);
+    check_finite_grad(a.host ? a.i != 0 : host.data_ptr<bool>()[offset.at(a.dtype) + a.i], *a.r, rank);
 }
 
 // The device of the model's first trainable parameter when it is a GPU (step profiles time by its events).
@@ -278,6 +307,12 @@ struct Muon::StepRun final : StepVisitor {
   std::vector<NsJob> ns_jobs;        // the group's whole matrices: NS batched by shape at the group's end
   std::vector<at::Tensor> ns_targets;  // (what each job updates: the progress log names its shape)
   std::vector<TpUpdate> tp_pending;  // TP gathers in flight, in step order: NS and scatter before the publish
+  struct AdamwBatch {                 // fused AdamW of one (parameter group, device, dtype)
+    const MuonGroupOptions* options = nullptr;
+    std::vector<detail::AdamwOperands> ops;
+    std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (parameter, master) under mixed precision
+  };
+  std::map<std::tuple<const MuonGroupOptions*, int, int, int>, AdamwBatch> adamw_batches;
   detail::PhaseClock::Mark phase_start;
 
   void add_ns_job(NsJob job, const at::Tensor& target) {
@@ -292,8 +327,15 @@ struct Muon::StepRun final : StepVisitor {
   void end(Phase p) override { clock.add(p == Phase::Prepare ? detail::Phase::Prepare : detail::Phase::Publish, phase_start); }
 
   void update(const std::vector<ReadyGrad>& group) override {
-    if (opt.check_finite_) check_finite_grads(group, rt.mesh().global_rank());
-    for (const ReadyGrad& r : group) update_one(r);
+    if (opt.check_finite_) check_finite_grads(group, rt.mesh().global_rank(), opt.options_.foreach);
+    // the Muon gradients in the optimizer's dtype, and their momentum where it runs multi-tensor
+    std::vector<at::Tensor> g(group.size());
+    for (size_t i = 0; i < group.size(); ++i)
+      if (group[i].muon) g[i] = group[i].grad.scalar_type() == group[i].prec.optim ? group[i].grad
+                                                                                 : group[i].grad.to(group[i].prec.optim);
+    const std::vector<char> momentum_done = foreach_momentum(group, g);
+    for (size_t i = 0; i < group.size(); ++i) update_one(group[i], g[i], momentum_done[i] != 0);
+    flush_adamw();
     // the whole matrices' Newton-Schulz of this group, batched by shape: its weights are final
     // before it is published
     if (ns_jobs.empty()) return;
@@ -326,21 +368,104 @@ struct Muon::StepRun final : StepVisitor {
     clock.add(detail::Phase::Muon, t0);
   }
 
-  void update_one(const ReadyGrad& r) {
+  const MuonGroupOptions* options_of(const ReadyGrad& r) const {
     auto g = opt.group_of_.find(r.param.unsafeGetTensorImpl());
-    if (g == opt.group_of_.end()) return;  // in no parameter group: not optimized
-    const auto& o = static_cast<const MuonGroupOptions&>(opt.param_groups_[g->second].options());
+    if (g == opt.group_of_.end()) return nullptr;  // in no parameter group: not optimized
+    return &static_cast<const MuonGroupOptions&>(opt.param_groups_[g->second].options());
+  }
+
+  // Muon's momentum (buf <- mu buf + g) as multi-tensor ops where MuonOptions::foreach applies (by
+  // default on CUDA), one pair of launches per (momentum, device, dtype); which entries it updated.
+  std::vector<char> foreach_momentum(const std::vector<ReadyGrad>& group, const std::vector<at::Tensor>& g) {
+    std::vector<char> done(group.size(), 0);
+    std::map<std::tuple<double, int, int, int>, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> lists;
+    for (size_t i = 0; i < group.size(); ++i) {
+      const MuonGroupOptions* o = group[i].muon ? options_of(group[i]) : nullptr;
+      if (o == nullptr || !o->is_muon() || !detail::foreach_on(opt.options_.foreach, g[i])) continue;
+      MuonParamState& st = opt.state_for(group[i].param);
+      if (!st.momentum_buffer().defined()) st.momentum_buffer(at::zeros_like(g[i]));
+      const at::Tensor& buf = st.momentum_buffer();
+      if (buf.scalar_type() != g[i].scalar_type() || buf.device() != g[i].device() || buf.sizes() != g[i].sizes())
+        continue;  // (a restored state in another dtype: the per-matrix op converts)
+      auto& l = lists[{o->momentum(), static_cast<int>(buf.device().type()), static_cast<int>(buf.device().index()),
+                       static_cast<int>(buf.scalar_type())}];
+      l.first.push_back(buf);
+      l.second.push_back(g[i]);
+      done[i] = 1;
+      ++prof.momentum_foreach;
+    }
+    if (lists.empty()) return done;
     const auto t0 = clock.now();
-    if (r.muon && o.is_muon()) {
-      opt.muon_update(r, o, rt.mesh(), prof, clock, *this);
+    for (const auto& [key, l] : lists) detail::foreach_momentum(l.first, l.second, std::get<0>(key));
+    clock.add(detail::Phase::Muon, t0);
+    return done;
+  }
+
+  void update_one(const ReadyGrad& r, const at::Tensor& g, bool momentum_done) {
+    const MuonGroupOptions* o = options_of(r);
+    if (o == nullptr) return;
+    const auto t0 = clock.now();
+    if (r.muon && o->is_muon()) {
+      opt.muon_update(r, g, momentum_done, *o, rt.mesh(), prof, clock, *this);
       clock.add(detail::Phase::Muon, t0);
       if (r.tp_owner >= 0) progress_line(r.target, elapsed_ms(t0.host));  // whole matrices: after their batch
-    } else if (!r.muon && !o.is_muon()) {
-      at::Tensor target = r.target;
-      opt.adamw_update(target, r.grad, r.param, r.prec.optim, o);
-      if (r.write_back) r.param.copy_(target);  // mixed precision: AdamW on the master, rounded into the parameter
+    } else if (!r.muon && !o->is_muon()) {
+      adamw(r, *o);
       clock.add(detail::Phase::Adamw, t0);
     }
+  }
+
+  // AdamW on r.target (the master under mixed precision, rounded into the parameter; for
+  // sharded_adamw this rank's shard), its state in the optimizer's dtype keyed by the parameter.
+  // Where MuonOptions::fused applies (by default wherever LibTorch has the kernel) it joins its
+  // group's fused batch.
+  void adamw(const ReadyGrad& r, const MuonGroupOptions& o) {
+    const at::ScalarType sd = r.prec.optim;
+    at::Tensor p = r.target;
+    MuonParamState& st = opt.state_for(r.param);
+    if (!st.exp_avg().defined()) {
+      st.exp_avg(at::zeros_like(p, p.options().dtype(sd)));
+      st.exp_avg_sq(at::zeros_like(p, p.options().dtype(sd)));
+    }
+    st.step(st.step() + 1);
+    const bool fused = detail::fused_on(opt.options_.fused, p);
+    detail::AdamwOperands ops{p, fused ? r.grad.to(sd).contiguous() : r.grad.to(sd), st.exp_avg(), st.exp_avg_sq(),
+                              st.step()};
+    if (fused && detail::fused_adamw_takes(ops)) {
+      AdamwBatch& b = adamw_batches[{&o, static_cast<int>(p.device().type()), static_cast<int>(p.device().index()),
+                                     static_cast<int>(p.scalar_type())}];
+      b.options = &o;
+      b.ops.push_back(std::move(ops));
+      if (r.write_back) b.write_back.emplace_back(r.param, p);
+      ++prof.adamw_fused;
+      return;
+    }
+    const at::Tensor& g = ops.grad;
+    const double b1 = o.beta1(), b2 = o.beta2();
+    if (o.weight_decay() != 0) p.mul_(1.0 - o.lr() * o.weight_decay());
+    st.exp_avg().mul_(b1).add_(g, 1.0 - b1);
+    st.exp_avg_sq().mul_(b2).addcmul_(g, g, 1.0 - b2);
+    const double bc1 = 1.0 - std::pow(b1, static_cast<double>(st.step()));
+    const double bc2 = 1.0 - std::pow(b2, static_cast<double>(st.step()));
+    const at::Tensor denom = (st.exp_avg_sq().sqrt() / std::sqrt(bc2)).add_(o.eps());
+    if (p.scalar_type() == sd)
+      p.addcdiv_(st.exp_avg(), denom, -o.lr() / bc1);
+    else
+      p.add_((st.exp_avg() / denom).to(p.scalar_type()), -o.lr() / bc1);
+    if (r.write_back) r.param.copy_(p);  // mixed precision: AdamW on the master, rounded into the parameter
+  }
+
+  // The group's fused AdamW batches: one call each, before the group's weights are published.
+  void flush_adamw() {
+    if (adamw_batches.empty()) return;
+    const auto t0 = clock.now();
+    for (auto& [key, b] : adamw_batches) {
+      detail::fused_adamw(b.ops, {b.options->lr(), b.options->beta1(), b.options->beta2(), b.options->eps(),
+                                  b.options->weight_decay()});
+      for (auto& [param, master] : b.write_back) param.copy_(master);
+    }
+    adamw_batches.clear();
+    clock.add(detail::Phase::Adamw, t0);
   }
 
   void progress_line(const at::Tensor& target, double ms) {
@@ -374,6 +499,13 @@ Muon::Muon(const std::shared_ptr<RuntimeFace>& runtime, MuonOptions options)
   tp_scratch_->set_policy(runtime->options().tp_buffer_reuse);
   runtime->set_separate_sharded_unshard(options_.sharded_adamw_unshard_separate_stream);
   require_replicated(*runtime);
+  if (options_.fused.value_or(false))
+    for (const auto& v : runtime->describe())
+      TORCH_CHECK_VALUE(!v.param.defined() || detail::fused_adamw_available(v.param.device().type()), "rank ",
+                        runtime->mesh().global_rank(), ": Muon: fused=true, but this LibTorch (", TORCH_VERSION,
+                        ") has no fused AdamW kernel for '", v.name, "' on ", v.param.device(),
+                        " (LibTorch >= 2.0 has it on CUDA, >= 2.4 on the CPU). Leave `fused` unset (fused on CUDA "
+                        "where available) or set it false.");
 }
 
 Mesh& Muon::mesh() const { return runtime("Muon")->mesh(); }
@@ -403,14 +535,14 @@ const MuonParamState* Muon::state_of(const at::Tensor& p) const {
   return it == state_.end() ? nullptr : static_cast<const MuonParamState*>(it->second.get());
 }
 
-void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh, StepProfile& prof,
-                       detail::PhaseClock& clock, StepRun& run) {
-  const at::Tensor g = r.grad.scalar_type() == r.prec.optim ? r.grad : r.grad.to(r.prec.optim);
+void Muon::muon_update(const ReadyGrad& r, const at::Tensor& g, bool momentum_done, const MuonGroupOptions& o,
+                       Mesh& mesh, StepProfile& prof, detail::PhaseClock& clock, StepRun& run) {
   MuonParamState& st = state_for(r.param);
   if (!st.momentum_buffer().defined()) st.momentum_buffer(at::zeros_like(g));
   at::Tensor& buf = st.momentum_buffer();
-  // buf <- mu buf + g, one pass (small CPU matrices: one host loop, no op)
-  if (!detail::host_add(buf, g, buf, o.momentum())) at::add_out(buf, g, buf, o.momentum());
+  // buf <- mu buf + g, one pass (small CPU matrices: one host loop, no op), unless the group's
+  // multi-tensor momentum did it
+  if (!momentum_done && !detail::host_add(buf, g, buf, o.momentum())) at::add_out(buf, g, buf, o.momentum());
   const bool nesterov = o.nesterov();
   const double mu = o.momentum();
   st.step(st.step() + 1);
@@ -471,28 +603,6 @@ void Muon::muon_update(const ReadyGrad& r, const MuonGroupOptions& o, Mesh& mesh
   }
   prof.ns_flops += flop_share * (20 * m * m * n + 10 * m * m * m);
   ++prof.owned_updates;
-}
-
-void Muon::adamw_update(at::Tensor& p, const at::Tensor& g_in, const at::Tensor& key, at::ScalarType state_dtype,
-                        const MuonGroupOptions& o) {
-  MuonParamState& st = state_for(key);
-  if (!st.exp_avg().defined()) {
-    st.exp_avg(at::zeros_like(p, p.options().dtype(state_dtype)));
-    st.exp_avg_sq(at::zeros_like(p, p.options().dtype(state_dtype)));
-  }
-  const at::Tensor g = g_in.to(state_dtype);
-  st.step(st.step() + 1);
-  const double b1 = o.beta1(), b2 = o.beta2();
-  if (o.weight_decay() != 0) p.mul_(1.0 - o.lr() * o.weight_decay());
-  st.exp_avg().mul_(b1).add_(g, 1.0 - b1);
-  st.exp_avg_sq().mul_(b2).addcmul_(g, g, 1.0 - b2);
-  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(st.step()));
-  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(st.step()));
-  const at::Tensor denom = (st.exp_avg_sq().sqrt() / std::sqrt(bc2)).add_(o.eps());
-  if (p.scalar_type() == state_dtype)
-    p.addcdiv_(st.exp_avg(), denom, -o.lr() / bc1);
-  else
-    p.add_((st.exp_avg() / denom).to(p.scalar_type()), -o.lr() / bc1);
 }
 
 void Muon::index_groups() {

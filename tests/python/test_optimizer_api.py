@@ -160,6 +160,16 @@ def _buckets_and_profile(rank, world):
     assert prof["valid"] and prof["clock"] == "host" and prof["step"] == 1 and prof["owned_updates"] == owned, prof
     assert prof["total_ms"] >= prof["muon_ms"] >= prof["ns_ms"] >= 0 and prof["total_ms"] > 0
     assert opt.consume_last_step_profile()["valid"] is False  # consumed
+    # the multi-tensor kernels on the CPU: by default AdamW by torch's fused kernel (torch >= 2.4), the
+    # momentum by per-matrix host loops; fused=False / foreach=True swap both
+    assert prof["adamw_fused"] == len(regular) and prof["momentum_foreach"] == 0, prof
+    swapped = dmuon.Muon(model, record_step_profile=True, fused=False, foreach=True)
+    swapped.zero_grad()
+    ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
+    swapped.step()
+    prof = swapped.consume_last_step_profile()
+    assert prof["adamw_fused"] == 0 and prof["momentum_foreach"] == owned, prof
+    swapped.zero_grad()
     # mistakes
     with pytest.raises(ValueError, match="cannot be replaced"):
         dmuon.register_muon_grad_clip_strategy("global_norm", per_matrix)
