@@ -280,6 +280,12 @@ std::string measured_cuda_choice(const at::Tensor& X) {
     if (it != chosen.end()) return it->second;
   }
   const c10::cuda::CUDAGuard guard(X.device());  // events and stream of X's device
+  // inside a CUDA graph capture (a first call of a shape with NsGraphOptions::warmup 0) timing would
+  // synchronise and break the capture: the plain GEMMs, not remembered, so a later eager call measures
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(), &capturing) == cudaSuccess &&
+      capturing != cudaStreamCaptureStatusNone)
+    return "cublas";
   auto best_ms = [&](const std::string& kernel) {
     (void)gram(X, kernel);  // warm-up (cuBLAS heuristics, allocator)
     float best = 1e30f;

@@ -330,9 +330,11 @@ struct Muon::StepRun final : StepVisitor {
     if (opt.check_finite_) check_finite_grads(group, rt.mesh().global_rank(), opt.options_.foreach);
     // the Muon gradients in the optimizer's dtype, and their momentum where it runs multi-tensor
     std::vector<at::Tensor> g(group.size());
-    for (size_t i = 0; i < group.size(); ++i)
-      if (group[i].muon) g[i] = group[i].grad.scalar_type() == group[i].prec.optim ? group[i].grad
-                                                                                 : group[i].grad.to(group[i].prec.optim);
+    for (size_t i = 0; i < group.size(); ++i) {
+      const ReadyGrad& r = group[i];
+      const MuonGroupOptions* o = r.muon ? options_of(r) : nullptr;
+      if (o != nullptr && o->is_muon()) g[i] = r.grad.scalar_type() == r.prec.optim ? r.grad : r.grad.to(r.prec.optim);
+    }
     const std::vector<char> momentum_done = foreach_momentum(group, g);
     for (size_t i = 0; i < group.size(); ++i) update_one(group[i], g[i], momentum_done[i] != 0);
     flush_adamw();
@@ -380,8 +382,8 @@ struct Muon::StepRun final : StepVisitor {
     std::vector<char> done(group.size(), 0);
     std::map<std::tuple<double, int, int, int>, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> lists;
     for (size_t i = 0; i < group.size(); ++i) {
-      const MuonGroupOptions* o = group[i].muon ? options_of(group[i]) : nullptr;
-      if (o == nullptr || !o->is_muon() || !detail::foreach_on(opt.options_.foreach, g[i])) continue;
+      const MuonGroupOptions* o = g[i].defined() ? options_of(group[i]) : nullptr;  // a Muon matrix in a Muon group
+      if (o == nullptr || !detail::foreach_on(opt.options_.foreach, g[i])) continue;
       MuonParamState& st = opt.state_for(group[i].param);
       if (!st.momentum_buffer().defined()) st.momentum_buffer(at::zeros_like(g[i]));
       const at::Tensor& buf = st.momentum_buffer();
