@@ -299,6 +299,7 @@ TEST(CudaTest, OneGpuTrainingMatchesTheCpuReferenceWithFewHostReads) {
   // the CUDA defaults: AdamW by the fused kernel, the momentum by _foreach_ ops (issue 37)
   EXPECT_GT(p.adamw_fused, 0);
   EXPECT_GT(p.momentum_foreach, 0);
+  EXPECT_EQ(p.update_foreach, p.momentum_foreach);  // every matrix whole here: each NS batch's update
   EXPECT_EQ(p.adamw_fused + p.momentum_foreach, static_cast<int>(r.params));
 }
 

@@ -1152,8 +1152,8 @@ TEST(RuntimeTest, ShardedAdamwRouteMatchesSingleProcess) {
   check_equivalence(small_config(2), tc, dc);
 }
 
-// MuonOptions::fused / foreach (issue 37): AdamW by LibTorch's fused kernel and Muon's momentum by
-// _foreach_ ops train as the single-process reference does (float64, the equivalence bound), on the
+// MuonOptions::fused / foreach (issue 37): AdamW by LibTorch's fused kernel and Muon's momentum,
+// finiteness check and weight update by _foreach_ ops train as the single-process reference does (float64, the equivalence bound), on the
 // replicated, sharded_adamw and HSDP routes, and the profile shows each rank ran them; both off, the
 // per-parameter path does. Unset on the CPU: fused where LibTorch has the kernel, no foreach. (The
 // fused kernel needs LibTorch >= 2.4 on the CPU: the 1.13 build checks foreach, and that fused=true
@@ -1205,6 +1205,7 @@ TEST(RuntimeTest, FusedAdamwAndForeachMomentumMatchSingleProcess) {
       opt.step();
       const StepProfile p = opt.consume_last_step_profile();
       EXPECT_EQ(p.momentum_foreach, setting.value_or(false) ? matrices : 0);
+      EXPECT_EQ(p.update_foreach, setting.value_or(false) ? matrices : 0);
       EXPECT_EQ(p.adamw_fused, setting.value_or(true) && fused ? others : 0);
       EXPECT_EQ(to_json(p)["adamw_fused"].get<int>(), p.adamw_fused);
     }

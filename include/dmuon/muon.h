@@ -172,8 +172,9 @@ struct MuonOptions {
   // on a GPU, dispatch-bound on the CPU). fused: AdamW through LibTorch's fused kernel
   // (at::_fused_adamw_; LibTorch >= 2.0 on CUDA, >= 2.4 on the CPU), one call per (parameter group,
   // device, dtype); unset: wherever LibTorch has it (3-7x faster AdamW on the CPU too, docs/PERF.md).
-  // foreach: Muon's momentum through _foreach_ ops; unset: on CUDA (on the CPU the per-matrix host
-  // loops are as fast). fused=true where LibTorch has no fused kernel for the parameters' device is
+  // foreach: Muon's element-wise work through _foreach_ ops: the momentum, the finiteness check of
+  // the gradients (one _foreach_norm per dtype) and the weight update after each batched NS; unset:
+  // on CUDA (on the CPU the per-matrix host loops are as fast). fused=true where LibTorch has no fused kernel for the parameters' device is
   // an error at construction. A tensor the kernel cannot take (non-contiguous, moments in another
   // dtype) takes the per-parameter path. Same results up to rounding (float64: ~1e-16 relative per
   // step); StepProfile counts the updates each kernel did.
@@ -201,6 +202,7 @@ struct StepProfile {
   double ns_flops = 0;     // plain-GEMM FLOP estimate of this rank's NS work
   int adamw_fused = 0;       // AdamW updates done by the fused kernel (MuonOptions::fused)
   int momentum_foreach = 0;  // Muon momentum updates done by _foreach_ ops (MuonOptions::foreach)
+  int update_foreach = 0;    // Muon weight updates W (1 - lr wd) - lr s NS(u) done by _foreach_ ops
   int64_t step = 0;        // the optimizer step this profile belongs to (1-based)
   bool valid = false;
 };

@@ -47,6 +47,9 @@ struct NsBatchOptions {
   // and at most a quarter of all the jobs' input bytes: a stack and its NS workspace (~4x the
   // stack) stay a fraction of what the run updates, so batching never doubles its peak memory
   bool cap_to_quarter = true;
+  // called after each batch's results are applied, before the next batch runs (a caller whose
+  // `apply` queues work flushes it here, while the batch's results are alive and no more of them)
+  std::function<void()> after_batch;
 };
 
 // The NS of one matrix or stack [..., m, n] (NewtonSchulz::local, NsGraphs::run).

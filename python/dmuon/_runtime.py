@@ -658,8 +658,9 @@ class Muon(torch.optim.Optimizer):
     ``lr``, ``weight_decay`` and ``momentum`` between steps.
 
     ``fused`` / ``foreach``, as torch.optim's: AdamW by LibTorch's fused kernel (None: wherever torch has it,
-    the CPU included), Muon's momentum by ``torch._foreach_*`` ops (None: on CUDA), one call per list of
-    parameters; same results up to rounding. torch's AdamW on FSDP2 shards gets them as given.
+    the CPU included), Muon's momentum, finiteness check and weight update by ``torch._foreach_*`` ops (None: on
+    CUDA), one call per list of parameters; same results up to rounding. torch's AdamW on FSDP2 shards gets
+    them as given.
 
     ``step()`` is collective: every rank of the model's mesh."""
 

@@ -214,7 +214,8 @@ nlohmann::json to_json(const StepProfile& p) {
           {"tp_distributed", p.tp_distributed},
           {"ns_flops", p.ns_flops},
           {"adamw_fused", p.adamw_fused},
-          {"momentum_foreach", p.momentum_foreach}};
+          {"momentum_foreach", p.momentum_foreach},
+          {"update_foreach", p.update_foreach}};
 }
 
 nlohmann::json to_json(const ForwardUnshardProfile& p) {

@@ -94,6 +94,7 @@ void run_ns_batched(std::vector<NsJob>& jobs, const NsFn& ns, const NsBatchOptio
           apply(idx[i], tall[i - b] ? r.t() : r);
         }
       }
+      if (options.after_batch) options.after_batch();
       if (timed) {
         const double share = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tb).count() /
                              static_cast<double>(e - b);

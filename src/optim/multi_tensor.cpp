@@ -69,4 +69,13 @@ void foreach_momentum(const std::vector<at::Tensor>& bufs, const std::vector<at:
   at::_foreach_add_(bufs, grads);
 }
 
+void foreach_scale_add(const std::vector<at::Tensor>& targets, const std::vector<double>& decays,
+                       const std::vector<at::Tensor>& updates, const std::vector<double>& alphas) {
+  if (targets.empty()) return;
+  const std::vector<at::Scalar> d(decays.begin(), decays.end()), a(alphas.begin(), alphas.end());
+  at::_foreach_mul_(targets, d);
+  at::_foreach_mul_(updates, a);
+  at::_foreach_add_(targets, updates);
+}
+
 }  // namespace dmuon::detail

@@ -43,6 +43,12 @@ void fused_adamw(const std::vector<AdamwOperands>& ops, const AdamwHyper& h);
 // bufs[i] <- mu bufs[i] + grads[i] for every i, two multi-tensor launches (one device and dtype).
 void foreach_momentum(const std::vector<at::Tensor>& bufs, const std::vector<at::Tensor>& grads, double mu);
 
+// targets[i] <- decays[i] targets[i] + alphas[i] updates[i] for every i (one device and dtype; the
+// updates are scaled in place): three multi-tensor launches. Muon's weight update W (1 - lr wd) -
+// lr s NS(u) for a batch of matrices.
+void foreach_scale_add(const std::vector<at::Tensor>& targets, const std::vector<double>& decays,
+                       const std::vector<at::Tensor>& updates, const std::vector<double>& alphas);
+
 // MuonOptions::fused / foreach for a tensor: unset, fused wherever the kernel exists, foreach on CUDA.
 inline bool fused_on(std::optional<bool> option, const at::Tensor& t) {
   return option.value_or(fused_adamw_available(t.device().type()));

@@ -313,6 +313,11 @@ struct Muon::StepRun final : StepVisitor {
     std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (parameter, master) under mixed precision
   };
   std::map<std::tuple<const MuonGroupOptions*, int, int, int>, AdamwBatch> adamw_batches;
+  struct PendingUpdate {  // W <- decay W + alpha NS(u), by multi-tensor ops (MuonOptions::foreach)
+    at::Tensor target, update, param;  // param: defined under mixed precision (rounded from the master)
+    double decay, alpha;
+  };
+  std::vector<PendingUpdate> pending_updates;  // of the NS batch just run
   detail::PhaseClock::Mark phase_start;
 
   void add_ns_job(NsJob job, const at::Tensor& target) {
@@ -343,8 +348,11 @@ struct Muon::StepRun final : StepVisitor {
     if (ns_jobs.empty()) return;
     const auto t0 = clock.now();
     std::vector<double> ms(ns_jobs.size(), 0.0);
-    run_ns_batched(ns_jobs, [this](const at::Tensor& G, int steps) { return opt.ns_graphs_->run(G, steps); }, {},
+    NsBatchOptions batching;
+    batching.after_batch = [this] { flush_updates(); };
+    run_ns_batched(ns_jobs, [this](const at::Tensor& G, int steps) { return opt.ns_graphs_->run(G, steps); }, batching,
                    [&ms](size_t i, double t) { ms[i] = t; });
+    flush_updates();  // (after_batch did; nothing is left queued past the group)
     clock.add(detail::Phase::Ns, t0);
     for (size_t i = 0; i < ns_targets.size(); ++i) progress_line(ns_targets[i], ms[i]);
     clock.add(detail::Phase::Muon, t0);
@@ -455,6 +463,29 @@ struct Muon::StepRun final : StepVisitor {
     else
       p.add_((st.exp_avg() / denom).to(p.scalar_type()), -o.lr() / bc1);
     if (r.write_back) r.param.copy_(p);  // mixed precision: AdamW on the master, rounded into the parameter
+  }
+
+  // The NS batch's queued weight updates: three multi-tensor launches per (device, dtype).
+  void flush_updates() {
+    if (pending_updates.empty()) return;
+    struct Lists {
+      std::vector<at::Tensor> targets, updates;
+      std::vector<double> decays, alphas;
+    };
+    std::map<std::tuple<int, int, int>, Lists> lists;
+    for (const PendingUpdate& u : pending_updates) {
+      Lists& l = lists[{static_cast<int>(u.target.device().type()), static_cast<int>(u.target.device().index()),
+                        static_cast<int>(u.target.scalar_type())}];
+      l.targets.push_back(u.target);
+      l.updates.push_back(u.update);
+      l.decays.push_back(u.decay);
+      l.alphas.push_back(u.alpha);
+    }
+    for (const auto& [key, l] : lists) detail::foreach_scale_add(l.targets, l.decays, l.updates, l.alphas);
+    for (const PendingUpdate& u : pending_updates)
+      if (u.param.defined()) u.param.copy_(u.target);  // mixed precision: rounded into the parameter
+    prof.update_foreach += static_cast<int>(pending_updates.size());
+    pending_updates.clear();
   }
 
   // The group's fused AdamW batches: one call each, before the group's weights are published.
@@ -583,7 +614,14 @@ void Muon::muon_update(const ReadyGrad& r, const at::Tensor& g, bool momentum_do
         at::Tensor o = out;
         return o.copy_(buf);
       };
-    ns_job.apply = std::move(job.apply);
+    if (detail::foreach_on(options_.foreach, r.target) && r.target.scalar_type() == buf.scalar_type())
+      // queued for the batch's multi-tensor update (StepRun::flush_updates), after its NS
+      ns_job.apply = [&run, target = r.target, param = r.param, wb = r.write_back, decay = 1.0 - o.lr() * o.weight_decay(),
+                      alpha = -o.lr() * 0.2 * std::sqrt(n)](const at::Tensor& update) {
+        run.pending_updates.push_back({target, update, wb ? param : at::Tensor(), decay, alpha});
+      };
+    else
+      ns_job.apply = std::move(job.apply);
     run.add_ns_job(std::move(ns_job), r.target);
   } else {
     const at::Tensor u = nesterov ? g.add(buf, mu) : buf;

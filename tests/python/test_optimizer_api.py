@@ -168,7 +168,7 @@ def _buckets_and_profile(rank, world):
     ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
     swapped.step()
     prof = swapped.consume_last_step_profile()
-    assert prof["adamw_fused"] == 0 and prof["momentum_foreach"] == owned, prof
+    assert prof["adamw_fused"] == 0 and prof["momentum_foreach"] == prof["update_foreach"] == owned, prof
     swapped.zero_grad()
     # mistakes
     with pytest.raises(ValueError, match="cannot be replaced"):
