@@ -285,6 +285,11 @@ std::optional<at::Device> first_param_cuda_device(const RuntimeFace& state) {
   return std::nullopt;
 }
 
+// The (device type, device index, dtype) of `t`: multi-tensor calls take one list per such key.
+std::tuple<int, int, int> list_key(const at::Tensor& t) {
+  return {static_cast<int>(t.device().type()), static_cast<int>(t.device().index()), static_cast<int>(t.scalar_type())};
+}
+
 double elapsed_ms(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -312,7 +317,7 @@ struct Muon::StepRun final : StepVisitor {
     std::vector<detail::AdamwOperands> ops;
     std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (parameter, master) under mixed precision
   };
-  std::map<std::tuple<const MuonGroupOptions*, int, int, int>, AdamwBatch> adamw_batches;
+  std::map<std::pair<const MuonGroupOptions*, std::tuple<int, int, int>>, AdamwBatch> adamw_batches;
   struct PendingUpdate {  // W <- decay W + alpha NS(u), by multi-tensor ops (MuonOptions::foreach)
     at::Tensor target, update, param;  // param: defined under mixed precision (rounded from the master)
     double decay, alpha;
@@ -333,15 +338,19 @@ struct Muon::StepRun final : StepVisitor {
 
   void update(const std::vector<ReadyGrad>& group) override {
     if (opt.check_finite_) check_finite_grads(group, rt.mesh().global_rank(), opt.options_.foreach);
-    // the Muon gradients in the optimizer's dtype, and their momentum where it runs multi-tensor
+    // each gradient's parameter group (null: in none, not optimized); the Muon gradients in the
+    // optimizer's dtype, and their momentum where it runs multi-tensor
+    std::vector<const MuonGroupOptions*> o(group.size());
     std::vector<at::Tensor> g(group.size());
     for (size_t i = 0; i < group.size(); ++i) {
       const ReadyGrad& r = group[i];
-      const MuonGroupOptions* o = r.muon ? options_of(r) : nullptr;
-      if (o != nullptr && o->is_muon()) g[i] = r.grad.scalar_type() == r.prec.optim ? r.grad : r.grad.to(r.prec.optim);
+      o[i] = options_of(r);
+      if (r.muon && o[i] != nullptr && o[i]->is_muon())
+        g[i] = r.grad.scalar_type() == r.prec.optim ? r.grad : r.grad.to(r.prec.optim);
     }
-    const std::vector<char> momentum_done = foreach_momentum(group, g);
-    for (size_t i = 0; i < group.size(); ++i) update_one(group[i], g[i], momentum_done[i] != 0);
+    const std::vector<char> momentum_done = foreach_momentum(group, o, g);
+    for (size_t i = 0; i < group.size(); ++i)
+      if (o[i] != nullptr) update_one(group[i], *o[i], g[i], momentum_done[i] != 0);
     flush_adamw();
     // the whole matrices' Newton-Schulz of this group, batched by shape: its weights are final
     // before it is published
@@ -386,19 +395,20 @@ struct Muon::StepRun final : StepVisitor {
 
   // Muon's momentum (buf <- mu buf + g) as multi-tensor ops where MuonOptions::foreach applies (by
   // default on CUDA), one pair of launches per (momentum, device, dtype); which entries it updated.
-  std::vector<char> foreach_momentum(const std::vector<ReadyGrad>& group, const std::vector<at::Tensor>& g) {
+  // g[i] is defined for a Muon matrix in a Muon group.
+  std::vector<char> foreach_momentum(const std::vector<ReadyGrad>& group, const std::vector<const MuonGroupOptions*>& o,
+                                     const std::vector<at::Tensor>& g) {
     std::vector<char> done(group.size(), 0);
-    std::map<std::tuple<double, int, int, int>, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> lists;
+    std::map<std::pair<double, std::tuple<int, int, int>>, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>>
+        lists;
     for (size_t i = 0; i < group.size(); ++i) {
-      const MuonGroupOptions* o = g[i].defined() ? options_of(group[i]) : nullptr;  // a Muon matrix in a Muon group
-      if (o == nullptr || !detail::foreach_on(opt.options_.foreach, g[i])) continue;
+      if (!g[i].defined() || !detail::foreach_on(opt.options_.foreach, g[i])) continue;
       MuonParamState& st = opt.state_for(group[i].param);
       if (!st.momentum_buffer().defined()) st.momentum_buffer(at::zeros_like(g[i]));
       const at::Tensor& buf = st.momentum_buffer();
       if (buf.scalar_type() != g[i].scalar_type() || buf.device() != g[i].device() || buf.sizes() != g[i].sizes())
         continue;  // (a restored state in another dtype: the per-matrix op converts)
-      auto& l = lists[{o->momentum(), static_cast<int>(buf.device().type()), static_cast<int>(buf.device().index()),
-                       static_cast<int>(buf.scalar_type())}];
+      auto& l = lists[{o[i]->momentum(), list_key(buf)}];
       l.first.push_back(buf);
       l.second.push_back(g[i]);
       done[i] = 1;
@@ -406,21 +416,19 @@ struct Muon::StepRun final : StepVisitor {
     }
     if (lists.empty()) return done;
     const auto t0 = clock.now();
-    for (const auto& [key, l] : lists) detail::foreach_momentum(l.first, l.second, std::get<0>(key));
+    for (const auto& [key, l] : lists) detail::foreach_momentum(l.first, l.second, key.first);
     clock.add(detail::Phase::Muon, t0);
     return done;
   }
 
-  void update_one(const ReadyGrad& r, const at::Tensor& g, bool momentum_done) {
-    const MuonGroupOptions* o = options_of(r);
-    if (o == nullptr) return;
+  void update_one(const ReadyGrad& r, const MuonGroupOptions& o, const at::Tensor& g, bool momentum_done) {
     const auto t0 = clock.now();
-    if (r.muon && o->is_muon()) {
-      opt.muon_update(r, g, momentum_done, *o, rt.mesh(), prof, clock, *this);
+    if (r.muon && o.is_muon()) {
+      opt.muon_update(r, g, momentum_done, o, rt.mesh(), prof, clock, *this);
       clock.add(detail::Phase::Muon, t0);
       if (r.tp_owner >= 0) progress_line(r.target, elapsed_ms(t0.host));  // whole matrices: after their batch
-    } else if (!r.muon && !o->is_muon()) {
-      adamw(r, *o);
+    } else if (!r.muon && !o.is_muon()) {
+      adamw(r, o);
       clock.add(detail::Phase::Adamw, t0);
     }
   }
@@ -442,8 +450,7 @@ struct Muon::StepRun final : StepVisitor {
     detail::AdamwOperands ops{p, fused ? r.grad.to(sd).contiguous() : r.grad.to(sd), st.exp_avg(), st.exp_avg_sq(),
                               st.step()};
     if (fused && detail::fused_adamw_takes(ops)) {
-      AdamwBatch& b = adamw_batches[{&o, static_cast<int>(p.device().type()), static_cast<int>(p.device().index()),
-                                     static_cast<int>(p.scalar_type())}];
+      AdamwBatch& b = adamw_batches[{&o, list_key(p)}];
       b.options = &o;
       b.ops.push_back(std::move(ops));
       if (r.write_back) b.write_back.emplace_back(r.param, p);
@@ -474,8 +481,7 @@ struct Muon::StepRun final : StepVisitor {
     };
     std::map<std::tuple<int, int, int>, Lists> lists;
     for (const PendingUpdate& u : pending_updates) {
-      Lists& l = lists[{static_cast<int>(u.target.device().type()), static_cast<int>(u.target.device().index()),
-                        static_cast<int>(u.target.scalar_type())}];
+      Lists& l = lists[list_key(u.target)];
       l.targets.push_back(u.target);
       l.updates.push_back(u.update);
       l.decays.push_back(u.decay);
@@ -537,8 +543,8 @@ Muon::Muon(const std::shared_ptr<RuntimeFace>& runtime, MuonOptions options)
       TORCH_CHECK_VALUE(!v.param.defined() || detail::fused_adamw_available(v.param.device().type()), "rank ",
                         runtime->mesh().global_rank(), ": Muon: fused=true, but this LibTorch (", TORCH_VERSION,
                         ") has no fused AdamW kernel for '", v.name, "' on ", v.param.device(),
-                        " (LibTorch >= 2.0 has it on CUDA, >= 2.4 on the CPU). Leave `fused` unset (fused on CUDA "
-                        "where available) or set it false.");
+                        " (LibTorch >= 2.0 has it on CUDA, >= 2.4 on the CPU). Leave `fused` unset (fused wherever "
+                        "LibTorch has the kernel) or set it false.");
 }
 
 Mesh& Muon::mesh() const { return runtime("Muon")->mesh(); }
@@ -589,8 +595,9 @@ void Muon::muon_update(const ReadyGrad& r, const at::Tensor& g, bool momentum_do
   // precision, rounded into the parameter
   TpUpdate job;
   job.name = r.name;
+  const double scale = 0.2 * std::sqrt(n);
   job.apply = [target = r.target, param = r.param, wb = r.write_back, lr = o.lr(), wd = o.weight_decay(),
-               scale = 0.2 * std::sqrt(n)](const at::Tensor& update) mutable {
+               scale](const at::Tensor& update) mutable {
     if (!detail::host_scale_add(target, 1.0 - lr * wd, update, -lr * scale)) {
       if (wd != 0) target.mul_(1.0 - lr * wd);
       target.add_(update.to(target.scalar_type()), -lr * scale);
@@ -617,7 +624,7 @@ void Muon::muon_update(const ReadyGrad& r, const at::Tensor& g, bool momentum_do
     if (detail::foreach_on(options_.foreach, r.target) && r.target.scalar_type() == buf.scalar_type())
       // queued for the batch's multi-tensor update (StepRun::flush_updates), after its NS
       ns_job.apply = [&run, target = r.target, param = r.param, wb = r.write_back, decay = 1.0 - o.lr() * o.weight_decay(),
-                      alpha = -o.lr() * 0.2 * std::sqrt(n)](const at::Tensor& update) {
+                      alpha = -o.lr() * scale](const at::Tensor& update) {
         run.pending_updates.push_back({target, update, wb ? param : at::Tensor(), decay, alpha});
       };
     else
