@@ -275,6 +275,52 @@ TEST(MuonTest, InvalidHyperparametersNameFieldAndValue) {
   });
 }
 
+// What a scheduler or the caller writes into the groups after construction is checked at every
+// step, before anything is updated: a NaN lr or a momentum of 1.5 is an error naming the group,
+// not weights silently ruined.
+TEST(MuonTest, GroupValuesChangedAfterConstructionAreCheckedAtStep) {
+  const StateDict init = random_like_model(1, -0.5, 0.5);
+  with_tiny(init, [&](Tiny& m, std::shared_ptr<Mesh>&) {
+    struct Case {
+      bool muon;
+      std::function<void(MuonGroupOptions&)> set;
+      std::string want;
+    };
+    const std::vector<Case> cases = {
+        {true, [](MuonGroupOptions& g) { g.lr(std::nan("")); }, "('default', Muon), as set since construction, has lr: nan"},
+        {true, [](MuonGroupOptions& g) { g.momentum(1.5); }, "has momentum: 1.5. Must be in [0, 1)."},
+        {true, [](MuonGroupOptions& g) { g.weight_decay(-1); }, "has weight_decay: -1. Must be >= 0."},
+        {false, [](MuonGroupOptions& g) { g.lr(INFINITY); }, "('default', AdamW), as set since construction, has lr: inf"},
+        {false, [](MuonGroupOptions& g) { g.eps(0); }, "has eps: 0. Must be > 0."},
+        {false, [](MuonGroupOptions& g) { g.beta2(1); }, "has beta2: 1. Must be in [0, 1)."},
+    };
+    const StateDict grads = random_like_model(2, -1.0, 1.0);
+    auto values = [&] {
+      StateDict v;
+      for (const auto& p : m->named_parameters(true)) v[p.key()] = p.value().detach().clone();
+      return v;
+    };
+    for (const Case& c : cases) {
+      Muon opt(m.ptr(), quiet());
+      const StateDict before = values();
+      for (auto& group : opt.param_groups()) {
+        auto& g = static_cast<MuonGroupOptions&>(group.options());
+        if (g.is_muon() == c.muon) c.set(g);
+      }
+      set_grads(m, grads);
+      try {
+        opt.step();
+        ADD_FAILURE() << "no error for " << c.want;
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find(c.want), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("rank 0: Muon::step: param group #"), std::string::npos) << e.what();
+      }
+      for (const auto& [name, t] : values()) EXPECT_TRUE(at::equal(t, before.at(name))) << name << " changed";
+      opt.zero_grad();
+    }
+  });
+}
+
 TEST(MuonTest, ModelNotDedicatedIsAClearError) {
   Tiny m;
   bool thrown = false;

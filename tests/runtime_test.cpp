@@ -113,6 +113,7 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
     if (!ctx.device.is_cpu()) m->to(ctx.device);
     if (!tc.frozen.empty()) m->frozen_blocks = tc.frozen;
     m->block_order = tc.block_order;
+    m->frozen_embedding = tc.frozen_embedding;
     auto mesh = make_mesh(ctx, std::chrono::seconds(60), dc.replicate);
     DedicateOptions dopts;
     dopts.delay_stage2_to_optimizer = dc.delay_stage2;
@@ -1465,6 +1466,25 @@ TEST(RuntimeTest, BlockUsedTwicePerForwardAndTwoForwardsPerBackward) {
     tc.two_forwards = true;
     check_equivalence(small_config(2), tc, dc);
   }
+}
+
+// A block used several times whose first use's input needs no gradient (a recurrent cell fed the
+// raw input, a frozen embedding in front): that use installs no post-backward hook, so the other
+// uses' hooks must not declare the block's gradients ready (its reduce would go out before the first
+// use's share reaches the weights, and the step would see none of it).
+TEST(RuntimeTest, ReusedBlockWhoseFirstInputNeedsNoGradientKeepsEveryUsesGradient) {
+  for (bool z3 : {true, false})
+    for (const std::vector<int>& order : {std::vector<int>{0, 0, 1}, std::vector<int>{0, 1, 0}, std::vector<int>{0, 1, 0, 1}}) {
+      TrainConfig tc;
+      tc.steps = 3;
+      tc.block_order = order;
+      tc.frozen_embedding = true;
+      DistConfig dc;
+      dc.world = 2;
+      dc.z3 = z3;
+      dc.pack_small_params = false;
+      check_equivalence(small_config(2), tc, dc);
+    }
 }
 
 TEST(RuntimeTest, RankThatOwnsNothingStillTrains) {

@@ -111,7 +111,13 @@ at::Tensor GPTImpl::forward(const at::Tensor& tokens) {
   TORCH_CHECK(tokens.dim() == 2, "GPT: expected tokens [batch, seq], got shape ", tokens.sizes());
   // every module with parameters runs through dmuon::forward: a plain call unless dmuon made it a
   // hook boundary (e.g. the embedding and head on the sharded_adamw route)
-  at::Tensor x = dmuon::forward(tok_emb, tokens);
+  at::Tensor x;
+  if (frozen_embedding) {
+    at::NoGradGuard ng;
+    x = dmuon::forward(tok_emb, tokens);
+  } else {
+    x = dmuon::forward(tok_emb, tokens);
+  }
   std::vector<int> order = block_order;
   if (order.empty())
     for (size_t i = 0; i < blocks.size(); ++i) order.push_back(static_cast<int>(i));

@@ -95,6 +95,9 @@ class GPTImpl : public LanguageModel {
   // Blocks to run, in order (default: each once, 0..n-1). Repeating an index shares that block's
   // weights between positions (ALBERT-style), which exercises re-entrant hook boundaries.
   std::vector<int> block_order;
+  // The embedding runs without gradient: the first block's input then needs none (a frozen
+  // embedding, or tokens fed straight in), so that boundary installs no post-backward hook.
+  bool frozen_embedding = false;
 
   const GPTConfig& config() const { return cfg_; }
   torch::nn::Embedding tok_emb{nullptr};

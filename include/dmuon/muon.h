@@ -91,6 +91,10 @@ enum class HparamRange {
 };
 // Throws c10::Error "<what>: <v>. Must be <range>." when v is outside `range` (NaN and +-inf always are).
 void check_hyperparameter(const std::string& what, double v, HparamRange range);
+// check_hyperparameter of every value a lowered group uses: lr and weight_decay; a Muon group's
+// momentum and ns_steps; an AdamW group's beta1, beta2 and eps. `where` starts the message
+// ("<where> has lr: nan. Must be ...").
+void check_group_options(const MuonGroupOptions& g, const std::string& where);
 
 // A user parameter group (PyTorch style): its parameters and the hyperparameters it overrides.
 struct MuonParamGroup {

@@ -7,16 +7,13 @@
 // (Gloo, NCCL) are created only in the separately compiled bootstrap module.
 #pragma once
 
-#include <torch/version.h>
-
 #include <chrono>
+
+#include "dmuon/torch_version.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
-
-#define DMUON_TORCH_AT_LEAST(maj, min) \
-  (TORCH_VERSION_MAJOR > (maj) || (TORCH_VERSION_MAJOR == (maj) && TORCH_VERSION_MINOR >= (min)))
 
 #if DMUON_TORCH_AT_LEAST(2, 0)
 #include <torch/csrc/distributed/c10d/Backend.hpp>

@@ -1,5 +1,6 @@
 // dmuon._C: Newton-Schulz (dmuon/newton_schulz.h) for Python, with the API reference's names,
 // keyword arguments and defaults.
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
@@ -28,6 +29,12 @@ NsOptions ns_options(int steps, double eps, std::optional<Coefficients> coeffici
   return o;
 }
 
+// The API reference's Gram-space functions ignore `steps`: the iterations are len(coefficients), the
+// five defaults when unset (direct_newton_schulz and NewtonSchulz.local keep their steps).
+int gram_steps(const std::optional<Coefficients>& coefficients) {
+  return coefficients ? static_cast<int>(coefficients->size()) : kDefaultNsSteps;
+}
+
 py::dict backend_status_dict() {
   const BackendStatus s = get_backend_status();
   py::list kernels;
@@ -50,11 +57,13 @@ void bind_newton_schulz(py::module_& m) {
 
   m.def(
       "newton_schulz",
-      [](const at::Tensor& G, int steps, double eps, std::optional<Coefficients> coefficients,
+      [](const at::Tensor& G, int /*steps*/, double eps, std::optional<Coefficients> coefficients,
          std::optional<std::vector<int>> restart_iterations) {
+        const int steps = gram_steps(coefficients);
         return newton_schulz(G, ns_options(steps, eps, std::move(coefficients), std::move(restart_iterations), false));
       },
-      "Orthogonalise G (shape [..., m, n]) by Newton-Schulz: the Gram-space form (direct for square matrices).",
+      "Orthogonalise G (shape [..., m, n]) by Newton-Schulz: the Gram-space form (direct for square matrices). "
+      "steps is ignored, as in the API reference: len(coefficients) iterations (the 5 defaults when unset).",
       "G"_a, "steps"_a = kDefaultNsSteps, "eps"_a = kDefaultNsEps, "coefficients"_a = py::none(),
       "restart_iterations"_a = py::none(), release);
   m.def(
@@ -66,20 +75,21 @@ void bind_newton_schulz(py::module_& m) {
       "eps"_a = kDefaultNsEps, "coefficients"_a = py::none(), release);
   m.def(
       "gram_newton_schulz",
-      [](const at::Tensor& G, int steps, double eps, std::optional<Coefficients> coefficients,
+      [](const at::Tensor& G, int /*steps*/, double eps, std::optional<Coefficients> coefficients,
          std::optional<std::vector<int>> restart_iterations, bool deterministic) {
-        return gram_newton_schulz(G, steps, eps, coefficients, restart_iterations, deterministic);
+        return gram_newton_schulz(G, gram_steps(coefficients), eps, coefficients, restart_iterations, deterministic);
       },
       "Gram-space Newton-Schulz on a full matrix: per-step coefficients, Gram restarts (default [2]); "
-      "deterministic=True uses plain GEMMs only.",
+      "deterministic=True uses plain GEMMs only. steps is ignored: len(coefficients) iterations.",
       "G"_a, "steps"_a = kDefaultNsSteps, "eps"_a = kDefaultNsEps, "coefficients"_a = py::none(),
       "restart_iterations"_a = py::none(), "deterministic"_a = false, release);
   m.def(
       "gram_newton_schulz_factors",
-      [](const at::Tensor& G, int steps, double eps, std::optional<Coefficients> coefficients,
+      [](const at::Tensor& G, int /*steps*/, double eps, std::optional<Coefficients> coefficients,
          std::optional<std::vector<int>> restart_iterations, bool deterministic) {
         GramFactors f;
         {
+          const int steps = gram_steps(coefficients);
           py::gil_scoped_release nogil;
           f = gram_newton_schulz_factors(
               G, ns_options(steps, eps, std::move(coefficients), std::move(restart_iterations), deterministic));
@@ -94,10 +104,11 @@ void bind_newton_schulz(py::module_& m) {
       "restart_iterations"_a = py::none(), "deterministic"_a = false);
   m.def(
       "_gram_newton_schulz_distributed_local",
-      [](const at::Tensor& G_local, const c10::intrusive_ptr<c10d::ProcessGroup>& group, bool transposed, int steps,
+      [](const at::Tensor& G_local, const c10::intrusive_ptr<c10d::ProcessGroup>& group, bool transposed, int /*steps*/,
          double eps, std::optional<Coefficients> coefficients, std::optional<std::vector<int>> restart_iterations,
          bool batched) {
         const auto [backend, timeout] = backend_of(group, G_local.device());  // reads the default group: GIL held
+        const int steps = gram_steps(coefficients);  // as gram_newton_schulz: steps is ignored
         const NsOptions o = ns_options(steps, eps, std::move(coefficients), std::move(restart_iterations), false);
         py::gil_scoped_release nogil;
         return batched ? gram_newton_schulz_distributed_local_batched(G_local, backend, transposed, o, timeout)
@@ -112,6 +123,7 @@ void bind_newton_schulz(py::module_& m) {
                            "iterations; deterministic=True is kernel='cublas'. Pass it to Muon(ns_backend=...).")
       .def(py::init([](const std::string& backend, const std::string& kernel, std::optional<Coefficients> coefficients,
                        std::optional<std::vector<int>> restart_iterations, bool deterministic) {
+             torch::PyWarningHandler warnings;  // the core's TORCH_WARN as a Python UserWarning (warnings.warn)
              return NewtonSchulz(backend, kernel, std::move(coefficients), std::move(restart_iterations),
                                  deterministic);
            }),

@@ -26,10 +26,37 @@ namespace {
 
 using namespace pybind11::literals;
 
+// What an option of type T must be, in Python's words (for the TypeError of a wrong type).
+template <typename T>
+std::string python_kind() {
+  if constexpr (std::is_same_v<T, bool>) return "a bool";
+  else if constexpr (std::is_integral_v<T>) return "an int";
+  else if constexpr (std::is_floating_point_v<T>) return "a float";
+  else if constexpr (std::is_same_v<T, std::string>) return "a str";
+  else if constexpr (std::is_same_v<T, at::ScalarType>) return "a torch.dtype";
+  else if constexpr (std::is_same_v<T, std::pair<double, double>>) return "a pair of floats";
+  else if constexpr (std::is_same_v<T, py::list>) return "a list";
+  else return "a callable";
+}
+
+// Option `key` of a keyword dict: unset or None -> nullopt; a value of the wrong type is a TypeError
+// naming the option, what it must be and what was given (not pybind11's "Unable to cast ...").
 template <typename T>
 std::optional<T> get_opt(const py::dict& d, const char* key) {
   if (!d.contains(key) || d[key].is_none()) return std::nullopt;
-  return d[key].cast<T>();
+  const py::object v = d[key];
+  // a bool is an int to Python: ns_steps=True would be 1
+  const bool bool_for_number = (std::is_integral_v<T> || std::is_floating_point_v<T>) && !std::is_same_v<T, bool> &&
+                               py::isinstance<py::bool_>(v);
+  if (!bool_for_number) {
+    try {
+      return v.cast<T>();
+    } catch (const py::cast_error&) {
+    }
+  }
+  throw py::type_error(std::string("dmuon: option '") + key + "' must be " + python_kind<T>() + ", got " +
+                       py::repr(v).cast<std::string>() + " (" + std::string(Py_TYPE(v.ptr())->tp_name) +
+                       ").");
 }
 
 // One policy as the Python side normalised it (dmuon/_runtime.py: dtypes as torch.dtype, known keys).

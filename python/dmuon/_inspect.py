@@ -195,7 +195,11 @@ def reset_tensor_memory_peaks(device: Union[str, torch.device] = "cpu") -> None:
 
 class DedicatedCommContext:
     """How a dedicated model communicates, read-only (:func:`get_comm_ctx`; the API reference's
-    DedicatedCommContext, built by :func:`dedicate_params`, never by user code).
+    DedicatedCommContext, built by :func:`dedicate_params`). The API reference's constructor,
+    ``DedicatedCommContext(device, replicate_group=None, *, tp_buffer_reuse=False,
+    replicate_broadcast_bucket_mb=0.0)``, makes a context attached to no model: those settings, no shard/TP
+    groups, an empty forward order (dedicate_params builds the context it uses itself; most users need not
+    construct one).
 
     Process groups (torch.distributed groups; dmuon's clones under process_group_policy="isolated", the
     caller's under "shared"): ``shard_group`` (the shard axis: dedicated broadcasts and reduces, sharded_adamw
@@ -214,7 +218,29 @@ class DedicatedCommContext:
     Prefetch state: ``post_forward_order`` (the boundaries, by module name, in the forward order prefetching
     follows), :meth:`reset_post_forward_order`, and :meth:`consume_forward_unshard_profile`."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, device, replicate_group=None, *, tp_buffer_reuse: Union[bool, str] = False,
+                 replicate_broadcast_bucket_mb: float = 0.0):
+        if isinstance(device, nn.Module):  # get_comm_ctx: the context dedicate_params built for this model
+            self._attach(device)
+            return
+        if tp_buffer_reuse not in (False, True, "gather", "scatter", "all"):
+            raise ValueError(f"DedicatedCommContext: tp_buffer_reuse={tp_buffer_reuse!r}; use False, True, 'gather', "
+                             "'scatter' or 'all'.")
+        bucket = float(replicate_broadcast_bucket_mb)
+        if not bucket >= 0 or bucket == float("inf"):
+            raise ValueError(f"DedicatedCommContext: replicate_broadcast_bucket_mb must be a finite number >= 0, got "
+                             f"{replicate_broadcast_bucket_mb!r}.")
+        self._model = self._state = None
+        self.device = torch.device(device)
+        self.process_group_policy = "shared"  # the caller's groups, as given
+        self.world_group = self.shard_group = self.tp_group = self.data_parallel_group = None
+        self.replicate_group = self.replicate_publish_group = replicate_group
+        self.shard_high_priority = False
+        self.tp_buffer_reuse = True if tp_buffer_reuse == "all" else tp_buffer_reuse  # as get_comm_ctx reports it
+        self.replicate_broadcast_bucket_mb = bucket
+        self._order: List[str] = []
+
+    def _attach(self, model: nn.Module) -> None:
         self._model = model
         state = model._dmuon
         self._state = state
@@ -237,16 +263,24 @@ class DedicatedCommContext:
     def post_forward_order(self) -> List[str]:
         """The hook boundaries (module names; "" is the root) in the recorded forward order: the last complete
         forward pass's, or the running one's before any completed. Local."""
+        if self._state is None:
+            return list(self._order)
         return list(self._state.runtime.post_forward_order())
 
     def reset_post_forward_order(self) -> None:
         """Forget the recorded forward order: the next forward records it afresh and prefetches in model order
         meanwhile (call when the boundaries' order changes, e.g. another branch runs from now on). Every rank
         at the same point."""
+        if self._state is None:
+            self._order.clear()
+            return
         self._state.runtime.reset_post_forward_order()
 
     def consume_forward_unshard_profile(self, *, clear: bool = True) -> Dict[str, object]:
         """:func:`collect_forward_unshard_profile` of this model. Local."""
+        if self._model is None:
+            raise ValueError("DedicatedCommContext.consume_forward_unshard_profile: this context is attached to no "
+                             "model (built by its constructor); use dmuon.get_comm_ctx(model) of a dedicated model.")
         return collect_forward_unshard_profile(self._model, clear=clear)
 
     def __repr__(self) -> str:

@@ -28,7 +28,8 @@ def gram_newton_schulz_distributed_local(
 
     ``transposed`` says whether the *full* matrix has more rows than columns (then ``G_local.T`` is the
     local column shard). Only |X|_F^2 and the small Gram matrix are all-reduced over ``group`` (None:
-    the default group); returns this rank's shard of the full NS output. Collective over ``group``.
+    the default group); returns this rank's shard of the full NS output. ``steps`` is ignored, as by
+    :func:`gram_newton_schulz`: len(coefficients) iterations. Collective over ``group``.
     """
     return _C._gram_newton_schulz_distributed_local(
         G_local, _group_or_default(group), transposed, steps, eps, coefficients, restart_iterations, False

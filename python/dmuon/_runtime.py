@@ -5,6 +5,7 @@ identity autograd functions, the engine's end-of-backward callback)."""
 
 import contextlib
 import json
+import math
 import sys
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -85,8 +86,10 @@ def _param_guard(params):
     """A check, run at every forward and step, that no parameter dmuon holds changed dtype or device after
     dedicate_params: model.to / .half() / .cuda() replace its data and its gradient accumulator, so
     dmuon's gradient hooks would be gone and it would silently stop training. Also refuses compiled
-    autograd, which would run backward without those hooks."""
+    autograd, which would run backward without those hooks. And a parameter frozen at dedicate_params (no
+    route, no optimizer state) that requires a gradient now: nothing would ever update it."""
     kept = [(n, p, p.dtype, p.device) for n, p in params]
+    frozen = [(n, p) for n, p in params if not p.requires_grad]
 
     def check():
         if _compiled_autograd_on():
@@ -104,6 +107,14 @@ def _param_guard(params):
                     "dmuon's gradient hooks are gone and it would stop training silently. Convert the model before "
                     "dedicate_params; for bf16 compute with fp32 masters pass param_policy={'defaults': "
                     "{'param_dtype': torch.bfloat16}}."
+                )
+        for name, p in frozen:
+            if p.requires_grad:
+                raise ValueError(
+                    f"dmuon: parameter '{name}' was frozen (requires_grad=False) when dedicate_params ran, so it has "
+                    "no route and no optimizer state, but it requires a gradient now: dmuon would never update it "
+                    "and its .grad would only grow. Unfreeze it before dedicate_params (a group with lr=0 keeps it "
+                    "still until it should train), or keep it frozen."
                 )
     return check
 
@@ -145,6 +156,29 @@ def _boundary_resolver(model: nn.Module, predicate: Callable[[nn.Module], bool],
                 "hook_boundary_strict=False to fall back to its direct parent module."
             )
         return ".".join(parts)
+
+    return resolve
+
+
+def _module_name_resolver(model: nn.Module, resolver, fn: str):
+    """hook_boundary_resolver as the core takes it (param name -> boundary module name): the API reference's
+    resolver returns the boundary module itself; its qualified name is accepted as well."""
+    if not callable(resolver):
+        raise TypeError(f"{fn}: hook_boundary_resolver must be a callable (name, param) -> module, got "
+                        f"{type(resolver).__name__}.")
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def resolve(name, param):
+        out = resolver(name, param)
+        if isinstance(out, str):
+            return out
+        if isinstance(out, nn.Module):
+            if id(out) not in names:
+                raise ValueError(f"{fn}: hook_boundary_resolver returned a {type(out).__name__} for '{name}' that is "
+                                 "not a module of the model; return the module (of this model) whose forward runs it.")
+            return names[id(out)]
+        raise ValueError(f"{fn}: hook_boundary_resolver must return the boundary module (or its name) for '{name}', "
+                         f"got {out!r}.")
 
     return resolve
 
@@ -220,6 +254,18 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
               process_group_policy, ddp, fn):
     if getattr(model, "_dmuon", None) is not None:
         raise ValueError(f"{fn}: this model is dedicated already; call it once per model.")
+    if not callable(predicate):
+        raise TypeError(f"{fn}: predicate must be a callable (name, param) -> bool selecting the Muon matrices, "
+                        f"got {type(predicate).__name__}.")
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"{fn}: {len(meta)} parameter(s) are on the meta device (no storage), e.g. '{meta[0]}'; dmuon plans and "
+            "publishes real values. Materialise the model first (model.to_empty(device=...) and initialise the "
+            "weights, or load a checkpoint), then call it."
+        )
+    user_predicate = predicate
+    predicate = lambda name, param: bool(user_predicate(name, param))  # noqa: E731  truthiness, as filter() takes it
     tp_group, tp_params = find_tp_params(model, mesh, replicate_mesh, fn)
     if tp_params and fn == "dedicate_params_ddp":
         raise ValueError(f"dedicate_params_ddp: parameter '{tp_params[0].name}' is a tensor-parallel DTensor; the DDP "
@@ -227,7 +273,9 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
     if not tp_params and fn == "dedicate_params_ddp_tp":
         raise ValueError("dedicate_params_ddp_tp: the model has no tensor-parallel DTensor parameter (apply "
                          "parallelize_module first); without TP use dedicate_params_ddp.")
-    if hook_boundary_predicate is not None and options.get("hook_boundary_resolver") is None:
+    if options.get("hook_boundary_resolver") is not None:
+        options["hook_boundary_resolver"] = _module_name_resolver(model, options["hook_boundary_resolver"], fn)
+    elif hook_boundary_predicate is not None:
         options["hook_boundary_resolver"] = _boundary_resolver(model, hook_boundary_predicate, hook_boundary_strict)
     native_mesh, world_group, dp_ranks, groups = make_mesh(mesh, replicate_mesh, process_group_policy, fn, tp=tp_group)
     swap_in_local_slices(tp_params)
@@ -277,7 +325,7 @@ def dedicate_params(
     replicate_mesh=None,
     hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
     hook_boundary_strict: bool = True,
-    hook_boundary_resolver: Optional[Callable[[str, nn.Parameter], str]] = None,
+    hook_boundary_resolver: Optional[Callable[[str, nn.Parameter], Union[nn.Module, str]]] = None,
     assignment_group_key_fn: Optional[Callable[[str, nn.Parameter], str]] = None,
     route_hint_fn: Optional[Callable[[str, nn.Parameter], str]] = None,
     max_owners_per_group: Optional[int] = None,
@@ -296,8 +344,9 @@ def dedicate_params(
     """Gives each Muon matrix (``predicate(name, param)`` true) one owner rank that holds it whole and runs
     Newton-Schulz on it; the other ranks keep 0-byte placeholders (the Parameter objects stay the same)
     between their hook boundaries' forward and backward (``reshard_after_forward``: True = Z3, False = Z2).
-    Boundaries: ``hook_boundary_resolver``, else the lowest ancestor matching ``hook_boundary_predicate``,
-    else the ``layers.N`` / ``blocks.N`` module, else the direct parent. ``mesh``: a 1-D DeviceMesh or
+    Boundaries: ``hook_boundary_resolver`` ((name, param) -> the boundary module, or its name), else the
+    lowest ancestor matching ``hook_boundary_predicate``, else the ``layers.N`` / ``blocks.N`` module, else
+    the direct parent. ``mesh``: a 1-D DeviceMesh or
     ProcessGroup (the shard axis; ``replicate_mesh`` adds the HSDP replicate axis), or a 2-D (replicate,
     shard) DeviceMesh. ``param_policy`` ({"defaults": {...}, "overrides": [{"match": "name tokens", ...}]})
     or ``param_policy_fn`` ((name, param) -> fields or None) choose per parameter its route ("muon",
@@ -338,7 +387,7 @@ def dedicate_params_ddp(
     compute_dtype: Optional[torch.dtype] = None,
     hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
     hook_boundary_strict: bool = True,
-    hook_boundary_resolver: Optional[Callable[[str, nn.Parameter], str]] = None,
+    hook_boundary_resolver: Optional[Callable[[str, nn.Parameter], Union[nn.Module, str]]] = None,
     assignment_group_key_fn: Optional[Callable[[str, nn.Parameter], str]] = None,
     max_owners_per_group: Optional[int] = None,
     owner_strategy: Optional[str] = None,
@@ -363,7 +412,7 @@ def dedicate_params_ddp_tp(
     compute_dtype: Optional[torch.dtype] = None,
     hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
     hook_boundary_strict: bool = True,
-    hook_boundary_resolver: Optional[Callable[[str, nn.Parameter], str]] = None,
+    hook_boundary_resolver: Optional[Callable[[str, nn.Parameter], Union[nn.Module, str]]] = None,
     assignment_group_key_fn: Optional[Callable[[str, nn.Parameter], str]] = None,
     max_owners_per_group: Optional[int] = None,
     owner_strategy: Optional[str] = None,
@@ -644,6 +693,20 @@ def _external_clip_grads(state: _State) -> list:
     return [(name,) + shard_of(p.grad) for name, p in state.external.items() if p.grad is not None]
 
 
+def _check_adamw_group(g: dict, k: int) -> None:
+    """The values of an AdamW group only torch's AdamW (on FSDP2's shards) reads, with the core's ranges."""
+    b1, b2 = g["betas"]
+    for key, v, ok, must in (("lr", g["lr"], lambda v: v >= 0, ">= 0"),
+                             ("weight_decay", g["weight_decay"], lambda v: v >= 0, ">= 0"),
+                             ("betas[0]", b1, lambda v: 0 <= v < 1, "in [0, 1)"),
+                             ("betas[1]", b2, lambda v: 0 <= v < 1, "in [0, 1)"),
+                             ("eps", g["eps"], lambda v: v > 0, "> 0")):
+        v = float(v)
+        if not (math.isfinite(v) and ok(v)):
+            raise ValueError(f"Muon.step: param group #{k} ('{g.get('group_name')}', AdamW), as set since "
+                             f"construction, has {key}: {v}. Must be {'a finite number ' if not math.isfinite(v) else ''}{must}.")
+
+
 class Muon(torch.optim.Optimizer):
     """Muon on a dedicated model: momentum, Newton-Schulz and the update of each Muon matrix on its owner,
     AdamW on every other trainable parameter: on its dmuon route, or, for the DTensor shards of FSDP2
@@ -768,9 +831,27 @@ class Muon(torch.optim.Optimizer):
                 kernels["foreach"] = bool(foreach)
             self._external = torch.optim.AdamW(torch_groups, **kernels)
         self._group_count = len(groups)
-        super().__init__(groups, defaults={})
+        self._group_params = [list(g["params"]) for g in groups]
+        self._constructed = False
+        # what torch.optim's schedulers read from defaults: momentum in it lets OneCycleLR and CyclicLR cycle
+        # it (cycle_momentum=True) in every group (the AdamW groups keep their betas, as they have no momentum)
+        super().__init__(groups, defaults=dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                               nesterov=nesterov, ns_steps=ns_steps))
+        self._constructed = True
 
     _MUTABLE = ("lr", "weight_decay", "momentum")  # what may change between steps (schedulers, the caller)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused after construction: dmuon's groups are the model's routes, fixed by dedicate_params (each
+        parameter's owner, route and state). Pass every group to Muon(param_groups=...) instead."""
+        if getattr(self, "_constructed", True):
+            raise ValueError(
+                "Muon.add_param_group: dmuon's parameter groups are fixed at construction (each parameter's route, "
+                "owner and optimizer state were planned by dedicate_params), and every trainable parameter of the "
+                "model is in one already. Pass the groups to Muon(model, param_groups=[...]); to start training a "
+                "frozen parameter later, unfreeze it before dedicate_params and keep its group's lr at 0 until then."
+            )
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -793,6 +874,16 @@ class Muon(torch.optim.Optimizer):
         optimizer and torch's AdamW on the FSDP2 shards; any other changed key is refused, not ignored."""
         if len(self.param_groups) != self._group_count:
             raise ValueError("Muon: parameter groups were added or removed; dmuon's groups are fixed by the model's routes.")
+        for i, (g, params) in enumerate(zip(self.param_groups, self._group_params)):
+            now = g.get("params")
+            if not isinstance(now, (list, tuple)) or len(now) != len(params) or any(a is not b for a, b in zip(now, params)):
+                raise ValueError(
+                    f"Muon: param_groups[{i}]['params'] ('{g.get('group_name')}') changed since construction; dmuon "
+                    "trains the parameters its groups were built with (their routes and owners are planned), so the "
+                    "change would be ignored. To stop training some parameters set their group's lr to 0 (or build "
+                    "the groups with Muon(param_groups=...)); to freeze them for good, requires_grad_(False) before "
+                    "dedicate_params."
+                )
         for i, g in enumerate(self.param_groups[:self._native_groups]):
             native = self._native.group_options(i)
             for key, value in native.items():
@@ -805,6 +896,8 @@ class Muon(torch.optim.Optimizer):
             self._native.set_group_options(i, float(g["lr"]), float(g["weight_decay"]), float(g["momentum"]))
         for k, j in self._external_groups:
             g, inner = self.param_groups[k], self._external.param_groups[j]
+            if k >= self._native_groups:  # only torch's AdamW reads this group: checked here, as the core checks its own
+                _check_adamw_group(g, k)
             for key in ("lr", "weight_decay", "betas", "eps"):
                 inner[key] = g[key]
 
@@ -864,7 +957,9 @@ class Muon(torch.optim.Optimizer):
         set_optimizer_state_dict(self._model, self, state_dict)
 
     def zero_grad(self, set_to_none: bool = True):
-        """Clears every gradient this optimizer trains (set_to_none=True: None, as PyTorch 2.x does). Local."""
+        """Clears every gradient this optimizer trains (set_to_none=True: None, as PyTorch 2.x does), including
+        the dedicated matrices' gradients that dmuon holds between backward and step (their reduced sums are
+        not in ``.grad``): so call this, not ``model.zero_grad()``, to drop a backward without stepping. Local."""
         self._native.zero_grad(set_to_none)
         if self._external is not None:
             self._external.zero_grad(set_to_none)

@@ -3,7 +3,8 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
-#include <torch/version.h>
+
+#include "dmuon/torch_version.h"
 
 #include <atomic>
 #include <mutex>
@@ -70,7 +71,7 @@ void free_counted(void* data) {
 class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)  // non-const, copy_data
+#if DMUON_TORCH_AT_LEAST(2, 3)  // non-const, copy_data
   c10::DataPtr allocate(size_t n) override { return wrap(n); }
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 #else

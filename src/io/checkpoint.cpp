@@ -230,21 +230,11 @@ void set_model_state_dict(torch::nn::Module& model, ParamSource& source) {
 void check_optimizer_state_dict(const OptimizerStateDict& sd, const std::string& where) {
   for (size_t i = 0; i < sd.param_groups.size(); ++i) {
     const OptimizerGroupState& g = sd.param_groups[i];
-    auto check = [&](const char* field, double v, HparamRange range) {
-      check_hyperparameter(where + ": param_groups[" + std::to_string(i) + "] ('" + g.name + "', " +
-                               (g.is_muon ? "Muon" : "AdamW") + ") has " + field,
-                           v, range);
-    };
-    check("lr", g.lr, HparamRange::NonNegative);
-    check("weight_decay", g.weight_decay, HparamRange::NonNegative);
-    if (g.is_muon) {
-      check("momentum", g.momentum, HparamRange::UnitInterval);
-      check("ns_steps", static_cast<double>(g.ns_steps), HparamRange::Count);
-    } else {
-      check("beta1", g.beta1, HparamRange::UnitInterval);
-      check("beta2", g.beta2, HparamRange::UnitInterval);
-      check("eps", g.eps, HparamRange::Positive);
-    }
+    MuonGroupOptions o(g.lr);
+    o.is_muon(g.is_muon).weight_decay(g.weight_decay).momentum(g.momentum).ns_steps(g.ns_steps).beta1(g.beta1)
+        .beta2(g.beta2).eps(g.eps);
+    check_group_options(o, where + ": param_groups[" + std::to_string(i) + "] ('" + g.name + "', " +
+                               (g.is_muon ? "Muon" : "AdamW") + ")");
   }
   TORCH_CHECK_VALUE(sd.steps_taken >= 0, where, ": steps_taken is ", sd.steps_taken, "; a step count must be >= 0.");
   for (const TensorDict* d : {&sd.muon, &sd.adamw})

@@ -2,20 +2,18 @@
 #include "optim/multi_tensor.h"
 
 #include <c10/util/Exception.h>
-#include <torch/version.h>
 
-#define DMUON_MT_TORCH_AT_LEAST(maj, min) \
-  (TORCH_VERSION_MAJOR > (maj) || (TORCH_VERSION_MAJOR == (maj) && TORCH_VERSION_MINOR >= (min)))
+#include "dmuon/torch_version.h"
 
-#if DMUON_MT_TORCH_AT_LEAST(2, 0)
+#if DMUON_TORCH_AT_LEAST(2, 0)
 #include <ATen/ops/_fused_adamw.h>
 #endif
 
 namespace dmuon::detail {
 
 bool fused_adamw_available(c10::DeviceType device) {
-  if (device == c10::DeviceType::CUDA) return DMUON_MT_TORCH_AT_LEAST(2, 0);
-  if (device == c10::DeviceType::CPU) return DMUON_MT_TORCH_AT_LEAST(2, 4);  // torch 2.4 added the CPU kernel
+  if (device == c10::DeviceType::CUDA) return DMUON_TORCH_AT_LEAST(2, 0);
+  if (device == c10::DeviceType::CPU) return DMUON_TORCH_AT_LEAST(2, 4);  // torch 2.4 added the CPU kernel
   return false;
 }
 
@@ -32,7 +30,7 @@ bool fused_adamw_takes(const AdamwOperands& ops) {
 
 void fused_adamw(const std::vector<AdamwOperands>& ops, const AdamwHyper& h) {
   if (ops.empty()) return;
-#if DMUON_MT_TORCH_AT_LEAST(2, 0)
+#if DMUON_TORCH_AT_LEAST(2, 0)
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
   params.reserve(ops.size());
   // The kernel reads each step from a float32 tensor on the parameters' device (exact to 2^24 steps):

@@ -85,6 +85,20 @@ void check_hyperparameter(const std::string& what, double v, HparamRange range) 
   TORCH_CHECK_VALUE(ok, what, ": ", v, ". Must be ", std::isfinite(v) ? "" : "a finite number ", must, ".");
 }
 
+void check_group_options(const MuonGroupOptions& g, const std::string& where) {
+  auto check = [&](const char* field, double v, HparamRange range) { check_hyperparameter(where + " has " + field, v, range); };
+  check("lr", g.lr(), HparamRange::NonNegative);
+  check("weight_decay", g.weight_decay(), HparamRange::NonNegative);
+  if (g.is_muon()) {
+    check("momentum", g.momentum(), HparamRange::UnitInterval);
+    check("ns_steps", static_cast<double>(g.ns_steps()), HparamRange::Count);
+  } else {
+    check("beta1", g.beta1(), HparamRange::UnitInterval);
+    check("beta2", g.beta2(), HparamRange::UnitInterval);
+    check("eps", g.eps(), HparamRange::Positive);
+  }
+}
+
 namespace {
 
 // The optimizer state map is keyed by std::string ("0x..." of the TensorImpl) in LibTorch <= 2.1 and
@@ -671,6 +685,14 @@ at::Tensor Muon::step(LossClosure closure) {
   }
   const std::shared_ptr<RuntimeFace> state = runtime("Muon::step");
   index_groups();
+  // the groups' values may have changed since construction (a scheduler, the caller): a NaN lr or a
+  // momentum of 1.5 is an error here, not weights silently ruined by this step
+  for (size_t i = 0; i < param_groups_.size(); ++i) {
+    const auto& g = static_cast<const MuonGroupOptions&>(param_groups_[i].options());
+    check_group_options(g, "rank " + std::to_string(state->mesh().global_rank()) + ": Muon::step: param group #" +
+                               std::to_string(i) + " ('" + g.group_name() + "', " + (g.is_muon() ? "Muon" : "AdamW") +
+                               "), as set since construction,");
+  }
   StepProfile prof;
   // CUDA events only when profiling a CUDA model; host clocks otherwise (cheap, always on)
   detail::PhaseClock clock(options_.record_step_profile ? first_param_cuda_device(*state) : std::nullopt);

@@ -82,7 +82,11 @@ BoundaryScope::~BoundaryScope() = default;
 
 void BoundaryScope::enter() {
   if (impl_->site.root) impl_->site.root->begin_root_forward();  // the model's own forward: a new pass
-  if (impl_->site.state) impl_->site.state->pre_forward(impl_->site.boundary);
+  if (impl_->site.state) {
+    impl_->site.state->pre_forward(impl_->site.boundary);
+    // every use that can give the parameters a gradient counts, with or without a post-backward hook
+    if (at::GradMode::is_enabled()) impl_->site.state->note_use(impl_->site.boundary);
+  }
   impl_->entered = true;
 }
 
@@ -96,7 +100,6 @@ at::Tensor BoundaryScope::enter(const at::Tensor& input) {
   enter();
   const at::Tensor x = cast_input(input);
   if (!impl_->site.state || !at::GradMode::is_enabled() || !x.defined() || !x.requires_grad()) return x;
-  impl_->site.state->note_post_hook(impl_->site.boundary);
   return wrap(x, *impl_->site.state, impl_->site.boundary, HookSide::PostBackward);
 }
 

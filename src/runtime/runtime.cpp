@@ -238,7 +238,7 @@ void Runtime::pre_backward(int b) {
   wait_unshards(b, true);
 }
 
-void Runtime::note_post_hook(int b) {
+void Runtime::note_use(int b) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   ++boundaries_[static_cast<size_t>(b)].post_expected;
 }
@@ -247,7 +247,9 @@ void Runtime::post_backward(int b) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   note_backward();
   Boundary& B = boundaries_[static_cast<size_t>(b)];
-  // A block used several times in one graph is done only after the backward of every use.
+  // A block used several times in one graph is done only after the backward of every use. A use whose
+  // input needed no gradient fires no post-backward hook: then the hooks never count up to the uses,
+  // and the parameters' own accumulation (note_accumulated) or the end of backward decides.
   if (++B.post_fired >= B.post_expected) B.grads_ready = true;
   try_issue_reduces();
 }

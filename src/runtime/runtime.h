@@ -67,7 +67,7 @@ struct Boundary {
   // per backward pass
   bool ran_forward = false;         // entered in the current forward pass
   bool ran_since_backward = false;  // entered in any forward since the last backward (reduce set)
-  int post_expected = 0;            // post-backward hooks installed since the last backward (uses)
+  int post_expected = 0;            // uses in grad mode since the last backward (hooked or not)
   int post_fired = 0;
   bool grads_ready = false;         // post-backward fired or all params accumulated
   int accumulated = 0;
@@ -101,7 +101,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void post_forward(int b);
   void pre_backward(int b);
   void post_backward(int b);
-  void note_post_hook(int b);                  // a use of boundary b whose backward fires post_backward
+  void note_use(int b);                        // a use of boundary b in grad mode (its backward may fire post_backward)
   void note_accumulated(bool& accumulated, int b);  // a parameter of b got its gradient (its own bit)
   void note_backward();                        // some hook ran in backward: queue the end-of-backward
   // GradEvents (route hooks; called under the lock)

@@ -179,6 +179,13 @@ def _train(rank, world, layout, accumulate, out_path):
         assert (ctx.replicate_publish_group is ctx.replicate_group) == (policy == "shared")
         assert ctx.replicate_publish_group.size() == 2
     assert not ctx.shard_high_priority and ctx.tp_buffer_reuse is False and ctx.post_forward_order == []
+    # the API reference's constructor: a context attached to no model, holding what it was given
+    own = dmuon.DedicatedCommContext(torch.device("cpu"), ctx.replicate_group, tp_buffer_reuse="gather",
+                                     replicate_broadcast_bucket_mb=4)
+    assert own.device == torch.device("cpu") and own.replicate_group is ctx.replicate_group and own.shard_group is None
+    assert own.tp_buffer_reuse == "gather" and own.replicate_broadcast_bucket_mb == 4.0 and own.post_forward_order == []
+    with pytest.raises(ValueError, match="tp_buffer_reuse='both'"):
+        dmuon.DedicatedCommContext("cpu", tp_buffer_reuse="both")
     if layout == "hsdp":
         assert ctx.shard_group is mesh["shard"].get_group() and ctx.replicate_group is mesh["replicate"].get_group()
     elif policy == "isolated" and not fsdp2:

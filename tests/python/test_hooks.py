@@ -1,7 +1,8 @@
 """dmuon's forward hooks (C++ objects registered as module hooks) on the call conventions real models use:
 a boundary whose tensor arrives only as a keyword, one that returns a (tensor, object) tuple, a named
-tuple, a list, one block run twice in one forward, and a forward that raises inside a boundary (its scope
-is closed and the next forward trains normally). 2 ranks, Z3, float64: the output and every gradient
+tuple, a list, one block run twice in one forward, a recurrent cell run twice on the raw input (whose first
+use needs no input gradient, so it installs no post-backward hook), and a forward that raises inside a boundary (its scope
+is closed and the next forward trains normally). 1 and 2 ranks, Z3, float64: the output and every gradient
 (averaged over ranks that all see the same batch) equal the plain model's at 1e-12."""
 
 import collections
@@ -56,6 +57,15 @@ class ListBlock(nn.Module):  # a list out, the second tensor trained through too
         return [torch.tanh(y) * mask, y]
 
 
+class CellBlock(nn.Module):  # a recurrent cell: applied twice, first to the raw input
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM, bias=False, dtype=torch.float64)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x))
+
+
 class FaultyBlock(nn.Module):  # raises inside its boundary when told to
     def __init__(self):
         super().__init__()
@@ -74,8 +84,10 @@ class Net(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList([KeywordBlock(), TupleBlock(), NamedBlock(), ListBlock(), FaultyBlock()])
         self.shared = nn.ModuleList([TupleBlock()])  # one block, run twice per forward
+        self.cell = nn.ModuleList([CellBlock()])  # run twice, first on the input (no gradient wanted)
 
     def forward(self, x):
+        x = self.cell[0](self.cell[0](x))
         x = self.layers[0](hidden=x, scale=0.5)
         x, note = self.layers[1](x, "note")
         assert note == "note!"
@@ -94,26 +106,38 @@ def make_net():
     return Net()
 
 
-def _hooks(rank, world):
+def _hooks(rank, world, select):
     x = torch.randn(5, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(9))  # every rank alike
     plain, model = make_net(), make_net()
-    blocks = (KeywordBlock, TupleBlock, NamedBlock, ListBlock, FaultyBlock)
-    dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2,
-                          hook_boundary_predicate=lambda m: isinstance(m, blocks))
+    blocks = (KeywordBlock, TupleBlock, NamedBlock, ListBlock, FaultyBlock, CellBlock)
+    if select == "predicate":
+        how = dict(hook_boundary_predicate=lambda m: isinstance(m, blocks))
+    else:  # the API reference's resolver returns the boundary module; its name works too
+        def resolver(name, _param):
+            block = model.get_submodule(name.rsplit(".", 2)[0])  # "<list>.<i>" of "<list>.<i>.proj.<w|b>"
+            assert isinstance(block, blocks), name
+            return block if select == "resolver" else name.rsplit(".", 2)[0]
+        how = dict(hook_boundary_resolver=resolver)
+    dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2, **how)
     dmuon.replicate(model)
-    assert sorted(model._dmuon.runtime.boundaries()) == [f"layers.{i}" for i in range(5)] + ["shared.0"]
+    opt = dmuon.Muon(model, first_step_progress_log=False)
+    assert sorted(model._dmuon.runtime.boundaries()) == ["cell.0"] + [f"layers.{i}" for i in range(5)] + ["shared.0"]
 
     want = plain(x)
     want.square().sum().backward()
-    for attempt in range(2):
-        # a forward that raises inside a boundary: the error reaches the caller, the scopes close
-        model.layers[4].fail = True
-        with pytest.raises(ArithmeticError, match="inside the boundary"):
-            model(x)
-        model.layers[4].fail = False
+    for attempt in range(3):
+        if attempt > 0:  # a forward that raises inside a boundary: the error reaches the caller, the scopes close
+            model.layers[4].fail = True
+            with pytest.raises(ArithmeticError, match="inside the boundary"):
+                model(x)
+            model.layers[4].fail = False
         got = model(x)
         assert float((got - want).abs().max()) < 1e-12, f"attempt {attempt}: the output differs"
         got.square().sum().backward()
+        # the norm of the Muon gradients the optimizer would step with: every use of every block in it
+        muon_norm = opt.clip_grad_norm_(None).total_norm
+        want_norm = float(torch.stack([q.grad.norm() for q in plain.parameters() if q.dim() == 2]).norm())
+        assert abs(muon_norm - want_norm) < 1e-12 * want_norm, f"rank {rank}: Muon gradient norm {muon_norm} != {want_norm}"
         dmuon.prepare_muon_grads(model)
         mine = {d.name: d for d in dmuon.get_dedicated_params(model)}
         checked = 0
@@ -127,10 +151,24 @@ def _hooks(rank, world):
         owned = torch.tensor([sum(d.is_owner for d in mine.values())])
         assert checked == 5 + int(owned)  # the 5 biases (replicated) and this rank's matrices
         dist.all_reduce(owned)
-        assert int(owned) == len(mine) == 6  # each matrix checked on its one owner
-        for p in model.parameters():
-            p.grad = None
+        assert int(owned) == len(mine) == 7  # each matrix checked on its one owner
+        opt.zero_grad()
 
 
-def test_call_conventions_and_a_forward_that_raises(tmp_path):
-    run_ranks(tmp_path, 2, _hooks)
+@pytest.mark.parametrize("world,select", [(1, "predicate"), (2, "predicate"), (2, "resolver"), (2, "resolver_name")])
+def test_call_conventions_and_a_forward_that_raises(tmp_path, world, select):
+    run_ranks(tmp_path, world, _hooks, select)
+
+
+def _resolver_mistakes(rank, world):
+    for result, message in ((None, r"hook_boundary_resolver must return the boundary module \(or its name\) for "
+                                   r"'layers.0.proj.weight', got None"),
+                            (nn.Linear(2, 2), r"returned a Linear for 'layers.0.proj.weight' that is not a module of "
+                                              r"the model")):
+        with pytest.raises(ValueError, match=message):
+            dmuon.dedicate_params(make_net(), dist.group.WORLD, lambda n, p: p.dim() == 2,
+                                  hook_boundary_resolver=lambda n, p, r=result: r)
+
+
+def test_resolver_results_that_name_no_module_are_errors(tmp_path):
+    run_ranks(tmp_path, 1, _resolver_mistakes)

@@ -41,6 +41,12 @@ def test_functions_match_float64_reference(shape):
     assert rel(dmuon.newton_schulz(G), ref) < 1e-10
     assert rel(dmuon.gram_newton_schulz(G), ref) < 1e-10
     assert rel(dmuon.direct_newton_schulz(G), ref) < 1e-10
+    # the Gram-space functions ignore steps (the API reference): len(coefficients) iterations; the direct
+    # function and NewtonSchulz.local take it
+    for fn in (dmuon.newton_schulz, dmuon.gram_newton_schulz):
+        assert torch.equal(fn(G, steps=1), fn(G)) and torch.equal(fn(G, steps=9), fn(G))
+        assert torch.equal(fn(G, steps=2, coefficients=dmuon.YOU_COEFFICIENTS), fn(G, coefficients=dmuon.YOU_COEFFICIENTS))
+    assert rel(dmuon.direct_newton_schulz(G, steps=3), reference_ns(G, PE[:3])) < 1e-10
     assert rel(dmuon.NewtonSchulz().local(G), ref) < 1e-10
     assert rel(dmuon.NewtonSchulz("direct").local(G, 3), reference_ns(G, PE[:3])) < 1e-10
     you = dmuon.NewtonSchulz("gram", coefficients=dmuon.YOU_COEFFICIENTS)
@@ -77,6 +83,8 @@ def test_kernels_and_deterministic():
     torch.manual_seed(3)
     G = torch.randn(32, 80, dtype=torch.float64)
     assert dmuon.NewtonSchulz(deterministic=True).kernel == "cublas"
+    with pytest.warns(UserWarning, match='kernel="syrk" was given explicitly; the explicit kernel wins'):
+        assert dmuon.NewtonSchulz(kernel="syrk", deterministic=True).kernel == "syrk"
     assert dmuon.NewtonSchulz(kernel="cublas").describe() == "Gram NS · kernel=cpu-gemm"
     assert dmuon.NewtonSchulz().describe("cuda") == "Gram NS · kernel=cublas"
     syrk = dmuon.NewtonSchulz(kernel="syrk").local(G)
@@ -94,7 +102,7 @@ def test_caller_mistakes_are_python_exceptions():
     with pytest.raises(ValueError, match="expected a matrix"):
         dmuon.newton_schulz(torch.ones(5))
     with pytest.raises(ValueError, match="invalid steps"):
-        dmuon.newton_schulz(torch.ones(3, 4), steps=0)
+        dmuon.direct_newton_schulz(torch.ones(3, 4), steps=0)
     with pytest.raises(ValueError, match="restart iteration 7"):
         dmuon.gram_newton_schulz(torch.ones(3, 4), restart_iterations=[7])
     with pytest.raises(TypeError):  # a coefficient triple of two numbers

@@ -7,6 +7,7 @@ waits for a stopped peer."""
 import json
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -328,3 +329,96 @@ def _fast_clip_setting(rank, world):
 
 def test_fast_clip_setting_is_agreed_across_ranks(tmp_path):
     run_ranks(tmp_path, 2, _fast_clip_setting)
+
+
+def _hostile_edits(rank, world):
+    """What a caller writes into the optimizer after construction, and options of the wrong type: each is a
+    Python exception naming what happened, before any weight changes; what schedulers write works."""
+    model = make_net()
+    dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2)
+    dmuon.replicate(model)
+    opt = dmuon.Muon(model, lr=LR, first_step_progress_log=False)
+    x, y = batch(0)
+
+    def backward():
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+
+    def weights():
+        return [p.detach().clone() for p in model.parameters()]
+
+    # bad values written into the groups between steps: refused at step(), nothing updated
+    muon_group, adamw_group = opt.param_groups[0], opt.param_groups[1]
+    assert muon_group["is_muon"] and not adamw_group["is_muon"]
+    for group, key, value, message in (
+            (muon_group, "lr", float("nan"), r"param group #0 \('default', Muon\), as set since construction, has lr: nan"),
+            (muon_group, "momentum", 1.5, r"has momentum: 1.5. Must be in \[0, 1\)"),
+            (adamw_group, "weight_decay", -5.0, r"\('default', AdamW\), as set since construction, has weight_decay: -5"),
+            (adamw_group, "lr", float("inf"), r"has lr: inf. Must be a finite number >= 0")):
+        good = group[key]
+        group[key] = value
+        backward()
+        before = weights()
+        with pytest.raises(ValueError, match=message):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, weights())), f"{key}={value} changed a weight"
+        group[key] = good
+    # editing a group's parameters would be ignored: refused; so is add_param_group
+    kept = muon_group["params"]
+    muon_group["params"] = kept[:1]
+    backward()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\] \('default'\) changed since construction"):
+        opt.step()
+    muon_group["params"] = kept
+    with pytest.raises(ValueError, match="groups are fixed at construction"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    opt.step()  # the restored groups train
+
+    # OneCycleLR cycles momentum (it reads "momentum" from defaults) and the lr; the core gets both
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=10)
+    seen = []
+    for _ in range(3):
+        backward()
+        opt.step()  # takes the groups' values as the scheduler left them
+        for i, g in enumerate(opt.param_groups):
+            native = opt._native.group_options(i)
+            assert native["lr"] == g["lr"] and native["momentum"] == g["momentum"], (i, native["lr"], g["lr"])
+        seen.append((muon_group["lr"], muon_group["momentum"]))
+        sched.step()
+    assert abs(seen[0][0] - LR / 25) < 1e-15 and seen[0][1] == 0.95 and seen[1][0] > seen[0][0] and seen[1][1] < seen[0][1], seen  # both cycle
+
+    # a parameter frozen at dedicate_params and unfrozen later has no route: an error, not silently untrained
+    frozen = make_net()
+    frozen.layers[0].proj.weight.requires_grad_(False)
+    dmuon.dedicate_params(frozen, dist.group.WORLD, lambda n, p: p.dim() == 2)
+    dmuon.replicate(frozen)
+    dmuon.Muon(frozen, first_step_progress_log=False)
+    frozen(x)
+    frozen.layers[0].proj.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="'layers.0.proj.weight' was frozen .* when dedicate_params ran"):
+        frozen(x)
+
+    # options of the wrong type: a TypeError naming the option, what it must be and what was given
+    for kwargs, message in ((dict(lr="0.02"), r"option 'lr' must be a float, got '0.02' \(str\)"),
+                            (dict(ns_steps=True), r"option 'ns_steps' must be an int, got True \(bool\)"),
+                            (dict(ns_steps=2.5), r"option 'ns_steps' must be an int, got 2.5 \(float\)"),
+                            (dict(adamw_betas=(0.9,)), r"option 'adamw_betas' must be a pair of floats"),
+                            (dict(nesterov="no"), r"option 'nesterov' must be a bool, got 'no' \(str\)")):
+        with pytest.raises(TypeError, match=message):
+            dmuon.Muon(model, **kwargs)
+    with pytest.raises(TypeError, match=r"option 'reshard_after_forward' must be a bool, got 'yes' \(str\)"):
+        dmuon.dedicate_params(make_net(), dist.group.WORLD, lambda n, p: p.dim() == 2, reshard_after_forward="yes")
+    with torch.device("meta"):
+        on_meta = make_net()
+    with pytest.raises(ValueError, match=r"parameter\(s\) are on the meta device .* e.g. 'scale'"):
+        dmuon.dedicate_params(on_meta, dist.group.WORLD, lambda n, p: p.dim() == 2)
+    with pytest.raises(TypeError, match="predicate must be a callable"):
+        dmuon.dedicate_params(make_net(), dist.group.WORLD, "proj")
+    # a predicate's result counts by its truthiness, as filter() takes it (re.search gives a Match or None)
+    searched = make_net()
+    dmuon.dedicate_params(searched, dist.group.WORLD, lambda n, p: re.search(r"proj\.weight$", n))
+    assert sorted(d.name for d in dmuon.get_dedicated_params(searched)) == [f"layers.{i}.proj.weight" for i in range(BLOCKS)]
+
+
+def test_hostile_edits_between_steps_and_options_of_the_wrong_type(tmp_path):
+    run_ranks(tmp_path, 1, _hostile_edits)

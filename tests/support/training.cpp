@@ -72,6 +72,7 @@ RefResult reference_train(const GPTConfig& cfg, const StateDict& init, const std
   load_state(m, init);
   m->frozen_blocks = tc.frozen.empty() ? std::vector<bool>(cfg.n_layers, false) : tc.frozen;
   m->block_order = tc.block_order;
+  m->frozen_embedding = tc.frozen_embedding;
   // LR schedule from LibTorch's own StepLR on a throwaway optimizer
   at::Tensor dummy = at::zeros({1}, at::requires_grad());
   torch::optim::SGD sgd({dummy}, torch::optim::SGDOptions(1.0));

@@ -64,6 +64,7 @@ struct TrainConfig {
   int accum = 1;             // micro-batches per optimizer step (each rank splits its slice)
   bool no_sync = false;      // accumulate inside dmuon::NoSync (reduce once per step)
   std::vector<int> block_order;  // e.g. {0, 1, 0}: block 0 runs twice per forward
+  bool frozen_embedding = false;  // the embedding under no_grad: the first block's input needs no gradient
   bool two_forwards = false;     // each rank: two forward passes, one backward of the mean loss
   // Before each step's real micro-batches: a backward of other data (inside NoSync when
   // discarded_in_no_sync), then zero_grad(zero_grad_to_none); the result must not change.
