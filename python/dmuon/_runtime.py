@@ -693,6 +693,26 @@ def _external_clip_grads(state: _State) -> list:
     return [(name,) + shard_of(p.grad) for name, p in state.external.items() if p.grad is not None]
 
 
+def _agree_across_ranks(group, options: dict) -> None:
+    """Every rank constructs Muon with the same options (collective over the model's mesh, once): a
+    ValueError on every rank naming the first option that differs and each rank's value."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    mine = {key: repr(value) for key, value in options.items()}
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    for key in options:
+        values = [theirs.get(key) for theirs in everyone]
+        if len(set(values)) > 1:
+            seen = ", ".join(f"rank {r}: {v}" for r, v in zip(ranks, values))
+            raise ValueError(
+                f"rank {dist.get_rank()}: Muon: the ranks were given different {key} ({seen}). Each rank would train "
+                "with its own (the replicas drift apart) or issue other collectives (a hang); pass the same "
+                "options to Muon(...) on every rank."
+            )
+
+
 def _check_adamw_group(g: dict, k: int) -> None:
     """The values of an AdamW group only torch's AdamW (on FSDP2's shards) reads, with the core's ranges."""
     b1, b2 = g["betas"]
@@ -725,7 +745,8 @@ class Muon(torch.optim.Optimizer):
     CUDA), one call per list of parameters; same results up to rounding. torch's AdamW on FSDP2 shards gets
     them as given.
 
-    ``step()`` is collective: every rank of the model's mesh."""
+    Construction and ``step()`` are collective: every rank of the model's mesh (construction checks once that
+    every rank passed the same options)."""
 
     def __init__(
         self,
@@ -774,6 +795,19 @@ class Muon(torch.optim.Optimizer):
                 "or fully_shard the modules that hold them, or freeze them (requires_grad_(False))."
             )
         user = _user_groups(param_groups, state)
+        # what decides the math or the collectives must be the same on every rank: else the replicas drift
+        # apart silently (an lr per rank) or the ranks issue different collectives (a hang until the timeout)
+        _agree_across_ranks(state.world_group, dict(
+            lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps, adamw_lr=adamw_lr,
+            adamw_betas=tuple(adamw_betas), adamw_weight_decay=adamw_weight_decay, adamw_eps=adamw_eps,
+            param_groups=user, ns_backend=ns_backend, nesterov=nesterov, replicate_async=replicate_async,
+            group_prepare_ahead=group_prepare_ahead, tp_distributed_gram=tp_distributed_gram,
+            tp_distributed_gram_policy=tp_distributed_gram_policy,
+            tp_distributed_gram_max_factor_to_scatter_ratio=tp_distributed_gram_max_factor_to_scatter_ratio,
+            post_step_prefetch_groups=post_step_prefetch_groups,
+            post_step_prefetch_sharded_adamw=post_step_prefetch_sharded_adamw,
+            sharded_adamw_unshard_separate_stream=sharded_adamw_unshard_separate_stream,
+            forward_prefetch_depth=forward_prefetch_depth))
         native_user = [dict(g, params=[state.params[n] for n in g["params"] if n not in external]) for g in user]
         options = dict(
             lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps, adamw_lr=adamw_lr,

@@ -422,3 +422,24 @@ def _hostile_edits(rank, world):
 
 def test_hostile_edits_between_steps_and_options_of_the_wrong_type(tmp_path):
     run_ranks(tmp_path, 1, _hostile_edits)
+
+
+def _disagreeing_ranks(rank, world):
+    model = make_net()
+    dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2)
+    dmuon.replicate(model)
+    # an lr per rank would let the replicated parameters drift apart: every rank gets the same error
+    with pytest.raises(ValueError, match=rf"rank {rank}: Muon: the ranks were given different lr \(rank 0: 0.05, "
+                                         r"rank 1: 0.1\)"):
+        dmuon.Muon(model, lr=LR * (1 + rank))
+    with pytest.raises(ValueError, match=r"different group_prepare_ahead \(rank 0: True, rank 1: False\)"):
+        dmuon.Muon(model, group_prepare_ahead=rank == 0)
+    opt = dmuon.Muon(model, lr=LR, first_step_progress_log=False)  # the same options: it trains
+    x, y = batch(0)
+    per = BATCH_PER(world)
+    ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
+    opt.step()
+
+
+def test_ranks_that_construct_muon_with_different_options_get_an_error(tmp_path):
+    run_ranks(tmp_path, 2, _disagreeing_ranks)
