@@ -124,8 +124,13 @@ void bind_newton_schulz(py::module_& m) {
       .def(py::init([](const std::string& backend, const std::string& kernel, std::optional<Coefficients> coefficients,
                        std::optional<std::vector<int>> restart_iterations, bool deterministic) {
              torch::PyWarningHandler warnings;  // the core's TORCH_WARN as a Python UserWarning (warnings.warn)
-             return NewtonSchulz(backend, kernel, std::move(coefficients), std::move(restart_iterations),
-                                 deterministic);
+             try {
+               return NewtonSchulz(backend, kernel, std::move(coefficients), std::move(restart_iterations),
+                                   deterministic);
+             } catch (...) {
+               warnings.set_in_exception();  // the error wins: the handler must not throw a warning over it
+               throw;
+             }
            }),
            "backend"_a = "gram", "kernel"_a = "auto", "coefficients"_a = py::none(),
            "restart_iterations"_a = py::none(), "deterministic"_a = false)

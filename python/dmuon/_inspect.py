@@ -223,7 +223,7 @@ class DedicatedCommContext:
         if isinstance(device, nn.Module):  # get_comm_ctx: the context dedicate_params built for this model
             self._attach(device)
             return
-        if tp_buffer_reuse not in (False, True, "gather", "scatter", "all"):
+        if not (tp_buffer_reuse is False or tp_buffer_reuse is True or tp_buffer_reuse in ("gather", "scatter", "all")):
             raise ValueError(f"DedicatedCommContext: tp_buffer_reuse={tp_buffer_reuse!r}; use False, True, 'gather', "
                              "'scatter' or 'all'.")
         bucket = float(replicate_broadcast_bucket_mb)

@@ -693,19 +693,36 @@ def _external_clip_grads(state: _State) -> list:
     return [(name,) + shard_of(p.grad) for name, p in state.external.items() if p.grad is not None]
 
 
+def _canonical(value) -> str:
+    """An option as the core takes it, for comparing ranks: numbers (and one-element tensors, on any device or
+    dtype) by their exact float value, so 1 and 1.0 agree and 0.05 and 0.050001 do not; a NewtonSchulz by
+    everything it computes with."""
+    if isinstance(value, _C.NewtonSchulz):
+        return _canonical(("NewtonSchulz", value.backend, value.kernel, value.coefficients, value.restart_iterations))
+    if value is None or isinstance(value, (bool, str)):
+        return repr(value)
+    if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+        return float(value).hex()
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_canonical(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_canonical(v) for v in value) + "]"
+    return repr(value)
+
+
 def _agree_across_ranks(group, options: dict) -> None:
     """Every rank constructs Muon with the same options (collective over the model's mesh, once): a
     ValueError on every rank naming the first option that differs and each rank's value."""
     if group is None or dist.get_world_size(group) == 1:
         return
-    mine = {key: repr(value) for key, value in options.items()}
+    mine = {key: (_canonical(value), repr(value)) for key, value in options.items()}
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     ranks = dist.get_process_group_ranks(group)
     for key in options:
-        values = [theirs.get(key) for theirs in everyone]
-        if len(set(values)) > 1:
-            seen = ", ".join(f"rank {r}: {v}" for r, v in zip(ranks, values))
+        values = [theirs.get(key, ("", "unset")) for theirs in everyone]
+        if len({v[0] for v in values}) > 1:
+            seen = ", ".join(f"rank {r}: {v[1]}" for r, v in zip(ranks, values))
             raise ValueError(
                 f"rank {dist.get_rank()}: Muon: the ranks were given different {key} ({seen}). Each rank would train "
                 "with its own (the replicas drift apart) or issue other collectives (a hang); pass the same "

@@ -113,8 +113,8 @@ Prepared prepare(const at::Tensor& G, const NsOptions& opts, bool gram, const ch
   if (opts.check_finite) {
     TORCH_CHECK(detail::read_to_host(at::isfinite(p.normalizer).all()).item<bool>(), fn,
                 ": the input contains NaN or Inf (shape ", G.sizes(),
-                "). A non-finite gradient usually means the loss diverged; lower the learning rate, clip "
-                "gradients, or set NsOptions::check_finite=false to let NaN propagate.");
+                "). A non-finite gradient usually means the loss diverged: lower the learning rate or clip "
+                "gradients. In C++ NsOptions::check_finite=false lets NaN propagate instead.");
   }
   X = (X / p.normalizer).to(p.compute_dtype).contiguous();
   if (X.size(0) == 1) X = X.squeeze(0);  // single matrix: 2-D GEMMs

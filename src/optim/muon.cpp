@@ -231,8 +231,8 @@ void check_finite_grad(bool ok, const ReadyGrad& r, int rank) {
   TORCH_CHECK(ok, "rank ", rank, ": Muon::step: the averaged gradient of '", r.name, "' (shape ", r.grad.sizes(),
               ") contains NaN or Inf (or values so large that its norm overflows), so Newton-Schulz cannot "
               "orthogonalise it. A non-finite gradient usually means the loss diverged: lower the learning rate or "
-              "clip gradients; or pass MuonOptions::ns a NewtonSchulz with set_check_finite(false) to let NaN "
-              "propagate.");
+              "clip gradients (dmuon.Muon.clip_grad_norm_ / Muon::clip_grad_norm_). In C++ a NewtonSchulz with "
+              "set_check_finite(false) in MuonOptions::ns lets NaN propagate instead.");
 }
 
 // `foreach` (MuonOptions::foreach, by default on CUDA): the norms of every fp32/fp64/bf16 gradient in

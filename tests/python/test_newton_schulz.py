@@ -1,6 +1,8 @@
 """dmuon's Newton-Schulz from Python: the API reference's names and defaults, results against a float64
 reference, errors as Python exceptions, and the column-sharded Gram form over a real Gloo group."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -85,6 +87,10 @@ def test_kernels_and_deterministic():
     assert dmuon.NewtonSchulz(deterministic=True).kernel == "cublas"
     with pytest.warns(UserWarning, match='kernel="syrk" was given explicitly; the explicit kernel wins'):
         assert dmuon.NewtonSchulz(kernel="syrk", deterministic=True).kernel == "syrk"
+    with warnings.catch_warnings():  # warnings as errors: the constructor's own error still wins, no abort
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="restart iteration 7"):
+            dmuon.NewtonSchulz(kernel="syrk", deterministic=True, coefficients=[(1.0, 2.0, 3.0)], restart_iterations=[7])
     assert dmuon.NewtonSchulz(kernel="cublas").describe() == "Gram NS · kernel=cpu-gemm"
     assert dmuon.NewtonSchulz().describe("cuda") == "Gram NS · kernel=cublas"
     syrk = dmuon.NewtonSchulz(kernel="syrk").local(G)

@@ -434,6 +434,11 @@ def _disagreeing_ranks(rank, world):
         dmuon.Muon(model, lr=LR * (1 + rank))
     with pytest.raises(ValueError, match=r"different group_prepare_ahead \(rank 0: True, rank 1: False\)"):
         dmuon.Muon(model, group_prepare_ahead=rank == 0)
+    ns = dmuon.NewtonSchulz("gram", coefficients=dmuon.YOU_COEFFICIENTS if rank else dmuon.POLAR_EXPRESS_COEFFICIENTS)
+    with pytest.raises(ValueError, match="different ns_backend"):  # coefficients differ, backend and kernel do not
+        dmuon.Muon(model, ns_backend=ns)
+    # values compare as the core takes them: an int and a float, or a tensor, of the same value agree
+    dmuon.Muon(model, lr=1 if rank else 1.0, adamw_lr=torch.tensor(0.25, dtype=torch.float64), first_step_progress_log=False)
     opt = dmuon.Muon(model, lr=LR, first_step_progress_log=False)  # the same options: it trains
     x, y = batch(0)
     per = BATCH_PER(world)
