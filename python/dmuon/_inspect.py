@@ -69,7 +69,9 @@ def get_owned_params(model: nn.Module, rank: OwnerRankLike) -> List[DedicatedPar
         if len(rank) != 2:
             raise ValueError(f"get_owned_params: rank must be an int or a (shard, replicate) pair, got {rank!r}")
         return [p for p in params if (p.owner_shard, p.owner_replicate) == tuple(rank)]
-    return [p for p in params if p.owner_shard == int(rank)]
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise ValueError(f"get_owned_params: rank must be an int or a (shard, replicate) pair, got {rank!r}")
+    return [p for p in params if p.owner_shard == rank]
 
 
 def get_replicated_group(model: nn.Module) -> Optional[ReplicatedGroup]:

@@ -665,6 +665,12 @@ def _user_groups(param_groups, state: _State) -> List[dict]:
             )
         params = g["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        # torch.optim's named groups: (name, parameter) pairs, e.g. from model.named_parameters()
+        params = [p[1] if isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], torch.Tensor) else p for p in params]
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"Muon: param_groups[{i}]['params'] holds a {type(p).__name__}; it must hold the "
+                                 "model's parameters (or (name, parameter) pairs).")
         group = {"name": str(g.get("name", f"group{i}")), "params": []}
         for p in params:
             name = names.get(id(p))
@@ -795,6 +801,13 @@ class Muon(torch.optim.Optimizer):
         foreach: Optional[bool] = None,
     ):
         state = _state_of(model, "Muon")
+        given = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps, adamw_lr=adamw_lr,
+                     adamw_betas=adamw_betas, adamw_weight_decay=adamw_weight_decay, adamw_eps=adamw_eps,
+                     ns_backend=ns_backend, nesterov=nesterov, replicate_async=replicate_async,
+                     group_prepare_ahead=group_prepare_ahead)
+        unset = [k for k, v in given.items() if v is None]
+        if unset:  # as torch.optim: None is no value (only fused / foreach take None, meaning "decide")
+            raise TypeError(f"Muon: {unset[0]}=None; pass a value (or leave the argument out for its default).")
         if isinstance(post_step_prefetch_groups, bool) or not isinstance(post_step_prefetch_groups, int) \
                 or post_step_prefetch_groups < 0:
             raise ValueError(f"Muon: post_step_prefetch_groups must be an int >= 0, got {post_step_prefetch_groups!r}")

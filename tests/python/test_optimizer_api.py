@@ -406,6 +406,17 @@ def _hostile_edits(rank, world):
                             (dict(nesterov="no"), r"option 'nesterov' must be a bool, got 'no' \(str\)")):
         with pytest.raises(TypeError, match=message):
             dmuon.Muon(model, **kwargs)
+    with pytest.raises(TypeError, match=r"Muon: lr=None; pass a value"):
+        dmuon.Muon(model, lr=None)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\] holds a str"):
+        dmuon.Muon(model, param_groups=[{"params": ["layers.0.proj.weight"]}])
+    with pytest.raises(ValueError, match="rank must be an int or a \\(shard, replicate\\) pair, got 'a'"):
+        dmuon.get_owned_params(model, "a")
+    # torch.optim's named groups: (name, parameter) pairs
+    named = dmuon.Muon(model, param_groups=[{"params": list(model.named_parameters())[:2], "name": "first", "lr": 0.01}],
+                       first_step_progress_log=False)
+    first = [g for g in named.param_groups if g["group_name"] == "first"]
+    assert sum(len(g["params"]) for g in first) == 2 and all(g["lr"] == 0.01 for g in first if g["is_muon"])
     with pytest.raises(TypeError, match=r"option 'reshard_after_forward' must be a bool, got 'yes' \(str\)"):
         dmuon.dedicate_params(make_net(), dist.group.WORLD, lambda n, p: p.dim() == 2, reshard_after_forward="yes")
     with torch.device("meta"):
