@@ -202,6 +202,22 @@ TEST(NewtonSchulzTest, ZeroInputGivesExactZero) {
   }
 }
 
+// eps = 0 is allowed, but a zero matrix then normalises to 0/0: an error naming eps, not a NaN result.
+TEST(NewtonSchulzTest, ZeroInputWithEpsZeroIsAnErrorNotNaN) {
+  at::Tensor Z = at::zeros({8, 12}, at::kDouble);
+  try {
+    gram_newton_schulz(Z, 5, 0.0);
+    ADD_FAILURE() << "no error for a zero matrix with eps = 0";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("is all zeros and eps is 0, so normalising it would divide 0 by 0"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_THROW(direct_newton_schulz(at::stack({Z, at::ones({8, 12}, at::kDouble)}), 5, 0.0), c10::ValueError);
+  at::manual_seed(11);
+  const at::Tensor G = at::randn({8, 12}, at::kDouble);  // a non-zero matrix: eps = 0 is fine
+  EXPECT_LE(rel(gram_newton_schulz(G, 5, 0.0), gram_newton_schulz(G, 5, 1e-300)), 1e-14);
+}
+
 TEST(NewtonSchulzTest, TransposeCommutes) {
   at::manual_seed(5);
   for (const auto& shape : kShapes) {

@@ -110,11 +110,15 @@ Prepared prepare(const at::Tensor& G, const NsOptions& opts, bool gram, const ch
   at::Tensor sq = X.square().sum({-2, -1}, /*keepdim=*/true);
   if (norm_allreduce) (*norm_allreduce)(sq);
   p.normalizer = sq.sqrt().add_(opts.eps);
-  if (opts.check_finite) {
-    TORCH_CHECK(detail::read_to_host(at::isfinite(p.normalizer).all()).item<bool>(), fn,
-                ": the input contains NaN or Inf (shape ", G.sizes(),
+  if (opts.check_finite) {  // one host read: finite, and not 0 (a zero matrix with eps = 0 would give 0/0)
+    const at::Tensor ok = detail::read_to_host(
+        at::stack({at::isfinite(p.normalizer).all(), p.normalizer.gt(0).all()}));
+    TORCH_CHECK(ok[0].item<bool>(), fn, ": the input contains NaN or Inf (shape ", G.sizes(),
                 "). A non-finite gradient usually means the loss diverged: lower the learning rate or clip "
                 "gradients. In C++ NsOptions::check_finite=false lets NaN propagate instead.");
+    TORCH_CHECK_VALUE(ok[1].item<bool>(), fn, ": a matrix of the input (shape ", G.sizes(),
+                      ") is all zeros and eps is 0, so normalising it would divide 0 by 0 (NaN). Pass eps > 0 "
+                      "(the default is ", kDefaultNsEps, ").");
   }
   X = (X / p.normalizer).to(p.compute_dtype).contiguous();
   if (X.size(0) == 1) X = X.squeeze(0);  // single matrix: 2-D GEMMs

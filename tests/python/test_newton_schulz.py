@@ -107,6 +107,8 @@ def test_caller_mistakes_are_python_exceptions():
         dmuon.NewtonSchulz("spectral")
     with pytest.raises(ValueError, match="expected a matrix"):
         dmuon.newton_schulz(torch.ones(5))
+    with pytest.raises(ValueError, match="is all zeros and eps is 0"):  # 0/0 would be NaN
+        dmuon.newton_schulz(torch.zeros(3, 4), eps=0)
     with pytest.raises(ValueError, match="invalid steps"):
         dmuon.direct_newton_schulz(torch.ones(3, 4), steps=0)
     with pytest.raises(ValueError, match="restart iteration 7"):
