@@ -61,6 +61,7 @@ from ._runtime import (  # noqa: E402
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from ._amp import GradScaler  # noqa: E402
 from ._fsdp2 import ignored_params, install_patch, uninstall_patch  # noqa: E402
 from ._inspect import (  # noqa: E402
     DedicatedCommContext,
@@ -97,6 +98,7 @@ __all__ = [
     "DedicatedParam",
     "GradClipBucket",
     "GradClipBucketStats",
+    "GradScaler",
     "Muon",
     "MuonClipGrad",
     "MuonGradClipStats",

@@ -917,21 +917,80 @@ class Muon(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
 
+    # torch.amp.GradScaler.step hands this optimizer the scale and the agreed infs (grad_scale / found_inf
+    # attributes) instead of skipping step() on its own local view: dmuon.GradScaler agrees them over the mesh
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step (collective: every rank of the model's mesh): waits the gradient reduces,
         momentum + Newton-Schulz + update on the matrices this rank owns, AdamW on the rest (dmuon's routes,
-        then FSDP2's shards), and the post-step publish. Returns ``closure()``'s loss when given."""
+        then FSDP2's shards), and the post-step publish. Returns ``closure()``'s loss when given.
+
+        Under :class:`dmuon.GradScaler` (``scaler.step(optimizer)``): the gradients are unscaled first, and a
+        step whose gradients hold an inf or NaN on any rank is skipped on every rank, its gradients dropped."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._model_state.guard()
         self._push_groups()
+        if hasattr(self, "found_inf") and self._amp_skips():
+            return loss
         self._native.step()
         if self._external is not None:
             self._external.step()
         return loss
+
+    def _amp_grads(self) -> List[torch.Tensor]:
+        """Every gradient the next step() uses, in place (collective: waits the reduces): the reduced sums
+        dmuon holds for its routes (the dedicated matrices' on their owners) and FSDP2's local shards."""
+        native = [g for _, g, _, _ in _C._muon_clip_grads(self._native, True)]
+        return native + [g for _, g, _, _ in _external_clip_grads(self._model_state)]
+
+    def _unscale_grads(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> torch.Tensor:
+        """dmuon.GradScaler's unscale / inf check of this optimizer's gradients (collective: every rank of the
+        model's mesh): multiplies them by inv_scale, and sets found_inf (1.0) on every rank when any rank's
+        gradients hold an inf or NaN (a dedicated matrix's reduced gradient lives on its owner alone)."""
+        self._unscale_local(inv_scale, found_inf, allow_fp16)
+        group = self._model_state.world_group
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+        self._amp_found_inf = found_inf
+        return found_inf
+
+    def _unscale_local(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> None:
+        by_key: Dict[tuple, List[torch.Tensor]] = {}
+        for g in self._amp_grads():
+            if g.dtype == torch.float16 and not allow_fp16:
+                raise ValueError("Attempting to unscale FP16 gradients.")  # torch.amp.GradScaler's own error
+            by_key.setdefault((g.device, g.dtype), []).append(g)
+        for (device, _), grads in by_key.items():
+            here = found_inf if device == found_inf.device else torch.zeros_like(found_inf, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, here, inv_scale.to(device))
+            if here is not found_inf:
+                found_inf.copy_(torch.maximum(found_inf, here.to(found_inf.device)))
+
+    def _amp_skips(self) -> bool:
+        """Under a GradScaler's step (found_inf / grad_scale set on the optimizer): True when the step is to be
+        skipped (an inf or NaN on some rank; its gradients are dropped), else unscales what is still scaled."""
+        agreed, self._amp_found_inf = getattr(self, "_amp_found_inf", None), None
+        if agreed is None:
+            raise RuntimeError(
+                f"rank {dist.get_rank() if dist.is_initialized() else 0}: Muon.step: called by a gradient scaler "
+                "(torch.amp.GradScaler?) that did not check dmuon's gradients. dmuon holds the dedicated matrices' "
+                "reduced gradients outside .grad, on their owner alone, so torch.amp.GradScaler neither unscales "
+                "them nor sees their infs, and each rank would decide on its own whether to skip the step. Use "
+                "dmuon.GradScaler (torch.amp.GradScaler's API and arguments: dmuon.GradScaler('cuda'), then scale, "
+                "unscale_, step, update as usual) for this optimizer."
+            )
+        if float(self.found_inf) > 0:  # agreed over the mesh by _unscale_grads: every rank skips
+            self.zero_grad(set_to_none=True)
+            return True
+        scale = getattr(self, "grad_scale", None)  # None: unscale_ ran already
+        if scale is not None:  # scaler.step without unscale_: the infs were checked, the gradients are still scaled
+            self._unscale_local(scale.double().reciprocal().float(), torch.zeros_like(agreed), True)
+        return False
 
     def _push_groups(self) -> None:
         """The groups' lr / weight_decay / momentum (what schedulers and the caller change) to the native
@@ -1024,6 +1083,7 @@ class Muon(torch.optim.Optimizer):
         """Clears every gradient this optimizer trains (set_to_none=True: None, as PyTorch 2.x does), including
         the dedicated matrices' gradients that dmuon holds between backward and step (their reduced sums are
         not in ``.grad``): so call this, not ``model.zero_grad()``, to drop a backward without stepping. Local."""
+        self._amp_found_inf = None
         self._native.zero_grad(set_to_none)
         if self._external is not None:
             self._external.zero_grad(set_to_none)

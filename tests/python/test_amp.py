@@ -1,0 +1,104 @@
+"""Loss scaling (fp16 training's GradScaler) with dmuon.GradScaler on real Gloo groups (2 spawned ranks,
+float64, powers-of-two scales: exact): a run with a scaled loss, its scale backed off by an overflow and grown
+twice, trains like the unscaled pure-PyTorch reference of test_dedicate.py to 1e-10, unscaled by the step
+itself or by unscale_ before clipping, with the AdamW parameters replicated or on FSDP2. The overflow is an inf
+in one dedicated matrix's gradient on one rank, which after the reduce only the matrix's owner (another rank)
+holds: every rank skips that step (parameters, momentum and step counts untouched, gradients dropped) and
+backs its scale off alike. torch.amp.GradScaler itself is refused at step() with the remedy, on every rank."""
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import dmuon
+from dmuon_testing import run_ranks
+from test_dedicate import BATCH, CLIP, STEPS, batch, dedicated_net, make_optimizer, reference_train
+
+INIT = 2.0 ** 10
+
+
+def _loss(model, step, rank, world):
+    x, y = batch(step)
+    lo = rank * (BATCH // world)
+    hi = lo + BATCH // world
+    return ((model(x[lo:hi]) - y[lo:hi]) ** 2).mean()
+
+
+def _full(model):
+    return {n: t.clone() for n, t in dmuon.get_model_state_dict(model, rank0_only=False).items()}
+
+
+def _scaled_training(rank, world, layout, clip, out_path):
+    model = dedicated_net(init_device_mesh("cpu", (world,)), layout == "fsdp2")
+    opt, sched = make_optimizer(model)
+    scaler = dmuon.GradScaler("cpu", init_scale=INIT, growth_interval=2)
+
+    # an overflow: rank 1's gradient of a matrix rank 0 owns is inf; after the reduce only rank 0 holds it
+    target = dmuon.get_owned_params(model, 0)[0]
+    before = _full(model)
+    hook = target.param.register_hook(lambda g: g * float("inf")) if rank == 1 else None
+    scaler.scale(_loss(model, 0, rank, world)).backward()
+    if hook is not None:
+        hook.remove()
+    if clip:
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == INIT / 2, (rank, scaler.get_scale())  # backed off on every rank
+    assert opt.steps_taken == 0
+    after = _full(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # nothing stepped
+    assert all(p.grad is None for p in model.parameters())  # the skipped step's gradients are dropped
+
+    scales = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(_loss(model, step, rank, world)).backward()
+        if clip:
+            scaler.unscale_(opt)
+            stats = opt.clip_grad_norm_(CLIP, scope="all")  # the unscaled norm: it clips, as the reference does
+            assert stats.clipped and not stats.found_inf and stats.total_norm < 10, stats
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        scales.append(scaler.get_scale())
+    # growth_interval 2: the scale doubles after every second clean step
+    assert scales == [INIT / 2, INIT, INIT, 2 * INIT], scales
+    assert opt.steps_taken == STEPS
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save(sd, out_path)
+
+
+@pytest.mark.parametrize("layout,clip", [("replicate", False), ("fsdp2", True)])
+def test_scaled_loss_trains_like_the_unscaled_reference_and_overflows_skip_on_every_rank(tmp_path, layout, clip):
+    path = tmp_path / "scaled.pt"
+    run_ranks(tmp_path, 2, _scaled_training, layout, clip, str(path))
+    got = torch.load(path)
+    ref = reference_train(clip=CLIP if clip else None)
+    for name, value in ref.items():
+        err = float((got[name] - value).abs().max() / value.abs().max())
+        assert err < 1e-10, f"{layout}: {name} differs from the reference by {err}"
+
+
+def _torch_scaler_refused(rank, world):
+    model = dedicated_net(init_device_mesh("cpu", (world,)), False)
+    opt, _ = make_optimizer(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT)
+    before = _full(model)
+    scaler.scale(_loss(model, 0, rank, world)).backward()
+    with pytest.raises(RuntimeError, match=rf"rank {rank}: .*dmuon.GradScaler"):
+        scaler.step(opt)
+    after = _full(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    # the same optimizer under dmuon.GradScaler then steps
+    opt.zero_grad()
+    ours = dmuon.GradScaler("cpu", init_scale=INIT)
+    ours.scale(_loss(model, 0, rank, world)).backward()
+    ours.step(opt)
+    ours.update()
+    assert opt.steps_taken == 1 and ours.get_scale() == INIT
+
+
+def test_torch_grad_scaler_is_refused_with_the_remedy(tmp_path):
+    run_ranks(tmp_path, 2, _torch_scaler_refused)
