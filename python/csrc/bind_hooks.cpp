@@ -135,6 +135,14 @@ class ForwardHooks {
   std::vector<std::unique_ptr<detail::BoundaryScope>> scopes_;
 };
 
+std::string uncopyable() {
+  return "a dedicated model (dmuon.dedicate_params) cannot be copied or pickled (copy.deepcopy, torch.save(model)): "
+         "its parameters live in dmuon's runtime (each Muon matrix whole on its owner rank, 0-element placeholders "
+         "elsewhere) and its forward hooks call into it, so a copy would hold neither. Copy the model before "
+         "dedicate_params (an EMA copy, say), and save its weights with dmuon.get_model_state_dict(model) (collective: "
+         "every rank; full tensors, keyed as in the one-process model).";
+}
+
 }  // namespace
 
 void bind_hooks(py::module_& m) {
@@ -142,7 +150,11 @@ void bind_hooks(py::module_& m) {
                            "The forward pre-hook (`pre`) and forward hook (`post`) of one module of a dedicated model.")
       .def(py::init<const RuntimeHandle&, const std::string&, py::object>(), "runtime"_a, "module"_a, "guard"_a)
       .def("pre", &ForwardHooks::pre)
-      .def("post", &ForwardHooks::post);
+      .def("post", &ForwardHooks::post)
+      // copy.deepcopy(model) and torch.save(model) reach these hooks (the module holds them): say why a
+      // dedicated model cannot be copied instead of pickle's "cannot pickle 'dmuon._C._ForwardHooks' object"
+      .def("__deepcopy__", [](const ForwardHooks&, py::object) { throw py::type_error(uncopyable()); })
+      .def("__reduce_ex__", [](const ForwardHooks&, py::object) { throw py::type_error(uncopyable()); });
 }
 
 }  // namespace dmuon::python

@@ -218,6 +218,14 @@ void bind_runtime(py::module_& m) {
         "Wrap LibTorch's CPU allocator with dmuon's counter (idempotent): CPU tensor bytes allocated from now on "
         "are counted (live and peak, per phase).");
   m.def("_counting_allocator_installed", &memory::counting_allocator_installed);
+  m.def(  // the core's ranges for an AdamW group that only torch's AdamW (on FSDP2's shards) reads
+      "_check_adamw_group",
+      [](double lr, double weight_decay, double beta1, double beta2, double eps, const std::string& where) {
+        MuonGroupOptions g(lr);
+        g.is_muon(false).weight_decay(weight_decay).beta1(beta1).beta2(beta2).eps(eps);
+        check_group_options(g, where);
+      },
+      "lr"_a, "weight_decay"_a, "beta1"_a, "beta2"_a, "eps"_a, "where"_a);
   m.def(
       "_tensor_memory_stats",
       [](const std::string& device) {
@@ -340,6 +348,16 @@ void bind_runtime(py::module_& m) {
       .def("consume_profile", [](Muon& opt) { return to_json(opt.consume_last_step_profile()).dump(); }, release)
       .def("zero_grad", &Muon::zero_grad, "set_to_none"_a = true, release)
       .def_property_readonly("steps_taken", &Muon::steps_taken)
+      .def("param_state",  // this rank's state of `p` (live tensors), None where it holds none
+           [](const Muon& opt, const at::Tensor& p) -> py::object {
+             const MuonParamState* s = opt.state_of(p);
+             if (s == nullptr) return py::none();
+             py::dict d("step"_a = s->step());
+             if (s->momentum_buffer().defined()) d["momentum_buffer"] = s->momentum_buffer();
+             if (s->exp_avg().defined()) d["exp_avg"] = s->exp_avg();
+             if (s->exp_avg_sq().defined()) d["exp_avg_sq"] = s->exp_avg_sq();
+             return d;
+           })
       .def("group_count", [](Muon& opt) { return opt.param_groups().size(); })
       .def("group_params", [](Muon& opt, size_t i) {
         group_options(opt, i);  // checks i

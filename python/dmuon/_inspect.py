@@ -10,7 +10,7 @@ from torch import nn
 
 from ._fsdp2 import is_dtensor
 from . import _C
-from ._runtime import Muon, _owner_coords, _state_of, _sync_external
+from ._runtime import Muon, _owner_coords, _reported_tp_buffer_reuse, _state_of, _sync_external, _tp_buffer_reuse
 
 OwnerRankLike = Union[int, Tuple[int, int]]
 
@@ -225,9 +225,7 @@ class DedicatedCommContext:
         if isinstance(device, nn.Module):  # get_comm_ctx: the context dedicate_params built for this model
             self._attach(device)
             return
-        if not (tp_buffer_reuse is False or tp_buffer_reuse is True or tp_buffer_reuse in ("gather", "scatter", "all")):
-            raise ValueError(f"DedicatedCommContext: tp_buffer_reuse={tp_buffer_reuse!r}; use False, True, 'gather', "
-                             "'scatter' or 'all'.")
+        reuse = _reported_tp_buffer_reuse(_tp_buffer_reuse(tp_buffer_reuse, "DedicatedCommContext"))
         bucket = float(replicate_broadcast_bucket_mb)
         if not bucket >= 0 or bucket == float("inf"):
             raise ValueError(f"DedicatedCommContext: replicate_broadcast_bucket_mb must be a finite number >= 0, got "
@@ -238,7 +236,7 @@ class DedicatedCommContext:
         self.world_group = self.shard_group = self.tp_group = self.data_parallel_group = None
         self.replicate_group = self.replicate_publish_group = replicate_group
         self.shard_high_priority = False
-        self.tp_buffer_reuse = True if tp_buffer_reuse == "all" else tp_buffer_reuse  # as get_comm_ctx reports it
+        self.tp_buffer_reuse = reuse  # as get_comm_ctx reports it
         self.replicate_broadcast_bucket_mb = bucket
         self._order: List[str] = []
 
@@ -257,8 +255,7 @@ class DedicatedCommContext:
         self.tp_group = groups.tp
         self.data_parallel_group = groups.dp
         self.shard_high_priority: bool = groups.shard_high_priority
-        reuse = state.comm_options.get("tp_buffer_reuse") or "off"
-        self.tp_buffer_reuse: Union[bool, str] = {"off": False, "all": True}.get(reuse, reuse)
+        self.tp_buffer_reuse: Union[bool, str] = _reported_tp_buffer_reuse(state.comm_options.get("tp_buffer_reuse"))
         self.replicate_broadcast_bucket_mb: float = float(state.comm_options.get("replicate_broadcast_bucket_mb") or 0.0)
 
     @property

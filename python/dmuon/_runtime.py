@@ -5,7 +5,6 @@ identity autograd functions, the engine's end-of-backward callback)."""
 
 import contextlib
 import json
-import math
 import sys
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -305,7 +304,71 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
         d["param"]._dedicated_owner_rank = coord
         owners[d["param"]] = coord
     register_undedicated(tp_params)  # what fully_shard may take later: as DTensors (hand_to_fsdp2)
+    model._dmuon.hooks += _install_state_dict_guards(model, model._dmuon)
     return owners
+
+
+def _runtime_keys(state: _State, module: nn.Module, prefix: str, whole_here: bool) -> List[str]:
+    """The state-dict keys under `module` (at `prefix`) of the parameters dmuon's runtime trains: all of them,
+    or (whole_here) only those whose tensor on this rank is not the whole, current value (a dedicated matrix
+    or a sharded_adamw parameter on a mesh of several ranks, a tensor-parallel slice)."""
+    routes = dict(state.runtime.routes())
+    name_of = {id(p): n for n, p in state.params.items()}
+    several = state.mesh.world_size > 1
+    keys = []
+    for key, p in module.named_parameters(prefix=prefix[:-1] if prefix else "", remove_duplicate=False):
+        name = name_of.get(id(p))
+        route = routes.get(name)
+        if route is None or not p.requires_grad:
+            continue  # frozen, or FSDP2's DTensor (fully_shard took it: its own state dict)
+        if not whole_here or name in state.tp_split or (several and route not in ("local", "replicated")):
+            keys.append(key)
+    return keys
+
+
+def _install_state_dict_guards(model: nn.Module, state: _State) -> list:
+    """model.state_dict() and load_state_dict() where they would silently save or load the wrong thing: on the
+    root and every module holding a parameter dmuon trains. state_dict() (keep_vars=False) raises on a mesh of
+    several ranks when it would return a dedicated matrix (a 0-element placeholder on the ranks that do not own
+    it, the last value they received on the others), a sharded_adamw parameter or a TP slice; load_state_dict()
+    raises for any parameter dmuon trains (the value would bypass its owner, its master copy and the publish),
+    before anything is loaded. keep_vars=True (the live Parameters, as dmuon reads them) is left alone."""
+
+    def saving(module, prefix, keep_vars):
+        if keep_vars:
+            return
+        keys = _runtime_keys(state, module, prefix, whole_here=True)
+        if keys:
+            raise RuntimeError(
+                f"rank {dist.get_rank() if dist.is_initialized() else 0}: {type(module).__name__}.state_dict() on a "
+                f"dedicated model: {len(keys)} parameter(s), e.g. '{keys[0]}', are not whole on this rank (a Muon "
+                "matrix lives whole on its owner rank only: 0-element placeholders elsewhere; sharded_adamw and "
+                "tensor-parallel parameters are slices), so the dict would silently save them wrong. Use "
+                "dmuon.get_model_state_dict(model) (collective: every rank; full tensors on rank 0, keyed as "
+                "model.state_dict() of the one-process model), and dmuon.get_optimizer_state_dict(model, opt) for "
+                "the optimizer; model.state_dict(keep_vars=True) still gives the live Parameters."
+            )
+
+    def loading(module, state_dict, prefix, *_):
+        keys = [k for k in _runtime_keys(state, module, prefix, whole_here=False) if k in state_dict]
+        if keys:
+            raise RuntimeError(
+                f"rank {dist.get_rank() if dist.is_initialized() else 0}: {type(module).__name__}.load_state_dict() "
+                f"on a dedicated model: {len(keys)} parameter(s) in the dict, e.g. '{keys[0]}', are trained by dmuon, "
+                "which keeps their values itself (each Muon matrix whole on its owner, master copies, the publish), "
+                "so loading into the module's tensors would be lost or load only some ranks. Use "
+                "dmuon.set_model_state_dict(model, full_state_dict) (collective: every rank passes the whole dict; "
+                "nothing was loaded)."
+            )
+
+    ids = {id(p) for p in state.params.values()}
+    modules = [model] + [m for m in model.modules()
+                         if m is not model and any(id(p) in ids for p in m._parameters.values() if p is not None)]
+    handles = []
+    for m in modules:
+        handles.append(m.register_state_dict_pre_hook(saving))
+        handles.append(m.register_load_state_dict_pre_hook(loading))
+    return handles
 
 
 def _owner_coords(state: "_State") -> list:
@@ -445,6 +508,11 @@ def _tp_buffer_reuse(value, fn: str) -> str:
     if isinstance(value, str) and value in ("gather", "scatter", "all"):
         return value
     raise ValueError(f"{fn}: tp_buffer_reuse={value!r}; use False, True, \"gather\", \"scatter\" or \"all\".")
+
+
+def _reported_tp_buffer_reuse(policy: Optional[str]) -> Union[bool, str]:
+    """The core's tp_buffer_reuse policy as the API reference's argument spells it (False, True, "gather", ...)."""
+    return {"off": False, "all": True}.get(policy or "off", policy)
 
 
 def _ddp_options(args: dict, fn: str) -> dict:
@@ -739,15 +807,68 @@ def _agree_across_ranks(group, options: dict) -> None:
 def _check_adamw_group(g: dict, k: int) -> None:
     """The values of an AdamW group only torch's AdamW (on FSDP2's shards) reads, with the core's ranges."""
     b1, b2 = g["betas"]
-    for key, v, ok, must in (("lr", g["lr"], lambda v: v >= 0, ">= 0"),
-                             ("weight_decay", g["weight_decay"], lambda v: v >= 0, ">= 0"),
-                             ("betas[0]", b1, lambda v: 0 <= v < 1, "in [0, 1)"),
-                             ("betas[1]", b2, lambda v: 0 <= v < 1, "in [0, 1)"),
-                             ("eps", g["eps"], lambda v: v > 0, "> 0")):
-        v = float(v)
-        if not (math.isfinite(v) and ok(v)):
-            raise ValueError(f"Muon.step: param group #{k} ('{g.get('group_name')}', AdamW), as set since "
-                             f"construction, has {key}: {v}. Must be {'a finite number ' if not math.isfinite(v) else ''}{must}.")
+    _C._check_adamw_group(float(g["lr"]), float(g["weight_decay"]), float(b1), float(b2), float(g["eps"]),
+                          f"rank {dist.get_rank() if dist.is_initialized() else 0}: Muon.step: param group #{k} "
+                          f"('{g.get('group_name')}', AdamW), as set since construction,")
+
+
+class _OptimizerState(Mapping):
+    """``Muon.state``: a read-only view of the per-parameter state this rank holds, as torch.optim's
+    (``opt.state[p]``: ``momentum_buffer`` for a Muon matrix, ``step`` / ``exp_avg`` / ``exp_avg_sq`` for AdamW;
+    live tensors). dmuon keeps it where each parameter is updated: a dedicated matrix's momentum on its owner
+    only, a sharded_adamw parameter's moments as this rank's slice, FSDP2's shards' in torch's AdamW. A
+    parameter of this optimizer without state here gives ``{}`` (as torch's defaultdict); iteration and ``len``
+    cover the parameters with state here. Its truth value is an error: it differs across ranks."""
+
+    def __init__(self, optimizer: "Muon"):
+        self._opt = optimizer
+        self._params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        external = optimizer._external
+        self._external = {id(p) for g in external.param_groups for p in g["params"]} if external is not None else set()
+
+    def _lookup(self, p):
+        opt = self._opt
+        if id(p) in self._external:
+            return opt._external.state.get(p) or None
+        found = opt._native.param_state(p) if isinstance(p, torch.Tensor) else None
+        if found is None:
+            return None
+        if "exp_avg" in found:  # AdamW's as torch keeps it: the step as a float tensor
+            found["step"] = torch.tensor(float(found["step"]))
+        else:
+            del found["step"]
+        return found
+
+    def __getitem__(self, p):
+        found = self._lookup(p)
+        if found is not None:
+            return found
+        if id(p) in self._params:
+            return {}
+        raise KeyError(f"Muon.state: {type(p).__name__} is not a parameter of this optimizer")
+
+    def __contains__(self, p):
+        return self._lookup(p) is not None
+
+    def __iter__(self):
+        return iter([p for g in self._opt.param_groups for p in g["params"] if self._lookup(p) is not None])
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+    def __bool__(self):
+        raise RuntimeError(
+            f"rank {dist.get_rank() if dist.is_initialized() else 0}: the truth value of dmuon.Muon.state is "
+            "ambiguous: each rank holds the state of the parameters it updates (a dedicated matrix's on its owner), "
+            "so it would differ across ranks; use len(opt.state) for this rank's count. torch.distributed.checkpoint"
+            ".state_dict's get/set_optimizer_state_dict test it, then would run a zero-gradient step and read "
+            "torch.optim's per-rank format, which cannot hold state that lives on other ranks: checkpoint dmuon.Muon "
+            "with dmuon.get_optimizer_state_dict(model, opt) / dmuon.set_optimizer_state_dict (or opt.state_dict() "
+            "/ opt.load_state_dict()), and the model with dmuon.get_model_state_dict / set_model_state_dict."
+        )
+
+    def __repr__(self):
+        return f"Muon.state({len(self)} parameter(s) with state on this rank)"
 
 
 class Muon(torch.optim.Optimizer):
@@ -901,6 +1022,7 @@ class Muon(torch.optim.Optimizer):
         # it (cycle_momentum=True) in every group (the AdamW groups keep their betas, as they have no momentum)
         super().__init__(groups, defaults=dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                                                nesterov=nesterov, ns_steps=ns_steps))
+        self.state = _OptimizerState(self)  # torch.optim's per-parameter dict, read from the native core
         self._constructed = True
 
     _MUTABLE = ("lr", "weight_decay", "momentum")  # what may change between steps (schedulers, the caller)

@@ -659,3 +659,76 @@ def _callable_mistake(rank, world):
 
 def test_a_callables_value_error_is_a_value_error_on_every_rank(tmp_path):
     run_ranks(tmp_path, 2, _callable_mistake)
+
+
+def _torch_state_paths(rank, world, fsdp2):
+    import copy
+    import io
+
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model = dedicated_net(init_device_mesh("cpu", (world,)), fsdp2)
+    opt, sched = make_optimizer(model)
+    assert len(opt.state) == 0 and list(opt.state) == []
+    train_steps(model, opt, sched, rank, world, range(2))
+    full = dmuon.get_model_state_dict(model, rank0_only=False)
+    osd = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+
+    # opt.state: torch.optim's per-parameter view of what this rank holds, live tensors
+    owned = {d.name for d in dmuon.get_owned_params(model, rank)}
+    for d in dmuon.get_dedicated_params(model):
+        st = opt.state[d.param]
+        if d.name in owned:
+            assert list(st) == ["momentum_buffer"] and d.param in opt.state
+            assert torch.equal(st["momentum_buffer"], osd["dedicated"][d.name]["momentum_buffer"])
+        else:
+            assert st == {} and d.param not in opt.state
+    adamw = [(n, p) for n, p in model.named_parameters() if n in osd["dedicated_adamw"] or n in osd["fsdp"]]
+    assert len(adamw) == BLOCKS + 1
+    for n, p in adamw:
+        st = opt.state[p]
+        ref = osd["dedicated_adamw"].get(n) or osd["fsdp"][n]
+        assert float(st["step"]) == 2.0
+        exp_avg = st["exp_avg"].full_tensor() if hasattr(st["exp_avg"], "full_tensor") else st["exp_avg"]  # model order
+        assert torch.equal(exp_avg, ref["exp_avg"]), n
+    assert len(opt.state) == len(owned) + BLOCKS + 1
+    with pytest.raises(KeyError):
+        opt.state[torch.zeros(1)]
+    with pytest.raises(RuntimeError, match=rf"rank {rank}: the truth value of dmuon.Muon.state is ambiguous"):
+        bool(opt.state)
+    # torch.distributed.checkpoint's functions are stopped before they step or save anything wrong
+    with pytest.raises(RuntimeError, match="dmuon.get_optimizer_state_dict"):
+        get_optimizer_state_dict(model, opt)
+    assert opt.steps_taken == 2
+
+    if world == 1:  # every tensor whole and current on the only rank: torch's own state dict is right
+        assert {k: v for k, v in model.state_dict().items()}.keys() == full.keys()
+        assert all(torch.equal(model.state_dict()[k], full[k]) for k in full)
+    else:
+        for call in (lambda: model.state_dict(), lambda: model.layers[1].gate.state_dict(),
+                     lambda: get_model_state_dict(model)):
+            with pytest.raises(RuntimeError, match=rf"rank {rank}: \w+\.state_dict\(\) on a dedicated model: .*"
+                                                   r"dmuon\.get_model_state_dict"):
+                call()
+    assert list(model.state_dict(keep_vars=True)) == list(full)  # the live Parameters, as dmuon reads them
+    changed = {k: v + 1 for k, v in full.items()}
+    with pytest.raises(RuntimeError, match=rf"rank {rank}: \w+\.load_state_dict\(\) on a dedicated model: .*"
+                                           r"dmuon\.set_model_state_dict.*nothing was loaded"):
+        model.load_state_dict(changed)
+    after = dmuon.get_model_state_dict(model, rank0_only=False)
+    assert all(torch.equal(after[k], full[k]) for k in full)
+    for copy_it in [] if fsdp2 else (lambda: copy.deepcopy(model), lambda: torch.save(model, io.BytesIO())):
+        with pytest.raises(TypeError, match="cannot be copied or pickled.*before dedicate_params"):
+            copy_it()
+    # the remedy works: the dmuon functions load the changed values
+    dmuon.set_model_state_dict(model, changed)
+    back = dmuon.get_model_state_dict(model, rank0_only=False)
+    assert all(torch.equal(back[k], changed[k]) for k in full)
+
+
+@pytest.mark.parametrize("world,fsdp2", [(1, False), (2, False), (2, True)])
+def test_torch_state_dicts_copies_and_checkpoint_functions_are_refused_where_they_would_be_wrong(tmp_path, world, fsdp2):
+    """model.state_dict() / load_state_dict(), copy.deepcopy, torch.save(model) and torch.distributed.checkpoint's
+    state-dict functions on a dedicated model: errors naming dmuon's functions where the result would silently
+    be wrong (0-element placeholders, a skipped owner), nothing changed; opt.state is torch.optim's view."""
+    run_ranks(tmp_path, world, _torch_state_paths, fsdp2)

@@ -435,6 +435,38 @@ def test_hostile_edits_between_steps_and_options_of_the_wrong_type(tmp_path):
     run_ranks(tmp_path, 1, _hostile_edits)
 
 
+def _fsdp2_only_adamw_group(rank, world):
+    # every dedicated matrix in a user group: FSDP2's shards get a "default" AdamW group that only torch's AdamW
+    # reads; values written into it are checked with the core's ranges at step(), before anything is updated
+    model = dedicated_net(init_device_mesh("cpu", (world,)), True)
+    matrices = [d.param for d in dmuon.get_dedicated_params(model)]
+    opt = dmuon.Muon(model, lr=LR, param_groups=[{"params": matrices, "name": "matrices"}],
+                     first_step_progress_log=False)
+    group = opt.param_groups[-1]
+    assert group["group_name"] == "default" and not group["is_muon"] and len(group["params"]) == BLOCKS + 1
+    x, y = batch(0)
+    for key, value, message in (("eps", 0.0, r"has eps: 0. Must be > 0"),
+                                ("betas", (0.9, 1.0), r"has beta2: 1. Must be in \[0, 1\)"),
+                                ("lr", float("nan"), r"has lr: nan. Must be a finite number >= 0")):
+        good = group[key]
+        group[key] = value
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        before = dmuon.get_model_state_dict(model, rank0_only=False)
+        with pytest.raises(ValueError, match=rf"rank {rank}: Muon.step: param group #{len(opt.param_groups) - 1} "
+                                             rf"\('default', AdamW\), as set since construction, {message}"):
+            opt.step()
+        after = dmuon.get_model_state_dict(model, rank0_only=False)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        group[key] = good
+    opt.step()
+    assert opt.steps_taken == 1
+
+
+def test_values_written_into_the_fsdp2_only_adamw_group_are_checked(tmp_path):
+    run_ranks(tmp_path, 2, _fsdp2_only_adamw_group)
+
+
 def _disagreeing_ranks(rank, world):
     model = make_net()
     dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2)
