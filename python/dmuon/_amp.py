@@ -1,6 +1,7 @@
 """Loss scaling (fp16 training) for dmuon.Muon: torch.amp.GradScaler with the gradients dmuon holds."""
 
 import torch
+import torch.distributed as dist
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -10,14 +11,40 @@ class GradScaler(torch.amp.GradScaler):
     outside ``.grad`` (a dedicated matrix's on its owner only), the replicated and ``sharded_adamw``
     gradients and FSDP2's shards -- and agrees over the model's mesh whether any holds an inf or NaN, so
     every rank skips the same steps and backs the scale off alike. Other optimizers are handled as by
-    ``torch.amp.GradScaler``. ``unscale_`` and ``step`` on a Muon optimizer are collective: every rank of
-    the model's mesh.
+    ``torch.amp.GradScaler``; when one shares this scaler with a Muon, ``update`` also agrees their infs over
+    the mesh, so the scale stays the same on every rank (dmuon's reduces add up the ranks' scaled
+    gradients). ``unscale_``, ``step`` on a Muon optimizer and ``update`` after one are collective: every rank
+    of the model's mesh.
 
     ``torch.amp.GradScaler`` itself cannot drive :class:`dmuon.Muon`: its ``step`` raises, naming this class."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._dmuon_groups = []  # the world groups of the Muon optimizers this scaler has served
+        self._dmuon_ids = set()  # id() of the Muon optimizers checked since the last update()
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         from ._runtime import Muon
 
         if not isinstance(optimizer, Muon):
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        group = optimizer._model_state.world_group
+        if group is not None and dist.get_world_size(group) > 1 and all(g is not group for g in self._dmuon_groups):
+            self._dmuon_groups.append(group)
+        self._dmuon_ids.add(id(optimizer))
         return {found_inf.device: optimizer._unscale_grads(inv_scale, found_inf, allow_fp16)}
+
+    def update(self, new_scale=None):
+        """``torch.amp.GradScaler.update``; where an optimizer other than a dmuon.Muon shares this scaler, its
+        infs are first agreed over the Muon optimizers' meshes (collective there)."""
+        if self._enabled and new_scale is None and self._dmuon_groups and \
+                any(key not in self._dmuon_ids for key in self._per_optimizer_states):
+            infs = [t for state in self._per_optimizer_states.values() for t in state["found_inf_per_device"].values()]
+            if infs:
+                agreed = torch.stack([t.to(self._scale.device, torch.float32) for t in infs]).amax()
+                for group in self._dmuon_groups:
+                    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+                for t in infs:
+                    t.copy_(agreed.to(t.device))
+        self._dmuon_ids = set()
+        super().update(new_scale)

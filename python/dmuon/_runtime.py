@@ -285,6 +285,7 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
             options[key] = show_dtensors(tp_params, options[key])
     tp_split = {tp.name: tp.split_dim for tp in tp_params if tp.split_dim >= 0} if native_mesh.tp_size > 1 else {}
     params, buffers, modules = _model_view(model)
+    dtypes = {n: p.dtype for n, p in params}  # before param_policy's param_dtype (the masters keep these)
     try:
         runtime = _C._dedicate(params, buffers, modules, native_mesh, predicate, options, ddp, tp_split)
     except BaseException:
@@ -304,70 +305,80 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
         d["param"]._dedicated_owner_rank = coord
         owners[d["param"]] = coord
     register_undedicated(tp_params)  # what fully_shard may take later: as DTensors (hand_to_fsdp2)
-    model._dmuon.hooks += _install_state_dict_guards(model, model._dmuon)
+    model._dmuon.hooks += _install_state_dict_guards(model, model._dmuon, dtypes)
     return owners
 
 
-def _runtime_keys(state: _State, module: nn.Module, prefix: str, whole_here: bool) -> List[str]:
-    """The state-dict keys under `module` (at `prefix`) of the parameters dmuon's runtime trains: all of them,
-    or (whole_here) only those whose tensor on this rank is not the whole, current value (a dedicated matrix
-    or a sharded_adamw parameter on a mesh of several ranks, a tensor-parallel slice)."""
-    routes = dict(state.runtime.routes())
-    name_of = {id(p): n for n, p in state.params.items()}
+def _install_state_dict_guards(model: nn.Module, state: _State, dtypes: Dict[str, torch.dtype]) -> list:
+    """model.state_dict() and load_state_dict() where they would silently save or load the wrong thing, on every
+    module holding a parameter dmuon trains and their ancestors. state_dict() (keep_vars=False) raises where it
+    would return a parameter whose tensor on this rank is not its whole, current, full-precision value: on a mesh
+    of several ranks a dedicated matrix (a 0-element placeholder on the ranks that do not own it, or the last
+    value they received) or a sharded_adamw parameter, a tensor-parallel slice, and a parameter param_policy
+    narrowed (its master holds the value). load_state_dict() raises for any parameter dmuon trains (the value
+    would bypass its owner, its master copy and the publish). The module a call starts at checks its whole
+    subtree first (nothing is saved or loaded), every other hooked module its own parameters. keep_vars=True
+    (the live Parameters as they are on this rank) is left alone."""
     several = state.mesh.world_size > 1
-    keys = []
-    for key, p in module.named_parameters(prefix=prefix[:-1] if prefix else "", remove_duplicate=False):
-        name = name_of.get(id(p))
-        route = routes.get(name)
-        if route is None or not p.requires_grad:
-            continue  # frozen, or FSDP2's DTensor (fully_shard took it: its own state dict)
-        if not whole_here or name in state.tp_split or (several and route not in ("local", "replicated")):
-            keys.append(key)
-    return keys
+    name_of = {id(p): n for n, p in state.params.items()}
+    trained = set()
+    partial = set()  # not whole, current and full precision on this rank
+    for name, route in state.runtime.routes():
+        p = state.params.get(name)
+        if p is None:
+            continue
+        trained.add(name)
+        if (several and route not in ("local", "replicated")) or name in state.tp_split or \
+                p.dtype.itemsize < dtypes.get(name, p.dtype).itemsize:
+            partial.add(name)
 
+    def keys(module, prefix, names):
+        if prefix:  # a submodule of the call: its own parameters (the call's start checked the rest)
+            found = [(prefix + n, p) for n, p in module._parameters.items() if p is not None]
+        else:
+            found = list(module.named_parameters(remove_duplicate=False))
+        # FSDP2's DTensors (fully_shard took the parameter: its own state dict) and frozen ones are not dmuon's
+        return [k for k, p in found if name_of.get(id(p)) in names and p.requires_grad]
 
-def _install_state_dict_guards(model: nn.Module, state: _State) -> list:
-    """model.state_dict() and load_state_dict() where they would silently save or load the wrong thing: on the
-    root and every module holding a parameter dmuon trains. state_dict() (keep_vars=False) raises on a mesh of
-    several ranks when it would return a dedicated matrix (a 0-element placeholder on the ranks that do not own
-    it, the last value they received on the others), a sharded_adamw parameter or a TP slice; load_state_dict()
-    raises for any parameter dmuon trains (the value would bypass its owner, its master copy and the publish),
-    before anything is loaded. keep_vars=True (the live Parameters, as dmuon reads them) is left alone."""
+    def rank() -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
 
     def saving(module, prefix, keep_vars):
-        if keep_vars:
-            return
-        keys = _runtime_keys(state, module, prefix, whole_here=True)
-        if keys:
+        bad = [] if keep_vars else keys(module, prefix, partial)
+        if bad:
             raise RuntimeError(
-                f"rank {dist.get_rank() if dist.is_initialized() else 0}: {type(module).__name__}.state_dict() on a "
-                f"dedicated model: {len(keys)} parameter(s), e.g. '{keys[0]}', are not whole on this rank (a Muon "
-                "matrix lives whole on its owner rank only: 0-element placeholders elsewhere; sharded_adamw and "
-                "tensor-parallel parameters are slices), so the dict would silently save them wrong. Use "
+                f"rank {rank()}: {type(module).__name__}.state_dict() on a dedicated model: {len(bad)} parameter(s), "
+                f"e.g. '{bad[0]}', do not hold their whole, current, full-precision value on this rank (a Muon matrix "
+                "lives on its owner rank: the others hold a 0-element placeholder or the last value they received; "
+                "sharded_adamw and tensor-parallel parameters are slices; a parameter param_policy narrowed keeps its "
+                "value in a master copy), so the dict would silently save them wrong. Use "
                 "dmuon.get_model_state_dict(model) (collective: every rank; full tensors on rank 0, keyed as "
                 "model.state_dict() of the one-process model), and dmuon.get_optimizer_state_dict(model, opt) for "
-                "the optimizer; model.state_dict(keep_vars=True) still gives the live Parameters."
+                "the optimizer. (model.state_dict(keep_vars=True) gives the live Parameters as they are on this "
+                "rank: not a checkpoint.)"
             )
 
     def loading(module, state_dict, prefix, *_):
-        keys = [k for k in _runtime_keys(state, module, prefix, whole_here=False) if k in state_dict]
-        if keys:
+        bad = [k for k in keys(module, prefix, trained) if k in state_dict]
+        if bad:
             raise RuntimeError(
-                f"rank {dist.get_rank() if dist.is_initialized() else 0}: {type(module).__name__}.load_state_dict() "
-                f"on a dedicated model: {len(keys)} parameter(s) in the dict, e.g. '{keys[0]}', are trained by dmuon, "
-                "which keeps their values itself (each Muon matrix whole on its owner, master copies, the publish), "
-                "so loading into the module's tensors would be lost or load only some ranks. Use "
-                "dmuon.set_model_state_dict(model, full_state_dict) (collective: every rank passes the whole dict; "
-                "nothing was loaded)."
+                f"rank {rank()}: {type(module).__name__}.load_state_dict() on a dedicated model: {len(bad)} "
+                f"parameter(s) in the dict, e.g. '{bad[0]}', are trained by dmuon, which keeps their values itself "
+                "(each Muon matrix whole on its owner, master copies, the publish), so loading into the module's "
+                "tensors would be lost or load only some ranks. Use dmuon.set_model_state_dict(model, "
+                "full_state_dict) (collective: every rank passes the whole dict)."
             )
 
-    ids = {id(p) for p in state.params.values()}
-    modules = [model] + [m for m in model.modules()
-                         if m is not model and any(id(p) in ids for p in m._parameters.values() if p is not None)]
+    hooked = set()
+    for name, m in model.named_modules(remove_duplicate=False):
+        if any(name_of.get(id(p)) in trained for p in m._parameters.values() if p is not None):
+            parts = name.split(".") if name else []
+            hooked.update(".".join(parts[:i]) for i in range(len(parts) + 1))  # it and its ancestors
     handles = []
-    for m in modules:
-        handles.append(m.register_state_dict_pre_hook(saving))
-        handles.append(m.register_load_state_dict_pre_hook(loading))
+    for name, m in model.named_modules():
+        if name in hooked:
+            handles.append(m.register_state_dict_pre_hook(saving))
+            handles.append(m.register_load_state_dict_pre_hook(loading))
     return handles
 
 
@@ -850,6 +861,11 @@ class _OptimizerState(Mapping):
     def __contains__(self, p):
         return self._lookup(p) is not None
 
+    def get(self, p, default=None):
+        """As torch's defaultdict: ``default`` (not ``{}``) for a parameter without state on this rank."""
+        found = self._lookup(p)
+        return default if found is None else found
+
     def __iter__(self):
         return iter([p for g in self._opt.param_groups for p in g["params"] if self._lookup(p) is not None])
 
@@ -1055,13 +1071,21 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._model_state.guard()
-        self._push_groups()
-        if hasattr(self, "found_inf") and self._amp_skips():
-            return loss
-        self._native.step()
-        if self._external is not None:
-            self._external.step()
+        try:
+            self._model_state.guard()
+            self._push_groups()
+            if hasattr(self, "found_inf") and self._amp_skips():
+                return loss
+            self._native.step()
+            if self._external is not None:
+                self._external.step()
+        except BaseException:
+            # a GradScaler's step deletes the grad_scale / found_inf it set only when step() returns: left here,
+            # the next scaler.step would multiply its scale into the stale one (unscaling twice)
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            self._amp_found_inf = None
+            raise
         return loss
 
     def _amp_grads(self) -> List[torch.Tensor]:
@@ -1074,24 +1098,34 @@ class Muon(torch.optim.Optimizer):
         """dmuon.GradScaler's unscale / inf check of this optimizer's gradients (collective: every rank of the
         model's mesh): multiplies them by inv_scale, and sets found_inf (1.0) on every rank when any rank's
         gradients hold an inf or NaN (a dedicated matrix's reduced gradient lives on its owner alone)."""
-        self._unscale_local(inv_scale, found_inf, allow_fp16)
+        fp16 = self._unscale_local(inv_scale, found_inf, allow_fp16)
         group = self._model_state.world_group
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+            # the infs and torch's FP16 refusal together: a reduced gradient lives on its owner alone, so
+            # either seen on one rank is acted on by every rank (an error on some would leave the rest waiting)
+            both = torch.stack([found_inf.float(), torch.tensor(float(fp16), device=found_inf.device)])
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+            found_inf.copy_(both[0])
+            fp16 = bool(both[1] > 0)
+        if fp16:
+            raise ValueError("Attempting to unscale FP16 gradients.")  # torch.amp.GradScaler's own error
         self._amp_found_inf = found_inf
         return found_inf
 
-    def _unscale_local(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> None:
+    def _unscale_local(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> bool:
+        """Unscales this rank's gradients and sets found_inf for theirs; True (nothing unscaled) where one is
+        float16 and allow_fp16 is False (torch.amp.GradScaler refuses to unscale fp16 parameters' gradients)."""
         by_key: Dict[tuple, List[torch.Tensor]] = {}
         for g in self._amp_grads():
             if g.dtype == torch.float16 and not allow_fp16:
-                raise ValueError("Attempting to unscale FP16 gradients.")  # torch.amp.GradScaler's own error
+                return True
             by_key.setdefault((g.device, g.dtype), []).append(g)
         for (device, _), grads in by_key.items():
             here = found_inf if device == found_inf.device else torch.zeros_like(found_inf, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, here, inv_scale.to(device))
             if here is not found_inf:
                 found_inf.copy_(torch.maximum(found_inf, here.to(found_inf.device)))
+        return False
 
     def _amp_skips(self) -> bool:
         """Under a GradScaler's step (found_inf / grad_scale set on the optimizer): True when the step is to be
@@ -1191,6 +1225,17 @@ class Muon(torch.optim.Optimizer):
         "cuda_events" on the GPU, read here with one synchronize), the matrices this rank updated and the
         step it belongs to; ``valid`` is False without a recorded step. Resets it. Local."""
         return json.loads(self._native.consume_profile())
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "dmuon.Muon cannot be pickled or copied (torch.save(opt), copy.deepcopy): its state lives in dmuon's "
+            "native core, spread over the ranks (each matrix's momentum on its owner). Save opt.state_dict() or "
+            "dmuon.get_optimizer_state_dict(model, opt) (collective: every rank) and load it with "
+            "opt.load_state_dict() / dmuon.set_optimizer_state_dict into a Muon built on the dedicated model."
+        )
+
+    def __deepcopy__(self, memo):
+        self.__reduce_ex__(2)
 
     def state_dict(self):
         """:func:`dmuon.get_optimizer_state_dict` with every rank holding the full result (collective: every

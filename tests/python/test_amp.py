@@ -1,7 +1,8 @@
-"""Loss scaling (fp16 training's GradScaler) with dmuon.GradScaler on real Gloo groups (2 spawned ranks,
+"""Loss scaling (fp16 training's GradScaler) with dmuon.GradScaler on real Gloo groups (2 and 4 spawned ranks,
 float64, powers-of-two scales: exact): a run with a scaled loss, its scale backed off by an overflow and grown
 twice, trains like the unscaled pure-PyTorch reference of test_dedicate.py to 1e-10, unscaled by the step
-itself or by unscale_ before clipping, with the AdamW parameters replicated or on FSDP2. The overflow is an inf
+itself or by unscale_ before clipping, with the AdamW parameters replicated, on FSDP2, or on dmuon's HSDP
+with sharded_adamw. The overflow is an inf
 in one dedicated matrix's gradient on one rank, which after the reduce only the matrix's owner (another rank)
 holds: every rank skips that step (parameters, momentum and step counts untouched, gradients dropped) and
 backs its scale off alike. torch.amp.GradScaler itself is refused at step() with the remedy, on every rank."""
@@ -12,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
 from dmuon_testing import run_ranks
-from test_dedicate import BATCH, CLIP, STEPS, batch, dedicated_net, make_optimizer, reference_train
+from test_dedicate import BATCH, CLIP, STEPS, batch, dedicated_net, make_net, make_optimizer, reference_train
 
 INIT = 2.0 ** 10
 
@@ -28,15 +29,29 @@ def _full(model):
     return {n: t.clone() for n, t in dmuon.get_model_state_dict(model, rank0_only=False).items()}
 
 
+def _model(world, layout):
+    if layout != "hsdp-sharded":
+        return dedicated_net(init_device_mesh("cpu", (world,)), layout == "fsdp2")
+    # dmuon's HSDP (2 replicas of a 2-rank shard axis), the biases on sharded_adamw, the scale replicated
+    model = make_net()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    dmuon.dedicate_params(model, mesh, lambda n, p: p.dim() == 2,
+                          param_policy={"overrides": [{"match": "proj bias", "route": "sharded_adamw"}]})
+    dmuon.replicate(model)
+    return model
+
+
 def _scaled_training(rank, world, layout, clip, out_path):
-    model = dedicated_net(init_device_mesh("cpu", (world,)), layout == "fsdp2")
+    model = _model(world, layout)
     opt, sched = make_optimizer(model)
     scaler = dmuon.GradScaler("cpu", init_scale=INIT, growth_interval=2)
 
-    # an overflow: rank 1's gradient of a matrix rank 0 owns is inf; after the reduce only rank 0 holds it
-    target = dmuon.get_owned_params(model, 0)[0]
+    # an overflow: another rank's gradient of a matrix its owner holds is inf; after the reduce only the owner
+    # holds it
+    target = dmuon.get_dedicated_params(model)[0]
     before = _full(model)
-    hook = target.param.register_hook(lambda g: g * float("inf")) if rank == 1 else None
+    poisoned = (target.global_rank + 1) % world
+    hook = target.param.register_hook(lambda g: g * float("inf")) if rank == poisoned else None
     scaler.scale(_loss(model, 0, rank, world)).backward()
     if hook is not None:
         hook.remove()
@@ -45,7 +60,7 @@ def _scaled_training(rank, world, layout, clip, out_path):
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == INIT / 2, (rank, scaler.get_scale())  # backed off on every rank
-    assert opt.steps_taken == 0
+    assert opt.steps_taken == 0 and len(opt.state) == 0  # no momentum or AdamW moment was created
     after = _full(model)
     assert all(torch.equal(before[n], after[n]) for n in before)  # nothing stepped
     assert all(p.grad is None for p in model.parameters())  # the skipped step's gradients are dropped
@@ -70,10 +85,10 @@ def _scaled_training(rank, world, layout, clip, out_path):
         torch.save(sd, out_path)
 
 
-@pytest.mark.parametrize("layout,clip", [("replicate", False), ("fsdp2", True)])
-def test_scaled_loss_trains_like_the_unscaled_reference_and_overflows_skip_on_every_rank(tmp_path, layout, clip):
+@pytest.mark.parametrize("layout,clip,world", [("replicate", False, 2), ("fsdp2", True, 2), ("hsdp-sharded", True, 4)])
+def test_scaled_loss_trains_like_the_unscaled_reference_and_overflows_skip_on_every_rank(tmp_path, layout, clip, world):
     path = tmp_path / "scaled.pt"
-    run_ranks(tmp_path, 2, _scaled_training, layout, clip, str(path))
+    run_ranks(tmp_path, world, _scaled_training, layout, clip, str(path))
     got = torch.load(path)
     ref = reference_train(clip=CLIP if clip else None)
     for name, value in ref.items():
@@ -82,7 +97,8 @@ def test_scaled_loss_trains_like_the_unscaled_reference_and_overflows_skip_on_ev
 
 
 def _torch_scaler_refused(rank, world):
-    model = dedicated_net(init_device_mesh("cpu", (world,)), False)
+    mesh = init_device_mesh("cpu", (world,))
+    model = dedicated_net(mesh, False)
     opt, _ = make_optimizer(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT)
     before = _full(model)
@@ -91,13 +107,50 @@ def _torch_scaler_refused(rank, world):
         scaler.step(opt)
     after = _full(model)
     assert all(torch.equal(before[n], after[n]) for n in before)
-    # the same optimizer under dmuon.GradScaler then steps
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")  # the refused step left no scale
+    # the same optimizer under dmuon.GradScaler then steps exactly as an unscaled twin does
     opt.zero_grad()
     ours = dmuon.GradScaler("cpu", init_scale=INIT)
     ours.scale(_loss(model, 0, rank, world)).backward()
     ours.step(opt)
     ours.update()
     assert opt.steps_taken == 1 and ours.get_scale() == INIT
+    twin = dedicated_net(mesh, False)
+    twin_opt, _ = make_optimizer(twin)
+    _loss(twin, 0, rank, world).backward()
+    twin_opt.step()
+    got, want = _full(model), _full(twin)
+    assert all(float((got[n] - want[n]).abs().max()) <= 1e-12 * float(want[n].abs().max()) for n in want)
+
+
+class _Local(torch.nn.Module):  # a rank-local model with its own torch optimizer under the same scaler
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+
+
+def _second_optimizer(rank, world):
+    # a torch optimizer sharing dmuon.GradScaler with Muon: an inf in its gradient on one rank alone backs the
+    # scale off on every rank (dmuon's reduces add the ranks' scaled gradients: the scale must stay the same)
+    model = dedicated_net(init_device_mesh("cpu", (world,)), False)
+    opt, _ = make_optimizer(model)
+    local = _Local()
+    sgd = torch.optim.SGD(local.parameters(), lr=0.1)
+    scaler = dmuon.GradScaler("cpu", init_scale=INIT)
+    for step, poisoned in enumerate((1, None)):
+        opt.zero_grad()
+        sgd.zero_grad()
+        extra = (local.w * (float("inf") if rank == poisoned else 1.0)).sum()
+        scaler.scale(_loss(model, step, rank, world) + extra).backward()
+        scaler.step(opt)
+        scaler.step(sgd)
+        scaler.update()
+        assert scaler.get_scale() == INIT / 2, (rank, step, scaler.get_scale())  # backed off alike, then held
+    assert opt.steps_taken == 2  # Muon's own gradients were finite on every rank: it stepped both times
+
+
+def test_a_second_optimizer_under_the_same_scaler_keeps_the_scale_equal_on_every_rank(tmp_path):
+    run_ranks(tmp_path, 2, _second_optimizer)
 
 
 def test_torch_grad_scaler_is_refused_with_the_remedy(tmp_path):

@@ -681,8 +681,8 @@ def _torch_state_paths(rank, world, fsdp2):
         if d.name in owned:
             assert list(st) == ["momentum_buffer"] and d.param in opt.state
             assert torch.equal(st["momentum_buffer"], osd["dedicated"][d.name]["momentum_buffer"])
-        else:
-            assert st == {} and d.param not in opt.state
+        else:  # as torch's defaultdict: [] gives {}, get() gives the default
+            assert st == {} and d.param not in opt.state and opt.state.get(d.param) is None
     adamw = [(n, p) for n, p in model.named_parameters() if n in osd["dedicated_adamw"] or n in osd["fsdp"]]
     assert len(adamw) == BLOCKS + 1
     for n, p in adamw:
@@ -697,13 +697,23 @@ def _torch_state_paths(rank, world, fsdp2):
     with pytest.raises(RuntimeError, match=rf"rank {rank}: the truth value of dmuon.Muon.state is ambiguous"):
         bool(opt.state)
     # torch.distributed.checkpoint's functions are stopped before they step or save anything wrong
-    with pytest.raises(RuntimeError, match="dmuon.get_optimizer_state_dict"):
+    with pytest.raises(RuntimeError, match="truth value of dmuon.Muon.state.*torch.distributed.checkpoint"):
         get_optimizer_state_dict(model, opt)
     assert opt.steps_taken == 2
 
     if world == 1:  # every tensor whole and current on the only rank: torch's own state dict is right
         assert {k: v for k, v in model.state_dict().items()}.keys() == full.keys()
         assert all(torch.equal(model.state_dict()[k], full[k]) for k in full)
+        assert opt.state.get(torch.zeros(1)) is None and float(opt.state.get(model.scale)["step"]) == 2.0
+        # ... unless param_policy narrowed the parameters: their full-precision values are the masters
+        narrowed = make_net()
+        dmuon.dedicate_params(narrowed, torch.distributed.group.WORLD, lambda n, p: p.dim() == 2,
+                              param_policy={"defaults": {"param_dtype": torch.float32}})
+        with pytest.raises(RuntimeError, match=r"rank 0: Net\.state_dict\(\) on a dedicated model: 10 parameter.*"
+                                               r"param_policy narrowed"):
+            narrowed.state_dict()
+        assert narrowed.layers[0].proj.weight.dtype == torch.float32
+        assert dmuon.get_model_state_dict(narrowed)["layers.0.proj.weight"].dtype == torch.float64
     else:
         for call in (lambda: model.state_dict(), lambda: model.layers[1].gate.state_dict(),
                      lambda: get_model_state_dict(model)):
@@ -713,12 +723,15 @@ def _torch_state_paths(rank, world, fsdp2):
     assert list(model.state_dict(keep_vars=True)) == list(full)  # the live Parameters, as dmuon reads them
     changed = {k: v + 1 for k, v in full.items()}
     with pytest.raises(RuntimeError, match=rf"rank {rank}: \w+\.load_state_dict\(\) on a dedicated model: .*"
-                                           r"dmuon\.set_model_state_dict.*nothing was loaded"):
+                                           r"dmuon\.set_model_state_dict"):
         model.load_state_dict(changed)
     after = dmuon.get_model_state_dict(model, rank0_only=False)
     assert all(torch.equal(after[k], full[k]) for k in full)
     for copy_it in [] if fsdp2 else (lambda: copy.deepcopy(model), lambda: torch.save(model, io.BytesIO())):
         with pytest.raises(TypeError, match="cannot be copied or pickled.*before dedicate_params"):
+            copy_it()
+    for copy_it in (lambda: copy.deepcopy(opt), lambda: torch.save(opt, io.BytesIO())):
+        with pytest.raises(TypeError, match="dmuon.Muon cannot be pickled or copied.*opt.state_dict"):
             copy_it()
     # the remedy works: the dmuon functions load the changed values
     dmuon.set_model_state_dict(model, changed)
