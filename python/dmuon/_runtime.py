@@ -319,26 +319,27 @@ def _install_state_dict_guards(model: nn.Module, state: _State, dtypes: Dict[str
     would bypass its owner, its master copy and the publish). The module a call starts at checks its whole
     subtree first (nothing is saved or loaded), every other hooked module its own parameters. keep_vars=True
     (the live Parameters as they are on this rank) is left alone."""
-    several = state.mesh.world_size > 1
+    # whole and current on every rank: these routes' parameters, and a dedicated matrix on a one-rank mesh (its
+    # owner); a sharded_adamw parameter is a placeholder between steps even there
+    whole = ("local", "replicated") if state.mesh.world_size > 1 else ("local", "replicated", "muon")
     name_of = {id(p): n for n, p in state.params.items()}
-    trained = set()
+    trained = set()  # fixed here: a parameter frozen later is still held by dmuon (a placeholder, a master)
     partial = set()  # not whole, current and full precision on this rank
     for name, route in state.runtime.routes():
         p = state.params.get(name)
-        if p is None:
+        if p is None or not p.requires_grad:
             continue
         trained.add(name)
-        if (several and route not in ("local", "replicated")) or name in state.tp_split or \
-                p.dtype.itemsize < dtypes.get(name, p.dtype).itemsize:
-            partial.add(name)
+        if route not in whole or name in state.tp_split or p.dtype != dtypes.get(name, p.dtype):
+            partial.add(name)  # (a dtype param_policy changed: the master holds the value)
 
     def keys(module, prefix, names):
         if prefix:  # a submodule of the call: its own parameters (the call's start checked the rest)
             found = [(prefix + n, p) for n, p in module._parameters.items() if p is not None]
         else:
             found = list(module.named_parameters(remove_duplicate=False))
-        # FSDP2's DTensors (fully_shard took the parameter: its own state dict) and frozen ones are not dmuon's
-        return [k for k, p in found if name_of.get(id(p)) in names and p.requires_grad]
+        # FSDP2's DTensors (fully_shard took the parameter: its own state dict) are not dmuon's
+        return [k for k, p in found if name_of.get(id(p)) in names]
 
     def rank() -> int:
         return dist.get_rank() if dist.is_initialized() else 0
@@ -1250,7 +1251,6 @@ class Muon(torch.optim.Optimizer):
         """Clears every gradient this optimizer trains (set_to_none=True: None, as PyTorch 2.x does), including
         the dedicated matrices' gradients that dmuon holds between backward and step (their reduced sums are
         not in ``.grad``): so call this, not ``model.zero_grad()``, to drop a backward without stepping. Local."""
-        self._amp_found_inf = None
         self._native.zero_grad(set_to_none)
         if self._external is not None:
             self._external.zero_grad(set_to_none)

@@ -83,6 +83,15 @@ def _scaled_training(rank, world, layout, clip, out_path):
     sd = dmuon.get_model_state_dict(model)
     if rank == 0:
         torch.save(sd, out_path)
+    # zero_grad between unscale_ and step drops the backward: the step has nothing to apply (as torch's)
+    before = _full(model)
+    scaler.scale(_loss(model, 0, rank, world)).backward()
+    scaler.unscale_(opt)
+    opt.zero_grad()
+    scaler.step(opt)
+    scaler.update()
+    after = _full(model)
+    assert all(torch.equal(before[n], after[n]) for n in before) and scaler.get_scale() == 2 * INIT
 
 
 @pytest.mark.parametrize("layout,clip,world", [("replicate", False, 2), ("fsdp2", True, 2), ("hsdp-sharded", True, 4)])

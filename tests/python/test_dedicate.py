@@ -714,12 +714,22 @@ def _torch_state_paths(rank, world, fsdp2):
             narrowed.state_dict()
         assert narrowed.layers[0].proj.weight.dtype == torch.float32
         assert dmuon.get_model_state_dict(narrowed)["layers.0.proj.weight"].dtype == torch.float64
+        # ... or they are sharded_adamw's (placeholders between steps, even on one rank)
+        sharded = make_net()
+        dmuon.dedicate_params(sharded, torch.distributed.group.WORLD, lambda n, p: p.dim() == 2,
+                              param_policy={"overrides": [{"match": "proj bias", "route": "sharded_adamw"}]})
+        with pytest.raises(RuntimeError, match=r"Net\.state_dict\(\) on a dedicated model: 3 parameter.*'layers\.0\.proj\.bias'"):
+            sharded.state_dict()
     else:
         for call in (lambda: model.state_dict(), lambda: model.layers[1].gate.state_dict(),
                      lambda: get_model_state_dict(model)):
             with pytest.raises(RuntimeError, match=rf"rank {rank}: \w+\.state_dict\(\) on a dedicated model: .*"
                                                    r"dmuon\.get_model_state_dict"):
                 call()
+        model.layers[1].gate.weight.requires_grad_(False)  # frozen after dedicate_params: still a placeholder
+        with pytest.raises(RuntimeError, match=r"Linear\.state_dict\(\) on a dedicated model"):
+            model.layers[1].gate.state_dict()
+        model.layers[1].gate.weight.requires_grad_(True)
     assert list(model.state_dict(keep_vars=True)) == list(full)  # the live Parameters, as dmuon reads them
     changed = {k: v + 1 for k, v in full.items()}
     with pytest.raises(RuntimeError, match=rf"rank {rank}: \w+\.load_state_dict\(\) on a dedicated model: .*"
