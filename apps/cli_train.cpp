@@ -28,6 +28,7 @@
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"
 #include "dmuon/files.h"
+#include "dmuon/grad_scaler.h"
 #include "dmuon/memory.h"
 #include "dmuon/muon.h"
 #include "model/dedicated_gpt.h"
@@ -73,6 +74,12 @@ void add_options(CLI::App& app, TrainArgs& a) {
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   app.add_option("--replicate", a.replicate, "HSDP: replicate groups R (ranks = R x shard size x tp)")
+      ->capture_default_str();
+  app.add_option("--loss-scale", a.loss_scale,
+                 "dynamic loss scaling (dmuon::GradScaler: the loss times a scale, the gradients unscaled before "
+                 "clipping, a step with an inf or NaN gradient on any rank skipped on every rank and the scale "
+                 "halved, doubled after 2000 clean steps); auto: dynamic with --param-dtype fp16")
+      ->check(CLI::IsMember({"auto", "dynamic", "off"}))
       ->capture_default_str();
   app.add_option("--clip-grad", a.clip_grad,
                  "clip the global gradient norm over all parameters to this before each step (0 = off; the "
@@ -725,6 +732,9 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
   char how[8] = "";
   if (const char* f = std::getenv("DMUON_TEST_FAIL_AT"))
     if (std::sscanf(f, "%d:%d:%7s", &fail_rank, &fail_step, how) < 2) fail_rank = -1;
+  // fp16 gradients underflow without it (bf16 has fp32's range and needs none)
+  std::optional<GradScaler> scaler;
+  if (a.loss_scale == "dynamic" || (a.loss_scale == "auto" && a.param_dtype == "fp16")) scaler.emplace();
   for (int step = first_step; step <= a.steps; ++step) {
     if (rank == fail_rank && step == fail_step && std::string(how) == "kill") ::raise(SIGKILL);
     if (rank == fail_rank && step == fail_step)
@@ -745,7 +755,7 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
       const auto tb = std::chrono::steady_clock::now();
       {
         memory::PhaseScope phase(memory::Phase::Backward);
-        loss.backward();
+        (scaler ? scaler->scale(loss) : loss).backward();
       }
       const auto te = std::chrono::steady_clock::now();
       f_ms += std::chrono::duration<double, std::milli>(tb - tf).count();
@@ -756,11 +766,18 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
     GradClipOptions clip;
     clip.scope = ClipScope::AllParams;
     std::optional<memory::PhaseScope> step_phase(std::in_place, memory::Phase::Step);
+    if (scaler) scaler->unscale_(opt);  // the norm and the clip of the true gradients
     const MuonGradClipStats cs =
         opt.clip_grad_norm_(a.clip_grad > 0 ? std::optional<double>(a.clip_grad) : std::nullopt, clip);
     log.grad_norms.push_back(cs.total_norm);
     log.clipped_steps += cs.clipped ? 1 : 0;
-    opt.step();
+    if (scaler) {
+      log.skipped_steps += scaler->step(opt) ? 0 : 1;
+      scaler->update();
+      log.loss_scale = scaler->get_scale();
+    } else {
+      opt.step();
+    }
     step_phase.reset();
     const StepProfile prof = opt.consume_last_step_profile();
     // global mean loss over the whole batch: the ranks' means averaged (equal slices)

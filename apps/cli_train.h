@@ -50,6 +50,7 @@ struct TrainArgs {
   std::string checkpoint;       // write a checkpoint here (at the end, and every checkpoint_every steps)
   int checkpoint_every = 0;
   double clip_grad = 0;         // > 0: clip the global gradient norm (all parameters) to this
+  std::string loss_scale = "auto";  // "dynamic" (dmuon::GradScaler), "off", "auto": dynamic with fp16
   std::string resume;           // continue from this checkpoint (any world size)
   std::string hf_config;        // build this Hugging Face config.json's architecture instead of the GPT
   std::string init_from;        // initial weights: a .safetensors file or a sharded *.safetensors.index.json
@@ -93,6 +94,8 @@ struct TrainLog {
   std::vector<int64_t> val_steps;
   std::vector<double> val_losses;
   int clipped_steps = 0;
+  int skipped_steps = 0;     // loss scaling: steps skipped for an inf / NaN gradient
+  double loss_scale = 0;     // loss scaling: the final scale (0: off)
   std::ostringstream csv;
   std::chrono::steady_clock::time_point t_start;
   double total_s = 0;

@@ -91,6 +91,8 @@ int report(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out) {
                     {"clipped_fraction", log.grad_norms.empty() ? 0.0
                                                                 : static_cast<double>(log.clipped_steps) /
                                                                       static_cast<double>(log.grad_norms.size())}};
+  s["loss_scale"] = log.loss_scale > 0 ? nlohmann::json{{"final", log.loss_scale}, {"skipped_steps", log.skipped_steps}}
+                                       : nlohmann::json();
   s["unigram_baseline"] = baseline;
   s["below_baseline"] = final_loss < baseline;
   s["seconds"] = total_s;
@@ -139,6 +141,9 @@ int report(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out) {
                                 "% of steps"
                           : std::string("; not clipped (--clip-grad)"))
       << "\n"
+      << (log.loss_scale > 0 ? "  loss scale      " + nlohmann::json(log.loss_scale).dump() + " at the end; " +
+                                   std::to_string(log.skipped_steps) + " step(s) skipped for an inf / NaN gradient\n"
+                             : std::string())
       << std::setprecision(0) << "  tokens/s        " << s["tokens_per_s"].get<double>() << "\n"
       << std::setprecision(1) << "  step ms         " << mean(step_ms) << " = forward " << mean(fwd_ms)
       << " + backward " << mean(bwd_ms) << " + optimizer " << mean(prep_ms) + mean(ns_ms) + mean(adamw_ms)

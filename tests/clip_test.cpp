@@ -1,5 +1,6 @@
 // Gradient-norm clipping (include/dmuon/grad_clip.h): the norms every layout computes against the
-// single-process norm of the whole model (float64), the scopes, and non-finite gradients.
+// single-process norm of the whole model (float64), the scopes, and non-finite gradients; and dynamic
+// loss scaling (include/dmuon/grad_scaler.h), which unscales and checks the same gradients.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -11,9 +12,13 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "dmuon/checkpoint.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/grad_clip.h"
+#include "dmuon/grad_scaler.h"
 #include "dmuon/muon.h"
 #include "dmuon/tensor_parallel.h"
 #include "support/training.h"
@@ -314,5 +319,125 @@ TEST(ClipTest, OptimizerBucketsGiveTheRegularMuonAndAdamwNorms) {
     const auto& last = opt.last_muon_grad_clip_stats();
     expect(last && last->strategy == "segmented" && !last->clipped, "last stats");
     opt.step();
+  });
+}
+
+// ---- dynamic loss scaling (grad_scaler.h) ----------------------------------------------------------
+namespace {
+
+// float64 and power-of-two scales: a scaled run's gradients are the unscaled ones exactly, so training
+// with a GradScaler (its scale backed off by an overflow, then grown) equals the unscaled single-process
+// reference to the float64 bound. The overflow is an inf in one Muon matrix's gradient on the last rank,
+// which after the reduce only the matrix's owner holds: every rank skips it and backs off alike.
+void check_scaled_training(const Layout& l) {
+  SCOPED_TRACE(l.label);
+  const GPTConfig cfg = small_config(2);
+  TrainConfig tc;
+  tc.steps = 4;
+  const StateDict init = init_state(cfg, 1234, tc.dtype);
+  const auto batches = make_batches(tc.steps, 12, 12, cfg.vocab_size, 99);
+  const RefResult ref = reference_train(cfg, init, batches, tc);
+  constexpr double kInit = 1024;
+  run_ranks(l.world, [&](RankContext& ctx) {
+    auto mesh = make_mesh(ctx, std::chrono::seconds(60), l.replicate);
+    GPT m(cfg);
+    load_state(m, init);
+    dedicate_gpt(m, mesh, l);
+    Muon opt(m.ptr(), muon_options(tc));
+    GradScalerOptions so;
+    so.init_scale = kInit;
+    so.growth_interval = 2;
+    GradScaler scaler(so);
+    const int dp = mesh->data_parallel_size(), dp_rank = mesh->replicate_rank() * mesh->shard_size() + mesh->shard_rank();
+    const int64_t per = 12 / dp;
+    auto local = [&] {
+      StateDict v;
+      for (const auto& p : m->named_parameters(true)) v[p.key()] = p.value().detach().clone();
+      return v;
+    };
+    // the overflow
+    at::Tensor target;
+    for (const auto& p : m->named_parameters(true))
+      if (!target.defined() && models::is_muon_matrix(p.key(), p.value())) target = p.value();
+    const StateDict before = local();
+    const bool poison = ctx.rank == l.world - 1;
+    const unsigned hook = poison ? target.register_hook([](const at::Tensor& g) {
+      return g * std::numeric_limits<double>::infinity();
+    }) : 0;
+    scaler.scale(m->loss(batches[0].narrow(0, dp_rank * per, per))).backward();
+    if (poison) target.remove_hook(hook);
+    expect(!scaler.step(opt), "the overflowed step is skipped");
+    scaler.update();
+    expect(scaler.get_scale() == kInit / 2, "backed off on every rank: " + std::to_string(scaler.get_scale()));
+    expect(opt.steps_taken() == 0, "no step taken");
+    for (const auto& [name, t] : local()) expect(at::equal(t, before.at(name)), name + " changed by a skipped step");
+    // training, unscaled by step() itself or by unscale_ first
+    std::vector<double> scales;
+    for (size_t s = 0; s < batches.size(); ++s) {
+      opt.zero_grad();
+      scaler.scale(m->loss(batches[s].narrow(0, dp_rank * per, per))).backward();
+      if (s % 2) expect(!scaler.unscale_(opt), "finite gradients");
+      expect(scaler.step(opt), "a finite step is taken");
+      scaler.update();
+      scales.push_back(scaler.get_scale());
+    }
+    expect(scales == std::vector<double>{kInit / 2, kInit, kInit, 2 * kInit}, "the scale grows every 2 clean steps");
+    StateDictOptions full;
+    full.rank0_only = false;
+    const TensorDict got = get_model_state_dict(*m.ptr(), full);
+    for (const auto& [name, want] : ref.params) {
+      const double e = max_rel(got.at(name), want);
+      expect(e <= kFloat64Bound, l.label + ": " + name + " differs from the reference by " + std::to_string(e));
+    }
+  });
+}
+
+}  // namespace
+
+TEST(GradScalerTest, ScaledTrainingEqualsTheUnscaledReferenceAndOverflowsSkipOnEveryRank) {
+  Layout n2;
+  n2.label = "N2";
+  Layout hsdp;
+  hsdp.label = "HSDP 2x2 sharded_adamw";
+  hsdp.world = 4;
+  hsdp.replicate = 2;
+  hsdp.sharded = true;
+  for (const Layout& l : {n2, hsdp}) check_scaled_training(l);
+}
+
+TEST(GradScalerTest, MistakesAreClearErrorsAndDisabledPassesThrough) {
+  for (const auto& [make, want] : std::vector<std::pair<std::function<void()>, std::string>>{
+           {[] { GradScaler s(GradScalerOptions{0.0}); }, "init_scale must be a finite number > 0, got 0"},
+           {[] { GradScaler s(GradScalerOptions{1024, 1.0}); }, "growth_factor must be a finite number > 1, got 1"},
+           {[] { GradScaler s(GradScalerOptions{1024, 2.0, 1.0}); }, "backoff_factor must be in (0, 1), got 1"},
+           {[] { GradScaler s(GradScalerOptions{1024, 2.0, 0.5, 0}); }, "growth_interval must be >= 1, got 0"},
+           {[] { GradScaler s; s.update(); }, "update: no step() since the last update()"},
+           {[] { GradScaler s; s.load(INFINITY, 0); }, "load: scale must be a finite number > 0, got inf"},
+           {[] { GradScaler s; s.load(8, 2000); }, "growth_tracker must be in [0, growth_interval = 2000), got 2000"}}) {
+    const std::string e = error_of(make);
+    EXPECT_NE(e.find(want), std::string::npos) << e;
+  }
+  const GPTConfig cfg = small_config(1);
+  const StateDict init = init_state(cfg, 5, at::kDouble);
+  const at::Tensor tokens = make_batches(1, 4, 12, cfg.vocab_size, 3)[0];
+  run_ranks(2, [&](RankContext& ctx) {
+    TwoRanks run(ctx, cfg, init);
+    GradScaler scaler;
+    scaler.scale(run.model->loss(tokens.narrow(0, 2 * ctx.rank, 2))).backward();
+    scaler.unscale_(*run.opt);
+    const std::string twice = error_of([&] { scaler.unscale_(*run.opt); });
+    expect(twice.find("rank " + std::to_string(ctx.rank) + ": GradScaler::unscale_: already called") != std::string::npos,
+           twice);
+    expect(scaler.step(*run.opt), "step");
+    const std::string again = error_of([&] { scaler.step(*run.opt); });
+    expect(again.find("GradScaler::step: already called since the last update()") != std::string::npos, again);
+    scaler.update();
+    GradScaler off(GradScalerOptions{1024, 2.0, 0.5, 2000, false});
+    const at::Tensor loss = run.model->loss(tokens.narrow(0, 2 * ctx.rank, 2));
+    expect(off.scale(loss).equal(loss), "disabled: the loss as it is");
+    loss.backward();
+    expect(off.step(*run.opt), "disabled: steps");
+    off.update();
+    expect(off.get_scale() == 1024 && run.opt->steps_taken() == 2, "disabled: nothing else");
   });
 }

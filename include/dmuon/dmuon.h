@@ -11,6 +11,7 @@
 #include "dmuon/env.h"
 #include "dmuon/files.h"
 #include "dmuon/grad_clip.h"
+#include "dmuon/grad_scaler.h"
 #include "dmuon/memory.h"
 #include "dmuon/mesh.h"
 #include "dmuon/muon.h"
