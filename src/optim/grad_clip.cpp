@@ -56,20 +56,6 @@ bool use_fused(const at::Tensor& g, std::optional<bool> foreach) {
   return foreach.value_or(false) || g.is_cuda();
 }
 
-int64_t resolve_chunk(std::optional<int64_t> chunk) {
-  if (chunk) {
-    TORCH_CHECK_VALUE(*chunk > 0, "clip_grad_norm_buckets_: chunk_size must be > 0 elements, got ", *chunk);
-    return *chunk;
-  }
-  if (const std::string v = env::fast_clip_chunk_size(); !v.empty()) {
-    char* end = nullptr;
-    const long long n = std::strtoll(v.c_str(), &end, 10);
-    TORCH_CHECK_VALUE(end && *end == '\0' && n > 0, "DMUON_FAST_CLIP_CHUNK_SIZE='", v, "' is not a positive element count.");
-    return n;
-  }
-  return int64_t{1} << 24;
-}
-
 // Tensors of one (device, dtype) in calls of at most `chunk` elements each.
 template <typename Fn>
 void for_each_fused_call(const std::vector<at::Tensor>& ts, int64_t chunk, Fn&& fn) {
@@ -89,6 +75,23 @@ void for_each_fused_call(const std::vector<at::Tensor>& ts, int64_t chunk, Fn&& 
     }
     if (!call.empty()) fn(call);
   }
+}
+
+}  // namespace
+
+namespace detail {
+int64_t resolve_chunk(std::optional<int64_t> chunk) {
+  if (chunk) {
+    TORCH_CHECK_VALUE(*chunk > 0, "clip_grad_norm_buckets_: chunk_size must be > 0 elements, got ", *chunk);
+    return *chunk;
+  }
+  if (const std::string v = env::fast_clip_chunk_size(); !v.empty()) {
+    char* end = nullptr;
+    const long long n = std::strtoll(v.c_str(), &end, 10);
+    TORCH_CHECK_VALUE(end && *end == '\0' && n > 0, "DMUON_FAST_CLIP_CHUNK_SIZE='", v, "' is not a positive element count.");
+    return n;
+  }
+  return int64_t{1} << 24;
 }
 
 // sum |g|^p (p = inf: max |g|) over `grads`, as a float64 scalar on `dev`; `fused` says whether some
@@ -127,6 +130,9 @@ void scale_all(const std::vector<at::Tensor>& grads, double coef, std::optional<
   for_each_fused_call(fast, chunk, [&](const std::vector<at::Tensor>& call) { at::_foreach_mul_(call, coef); });
 }
 
+}  // namespace detail
+
+namespace {
 at::Device device_of(const std::vector<const std::vector<at::Tensor>*>& lists, const at::Device& fallback) {
   for (const auto* l : lists)
     for (const at::Tensor& g : *l)
@@ -222,7 +228,7 @@ SegmentedGradClipResult clip_grad_norm_buckets_(const std::vector<GradClipBucket
                                                 Communicator* group, const BucketClipOptions& opts) {
   at::NoGradGuard ng;
   TORCH_CHECK_VALUE(!max_norm || *max_norm >= 0, "clip_grad_norm_buckets_: max_norm must be >= 0, got ", *max_norm);
-  const int64_t chunk = resolve_chunk(opts.chunk_size);
+  const int64_t chunk = detail::resolve_chunk(opts.chunk_size);
   const int64_t nb = static_cast<int64_t>(buckets.size());
   std::vector<const std::vector<at::Tensor>*> lists;
   for (const auto& b : buckets) lists.push_back(&b.grads), lists.push_back(&b.scale_only);
@@ -252,7 +258,7 @@ SegmentedGradClipResult clip_grad_norm_buckets_(const std::vector<GradClipBucket
   std::vector<double> counts(nb, 0);
   for (int64_t i = 0; i < nb; ++i) {
     bool f = false;
-    parts.push_back(local_partial(buckets[i].grads, 2.0, opts.foreach, chunk, dev, f));
+    parts.push_back(detail::local_partial(buckets[i].grads, 2.0, opts.foreach, chunk, dev, f));
     fused[i] = f;
     for (const at::Tensor& g : buckets[i].grads) counts[i] += g.defined() ? 1 : 0;
   }
@@ -296,7 +302,7 @@ SegmentedGradClipResult clip_grad_norm_buckets_(const std::vector<GradClipBucket
         bool f = false;
         for (const auto* l : {&buckets[i].grads, &buckets[i].scale_only}) {
           for (const at::Tensor& g : *l) f = f || (g.defined() && use_fused(g, opts.foreach));
-          scale_all(*l, st.clip_coef, opts.foreach, chunk);
+          detail::scale_all(*l, st.clip_coef, opts.foreach, chunk);
         }
         st.clipped = true;
         st.fastpath = st.fastpath || f;

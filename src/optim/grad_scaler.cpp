@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -11,6 +12,7 @@
 #include "dmuon/host_sync.h"
 #include "dmuon/mesh.h"
 #include "dmuon/muon.h"
+#include "optim/clip_norm.h"
 
 namespace dmuon {
 
@@ -42,14 +44,15 @@ bool GradScaler::unscale_(Muon& optimizer) {
   if (!options_.enabled) return false;
   at::NoGradGuard ng;
   // every gradient the step will use, in place (collective: waits the reduces), each rank its own copies
-  std::vector<ClipGrad> grads = optimizer.clip_grads(ClipScope::AllParams);
+  std::vector<at::Tensor> grads;
+  for (const ClipGrad& g : optimizer.clip_grads(ClipScope::AllParams)) grads.push_back(g.grad);
   Mesh& mesh = optimizer.mesh();
-  const double inv = 1.0 / scale_;
-  at::Tensor bad = at::zeros({1}, mesh.options(at::kDouble));
-  for (ClipGrad& g : grads) {
-    g.grad.mul_(inv);
-    bad = at::maximum(bad, at::logical_not(at::isfinite(g.grad)).any().to(at::kDouble).reshape({1}));
-  }
+  // clipping's local arithmetic (foreach kernels on CUDA): the scaling, then the max |g|, inf or NaN where one is
+  const int64_t chunk = detail::resolve_chunk(std::nullopt);
+  detail::scale_all(grads, 1.0 / scale_, std::nullopt, chunk);
+  bool fused = false;
+  const at::Tensor peak = detail::local_partial(grads, INFINITY, std::nullopt, chunk, mesh.device(), fused);
+  const at::Tensor bad = at::logical_not(at::isfinite(peak)).to(at::kDouble).reshape({1});
   // a dedicated matrix's reduced gradient lives on its owner alone: every rank decides on all ranks' view
   const at::Tensor all = at::empty({mesh.world_size()}, bad.options());
   mesh.world().allgather_flat(all, bad, "GradScaler: non-finite gradients").wait_host();
