@@ -309,6 +309,11 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
     return owners
 
 
+def _rank() -> int:
+    """This process's global rank for error messages (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def _install_state_dict_guards(model: nn.Module, state: _State, dtypes: Dict[str, torch.dtype]) -> list:
     """model.state_dict() and load_state_dict() where they would silently save or load the wrong thing, on every
     module holding a parameter dmuon trains and their ancestors. state_dict() (keep_vars=False) raises where it
@@ -341,14 +346,11 @@ def _install_state_dict_guards(model: nn.Module, state: _State, dtypes: Dict[str
         # FSDP2's DTensors (fully_shard took the parameter: its own state dict) are not dmuon's
         return [k for k, p in found if name_of.get(id(p)) in names]
 
-    def rank() -> int:
-        return dist.get_rank() if dist.is_initialized() else 0
-
     def saving(module, prefix, keep_vars):
         bad = [] if keep_vars else keys(module, prefix, partial)
         if bad:
             raise RuntimeError(
-                f"rank {rank()}: {type(module).__name__}.state_dict() on a dedicated model: {len(bad)} parameter(s), "
+                f"rank {_rank()}: {type(module).__name__}.state_dict() on a dedicated model: {len(bad)} parameter(s), "
                 f"e.g. '{bad[0]}', do not hold their whole, current, full-precision value on this rank (a Muon matrix "
                 "lives on its owner rank: the others hold a 0-element placeholder or the last value they received; "
                 "sharded_adamw and tensor-parallel parameters are slices; a parameter param_policy narrowed keeps its "
@@ -363,7 +365,7 @@ def _install_state_dict_guards(model: nn.Module, state: _State, dtypes: Dict[str
         bad = [k for k in keys(module, prefix, trained) if k in state_dict]
         if bad:
             raise RuntimeError(
-                f"rank {rank()}: {type(module).__name__}.load_state_dict() on a dedicated model: {len(bad)} "
+                f"rank {_rank()}: {type(module).__name__}.load_state_dict() on a dedicated model: {len(bad)} "
                 f"parameter(s) in the dict, e.g. '{bad[0]}', are trained by dmuon, which keeps their values itself "
                 "(each Muon matrix whole on its owner, master copies, the publish), so loading into the module's "
                 "tensors would be lost or load only some ranks. Use dmuon.set_model_state_dict(model, "
@@ -820,7 +822,7 @@ def _check_adamw_group(g: dict, k: int) -> None:
     """The values of an AdamW group only torch's AdamW (on FSDP2's shards) reads, with the core's ranges."""
     b1, b2 = g["betas"]
     _C._check_adamw_group(float(g["lr"]), float(g["weight_decay"]), float(b1), float(b2), float(g["eps"]),
-                          f"rank {dist.get_rank() if dist.is_initialized() else 0}: Muon.step: param group #{k} "
+                          f"rank {_rank()}: Muon.step: param group #{k} "
                           f"('{g.get('group_name')}', AdamW), as set since construction,")
 
 
@@ -875,7 +877,7 @@ class _OptimizerState(Mapping):
 
     def __bool__(self):
         raise RuntimeError(
-            f"rank {dist.get_rank() if dist.is_initialized() else 0}: the truth value of dmuon.Muon.state is "
+            f"rank {_rank()}: the truth value of dmuon.Muon.state is "
             "ambiguous: each rank holds the state of the parameters it updates (a dedicated matrix's on its owner), "
             "so it would differ across ranks; use len(opt.state) for this rank's count. torch.distributed.checkpoint"
             ".state_dict's get/set_optimizer_state_dict test it, then would run a zero-gradient step and read "
@@ -1134,7 +1136,7 @@ class Muon(torch.optim.Optimizer):
         agreed, self._amp_found_inf = getattr(self, "_amp_found_inf", None), None
         if agreed is None:
             raise RuntimeError(
-                f"rank {dist.get_rank() if dist.is_initialized() else 0}: Muon.step: called by a gradient scaler "
+                f"rank {_rank()}: Muon.step: called by a gradient scaler "
                 "(torch.amp.GradScaler?) that did not check dmuon's gradients. dmuon holds the dedicated matrices' "
                 "reduced gradients outside .grad, on their owner alone, so torch.amp.GradScaler neither unscales "
                 "them nor sees their infs, and each rank would decide on its own whether to skip the step. Use "
