@@ -78,8 +78,14 @@ void add_options(CLI::App& app, TrainArgs& a) {
   app.add_option("--loss-scale", a.loss_scale,
                  "dynamic loss scaling (dmuon::GradScaler: the loss times a scale, the gradients unscaled before "
                  "clipping, a step with an inf or NaN gradient on any rank skipped on every rank and the scale "
-                 "halved, doubled after 2000 clean steps); auto: dynamic with --param-dtype fp16")
+                 "halved, doubled after --loss-scale-growth-interval clean steps); auto: dynamic with --param-dtype fp16")
       ->check(CLI::IsMember({"auto", "dynamic", "off"}))
+      ->capture_default_str();
+  app.add_option("--loss-scale-init", a.loss_scale_init,
+                 "loss scaling: the first scale (a resumed run takes the checkpoint's)")
+      ->capture_default_str();
+  app.add_option("--loss-scale-growth-interval", a.loss_scale_growth_interval,
+                 "loss scaling: clean steps in a row before the scale doubles")
       ->capture_default_str();
   app.add_option("--clip-grad", a.clip_grad,
                  "clip the global gradient norm over all parameters to this before each step (0 = off; the "
@@ -326,6 +332,9 @@ void validate(const TrainArgs& a, int world) {
     bad("--compare adamw trains DMuon against AdamW itself; leave --optimizer out (or at dmuon)");
   if (!(a.clip_grad >= 0) || !std::isfinite(a.clip_grad)) bad("--clip-grad must be a finite number >= 0 (0 = off)");
   if (a.checkpoint_every > 0 && a.checkpoint.empty()) bad("--checkpoint-every needs --checkpoint PATH");
+  if (!(std::isfinite(a.loss_scale_init) && a.loss_scale_init > 0))
+    bad("--loss-scale-init must be a finite number > 0 (a power of two keeps the unscaled gradients exact)");
+  if (a.loss_scale_growth_interval < 1) bad("--loss-scale-growth-interval must be >= 1");
   check_paths(a);
   check_memory(a, world);
   if ((a.param_dtype == "bf16" || a.param_dtype == "fp16") && a.device == "cpu") {
@@ -447,9 +456,20 @@ std::vector<RunKey> run_identity(const TrainArgs& a, const TrainRun& r) {
                a.eval_every == 0 ? std::string("none") : std::to_string(a.val_fraction) + " of the text", true});
   return k;
 }
+// The loss scaler's state (metadata "dmuon.loss_scale.scale" / ".growth_tracker"): not part of what
+// defines the run (a resume may turn scaling on or off), but a resumed fp16 run goes on at the scale it
+// had reached instead of 2^16, which would skip steps until it backed off again.
+constexpr const char* kLossScaleKey = "dmuon.loss_scale.scale";
+constexpr const char* kGrowthTrackerKey = "dmuon.loss_scale.growth_tracker";
 std::map<std::string, std::string> run_metadata(const TrainArgs& a, const TrainRun& r) {
   std::map<std::string, std::string> m;
   for (const RunKey& k : run_identity(a, r)) m["dmuon.run." + k.key] = k.value;
+  if (r.scaler) {
+    std::ostringstream scale;
+    scale << std::setprecision(17) << r.scaler->get_scale();  // exact: a double round-trips in 17 digits
+    m[kLossScaleKey] = scale.str();
+    m[kGrowthTrackerKey] = std::to_string(r.scaler->growth_tracker());
+  }
   return m;
 }
 // A safetensors file another tool wrote (no "crc32c" metadata); a format-2 dmuon file always has them.
@@ -515,6 +535,38 @@ void apply_overrides(const TrainArgs& a, TrainRun& r, std::ostream& out) {
     out << "  learning rates from the checkpoint: Muon " << gs[0].options().get_lr() << ", AdamW "
         << gs[1].options().get_lr() << " (--lr / --adamw-lr override them)\n";
   }
+}
+
+// --resume with loss scaling: the scale and growth tracker the checkpoint's run had reached.
+void resume_loss_scale(const TrainArgs& a, TrainRun& r, const Checkpoint& ck, std::ostream& out) {
+  const auto scale = ck.metadata.find(kLossScaleKey), tracker = ck.metadata.find(kGrowthTrackerKey);
+  if (!r.scaler) return;  // scaling off now: a saved scale is not needed
+  if (scale == ck.metadata.end() || tracker == ck.metadata.end()) {
+    if (r.lead)
+      out << "  loss scale: " << a.resume << " holds none (written without loss scaling or by an older dmuon); "
+          << "starting at " << r.scaler->get_scale() << "\n";
+    return;
+  }
+  double s = 0;
+  int64_t t = 0;
+  try {
+    size_t used_s = 0, used_t = 0;
+    s = std::stod(scale->second, &used_s);
+    t = std::stoll(tracker->second, &used_t);
+    TORCH_CHECK(used_s == scale->second.size() && used_t == tracker->second.size(), "trailing characters");
+    TORCH_CHECK(t >= 0, "a negative growth tracker");
+    // a smaller --loss-scale-growth-interval than the checkpoint's run had: grow at the next clean step
+    r.scaler->load(s, std::min<int64_t>(t, a.loss_scale_growth_interval - 1));
+  } catch (const std::exception& e) {
+    bad("--resume " + a.resume + ": its loss scale \"" + scale->second + "\" / growth tracker \"" + tracker->second +
+        "\" is not valid (" + error_text(e) + "); the file was not written by dmuon train. Resume with --loss-scale "
+        "off, or from a checkpoint dmuon train wrote.");
+  }
+  if (r.lead)
+    out << "  loss scale from the checkpoint: " << s << " after " << t << " clean step(s) in a row"
+        << (t >= a.loss_scale_growth_interval ? " (>= --loss-scale-growth-interval: it grows at the next clean step)"
+                                              : "")
+        << "\n";
 }
 
 // --resume into the same --out: metrics.csv keeps the rows of the steps before this run's first.
@@ -620,6 +672,13 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   opts.first_step_progress_log = r.lead && r.use_muon;
   opts.log = [&out](const std::string& line) { out << "  " << line << "\n"; };
   r.opt = std::make_unique<Muon>(r.model, opts);
+  // fp16 gradients underflow without it (bf16 has fp32's range and needs none)
+  if (a.loss_scale == "dynamic" || (a.loss_scale == "auto" && a.param_dtype == "fp16")) {
+    GradScalerOptions so;
+    so.init_scale = a.loss_scale_init;
+    so.growth_interval = a.loss_scale_growth_interval;
+    r.scaler.emplace(so);
+  }
 
   if (r.lead) {
     std::filesystem::create_directories(a.out);
@@ -658,6 +717,7 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
     set_optimizer_state_dict(*r.model, *r.opt, *ck.optim);
     r.first_step = static_cast<int>(r.opt->steps_taken()) + 1;
     apply_overrides(a, r, out);
+    resume_loss_scale(a, r, ck, out);
     if (r.lead) {
       out << "  resumed from " << a.resume << " at step " << r.first_step - 1 << "\n";
       r.earlier_metrics = earlier_metrics(a, r.first_step);
@@ -732,9 +792,7 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
   char how[8] = "";
   if (const char* f = std::getenv("DMUON_TEST_FAIL_AT"))
     if (std::sscanf(f, "%d:%d:%7s", &fail_rank, &fail_step, how) < 2) fail_rank = -1;
-  // fp16 gradients underflow without it (bf16 has fp32's range and needs none)
-  std::optional<GradScaler> scaler;
-  if (a.loss_scale == "dynamic" || (a.loss_scale == "auto" && a.param_dtype == "fp16")) scaler.emplace();
+  std::optional<GradScaler>& scaler = r.scaler;
   for (int step = first_step; step <= a.steps; ++step) {
     if (rank == fail_rank && step == fail_step && std::string(how) == "kill") ::raise(SIGKILL);
     if (rank == fail_rank && step == fail_step)

@@ -13,6 +13,7 @@
 
 #include "dmuon/bootstrap.h"
 #include "dmuon/communicator.h"
+#include "dmuon/grad_scaler.h"
 #include "dmuon/mesh.h"
 #include "dmuon/muon.h"
 #include "model/language_model.h"
@@ -51,6 +52,8 @@ struct TrainArgs {
   int checkpoint_every = 0;
   double clip_grad = 0;         // > 0: clip the global gradient norm (all parameters) to this
   std::string loss_scale = "auto";  // "dynamic" (dmuon::GradScaler), "off", "auto": dynamic with fp16
+  double loss_scale_init = 65536;       // GradScalerOptions::init_scale
+  int64_t loss_scale_growth_interval = 2000;  // GradScalerOptions::growth_interval
   std::string resume;           // continue from this checkpoint (any world size)
   std::string hf_config;        // build this Hugging Face config.json's architecture instead of the GPT
   std::string init_from;        // initial weights: a .safetensors file or a sharded *.safetensors.index.json
@@ -79,6 +82,7 @@ struct TrainRun {
   std::unique_ptr<Communicator> trainer;  // the run's own collectives (loss, checkpoint status, summary)
   std::shared_ptr<models::LanguageModel> model;
   std::unique_ptr<Muon> opt;
+  std::optional<GradScaler> scaler;  // --loss-scale: dynamic loss scaling (its state is in the checkpoints)
   int first_step = 1;
   uint32_t data_crc32c = 0;  // of the whole text (before the split): part of what defines the run
   size_t data_bytes = 0;

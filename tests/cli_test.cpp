@@ -232,6 +232,50 @@ TEST(CliTest, LossScalingTrainsLikeTheUnscaledRunAndReportsTheScale) {
   for (const auto& o : {o1, o2}) std::filesystem::remove_all(o);
 }
 
+TEST(CliTest, CheckpointsKeepTheLossScaleAndAResumeGoesOnFromIt) {
+  // float64: no overflow, so with a growth interval of 2 the scale doubles every 2nd step; the straight run
+  // of 8 steps ends at 2^10 x 2^4. A resume at step 3 that restarted the scaler would end at 2^10 x 2^2,
+  // one that dropped the growth tracker (1 at step 3) at 2^10 x 2^3. Power-of-two scales: the losses are
+  // the straight run's (1e-10 relative, as every resume test).
+  const std::string straight = temp_dir(), first = temp_dir(), second = temp_dir();
+  const std::string common = " --param-dtype fp64 --batch 12 --seq-len 16 --d-model 32 --layers 1 --log-every 1 "
+                             "--loss-scale dynamic --loss-scale-init 1024 --loss-scale-growth-interval 2";
+  Result r = run("train --ranks 2 --steps 8" + common + " --out " + straight);
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run("train --ranks 2 --steps 3" + common + " --checkpoint " + first + "/ck.safetensors --out " + first);
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run("train --ranks 3 --steps 8" + common + " --resume " + first + "/ck.safetensors --out " + second);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("loss scale from the checkpoint: 2048 after 1 clean step(s) in a row"), std::string::npos)
+      << r.output;
+  for (const auto& o : {straight, second}) {
+    std::ifstream js(o + "/summary.json");
+    EXPECT_EQ(nlohmann::json::parse(js)["loss_scale"]["final"].get<double>(), 16384.0) << o;
+  }
+  const auto a = losses_of(straight), b = losses_of(second);
+  ASSERT_EQ(a.size(), 8u);
+  ASSERT_EQ(b.size(), 5u);
+  for (int step = 4; step <= 8; ++step) EXPECT_NEAR(b.at(step), a.at(step), 1e-10 * a.at(step)) << "step " << step;
+  // a smaller growth interval than the checkpoint's run: it grows at the next clean step (2048 -> 4096 at 4)
+  r = run("train --ranks 2 --steps 4 --param-dtype fp64 --batch 12 --seq-len 16 --d-model 32 --layers 1 "
+          "--loss-scale dynamic --loss-scale-growth-interval 1 --resume " + first + "/ck.safetensors --out " + second);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("(>= --loss-scale-growth-interval: it grows at the next clean step)"), std::string::npos)
+      << r.output;
+  {
+    std::ifstream js(second + "/summary.json");
+    EXPECT_EQ(nlohmann::json::parse(js)["loss_scale"]["final"].get<double>(), 4096.0);
+  }
+  // bad values are errors before anything runs
+  r = run("train --ranks 1 --steps 1 --loss-scale dynamic --loss-scale-init 0 --out " + second);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--loss-scale-init must be a finite number > 0"), std::string::npos) << r.output;
+  r = run("train --ranks 1 --steps 1 --loss-scale dynamic --loss-scale-growth-interval 0 --out " + second);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--loss-scale-growth-interval must be >= 1"), std::string::npos) << r.output;
+  for (const auto& o : {straight, first, second}) std::filesystem::remove_all(o);
+}
+
 TEST(CliTest, CheckpointResumesOnAnotherNumberOfRanks) {
   const std::string straight = temp_dir(), first = temp_dir(), second = temp_dir();
   const std::string common = " --param-dtype fp64 --batch 12 --seq-len 16 --d-model 32 --layers 2 --log-every 1";

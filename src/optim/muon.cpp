@@ -70,9 +70,11 @@ void MuonParamState::serialize(torch::serialize::InputArchive& archive) {
   }
 }
 
-void check_hyperparameter(const std::string& what, double v, HparamRange range) {
+namespace {
+// whether v is in `range`; `must` says what the range is (for the error)
+bool in_range(double v, HparamRange range, const char*& must) {
   bool ok = std::isfinite(v);
-  const char* must = "";
+  must = "";
   switch (range) {
     case HparamRange::NonNegative: ok = ok && v >= 0; must = ">= 0"; break;
     case HparamRange::UnitInterval: ok = ok && v >= 0 && v < 1; must = "in [0, 1)"; break;
@@ -82,11 +84,16 @@ void check_hyperparameter(const std::string& what, double v, HparamRange range) 
       must = v < 1 ? ">= 1" : "an integer in [1, 1000]";
       break;
   }
-  TORCH_CHECK_VALUE(ok, what, ": ", v, ". Must be ", std::isfinite(v) ? "" : "a finite number ", must, ".");
+  return ok;
 }
-
-void check_group_options(const MuonGroupOptions& g, const std::string& where) {
-  auto check = [&](const char* field, double v, HparamRange range) { check_hyperparameter(where + " has " + field, v, range); };
+// check_group_options with the error's `where` built only for an error (Muon::step checks every group
+// each step)
+template <class Where>
+void check_group_options_lazily(const MuonGroupOptions& g, const Where& where) {
+  auto check = [&](const char* field, double v, HparamRange range) {
+    const char* must = "";
+    if (!in_range(v, range, must)) check_hyperparameter(where() + " has " + field, v, range);
+  };
   check("lr", g.lr(), HparamRange::NonNegative);
   check("weight_decay", g.weight_decay(), HparamRange::NonNegative);
   if (g.is_muon()) {
@@ -97,6 +104,17 @@ void check_group_options(const MuonGroupOptions& g, const std::string& where) {
     check("beta2", g.beta2(), HparamRange::UnitInterval);
     check("eps", g.eps(), HparamRange::Positive);
   }
+}
+}  // namespace
+
+void check_hyperparameter(const std::string& what, double v, HparamRange range) {
+  const char* must = "";
+  const bool ok = in_range(v, range, must);
+  TORCH_CHECK_VALUE(ok, what, ": ", v, ". Must be ", std::isfinite(v) ? "" : "a finite number ", must, ".");
+}
+
+void check_group_options(const MuonGroupOptions& g, const std::string& where) {
+  check_group_options_lazily(g, [&] { return where; });
 }
 
 namespace {
@@ -689,9 +707,10 @@ at::Tensor Muon::step(LossClosure closure) {
   // momentum of 1.5 is an error here, not weights silently ruined by this step
   for (size_t i = 0; i < param_groups_.size(); ++i) {
     const auto& g = static_cast<const MuonGroupOptions&>(param_groups_[i].options());
-    check_group_options(g, "rank " + std::to_string(state->mesh().global_rank()) + ": Muon::step: param group #" +
-                               std::to_string(i) + " ('" + g.group_name() + "', " + (g.is_muon() ? "Muon" : "AdamW") +
-                               "), as set since construction,");
+    check_group_options_lazily(g, [&] {
+      return "rank " + std::to_string(state->mesh().global_rank()) + ": Muon::step: param group #" + std::to_string(i) +
+             " ('" + g.group_name() + "', " + (g.is_muon() ? "Muon" : "AdamW") + "), as set since construction,";
+    });
   }
   StepProfile prof;
   // CUDA events only when profiling a CUDA model; host clocks otherwise (cheap, always on)
