@@ -131,7 +131,7 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
     if (tc.scheduler) sched = std::make_unique<torch::optim::StepLR>(opt, 3, 0.5);
     const int64_t per = global_batch / ctx.world;
     for (const auto& tokens : batches) {
-      opt.zero_grad(tc.zero_grad_to_none);
+      if (!tc.keep_grads) opt.zero_grad(tc.zero_grad_to_none);
       const at::Tensor mine = tokens.narrow(0, ctx.rank * per, per).to(ctx.device);
       if (tc.discarded_backward) {  // a backward whose gradients zero_grad must discard
         std::optional<NoSync> ns;
@@ -417,6 +417,17 @@ TEST(RuntimeTest, Float32TrainingMatchesSingleProcessWithinTheMeasuredNoise) {
 // backward(b1); zero_grad(); backward(b2); step() == backward(b2); step(), as in single-process
 // LibTorch: zero_grad discards what dmuon already holds (reduced Muon sums, replicated buckets,
 // sharded slices), on every route and path, with set_to_none either way.
+// A layout with one buffer per matrix (pack_small_params off).
+DistConfig unpacked_layout(int world, int replicate, bool ddp, bool sharded) {
+  DistConfig dc;
+  dc.world = world;
+  dc.replicate = replicate;
+  dc.ddp = ddp;
+  dc.sharded = sharded;
+  dc.pack_small_params = false;
+  return dc;
+}
+
 TEST(RuntimeTest, ZeroGradDiscardsGradientsDmuonAlreadyHolds) {
   struct Case {
     std::string label;
@@ -443,13 +454,33 @@ TEST(RuntimeTest, ZeroGradDiscardsGradientsDmuonAlreadyHolds) {
     tc.zero_grad_to_none = c.to_none;
     tc.accum = c.accum;
     tc.no_sync = c.accum > 1;
-    DistConfig dc;
-    dc.world = c.world;
-    dc.replicate = c.replicate;
-    dc.ddp = c.ddp;
-    dc.sharded = c.sharded;
-    dc.pack_small_params = false;
-    check_equivalence(small_config(2), tc, dc);
+    check_equivalence(small_config(2), tc, unpacked_layout(c.world, c.replicate, c.ddp, c.sharded));
+  }
+}
+
+// Without zero_grad between steps each step uses the sum of every gradient so far, as in torch, on
+// any number of ranks: a matrix's owner keeps its averaged gradient in p.grad() after the step, and
+// the next reduce must not average it over the ranks a second time (it would then depend on the
+// world size: g0 / N + g1).
+TEST(RuntimeTest, GradientsKeptAcrossStepsAccumulateAsInTorch) {
+  struct Case {
+    std::string label;
+    int world, replicate;
+    bool ddp, sharded, no_sync;
+  };
+  const std::vector<Case> cases = {
+      {"one rank", 1, 1, false, false, false},     {"N2", 2, 1, false, false, false}, {"N3", 3, 1, false, false, false},
+      {"N3 sharded_adamw", 3, 1, false, true, false}, {"HSDP 2x2", 4, 2, false, false, false},
+      {"DDP path N3", 3, 1, true, false, false},  {"N2, NoSync accumulation", 2, 1, false, false, true},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.label);
+    TrainConfig tc;
+    tc.steps = 3;
+    tc.keep_grads = true;
+    tc.accum = c.no_sync ? 2 : 1;
+    tc.no_sync = c.no_sync;
+    check_equivalence(small_config(2), tc, unpacked_layout(c.world, c.replicate, c.ddp, c.sharded));
   }
 }
 

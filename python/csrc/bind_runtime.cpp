@@ -436,10 +436,11 @@ void bind_runtime(py::module_& m) {
              return summarize_param_groups(runtime_face(h.runtime), opt, max_rows).dump();
            },
            "runtime"_a, "max_rows"_a)
-      .def("set_group_options", [](Muon& opt, size_t i, double lr, double weight_decay, double momentum) {
-        MuonGroupOptions& g = group_options(opt, i);
-        g.lr(lr).weight_decay(weight_decay).momentum(momentum);
-      }, "index"_a, "lr"_a, "weight_decay"_a, "momentum"_a);
+      .def("set_group_options", [](Muon& opt, size_t i, double lr, double weight_decay, double momentum, double beta1,
+                                   double beta2, double eps) {
+        MuonGroupOptions& g = group_options(opt, i);  // checked by Muon::step (check_group_options)
+        g.lr(lr).weight_decay(weight_decay).momentum(momentum).beta1(beta1).beta2(beta2).eps(eps);
+      }, "index"_a, "lr"_a, "weight_decay"_a, "momentum"_a, "beta1"_a, "beta2"_a, "eps"_a);
 }
 
 }  // namespace dmuon::python

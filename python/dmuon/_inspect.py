@@ -10,7 +10,8 @@ from torch import nn
 
 from ._fsdp2 import is_dtensor
 from . import _C
-from ._runtime import Muon, _owner_coords, _reported_tp_buffer_reuse, _state_of, _sync_external, _tp_buffer_reuse
+from ._runtime import (Muon, _owner_coords, _reported_tp_buffer_reuse, _state_of, _sync_external, _tp_buffer_reuse,
+                       _trained_external)
 
 OwnerRankLike = Union[int, Tuple[int, int]]
 
@@ -129,7 +130,8 @@ def summarize_param_groups(model: nn.Module, optimizer: Any, *, max_rows: int = 
     if not isinstance(optimizer, Muon) or optimizer._model is not model:
         raise ValueError("summarize_param_groups: optimizer must be the dmuon.Muon built on this model.")
     out = json.loads(optimizer._native.summary(state.runtime, max_rows))
-    external = _sync_external(model, state)
+    _sync_external(model, state)
+    external = _trained_external(state)
     out["fsdp2"] = {
         "params": len(external),
         "numel": sum(p.numel() for p in external.values()),

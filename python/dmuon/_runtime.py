@@ -5,7 +5,9 @@ identity autograd functions, the engine's end-of-backward callback)."""
 
 import contextlib
 import json
+import math
 import sys
+import warnings
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -66,9 +68,18 @@ def _sync_external(model: nn.Module, state: _State) -> Dict[str, nn.Parameter]:
             )
         fresh.append((name, p))
     if fresh:
-        state.runtime.release_params([n for n, _ in fresh])
+        # a parameter frozen at dedicate_params has no route to release; its shard is only read and written
+        # by the state dicts (nothing trains it)
+        trained = [n for n, _ in fresh if state.params[n].requires_grad]
+        if trained:
+            state.runtime.release_params(trained)
         state.external.update(fresh)
     return state.external
+
+
+def _trained_external(state: _State) -> Dict[str, nn.Parameter]:
+    """The FSDP2 parameters Muon's AdamW trains: those not frozen at dedicate_params."""
+    return {n: p for n, p in state.external.items() if state.params[n].requires_grad}
 
 
 def _compiled_autograd_on() -> bool:
@@ -641,12 +652,15 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True, rank0_on
     ``torch.save`` / ``torch.load`` and transformers' ``from_pretrained`` (through safetensors).
     ``cpu_offload``: tensors on the CPU; ``rank0_only``: only rank 0 gets the dict, the others ``{}``.
     Collective: every rank of the model's mesh."""
+    # first: FSDP2's state-dict pre-hook puts a module a no-grad forward left unsharded back on its DTensor
+    # shards, and named_parameters() (_first_names) must list the same objects as this dict
+    local = model.state_dict(keep_vars=True)
     full = _full_params(model)
     if rank0_only and dist.get_rank() != 0:
         return {}
     first_name = _first_names(model)
     out = {}
-    for key, value in model.state_dict(keep_vars=True).items():
+    for key, value in local.items():
         name = first_name.get(id(value))
         if name is not None and name in full:
             t = full[name]  # the master where param_policy keeps one (the dtype the model had at dedicate time)
@@ -671,6 +685,16 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
         )
     external = _sync_external(model, state)
     first_name, params, seen = _first_names(model), {}, set()
+    # every check before anything is written: a failed load leaves the model as it was
+    for key, value in expected.items():
+        given = state_dict[key]
+        if not isinstance(given, torch.Tensor):
+            raise TypeError(f"set_model_state_dict: '{key}' is a {type(given).__name__} in the state dict, not a "
+                            "tensor. Pass a state dict of tensors, as model.state_dict() gives.")
+        name = first_name.get(id(value))
+        if (name is None or name in external) and tuple(given.shape) != tuple(value.shape):  # buffers, FSDP2's
+            raise ValueError(f"set_model_state_dict: '{key}' has shape {tuple(given.shape)} in the state dict but "
+                             f"{tuple(value.shape)} in the model. Pass a state dict of this architecture.")
     for key, value in expected.items():
         name = first_name.get(id(value))
         if name is not None and id(value) not in seen and name not in external:  # its first key (tied: once)
@@ -771,6 +795,28 @@ def _user_groups(param_groups, state: _State) -> List[dict]:
                 group[key] = _group_value(key, g[key], f"param_groups[{i}] ('{group['name']}')")
         out.append(group)
     return out
+
+
+def _warn_unused_group_values(user: list, lowered: list) -> None:
+    """A user group's values for a kind of parameter it holds none of apply to nothing (in torch, a group's lr
+    is every parameter's; here lr is the Muon matrices' and adamw_lr the others'): a warning naming them."""
+    for i, g in enumerate(user):
+        for keys, sub, held, other in ((_GROUP_KEYS[2:7], 2 * i, "dedicated Muon matrix", "adamw_lr, adamw_betas, "
+                                        "adamw_weight_decay, adamw_eps set its AdamW parameters"),
+                                       (_GROUP_KEYS[7:], 2 * i + 1, "AdamW parameter", "lr, momentum, "
+                                        "weight_decay, nesterov, ns_steps set its Muon matrices")):
+            given = [k for k in keys if k in g]
+            if given and sub < len(lowered) and not lowered[sub]["params"]:
+                warnings.warn(f"dmuon.Muon: param_groups[{i}] ('{g['name']}') sets {', '.join(given)}, but holds no "
+                              f"{held}, so they apply to no parameter ({other}).", stacklevel=3)
+
+
+def _refuse_torch_only_flags(i: int, g: dict) -> None:
+    """torch.optim flags a group may carry that dmuon's update does not implement: refused when set, not ignored."""
+    for key in ("maximize", "amsgrad", "capturable", "differentiable", "dampening"):
+        if g.get(key):
+            raise ValueError(f"Muon: param group #{i} ('{g.get('group_name')}') has {key}={g[key]!r}; dmuon's Muon and "
+                             f"AdamW have no {key}. Remove it from the group.")
 
 
 def _external_clip_grads(state: _State) -> list:
@@ -901,7 +947,10 @@ class Muon(torch.optim.Optimizer):
     "name": ...}]``, every key but ``params`` optional: unset, the optimizer's argument), each user group is
     lowered into a Muon subgroup (its dedicated matrices) and an AdamW subgroup (its other parameters), in
     order, then a "default" pair for the parameters in no group. ``torch.optim.lr_scheduler`` and the caller may change each group's
-    ``lr``, ``weight_decay`` and ``momentum`` between steps.
+    ``lr``, ``weight_decay`` and ``momentum`` between steps, and an AdamW group's ``betas`` and ``eps``. An AdamW
+    group's ``momentum`` is its beta1 (``betas[0]``), as with torch's Adam: OneCycleLR and CyclicLR
+    (``cycle_momentum=True``) cycle Muon's momentum in the Muon groups and beta1 in the AdamW groups, as they
+    would for a torch SGD-momentum and a torch AdamW side by side.
 
     ``fused`` / ``foreach``, as torch.optim's: AdamW by LibTorch's fused kernel (None: wherever torch has it,
     the CPU included), Muon's momentum, finiteness check and weight update by ``torch._foreach_*`` ops (None: on
@@ -1004,11 +1053,13 @@ class Muon(torch.optim.Optimizer):
             group = dict(self._native.group_options(i))
             group["params"] = list(self._native.group_params(i))
             groups.append(group)
+            if not group["is_muon"]:
+                group["momentum"] = group["betas"][0]  # an AdamW group's momentum is its beta1
         self._native_groups = len(groups)
         # AdamW on FSDP2's shards, by torch's own AdamW, in the AdamW subgroup of the user group that holds
         # them (lowered groups 2i, 2i+1), else of the "default" group
         by_group = {}
-        for name, p in external.items():
+        for name, p in _trained_external(state).items():
             i = next((j for j, g in enumerate(user) if name in g["params"]), None)
             by_group.setdefault(i, []).append(p)
         self._external = None
@@ -1022,7 +1073,7 @@ class Muon(torch.optim.Optimizer):
                     k = 2 * len(user) + 1 if len(groups) > 2 * len(user) else None
                 if k is None:  # every dmuon parameter is in a user group: a "default" AdamW group for the rest
                     k = len(groups)
-                    groups.append(dict(lr=adamw_lr, is_muon=False, momentum=0.0, nesterov=False,
+                    groups.append(dict(lr=adamw_lr, is_muon=False, momentum=float(adamw_betas[0]), nesterov=False,
                                        weight_decay=adamw_weight_decay, ns_steps=0, betas=tuple(adamw_betas),
                                        eps=adamw_eps, group_name="default", params=[]))
                 groups[k]["params"] = groups[k]["params"] + ps
@@ -1034,17 +1085,39 @@ class Muon(torch.optim.Optimizer):
             if foreach is not None and not fused:
                 kernels["foreach"] = bool(foreach)
             self._external = torch.optim.AdamW(torch_groups, **kernels)
+        _warn_unused_group_values(user, groups)
         self._group_count = len(groups)
         self._group_params = [list(g["params"]) for g in groups]
         self._constructed = False
         # what torch.optim's schedulers read from defaults: momentum in it lets OneCycleLR and CyclicLR cycle
-        # it (cycle_momentum=True) in every group (the AdamW groups keep their betas, as they have no momentum)
+        # it (cycle_momentum=True) in every group (an AdamW group's momentum is its beta1)
         super().__init__(groups, defaults=dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                                                nesterov=nesterov, ns_steps=ns_steps))
+        self._beta1 = {i: g["betas"][0] for i, g in enumerate(self.param_groups) if not g["is_muon"]}
         self.state = _OptimizerState(self)  # torch.optim's per-parameter dict, read from the native core
         self._constructed = True
 
-    _MUTABLE = ("lr", "weight_decay", "momentum")  # what may change between steps (schedulers, the caller)
+    # what may change between steps (schedulers, the caller), in a Muon group and in an AdamW group
+    _MUTABLE = ("lr", "weight_decay", "momentum")
+    _MUTABLE_ADAMW = _MUTABLE + ("betas", "eps")
+
+    def _sync_beta1(self, i: int, g: dict) -> None:
+        """An AdamW group's momentum is its beta1: whichever of group["momentum"] and group["betas"][0]
+        changed since the last step (a scheduler writes one of them) sets both."""
+        betas = g.get("betas")
+        if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)):
+            raise ValueError(f"Muon: param group #{i} ('{g.get('group_name')}', AdamW) has betas={betas!r}; betas "
+                             "is a pair of numbers (beta1, beta2).")
+        last, m = self._beta1[i], g.get("momentum")
+        if m != last and betas[0] != last and m != betas[0]:
+            raise ValueError(
+                f"Muon: param group #{i} ('{g.get('group_name')}', AdamW) has momentum={m!r} and betas[0]="
+                f"{betas[0]!r}, both changed since the last step ({last!r}); an AdamW group's momentum is its beta1. "
+                "Set one of them.")
+        beta1 = m if m != last else betas[0]
+        g["betas"], g["momentum"] = (beta1, betas[1]), beta1
+        self._beta1[i] = beta1
 
     def add_param_group(self, param_group: dict) -> None:
         """Refused after construction: dmuon's groups are the model's routes, fixed by dedicate_params (each
@@ -1166,16 +1239,24 @@ class Muon(torch.optim.Optimizer):
                     "the groups with Muon(param_groups=...)); to freeze them for good, requires_grad_(False) before "
                     "dedicate_params."
                 )
+        for i, g in enumerate(self.param_groups):
+            _refuse_torch_only_flags(i, g)
+            if not g["is_muon"]:
+                self._sync_beta1(i, g)
         for i, g in enumerate(self.param_groups[:self._native_groups]):
             native = self._native.group_options(i)
+            mutable = self._MUTABLE if g["is_muon"] else self._MUTABLE_ADAMW
             for key, value in native.items():
-                if key not in self._MUTABLE and g.get(key) != value:
+                if key not in mutable and g.get(key) != value:
                     raise ValueError(
-                        f"Muon: parameter group {i} has {key}={g.get(key)!r}, but this build of dmuon's Python API "
-                        f"takes only {', '.join(self._MUTABLE)} from the groups between steps ({key} is "
+                        f"Muon: parameter group {i} has {key}={g.get(key)!r}, but dmuon takes only "
+                        f"{', '.join(mutable)} from a{'' if g['is_muon'] else 'n AdamW'} group between steps ({key} is "
                         f"{value!r}). Pass it to Muon(...) instead."
                     )
-            self._native.set_group_options(i, float(g["lr"]), float(g["weight_decay"]), float(g["momentum"]))
+            betas = g["betas"] if not g["is_muon"] else native["betas"]
+            eps = g["eps"] if not g["is_muon"] else native["eps"]
+            self._native.set_group_options(i, float(g["lr"]), float(g["weight_decay"]), float(g["momentum"]),
+                                           float(betas[0]), float(betas[1]), float(eps))
         for k, j in self._external_groups:
             g, inner = self.param_groups[k], self._external.param_groups[j]
             if k >= self._native_groups:  # only torch's AdamW reads this group: checked here, as the core checks its own
@@ -1326,12 +1407,38 @@ def get_optimizer_state_dict(model: nn.Module, optimizer, *, cpu_offload: bool =
     }
 
 
+def _check_fsdp_state(name: str, saved) -> None:
+    """The "fsdp" section's entry of one parameter, checked as the core checks its own sections (torch's AdamW
+    keeps the step as a float tensor)."""
+    where = "set_optimizer_state_dict: the 'fsdp' section's"
+    if not isinstance(saved, Mapping) or set(saved) != {"step", "exp_avg", "exp_avg_sq"}:
+        raise ValueError(f"{where} '{name}' must be a dict of 'step', 'exp_avg' and 'exp_avg_sq', got "
+                         f"{sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__}.")
+    step = saved["step"]
+    if (not isinstance(step, torch.Tensor) or step.numel() != 1 or step.is_complex()
+            or not math.isfinite(float(step)) or float(step) != int(float(step))):
+        raise ValueError(f"{where} '{name}.step' is not a step count (one integer).")
+    if float(step) < 0:
+        raise ValueError(f"{where} '{name}.step' is {int(float(step))}; a step count must be >= 0.")
+    for key in ("exp_avg", "exp_avg_sq"):
+        v = saved[key]
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+            raise ValueError(f"{where} '{name}.{key}' is not a floating-point tensor.")
+        bad = int((~torch.isfinite(v)).sum())
+        if bad:
+            raise ValueError(f"{where} '{name}.{key}' holds {bad} non-finite value(s) (NaN or inf) of {v.numel()}; "
+                             "the run that wrote it had diverged. Resume from an earlier checkpoint.")
+        if key == "exp_avg_sq" and v.numel() and float(v.min()) < 0:
+            raise ValueError(f"{where} '{name}.exp_avg_sq' has negative values ({float(v.min())}); a second moment "
+                             "is >= 0.")
+
+
 def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> None:
     """Loads what :func:`get_optimizer_state_dict` returned (every rank passes the full dict): momentum on
     the matrices' owners, AdamW moments on the ranks that update them (FSDP2 shards sliced), step counts
     and every group's hyperparameters. Collective: every rank of the model's mesh."""
     state = _check_optimizer(model, optimizer, "set_optimizer_state_dict")
-    missing = [k for k in _SECTIONS + ("param_groups",) if k not in state_dict]
+    missing = [k for k in _SECTIONS + ("param_groups", "steps_taken") if k not in state_dict]
     if missing:
         raise ValueError(
             f"set_optimizer_state_dict: the state dict has no {missing} section(s); pass what "
@@ -1343,8 +1450,22 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
             f"set_optimizer_state_dict: the state dict has {len(groups)} parameter groups, the optimizer "
             f"{len(optimizer.param_groups)}. Build the model and optimizer as in the run that saved it."
         )
-    steps = int(state_dict.get("steps_taken", 0))
-    external = state.external
+    for i, saved in enumerate(groups):
+        absent = [k for k in ("group_name", "is_muon", "lr", "momentum", "weight_decay", "betas", "eps", "nesterov",
+                              "ns_steps") if k not in saved] if isinstance(
+            saved, Mapping) else ["(not a dict)"]
+        if absent:
+            raise ValueError(f"set_optimizer_state_dict: param_groups[{i}] has no {absent}; pass the param_groups "
+                             "get_optimizer_state_dict returned.")
+        numbers = [saved[k] for k in ("lr", "momentum", "weight_decay", "eps")] + list(
+            saved["betas"] if isinstance(saved["betas"], (tuple, list)) else [saved["betas"]] * 3)
+        if len(numbers) != 6 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+            raise ValueError(f"set_optimizer_state_dict: param_groups[{i}] holds a value that is not a number in "
+                             f"lr, momentum, weight_decay, eps or betas (a pair): {dict((k, saved[k]) for k in ('lr', 'momentum', 'weight_decay', 'eps', 'betas'))}.")
+    steps = state_dict["steps_taken"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise ValueError(f"set_optimizer_state_dict: steps_taken is {steps!r}; a step count is an integer >= 0.")
+    external = _trained_external(state)
     unknown = [n for n in state_dict["fsdp"] if n not in external]
     absent = [n for n in external if n not in state_dict["fsdp"]] if steps > 0 else []
     if unknown or absent:
@@ -1352,12 +1473,16 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
             f"set_optimizer_state_dict: the 'fsdp' section does not match the FSDP2 parameters of this model "
             f"(unknown: {unknown[:5]}, missing: {absent[:5]}). Build the model as in the run that saved it."
         )
+    for name, saved in state_dict["fsdp"].items():  # the core's checks of its own sections, before anything loads
+        _check_fsdp_state(name, saved)
     n = optimizer._native_groups
     optimizer._native.load_state(state.runtime, _flat(state_dict["dedicated"]), _flat(state_dict["dedicated_adamw"]),
                                  groups[:n], steps)
-    for g, saved in zip(optimizer.param_groups, groups):
+    for i, (g, saved) in enumerate(zip(optimizer.param_groups, groups)):
         for k, v in saved.items():
             g[k] = tuple(v) if k == "betas" else v
+        if not g["is_muon"]:  # the saved betas are the AdamW group's (its momentum is beta1)
+            g["momentum"] = optimizer._beta1[i] = g["betas"][0]
     if optimizer._external is not None:
         inner = optimizer._external
         for name, p in external.items():

@@ -45,13 +45,25 @@ void Runtime::build(const ParamPredicate& predicate) {
   const DedicateOptions& opts = ctx_.options();
   const int rank = mesh.global_rank();
   // route hooks run under the lock, and not at all once this runtime is gone
-  ctx_.set_hook_factory([weak = weak_from_this(), rank](const at::Tensor& param, const std::string& name, GradHook hook) {
-    return detail::on_grad_accumulated(param, name, rank, [weak, hook = std::move(hook)] {
-      auto live = weak.lock();
-      if (!live) return;  // the model is gone: nothing to do
-      std::lock_guard<std::recursive_mutex> g(live->mu_);
-      hook(*live);
-    });
+  ctx_.set_hook_factory([weak = weak_from_this(), rank](const at::Tensor& param, const std::string& name, GradHook hook,
+                                                        std::function<void()> before) {
+    std::function<void()> pre;
+    if (before)
+      pre = [weak, before = std::move(before)] {
+        auto live = weak.lock();
+        if (!live) return;
+        std::lock_guard<std::recursive_mutex> g(live->mu_);
+        before();
+      };
+    return detail::on_grad_accumulated(
+        param, name, rank,
+        [weak, hook = std::move(hook)] {
+          auto live = weak.lock();
+          if (!live) return;  // the model is gone: nothing to do
+          std::lock_guard<std::recursive_mutex> g(live->mu_);
+          hook(*live);
+        },
+        std::move(pre));
   });
   // 1.-2. the pure steps. A failure on some ranks only is shared at the plan check below: every
   // rank then fails, naming the ranks that failed, instead of the others waiting in the check's

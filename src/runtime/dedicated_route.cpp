@@ -115,10 +115,13 @@ void DedicatedRoute::install() {
   for (auto& e : entries_) e.placeholder = at::empty({0}, e.param.options().requires_grad(false));
   // hooks, while every parameter still has its full shape (the accumulator caches it)
   for (size_t i = 0; i < entries_.size(); ++i)
-    entries_[i].grad_acc = ctx_.on_grad_accumulated(entries_[i].param, entries_[i].name, [this, i](GradEvents& ev) {
-      auto& e = entries_[i];
-      ev.accumulated(e.accumulated, e.boundary);
-    });
+    entries_[i].grad_acc = ctx_.on_grad_accumulated(
+        entries_[i].param, entries_[i].name,
+        [this, i](GradEvents& ev) {
+          auto& e = entries_[i];
+          ev.accumulated(e.accumulated, e.boundary);
+        },
+        [this, i] { carry_installed_grad(entries_[i]); });
   // data: holders keep their value in the packed buffer; the others release theirs
   for_each_buffer([&](int, PackedBuffer& buf) {
     const bool keeps = buf.keeps;
@@ -391,15 +394,29 @@ void DedicatedRoute::collect_flags(std::vector<at::Tensor>& out) {
   });
 }
 
+void DedicatedRoute::carry_installed_grad(DedicatedEntry& e) {
+  if (!e.grad_installed) return;
+  e.grad_installed = false;  // the first gradient after a step only (later passes add local gradients)
+  if (!e.param.grad().defined()) return;  // dropped since (zero_grad, model.zero_grad())
+  e.carried_grad = e.param.grad();
+  e.param.mutable_grad() = at::Tensor();
+}
+
 void DedicatedRoute::install_buffer(PackedBuffer& buf, const float*& flag) {
   if (!buf.is_owner || !buf.acc.has_value()) return;
+  at::NoGradGuard ng;
   const at::Tensor sum = buf.acc.take_sum();
   for (size_t k = 0; k < buf.params.size(); ++k) {
     auto& e = entries_[buf.params[k]];
-    if (*flag++ > 0)
-      e.param.mutable_grad() = sum.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes());
-    else
-      e.param.mutable_grad() = at::Tensor();  // no rank produced a gradient
+    at::Tensor& g = e.param.mutable_grad();
+    if (*flag++ > 0) {
+      g = sum.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes());
+      if (e.carried_grad.defined()) g.add_(e.carried_grad.to(g.dtype()));
+    } else {
+      g = e.carried_grad;  // no rank produced a gradient: the carried one, or none
+    }
+    e.carried_grad = at::Tensor();
+    e.grad_installed = g.defined();
   }
 }
 
@@ -460,6 +477,10 @@ void DedicatedRoute::discard_grads() {
     buf.grad_payload = at::Tensor();
     buf.acc.clear();
   });
+  for (auto& e : entries_) {
+    e.carried_grad = at::Tensor();
+    e.grad_installed = false;
+  }
 }
 
 void DedicatedRoute::upcast_local_grads() {

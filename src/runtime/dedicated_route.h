@@ -51,6 +51,12 @@ struct DedicatedEntry {
   int slot_in_buffer = 0;
   // per backward pass
   bool accumulated = false;
+  // The owner's gradient from the last step (installed by prepare_grads) stays in param.grad() until
+  // zero_grad, as torch's do. Autograd would add the next backward's local gradient to it, and the
+  // reduce would then average it over the ranks a second time, so a gradient arriving for it moves it
+  // here instead; prepare_grads adds it to the new average: torch's accumulation, on any world size.
+  bool grad_installed = false;
+  at::Tensor carried_grad;
   at::Tensor placeholder;           // 0-element tensor of the param's dtype/device
   bool preset = false;              // a deferred parameter whose holder filled its buffer slot at setup
   std::shared_ptr<torch::autograd::Node> grad_acc;  // keep alive: autograd holds it weakly
@@ -162,6 +168,7 @@ class DedicatedRoute final : public Route {
   void wait_publish(PackedBuffer& buf);        // the buffer's deferred updates, then its publishes
   void publish_gather_hsdp(int b, bool async);  // HSDP, all_gather mode: scatter in the owner's group, shards across
   void install_buffer(PackedBuffer& buf, const float*& flag);  // the owner's averaged sums into p.grad()
+  void carry_installed_grad(DedicatedEntry& e);  // a gradient arrives: the last step's leaves p.grad()
   void ready_grad_of(const DedicatedEntry& e, std::vector<ReadyGrad>& out) const;
   static void finish_deferred(PackedBuffer& buf);
   // all_gather mode: the holder's flat into every rank's shard (collective over the shard group)

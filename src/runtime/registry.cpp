@@ -1,6 +1,7 @@
 // Which model and which boundary module belong to which Runtime; autograd hook helpers.
 #include <ATen/native/Resize.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -131,11 +132,24 @@ std::shared_ptr<RuntimeFace> require_face(const torch::nn::Module& model, const 
   return require_state(model, fn);
 }
 
+namespace {
+// runs `fn` before the accumulator node adds the incoming gradient to param.grad()
+struct LambdaPreHook : torch::autograd::FunctionPreHook {
+  explicit LambdaPreHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    fn_();
+    return grads;
+  }
+  std::function<void()> fn_;
+};
+}  // namespace
+
 std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const at::Tensor& param, const std::string& name, int rank,
-                                                           std::function<void()> fn) {
+                                                           std::function<void()> fn, std::function<void()> before) {
   auto acc = torch::autograd::impl::grad_accumulator(param);
   TORCH_CHECK(acc, "rank ", rank, ": could not get the gradient accumulator of '", name,
               "' (is it a leaf that requires grad?).");
+  if (before) acc->add_pre_hook(std::make_unique<LambdaPreHook>(std::move(before)));
   acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
       [fn = std::move(fn)](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
         fn();

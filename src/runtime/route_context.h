@@ -36,9 +36,11 @@ class GradEvents {
 
 using GradHook = std::function<void(GradEvents&)>;
 // Registers `hook` to run (under the schedule's lock, and not at all once the model is gone) each
-// time autograd has accumulated `param`'s gradient; returns the accumulator node to keep alive.
-using GradHookFactory =
-    std::function<std::shared_ptr<torch::autograd::Node>(const at::Tensor& param, const std::string& name, GradHook hook)>;
+// time autograd has accumulated `param`'s gradient, and `before` (when set; under the lock too) each
+// time a gradient for `param` arrives, before autograd adds it to param.grad(); returns the
+// accumulator node to keep alive.
+using GradHookFactory = std::function<std::shared_ptr<torch::autograd::Node>(
+    const at::Tensor& param, const std::string& name, GradHook hook, std::function<void()> before)>;
 
 // The schedule's state the routes read (written by the Runtime only).
 struct ScheduleState {
@@ -107,8 +109,8 @@ class RouteContext {
 
   // ---- hooks ----
   std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const at::Tensor& param, const std::string& name,
-                                                             GradHook hook) const {
-    return hooks_(param, name, std::move(hook));
+                                                             GradHook hook, std::function<void()> before = {}) const {
+    return hooks_(param, name, std::move(hook), std::move(before));
   }
   void set_hook_factory(GradHookFactory f) { hooks_ = std::move(f); }
 

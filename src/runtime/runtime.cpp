@@ -10,6 +10,7 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 #include <chrono>
@@ -23,6 +24,11 @@
 #include "runtime/replicated_route.h"
 
 namespace dmuon {
+
+namespace {
+// this thread runs an autograd backward (a graph task): a forward now recomputes for it
+bool in_autograd_backward() { return torch::autograd::get_current_graph_task_exec_info() != nullptr; }
+}  // namespace
 
 bool Runtime::routed(const std::string& name) const {
   if (dedicated_->find(name) != nullptr) return true;
@@ -182,6 +188,18 @@ void Runtime::begin_root_forward() {
 void Runtime::pre_forward(int b) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   Boundary& B = boundaries_[static_cast<size_t>(b)];
+  if (callback_queued_ && in_autograd_backward()) {
+    B.recomputing = true;
+    // A forward inside this model's backward: activation checkpointing (torch.utils.checkpoint, reentrant
+    // or not) recomputing the block for its backward. The parameters are this backward's (pre_backward
+    // unsharded them; the reduce releases them): no new pass, nothing recorded, no release after it.
+    B.in_forward = true;
+    if (!ddp()) {
+      issue_unshards(b, "backward broadcast", true, false);  // (no collective where pre_backward issued it)
+      wait_unshards(b, true);
+    }
+    return;
+  }
   pass_begun_by_step_ = false;
   if (backward_since_forward_ || B.ran_forward) begin_forward_pass();
   B.ran_forward = true;
@@ -196,8 +214,12 @@ void Runtime::pre_forward(int b) {
 
 void Runtime::post_forward(int b) {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  boundaries_[static_cast<size_t>(b)].in_forward = false;
-  if (z3()) release(b);  // Z3: free after forward, unshard again in backward; Z2: keep until after backward
+  Boundary& B = boundaries_[static_cast<size_t>(b)];
+  B.in_forward = false;
+  // Z3: free after forward, unshard again in backward; Z2: keep until after backward. A recompute inside
+  // backward (activation checkpointing) keeps them for the backward that follows it.
+  if (z3() && !B.recomputing) release(b);
+  B.recomputing = false;
 }
 
 void Runtime::release(int b) {

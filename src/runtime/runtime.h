@@ -73,6 +73,7 @@ struct Boundary {
   int accumulated = 0;
   bool reduced = false;
   bool in_forward = false;
+  bool recomputing = false;  // its forward runs inside backward (activation checkpointing): not released after
   // mixed precision (from the policies of the boundary's parameters)
   std::optional<at::ScalarType> input_dtype;   // cast floating forward arguments to this
   std::optional<at::ScalarType> output_dtype;  // cast the tensor output to this
@@ -250,8 +251,9 @@ void register_boundary(const std::shared_ptr<torch::nn::Module>& module, const s
 // Runs `fn` each time autograd has accumulated `param`'s gradient. Returns the accumulator node:
 // keep it alive (autograd holds it only weakly) and create it while `param` has its full shape
 // (the node caches it). Throws naming `name` and `rank` when `param` is not a leaf requiring grad.
+// `before` (when set) runs each time a gradient arrives, before autograd adds it to param.grad().
 std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const at::Tensor& param, const std::string& name, int rank,
-                                                           std::function<void()> fn);
+                                                           std::function<void()> fn, std::function<void()> before = {});
 }  // namespace detail
 
 }  // namespace dmuon

@@ -198,7 +198,8 @@ void ShardedRoute::ready_grads(std::vector<ReadyGrad>& out) {
       r.grad = e.grad;
       out.push_back(std::move(r));
     }
-    e.grad = at::Tensor();  // handed over
+    // e.grad stays until zero_grad (discard_grads), as torch's p.grad: a next backward without zero_grad
+    // adds its average to it (install_grads), the sum torch would step on
   }
 }
 

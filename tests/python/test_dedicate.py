@@ -3,6 +3,7 @@ Gloo groups, spawned processes) train exactly like a pure-PyTorch Muon + AdamW w
 float64 (bound 1e-10), Z3 and Z2, with gradient accumulation under no_sync, and with an lr scheduler
 changing both groups' learning rates every step."""
 
+import re
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.utils.checkpoint import checkpoint
 
 import dmuon
 from dmuon_testing import reference_ns, run_ranks
@@ -54,7 +56,7 @@ def schedule(step):
 CLIP = 0.05  # a max norm below every step's gradient norm here: each step clips
 
 
-def reference_train(compute_dtype=None, clip=None, hparams=None, muon_clip=None):
+def reference_train(compute_dtype=None, clip=None, hparams=None, muon_clip=None, keep_grads=False):
     """The same training in one process by a pure-PyTorch Muon + AdamW written from the documented update
     rule (docs: NEWTON_SCHULZ.md section 6), not by dmuon: Nesterov momentum buf = mu*buf + g, u = g + mu*buf;
     W *= 1 - lr*wd; W -= lr * 0.2 * sqrt(max(rows, cols)) * NS(u) with float64 direct NS (Polar Express);
@@ -63,12 +65,14 @@ def reference_train(compute_dtype=None, clip=None, hparams=None, muon_clip=None)
     clip: torch.nn.utils.clip_grad_norm_ over every parameter before the update. hparams: name -> dict
     overriding lr / adamw_lr / wd / adamw_wd / nesterov / ns_steps / betas / eps for that parameter
     (per-group hyperparameters). muon_clip:
-    called with {name: grad} of the Muon matrices before the update (a clipping strategy's math)."""
+    called with {name: grad} of the Muon matrices before the update (a clipping strategy's math). keep_grads:
+    no zero_grad between steps (each step's gradient is the sum of every backward so far)."""
     model = make_net()
     buf, m1, m2 = {}, {}, {}
     for step in range(STEPS):
         x, y = batch(step)
-        model.zero_grad()
+        if not keep_grads:
+            model.zero_grad()
         if compute_dtype is None:
             ((model(x) - y) ** 2).mean().backward()
         else:
@@ -111,11 +115,11 @@ def batch(step):
     return x, x.sin()
 
 
-def dedicated_net(mesh, fsdp2):
-    """make_net() with its matrices dedicated on `mesh` and the rest on FSDP2 (fully_shard per layer and the
-    root, the API reference's order) or replicated."""
-    model = make_net()
-    dmuon.dedicate_params(model, mesh, lambda n, p: p.dim() == 2)
+def dedicated_net(mesh, fsdp2, model=None, **options):
+    """make_net() (or `model`) with its matrices dedicated on `mesh` (dedicate_params `options`) and the rest
+    on FSDP2 (fully_shard per layer and the root, the API reference's order) or replicated."""
+    model = make_net() if model is None else model
+    dmuon.dedicate_params(model, mesh, lambda n, p: p.dim() == 2, **options)
     if fsdp2:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
@@ -328,8 +332,8 @@ def _misuse(rank, world):
     opt = dmuon.Muon(model)
     with pytest.raises(ValueError, match="the dmuon.Muon built on this model"):
         dmuon.set_optimizer_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
-    opt.param_groups[1]["betas"] = (0.8, 0.9)  # not taken from the groups yet: refused, not ignored
-    with pytest.raises(ValueError, match="betas"):
+    opt.param_groups[0]["ns_steps"] = 3  # not taken from the groups between steps: refused, not ignored
+    with pytest.raises(ValueError, match="ns_steps"):
         opt.step()
     # model.to(dtype) after dedicate_params would drop dmuon's gradient hooks: refused, naming the parameter
     moved = make_net()
@@ -460,6 +464,24 @@ def _resume(rank, world, layout, out_path):
     broken = {k: v for k, v in optim_sd.items() if k != "fsdp"}
     with pytest.raises(ValueError, match="no \\['fsdp'\\] section"):
         dmuon.set_optimizer_state_dict(model, opt, broken)
+    # damaged values are refused before anything loads, in every section
+    if fsdp2:
+        for key, value, message in (("exp_avg_sq", -1.0, "'scale.exp_avg_sq' has negative values"),
+                                    ("exp_avg", float("nan"), "'scale.exp_avg' holds 1 non-finite value"),
+                                    ("step", -1.0, "'scale.step' is -1; a step count must be >= 0")):
+            bad = {**optim_sd, "fsdp": {**optim_sd["fsdp"], "scale": dict(optim_sd["fsdp"]["scale"])}}
+            entry = bad["fsdp"]["scale"]
+            entry[key] = entry[key].clone().reshape(-1)
+            entry[key][0] = value
+            entry[key] = entry[key].reshape(optim_sd["fsdp"]["scale"][key].shape)
+            with pytest.raises(ValueError, match=re.escape(message)):
+                dmuon.set_optimizer_state_dict(model, opt, bad)
+    no_momentum = {**optim_sd, "param_groups": [{k: v for k, v in g.items() if k != "momentum"}
+                                                for g in optim_sd["param_groups"]]}
+    with pytest.raises(ValueError, match=re.escape("param_groups[0] has no ['momentum']")):
+        dmuon.set_optimizer_state_dict(model, opt, no_momentum)
+    with pytest.raises(ValueError, match="no \\['steps_taken'\\] section"):
+        dmuon.set_optimizer_state_dict(model, opt, {k: v for k, v in optim_sd.items() if k != "steps_taken"})
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "replicate"])
@@ -469,6 +491,135 @@ def test_optimizer_state_dict_resumes(tmp_path, layout):
     for name, value in reference_train().items():
         err = float((resumed[name] - value).abs().max() / value.abs().max())
         assert err < 1e-10, f"{name} differs from four uninterrupted steps by {err}"
+
+
+def _kept_grads(rank, world, layout, out_path):
+    # no zero_grad between steps: each step's gradient is the sum of all so far, as in torch, on any world size
+    model = dedicated_net(init_device_mesh("cpu", (world,)), layout == "fsdp2")
+    opt, sched = make_optimizer(model, first_step_progress_log=False)
+    per = BATCH // world
+    for step in range(STEPS):
+        x, y = batch(step)
+        ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
+        opt.step()
+        sched.step()
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save(sd, out_path)
+
+
+@pytest.mark.parametrize("layout", ["replicate", "fsdp2"])
+def test_gradients_kept_across_steps_accumulate_as_in_torch(tmp_path, layout):
+    ref = reference_train(keep_grads=True)
+    assert float((ref["layers.0.proj.weight"] - reference_train()["layers.0.proj.weight"]).abs().max()) > 1e-3
+    for world in (2, 3):
+        run_ranks(tmp_path, world, _kept_grads, layout, str(tmp_path / f"kept{world}.pt"))
+        got = torch.load(tmp_path / f"kept{world}.pt")
+        for name, value in ref.items():
+            err = float((got[name] - value).abs().max() / value.abs().max())
+            assert err < 1e-10, f"{world} ranks, {layout}: {name} differs from torch's accumulation by {err}"
+
+
+def _state_dicts_after_eval(rank, world):
+    # FSDP2 leaves the root unsharded after a no-grad forward: the state dict is still every parameter whole
+    model = make_net()
+    model.register_buffer("shift", torch.arange(DIM, dtype=torch.float64))
+    dedicated_net(init_device_mesh("cpu", (world,)), True, model)
+    opt, sched = make_optimizer(model, first_step_progress_log=False)
+    train_steps(model, opt, sched, rank, world, range(1))
+    with torch.no_grad():
+        model(batch(1)[0])
+    sd = dmuon.get_model_state_dict(model, rank0_only=False)
+    assert all(type(v) is torch.Tensor for v in sd.values()), {k: type(v).__name__ for k, v in sd.items()}
+    assert sd["scale"].shape == (DIM,) and torch.equal(sd["shift"], torch.arange(DIM, dtype=torch.float64))
+    plain = make_net()
+    plain.register_buffer("shift", torch.zeros(DIM, dtype=torch.float64))
+    plain.load_state_dict(sd)  # loadable by a one-process model
+    # a wrong-shaped buffer or a value that is no tensor: refused before anything is written
+    for key, value, error, message in (("shift", torch.tensor([5.0], dtype=torch.float64), ValueError,
+                                        r"'shift' has shape \(1,\) in the state dict but \(8,\) in the model"),
+                                       ("layers.0.proj.weight", [1.0], TypeError, "'layers.0.proj.weight' is a list")):
+        with pytest.raises(error, match=message):
+            dmuon.set_model_state_dict(model, {**{k: v + 1 for k, v in sd.items()}, key: value})
+        after = dmuon.get_model_state_dict(model, rank0_only=False)
+        assert all(torch.equal(after[k], sd[k]) for k in sd), key
+
+
+def test_state_dicts_after_an_eval_forward_and_refused_loads_that_change_nothing(tmp_path):
+    run_ranks(tmp_path, 2, _state_dicts_after_eval)
+
+
+def _frozen(rank, world, layout, out_path):
+    # parameters frozen before dedicate_params (a matrix and a bias) are not trained, on dmuon's routes and
+    # on FSDP2's shards alike; the state dicts still hold them whole
+    model = make_net()
+    for p in (model.layers[0].proj.bias, model.layers[1].gate.weight):
+        p.requires_grad_(False)
+    dedicated_net(init_device_mesh("cpu", (world,)), layout == "fsdp2", model)
+    opt, sched = make_optimizer(model, first_step_progress_log=False)
+    train_steps(model, opt, sched, rank, world, range(2))
+    osd = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+    assert "layers.0.proj.bias" not in osd["fsdp"] and "layers.0.proj.bias" not in osd["dedicated_adamw"]
+    dmuon.set_optimizer_state_dict(model, opt, osd)  # the frozen ones have no state, and need none
+    train_steps(model, opt, sched, rank, world, range(2, STEPS))
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save(sd, out_path)
+
+
+def test_frozen_parameters_stay_untrained_on_every_layout(tmp_path):
+    runs = {}
+    for layout in ("replicate", "fsdp2"):
+        (tmp_path / layout).mkdir()  # a fresh store per run
+        run_ranks(tmp_path / layout, 2, _frozen, layout, str(tmp_path / f"{layout}.pt"))
+        runs[layout] = torch.load(tmp_path / f"{layout}.pt")
+    init = {n: p.detach() for n, p in make_net().named_parameters()}
+    for name in ("layers.0.proj.bias", "layers.1.gate.weight"):
+        assert all(torch.equal(runs[layout][name], init[name]) for layout in runs), name
+    for name in ("layers.0.gate.weight", "layers.1.proj.bias", "scale"):
+        assert float((runs["replicate"][name] - init[name]).abs().max()) > 1e-4, name
+    for name, value in runs["replicate"].items():  # the same training on both layouts
+        err = float((runs["fsdp2"][name] - value).abs().max() / value.abs().max())
+        assert err < 1e-10, f"{name}: FSDP2 and replicate differ by {err}"
+
+
+class CheckpointedNet(Net):
+    """Net with activation checkpointing of every block (torch.utils.checkpoint): the block's forward runs
+    again inside backward."""
+    reentrant = False
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=self.reentrant)
+        return x * self.scale
+
+
+def _checkpointed(rank, world, layout, reentrant, out_path):
+    torch.manual_seed(7)
+    model = CheckpointedNet()  # make_net()'s weights
+    model.reentrant = reentrant
+    dedicated_net(init_device_mesh("cpu", (world,)), layout == "fsdp2", model, reshard_after_forward=layout != "z2")
+    opt, sched = make_optimizer(model, first_step_progress_log=False)
+    per = BATCH // world
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        inputs = x[rank * per:(rank + 1) * per].requires_grad_(reentrant)  # the reentrant form needs one
+        ((model(inputs) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
+        opt.step()
+        sched.step()
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save(sd, out_path)
+
+
+@pytest.mark.parametrize("layout,reentrant", [("z3", False), ("fsdp2", False), ("z2", False), ("z3", True)])
+def test_activation_checkpointing_trains_like_one_process(tmp_path, layout, reentrant):
+    run_ranks(tmp_path, 2, _checkpointed, layout, reentrant, str(tmp_path / "ck.pt"))
+    got = torch.load(tmp_path / "ck.pt")
+    for name, value in reference_train().items():
+        err = float((got[name] - value).abs().max() / value.abs().max())
+        assert err < 1e-10, f"{layout}, reentrant={reentrant}: {name} differs from the reference by {err}"
 
 
 def _inspect(rank, world):

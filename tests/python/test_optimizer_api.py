@@ -111,6 +111,75 @@ def test_param_groups_and_python_clip_strategy(tmp_path, layout):
     assert float((plain["layers.2.gate.weight"] - ref["layers.2.gate.weight"]).abs().max()) > 1e-4
 
 
+def _one_cycle(rank, world, layout, out_path):
+    # OneCycleLR on Muon's groups: lr and momentum in every group; an AdamW group's momentum is its beta1. The
+    # Muon groups' lr is 0 (the matrices stay as initialised), so the AdamW side is torch's AdamW + OneCycleLR.
+    model = dedicated_net(init_device_mesh("cpu", (world,)), layout == "fsdp2")
+    opt = dmuon.Muon(model, lr=LR, adamw_lr=ADAMW_LR, adamw_weight_decay=0.01, first_step_progress_log=False)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=[0.0 if g["is_muon"] else ADAMW_LR for g in opt.param_groups], total_steps=STEPS)
+    adamw = [i for i, g in enumerate(opt.param_groups) if not g["is_muon"]]
+    adamw_groups = [opt.param_groups[i] for i in adamw]
+    per, beta1s = BATCH_PER(world), []
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
+        opt.step()
+        for i in adamw:  # what the step used: group["momentum"] is betas[0], in the core too
+            g = opt.param_groups[i]
+            assert g["momentum"] == g["betas"][0], g
+            if i < opt._native_groups:
+                assert opt._native.group_options(i)["betas"][0] == g["momentum"]
+        beta1s.append(adamw_groups[0]["betas"][0])
+        sched.step()
+    # a scheduler that writes betas (as for torch's Adam) is taken too; both changed differently is an error
+    opt.zero_grad()
+    opt.step()  # (no gradient: nothing moves) takes the scheduler's last momentum
+    adamw_groups[0]["betas"] = (0.7, 0.999)
+    opt.step()
+    assert adamw_groups[0]["momentum"] == 0.7
+    adamw_groups[0]["betas"], adamw_groups[0]["momentum"] = (0.6, 0.999), 0.5
+    with pytest.raises(ValueError, match=r"momentum=0.5 and betas\[0\]=0.6, both changed since the last step"):
+        opt.step()
+    adamw_groups[0]["momentum"] = 0.6
+    adamw_groups[0]["maximize"] = True  # a torch.optim flag dmuon's AdamW does not implement: refused, not ignored
+    with pytest.raises(ValueError, match=r"\('default'\) has maximize=True; dmuon's Muon and AdamW have no maximize"):
+        opt.step()
+    del adamw_groups[0]["maximize"]
+    # a user group's Muon values on a group without Muon matrices apply to nothing: a warning names them
+    other = dedicated_net(init_device_mesh("cpu", (world,)), False)
+    with pytest.warns(UserWarning, match=r"param_groups\[0\] \('norms'\) sets lr, momentum, but holds no dedicated "
+                                         r"Muon matrix, so they apply to no parameter \(adamw_lr"):
+        dmuon.Muon(other, param_groups=[{"params": [other.scale], "lr": 0.5, "momentum": 0.9, "name": "norms"}],
+                   first_step_progress_log=False)
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save({"params": sd, "beta1": beta1s}, out_path)
+
+
+@pytest.mark.parametrize("layout", ["replicate", "fsdp2"])
+def test_one_cycle_cycles_muon_momentum_and_adamw_beta1_as_torch(tmp_path, layout):
+    path = tmp_path / "one_cycle.pt"
+    run_ranks(tmp_path, 2, _one_cycle, layout, str(path))
+    got = torch.load(path)
+    model = make_net()  # torch: AdamW + OneCycleLR (beta1 cycled) on the non-matrix parameters, matrices fixed
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.dim() != 2], lr=ADAMW_LR, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=ADAMW_LR, total_steps=STEPS)
+    beta1s = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        beta1s.append(opt.param_groups[0]["betas"][0])
+        sched.step()
+    assert got["beta1"] == beta1s and len(set(beta1s)) > 1, (got["beta1"], beta1s)  # cycled, as torch's
+    for name, value in model.named_parameters():
+        err = float((got["params"][name] - value.detach()).abs().max() / value.detach().abs().max())
+        assert err < 1e-12, f"{layout}: {name} differs from torch's AdamW + OneCycleLR by {err}"
+
+
 def _buckets_and_profile(rank, world):
     # segmented clipping against closed forms: "a" is reduced over the group (each rank holds its part),
     # "b" is the same on every rank

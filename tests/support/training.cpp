@@ -82,7 +82,8 @@ RefResult reference_train(const GPTConfig& cfg, const StateDict& init, const std
   std::map<std::string, int64_t> t;
   for (const auto& tokens : batches) {
     const double f = sgd.param_groups()[0].options().get_lr();
-    for (auto& p : m->parameters()) p.mutable_grad() = at::Tensor();
+    if (!tc.keep_grads)
+      for (auto& p : m->parameters()) p.mutable_grad() = at::Tensor();
     at::Tensor loss = m->loss(tokens);
     loss.backward();
     r.losses.push_back(loss.item<double>());

@@ -72,6 +72,8 @@ struct TrainConfig {
   bool discarded_in_no_sync = false;
   bool zero_grad_to_none = true;
   double clip = 0;  // > 0: clip the global gradient norm of all parameters to this before each step
+  // no zero_grad between steps: each step's gradient is the sum of every backward so far, as in torch
+  bool keep_grads = false;
 };
 
 struct RefResult {
