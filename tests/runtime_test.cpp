@@ -130,7 +130,10 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
     std::unique_ptr<torch::optim::StepLR> sched;
     if (tc.scheduler) sched = std::make_unique<torch::optim::StepLR>(opt, 3, 0.5);
     const int64_t per = global_batch / ctx.world;
-    for (const auto& tokens : batches) {
+    if (m->frozen_blocks.empty()) m->frozen_blocks.assign(static_cast<size_t>(cfg.n_layers), false);
+    for (size_t s = 0; s < batches.size(); ++s) {
+      const at::Tensor& tokens = batches[s];
+      if (tc.frozen_on_odd_steps >= 0) m->frozen_blocks[static_cast<size_t>(tc.frozen_on_odd_steps)] = s % 2 == 1;
       if (!tc.keep_grads) opt.zero_grad(tc.zero_grad_to_none);
       const at::Tensor mine = tokens.narrow(0, ctx.rank * per, per).to(ctx.device);
       if (tc.discarded_backward) {  // a backward whose gradients zero_grad must discard
@@ -414,9 +417,6 @@ TEST(RuntimeTest, Float32TrainingMatchesSingleProcessWithinTheMeasuredNoise) {
   }
 }
 
-// backward(b1); zero_grad(); backward(b2); step() == backward(b2); step(), as in single-process
-// LibTorch: zero_grad discards what dmuon already holds (reduced Muon sums, replicated buckets,
-// sharded slices), on every route and path, with set_to_none either way.
 // A layout with one buffer per matrix (pack_small_params off).
 DistConfig unpacked_layout(int world, int replicate, bool ddp, bool sharded) {
   DistConfig dc;
@@ -428,6 +428,9 @@ DistConfig unpacked_layout(int world, int replicate, bool ddp, bool sharded) {
   return dc;
 }
 
+// backward(b1); zero_grad(); backward(b2); step() == backward(b2); step(), as in single-process
+// LibTorch: zero_grad discards what dmuon already holds (reduced Muon sums, replicated buckets,
+// sharded slices), on every route and path, with set_to_none either way.
 TEST(RuntimeTest, ZeroGradDiscardsGradientsDmuonAlreadyHolds) {
   struct Case {
     std::string label;
@@ -466,21 +469,25 @@ TEST(RuntimeTest, GradientsKeptAcrossStepsAccumulateAsInTorch) {
   struct Case {
     std::string label;
     int world, replicate;
-    bool ddp, sharded, no_sync;
+    bool ddp, no_sync;
+    int frozen_on_odd_steps;
   };
+  // (block 1 frozen on odd steps: its owners get no new gradient there and step on the kept one)
   const std::vector<Case> cases = {
-      {"one rank", 1, 1, false, false, false},     {"N2", 2, 1, false, false, false}, {"N3", 3, 1, false, false, false},
-      {"N3 sharded_adamw", 3, 1, false, true, false}, {"HSDP 2x2", 4, 2, false, false, false},
-      {"DDP path N3", 3, 1, true, false, false},  {"N2, NoSync accumulation", 2, 1, false, false, true},
+      {"one rank", 1, 1, false, false, 1},       {"N2", 2, 1, false, false, -1},
+      {"N3, block 1 frozen on odd steps", 3, 1, false, false, 1},
+      {"HSDP 2x2, block 1 frozen on odd steps", 4, 2, false, false, 1},
+      {"DDP path N3", 3, 1, true, false, -1},    {"N2, NoSync accumulation", 2, 1, false, true, 1},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.label);
     TrainConfig tc;
-    tc.steps = 3;
+    tc.steps = 4;
     tc.keep_grads = true;
+    tc.frozen_on_odd_steps = c.frozen_on_odd_steps;
     tc.accum = c.no_sync ? 2 : 1;
     tc.no_sync = c.no_sync;
-    check_equivalence(small_config(2), tc, unpacked_layout(c.world, c.replicate, c.ddp, c.sharded));
+    check_equivalence(small_config(2), tc, unpacked_layout(c.world, c.replicate, c.ddp, false));
   }
 }
 

@@ -6,6 +6,7 @@ identity autograd functions, the engine's end-of-backward callback)."""
 import contextlib
 import json
 import math
+import operator
 import sys
 import warnings
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
@@ -1407,9 +1408,9 @@ def get_optimizer_state_dict(model: nn.Module, optimizer, *, cpu_offload: bool =
     }
 
 
-def _check_fsdp_state(name: str, saved) -> None:
-    """The "fsdp" section's entry of one parameter, checked as the core checks its own sections (torch's AdamW
-    keeps the step as a float tensor)."""
+def _check_fsdp_state(name: str, saved, shape: tuple) -> None:
+    """The "fsdp" section's entry of one parameter (full shape `shape`), checked as the core checks its own
+    sections (torch's AdamW keeps the step as a float tensor)."""
     where = "set_optimizer_state_dict: the 'fsdp' section's"
     if not isinstance(saved, Mapping) or set(saved) != {"step", "exp_avg", "exp_avg_sq"}:
         raise ValueError(f"{where} '{name}' must be a dict of 'step', 'exp_avg' and 'exp_avg_sq', got "
@@ -1424,6 +1425,9 @@ def _check_fsdp_state(name: str, saved) -> None:
         v = saved[key]
         if not isinstance(v, torch.Tensor) or not v.is_floating_point():
             raise ValueError(f"{where} '{name}.{key}' is not a floating-point tensor.")
+        if tuple(v.shape) != shape:
+            raise ValueError(f"{where} '{name}.{key}' has shape {tuple(v.shape)}, the parameter {shape}. Build the "
+                             "model as in the run that saved it.")
         bad = int((~torch.isfinite(v)).sum())
         if bad:
             raise ValueError(f"{where} '{name}.{key}' holds {bad} non-finite value(s) (NaN or inf) of {v.numel()}; "
@@ -1462,9 +1466,20 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
         if len(numbers) != 6 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
             raise ValueError(f"set_optimizer_state_dict: param_groups[{i}] holds a value that is not a number in "
                              f"lr, momentum, weight_decay, eps or betas (a pair): {dict((k, saved[k]) for k in ('lr', 'momentum', 'weight_decay', 'eps', 'betas'))}.")
+        mine = optimizer.param_groups[i]
+        if bool(saved.get("is_muon")) != mine["is_muon"] or saved.get("group_name") != mine["group_name"]:
+            raise ValueError(
+                f"set_optimizer_state_dict: param_groups[{i}] is '{saved.get('group_name')}' "
+                f"({'Muon' if saved.get('is_muon') else 'AdamW'}) in the state dict but '{mine['group_name']}' "
+                f"({'Muon' if mine['is_muon'] else 'AdamW'}) here. Build the optimizer as in the run that saved it.")
     steps = state_dict["steps_taken"]
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-        raise ValueError(f"set_optimizer_state_dict: steps_taken is {steps!r}; a step count is an integer >= 0.")
+    try:  # an int, a numpy integer or a one-element integer tensor
+        steps = None if isinstance(steps, bool) else operator.index(steps)
+    except TypeError:
+        steps = None
+    if steps is None or steps < 0:
+        raise ValueError(f"set_optimizer_state_dict: steps_taken is {state_dict['steps_taken']!r}; a step count is "
+                         "an integer >= 0.")
     external = _trained_external(state)
     unknown = [n for n in state_dict["fsdp"] if n not in external]
     absent = [n for n in external if n not in state_dict["fsdp"]] if steps > 0 else []
@@ -1474,7 +1489,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
             f"(unknown: {unknown[:5]}, missing: {absent[:5]}). Build the model as in the run that saved it."
         )
     for name, saved in state_dict["fsdp"].items():  # the core's checks of its own sections, before anything loads
-        _check_fsdp_state(name, saved)
+        _check_fsdp_state(name, saved, tuple(external[name].shape))
     n = optimizer._native_groups
     optimizer._native.load_state(state.runtime, _flat(state_dict["dedicated"]), _flat(state_dict["dedicated_adamw"]),
                                  groups[:n], steps)

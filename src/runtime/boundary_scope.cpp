@@ -85,7 +85,7 @@ void BoundaryScope::enter() {
   if (impl_->site.state) {
     impl_->site.state->pre_forward(impl_->site.boundary);
     // every use that can give the parameters a gradient counts, with or without a post-backward hook
-    if (at::GradMode::is_enabled()) impl_->site.state->note_use(impl_->site.boundary);
+    impl_->site.state->note_use(impl_->site.boundary, at::GradMode::is_enabled());
   }
   impl_->entered = true;
 }

@@ -268,6 +268,10 @@ void DedicatedRoute::issue_reduce(int b) {
     for (int p : buf.params) ps.push_back(entries_[p].param);
     return ps;
   };
+  // the owner's gradient from the last step, where no new one arrived for it (its pre-hook did not run):
+  // aside too, so it is not reduced as a local gradient
+  for (auto& buf : buffers_[static_cast<size_t>(b)])
+    for (int p : buf.params) carry_installed_grad(entries_[p]);
   if (mesh.data_parallel_size() == 1 && comm.local_only()) {
     // one data-parallel rank: it owns every matrix and there is nothing to sum, so the gradients go
     // straight into the accumulator (no payload, no collective, nothing to wait; with

@@ -188,11 +188,15 @@ void Runtime::begin_root_forward() {
 void Runtime::pre_forward(int b) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   Boundary& B = boundaries_[static_cast<size_t>(b)];
-  if (callback_queued_ && in_autograd_backward()) {
-    B.recomputing = true;
-    // A forward inside this model's backward: activation checkpointing (torch.utils.checkpoint, reentrant
-    // or not) recomputing the block for its backward. The parameters are this backward's (pre_backward
+  if (in_autograd_backward() && (callback_queued_ || (B.ran_forward && !backward_since_forward_))) {
+    // A forward inside this model's backward (its hooks ran, or the block ran forward in this pass and
+    // no backward ended since): activation checkpointing (torch.utils.checkpoint, reentrant or not)
+    // recomputing the block for its backward. The parameters are this backward's (pre_backward
     // unsharded them; the reduce releases them): no new pass, nothing recorded, no release after it.
+    // The end-of-backward callback goes on this (the outer) backward, before a reentrant checkpoint's
+    // nested backward could take it.
+    note_backward();
+    B.recomputing = true;
     B.in_forward = true;
     if (!ddp()) {
       issue_unshards(b, "backward broadcast", true, false);  // (no collective where pre_backward issued it)
@@ -260,9 +264,19 @@ void Runtime::pre_backward(int b) {
   wait_unshards(b, true);
 }
 
-void Runtime::note_use(int b) {
+void Runtime::note_use(int b, bool grad_mode) {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  ++boundaries_[static_cast<size_t>(b)].post_expected;
+  Boundary& B = boundaries_[static_cast<size_t>(b)];
+  if (B.recomputing) {
+    // non-reentrant checkpointing: the first run counted this use (its graph's post-backward hook
+    // fires); reentrant: the first run had no grad mode, and the recompute's graph is the one
+    if (grad_mode && B.uncounted_uses > 0) {
+      --B.uncounted_uses;
+      ++B.post_expected;
+    }
+    return;
+  }
+  ++(grad_mode ? B.post_expected : B.uncounted_uses);
 }
 
 void Runtime::post_backward(int b) {
@@ -313,6 +327,7 @@ void Runtime::end_of_backward() {
     release(B.index);
     if (!no_sync_) B.ran_since_backward = false;
     B.post_expected = 0;
+    B.uncounted_uses = 0;
     B.post_fired = 0;
     B.grads_ready = false;
     B.accumulated = 0;

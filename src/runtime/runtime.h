@@ -74,6 +74,7 @@ struct Boundary {
   bool reduced = false;
   bool in_forward = false;
   bool recomputing = false;  // its forward runs inside backward (activation checkpointing): not released after
+  int uncounted_uses = 0;    // uses without grad mode since the last backward (a recompute may count them)
   // mixed precision (from the policies of the boundary's parameters)
   std::optional<at::ScalarType> input_dtype;   // cast floating forward arguments to this
   std::optional<at::ScalarType> output_dtype;  // cast the tensor output to this
@@ -102,7 +103,9 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void post_forward(int b);
   void pre_backward(int b);
   void post_backward(int b);
-  void note_use(int b);                        // a use of boundary b in grad mode (its backward may fire post_backward)
+  // a use of boundary b (in grad mode, its backward may fire post_backward); a recompute inside backward
+  // counts only a use that ran without grad mode before (a reentrant checkpoint's first run)
+  void note_use(int b, bool grad_mode);
   void note_accumulated(bool& accumulated, int b);  // a parameter of b got its gradient (its own bit)
   void note_backward();                        // some hook ran in backward: queue the end-of-backward
   // GradEvents (route hooks; called under the lock)

@@ -198,8 +198,9 @@ void ShardedRoute::ready_grads(std::vector<ReadyGrad>& out) {
       r.grad = e.grad;
       out.push_back(std::move(r));
     }
-    // e.grad stays until zero_grad (discard_grads), as torch's p.grad: a next backward without zero_grad
-    // adds its average to it (install_grads), the sum torch would step on
+    // handed over: the gradient of a sharded_adamw parameter is never in p.grad, so nothing but the step
+    // could drop it (model.zero_grad() cannot reach it); a backward without zero_grad starts it anew
+    e.grad = at::Tensor();
   }
 }
 

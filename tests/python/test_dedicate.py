@@ -476,6 +476,10 @@ def _resume(rank, world, layout, out_path):
             entry[key] = entry[key].reshape(optim_sd["fsdp"]["scale"][key].shape)
             with pytest.raises(ValueError, match=re.escape(message)):
                 dmuon.set_optimizer_state_dict(model, opt, bad)
+        wrong = {**optim_sd, "fsdp": {**optim_sd["fsdp"], "scale": {**optim_sd["fsdp"]["scale"],
+                                                                     "exp_avg": torch.zeros(DIM + 1)}}}
+        with pytest.raises(ValueError, match=re.escape(f"'scale.exp_avg' has shape ({DIM + 1},), the parameter ({DIM},)")):
+            dmuon.set_optimizer_state_dict(model, opt, wrong)
     no_momentum = {**optim_sd, "param_groups": [{k: v for k, v in g.items() if k != "momentum"}
                                                 for g in optim_sd["param_groups"]]}
     with pytest.raises(ValueError, match=re.escape("param_groups[0] has no ['momentum']")):
@@ -598,22 +602,32 @@ def _checkpointed(rank, world, layout, reentrant, out_path):
     torch.manual_seed(7)
     model = CheckpointedNet()  # make_net()'s weights
     model.reentrant = reentrant
-    dedicated_net(init_device_mesh("cpu", (world,)), layout == "fsdp2", model, reshard_after_forward=layout != "z2")
-    opt, sched = make_optimizer(model, first_step_progress_log=False)
+    mesh, options = init_device_mesh("cpu", (world,)), dict(reshard_after_forward=layout != "z2")
+    dedicated_net(mesh, layout == "fsdp2", model, **options)
+    plain = dedicated_net(mesh, layout == "fsdp2", None, **options)  # the same without checkpointing
     per = BATCH // world
-    for step in range(STEPS):
-        x, y = batch(step)
-        opt.zero_grad()
-        inputs = x[rank * per:(rank + 1) * per].requires_grad_(reentrant)  # the reentrant form needs one
-        ((model(inputs) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
-        opt.step()
-        sched.step()
+    step_bytes = []
+    for m in (plain, model):
+        opt, sched = make_optimizer(m, first_step_progress_log=False)
+        for step in range(STEPS if m is model else 2):
+            x, y = batch(step)
+            opt.zero_grad()
+            before = sum(dmuon.comm_bytes(m).values())
+            inputs = x[rank * per:(rank + 1) * per].requires_grad_(reentrant)  # the reentrant form needs one
+            ((m(inputs) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
+            opt.step()
+            sched.step()
+            if step == 1:
+                step_bytes.append(sum(dmuon.comm_bytes(m).values()) - before)
+    # the recompute inside backward moved no extra byte: no new pass, no unshard of its own
+    assert step_bytes[0] == step_bytes[1] > 0, step_bytes
     sd = dmuon.get_model_state_dict(model)
     if rank == 0:
         torch.save(sd, out_path)
 
 
-@pytest.mark.parametrize("layout,reentrant", [("z3", False), ("fsdp2", False), ("z2", False), ("z3", True)])
+@pytest.mark.parametrize("layout,reentrant", [("z3", False), ("fsdp2", False), ("z2", False), ("z3", True),
+                                              ("fsdp2", True), ("z2", True)])
 def test_activation_checkpointing_trains_like_one_process(tmp_path, layout, reentrant):
     run_ranks(tmp_path, 2, _checkpointed, layout, reentrant, str(tmp_path / "ck.pt"))
     got = torch.load(tmp_path / "ck.pt")

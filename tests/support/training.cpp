@@ -80,7 +80,9 @@ RefResult reference_train(const GPTConfig& cfg, const StateDict& init, const std
   RefResult r;
   std::map<std::string, at::Tensor> buf, m1, m2;
   std::map<std::string, int64_t> t;
-  for (const auto& tokens : batches) {
+  for (size_t s = 0; s < batches.size(); ++s) {
+    const at::Tensor& tokens = batches[s];
+    if (tc.frozen_on_odd_steps >= 0) m->frozen_blocks[static_cast<size_t>(tc.frozen_on_odd_steps)] = s % 2 == 1;
     const double f = sgd.param_groups()[0].options().get_lr();
     if (!tc.keep_grads)
       for (auto& p : m->parameters()) p.mutable_grad() = at::Tensor();

@@ -74,6 +74,7 @@ struct TrainConfig {
   double clip = 0;  // > 0: clip the global gradient norm of all parameters to this before each step
   // no zero_grad between steps: each step's gradient is the sum of every backward so far, as in torch
   bool keep_grads = false;
+  int frozen_on_odd_steps = -1;  // >= 0: this block runs under no_grad on steps 1, 3, ... (no gradient then)
 };
 
 struct RefResult {
