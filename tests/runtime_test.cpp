@@ -131,6 +131,23 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
     if (tc.scheduler) sched = std::make_unique<torch::optim::StepLR>(opt, 3, 0.5);
     const int64_t per = global_batch / ctx.world;
     if (m->frozen_blocks.empty()) m->frozen_blocks.assign(static_cast<size_t>(cfg.n_layers), false);
+    auto raise_now = std::make_shared<bool>(false);
+    if (tc.raised_backward) {  // on a matrix of the middle block: the last block's gradients are reduced by then
+      bool hooked = false;
+      for (const auto& item : m->named_parameters())
+        if (item.key().find("layers." + std::to_string((cfg.n_layers - 1) / 2) + ".") == 0 && item.value().dim() == 2) {
+          at::Tensor(item.value()).register_hook([raise_now](const at::Tensor& g) {
+            if (*raise_now) {
+              *raise_now = false;
+              throw std::runtime_error("simulated CUDA out of memory");
+            }
+            return g;
+          });
+          hooked = true;
+          break;
+        }
+      if (!hooked) throw std::runtime_error("no matrix in the middle block to raise in");
+    }
     for (size_t s = 0; s < batches.size(); ++s) {
       const at::Tensor& tokens = batches[s];
       if (tc.frozen_on_odd_steps >= 0) m->frozen_blocks[static_cast<size_t>(tc.frozen_on_odd_steps)] = s % 2 == 1;
@@ -142,6 +159,19 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
         m->loss((mine * 7 + 3).remainder(cfg.vocab_size)).backward();
         ns.reset();
         opt.zero_grad(tc.zero_grad_to_none);
+      }
+      if (tc.raised_backward && s > 0) {
+        *raise_now = true;
+        const std::string raised = error_of([&] { m->loss(mine).backward(); });
+        if (raised.find("simulated CUDA out of memory") == std::string::npos)
+          throw std::runtime_error("the backward did not raise the hook's error: " + raised);
+        if (tc.raised_backward_zero_grad) {
+          const std::string refused = error_of([&] { opt.step(); });
+          if (refused.find("rank " + std::to_string(ctx.rank) + ": the last backward through this dmuon model did not "
+                           "finish") == std::string::npos)
+            throw std::runtime_error("step() after a backward that raised: " + refused);
+          opt.zero_grad(tc.zero_grad_to_none);
+        }
       }
       const int64_t micro = per / tc.accum;
       for (int a = 0; a < tc.accum; ++a) {
@@ -488,6 +518,38 @@ TEST(RuntimeTest, GradientsKeptAcrossStepsAccumulateAsInTorch) {
     tc.accum = c.no_sync ? 2 : 1;
     tc.no_sync = c.no_sync;
     check_equivalence(small_config(2), tc, unpacked_layout(c.world, c.replicate, c.ddp, false));
+  }
+}
+
+// A backward that raises (a caught out-of-memory error) runs no end-of-backward callback: the engine
+// drops it with its graph task. step() then refuses the incomplete gradients; zero_grad(), or else the
+// next forward (with a warning), waits what it issued, drops it and the pass goes on. Training the batch
+// again gives the reference's result, on every route and path.
+TEST(RuntimeTest, ABackwardThatRaisesIsDroppedAndTrainingGoesOn) {
+  struct Case {
+    std::string label;
+    int world, replicate;
+    bool ddp, sharded, zero_grad, no_sync;
+    bool to_none = true;
+  };
+  const std::vector<Case> cases = {
+      {"one rank", 1, 1, false, false, true, false},
+      {"N2, zero_grad(false)", 2, 1, false, false, true, false, false},
+      {"N3 sharded_adamw, the next forward drops it", 3, 1, false, true, false, false},
+      {"HSDP 2x2, zero_grad", 4, 2, false, false, true, false},
+      {"DDP path N2, the next forward drops it", 2, 1, true, false, false, false},
+      {"N2 NoSync accumulation, zero_grad", 2, 1, false, false, true, true},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.label);
+    TrainConfig tc;
+    tc.steps = 3;
+    tc.raised_backward = true;
+    tc.raised_backward_zero_grad = c.zero_grad;
+    tc.zero_grad_to_none = c.to_none;
+    tc.accum = c.no_sync ? 2 : 1;
+    tc.no_sync = c.no_sync;
+    check_equivalence(small_config(2), tc, unpacked_layout(c.world, c.replicate, c.ddp, c.sharded));
   }
 }
 

@@ -3,6 +3,7 @@
 // Each is one pybind11 call that enters or leaves the module's boundary scope (dmuon::forward's, resolved
 // once at install time): tensors cross as the Python objects' own at::Tensor, no argument is copied
 // unless the boundary changes it, and the runtime's work runs without the GIL.
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <memory>
@@ -45,7 +46,53 @@ class ForwardHooks {
   // The forward pre-hook: enters a new scope (a module may run several times in one forward: a stack).
   // On a boundary the first tensor argument (positional, else keyword) carries its post-backward hook and
   // the other tensor arguments get its input cast. Returns None when no argument changed.
-  py::object pre(py::handle /*module*/, const py::tuple& args, const py::dict& kwargs) {
+  // The core's warnings (TORCH_WARN: a backward that raised was dropped) reach Python as UserWarnings.
+  py::object pre(py::handle module, const py::tuple& args, const py::dict& kwargs) {
+    torch::PyWarningHandler warnings;
+    try {
+      return enter(module, args, kwargs);
+    } catch (...) {
+      warnings.set_in_exception();  // the error wins: the handler must not throw a warning over it
+      throw;
+    }
+  }
+
+  // The forward hook (always_call: also when the forward raised, with output None): leaves the newest
+  // scope. On a boundary a tensor output, or a tuple/list whose first item is one, carries its
+  // pre-backward hook (and gets its output cast). Returns None when the output passes on unchanged.
+  py::object post(py::handle /*module*/, py::handle /*args*/, py::handle /*kwargs*/, const py::object& output) {
+    // an earlier pre-hook (FSDP2's, parallelize_module's) raised before this module's: torch still calls
+    // this always-called hook, and there is no scope of this call to close
+    if (scopes_.empty()) return py::none();
+    std::unique_ptr<detail::BoundaryScope> scope = std::move(scopes_.back());
+    scopes_.pop_back();
+    const bool sequence = py::isinstance<py::tuple>(output) || py::isinstance<py::list>(output);
+    py::object carrier;
+    if (site_.state && is_tensor(output)) carrier = output;
+    else if (site_.state && sequence && py::len(output) > 0 && is_tensor(py::object(output[py::int_(0)])))
+      carrier = output[py::int_(0)];
+    if (!carrier) {
+      py::gil_scoped_release nogil;
+      scope->exit();
+      return py::none();
+    }
+    at::Tensor left;
+    {
+      const at::Tensor out = THPVariable_Unpack(carrier.ptr());
+      py::gil_scoped_release nogil;
+      left = scope->exit(out);
+    }
+    py::object first = passed_on(carrier, left);
+    if (first.is(carrier)) return py::none();
+    if (carrier.is(output)) return first;
+    auto items = py::reinterpret_steal<py::list>(PySequence_List(output.ptr()));  // a copy: the caller's list stays
+    if (!items) throw py::error_already_set();
+    items[0] = first;
+    return same_sequence(output, items);
+  }
+
+ private:
+  py::object enter(py::handle /*module*/, const py::tuple& args, const py::dict& kwargs) {
     // pushed first: the forward hook (always_call) pops it even when what follows raises
     scopes_.push_back(std::make_unique<detail::BoundaryScope>(site_));
     detail::BoundaryScope& scope = *scopes_.back();
@@ -95,41 +142,6 @@ class ForwardHooks {
     return py::make_tuple(std::move(new_args), std::move(new_kwargs));
   }
 
-  // The forward hook (always_call: also when the forward raised, with output None): leaves the newest
-  // scope. On a boundary a tensor output, or a tuple/list whose first item is one, carries its
-  // pre-backward hook (and gets its output cast). Returns None when the output passes on unchanged.
-  py::object post(py::handle /*module*/, py::handle /*args*/, py::handle /*kwargs*/, const py::object& output) {
-    // an earlier pre-hook (FSDP2's, parallelize_module's) raised before this module's: torch still calls
-    // this always-called hook, and there is no scope of this call to close
-    if (scopes_.empty()) return py::none();
-    std::unique_ptr<detail::BoundaryScope> scope = std::move(scopes_.back());
-    scopes_.pop_back();
-    const bool sequence = py::isinstance<py::tuple>(output) || py::isinstance<py::list>(output);
-    py::object carrier;
-    if (site_.state && is_tensor(output)) carrier = output;
-    else if (site_.state && sequence && py::len(output) > 0 && is_tensor(py::object(output[py::int_(0)])))
-      carrier = output[py::int_(0)];
-    if (!carrier) {
-      py::gil_scoped_release nogil;
-      scope->exit();
-      return py::none();
-    }
-    at::Tensor left;
-    {
-      const at::Tensor out = THPVariable_Unpack(carrier.ptr());
-      py::gil_scoped_release nogil;
-      left = scope->exit(out);
-    }
-    py::object first = passed_on(carrier, left);
-    if (first.is(carrier)) return py::none();
-    if (carrier.is(output)) return first;
-    auto items = py::reinterpret_steal<py::list>(PySequence_List(output.ptr()));  // a copy: the caller's list stays
-    if (!items) throw py::error_already_set();
-    items[0] = first;
-    return same_sequence(output, items);
-  }
-
- private:
   detail::BoundarySite site_;
   py::object guard_;  // None, or (the root) the Python check that no parameter changed dtype or device
   std::vector<std::unique_ptr<detail::BoundaryScope>> scopes_;

@@ -188,7 +188,9 @@ void Runtime::begin_root_forward() {
 void Runtime::pre_forward(int b) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   Boundary& B = boundaries_[static_cast<size_t>(b)];
-  if (in_autograd_backward() && (callback_queued_ || (B.ran_forward && !backward_since_forward_))) {
+  const bool in_backward = in_autograd_backward();
+  if (!in_backward && backward_abandoned()) drop_abandoned_backward("the next forward", /*param_grads=*/true);
+  if (in_backward && (backward_live() || (B.ran_forward && !backward_since_forward_))) {
     // A forward inside this model's backward (its hooks ran, or the block ran forward in this pass and
     // no backward ended since): activation checkpointing (torch.utils.checkpoint, reentrant or not)
     // recomputing the block for its backward. The parameters are this backward's (pre_backward
@@ -233,8 +235,10 @@ void Runtime::release(int b) {
 // ---- backward --------------------------------------------------------------------------------------
 void Runtime::note_backward() {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  if (callback_queued_) return;
-  callback_queued_ = true;
+  if (backward_live()) return;
+  // (retain_graph: a backward again without a forward; what it accumulated so far stays)
+  if (backward_abandoned()) drop_abandoned_backward("the next backward", /*param_grads=*/false);
+  backward_open_ = true;
   if (!reduce_order_fixed_) {
     // reverse forward order; then every other boundary entered since the last backward (a block
     // run twice, or forward passes before this backward), in model order -- the same on every rank
@@ -248,7 +252,9 @@ void Runtime::note_backward() {
     next_reduce_ = 0;
     reduce_order_fixed_ = true;
   }
-  torch::autograd::Engine::get_default_engine().queue_callback([weak = weak_from_this()] {
+  auto token = std::make_shared<char>(0);
+  backward_token_ = token;
+  torch::autograd::Engine::get_default_engine().queue_callback([weak = weak_from_this(), token] {
     if (auto rt = weak.lock()) rt->end_of_backward();
   });
 }
@@ -323,9 +329,18 @@ void Runtime::end_of_backward() {
   // Fire every boundary whose backward hooks did not run (no input needed grad, unused outputs...).
   if (!no_sync_)
     for (; next_reduce_ < reduce_order_.size(); ++next_reduce_) issue_reduce(reduce_order_[next_reduce_]);
+  clear_pass_state(/*accumulating=*/no_sync_);
+  if (no_sync_) {
+    for (Route* r : routes()) r->upcast_local_grads();
+  } else {
+    for (Route* r : routes()) r->end_of_backward();  // HSDP: the last stage-2 reduces; replicated all-reduces
+  }
+}
+
+void Runtime::clear_pass_state(bool accumulating) {
   for (auto& B : boundaries_) {
     release(B.index);
-    if (!no_sync_) B.ran_since_backward = false;
+    if (!accumulating) B.ran_since_backward = false;
     B.post_expected = 0;
     B.uncounted_uses = 0;
     B.post_fired = 0;
@@ -334,16 +349,33 @@ void Runtime::end_of_backward() {
     B.reduced = false;
   }
   for (Route* r : routes()) r->reset_pass();
-  if (no_sync_) {
-    for (Route* r : routes()) r->upcast_local_grads();
-  } else {
-    for (Route* r : routes()) r->end_of_backward();  // HSDP: the last stage-2 reduces; replicated all-reduces
-  }
-  callback_queued_ = false;
+  backward_open_ = false;
   reduce_order_fixed_ = false;
   reduce_order_.clear();
   next_reduce_ = 0;
   backward_since_forward_ = true;
+}
+
+void Runtime::drop_abandoned_backward(const char* warn_where, bool param_grads) {
+  if (warn_where)
+    TORCH_WARN("rank ", mesh().global_rank(), ": the last backward through this dmuon model did not finish (an "
+               "exception was raised in it), so its gradients are incomplete. dmuon dropped every gradient of its "
+               "parameters (that backward's and any earlier micro-batch's) at ", warn_where, ", as zero_grad() would. Call "
+               "optimizer.zero_grad() after catching such an exception (every rank the same way) to drop them "
+               "yourself and silence this warning.");
+  // What the abandoned backward issued is waited (every rank that ran it issued the same collectives; a
+  // rank whose peers did not abandon theirs ends in the collective timeout, an error), then dropped.
+  for (Route* r : routes()) r->discard_grads();
+  for (auto& B : boundaries_) {
+    B.in_forward = false;
+    B.recomputing = false;
+  }
+  clear_pass_state(/*accumulating=*/false);
+  // and what autograd accumulated into the parameters before the exception (dedicated matrices whose
+  // boundary was not reduced yet, replicated and local parameters)
+  if (param_grads)
+    for (const ModelView::Tensor& item : view_.params)
+      if (item.tensor.grad().defined()) at::Tensor(item.tensor).mutable_grad() = at::Tensor();
 }
 
 std::string Runtime::bypass_hint() const {
@@ -359,6 +391,10 @@ std::string Runtime::bypass_hint() const {
 // ---- optimizer interface ---------------------------------------------------------------------------
 void Runtime::prepare_grads(bool dedicated) {
   std::lock_guard<std::recursive_mutex> g(mu_);
+  TORCH_CHECK(!backward_abandoned(), "rank ", mesh().global_rank(), ": the last backward through this dmuon model did "
+              "not finish (an exception was raised in it), so the gradients dmuon holds are incomplete and no step "
+              "or gradient clipping can use them. Call optimizer.zero_grad() after catching the exception (every "
+              "rank the same way), then run the batch again or go on with the next one.");
   at::NoGradGuard ng;
   std::vector<Route*> rs;
   for (Route* r : routes())
@@ -507,11 +543,16 @@ void Runtime::defer_update(const std::string& name, std::function<void()> apply)
 
 void Runtime::discard_grads() {
   std::lock_guard<std::recursive_mutex> g(mu_);
+  if (backward_abandoned()) {
+    drop_abandoned_backward(nullptr, /*param_grads=*/false);  // (zero_grad's own work)
+    return;
+  }
   for (Route* r : routes()) r->discard_grads();
 }
 
 void Runtime::drain_all() {
   std::lock_guard<std::recursive_mutex> g(mu_);
+  if (backward_abandoned()) drop_abandoned_backward("a checkpoint's drain", /*param_grads=*/true);
   for (const auto& B : boundaries_)
     for (Route* r : routes()) r->wait_unshard(B.index);
   prepare_grads();

@@ -204,6 +204,14 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void issue_reduce(int b);
   void release(int b);
   void end_of_backward();
+  // clears the per-pass state of every boundary and route after a backward (`accumulating`: inside
+  // no_sync, the boundaries keep their reduce set for the last micro-batch's backward)
+  void clear_pass_state(bool accumulating);
+  // a backward that ended in an exception: waits what it issued, drops every gradient dmuon holds (as
+  // zero_grad does) and clears the pass, so training goes on from the next forward; `warn_where`: the
+  // call that found it, for the warning (null: zero_grad, which drops them anyway); `param_grads`: also
+  // the parameters' .grad (not from zero_grad, which clears them its own way, nor inside a backward)
+  void drop_abandoned_backward(const char* warn_where, bool param_grads);
   const std::vector<Route*>& routes() const { return routes_; }
   // the ready gradients of the one-pass path (every route, or every route but the dedicated one)
   std::vector<ReadyGrad> take_ready_grads_locked(bool dedicated);
@@ -229,7 +237,14 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   bool no_sync_ = false;
   bool backward_since_forward_ = true;
   bool pass_begun_by_step_ = false;  // prefetch_next_forward began the next pass: its root forward does not
-  bool callback_queued_ = false;
+  // A backward this runtime's hooks saw has begun and its end-of-backward callback has not run. The
+  // callback holds the token backward_token_ watches: a backward that raises never runs its final
+  // callbacks, and the engine destroys them with its graph task, so an open backward whose token
+  // expired was abandoned (an exception in it, e.g. a caught out-of-memory error).
+  bool backward_open_ = false;
+  std::weak_ptr<void> backward_token_;
+  bool backward_live() const { return backward_open_ && !backward_token_.expired(); }
+  bool backward_abandoned() const { return backward_open_ && backward_token_.expired(); }
   size_t next_reduce_ = 0;                // position in reduce_order_
   std::vector<int> reduce_order_;         // reverse of the current forward order, fixed at the first backward hook
   bool reduce_order_fixed_ = false;

@@ -75,6 +75,12 @@ struct TrainConfig {
   // no zero_grad between steps: each step's gradient is the sum of every backward so far, as in torch
   bool keep_grads = false;
   int frozen_on_odd_steps = -1;  // >= 0: this block runs under no_grad on steps 1, 3, ... (no gradient then)
+  // Before each step's real micro-batches on steps 1, 2, ...: a backward that raises half-way (a hook on a
+  // parameter of the middle block throws, as a caught out-of-memory error would), caught; then zero_grad
+  // (raised_backward_zero_grad; step() in between must refuse) or straight on to the next forward, which
+  // drops it. The result must not change.
+  bool raised_backward = false;
+  bool raised_backward_zero_grad = true;
 };
 
 struct RefResult {
