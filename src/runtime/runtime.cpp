@@ -239,6 +239,21 @@ void Runtime::note_backward() {
   // (retain_graph: a backward again without a forward; what it accumulated so far stays)
   if (backward_abandoned()) drop_abandoned_backward("the next backward", /*param_grads=*/false);
   backward_open_ = true;
+  if (!reduce_order_fixed_ && ddp()) {
+    // The DDP path: every boundary, the last in model order first, on every rank, whatever ran here.
+    // Ranks may run different boundaries (a data-dependent branch, an expert that got no tokens): one
+    // this rank did not run since the last backward (nor in this pass) gets no gradient here and is
+    // ready at once (its has-gradient flags say so), so every rank issues the same reduces in the same
+    // order, as torch's DDP with find_unused_parameters.
+    reduce_order_.clear();
+    for (int b = static_cast<int>(boundaries_.size()) - 1; b >= 0; --b) {
+      Boundary& B = boundaries_[static_cast<size_t>(b)];
+      reduce_order_.push_back(b);
+      if (!B.ran_forward && !B.ran_since_backward) B.grads_ready = true;
+    }
+    next_reduce_ = 0;
+    reduce_order_fixed_ = true;
+  }
   if (!reduce_order_fixed_) {
     // reverse forward order; then every other boundary entered since the last backward (a block
     // run twice, or forward passes before this backward), in model order -- the same on every rank

@@ -56,7 +56,8 @@ def schedule(step):
 CLIP = 0.05  # a max norm below every step's gradient norm here: each step clips
 
 
-def reference_train(compute_dtype=None, clip=None, hparams=None, muon_clip=None, keep_grads=False):
+def reference_train(compute_dtype=None, clip=None, hparams=None, muon_clip=None, keep_grads=False, model=None,
+                    loss_of=None):
     """The same training in one process by a pure-PyTorch Muon + AdamW written from the documented update
     rule (docs: NEWTON_SCHULZ.md section 6), not by dmuon: Nesterov momentum buf = mu*buf + g, u = g + mu*buf;
     W *= 1 - lr*wd; W -= lr * 0.2 * sqrt(max(rows, cols)) * NS(u) with float64 direct NS (Polar Express);
@@ -66,14 +67,17 @@ def reference_train(compute_dtype=None, clip=None, hparams=None, muon_clip=None,
     overriding lr / adamw_lr / wd / adamw_wd / nesterov / ns_steps / betas / eps for that parameter
     (per-group hyperparameters). muon_clip:
     called with {name: grad} of the Muon matrices before the update (a clipping strategy's math). keep_grads:
-    no zero_grad between steps (each step's gradient is the sum of every backward so far)."""
-    model = make_net()
+    no zero_grad between steps (each step's gradient is the sum of every backward so far). model: another model
+    than make_net(); loss_of(model, step): another loss than the batch's mean squared error."""
+    model = make_net() if model is None else model
     buf, m1, m2 = {}, {}, {}
     for step in range(STEPS):
         x, y = batch(step)
         if not keep_grads:
             model.zero_grad()
-        if compute_dtype is None:
+        if loss_of is not None:
+            loss_of(model, step).backward()
+        elif compute_dtype is None:
             ((model(x) - y) ** 2).mean().backward()
         else:
             low = make_net().to(compute_dtype)
@@ -634,6 +638,74 @@ def test_activation_checkpointing_trains_like_one_process(tmp_path, layout, reen
     for name, value in reference_train().items():
         err = float((got[name] - value).abs().max() / value.abs().max())
         assert err < 1e-10, f"{layout}, reentrant={reentrant}: {name} differs from the reference by {err}"
+
+
+class BranchNet(Net):
+    """Net with an extra block that only some ranks run (a data-dependent branch, an expert that got no
+    tokens): `uses(rank, step)` decides."""
+
+    def __init__(self, uses):
+        super().__init__()
+        self.extra = Block()
+        self.uses, self.rank, self.step = uses, 0, 0
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        if self.uses(self.rank, self.step):
+            x = self.extra(x)
+        return x * self.scale
+
+
+def odd_ranks_and_rank0_on_odd_steps(rank, step):
+    return rank % 2 == 1 or (rank == 0 and step % 2 == 1)
+
+
+def make_branch_net():
+    torch.manual_seed(7)
+    return BranchNet(odd_ranks_and_rank0_on_odd_steps)
+
+
+def _branch(rank, world, out_path):
+    model = make_branch_net()
+    dmuon.dedicate_params_ddp(model, init_device_mesh("cpu", (world,)), lambda n, p: p.dim() == 2)
+    dmuon.replicate(model)
+    opt, sched = make_optimizer(model, first_step_progress_log=False)
+    per = BATCH // world
+    for step in range(STEPS):
+        model.rank, model.step = rank, step
+        x, y = batch(step)
+        opt.zero_grad()
+        ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
+        opt.step()
+        sched.step()
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save(sd, out_path)
+
+
+def test_ddp_path_trains_blocks_that_only_some_ranks_run_as_torch_ddp(tmp_path):
+    # torch's DDP with find_unused_parameters: the gradient is the average over the ranks of each rank's
+    # gradient, zero where a rank did not run the block
+    for world in (2, 3):
+        per = BATCH // world
+
+        def loss_of(model, step):
+            x, y = batch(step)
+            total = 0
+            for r in range(world):
+                model.rank, model.step = r, step
+                total = total + ((model(x[r * per:(r + 1) * per]) - y[r * per:(r + 1) * per]) ** 2).mean() / world
+            return total
+
+        ref = reference_train(model=make_branch_net(), loss_of=loss_of)
+        (tmp_path / str(world)).mkdir()
+        run_ranks(tmp_path / str(world), world, _branch, str(tmp_path / f"branch{world}.pt"))
+        got = torch.load(tmp_path / f"branch{world}.pt")
+        assert float((got["extra.proj.weight"] - make_branch_net().extra.proj.weight.detach()).abs().max()) > 1e-3
+        for name, value in ref.items():
+            err = float((got[name] - value).abs().max() / value.abs().max())
+            assert err < 1e-10, f"{world} ranks: {name} differs from the reference by {err}"
 
 
 class SimulatedOutOfMemory(RuntimeError):
