@@ -125,6 +125,43 @@ TEST(RoutingTest, BoundaryResolution) {
             std::string::npos);
 }
 
+// A tied parameter (several modules hold it: an embedding used as the output projection) gets the lowest
+// module containing every holder, so each use runs inside its boundary; model_view finds the other names.
+TEST(RoutingTest, ATiedParametersBoundaryContainsEveryModuleHoldingIt) {
+  models::GPT m(dmuon::testing::small_config(2));
+  const ModuleIndex mods(model_view(*m));
+  const at::Tensor p = at::zeros({4, 4});
+  const DedicateOptions o;
+  auto boundary = [&](const std::string& name, std::vector<std::string> aliases) {
+    return resolve_boundary(o, mods, ModelView::Tensor{name, p, std::move(aliases)}, 0);
+  };
+  EXPECT_EQ(boundary("tok_emb.weight", {"head.weight"}), "");
+  EXPECT_EQ(boundary("layers.1.q_proj.weight", {}), "layers.1");
+  EXPECT_EQ(boundary("layers.1.q_proj.weight", {"layers.1.k_proj.weight"}), "layers.1");
+  EXPECT_EQ(boundary("layers.1.q_proj.weight", {"layers.0.q_proj.weight"}), "layers");
+  EXPECT_EQ(boundary("layers.1.q_proj.weight", {"layers.10.q_proj.weight"}), "layers");  // a component, not a prefix
+  EXPECT_EQ(boundary("layers.1.q_proj.weight", {"head.weight", "layers.0.q_proj.weight"}), "");
+  // a LibTorch model with a tied parameter: named once, with its other name as an alias
+  struct Holder : torch::nn::Module {
+    Holder(const at::Tensor& weight, const at::Tensor& bias) {
+      register_parameter("weight", weight);
+      register_parameter("bias", bias);
+    }
+  };
+  struct Tied : torch::nn::Module {
+    Tied() {
+      const at::Tensor w = at::randn({4, 4});
+      register_module("emb", std::make_shared<Holder>(w, at::zeros({4})));
+      register_module("head", std::make_shared<Holder>(w, at::zeros({4})));
+    }
+  };
+  const ModelView v = model_view(*std::make_shared<Tied>());
+  ASSERT_EQ(v.params.size(), 3u);  // emb.weight, emb.bias, head.bias
+  EXPECT_EQ(v.params[0].name, "emb.weight");
+  EXPECT_EQ(v.params[0].aliases, std::vector<std::string>{"head.weight"});
+  EXPECT_TRUE(v.params[1].aliases.empty() && v.params[2].aliases.empty());
+}
+
 TEST(RoutingTest, RoutesOfAGptWithoutAnyRank) {
   models::GPT m(dmuon::testing::small_config(2));
   DedicateOptions o;

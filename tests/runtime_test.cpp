@@ -192,6 +192,11 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
         co.scope = ClipScope::AllParams;
         opt.clip_grad_norm_(tc.clip, co);
       }
+      if (tc.edit_grads) {
+        std::vector<std::pair<std::string, at::Tensor>> named;
+        for (const auto& item : m->named_parameters(true)) named.emplace_back(item.key(), item.value());
+        tc.edit_grads(s, named);
+      }
       opt.step();
       if (mo.record_step_profile) {  // the multi-tensor kernels ran (a path that silently fell back fails here)
         const StepProfile p = opt.consume_last_step_profile();
@@ -550,6 +555,43 @@ TEST(RuntimeTest, ABackwardThatRaisesIsDroppedAndTrainingGoesOn) {
     tc.accum = c.no_sync ? 2 : 1;
     tc.no_sync = c.no_sync;
     check_equivalence(small_config(2), tc, unpacked_layout(c.world, c.replicate, c.ddp, c.sharded));
+  }
+}
+
+// The replicated parameters' gradients are their averages over the ranks in p.grad when backward
+// returns (as after torch's DDP), and what the loop does to them before step() is what step() uses:
+// scaled in place, replaced, dropped on the last step -- also after clipping took the gradients.
+TEST(RuntimeTest, ReplicatedGradientsAreAveragesInGradAfterBackwardAndEditsCount) {
+  struct Case {
+    std::string label;
+    int world, replicate;
+    bool ddp;
+    double clip;
+  };
+  const std::vector<Case> cases = {
+      {"one rank", 1, 1, false, 0},          {"N2", 2, 1, false, 0},
+      {"N3, clipped first", 3, 1, false, 0.5}, {"HSDP 2x2", 4, 2, false, 0},
+      {"DDP path N2, clipped first", 2, 1, true, 0.5},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.label);
+    TrainConfig tc;
+    tc.steps = 3;
+    tc.clip = c.clip;
+    tc.edit_grads = [last = static_cast<size_t>(tc.steps - 1)](size_t s,
+                                                               const std::vector<std::pair<std::string, at::Tensor>>& ps) {
+      for (const auto& [name, p] : ps) {
+        if (name.rfind("layers.", 0) == 0 && name.find("norm") == std::string::npos) continue;  // a Muon matrix
+        at::Tensor param = p;
+        if (!param.grad().defined()) throw std::runtime_error(name + " has no gradient after backward");
+        if (name.find("norm") != std::string::npos)
+          param.mutable_grad().mul_(0.5);
+        else
+          param.mutable_grad() = param.grad() * 2.0;
+        if (s == last && name == "final_norm.weight") param.mutable_grad() = at::Tensor();
+      }
+    };
+    check_equivalence(small_config(2), tc, unpacked_layout(c.world, c.replicate, c.ddp, false));
   }
 }
 

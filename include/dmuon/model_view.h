@@ -29,6 +29,9 @@ struct ModelView {
   struct Tensor {
     std::string name;  // dotted path, as named_parameters() / named_buffers() spell it
     at::Tensor tensor;
+    // a tied parameter's other names (other modules hold the same tensor): its hook boundary is the
+    // lowest module containing every one of them, so every module that uses it runs inside it
+    std::vector<std::string> aliases = {};
   };
   struct Module {
     std::string name;  // dotted path ("" = the root)
@@ -110,6 +113,10 @@ ForwardUnshardProfile runtime_forward_unshard_profile(const std::shared_ptr<Runt
                                                       bool synchronize = true);
 // Gradient accumulation: inside no_sync no reduce happens (dmuon::NoSync for a LibTorch model). Local.
 void runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on);
+// Drops every gradient the runtime holds outside p.grad (a matrix owner's reduced sum, sharded_adamw
+// slices; in-flight reduces are waited), as Muon::zero_grad does before clearing p.grad: the model's own
+// zero_grad() in Python. Local.
+void runtime_discard_grads(const std::shared_ptr<Runtime>& runtime);
 // How many boundaries ahead the forward issues its unshards (DedicateOptions::forward_prefetch_depth;
 // the Python Muon's forward_prefetch_depth). Local; takes effect at the next boundary.
 void runtime_set_forward_prefetch_depth(const std::shared_ptr<Runtime>& runtime, int depth);

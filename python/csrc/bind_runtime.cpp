@@ -294,6 +294,7 @@ void bind_runtime(py::module_& m) {
            },
            "values"_a, release)
       .def("set_no_sync", [](const RuntimeHandle& h, bool on) { runtime_set_no_sync(h.runtime, on); })
+      .def("discard_grads", [](const RuntimeHandle& h) { runtime_discard_grads(h.runtime); }, release)
       .def("set_forward_prefetch_depth",
            [](const RuntimeHandle& h, int depth) { runtime_set_forward_prefetch_depth(h.runtime, depth); }, "depth"_a)
       .def("release_params",
@@ -323,9 +324,12 @@ void bind_runtime(py::module_& m) {
          const std::vector<std::pair<std::string, at::Tensor>>& buffers,
          const std::vector<std::pair<std::string, int>>& modules, const std::shared_ptr<Mesh>& mesh,
          const ParamPredicate& predicate, const py::dict& options, bool ddp,
-         const std::map<std::string, int>& tp_split) {
+         const std::map<std::string, int>& tp_split, const std::map<std::string, std::vector<std::string>>& aliases) {
         ModelView v;
-        for (const auto& [n, t] : params) v.params.push_back({n, t});
+        for (const auto& [n, t] : params) {
+          auto it = aliases.find(n);
+          v.params.push_back({n, t, it == aliases.end() ? std::vector<std::string>{} : it->second});
+        }
         v.tp_split = tp_split;  // DTensor parameters sharded on the TP axis: their local slices, split dim
         for (const auto& [n, t] : buffers) v.buffers.push_back({n, t});
         for (const auto& [n, parent] : modules) v.modules.push_back({n, parent, {}});
@@ -337,7 +341,7 @@ void bind_runtime(py::module_& m) {
                                             : dedicate_model_view_ddp(std::move(v), mesh, select, o)};
       },
       "params"_a, "buffers"_a, "modules"_a, "mesh"_a, "predicate"_a, "options"_a, "ddp"_a,
-      "tp_split"_a = std::map<std::string, int>{});
+      "tp_split"_a = std::map<std::string, int>{}, "aliases"_a = std::map<std::string, std::vector<std::string>>{});
 
   py::class_<Muon>(m, "_Muon")
       .def(py::init([](const RuntimeHandle& h, const py::dict& options) {

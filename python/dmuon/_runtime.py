@@ -9,6 +9,7 @@ import math
 import operator
 import sys
 import warnings
+import weakref
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -139,6 +140,17 @@ def _state_of(model: nn.Module, fn: str) -> _State:
     return state
 
 
+def _tied_names(model: nn.Module) -> Dict[str, List[str]]:
+    """A tied parameter's other names (held by several modules), under its first name."""
+    first, aliases = {}, {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases.setdefault(first[id(p)], []).append(n)
+        else:
+            first[id(p)] = n
+    return aliases
+
+
 def _model_view(model: nn.Module):
     params = [(n, p) for n, p in model.named_parameters()]  # tied parameters once (their first name)
     buffers = [(n, b) for n, b in model.named_buffers()]
@@ -192,6 +204,23 @@ def _module_name_resolver(model: nn.Module, resolver, fn: str):
                          f"got {out!r}.")
 
     return resolve
+
+
+def _install_zero_grad(model: nn.Module, runtime) -> None:
+    """``model.zero_grad()`` drops the gradients dmuon holds outside ``p.grad`` too (a matrix owner's reduced
+    sum before step(), sharded_adamw slices), as ``Muon.zero_grad`` does: skipping a batch with the model's
+    zero_grad between backward and step drops that batch, as in torch. An attribute of this model object;
+    the module's own zero_grad (its class's, looked up at the call: FSDP2 changes the class) does the rest."""
+
+    owner = weakref.ref(model)  # (no reference cycle through the model's own attribute)
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        runtime.discard_grads()
+        m = owner()
+        type(m).zero_grad(m, set_to_none)
+
+    zero_grad.__doc__ = nn.Module.zero_grad.__doc__
+    object.__setattr__(model, "zero_grad", zero_grad)
 
 
 def _install_hooks(model: nn.Module, runtime, guard) -> list:
@@ -299,7 +328,8 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
     params, buffers, modules = _model_view(model)
     dtypes = {n: p.dtype for n, p in params}  # before param_policy's param_dtype (the masters keep these)
     try:
-        runtime = _C._dedicate(params, buffers, modules, native_mesh, predicate, options, ddp, tp_split)
+        runtime = _C._dedicate(params, buffers, modules, native_mesh, predicate, options, ddp, tp_split,
+                               _tied_names(model))
     except BaseException:
         restore_dtensors(tp_params)  # the model is the caller's again, DTensors and all
         raise
@@ -318,6 +348,7 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
         owners[d["param"]] = coord
     register_undedicated(tp_params)  # what fully_shard may take later: as DTensors (hand_to_fsdp2)
     model._dmuon.hooks += _install_state_dict_guards(model, model._dmuon, dtypes)
+    _install_zero_grad(model, runtime)
     return owners
 
 

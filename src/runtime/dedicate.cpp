@@ -240,6 +240,11 @@ void runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on) {
   runtime->set_no_sync(on);
 }
 
+void runtime_discard_grads(const std::shared_ptr<Runtime>& runtime) {
+  TORCH_CHECK_VALUE(runtime, "zero_grad: the runtime is null (dedicate_model_view returns it).");
+  runtime->discard_grads();
+}
+
 void runtime_set_forward_prefetch_depth(const std::shared_ptr<Runtime>& runtime, int depth) {
   TORCH_CHECK_VALUE(runtime, "forward_prefetch_depth: the runtime is null (dedicate_model_view returns it).");
   runtime->set_forward_prefetch_depth(depth);

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include <map>
 #include <set>
 
 #include "dmuon/tensor_parallel.h"
@@ -47,9 +48,14 @@ const ModelView::Module* ModelView::module(const std::string& name) const {
 
 ModelView model_view(const torch::nn::Module& model) {
   ModelView v;
-  std::set<const c10::TensorImpl*> seen;  // tied parameters once
-  for (const auto& item : model.named_parameters(/*recurse=*/true))
-    if (seen.insert(item.value().unsafeGetTensorImpl()).second) v.params.push_back({item.key(), item.value()});
+  std::map<const c10::TensorImpl*, size_t> seen;  // tied parameters once, their other names as aliases
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const auto [it, first] = seen.emplace(item.value().unsafeGetTensorImpl(), v.params.size());
+    if (first)
+      v.params.push_back({item.key(), item.value()});
+    else
+      v.params[it->second].aliases.push_back(item.key());
+  }
   for (const auto& item : model.named_buffers(/*recurse=*/true)) v.buffers.push_back({item.key(), item.value()});
   std::map<std::string, int> index;
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {

@@ -6,6 +6,7 @@
 
 #include <map>
 
+#include "dmuon/host_sync.h"
 #include "dmuon/tensor_parallel.h"
 #include "runtime/route_context.h"
 
@@ -88,8 +89,16 @@ ReplicatedRoute::ReplicatedRoute(RouteContext& ctx, std::vector<WholeParam> para
 }
 
 void ReplicatedRoute::end_of_backward() {
-  if (issued_) finish_reduces();  // an earlier backward pass (gradient accumulation)
   Communicator& comm = ctx_.mesh().dp();
+  // An earlier backward's gradients no rank had (zeros) are dropped first where they are still
+  // installed, so this backward does not reduce them as gradients (a host read of the flags: only
+  // with several backward passes before a step outside NoSync).
+  for (auto& b : buckets_)
+    if (b.flags.defined()) {
+      const at::Tensor host = detail::read_to_host(b.flags);
+      const float* flag = host.data_ptr<float>();
+      drop_unused(b, flag);
+    }
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
     Bucket& b = buckets_[bi];
     std::vector<at::Tensor> ps;
@@ -99,45 +108,59 @@ void ReplicatedRoute::end_of_backward() {
       continue;
     }
     const int64_t np = static_cast<int64_t>(ps.size());
-    // the average comes back in prepare_grads
     b.payload = pack_grads(ps, b.offsets, b.numel + np, b.numel,
                            ps.front().options().requires_grad(false).dtype(b.prec.reduce));
     b.pending = comm.allreduce(b.payload, Reduction::Sum,
                                "replicated gradient bucket " + std::to_string(bi) + " (" + std::to_string(np) + " params)");
   }
-  issued_ = true;
+  // Waited here (every bucket issued first): the averages are p.grad when the backward returns. The
+  // step waited them before any update anyway; on a device the wait is a stream dependency.
+  for (auto& b : buckets_) {
+    average(b);
+    install(b);
+  }
 }
 
-void ReplicatedRoute::finish_reduces() {
-  if (!issued_) return;
-  const double world = ctx_.mesh().data_parallel_size();
-  for (auto& b : buckets_) {
-    if (!b.payload.defined()) continue;  // folded at once (one rank)
-    b.pending.wait();
-    b.pending = Pending();
-    b.acc.fold(b.payload, b.numel, static_cast<int64_t>(b.params.size()), b.prec.master, world);
-    b.payload = at::Tensor();
+void ReplicatedRoute::average(Bucket& b) {
+  if (!b.payload.defined()) return;  // folded at once (one rank)
+  b.pending.wait();
+  b.pending = Pending();
+  b.acc.fold(b.payload, b.numel, static_cast<int64_t>(b.params.size()), b.prec.master, ctx_.mesh().data_parallel_size());
+  b.payload = at::Tensor();
+}
+
+void ReplicatedRoute::install(Bucket& b) {
+  if (!b.acc.has_value()) return;
+  at::NoGradGuard ng;
+  b.flags = b.acc.flags_for_read();
+  const at::Tensor sum = b.acc.take_sum();
+  b.installed.clear();
+  for (size_t k = 0; k < b.params.size(); ++k) {
+    at::Tensor p = param(b.params[k]);
+    p.mutable_grad() = sum.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
+    b.installed.push_back(p.grad());
   }
-  issued_ = false;
+}
+
+void ReplicatedRoute::drop_unused(Bucket& b, const float*& flag) {
+  for (size_t k = 0; k < b.params.size(); ++k) {
+    at::Tensor p = param(b.params[k]);
+    const bool unused = *flag++ <= 0;
+    // (what the caller put there since, or a gradient it kept across steps, stays)
+    if (unused && p.grad().defined() && p.grad().is_same(b.installed[k])) p.mutable_grad() = at::Tensor();
+  }
+  b.flags = at::Tensor();
+  b.installed.clear();
 }
 
 void ReplicatedRoute::collect_flags(std::vector<at::Tensor>& out) {
   for (auto& b : buckets_)
-    if (b.acc.has_value()) out.push_back(b.acc.flags_for_read());
+    if (b.flags.defined()) out.push_back(b.flags);
 }
 
 void ReplicatedRoute::install_grads(const float*& flag) {
-  for (auto& b : buckets_) {
-    if (!b.acc.has_value()) continue;
-    const at::Tensor sum = b.acc.take_sum();
-    for (size_t k = 0; k < b.params.size(); ++k) {
-      at::Tensor p = param(b.params[k]);
-      if (*flag++ > 0)
-        p.mutable_grad() = sum.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
-      else
-        p.mutable_grad() = at::Tensor();
-    }
-  }
+  for (auto& b : buckets_)
+    if (b.flags.defined()) drop_unused(b, flag);
 }
 
 void ReplicatedRoute::ready_grads(std::vector<ReadyGrad>& out) {
@@ -159,13 +182,15 @@ bool ReplicatedRoute::in_flight() {
 }
 
 void ReplicatedRoute::discard_grads() {
+  // (the gradients are in p.grad: the optimizer's zero_grad drops them)
   for (auto& b : buckets_) {
-    if (issued_) b.pending.wait();
+    if (b.payload.defined()) b.pending.wait();  // (a backward that raised in the end-of-backward wait)
     b.pending = Pending();
     b.payload = at::Tensor();
     b.acc.clear();
+    b.flags = at::Tensor();
+    b.installed.clear();
   }
-  issued_ = false;
 }
 
 void ReplicatedRoute::upcast_local_grads() {

@@ -3,7 +3,9 @@
 // Every rank keeps the whole parameter and updates it identically. At the end of backward the
 // gradients are averaged over the data-parallel ranks (the world without a TP axis; else the R x G
 // ranks of this TP position) in a few coalesced all-reduces (buckets of one reduce and
-// master dtype and one device, at most bucket_mb MiB each).
+// master dtype and one device, at most bucket_mb MiB each), and the averages are in p.grad when the
+// backward returns, as after torch's DDP: what the caller does to them before step() (clipping with
+// torch, masking, zero_grad, replacing them) is what step() uses.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -31,10 +33,11 @@ class ReplicatedRoute final : public WholeParamsRoute {
   ReplicatedRoute(RouteContext& ctx, std::vector<WholeParam> params, double bucket_mb, bool tp);
   RouteKind kind() const override { return RouteKind::Replicated; }
 
-  void end_of_backward() override;  // issue the coalesced all-reduces (async)
-  void finish_reduces() override;   // wait them; fold into the accumulators
+  // the coalesced all-reduces; their averages in p.grad (where no rank had a gradient: zeros until
+  // step(), which leaves none, as torch)
+  void end_of_backward() override;
   void collect_flags(std::vector<at::Tensor>& out) override;
-  void install_grads(const float*& flag) override;
+  void install_grads(const float*& flag) override;  // drops the zeros of parameters no rank had a gradient for
   void ready_grads(std::vector<ReadyGrad>& out) override;
   void discard_grads() override;
   bool in_flight() override;
@@ -55,13 +58,19 @@ class ReplicatedRoute final : public WholeParamsRoute {
     at::Tensor payload;           // grads then has-grad flags, while the all-reduce is in flight
     Pending pending;
     GradAccumulator acc;
+    // after the backward: its has-gradient flags (float32, on the device until the step's one host
+    // read) and the gradients it installed (a zero one no rank had is dropped if still installed)
+    at::Tensor flags;
+    std::vector<at::Tensor> installed;
   };
+  void average(Bucket& b);                      // waits its all-reduce, folds the average
+  void install(Bucket& b);                      // the average into p.grad
+  void drop_unused(Bucket& b, const float*& flag);
   const at::Tensor& param(int i) const { return whole_.params()[static_cast<size_t>(i)].param; }
   RouteContext& ctx_;
   std::vector<int> tp_dims_;      // per parameter: TP split dimension, -1 when whole
   bool tp_ = false;
   std::vector<Bucket> buckets_;
-  bool issued_ = false;
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accs_;
 };
 

@@ -56,6 +56,9 @@ struct ReadyGrad {
   Precision prec;
   bool muon = false;        // a dedicated matrix: orthogonalised (Muon); otherwise AdamW
   bool write_back = false;  // target is a master: round it into param after the update
+  // grad is param.grad() (not a slice the route keeps): what the caller puts there or drops before the
+  // step, after the gradients were taken (clipping), is what the step uses
+  bool in_param_grad = false;
   // Global gradient norms count every element once over the whole mesh: this rank counts this
   // gradient's elements (norm_counted) and the parameter itself (norm_counts_param). The route decides.
   bool norm_counted = true;

@@ -31,6 +31,7 @@ ReadyGrad RouteContext::ready_grad(const std::string& name, const at::Tensor& p,
   r.name = name;
   r.param = p;
   r.grad = p.grad();
+  r.in_param_grad = true;
   r.prec = prec;
   r.muon = muon;
   const at::Tensor master = master_of(p);

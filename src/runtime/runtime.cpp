@@ -463,6 +463,19 @@ std::vector<ReadyGrad> Runtime::take_ready_grads_locked(bool dedicated) {
   return out;
 }
 
+std::vector<ReadyGrad> Runtime::current_grads(std::vector<ReadyGrad> taken) {
+  std::vector<ReadyGrad> out;
+  for (ReadyGrad& r : taken) {
+    if (r.in_param_grad) {
+      const at::Tensor& now = r.param.grad();
+      if (!now.defined()) continue;  // dropped since (p.grad = None): not updated, as in torch
+      if (!now.is_same(r.grad)) r.grad = now;  // replaced since
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
 void Runtime::step(bool group_prepare_ahead, bool async, std::optional<std::vector<ReadyGrad>> taken,
                    StepVisitor& v) {
   std::lock_guard<std::recursive_mutex> g(mu_);
@@ -481,7 +494,7 @@ void Runtime::step(bool group_prepare_ahead, bool async, std::optional<std::vect
   const bool per_group = group_prepare_ahead && !taken && !m.has_tp() && (traffic || m.device().is_cpu());
   v.begin(StepVisitor::Phase::Prepare);
   prepare_grads(/*dedicated=*/!per_group);  // collective: the reduces are waited (HSDP: stage 2 too)
-  const std::vector<ReadyGrad> ready = taken ? std::move(*taken) : take_ready_grads_locked(!per_group);
+  const std::vector<ReadyGrad> ready = taken ? current_grads(std::move(*taken)) : take_ready_grads_locked(!per_group);
   v.end(StepVisitor::Phase::Prepare);
   // TP updates of the last step still arriving by scatter land before this step changes anything
   dedicated_->finish_deferred();

@@ -215,6 +215,9 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   const std::vector<Route*>& routes() const { return routes_; }
   // the ready gradients of the one-pass path (every route, or every route but the dedicated one)
   std::vector<ReadyGrad> take_ready_grads_locked(bool dedicated);
+  // gradients taken before the step (by clipping) as p.grad is now: the caller may have replaced or
+  // dropped some since
+  std::vector<ReadyGrad> current_grads(std::vector<ReadyGrad> taken);
 
   ModelView view_;                         // the model's parameters, buffers and modules
   std::weak_ptr<torch::nn::Module> model_;  // the LibTorch module view_ was made from (empty otherwise)

@@ -196,6 +196,29 @@ const ModelView::Module* ModuleIndex::find(const std::string& name) const {
   return it == by_name_.end() ? nullptr : it->second;
 }
 
+namespace {
+// The lowest module containing both ("a.b" and "a.c.d": "a"; "a" and "b": the root "").
+std::string common_ancestor(const std::string& a, const std::string& b) {
+  if (a == b) return a;
+  size_t i = 0, last_dot = std::string::npos;
+  while (i < a.size() && i < b.size() && a[i] == b[i]) {
+    if (a[i] == '.') last_dot = i;
+    ++i;
+  }
+  // a whole component in common: one name is the other's ancestor, or both continue with a dot
+  if ((i == a.size() && (i == b.size() || b[i] == '.')) || (i == b.size() && a[i] == '.')) return a.substr(0, i);
+  return last_dot == std::string::npos ? std::string() : a.substr(0, last_dot);
+}
+}  // namespace
+
+std::string resolve_boundary(const DedicateOptions& opts, const ModuleIndex& model, const ModelView::Tensor& param,
+                             int rank) {
+  std::string boundary = resolve_boundary(opts, model, param.name, param.tensor, rank);
+  // a tied parameter: every module holding it runs inside its boundary
+  for (const std::string& alias : param.aliases) boundary = common_ancestor(boundary, ancestors_of(alias).front());
+  return boundary;
+}
+
 std::string resolve_boundary(const DedicateOptions& opts, const ModuleIndex& model, const std::string& name,
                              const at::Tensor& p, int rank) {
   if (opts.hook_boundary_resolver) {
@@ -231,8 +254,8 @@ Routing route_params(const ModelView& model, const ParamPredicate& predicate, co
               "function (name, param) -> bool that selects the Muon matrices, e.g. 2-D weights of layers.");
   Routing out;
   const ModuleIndex modules(model);
-  auto boundary_of = [&](const std::string& name, const at::Tensor& p) {
-    std::string boundary = resolve_boundary(opts, modules, name, p, rank);
+  auto boundary_of = [&](const ModelView::Tensor& item) {
+    std::string boundary = resolve_boundary(opts, modules, item, rank);
     if (std::find(out.boundary_order.begin(), out.boundary_order.end(), boundary) == out.boundary_order.end())
       out.boundary_order.push_back(boundary);
     return boundary;
@@ -282,7 +305,7 @@ Routing route_params(const ModelView& model, const ParamPredicate& predicate, co
       const RouteRow& row = route_row(route);
       if (row.check) row.check(name, p, ctx);
       if (row.on_boundary) {
-        r.boundary = boundary_of(name, p);
+        r.boundary = boundary_of(item);
         note_boundary_casts(r.boundary);
       }
       out.base_digest = out.base_digest * 31 + precision_digest(r.prec) + 7 * static_cast<uint64_t>(route);
@@ -297,7 +320,7 @@ Routing route_params(const ModelView& model, const ParamPredicate& predicate, co
                 shape_str(p.sizes()), ").");
     TORCH_CHECK_VALUE(p.is_contiguous(), "rank ", rank, ": dedicate_params: parameter '", name,
                 "' is not contiguous; dedicated parameters must be plain dense tensors.");
-    r.boundary = boundary_of(name, p);
+    r.boundary = boundary_of(item);
     note_boundary_casts(r.boundary);
     const std::string unshard = !pol.muon_forward_unshard.empty() ? pol.muon_forward_unshard : opts.muon_forward_unshard;
     const auto mode = parse_unshard(unshard);

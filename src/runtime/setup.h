@@ -70,6 +70,9 @@ class ModuleIndex {
 };
 std::string resolve_boundary(const DedicateOptions& opts, const ModuleIndex& modules, const std::string& name,
                              const at::Tensor& p, int rank);
+// ... and for a tied parameter (aliases), the lowest module that also contains every other module holding it
+std::string resolve_boundary(const DedicateOptions& opts, const ModuleIndex& modules, const ModelView::Tensor& param,
+                             int rank);
 inline std::string resolve_boundary(const DedicateOptions& opts, const ModelView& model, const std::string& name,
                                     const at::Tensor& p, int rank) {
   return resolve_boundary(opts, ModuleIndex(model), name, p, rank);

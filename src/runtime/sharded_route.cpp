@@ -196,6 +196,7 @@ void ShardedRoute::ready_grads(std::vector<ReadyGrad>& out) {
       r.target = e.shard;  // the slice is the master
       r.write_back = false;
       r.grad = e.grad;
+      r.in_param_grad = false;
       out.push_back(std::move(r));
     }
     // handed over: the gradient of a sharded_adamw parameter is never in p.grad, so nothing but the step

@@ -57,7 +57,7 @@ CLIP = 0.05  # a max norm below every step's gradient norm here: each step clips
 
 
 def reference_train(compute_dtype=None, clip=None, hparams=None, muon_clip=None, keep_grads=False, model=None,
-                    loss_of=None):
+                    loss_of=None, edit=None):
     """The same training in one process by a pure-PyTorch Muon + AdamW written from the documented update
     rule (docs: NEWTON_SCHULZ.md section 6), not by dmuon: Nesterov momentum buf = mu*buf + g, u = g + mu*buf;
     W *= 1 - lr*wd; W -= lr * 0.2 * sqrt(max(rows, cols)) * NS(u) with float64 direct NS (Polar Express);
@@ -68,7 +68,9 @@ def reference_train(compute_dtype=None, clip=None, hparams=None, muon_clip=None,
     (per-group hyperparameters). muon_clip:
     called with {name: grad} of the Muon matrices before the update (a clipping strategy's math). keep_grads:
     no zero_grad between steps (each step's gradient is the sum of every backward so far). model: another model
-    than make_net(); loss_of(model, step): another loss than the batch's mean squared error."""
+    than make_net(); loss_of(model, step): another loss than the batch's mean squared error. edit(model, step):
+    called after the backward (what a training loop does to the gradients before the step; a parameter left
+    without one is not updated)."""
     model = make_net() if model is None else model
     buf, m1, m2 = {}, {}, {}
     for step in range(STEPS):
@@ -90,10 +92,14 @@ def reference_train(compute_dtype=None, clip=None, hparams=None, muon_clip=None,
         if muon_clip is not None:
             with torch.no_grad():
                 muon_clip({n: p.grad for n, p in model.named_parameters() if p.dim() == 2})
+        if edit is not None:
+            edit(model, step)
         f = schedule(step)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 g = p.grad
+                if g is None:
+                    continue
                 h = {"lr": LR, "adamw_lr": ADAMW_LR, "wd": WD, "adamw_wd": ADAMW_WD, "nesterov": True, "ns_steps": 5,
                      "betas": (0.9, 0.999), "eps": 1e-8, **(hparams(name) if hparams else {})}
                 if p.dim() == 2:
@@ -131,6 +137,22 @@ def dedicated_net(mesh, fsdp2, model=None, **options):
     else:
         dmuon.replicate(model)
     return model
+
+
+def train_on_ranks(tmp_path, world, fn, *args):
+    """Runs fn(rank, world, *args, out_path) on `world` ranks (a fresh store) and returns the state dict rank 0
+    saved at out_path."""
+    run = tmp_path / f"run-{world}-{len(list(tmp_path.glob('run-*')))}"
+    run.mkdir()
+    run_ranks(run, world, fn, *args, str(run / "out.pt"))
+    return torch.load(run / "out.pt")
+
+
+def assert_matches(ref, got, what, bound=1e-10):
+    """Every parameter of `ref` in `got` within `bound` (relative to the parameter's largest value)."""
+    for name, value in ref.items():
+        err = float((got[name] - value).abs().max() / value.abs().max())
+        assert err < bound, f"{what}: {name} differs from the reference by {err}"
 
 
 def make_optimizer(model, **options):
@@ -521,11 +543,7 @@ def test_gradients_kept_across_steps_accumulate_as_in_torch(tmp_path, layout):
     ref = reference_train(keep_grads=True)
     assert float((ref["layers.0.proj.weight"] - reference_train()["layers.0.proj.weight"]).abs().max()) > 1e-3
     for world in (2, 3):
-        run_ranks(tmp_path, world, _kept_grads, layout, str(tmp_path / f"kept{world}.pt"))
-        got = torch.load(tmp_path / f"kept{world}.pt")
-        for name, value in ref.items():
-            err = float((got[name] - value).abs().max() / value.abs().max())
-            assert err < 1e-10, f"{world} ranks, {layout}: {name} differs from torch's accumulation by {err}"
+        assert_matches(ref, train_on_ranks(tmp_path, world, _kept_grads, layout), f"{world} ranks, {layout}")
 
 
 def _state_dicts_after_eval(rank, world):
@@ -699,13 +717,133 @@ def test_ddp_path_trains_blocks_that_only_some_ranks_run_as_torch_ddp(tmp_path):
             return total
 
         ref = reference_train(model=make_branch_net(), loss_of=loss_of)
-        (tmp_path / str(world)).mkdir()
-        run_ranks(tmp_path / str(world), world, _branch, str(tmp_path / f"branch{world}.pt"))
-        got = torch.load(tmp_path / f"branch{world}.pt")
+        got = train_on_ranks(tmp_path, world, _branch)
         assert float((got["extra.proj.weight"] - make_branch_net().extra.proj.weight.detach()).abs().max()) > 1e-3
-        for name, value in ref.items():
-            err = float((got[name] - value).abs().max() / value.abs().max())
-            assert err < 1e-10, f"{world} ranks: {name} differs from the reference by {err}"
+        assert_matches(ref, got, f"{world} ranks")
+
+
+VOCAB = 11
+
+
+class TiedNet(nn.Module):
+    """A language model whose output projection is its embedding (weight tying, as GPT-2): one Muon matrix
+    that two modules outside the blocks use."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.emb = nn.Embedding(VOCAB, DIM, dtype=torch.float64)
+        self.layers = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = nn.Linear(DIM, VOCAB, bias=False, dtype=torch.float64)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def tokens(step):
+    return (torch.arange(BATCH) * 5 + step * 3) % VOCAB
+
+
+def tied_loss(model, rows):
+    t = tokens(0) if rows is None else rows
+    return nn.functional.cross_entropy(model(t), (t + 1) % VOCAB)
+
+
+def _tied(rank, world, layout, out_path):
+    model = TiedNet()
+    mesh = init_device_mesh("cpu", (world,))
+    dedicated_net(mesh, layout == "fsdp2", model, reshard_after_forward=layout != "z2")
+    # one boundary holds both users of the tied matrix: the root
+    assert model._dmuon.runtime.boundaries()[0] == "" and "emb" not in model._dmuon.runtime.boundaries()
+    opt, sched = make_optimizer(model, first_step_progress_log=False)
+    per = BATCH // world
+    for step in range(STEPS):
+        opt.zero_grad()
+        tied_loss(model, tokens(step)[rank * per:(rank + 1) * per]).backward()
+        opt.step()
+        sched.step()
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        assert torch.equal(sd["emb.weight"], sd["head.weight"])
+        torch.save(sd, out_path)
+
+
+@pytest.mark.parametrize("layout", ["z3", "z2", "fsdp2"])
+def test_a_tied_matrix_trains_as_in_torch(tmp_path, layout):
+    # the embedding and the output projection share one dedicated matrix: its boundary is the lowest module
+    # holding both (the root), so the head never reads the placeholder of a released matrix
+    ref = reference_train(model=TiedNet(), loss_of=lambda m, step: tied_loss(m, tokens(step)))
+    for world in (2, 3):
+        assert_matches(ref, train_on_ranks(tmp_path, world, _tied, layout), f"{world} ranks, {layout}")
+
+
+CLIP_ADAMW, CLIP_MUON = 0.02, 0.04  # below every step's norms here: both clip
+
+
+def edit_grads(model, step):
+    """What a training loop does between backward and step, as torch sees it: the API reference's clipping (torch's
+    clip_grad_norm_ for the AdamW parameters, dmuon's for the matrices; the reference clips the matrices with
+    torch's too), an in-place change, a replaced gradient and, on the last step, a dropped one."""
+    adamw = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    assert float(torch.nn.utils.clip_grad_norm_(adamw, CLIP_ADAMW)) > CLIP_ADAMW
+    if not hasattr(model, "_dmuon"):
+        matrices = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        assert float(torch.nn.utils.clip_grad_norm_(matrices, CLIP_MUON)) > CLIP_MUON
+    model.scale.grad.mul_(0.5)
+    bias = model.layers[0].proj.bias
+    bias.grad = bias.grad * 2
+    if step == STEPS - 1:
+        model.layers[1].proj.bias.grad = None
+
+
+def _grads_after_backward(rank, world, layout, out_path):
+    # p.grad of every AdamW parameter holds the average over the ranks when backward returns (dmuon's replicated
+    # route, as torch's DDP; FSDP2's shards): what the loop does to it before step() is what step() uses. The
+    # model's own zero_grad() between backward and step drops the batch, the matrices' reduced sums included.
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_net()
+    if layout == "ddp":
+        dmuon.dedicate_params_ddp(model, mesh, lambda n, p: p.dim() == 2)
+        dmuon.replicate(model)
+    else:
+        dedicated_net(mesh, layout == "fsdp2", model)
+    opt, sched = make_optimizer(model, first_step_progress_log=False)
+    per = BATCH // world
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        mine, target = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        if step == 1:  # a skipped batch
+            ((model(mine * 3) - target) ** 2).mean().backward()
+            model.zero_grad(set_to_none=layout != "ddp")
+        ((model(mine) - target) ** 2).mean().backward()
+        grads = [p.grad for n, p in model.named_parameters() if not n.endswith("weight")]
+        assert all(g is not None for g in grads)
+        if layout != "fsdp2":  # the same average on every rank
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            everyone = [torch.empty_like(flat) for _ in range(world)]
+            torch.distributed.all_gather(everyone, flat)
+            assert all(torch.equal(e, flat) for e in everyone)
+        stats = opt.clip_grad_norm_(CLIP_MUON)
+        assert stats.clipped
+        edit_grads(model, step)
+        opt.step()
+        sched.step()
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save(sd, out_path)
+
+
+@pytest.mark.parametrize("layout", ["replicate", "ddp", "fsdp2"])
+def test_gradients_between_backward_and_step_are_torchs(tmp_path, layout):
+    ref = reference_train(edit=edit_grads)
+    assert float((ref["layers.1.proj.bias"] - reference_train()["layers.1.proj.bias"]).abs().max()) > 1e-4
+    for world in (1, 2, 3):
+        assert_matches(ref, train_on_ranks(tmp_path, world, _grads_after_backward, layout), f"{world} ranks, {layout}")
 
 
 class SimulatedOutOfMemory(RuntimeError):
@@ -771,12 +909,7 @@ def _abandoned_backward(rank, world, layout, out_path):
 def test_a_backward_that_raises_is_dropped_and_training_goes_on(tmp_path, layout):
     ref = reference_train()
     for world in (1, 2):
-        (tmp_path / str(world)).mkdir()
-        run_ranks(tmp_path / str(world), world, _abandoned_backward, layout, str(tmp_path / f"ab{world}.pt"))
-        got = torch.load(tmp_path / f"ab{world}.pt")
-        for name, value in ref.items():
-            err = float((got[name] - value).abs().max() / value.abs().max())
-            assert err < 1e-10, f"{world} ranks, {layout}: {name} differs from the reference by {err}"
+        assert_matches(ref, train_on_ranks(tmp_path, world, _abandoned_backward, layout), f"{world} ranks, {layout}")
 
 
 def _inspect(rank, world):

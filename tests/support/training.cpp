@@ -99,6 +99,11 @@ RefResult reference_train(const GPTConfig& cfg, const StateDict& init, const std
         for (auto& p : m->parameters())
           if (p.grad().defined()) p.mutable_grad().mul_(coef);
     }
+    if (tc.edit_grads) {
+      std::vector<std::pair<std::string, at::Tensor>> named;
+      for (const auto& item : m->named_parameters(true)) named.emplace_back(item.key(), item.value());
+      tc.edit_grads(s, named);
+    }
     for (auto& item : m->named_parameters(true)) {
       at::Tensor p = item.value();
       const std::string& name = item.key();

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -81,6 +82,10 @@ struct TrainConfig {
   // drops it. The result must not change.
   bool raised_backward = false;
   bool raised_backward_zero_grad = true;
+  // After each step's backward (and clipping), before the step: what a training loop does to the
+  // gradients in p.grad (torch's clipping, masks, replacing or dropping one), given the step and the
+  // parameters by name; the reference does the same to its own.
+  std::function<void(size_t step, const std::vector<std::pair<std::string, at::Tensor>>& params)> edit_grads;
 };
 
 struct RefResult {
