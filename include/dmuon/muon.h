@@ -284,6 +284,7 @@ class Muon : public torch::optim::Optimizer {
   std::optional<MuonGradClipStats> last_clip_;
   // gradients clip_grad_norm_ took from the runtime for this step (step() uses them, zero_grad drops them)
   std::shared_ptr<std::vector<ReadyGrad>> taken_;
+  uint64_t taken_epoch_ = 0;  // the runtime's grads_epoch when taken_ was taken (stale after a change)
   int64_t steps_ = 0;
   int progress_logged_ = 0;
 };

@@ -718,7 +718,7 @@ at::Tensor Muon::step(LossClosure closure) {
   const auto t_start = clock.now();
   const bool async = options_.replicate_async.value_or(state->options().replicate_async);
   std::optional<std::vector<ReadyGrad>> taken;  // clip_grad_norm_ took this step's gradients already
-  if (taken_) taken = std::move(*taken_);
+  if (taken_ && taken_epoch_ == state->grads_epoch()) taken = std::move(*taken_);  // (not before a change)
   taken_.reset();
   // collective: prepare (reduces waited), update group by group, publish
   StepRun run(*this, *state, prof, clock);
@@ -782,7 +782,12 @@ std::vector<ClipGrad> Muon::clip_grads(ClipScope scope) {
   at::NoGradGuard ng;
   const std::shared_ptr<RuntimeFace> state = runtime("clip_grad_norm_");
   state->prepare_grads();  // collective: the reduces land (idempotent; step() calls it again)
-  if (!taken_) taken_ = std::make_shared<std::vector<ReadyGrad>>(state->take_ready_grads());
+  // taken once per set of gradients: a backward or a zero_grad (the model's too) since makes them stale
+  if (taken_ && taken_epoch_ != state->grads_epoch()) taken_.reset();
+  if (!taken_) {
+    taken_ = std::make_shared<std::vector<ReadyGrad>>(state->take_ready_grads());
+    taken_epoch_ = state->grads_epoch();
+  }
   // each element once over the whole mesh (see grad_clip.h): the routes decided who counts what
   std::vector<ClipGrad> out;
   for (const ReadyGrad& r : *taken_) {

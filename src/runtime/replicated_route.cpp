@@ -83,22 +83,29 @@ ReplicatedRoute::ReplicatedRoute(RouteContext& ctx, std::vector<WholeParam> para
     for (size_t i = 0; i < src.size(); ++i)
       if (ctx.master_of(params_[i]).defined()) params_[i].detach().copy_(src[i]);
   }
-  // The end-of-backward callback must run even in models without dedicated boundaries.
+  // The end-of-backward callback must run even in models without dedicated boundaries; each backward
+  // notes which parameters it gave a gradient here.
+  got_grad_.assign(params_.size(), false);
   for (size_t i = 0; i < params_.size(); ++i)
-    grad_accs_.push_back(ctx.on_grad_accumulated(params_[i], whole_.params()[i].name, [](GradEvents& ev) { ev.backward_ran(); }));
+    grad_accs_.push_back(ctx.on_grad_accumulated(params_[i], whole_.params()[i].name, [this, i](GradEvents& ev) {
+      got_grad_[i] = true;
+      ev.backward_ran();
+    }));
 }
 
 void ReplicatedRoute::end_of_backward() {
   Communicator& comm = ctx_.mesh().dp();
-  // An earlier backward's gradients no rank had (zeros) are dropped first where they are still
-  // installed, so this backward does not reduce them as gradients (a host read of the flags: only
-  // with several backward passes before a step outside NoSync).
+  // An earlier backward's zeros for a parameter no rank had a gradient for are dropped first where
+  // they are still installed and this backward gave it none, so they are not reduced as a gradient (a
+  // host read of the flags: only with several backward passes before a step outside NoSync). One this
+  // backward added to in place (autograd accumulates into p.grad) is its gradient now: it stays.
   for (auto& b : buckets_)
     if (b.flags.defined()) {
       const at::Tensor host = detail::read_to_host(b.flags);
       const float* flag = host.data_ptr<float>();
-      drop_unused(b, flag);
+      drop_unused(b, flag, /*this_pass=*/true);
     }
+  std::fill(got_grad_.begin(), got_grad_.end(), false);
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
     Bucket& b = buckets_[bi];
     std::vector<at::Tensor> ps;
@@ -142,10 +149,10 @@ void ReplicatedRoute::install(Bucket& b) {
   }
 }
 
-void ReplicatedRoute::drop_unused(Bucket& b, const float*& flag) {
+void ReplicatedRoute::drop_unused(Bucket& b, const float*& flag, bool this_pass) {
   for (size_t k = 0; k < b.params.size(); ++k) {
     at::Tensor p = param(b.params[k]);
-    const bool unused = *flag++ <= 0;
+    const bool unused = *flag++ <= 0 && !(this_pass && got_grad_[static_cast<size_t>(b.params[k])]);
     // (what the caller put there since, or a gradient it kept across steps, stays)
     if (unused && p.grad().defined() && p.grad().is_same(b.installed[k])) p.mutable_grad() = at::Tensor();
   }
@@ -160,7 +167,7 @@ void ReplicatedRoute::collect_flags(std::vector<at::Tensor>& out) {
 
 void ReplicatedRoute::install_grads(const float*& flag) {
   for (auto& b : buckets_)
-    if (b.flags.defined()) drop_unused(b, flag);
+    if (b.flags.defined()) drop_unused(b, flag, /*this_pass=*/false);
 }
 
 void ReplicatedRoute::ready_grads(std::vector<ReadyGrad>& out) {
@@ -191,6 +198,7 @@ void ReplicatedRoute::discard_grads() {
     b.flags = at::Tensor();
     b.installed.clear();
   }
+  std::fill(got_grad_.begin(), got_grad_.end(), false);
 }
 
 void ReplicatedRoute::upcast_local_grads() {

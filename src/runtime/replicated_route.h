@@ -65,12 +65,15 @@ class ReplicatedRoute final : public WholeParamsRoute {
   };
   void average(Bucket& b);                      // waits its all-reduce, folds the average
   void install(Bucket& b);                      // the average into p.grad
-  void drop_unused(Bucket& b, const float*& flag);
+  // sets p.grad to none where no rank had a gradient (flag 0) and it is still the installed one
+  // (`this_pass`: and the backward now ending gave it none)
+  void drop_unused(Bucket& b, const float*& flag, bool this_pass);
   const at::Tensor& param(int i) const { return whole_.params()[static_cast<size_t>(i)].param; }
   RouteContext& ctx_;
   std::vector<int> tp_dims_;      // per parameter: TP split dimension, -1 when whole
   bool tp_ = false;
   std::vector<Bucket> buckets_;
+  std::vector<bool> got_grad_;  // per parameter: the backward now running gave it a gradient here
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accs_;
 };
 

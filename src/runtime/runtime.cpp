@@ -344,12 +344,14 @@ void Runtime::end_of_backward() {
   // Fire every boundary whose backward hooks did not run (no input needed grad, unused outputs...).
   if (!no_sync_)
     for (; next_reduce_ < reduce_order_.size(); ++next_reduce_) issue_reduce(reduce_order_[next_reduce_]);
+  ++grads_epoch_;
   clear_pass_state(/*accumulating=*/no_sync_);
   if (no_sync_) {
     for (Route* r : routes()) r->upcast_local_grads();
   } else {
     for (Route* r : routes()) r->end_of_backward();  // HSDP: the last stage-2 reduces; replicated all-reduces
   }
+  backward_open_ = false;  // (last: a route that throws here leaves the backward abandoned, found as such)
 }
 
 void Runtime::clear_pass_state(bool accumulating) {
@@ -364,7 +366,6 @@ void Runtime::clear_pass_state(bool accumulating) {
     B.reduced = false;
   }
   for (Route* r : routes()) r->reset_pass();
-  backward_open_ = false;
   reduce_order_fixed_ = false;
   reduce_order_.clear();
   next_reduce_ = 0;
@@ -374,8 +375,9 @@ void Runtime::clear_pass_state(bool accumulating) {
 void Runtime::drop_abandoned_backward(const char* warn_where, bool param_grads) {
   if (warn_where)
     TORCH_WARN("rank ", mesh().global_rank(), ": the last backward through this dmuon model did not finish (an "
-               "exception was raised in it), so its gradients are incomplete. dmuon dropped every gradient of its "
-               "parameters (that backward's and any earlier micro-batch's) at ", warn_where, ", as zero_grad() would. Call "
+               "exception was raised in it), so its gradients are incomplete. dmuon dropped ",
+               param_grads ? "every gradient of its parameters" : "the gradients it held outside p.grad",
+               " (that backward's and any earlier micro-batch's) at ", warn_where, ", as zero_grad() would. Call "
                "optimizer.zero_grad() after catching such an exception (every rank the same way) to drop them "
                "yourself and silence this warning.");
   // What the abandoned backward issued is waited (every rank that ran it issued the same collectives; a
@@ -386,6 +388,8 @@ void Runtime::drop_abandoned_backward(const char* warn_where, bool param_grads) 
     B.recomputing = false;
   }
   clear_pass_state(/*accumulating=*/false);
+  backward_open_ = false;
+  ++grads_epoch_;
   // and what autograd accumulated into the parameters before the exception (dedicated matrices whose
   // boundary was not reduced yet, replicated and local parameters)
   if (param_grads)
@@ -569,8 +573,18 @@ void Runtime::defer_update(const std::string& name, std::function<void()> apply)
   dedicated_->defer_update(name, std::move(apply));
 }
 
+bool Runtime::backward_abandoned() const {
+  return backward_open_ && (backward_token_.expired() || !in_autograd_backward());
+}
+
+uint64_t Runtime::grads_epoch() const {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  return grads_epoch_;
+}
+
 void Runtime::discard_grads() {
   std::lock_guard<std::recursive_mutex> g(mu_);
+  ++grads_epoch_;
   if (backward_abandoned()) {
     drop_abandoned_backward(nullptr, /*param_grads=*/false);  // (zero_grad's own work)
     return;

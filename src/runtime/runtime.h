@@ -123,6 +123,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void set_separate_sharded_unshard(bool on) override;
   std::vector<PlannedTraffic> planned_step_traffic() const override;
   void discard_grads() override;
+  uint64_t grads_epoch() const override;
   // ---- RuntimeFace: checkpoints ----
   void drain() override;
   void gather_params(const TensorSink& put) override;
@@ -244,10 +245,13 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   // callback holds the token backward_token_ watches: a backward that raises never runs its final
   // callbacks, and the engine destroys them with its graph task, so an open backward whose token
   // expired was abandoned (an exception in it, e.g. a caught out-of-memory error).
+  // (Outside autograd an open backward is over: its callback would have closed it. Inside one, the
+  // token tells: a device thread may hold a failed graph task a little longer.)
   bool backward_open_ = false;
   std::weak_ptr<void> backward_token_;
   bool backward_live() const { return backward_open_ && !backward_token_.expired(); }
-  bool backward_abandoned() const { return backward_open_ && backward_token_.expired(); }
+  bool backward_abandoned() const;
+  uint64_t grads_epoch_ = 0;
   size_t next_reduce_ = 0;                // position in reduce_order_
   std::vector<int> reduce_order_;         // reverse of the current forward order, fixed at the first backward hook
   bool reduce_order_fixed_ = false;

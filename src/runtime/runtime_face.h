@@ -88,6 +88,9 @@ class RuntimeFace {
   virtual void defer_update(const std::string& name, std::function<void()> apply) = 0;
   // zero_grad: drops every gradient dmuon holds (waits what is in flight; issues nothing)
   virtual void discard_grads() = 0;
+  // counts the changes of the gradients since setup: every backward's end and every discard_grads
+  // (gradients taken before one are stale: Muon::clip_grad_norm_'s set). Local.
+  virtual uint64_t grads_epoch() const = 0;
 
   // ---- checkpoints (collective) ----
   // waits every post-step publish, prefetch and pending reduce

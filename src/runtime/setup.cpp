@@ -214,8 +214,9 @@ std::string common_ancestor(const std::string& a, const std::string& b) {
 std::string resolve_boundary(const DedicateOptions& opts, const ModuleIndex& model, const ModelView::Tensor& param,
                              int rank) {
   std::string boundary = resolve_boundary(opts, model, param.name, param.tensor, rank);
-  // a tied parameter: every module holding it runs inside its boundary
-  for (const std::string& alias : param.aliases) boundary = common_ancestor(boundary, ancestors_of(alias).front());
+  // a tied parameter: every module holding it runs inside its boundary (a resolver's choice stands)
+  if (!opts.hook_boundary_resolver)
+    for (const std::string& alias : param.aliases) boundary = common_ancestor(boundary, ancestors_of(alias).front());
   return boundary;
 }
 

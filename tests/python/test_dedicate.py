@@ -684,6 +684,22 @@ def make_branch_net():
     return BranchNet(odd_ranks_and_rank0_on_odd_steps)
 
 
+def ranks_loss(model, step, world, micro_batches=1):
+    """The one-process loss whose gradient is what `world` ranks average: each rank's loss on its rows (summed
+    over its micro-batches, each one backward), over the ranks' count. model.rank and model.step say which rank
+    and step (with micro-batches: (step, micro)) the BranchNet runs as."""
+    x, y = batch(step)
+    per = BATCH // world
+    part = per // micro_batches
+    total = 0
+    for r in range(world):
+        for micro in range(micro_batches):
+            model.rank, model.step = r, step if micro_batches == 1 else (step, micro)
+            lo = r * per + micro * part
+            total = total + ((model(x[lo:lo + part]) - y[lo:lo + part]) ** 2).mean() / world
+    return total
+
+
 def _branch(rank, world, out_path):
     model = make_branch_net()
     dmuon.dedicate_params_ddp(model, init_device_mesh("cpu", (world,)), lambda n, p: p.dim() == 2)
@@ -706,17 +722,7 @@ def test_ddp_path_trains_blocks_that_only_some_ranks_run_as_torch_ddp(tmp_path):
     # torch's DDP with find_unused_parameters: the gradient is the average over the ranks of each rank's
     # gradient, zero where a rank did not run the block
     for world in (2, 3):
-        per = BATCH // world
-
-        def loss_of(model, step):
-            x, y = batch(step)
-            total = 0
-            for r in range(world):
-                model.rank, model.step = r, step
-                total = total + ((model(x[r * per:(r + 1) * per]) - y[r * per:(r + 1) * per]) ** 2).mean() / world
-            return total
-
-        ref = reference_train(model=make_branch_net(), loss_of=loss_of)
+        ref = reference_train(model=make_branch_net(), loss_of=lambda m, step: ranks_loss(m, step, world))
         got = train_on_ranks(tmp_path, world, _branch)
         assert float((got["extra.proj.weight"] - make_branch_net().extra.proj.weight.detach()).abs().max()) > 1e-3
         assert_matches(ref, got, f"{world} ranks")
@@ -817,8 +823,10 @@ def _grads_after_backward(rank, world, layout, out_path):
         x, y = batch(step)
         opt.zero_grad()
         mine, target = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
-        if step == 1:  # a skipped batch
+        if step in (1, 2):  # a skipped batch (on step 2 after clipping took its gradients)
             ((model(mine * 3) - target) ** 2).mean().backward()
+            if step == 2:
+                opt.clip_grad_norm_(CLIP_MUON)
             model.zero_grad(set_to_none=layout != "ddp")
         ((model(mine) - target) ** 2).mean().backward()
         grads = [p.grad for n, p in model.named_parameters() if not n.endswith("weight")]
@@ -844,6 +852,52 @@ def test_gradients_between_backward_and_step_are_torchs(tmp_path, layout):
     assert float((ref["layers.1.proj.bias"] - reference_train()["layers.1.proj.bias"]).abs().max()) > 1e-4
     for world in (1, 2, 3):
         assert_matches(ref, train_on_ranks(tmp_path, world, _grads_after_backward, layout), f"{world} ranks, {layout}")
+
+
+def second_micro_batch_only(rank, step):
+    return step[1] == 1
+
+
+def _two_passes(rank, world, layout):
+    # two backward passes per step, no no_sync: the extra block (its biases replicated) runs in the second only
+    model = make_two_pass_net()
+    mesh = init_device_mesh("cpu", (world,))
+    if layout == "ddp":
+        dmuon.dedicate_params_ddp(model, mesh, lambda n, p: p.dim() == 2)
+    else:
+        dmuon.dedicate_params(model, mesh, lambda n, p: p.dim() == 2)
+    dmuon.replicate(model)
+    opt, sched = make_optimizer(model, first_step_progress_log=False)
+    per = BATCH // world
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        for micro in (0, 1):
+            model.rank, model.step = rank, (step, micro)
+            lo = rank * per + micro * (per // 2)
+            ((model(x[lo:lo + per // 2]) - y[lo:lo + per // 2]) ** 2).mean().backward()
+        opt.step()
+        sched.step()
+    return dmuon.get_model_state_dict(model)
+
+
+def make_two_pass_net():
+    torch.manual_seed(7)
+    return BranchNet(second_micro_batch_only)
+
+
+def _two_passes_saved(rank, world, layout, out_path):
+    sd = _two_passes(rank, world, layout)
+    if rank == 0:
+        torch.save(sd, out_path)
+
+
+@pytest.mark.parametrize("layout", ["replicate", "ddp"])
+def test_two_backward_passes_per_step_sum_as_in_torch(tmp_path, layout):
+    # a replicated bias no rank had a gradient for in the first pass gets the second pass's
+    for world in (1, 2):
+        ref = reference_train(model=make_two_pass_net(), loss_of=lambda m, step: ranks_loss(m, step, world, 2))
+        assert_matches(ref, train_on_ranks(tmp_path, world, _two_passes_saved, layout), f"{world} ranks, {layout}")
 
 
 class SimulatedOutOfMemory(RuntimeError):
