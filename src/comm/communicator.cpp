@@ -359,7 +359,8 @@ namespace {
   TORCH_CHECK(false, "rank ", grank, ": collective failed on dmuon group '", name, "' (", size, " ranks): ", op_what,
               ": ", detail::error_text(e),
               ". A peer probably died, hung or issued a different collective (all ranks must run the same "
-              "model code in the same order); the wait limit is ",
+              "model code in the same order; a block that only some ranks run -- a data-dependent branch, an "
+              "expert that got no tokens -- needs the DDP path, dedicate_params_ddp); the wait limit is ",
               timeout.count(), " ms.");
 }
 }  // namespace
