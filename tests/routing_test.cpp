@@ -8,6 +8,11 @@
 #include <string>
 #include <vector>
 
+#include <torch/nn/modules/container/moduledict.h>
+#include <torch/nn/modules/container/parameterdict.h>
+#include <torch/nn/modules/container/parameterlist.h>
+#include <torch/nn/modules/linear.h>
+
 #include "model/gpt.h"
 #include "runtime/setup.h"
 #include "support/training.h"
@@ -107,9 +112,12 @@ TEST(RoutingTest, BoundaryResolution) {
   // outside a layer: the direct parent ("" for the root's own parameters)
   EXPECT_EQ(resolve_boundary(o, mods, "head.weight", p, 0), "head");
   EXPECT_EQ(resolve_boundary(o, mods, "scale", p, 0), "");
-  // the lowest ancestor the predicate selects
-  o.hook_boundary_predicate = [](const std::string& name, const torch::nn::Module&) { return name == "layers"; };
-  EXPECT_EQ(resolve_boundary(o, mods, "layers.1.q_proj.weight", p, 0), "layers");
+  // the lowest ancestor the predicate selects (over the layers.N rule)
+  o.hook_boundary_predicate = [](const std::string& name, const torch::nn::Module&) {
+    return name.ends_with("q_proj") || name == "layers";  // (`layers`, a ModuleList, runs no forward: skipped)
+  };
+  EXPECT_EQ(resolve_boundary(o, mods, "layers.1.q_proj.weight", p, 0), "layers.1.q_proj");
+  EXPECT_EQ(error_of([&] { resolve_boundary(o, mods, "layers.1.k_proj.weight", p, 0); }).empty(), false);
   // strict: no matching ancestor is an error naming the parameter; lax: the parent
   const std::string err = error_of([&] { resolve_boundary(o, mods, "head.weight", p, 2); });
   EXPECT_NE(err.find("rank 2: dedicate_params: no ancestor module of 'head.weight' matches hook_boundary_predicate"),
@@ -138,8 +146,11 @@ TEST(RoutingTest, ATiedParametersBoundaryContainsEveryModuleHoldingIt) {
   EXPECT_EQ(boundary("tok_emb.weight", {"head.weight"}), "");
   EXPECT_EQ(boundary("layers.1.q_proj.weight", {}), "layers.1");
   EXPECT_EQ(boundary("layers.1.q_proj.weight", {"layers.1.k_proj.weight"}), "layers.1");
-  EXPECT_EQ(boundary("layers.1.q_proj.weight", {"layers.0.q_proj.weight"}), "layers");
-  EXPECT_EQ(boundary("layers.1.q_proj.weight", {"layers.10.q_proj.weight"}), "layers");  // a component, not a prefix
+  // two blocks share it: the lowest module holding both is `layers`, a ModuleList, which runs no forward (its
+  // hooks would never run): the model, whose forward runs the blocks
+  EXPECT_EQ(boundary("layers.1.q_proj.weight", {"layers.0.q_proj.weight"}), "");
+  EXPECT_EQ(boundary("layers.1.q_proj.weight", {"layers.10.q_proj.weight"}), "");  // a component, not a prefix
+  EXPECT_EQ(boundary("layers.1.q_proj.weight", {"layers.1.k_proj.weight", "layers.1.v_proj.weight"}), "layers.1");
   EXPECT_EQ(boundary("layers.1.q_proj.weight", {"head.weight", "layers.0.q_proj.weight"}), "");
   // a LibTorch model with a tied parameter: named once, with its other name as an alias
   struct Holder : torch::nn::Module {
@@ -160,6 +171,54 @@ TEST(RoutingTest, ATiedParametersBoundaryContainsEveryModuleHoldingIt) {
   EXPECT_EQ(v.params[0].name, "emb.weight");
   EXPECT_EQ(v.params[0].aliases, std::vector<std::string>{"head.weight"});
   EXPECT_TRUE(v.params[1].aliases.empty() && v.params[2].aliases.empty());
+}
+
+TEST(RoutingTest, AContainerThatRunsNoForwardIsNeverABoundary) {
+  // matrices in a ParameterList (the parent's forward multiplies by them) and in a ModuleDict of ParameterDicts
+  struct Net : torch::nn::Module {
+    Net() {
+      auto list = register_module("mix", torch::nn::ParameterList());
+      list->append(at::zeros({4, 4}));
+      auto experts = register_module("experts", torch::nn::ModuleDict());
+      auto dict = torch::nn::ParameterDict();
+      dict->insert("up", at::zeros({4, 4}));
+      experts->update({{"e0", dict.ptr()}});
+      register_module("block", torch::nn::Linear(4, 4));
+    }
+  };
+  const auto net = std::make_shared<Net>();  // (the view holds its modules weakly)
+  const ModelView v = model_view(*net);
+  const ModuleIndex mods(v);
+  ASSERT_TRUE(mods.find("mix") && mods.find("experts.e0") && mods.find("block"));
+  EXPECT_TRUE(mods.find("mix")->container && mods.find("experts")->container && mods.find("experts.e0")->container);
+  EXPECT_FALSE(mods.find("")->container || mods.find("block")->container);
+  DedicateOptions o;
+  auto boundary = [&](const std::string& name) {
+    return resolve_boundary(o, mods, ModelView::Tensor{name, at::zeros({4, 4})}, 0);
+  };
+  EXPECT_EQ(boundary("mix.0"), "");
+  EXPECT_EQ(boundary("experts.e0.up"), "");
+  EXPECT_EQ(boundary("block.weight"), "block");
+  // a predicate is asked about modules that run a forward only
+  std::vector<std::string> asked;
+  o.hook_boundary_predicate = [&](const std::string& name, const torch::nn::Module&) {
+    asked.push_back(name);
+    return true;
+  };
+  EXPECT_EQ(boundary("experts.e0.up"), "");
+  EXPECT_EQ(asked, std::vector<std::string>{""});
+  o.hook_boundary_predicate = nullptr;
+  // a resolver choosing a container: an error naming it, the parameter and the fix
+  o.hook_boundary_resolver = [](const std::string&, const at::Tensor&) { return std::string("mix"); };
+  try {
+    boundary("mix.0");
+    FAIL() << "a container boundary was accepted";
+  } catch (const c10::ValueError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("rank 0"), std::string::npos) << what;
+    EXPECT_NE(what.find("'mix' for parameter 'mix.0', a container"), std::string::npos) << what;
+    EXPECT_NE(what.find("its parent"), std::string::npos) << what;
+  }
 }
 
 TEST(RoutingTest, RoutesOfAGptWithoutAnyRank) {

@@ -40,6 +40,10 @@ struct ModelView {
     // boundary lookup need it); empty for other front ends. Weak: the runtime that keeps the view
     // must not keep its model alive (the registry keeps the runtime while the model lives).
     std::weak_ptr<torch::nn::Module> libtorch;
+    // A container that runs no forward of its own (ModuleList, ModuleDict, ParameterList,
+    // ParameterDict): its parent's forward uses what it holds, so it is never a hook boundary (a
+    // parameter's boundary goes up to the lowest ancestor that runs a forward).
+    bool container = false;
   };
   std::vector<Tensor> params;   // model order; a tied parameter once (its first name); requires_grad as the tensor's
   std::vector<Tensor> buffers;  // checkpointed with the parameters

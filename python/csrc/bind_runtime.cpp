@@ -322,7 +322,7 @@ void bind_runtime(py::module_& m) {
       "_dedicate",
       [](const std::vector<std::pair<std::string, at::Tensor>>& params,
          const std::vector<std::pair<std::string, at::Tensor>>& buffers,
-         const std::vector<std::pair<std::string, int>>& modules, const std::shared_ptr<Mesh>& mesh,
+         const std::vector<std::tuple<std::string, int, bool>>& modules, const std::shared_ptr<Mesh>& mesh,
          const ParamPredicate& predicate, const py::dict& options, bool ddp,
          const std::map<std::string, int>& tp_split, const std::map<std::string, std::vector<std::string>>& aliases) {
         ModelView v;
@@ -332,7 +332,7 @@ void bind_runtime(py::module_& m) {
         }
         v.tp_split = tp_split;  // DTensor parameters sharded on the TP axis: their local slices, split dim
         for (const auto& [n, t] : buffers) v.buffers.push_back({n, t});
-        for (const auto& [n, parent] : modules) v.modules.push_back({n, parent, {}});
+        for (const auto& [n, parent, container] : modules) v.modules.push_back({n, parent, {}, container});
         // the Python callables run during setup, on this thread: the GIL stays held
         const DedicateOptions o = dedicate_options(options);
         const ParamPredicate select = caller_mistakes_kept(predicate);

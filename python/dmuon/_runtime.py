@@ -70,11 +70,9 @@ def _sync_external(model: nn.Module, state: _State) -> Dict[str, nn.Parameter]:
             )
         fresh.append((name, p))
     if fresh:
-        # a parameter frozen at dedicate_params has no route to release; its shard is only read and written
-        # by the state dicts (nothing trains it)
-        trained = [n for n, _ in fresh if state.params[n].requires_grad]
-        if trained:
-            state.runtime.release_params(trained)
+        # FSDP2 holds them now: the runtime forgets them, frozen ones too (the state dicts read and write their
+        # shards; nothing trains a frozen one)
+        state.runtime.release_params([n for n, _ in fresh])
         state.external.update(fresh)
     return state.external
 
@@ -155,22 +153,42 @@ def _model_view(model: nn.Module):
     params = [(n, p) for n, p in model.named_parameters()]  # tied parameters once (their first name)
     buffers = [(n, b) for n, b in model.named_buffers()]
     modules, index = [], {}
-    for name, _ in model.named_modules():
+    for name, m in model.named_modules():
         parent = -1 if name == "" else index[name.rpartition(".")[0]]
         index[name] = len(modules)
-        modules.append((name, parent))
+        modules.append((name, parent, _is_container(m)))
     return params, buffers, modules
 
 
+def _is_container(module: nn.Module) -> bool:
+    """A module without a forward of its own (ModuleList, ModuleDict, ParameterList, ParameterDict): its parent's
+    forward uses what it holds, so its forward hooks never run and it cannot be a hook boundary."""
+    return type(module).forward is nn.Module.forward
+
+
 def _boundary_resolver(model: nn.Module, predicate: Callable[[nn.Module], bool], strict: bool):
-    """hook_boundary_predicate on Python modules, as the C++ runtime's name -> boundary resolver."""
+    """hook_boundary_predicate on Python modules, as the C++ runtime's name -> boundary resolver: the lowest
+    ancestor matching it that runs a forward (a container such as ModuleList never does) and holds every module
+    using the parameter (a tied one has several); without a match, that lowest ancestor itself."""
     modules = dict(model.named_modules())
+    tied = _tied_names(model)
 
     def resolve(name: str, _param) -> str:
-        parts = name.split(".")[:-1]
+        holders = [n.split(".")[:-1] for n in [name] + tied.get(name, [])]
+        parts = holders[0]
+        for other in holders[1:]:  # the lowest module holding every user
+            common = 0
+            while common < min(len(parts), len(other)) and parts[common] == other[common]:
+                common += 1
+            parts = parts[:common]
+        lowest = None
         for i in range(len(parts), -1, -1):  # the lowest ancestor first
             candidate = ".".join(parts[:i])
-            if predicate(modules[candidate]):
+            module = modules.get(candidate)
+            if module is None or (_is_container(module) and i > 0):
+                continue
+            lowest = candidate if lowest is None else lowest
+            if predicate(module):
                 return candidate
         if strict:
             raise ValueError(
@@ -178,7 +196,7 @@ def _boundary_resolver(model: nn.Module, predicate: Callable[[nn.Module], bool],
                 "Widen the predicate so it selects the block that contains this parameter, or pass "
                 "hook_boundary_strict=False to fall back to its direct parent module."
             )
-        return ".".join(parts)
+        return lowest
 
     return resolve
 
@@ -702,36 +720,129 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True, rank0_on
     return out
 
 
+def _summary(value, path: str, out: list) -> None:
+    """A few numbers per tensor (shape, dtype, float64 sums) and the value of everything else, by path: what
+    :func:`_load_agreed` compares across ranks (a pass over each tensor, no copy of it)."""
+    if isinstance(value, torch.Tensor):
+        if is_dtensor(value):
+            value = value.to_local()
+        flat = value.detach().reshape(-1)
+        stats = ()
+        if flat.numel() and (flat.is_floating_point() or not flat.is_complex()) and flat.device.type != "meta":
+            stats = tuple(float(x) for x in torch.stack([
+                flat.sum(dtype=torch.float64), flat[::2].sum(dtype=torch.float64),
+                torch.linalg.vector_norm(flat.to(torch.float64) if not flat.is_floating_point() else flat,
+                                         dtype=torch.float64)]).tolist())
+        out.append((path, ("tensor", tuple(value.shape), str(value.dtype)), stats))
+    elif isinstance(value, Mapping):
+        for k in value:
+            _summary(value[k], f"{path}[{k!r}]" if path else repr(k), out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _summary(v, f"{path}[{i}]", out)
+    elif isinstance(value, (bool, int, float)):
+        out.append((path, type(value).__name__, (float(value),)))
+    else:
+        out.append((path, repr(value), ()))
+
+
+def _same_numbers(a: tuple, b: tuple) -> bool:
+    """Equal up to the float64 rounding a summation order may leave (ranks on machines with other thread
+    counts); NaN equals NaN."""
+    return len(a) == len(b) and all(
+        (math.isnan(x) and math.isnan(y)) or x == y or abs(x - y) <= 1e-9 * max(abs(x), abs(y)) for x, y in zip(a, b))
+
+
+def _load_agreed(group, fn: str, check: Callable[[], None], given) -> None:
+    """The agreement before a load writes anything (collective over the model's ranks): `check` (this rank's
+    validation of `given`) raising on any rank raises on every rank, naming it, and dicts that differ between
+    ranks are an error too: each rank would load its own, and the replicas would drift apart."""
+    error = None
+    try:
+        check()
+    except (ValueError, TypeError) as e:
+        error = e
+    if group is None or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    summary = []
+    if error is None:
+        _summary(given, "", summary)
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (None if error is None else f"{type(error).__name__}: {error}", summary),
+                           group=group)
+    if error is not None:
+        raise error
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    for r, (theirs, _) in zip(ranks, everyone):
+        if theirs is not None:
+            raise ValueError(f"rank {me}: {fn}: rank {r} refused the state dict it was given, so no rank loads "
+                             f"anything ({theirs})")
+    for r, (_, theirs) in zip(ranks, everyone):
+        if theirs == summary:
+            continue
+        for (path, kind, numbers), other in zip(summary, theirs):
+            if other[0] != path or other[1] != kind or not _same_numbers(numbers, other[2]):
+                break
+        else:
+            path = summary[len(theirs)][0] if len(summary) > len(theirs) else theirs[len(summary)][0]
+        raise ValueError(
+            f"rank {me}: {fn}: the ranks were given different state dicts ({path} differs between rank {me} and "
+            f"rank {r}), so each would load its own and the replicas would drift apart; nothing was loaded. Pass the "
+            "same full state dict on every rank (torch.load the same file on each, or broadcast rank 0's with "
+            "torch.distributed.broadcast_object_list).")
+
+
 def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
     """Loads a full state dict (what :func:`get_model_state_dict` or the one-process model's ``state_dict()``
     gives) into a dedicated model: each rank keeps its part of every parameter, buffers are copied.
-    Every rank passes the whole dict. Collective: every rank of the model's mesh."""
-    state = _state_of(model, "set_model_state_dict")
+    Every rank passes the whole dict, the same one: the ranks agree on it (and on any refusal) before
+    anything is written. A tied parameter takes its last key's value, as ``load_state_dict`` does.
+    Collective: every rank of the model's mesh."""
+    fn = "set_model_state_dict"
+    state = _state_of(model, fn)
     expected = model.state_dict(keep_vars=True)
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    if missing or unexpected:
-        raise ValueError(
-            f"set_model_state_dict: the state dict does not match the model (missing: {missing[:5]}, unexpected: "
-            f"{unexpected[:5]}). Pass a full state dict of this architecture, with keys as in model.state_dict()."
-        )
     external = _sync_external(model, state)
-    first_name, params, seen = _first_names(model), {}, set()
-    # every check before anything is written: a failed load leaves the model as it was
-    for key, value in expected.items():
-        given = state_dict[key]
-        if not isinstance(given, torch.Tensor):
-            raise TypeError(f"set_model_state_dict: '{key}' is a {type(given).__name__} in the state dict, not a "
-                            "tensor. Pass a state dict of tensors, as model.state_dict() gives.")
+    first_name = _first_names(model)
+
+    def check():  # every check before anything is written: a failed load leaves the model as it was
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{fn}: the state dict is a {type(state_dict).__name__}, not a dict of tensors.")
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if missing or unexpected:
+            empty = (" This rank got an empty dict: get_model_state_dict returns the state on rank 0 only by default "
+                     "(rank0_only=True); pass rank0_only=False, or send rank 0's to every rank.") if not state_dict else ""
+            raise ValueError(
+                f"{fn}: the state dict does not match the model (missing: {missing[:5]}, unexpected: "
+                f"{unexpected[:5]}). Pass a full state dict of this architecture, with keys as in model.state_dict()."
+                + empty)
+        first_key = {}
+        for key, value in expected.items():
+            given = state_dict[key]
+            if not isinstance(given, torch.Tensor):
+                raise TypeError(f"{fn}: '{key}' is a {type(given).__name__} in the state dict, not a "
+                                "tensor. Pass a state dict of tensors, as model.state_dict() gives.")
+            name = first_name.get(id(value))
+            if (name is None or name in external) and tuple(given.shape) != tuple(value.shape):  # buffers, FSDP2's
+                raise ValueError(f"{fn}: '{key}' has shape {tuple(given.shape)} in the state dict but "
+                                 f"{tuple(value.shape)} in the model. Pass a state dict of this architecture.")
+            first = first_key.setdefault(id(value), key)
+            if first != key and (tuple(given.shape) != tuple(state_dict[first].shape)
+                                 or given.is_floating_point() != state_dict[first].is_floating_point()):
+                raise ValueError(  # a tied parameter's other key: the same parameter (the core checks the first)
+                    f"{fn}: '{key}' is the same parameter as '{first}' (tied), but the state dict holds a "
+                    f"{tuple(given.shape)} {given.dtype} tensor under it and a {tuple(state_dict[first].shape)} "
+                    f"{state_dict[first].dtype} one under '{first}'. Pass a state dict of this architecture.")
+
+    _load_agreed(state.world_group, fn, check, state_dict)
+    params = {}
+    for key, value in expected.items():  # a tied parameter: its last key's value, as load_state_dict leaves it
         name = first_name.get(id(value))
-        if (name is None or name in external) and tuple(given.shape) != tuple(value.shape):  # buffers, FSDP2's
-            raise ValueError(f"set_model_state_dict: '{key}' has shape {tuple(given.shape)} in the state dict but "
-                             f"{tuple(value.shape)} in the model. Pass a state dict of this architecture.")
-    for key, value in expected.items():
-        name = first_name.get(id(value))
-        if name is not None and id(value) not in seen and name not in external:  # its first key (tied: once)
+        if name is not None and name not in external:
             params[name] = state_dict[key]
-        seen.add(id(value))
     state.runtime.assign_params(params)
     for name, p in external.items():
         assign_full(p, state_dict[name], name)
@@ -923,7 +1034,7 @@ class _OptimizerState(Mapping):
         if id(p) in self._external:
             return opt._external.state.get(p) or None
         found = opt._native.param_state(p) if isinstance(p, torch.Tensor) else None
-        if found is None:
+        if found is None or (int(found["step"]) == 0 and len(found) == 1):  # (a step-0 state loaded: none, as torch)
             return None
         if "exp_avg" in found:  # AdamW's as torch keeps it: the step as a float tensor
             found["step"] = torch.tensor(float(found["step"]))
@@ -1472,61 +1583,75 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
     """Loads what :func:`get_optimizer_state_dict` returned (every rank passes the full dict): momentum on
     the matrices' owners, AdamW moments on the ranks that update them (FSDP2 shards sliced), step counts
     and every group's hyperparameters. Collective: every rank of the model's mesh."""
-    state = _check_optimizer(model, optimizer, "set_optimizer_state_dict")
-    missing = [k for k in _SECTIONS + ("param_groups", "steps_taken") if k not in state_dict]
-    if missing:
-        raise ValueError(
-            f"set_optimizer_state_dict: the state dict has no {missing} section(s); pass what "
-            "dmuon.get_optimizer_state_dict(model, optimizer, rank0_only=False) returned (or rank 0's, sent to every rank)."
-        )
-    groups = list(state_dict["param_groups"])
-    if len(groups) != len(optimizer.param_groups):
-        raise ValueError(
-            f"set_optimizer_state_dict: the state dict has {len(groups)} parameter groups, the optimizer "
-            f"{len(optimizer.param_groups)}. Build the model and optimizer as in the run that saved it."
-        )
-    for i, saved in enumerate(groups):
-        absent = [k for k in ("group_name", "is_muon", "lr", "momentum", "weight_decay", "betas", "eps", "nesterov",
-                              "ns_steps") if k not in saved] if isinstance(
-            saved, Mapping) else ["(not a dict)"]
-        if absent:
-            raise ValueError(f"set_optimizer_state_dict: param_groups[{i}] has no {absent}; pass the param_groups "
-                             "get_optimizer_state_dict returned.")
-        numbers = [saved[k] for k in ("lr", "momentum", "weight_decay", "eps")] + list(
-            saved["betas"] if isinstance(saved["betas"], (tuple, list)) else [saved["betas"]] * 3)
-        if len(numbers) != 6 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
-            raise ValueError(f"set_optimizer_state_dict: param_groups[{i}] holds a value that is not a number in "
-                             f"lr, momentum, weight_decay, eps or betas (a pair): {dict((k, saved[k]) for k in ('lr', 'momentum', 'weight_decay', 'eps', 'betas'))}.")
-        mine = optimizer.param_groups[i]
-        if bool(saved.get("is_muon")) != mine["is_muon"] or saved.get("group_name") != mine["group_name"]:
-            raise ValueError(
-                f"set_optimizer_state_dict: param_groups[{i}] is '{saved.get('group_name')}' "
-                f"({'Muon' if saved.get('is_muon') else 'AdamW'}) in the state dict but '{mine['group_name']}' "
-                f"({'Muon' if mine['is_muon'] else 'AdamW'}) here. Build the optimizer as in the run that saved it.")
-    steps = state_dict["steps_taken"]
-    try:  # an int, a numpy integer or a one-element integer tensor
-        steps = None if isinstance(steps, bool) else operator.index(steps)
-    except TypeError:
-        steps = None
-    if steps is None or steps < 0:
-        raise ValueError(f"set_optimizer_state_dict: steps_taken is {state_dict['steps_taken']!r}; a step count is "
-                         "an integer >= 0.")
+    fn = "set_optimizer_state_dict"
+    state = _check_optimizer(model, optimizer, fn)
     external = _trained_external(state)
-    unknown = [n for n in state_dict["fsdp"] if n not in external]
-    absent = [n for n in external if n not in state_dict["fsdp"]] if steps > 0 else []
-    if unknown or absent:
-        raise ValueError(
-            f"set_optimizer_state_dict: the 'fsdp' section does not match the FSDP2 parameters of this model "
-            f"(unknown: {unknown[:5]}, missing: {absent[:5]}). Build the model as in the run that saved it."
-        )
-    for name, saved in state_dict["fsdp"].items():  # the core's checks of its own sections, before anything loads
-        _check_fsdp_state(name, saved, tuple(external[name].shape))
+    groups, steps = [], 0
+
+    def check():  # every check before anything is loaded, agreed across the ranks
+        nonlocal groups, steps
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{fn}: the state dict is a {type(state_dict).__name__}, not a dict.")
+        missing = [k for k in _SECTIONS + ("param_groups", "steps_taken") if k not in state_dict]
+        empty = (" This rank got an empty dict: get_optimizer_state_dict returns the state on rank 0 only by "
+                 "default (rank0_only=True); pass rank0_only=False, or send rank 0's to every rank.")
+        if missing:
+            raise ValueError(
+                f"set_optimizer_state_dict: the state dict has no {missing} section(s); pass what "
+                "dmuon.get_optimizer_state_dict(model, optimizer, rank0_only=False) returned (or rank 0's, sent to "
+                "every rank)." + (empty if not state_dict else "")
+            )
+        groups = list(state_dict["param_groups"])
+        if len(groups) != len(optimizer.param_groups):
+            raise ValueError(
+                f"set_optimizer_state_dict: the state dict has {len(groups)} parameter groups, the optimizer "
+                f"{len(optimizer.param_groups)}. Build the model and optimizer as in the run that saved it."
+                + (empty if not groups else "")
+            )
+        for i, saved in enumerate(groups):
+            absent = [k for k in ("group_name", "is_muon", "lr", "momentum", "weight_decay", "betas", "eps", "nesterov",
+                                  "ns_steps") if k not in saved] if isinstance(
+                saved, Mapping) else ["(not a dict)"]
+            if absent:
+                raise ValueError(f"set_optimizer_state_dict: param_groups[{i}] has no {absent}; pass the param_groups "
+                                 "get_optimizer_state_dict returned.")
+            numbers = [saved[k] for k in ("lr", "momentum", "weight_decay", "eps")] + list(
+                saved["betas"] if isinstance(saved["betas"], (tuple, list)) else [saved["betas"]] * 3)
+            if len(numbers) != 6 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+                raise ValueError(f"set_optimizer_state_dict: param_groups[{i}] holds a value that is not a number in "
+                                 f"lr, momentum, weight_decay, eps or betas (a pair): {dict((k, saved[k]) for k in ('lr', 'momentum', 'weight_decay', 'eps', 'betas'))}.")
+            mine = optimizer.param_groups[i]
+            if bool(saved.get("is_muon")) != mine["is_muon"] or saved.get("group_name") != mine["group_name"]:
+                raise ValueError(
+                    f"set_optimizer_state_dict: param_groups[{i}] is '{saved.get('group_name')}' "
+                    f"({'Muon' if saved.get('is_muon') else 'AdamW'}) in the state dict but '{mine['group_name']}' "
+                    f"({'Muon' if mine['is_muon'] else 'AdamW'}) here. Build the optimizer as in the run that saved it.")
+        steps = state_dict["steps_taken"]
+        try:  # an int, a numpy integer or a one-element integer tensor
+            steps = None if isinstance(steps, bool) else operator.index(steps)
+        except TypeError:
+            steps = None
+        if steps is None or steps < 0:
+            raise ValueError(f"set_optimizer_state_dict: steps_taken is {state_dict['steps_taken']!r}; a step count is "
+                             "an integer >= 0.")
+        unknown = [n for n in state_dict["fsdp"] if n not in external]
+        absent = [n for n in external if n not in state_dict["fsdp"]] if steps > 0 else []
+        if unknown or absent:
+            raise ValueError(
+                f"set_optimizer_state_dict: the 'fsdp' section does not match the FSDP2 parameters of this model "
+                f"(unknown: {unknown[:5]}, missing: {absent[:5]}). Build the model as in the run that saved it."
+            )
+        for name, saved in state_dict["fsdp"].items():  # the core's checks of its own sections, before anything loads
+            _check_fsdp_state(name, saved, tuple(external[name].shape))
+
+    _load_agreed(state.world_group, fn, check, state_dict)
     n = optimizer._native_groups
     optimizer._native.load_state(state.runtime, _flat(state_dict["dedicated"]), _flat(state_dict["dedicated_adamw"]),
                                  groups[:n], steps)
     for i, (g, saved) in enumerate(zip(optimizer.param_groups, groups)):
         for k, v in saved.items():
-            g[k] = tuple(v) if k == "betas" else v
+            if k != "params":  # (a torch-style dict's parameter indices: the groups are matched by position)
+                g[k] = tuple(v) if k == "betas" else v
         if not g["is_muon"]:  # the saved betas are the AdamW group's (its momentum is beta1)
             g["momentum"] = optimizer._beta1[i] = g["betas"][0]
     if optimizer._external is not None:

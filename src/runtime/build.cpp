@@ -265,7 +265,11 @@ void Runtime::release_external(const std::vector<std::string>& names) {
     bool found = false;
     for (const Route* r : routes_)
       if ((found = r->describe(name, v))) break;
-    TORCH_CHECK_VALUE(found, "rank ", rank, ": no trainable parameter '", name, "' in this dedicated model.");
+    if (!found && local_->holds_frozen(name)) {  // frozen: nothing trains it
+      gone.insert(name);
+      continue;
+    }
+    TORCH_CHECK_VALUE(found, "rank ", rank, ": no parameter '", name, "' in this dedicated model.");
     TORCH_CHECK_VALUE(v.route == RouteKind::Local, "rank ", rank, ": parameter '", name, "' was replaced after "
                       "dedicate_params, but dmuon trains it (route ", route_name(v.route), "): another wrapper (e.g. "
                       "FSDP2's fully_shard) took a parameter dmuon already owns. Keep FSDP2 off dmuon's parameters: "

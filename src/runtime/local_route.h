@@ -27,6 +27,10 @@ class LocalRoute final : public WholeParamsRoute {
       if (w.trainable()) out.push_back(w);
     return out;
   }
+  bool holds_frozen(const std::string& name) const {
+    const WholeParam* w = whole_.find(name);
+    return w && !w->trainable();
+  }
   // parameters another data-parallel wrapper took over (Runtime::release_external)
   void drop(const std::set<std::string>& names) {
     std::vector<WholeParam> kept;

@@ -3,6 +3,10 @@
 
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/moduledict.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/parameterdict.h>
+#include <torch/nn/modules/container/parameterlist.h>
 
 #include <map>
 #include <set>
@@ -67,6 +71,10 @@ ModelView model_view(const torch::nn::Module& model) {
       m.parent = index.at(dot == std::string::npos ? std::string() : name.substr(0, dot));
     }
     m.libtorch = item.value();
+    const torch::nn::Module* raw = item.value().get();
+    m.container = dynamic_cast<const torch::nn::ModuleListImpl*>(raw) || dynamic_cast<const torch::nn::ModuleDictImpl*>(raw) ||
+                  dynamic_cast<const torch::nn::ParameterListImpl*>(raw) ||
+                  dynamic_cast<const torch::nn::ParameterDictImpl*>(raw);
     index[name] = static_cast<int>(v.modules.size());
     v.modules.push_back(std::move(m));
     if (const auto* tp = dynamic_cast<const TensorParallel*>(item.value().get()))

@@ -99,12 +99,14 @@ void ReplicatedRoute::end_of_backward() {
   // they are still installed and this backward gave it none, so they are not reduced as a gradient (a
   // host read of the flags: only with several backward passes before a step outside NoSync). One this
   // backward added to in place (autograd accumulates into p.grad) is its gradient now: it stays.
-  for (auto& b : buckets_)
-    if (b.flags.defined()) {
-      const at::Tensor host = detail::read_to_host(b.flags);
-      const float* flag = host.data_ptr<float>();
-      drop_unused(b, flag, /*this_pass=*/true);
-    }
+  std::vector<at::Tensor> parts;
+  collect_flags(parts);
+  if (!parts.empty()) {  // one host read for every bucket
+    const at::Tensor host = detail::read_to_host(at::cat(parts));
+    const float* flag = host.data_ptr<float>();
+    for (auto& b : buckets_)
+      if (b.flags.defined()) drop_unused(b, flag, /*this_pass=*/true);
+  }
   std::fill(got_grad_.begin(), got_grad_.end(), false);
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
     Bucket& b = buckets_[bi];

@@ -152,7 +152,8 @@ class Route {
   virtual void finish_reduces() {}                               // wait, fold into the accumulators
   virtual void collect_flags(std::vector<at::Tensor>& /*out*/) {}  // device flags, read once per step
   virtual void install_grads(const float*& /*flag*/) {}            // walks the host copy of collect_flags
-  virtual void ready_grads(std::vector<ReadyGrad>& out) = 0;      // what this rank updates; hands them over
+  virtual void ready_grads(std::vector<ReadyGrad>& out) = 0;      // what this rank updates (taken again until stepped)
+  virtual void stepped() {}  // the step updated with them: drops what it holds outside p.grad
   virtual void discard_grads() {}                                // zero_grad: waits, drops, issues nothing
   virtual void upcast_local_grads() {}                           // NoSync: accumulate in the master dtype
   virtual void publish(bool /*async*/) {}                        // after the update

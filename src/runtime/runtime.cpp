@@ -519,6 +519,7 @@ void Runtime::step(bool group_prepare_ahead, bool async, std::optional<std::vect
         &v);
   }
   v.update(ready);
+  for (Route* r : routes()) r->stepped();
   v.before_publish();
   // collective: HSDP publishes over the replicate group, the DDP path broadcasts from the owners,
   // all_gather unshard scatters; nothing on a 1-D mesh in broadcast mode (the next forward does it)

@@ -209,29 +209,44 @@ std::string common_ancestor(const std::string& a, const std::string& b) {
   if ((i == a.size() && (i == b.size() || b[i] == '.')) || (i == b.size() && a[i] == '.')) return a.substr(0, i);
   return last_dot == std::string::npos ? std::string() : a.substr(0, last_dot);
 }
+
+// `name`, or its lowest ancestor that runs a forward when it is a container (ModuleList...): a
+// container's forward hooks never run, its parent's forward uses what it holds.
+std::string running_forward(const ModuleIndex& model, std::string name) {
+  for (const ModelView::Module* m = model.find(name); m && m->container && !name.empty(); m = model.find(name)) {
+    const size_t dot = name.rfind('.');
+    name = dot == std::string::npos ? std::string() : name.substr(0, dot);
+  }
+  return name;
+}
 }  // namespace
 
 std::string resolve_boundary(const DedicateOptions& opts, const ModuleIndex& model, const ModelView::Tensor& param,
                              int rank) {
   std::string boundary = resolve_boundary(opts, model, param.name, param.tensor, rank);
-  // a tied parameter: every module holding it runs inside its boundary (a resolver's choice stands)
-  if (!opts.hook_boundary_resolver)
-    for (const std::string& alias : param.aliases) boundary = common_ancestor(boundary, ancestors_of(alias).front());
-  return boundary;
+  if (opts.hook_boundary_resolver) return boundary;  // a resolver's choice stands, tied or not
+  // a tied parameter: every module holding it runs inside its boundary
+  for (const std::string& alias : param.aliases) boundary = common_ancestor(boundary, ancestors_of(alias).front());
+  return running_forward(model, boundary);
 }
 
 std::string resolve_boundary(const DedicateOptions& opts, const ModuleIndex& model, const std::string& name,
                              const at::Tensor& p, int rank) {
   if (opts.hook_boundary_resolver) {
     std::string boundary = opts.hook_boundary_resolver(name, p);
-    TORCH_CHECK_VALUE(model.find(boundary), "rank ", rank, ": dedicate_params: hook_boundary_resolver returned '",
+    const ModelView::Module* m = model.find(boundary);
+    TORCH_CHECK_VALUE(m, "rank ", rank, ": dedicate_params: hook_boundary_resolver returned '",
                 boundary, "' for parameter '", name, "', which is not a module of the model (named_modules()).");
+    TORCH_CHECK_VALUE(!m->container || boundary.empty(), "rank ", rank, ": dedicate_params: hook_boundary_resolver returned '",
+                boundary, "' for parameter '", name, "', a container (ModuleList, ModuleDict, ParameterList or "
+                "ParameterDict) that runs no forward of its own, so its forward hooks never run and the parameter "
+                "would never be unsharded. Return the module whose forward uses it (for a container, its parent).");
     return boundary;
   }
   if (opts.hook_boundary_predicate) {
     for (const auto& a : ancestors_of(name)) {
       const ModelView::Module* m = model.find(a);
-      if (!m) continue;
+      if (!m || m->container) continue;  // a container runs no forward: never a boundary
       const std::shared_ptr<torch::nn::Module> module = m->libtorch.lock();
       TORCH_CHECK_VALUE(module, "rank ", rank, ": dedicate_params: hook_boundary_predicate is called with LibTorch "
                   "modules, but module '", a, "' of this model is not one. Use hook_boundary_resolver (name -> "
@@ -243,9 +258,9 @@ std::string resolve_boundary(const DedicateOptions& opts, const ModuleIndex& mod
                 "contains this parameter, or set hook_boundary_strict=false to fall back to its direct parent module.");
   } else {
     const std::string key = layer_key_of(name);
-    if (!key.empty() && model.find(key)) return key;
+    if (!key.empty() && model.find(key)) return running_forward(model, key);
   }
-  return ancestors_of(name).front();  // the direct parent
+  return running_forward(model, ancestors_of(name).front());  // the direct parent (or the lowest running one)
 }
 
 Routing route_params(const ModelView& model, const ParamPredicate& predicate, const DedicateOptions& opts,

@@ -57,8 +57,9 @@ Precision resolve_precision(const ParamPolicy& pol, const DedicateOptions& opts,
 
 // The hook boundary of a parameter (a module name as in named_modules(); "" = the root):
 // hook_boundary_resolver, else the lowest ancestor matching hook_boundary_predicate, else the
-// `layers.N` / `blocks.N` module, else the direct parent.
-// hook_boundary_predicate needs the LibTorch modules (ModelView::Module::libtorch).
+// `layers.N` / `blocks.N` module, else the direct parent; never a container (ModuleList...: its
+// forward hooks never run), whose place its lowest ancestor running a forward takes (a resolver
+// returning one is an error). hook_boundary_predicate needs the LibTorch modules (ModelView::Module::libtorch).
 // The modules of a ModelView by name (one lookup per ancestor of every parameter: a linear search
 // would make setup quadratic in the model's size).
 class ModuleIndex {

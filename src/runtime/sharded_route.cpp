@@ -187,22 +187,24 @@ void ShardedRoute::install_grads(const float*& flag) {
 
 void ShardedRoute::ready_grads(std::vector<ReadyGrad>& out) {
   for (auto& e : entries_) {
-    if (e.grad.defined()) {
-      // every shard rank updates its slice; counted in a norm by the first replicate group, the
-      // parameter itself by its shard rank 0
-      const Mesh& mesh = ctx_.mesh();
-      ReadyGrad r = ctx_.ready_grad(e.name, e.param, e.prec, /*muon=*/false, mesh.replicate_rank() == 0,
-                                    mesh.shard_rank() == 0);
-      r.target = e.shard;  // the slice is the master
-      r.write_back = false;
-      r.grad = e.grad;
-      r.in_param_grad = false;
-      out.push_back(std::move(r));
-    }
-    // handed over: the gradient of a sharded_adamw parameter is never in p.grad, so nothing but the step
-    // could drop it (model.zero_grad() cannot reach it); a backward without zero_grad starts it anew
-    e.grad = at::Tensor();
+    if (!e.grad.defined()) continue;
+    // every shard rank updates its slice; counted in a norm by the first replicate group, the
+    // parameter itself by its shard rank 0
+    const Mesh& mesh = ctx_.mesh();
+    ReadyGrad r = ctx_.ready_grad(e.name, e.param, e.prec, /*muon=*/false, mesh.replicate_rank() == 0,
+                                  mesh.shard_rank() == 0);
+    r.target = e.shard;  // the slice is the master
+    r.write_back = false;
+    r.grad = e.grad;  // (clipping scales it in place: a later backward adds to the clipped one, as in torch)
+    r.in_param_grad = false;
+    out.push_back(std::move(r));
   }
+}
+
+void ShardedRoute::stepped() {
+  // the gradient of a sharded_adamw parameter is never in p.grad, so the step drops it (a backward after
+  // the step starts it anew); a backward between clipping and the step added to it
+  for (auto& e : entries_) e.grad = at::Tensor();
 }
 
 void ShardedRoute::plan_step_traffic(std::vector<PlannedTraffic>& out) const {

@@ -73,6 +73,7 @@ class ShardedRoute final : public Route {
   void collect_flags(std::vector<at::Tensor>& out) override;
   void install_grads(const float*& flag) override;
   void ready_grads(std::vector<ReadyGrad>& out) override;
+  void stepped() override;
   void discard_grads() override;
   bool in_flight() override;
   void plan_step_traffic(std::vector<PlannedTraffic>& out) const override;

@@ -139,6 +139,16 @@ def dedicated_net(mesh, fsdp2, model=None, **options):
     return model
 
 
+def layout_net(mesh, layout, model):
+    """`model` on `layout`: "ddp" (dedicate_params_ddp, the rest replicated), "z3" / "z2" (reshard after forward
+    or not, the rest replicated) or "fsdp2" (dedicated_net's)."""
+    if layout == "ddp":
+        dmuon.dedicate_params_ddp(model, mesh, lambda n, p: p.dim() == 2)
+        dmuon.replicate(model)
+        return model
+    return dedicated_net(mesh, layout == "fsdp2", model, reshard_after_forward=layout != "z2")
+
+
 def train_on_ranks(tmp_path, world, fn, *args):
     """Runs fn(rank, world, *args, out_path) on `world` ranks (a fresh store) and returns the state dict rank 0
     saved at out_path."""
@@ -341,6 +351,65 @@ def _state_dict_roundtrip(rank, world):
 
 def test_state_dict_roundtrip(tmp_path):
     run_ranks(tmp_path, 2, _state_dict_roundtrip)
+
+
+def _load_mistakes(rank, world, layout):
+    # loads the ranks disagree on are refused on every rank before anything changes
+    model = layout_net(init_device_mesh("cpu", (world,)), layout, TiedNet())
+    opt, sched = make_optimizer(model, first_step_progress_log=False)
+    fresh = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+    for step in range(2):
+        opt.zero_grad()
+        tied_loss(model, tokens(step)).backward()
+        opt.step()
+    sd = dmuon.get_model_state_dict(model, rank0_only=False)
+    osd = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+
+    def unchanged():
+        now = dmuon.get_model_state_dict(model, rank0_only=False)
+        assert all(torch.equal(now[k], v) for k, v in sd.items())
+        assert torch.equal(dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)["dedicated"]["emb.weight"][
+            "momentum_buffer"], osd["dedicated"]["emb.weight"]["momentum_buffer"])
+
+    # a different dict on the last rank (one value of one tensor): each rank would load its own
+    odd = {k: v.clone() for k, v in sd.items()}
+    if rank == world - 1:
+        odd["layers.1.proj.bias"][3] += 1e-3
+    with pytest.raises(ValueError, match=r"different state dicts \('layers.1.proj.bias'\[|nothing was loaded"):
+        dmuon.set_model_state_dict(model, odd)
+    unchanged()
+    odd = {**osd, "param_groups": [dict(g, lr=g["lr"] * (1 + rank)) for g in osd["param_groups"]]}
+    with pytest.raises(ValueError, match="different state dicts"):
+        opt.load_state_dict(odd)
+    unchanged()
+    # the default rank0_only=True dicts, loaded on every rank: empty on the others, refused on all
+    for load, full in ((lambda d: dmuon.set_model_state_dict(model, d), dmuon.get_model_state_dict(model)),
+                       (opt.load_state_dict, dmuon.get_optimizer_state_dict(model, opt))):
+        with pytest.raises(ValueError, match="rank0_only=True" if rank else "rank 1 refused"):
+            load(full)
+        unchanged()
+    # a tied parameter's other key: checked like the first; its value is the one loaded (the last key's, as torch)
+    with pytest.raises(ValueError, match="'head.weight' is the same parameter as 'emb.weight'"):
+        dmuon.set_model_state_dict(model, {**sd, "head.weight": sd["head.weight"][:, :3]})
+    unchanged()
+    dmuon.set_model_state_dict(model, {**sd, "head.weight": sd["head.weight"] * 2})
+    now = dmuon.get_model_state_dict(model, rank0_only=False)
+    assert torch.equal(now["emb.weight"], sd["head.weight"] * 2) and torch.equal(now["head.weight"], now["emb.weight"])
+    # a torch-style optimizer dict's parameter indices in its groups are ignored, not taken as parameters
+    opt.load_state_dict({**osd, "param_groups": [dict(g, params=list(range(3))) for g in osd["param_groups"]]})
+    assert all(isinstance(p, torch.nn.Parameter) for g in opt.param_groups for p in g["params"])
+    opt.zero_grad()
+    tied_loss(model, tokens(2)).backward()
+    opt.step()
+    # a step-0 state loaded: no parameter has state, as with torch.optim
+    assert len(opt.state) > 0
+    opt.load_state_dict(fresh)
+    assert len(opt.state) == 0 and all(p not in opt.state and opt.state.get(p) is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("layout", ["z3", "fsdp2"])
+def test_loads_the_ranks_disagree_on_are_refused_on_every_rank(tmp_path, layout):
+    run_ranks(tmp_path, 2, _load_mistakes, layout)
 
 
 def _misuse(rank, world):
@@ -587,6 +656,12 @@ def _frozen(rank, world, layout, out_path):
     osd = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
     assert "layers.0.proj.bias" not in osd["fsdp"] and "layers.0.proj.bias" not in osd["dedicated_adamw"]
     dmuon.set_optimizer_state_dict(model, opt, osd)  # the frozen ones have no state, and need none
+    # the model state dict holds and loads them too (on FSDP2: their shards)
+    sd = dmuon.get_model_state_dict(model, rank0_only=False)
+    changed = {n: v + 1 for n, v in sd.items()}
+    dmuon.set_model_state_dict(model, changed)
+    assert all(torch.equal(v, changed[n]) for n, v in dmuon.get_model_state_dict(model, rank0_only=False).items())
+    dmuon.set_model_state_dict(model, sd)
     train_steps(model, opt, sched, rank, world, range(2, STEPS))
     sd = dmuon.get_model_state_dict(model)
     if rank == 0:
@@ -760,9 +835,7 @@ def tied_loss(model, rows):
 
 
 def _tied(rank, world, layout, out_path):
-    model = TiedNet()
-    mesh = init_device_mesh("cpu", (world,))
-    dedicated_net(mesh, layout == "fsdp2", model, reshard_after_forward=layout != "z2")
+    model = layout_net(init_device_mesh("cpu", (world,)), layout, TiedNet())
     # one boundary holds both users of the tied matrix: the root
     assert model._dmuon.runtime.boundaries()[0] == "" and "emb" not in model._dmuon.runtime.boundaries()
     opt, sched = make_optimizer(model, first_step_progress_log=False)
@@ -785,6 +858,41 @@ def test_a_tied_matrix_trains_as_in_torch(tmp_path, layout):
     ref = reference_train(model=TiedNet(), loss_of=lambda m, step: tied_loss(m, tokens(step)))
     for world in (2, 3):
         assert_matches(ref, train_on_ranks(tmp_path, world, _tied, layout), f"{world} ranks, {layout}")
+
+
+class ContainerNet(Net):
+    """Matrices in containers that run no forward of their own: a ParameterList the root's forward multiplies by,
+    and one matrix two blocks of the ModuleList share (the gate of layers.0 is the gate of layers.2)."""
+
+    def __init__(self):
+        torch.manual_seed(7)
+        super().__init__()
+        self.layers[2].gate.weight = self.layers[0].gate.weight
+        self.mix = nn.ParameterList(nn.Parameter(torch.randn(DIM, DIM, dtype=torch.float64) / DIM) for _ in range(2))
+
+    def forward(self, x):
+        for w in self.mix:
+            x = torch.tanh(x @ w)
+        return super().forward(x)
+
+
+def _containers(rank, world, layout, out_path):
+    model = layout_net(init_device_mesh("cpu", (world,)), layout, ContainerNet())
+    # their boundary is the lowest module that runs a forward and holds every user: the root, not "mix" or
+    # "layers", whose forward hooks never run
+    assert sorted(model._dmuon.runtime.boundaries()) == ["", "layers.0", "layers.1", "layers.2"]
+    opt, sched = make_optimizer(model, first_step_progress_log=False)
+    train_steps(model, opt, sched, rank, world, range(STEPS))
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save(sd, out_path)
+
+
+@pytest.mark.parametrize("layout", ["z3", "z2", "fsdp2", "ddp"])
+def test_matrices_in_containers_and_shared_across_blocks_train_as_in_torch(tmp_path, layout):
+    ref = reference_train(model=ContainerNet())
+    for world in (2, 3):
+        assert_matches(ref, train_on_ranks(tmp_path, world, _containers, layout), f"{world} ranks, {layout}")
 
 
 CLIP_ADAMW, CLIP_MUON = 0.02, 0.04  # below every step's norms here: both clip
@@ -810,13 +918,7 @@ def _grads_after_backward(rank, world, layout, out_path):
     # p.grad of every AdamW parameter holds the average over the ranks when backward returns (dmuon's replicated
     # route, as torch's DDP; FSDP2's shards): what the loop does to it before step() is what step() uses. The
     # model's own zero_grad() between backward and step drops the batch, the matrices' reduced sums included.
-    mesh = init_device_mesh("cpu", (world,))
-    model = make_net()
-    if layout == "ddp":
-        dmuon.dedicate_params_ddp(model, mesh, lambda n, p: p.dim() == 2)
-        dmuon.replicate(model)
-    else:
-        dedicated_net(mesh, layout == "fsdp2", model)
+    model = layout_net(init_device_mesh("cpu", (world,)), layout, make_net())
     opt, sched = make_optimizer(model, first_step_progress_log=False)
     per = BATCH // world
     for step in range(STEPS):
@@ -858,14 +960,17 @@ def second_micro_batch_only(rank, step):
     return step[1] == 1
 
 
-def _two_passes(rank, world, layout):
-    # two backward passes per step, no no_sync: the extra block (its biases replicated) runs in the second only
+def _two_passes(rank, world, layout, clip):
+    # two backward passes per step, no no_sync: the extra block (its biases replicated, or on sharded_adamw) runs
+    # in the second only. clip: dmuon's clip_grad_norm_ between the passes (a max norm it never reaches), which
+    # takes the first pass's gradients; the second pass adds to them.
     model = make_two_pass_net()
     mesh = init_device_mesh("cpu", (world,))
     if layout == "ddp":
         dmuon.dedicate_params_ddp(model, mesh, lambda n, p: p.dim() == 2)
     else:
-        dmuon.dedicate_params(model, mesh, lambda n, p: p.dim() == 2)
+        dmuon.dedicate_params(model, mesh, lambda n, p: p.dim() == 2,
+                              route_hint_fn=lambda n, p: "sharded_adamw" if layout == "sharded" and p.dim() == 1 else "")
     dmuon.replicate(model)
     opt, sched = make_optimizer(model, first_step_progress_log=False)
     per = BATCH // world
@@ -876,6 +981,8 @@ def _two_passes(rank, world, layout):
             model.rank, model.step = rank, (step, micro)
             lo = rank * per + micro * (per // 2)
             ((model(x[lo:lo + per // 2]) - y[lo:lo + per // 2]) ** 2).mean().backward()
+            if clip and micro == 0:
+                opt.clip_grad_norm_(1e9, scope="all")
         opt.step()
         sched.step()
     return dmuon.get_model_state_dict(model)
@@ -886,18 +993,21 @@ def make_two_pass_net():
     return BranchNet(second_micro_batch_only)
 
 
-def _two_passes_saved(rank, world, layout, out_path):
-    sd = _two_passes(rank, world, layout)
+def _two_passes_saved(rank, world, layout, clip, out_path):
+    sd = _two_passes(rank, world, layout, clip)
     if rank == 0:
         torch.save(sd, out_path)
 
 
-@pytest.mark.parametrize("layout", ["replicate", "ddp"])
-def test_two_backward_passes_per_step_sum_as_in_torch(tmp_path, layout):
-    # a replicated bias no rank had a gradient for in the first pass gets the second pass's
+@pytest.mark.parametrize("clip", [False, True], ids=["", "clipped-between"])
+@pytest.mark.parametrize("layout", ["replicate", "ddp", "sharded"])
+def test_two_backward_passes_per_step_sum_as_in_torch(tmp_path, layout, clip):
+    # a replicated bias no rank had a gradient for in the first pass gets the second pass's; gradients clipping
+    # took after the first pass are still there for the second
     for world in (1, 2):
         ref = reference_train(model=make_two_pass_net(), loss_of=lambda m, step: ranks_loss(m, step, world, 2))
-        assert_matches(ref, train_on_ranks(tmp_path, world, _two_passes_saved, layout), f"{world} ranks, {layout}")
+        got = train_on_ranks(tmp_path, world, _two_passes_saved, layout, clip)
+        assert_matches(ref, got, f"{world} ranks, {layout}{', clipped between' if clip else ''}")
 
 
 class SimulatedOutOfMemory(RuntimeError):
