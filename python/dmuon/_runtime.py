@@ -10,6 +10,7 @@ import operator
 import sys
 import warnings
 import weakref
+import zlib
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -169,7 +170,8 @@ def _is_container(module: nn.Module) -> bool:
 def _boundary_resolver(model: nn.Module, predicate: Callable[[nn.Module], bool], strict: bool):
     """hook_boundary_predicate on Python modules, as the C++ runtime's name -> boundary resolver: the lowest
     ancestor matching it that runs a forward (a container such as ModuleList never does) and holds every module
-    using the parameter (a tied one has several); without a match, that lowest ancestor itself."""
+    using the parameter (a tied one has several); without a match, that lowest ancestor itself (an error in
+    strict mode, but for a tied parameter, whose boundary has no other choice)."""
     modules = dict(model.named_modules())
     tied = _tied_names(model)
 
@@ -190,7 +192,7 @@ def _boundary_resolver(model: nn.Module, predicate: Callable[[nn.Module], bool],
             lowest = candidate if lowest is None else lowest
             if predicate(module):
                 return candidate
-        if strict:
+        if strict and len(holders) == 1:  # (a tied parameter's boundary must hold every user: no choice)
             raise ValueError(
                 f"dedicate_params: no ancestor module of '{name}' matches hook_boundary_predicate (strict mode). "
                 "Widen the predicate so it selects the block that contains this parameter, or pass "
@@ -720,55 +722,60 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True, rank0_on
     return out
 
 
-def _summary(value, path: str, out: list) -> None:
-    """A few numbers per tensor (shape, dtype, float64 sums) and the value of everything else, by path: what
-    :func:`_load_agreed` compares across ranks (a pass over each tensor, no copy of it)."""
+_CHECKSUM_CHUNK = 1 << 26  # bytes hashed at a time (a device tensor: copied to the host chunk by chunk)
+
+
+def _checksum(t: torch.Tensor):
+    """An exact checksum of a tensor's bytes (CRC-32 over them in order, chunk by chunk: no float rounding,
+    so the same bytes give the same value on every machine), or None where the bytes are not plain (a
+    DTensor, sparse or quantized tensor)."""
+    if is_dtensor(t) or t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        return None
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return 0
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    data = flat.view(torch.uint8)
+    crc = 0
+    for lo in range(0, data.numel(), _CHECKSUM_CHUNK):
+        chunk = data[lo:lo + _CHECKSUM_CHUNK]
+        crc = zlib.crc32(memoryview(chunk.cpu().numpy()), crc)
+    return crc
+
+
+def _summary(value, path: str, out: dict) -> None:
+    """What :func:`_load_agreed` compares across ranks, by path: each tensor's shape, dtype and checksum,
+    the value of every number, string and None, and the type of anything else."""
     if isinstance(value, torch.Tensor):
-        if is_dtensor(value):
-            value = value.to_local()
-        flat = value.detach().reshape(-1)
-        stats = ()
-        if flat.numel() and (flat.is_floating_point() or not flat.is_complex()) and flat.device.type != "meta":
-            stats = tuple(float(x) for x in torch.stack([
-                flat.sum(dtype=torch.float64), flat[::2].sum(dtype=torch.float64),
-                torch.linalg.vector_norm(flat.to(torch.float64) if not flat.is_floating_point() else flat,
-                                         dtype=torch.float64)]).tolist())
-        out.append((path, ("tensor", tuple(value.shape), str(value.dtype)), stats))
+        out[path] = ("tensor", tuple(value.shape), str(value.dtype), _checksum(value))
     elif isinstance(value, Mapping):
         for k in value:
             _summary(value[k], f"{path}[{k!r}]" if path else repr(k), out)
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             _summary(v, f"{path}[{i}]", out)
-    elif isinstance(value, (bool, int, float)):
-        out.append((path, type(value).__name__, (float(value),)))
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        out[path] = repr(value)  # (repr: NaN equals NaN)
     else:
-        out.append((path, repr(value), ()))
-
-
-def _same_numbers(a: tuple, b: tuple) -> bool:
-    """Equal up to the float64 rounding a summation order may leave (ranks on machines with other thread
-    counts); NaN equals NaN."""
-    return len(a) == len(b) and all(
-        (math.isnan(x) and math.isnan(y)) or x == y or abs(x - y) <= 1e-9 * max(abs(x), abs(y)) for x, y in zip(a, b))
+        out[path] = type(value).__name__
 
 
 def _load_agreed(group, fn: str, check: Callable[[], None], given) -> None:
-    """The agreement before a load writes anything (collective over the model's ranks): `check` (this rank's
-    validation of `given`) raising on any rank raises on every rank, naming it, and dicts that differ between
-    ranks are an error too: each rank would load its own, and the replicas would drift apart."""
-    error = None
+    """The agreement before a load writes anything (collective over the model's ranks, reached on every
+    rank whatever `check` raises): `check` (this rank's validation of `given`) raising on any rank raises on
+    every rank, naming it, and dicts that differ between ranks are an error too (each rank would load its
+    own, and the replicas would drift apart): every rank compares every rank's summary with rank 0's."""
+    error, summary = None, {}
     try:
         check()
-    except (ValueError, TypeError) as e:
+        _summary(given, "", summary)
+    except Exception as e:  # (reported to the other ranks first: none may leave before the gather)
         error = e
     if group is None or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
         return
-    summary = []
-    if error is None:
-        _summary(given, "", summary)
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (None if error is None else f"{type(error).__name__}: {error}", summary),
                            group=group)
@@ -780,16 +787,13 @@ def _load_agreed(group, fn: str, check: Callable[[], None], given) -> None:
         if theirs is not None:
             raise ValueError(f"rank {me}: {fn}: rank {r} refused the state dict it was given, so no rank loads "
                              f"anything ({theirs})")
-    for r, (_, theirs) in zip(ranks, everyone):
-        if theirs == summary:
+    first = everyone[0][1]
+    for r, (_, theirs) in zip(ranks[1:], everyone[1:]):
+        if theirs == first:
             continue
-        for (path, kind, numbers), other in zip(summary, theirs):
-            if other[0] != path or other[1] != kind or not _same_numbers(numbers, other[2]):
-                break
-        else:
-            path = summary[len(theirs)][0] if len(summary) > len(theirs) else theirs[len(summary)][0]
+        path = next((k for k in sorted(set(first) | set(theirs)) if first.get(k) != theirs.get(k)))
         raise ValueError(
-            f"rank {me}: {fn}: the ranks were given different state dicts ({path} differs between rank {me} and "
+            f"rank {me}: {fn}: the ranks were given different state dicts ({path} differs between rank {ranks[0]} and "
             f"rank {r}), so each would load its own and the replicas would drift apart; nothing was loaded. Pass the "
             "same full state dict on every rank (torch.load the same file on each, or broadcast rank 0's with "
             "torch.distributed.broadcast_object_list).")
@@ -838,14 +842,14 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
                     f"{state_dict[first].dtype} one under '{first}'. Pass a state dict of this architecture.")
 
     _load_agreed(state.world_group, fn, check, state_dict)
-    params = {}
+    params, fsdp2 = {}, {}
     for key, value in expected.items():  # a tied parameter: its last key's value, as load_state_dict leaves it
         name = first_name.get(id(value))
-        if name is not None and name not in external:
-            params[name] = state_dict[key]
+        if name is not None:
+            (fsdp2 if name in external else params)[name] = state_dict[key]
     state.runtime.assign_params(params)
     for name, p in external.items():
-        assign_full(p, state_dict[name], name)
+        assign_full(p, fsdp2[name], name)
     with torch.no_grad():
         for key, value in expected.items():
             if first_name.get(id(value)) is None:  # a buffer

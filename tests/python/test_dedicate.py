@@ -353,6 +353,11 @@ def test_state_dict_roundtrip(tmp_path):
     run_ranks(tmp_path, 2, _state_dict_roundtrip)
 
 
+class UnreadableCount:
+    def __index__(self):
+        raise RuntimeError("an unreadable step count")
+
+
 def _load_mistakes(rank, world, layout):
     # loads the ranks disagree on are refused on every rank before anything changes
     model = layout_net(init_device_mesh("cpu", (world,)), layout, TiedNet())
@@ -377,6 +382,17 @@ def _load_mistakes(rank, world, layout):
         odd["layers.1.proj.bias"][3] += 1e-3
     with pytest.raises(ValueError, match=r"different state dicts \('layers.1.proj.bias'\[|nothing was loaded"):
         dmuon.set_model_state_dict(model, odd)
+    unchanged()
+    # the same dict in another key order, and one holding a NaN (as torch, loaded): agreed
+    nan = {k: v.clone() for k, v in reversed(sd.items())}
+    nan["layers.1.proj.bias"][3] = float("nan")
+    dmuon.set_model_state_dict(model, nan)
+    assert dmuon.get_model_state_dict(model, rank0_only=False)["layers.1.proj.bias"].isnan().sum() == 1
+    dmuon.set_model_state_dict(model, sd)
+    unchanged()
+    # any error on one rank (not only a refusal): raised there, and on the others naming it
+    with pytest.raises(RuntimeError if rank else ValueError, match="unreadable" if rank else "rank 1 refused"):
+        opt.load_state_dict({**osd, "steps_taken": UnreadableCount()} if rank else osd)
     unchanged()
     odd = {**osd, "param_groups": [dict(g, lr=g["lr"] * (1 + rank)) for g in osd["param_groups"]]}
     with pytest.raises(ValueError, match="different state dicts"):
@@ -881,6 +897,13 @@ def _containers(rank, world, layout, out_path):
     # their boundary is the lowest module that runs a forward and holds every user: the root, not "mix" or
     # "layers", whose forward hooks never run
     assert sorted(model._dmuon.runtime.boundaries()) == ["", "layers.0", "layers.1", "layers.2"]
+    if layout == "z3":  # the same by a (strict) hook_boundary_predicate: containers are never asked
+        asked = []
+        other = ContainerNet()
+        dmuon.dedicate_params(other, init_device_mesh("cpu", (world,)), lambda n, p: p.dim() == 2,
+                              hook_boundary_predicate=lambda m: asked.append(type(m)) or isinstance(m, (Block, Net)))
+        assert sorted(other._dmuon.runtime.boundaries()) == ["", "layers.0", "layers.1", "layers.2"]
+        assert nn.ModuleList not in asked and nn.ParameterList not in asked
     opt, sched = make_optimizer(model, first_step_progress_log=False)
     train_steps(model, opt, sched, rank, world, range(STEPS))
     sd = dmuon.get_model_state_dict(model)
