@@ -331,6 +331,8 @@ class BoundaryScope {
   void enter();                               // boundary without a tensor first argument
   at::Tensor exit(const at::Tensor& output);  // returns the output to pass on (cast to output_dtype, wrapped)
   void exit();                                // non-tensor output: post-forward work only
+  // several outputs (a tuple, a dict): each cast; those requiring grad share one pre-backward hook
+  std::vector<at::Tensor> exit(const std::vector<at::Tensor>& outputs);
   [[noreturn]] void rethrow(const std::exception& e);
 
  private:

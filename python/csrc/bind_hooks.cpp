@@ -38,6 +38,47 @@ py::object same_sequence(const py::object& like, const py::list& items) {
   return py::type::of(like)(items);
 }
 
+constexpr int kMaxOutputDepth = 4;  // nesting searched for an output's tensors
+
+bool is_sequence(py::handle h) { return py::isinstance<py::tuple>(h) || py::isinstance<py::list>(h); }
+
+// The tensors of a boundary's output, depth first (a dict's in its order).
+void collect(py::handle obj, std::vector<at::Tensor>& out, int depth) {
+  if (is_tensor(obj)) {
+    out.push_back(THPVariable_Unpack(obj.ptr()));
+  } else if (depth < kMaxOutputDepth && is_sequence(obj)) {
+    for (py::handle item : obj) collect(item, out, depth + 1);
+  } else if (depth < kMaxOutputDepth && py::isinstance<py::dict>(obj)) {
+    for (auto item : py::reinterpret_borrow<py::dict>(obj)) collect(item.second, out, depth + 1);
+  }
+}
+
+// `obj` with the tensors collect() found replaced by `values[k...]` where they changed: the caller's
+// object where nothing did; a new tuple / list / named tuple; a dict changed in place (a ModelOutput keeps
+// its attributes in step).
+py::object rebuild(const py::object& obj, const std::vector<at::Tensor>& values, size_t& k, int depth) {
+  if (is_tensor(obj)) return passed_on(obj, values[k++]);
+  if (depth < kMaxOutputDepth && is_sequence(obj)) {
+    py::list items;
+    bool changed = false;
+    for (py::handle item : obj) {
+      py::object now = rebuild(py::reinterpret_borrow<py::object>(item), values, k, depth + 1);
+      changed = changed || !now.is(item);
+      items.append(now);
+    }
+    return changed ? same_sequence(obj, items) : obj;
+  }
+  if (depth < kMaxOutputDepth && py::isinstance<py::dict>(obj)) {
+    std::vector<std::pair<py::object, py::object>> changed;
+    for (auto item : py::reinterpret_borrow<py::dict>(obj)) {
+      py::object now = rebuild(py::reinterpret_borrow<py::object>(item.second), values, k, depth + 1);
+      if (!now.is(item.second)) changed.emplace_back(py::reinterpret_borrow<py::object>(item.first), now);
+    }
+    for (auto& [key, value] : changed) obj[key] = value;  // (after the walk: the dict is not resized in it)
+  }
+  return obj;
+}
+
 class ForwardHooks {
  public:
   ForwardHooks(const RuntimeHandle& runtime, const std::string& module, py::object guard)
@@ -58,37 +99,31 @@ class ForwardHooks {
   }
 
   // The forward hook (always_call: also when the forward raised, with output None): leaves the newest
-  // scope. On a boundary a tensor output, or a tuple/list whose first item is one, carries its
-  // pre-backward hook (and gets its output cast). Returns None when the output passes on unchanged.
+  // scope. On a boundary every tensor of the output -- a tensor, or one inside tuples, lists, named tuples
+  // and dicts (a transformers ModelOutput) -- gets its output cast, and those requiring grad share the
+  // pre-backward hook (so it runs before the block's backward whichever of them the loss uses). Returns
+  // None when the output passes on unchanged.
   py::object post(py::handle /*module*/, py::handle /*args*/, py::handle /*kwargs*/, const py::object& output) {
     // an earlier pre-hook (FSDP2's, parallelize_module's) raised before this module's: torch still calls
     // this always-called hook, and there is no scope of this call to close
     if (scopes_.empty()) return py::none();
     std::unique_ptr<detail::BoundaryScope> scope = std::move(scopes_.back());
     scopes_.pop_back();
-    const bool sequence = py::isinstance<py::tuple>(output) || py::isinstance<py::list>(output);
-    py::object carrier;
-    if (site_.state && is_tensor(output)) carrier = output;
-    else if (site_.state && sequence && py::len(output) > 0 && is_tensor(py::object(output[py::int_(0)])))
-      carrier = output[py::int_(0)];
-    if (!carrier) {
+    std::vector<at::Tensor> leaves;
+    if (site_.state) collect(output, leaves, 0);
+    if (leaves.empty()) {
       py::gil_scoped_release nogil;
       scope->exit();
       return py::none();
     }
-    at::Tensor left;
+    std::vector<at::Tensor> left;
     {
-      const at::Tensor out = THPVariable_Unpack(carrier.ptr());
       py::gil_scoped_release nogil;
-      left = scope->exit(out);
+      left = scope->exit(leaves);
     }
-    py::object first = passed_on(carrier, left);
-    if (first.is(carrier)) return py::none();
-    if (carrier.is(output)) return first;
-    auto items = py::reinterpret_steal<py::list>(PySequence_List(output.ptr()));  // a copy: the caller's list stays
-    if (!items) throw py::error_already_set();
-    items[0] = first;
-    return same_sequence(output, items);
+    size_t k = 0;
+    py::object out = rebuild(output, left, k, 0);
+    return out.is(output) ? py::none() : out;
   }
 
  private:

@@ -39,6 +39,27 @@ struct BoundaryHookFn : torch::autograd::Function<BoundaryHookFn> {
   }
 };
 
+// The same pre-backward hook for several outputs (a tuple, a dict): one node, so the hook runs once,
+// before the boundary's backward takes any of their gradients.
+struct BoundaryOutputsFn : torch::autograd::Function<BoundaryOutputsFn> {
+  static variable_list forward(AutogradContext* ctx, at::TensorList xs, int64_t runtime_id, int64_t b) {
+    ctx->saved_data["id"] = runtime_id;
+    ctx->saved_data["b"] = b;
+    ctx->set_materialize_grads(false);  // an output the loss does not use passes no gradient on
+    variable_list out;
+    out.reserve(xs.size());
+    for (const at::Tensor& x : xs) out.push_back(x.view_as(x));
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    if (auto rt = detail::runtime_by_id(static_cast<uint64_t>(ctx->saved_data["id"].toInt())))
+      rt->pre_backward(static_cast<int>(ctx->saved_data["b"].toInt()));
+    g.emplace_back();
+    g.emplace_back();
+    return g;
+  }
+};
+
 at::Tensor wrap(const at::Tensor& x, const Runtime& rt, int b, HookSide side) {
   return BoundaryHookFn::apply(x, static_cast<int64_t>(rt.id()), static_cast<int64_t>(b), static_cast<int64_t>(side))[0];
 }
@@ -115,6 +136,29 @@ at::Tensor BoundaryScope::exit(const at::Tensor& output) {
     if (const auto& d = impl_->B().output_dtype; d && y.scalar_type() != *d) y = y.to(*d);
   if (!impl_->site.state || !at::GradMode::is_enabled() || !y.defined() || !y.requires_grad()) return y;
   return wrap(y, *impl_->site.state, impl_->site.boundary, HookSide::PreBackward);
+}
+
+std::vector<at::Tensor> BoundaryScope::exit(const std::vector<at::Tensor>& outputs) {
+  exit();
+  std::vector<at::Tensor> out = outputs;
+  if (!impl_->site.state) return out;
+  const auto& d = impl_->B().output_dtype;
+  std::vector<at::Tensor> live;
+  std::vector<size_t> at;
+  for (size_t i = 0; i < out.size(); ++i) {
+    at::Tensor& y = out[i];
+    if (y.defined() && y.is_floating_point() && d && y.scalar_type() != *d) y = y.to(*d);
+    if (y.defined() && y.requires_grad()) {
+      live.push_back(y);
+      at.push_back(i);
+    }
+  }
+  if (live.empty() || !at::GradMode::is_enabled()) return out;
+  const Runtime& rt = *impl_->site.state;
+  const variable_list wrapped = BoundaryOutputsFn::apply(at::TensorList(live), static_cast<int64_t>(rt.id()),
+                                                         static_cast<int64_t>(impl_->site.boundary));
+  for (size_t k = 0; k < at.size(); ++k) out[at[k]] = wrapped[k];
+  return out;
 }
 
 void BoundaryScope::rethrow(const std::exception& e) {

@@ -1,6 +1,6 @@
 """dmuon's forward hooks (C++ objects registered as module hooks) on the call conventions real models use:
 a boundary whose tensor arrives only as a keyword, one that returns a (tensor, object) tuple, a named
-tuple, a list, one block run twice in one forward, a recurrent cell run twice on the raw input (whose first
+tuple, a list, a dict holding a tuple, a tuple whose first tensor the loss does not use, one block run twice in one forward, a recurrent cell run twice on the raw input (whose first
 use needs no input gradient, so it installs no post-backward hook), and a forward that raises inside a boundary (its scope
 is closed and the next forward trains normally). 1 and 2 ranks, Z3, float64: the output and every gradient
 (averaged over ranks that all see the same batch) equal the plain model's at 1e-12."""
@@ -57,6 +57,24 @@ class ListBlock(nn.Module):  # a list out, the second tensor trained through too
         return [torch.tanh(y) * mask, y]
 
 
+class DictBlock(nn.Module):  # a dict out (as a transformers ModelOutput), its tensor inside a tuple
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM, dtype=torch.float64)
+
+    def forward(self, x):
+        return {"hidden": (torch.tanh(self.proj(x)),), "residual": x}
+
+
+class LateBlock(nn.Module):  # a tuple whose first item is not the output the loss goes through
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM, dtype=torch.float64)
+
+    def forward(self, x):
+        return x * 1.0, torch.sin(self.proj(x))
+
+
 class CellBlock(nn.Module):  # a recurrent cell: applied twice, first to the raw input
     def __init__(self):
         super().__init__()
@@ -82,7 +100,8 @@ class FaultyBlock(nn.Module):  # raises inside its boundary when told to
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList([KeywordBlock(), TupleBlock(), NamedBlock(), ListBlock(), FaultyBlock()])
+        self.layers = nn.ModuleList([KeywordBlock(), TupleBlock(), NamedBlock(), ListBlock(), FaultyBlock(), DictBlock(),
+                                     LateBlock()])
         self.shared = nn.ModuleList([TupleBlock()])  # one block, run twice per forward
         self.cell = nn.ModuleList([CellBlock()])  # run twice, first on the input (no gradient wanted)
 
@@ -98,7 +117,10 @@ class Net(nn.Module):
         x = out[0] + 0.1 * out[1]
         x, _ = self.shared[0](x, "a")
         x, _ = self.shared[0](x, "b")
-        return self.layers[4](x)
+        x = self.layers[4](x)
+        out = self.layers[5](x)
+        x = out["hidden"][0] + 0.1 * out["residual"]
+        return self.layers[6](x)[1]
 
 
 def make_net():
@@ -109,7 +131,7 @@ def make_net():
 def _hooks(rank, world, select):
     x = torch.randn(5, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(9))  # every rank alike
     plain, model = make_net(), make_net()
-    blocks = (KeywordBlock, TupleBlock, NamedBlock, ListBlock, FaultyBlock, CellBlock)
+    blocks = (KeywordBlock, TupleBlock, NamedBlock, ListBlock, FaultyBlock, DictBlock, LateBlock, CellBlock)
     if select == "predicate":
         how = dict(hook_boundary_predicate=lambda m: isinstance(m, blocks))
     else:  # the API reference's resolver returns the boundary module; its name works too
@@ -121,7 +143,7 @@ def _hooks(rank, world, select):
     dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2, **how)
     dmuon.replicate(model)
     opt = dmuon.Muon(model, first_step_progress_log=False)
-    assert sorted(model._dmuon.runtime.boundaries()) == ["cell.0"] + [f"layers.{i}" for i in range(5)] + ["shared.0"]
+    assert sorted(model._dmuon.runtime.boundaries()) == ["cell.0"] + [f"layers.{i}" for i in range(7)] + ["shared.0"]
 
     want = plain(x)
     want.square().sum().backward()
@@ -149,9 +171,9 @@ def _hooks(rank, world, select):
             assert err < 1e-12, f"rank {rank}, attempt {attempt}: the gradient of {name} differs by {err}"
             checked += 1
         owned = torch.tensor([sum(d.is_owner for d in mine.values())])
-        assert checked == 5 + int(owned)  # the 5 biases (replicated) and this rank's matrices
+        assert checked == 7 + int(owned)  # the 7 biases (replicated) and this rank's matrices
         dist.all_reduce(owned)
-        assert int(owned) == len(mine) == 7  # each matrix checked on its one owner
+        assert int(owned) == len(mine) == 9  # each matrix checked on its one owner
         opt.zero_grad()
 
 
