@@ -305,6 +305,18 @@ void with_small_gpt_on_2_ranks(
   });
 }
 
+// One training step of with_small_gpt_on_2_ranks's model (every parameter then has optimizer state).
+void train_one_step(const testing::RankContext& ctx, GPT& m, Muon& opt) {
+  testing::train_slices(m, opt, testing::make_batches(1, 8, 9, testing::small_config(2).vocab_size, 4), ctx.rank, 4);
+}
+
+// State dicts returned on every rank.
+StateDictOptions on_every_rank() {
+  StateDictOptions o;
+  o.rank0_only = false;
+  return o;
+}
+
 TEST(CheckpointTest, LearningRatesAndGroupsAreRestored) {
   with_small_gpt_on_2_ranks([&](testing::RankContext& ctx, GPT& m, const std::shared_ptr<Mesh>& mesh, Muon& opt) {
     const GPTConfig cfg = testing::small_config(2);
@@ -382,10 +394,8 @@ TEST(CheckpointTest, BadStateDictsAndFilesAreClearErrors) {
 // issue 34: a state dict is either complete and in range, or loading it is an error naming what is wrong
 TEST(CheckpointTest, IncompleteOrOutOfRangeOptimizerStateIsRefusedNamingIt) {
   with_small_gpt_on_2_ranks([&](testing::RankContext& ctx, GPT& m, const std::shared_ptr<Mesh>&, Muon& opt) {
-    const GPTConfig cfg = testing::small_config(2);
-    testing::train_slices(m, opt, testing::make_batches(1, 8, 9, cfg.vocab_size, 4), ctx.rank, 4);
-    StateDictOptions all;
-    all.rank0_only = false;
+    train_one_step(ctx, m, opt);
+    const StateDictOptions all = on_every_rank();
     const OptimizerStateDict good = get_optimizer_state_dict(*m, opt, all);
     auto refused = [&](const OptimizerStateDict& sd, const std::string& want) {
       const std::string err = error_of([&] { set_optimizer_state_dict(*m, opt, sd); });
@@ -422,6 +432,80 @@ TEST(CheckpointTest, IncompleteOrOutOfRangeOptimizerStateIsRefusedNamingIt) {
     fresh.adamw.clear();
     fresh.steps_taken = 0;
     set_optimizer_state_dict(*m, opt, fresh);
+  });
+}
+
+// Every rank passes its own copy of a state dict: one refused on one rank is refused on every rank
+// (naming that rank's reason), and copies that differ between ranks are refused on every rank naming
+// the first entry that differs (each rank would load its own replicated parameter, and the replicas
+// would drift apart). Nothing changes either way.
+TEST(CheckpointTest, StateDictsTheRanksDisagreeOnAreRefusedOnEveryRank) {
+  with_small_gpt_on_2_ranks([&](testing::RankContext& ctx, GPT& m, const std::shared_ptr<Mesh>&, Muon& opt) {
+    train_one_step(ctx, m, opt);
+    const StateDictOptions all = on_every_rank();
+    const TensorDict good = get_model_state_dict(*m, all);
+    const OptimizerStateDict good_opt = get_optimizer_state_dict(*m, opt, all);
+    auto unchanged = [&](const std::string& what) {
+      const TensorDict now = get_model_state_dict(*m, all);
+      for (const auto& [k, v] : good) expect(now.at(k).equal(v), what + ": '" + k + "' changed");
+      const OptimizerStateDict o = get_optimizer_state_dict(*m, opt, all);
+      for (size_t i = 0; i < o.param_groups.size(); ++i)
+        expect(o.param_groups[i].lr == good_opt.param_groups[i].lr, what + ": a group's lr changed");
+      for (const auto& [k, v] : good_opt.muon) expect(o.muon.at(k).equal(v), what + ": '" + k + "' changed");
+    };
+    // rank 1 refuses: both ranks raise, rank 0 with rank 1's reason
+    TensorDict sd = good;
+    if (ctx.rank == 1) sd.erase("layers.1.down_proj.weight");
+    std::string err = error_of([&] { set_model_state_dict(*m, sd); });
+    const std::string reason = "the state dict has no 'layers.1.down_proj.weight' (shape [32, 48])";
+    expect(err.find(reason) != std::string::npos, "refusal: " + err);
+    if (ctx.rank == 0)
+      expect(err.find("rank 0: set_model_state_dict: rank(s) 1 refused the state dict they were given, so no rank "
+                      "loads anything (rank 1: ") != std::string::npos,
+             "the other rank's refusal: " + err);
+    unchanged("a refused load");
+    // the same keys, one value differs on rank 1 (a replicated parameter: each rank would keep its own)
+    sd = good;
+    if (ctx.rank == 1) sd["final_norm.weight"] = good.at("final_norm.weight") + 1e-3;
+    err = error_of([&] { set_model_state_dict(*m, sd); });
+    expect(err.find("rank " + std::to_string(ctx.rank) + ": set_model_state_dict: the ranks were given different "
+                    "state dicts ('final_norm.weight' differs between rank 0 and rank 1), so each would load its own "
+                    "and the replicas would drift apart; nothing was loaded.") != std::string::npos,
+           "differing value: " + err);
+    unchanged("a load of differing dicts");
+    // a dtype differing in one rank's copy is a difference too (same shape, same values)
+    sd = good;
+    if (ctx.rank == 1) sd["layers.0.q_proj.weight"] = good.at("layers.0.q_proj.weight").to(at::kDouble);
+    err = error_of([&] { set_model_state_dict(*m, sd); });
+    expect(err.find("('layers.0.q_proj.weight' differs between rank 0 and rank 1)") != std::string::npos,
+           "differing dtype: " + err);
+    // the optimizer: a learning rate differing on one rank, and a refusal
+    OptimizerStateDict osd = good_opt;
+    if (ctx.rank == 1) osd.param_groups[0].lr *= 2;
+    err = error_of([&] { set_optimizer_state_dict(*m, opt, osd); });
+    expect(err.find("set_optimizer_state_dict: the ranks were given different state dicts (param_groups[0] "
+                    "('default', Muon) differs between rank 0 and rank 1)") != std::string::npos,
+           "differing lr: " + err);
+    osd = good_opt;
+    if (ctx.rank == 0) osd.muon["layers.0.q_proj.weight.momentum_buffer"] = osd.muon.at("layers.0.q_proj.weight.momentum_buffer") * 2;
+    err = error_of([&] { set_optimizer_state_dict(*m, opt, osd); });
+    expect(err.find("(Muon state 'layers.0.q_proj.weight.momentum_buffer' differs between rank 0 and rank 1)") !=
+               std::string::npos,
+           "differing momentum: " + err);
+    osd = good_opt;
+    if (ctx.rank == 0) osd.steps_taken = -1;
+    err = error_of([&] { set_optimizer_state_dict(*m, opt, osd); });
+    expect(err.find("steps_taken is -1; a step count must be >= 0.") != std::string::npos, "refusal: " + err);
+    if (ctx.rank == 1) expect(err.find("rank(s) 0 refused the state dict they were given") != std::string::npos, err);
+    unchanged("refused optimizer loads");
+    // identical copies load (the model's values round-trip), NaN included
+    sd = good;
+    sd["final_norm.weight"] = at::full_like(good.at("final_norm.weight"), NAN);
+    set_model_state_dict(*m, sd);
+    expect(get_model_state_dict(*m, all).at("final_norm.weight").isnan().all().item<bool>(), "the NaN copy loaded");
+    set_model_state_dict(*m, good);
+    set_optimizer_state_dict(*m, opt, good_opt);
+    unchanged("the agreed loads");
   });
 }
 

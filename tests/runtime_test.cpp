@@ -2138,9 +2138,7 @@ struct PlainModel {
 // Trains PlainModel for 3 steps on `world` ranks (a global batch of 6 rows split evenly); returns
 // every parameter's full value after training.
 std::map<std::string, at::Tensor> train_plain_model(int world) {
-  std::map<std::string, at::Tensor> out;
-  std::mutex mu;
-  testing::run_ranks(world, [&](testing::RankContext& ctx) {
+  return testing::rank0_result<std::map<std::string, at::Tensor>>(world, [&](testing::RankContext& ctx) {
     PlainModel m;
     DedicateOptions o;
     o.route_hint_fn = [](const std::string& name, const at::Tensor&) {
@@ -2167,12 +2165,8 @@ std::map<std::string, at::Tensor> train_plain_model(int world) {
     testing::expect(opt.steps_taken() == 3, "three steps");
     std::map<std::string, at::Tensor> full;
     rt->gather_params([&](const std::string& name, const at::Tensor& t) { full[name] = t.detach().clone(); });
-    if (ctx.rank == 0) {
-      std::lock_guard<std::mutex> g(mu);
-      out = full;
-    }
+    return full;
   });
-  return out;
 }
 
 
@@ -2191,6 +2185,106 @@ TEST(RuntimeTest, ModelViewOverPlainTensorsMatchesSingleProcess) {
   EXPECT_GT((single.at("blocks.1.weight") - init.w[1].detach()).abs().max().item<double>(), 1e-3);
   EXPECT_GT((single.at("blocks.2.bias") - init.b[2].detach()).abs().max().item<double>(), 1e-4);
   EXPECT_GT((single.at("scale") - init.scale.detach()).abs().max().item<double>(), 1e-4);
+}
+
+// ---- blocks returning several tensors --------------------------------------------------------------
+
+// y = x W_i^T; returns (sin y, y): a std::tuple of two tensors.
+struct PairBlockImpl : torch::nn::Module {
+  explicit PairBlockImpl(int i) {
+    const auto f64 = at::TensorOptions().dtype(at::kDouble);
+    w = register_parameter("weight", (at::arange(36, f64).reshape({6, 6}) * 0.29 + i).sin().mul(0.5));
+  }
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x) {
+    const at::Tensor y = at::matmul(x, w.t());
+    return {at::sin(y), y * 1.0};
+  }
+  at::Tensor w;
+};
+TORCH_MODULE(PairBlock);
+
+struct PairNetImpl : torch::nn::Module {
+  PairNetImpl() {
+    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("block" + std::to_string(i), PairBlock(i)));
+    scale = register_parameter("scale", at::full({1}, 1.1, at::TensorOptions().dtype(at::kDouble)));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      auto [h, z] = dmuon::forward(blocks[i], x);
+      h.mul_(2);  // the caller changes the block's outputs in place, as it may a plain module's
+      z.add_(0.5);
+      x = i + 1 < blocks.size() ? h + 0.1 * z : z;  // the last block: only its second output reaches the loss
+    }
+    return x * scale;
+  }
+  std::vector<PairBlock> blocks;
+  at::Tensor scale;
+};
+TORCH_MODULE(PairNet);
+
+// Trains PairNet for 3 steps on `world` ranks (Z3: every matrix released after its block's forward,
+// gathered again before its backward); returns the full parameters.
+TensorDict train_pair_net(int world) {
+  return testing::rank0_result<TensorDict>(world, [&](testing::RankContext& ctx) {
+    PairNet m;
+    auto mesh = make_mesh(ctx);
+    dedicate_params(m.ptr(), mesh, [](const std::string&, const at::Tensor& p) { return p.dim() == 2; });
+    replicate(m.ptr(), mesh);
+    MuonOptions mo;
+    mo.lr = 0.05;
+    mo.adamw_lr = 0.01;
+    mo.first_step_progress_log = false;
+    Muon opt(m.ptr(), mo);
+    const int64_t per = 6 / ctx.world;
+    const auto f64 = at::TensorOptions().dtype(at::kDouble);
+    auto loss = [&](PairNet& net, const at::Tensor& x) { return (net->forward(x) - x.sin()).pow(2).mean(); };
+    {  // the first gradients: a plain PairNet's (no dmuon) on the whole batch, averaged over the ranks
+      const at::Tensor x = at::arange(36, f64).reshape({6, 6}).mul(0.13).cos();
+      PairNet plain;
+      loss(plain, x).backward();
+      loss(m, x.narrow(0, ctx.rank * per, per)).backward();
+      prepare_muon_grads(*m);
+      const auto want = plain->named_parameters();
+      int checked = 0;
+      for (const auto& item : m->named_parameters()) {
+        const at::Tensor& g = item.value().grad();
+        if (!g.defined() || g.numel() == 0) continue;  // a matrix this rank does not own
+        const double err = max_rel(g, want[item.key()].grad());
+        testing::expect(err < 1e-12, "rank " + std::to_string(ctx.rank) + ": the gradient of " + item.key() +
+                                         " differs from the plain model's by " + std::to_string(err));
+        ++checked;
+      }
+      testing::expect(checked >= (ctx.world == 1 ? 4 : 2), "every owned matrix and the scale checked");
+      opt.zero_grad();
+    }
+    for (int step = 0; step < 3; ++step) {
+      const at::Tensor x = (at::arange(36, f64).reshape({6, 6}) * 0.13 + step).cos();
+      opt.zero_grad();
+      loss(m, x.narrow(0, ctx.rank * per, per)).backward();
+      opt.step();
+    }
+    StateDictOptions all;
+    all.rank0_only = false;
+    return get_model_state_dict(*m, all);
+  });
+}
+
+// A block returning a std::tuple gets the pre-backward hook on every tensor in it: on Z3 its matrix is
+// gathered again before its backward even when the loss uses only its second output, and the caller may
+// change the outputs in place. 2 ranks equal 1 in float64.
+TEST(RuntimeTest, ABlockReturningATupleTrainsOnZ3AndItsOutputsMayChangeInPlace) {
+  const auto single = train_pair_net(1);
+  const auto two = train_pair_net(2);
+  ASSERT_EQ(single.size(), 4u);
+  const PairNet init;
+  for (const auto& [name, v] : single) {
+    ASSERT_TRUE(two.count(name)) << name;
+    EXPECT_LT(max_rel(two.at(name), v), 1e-10) << name;  // float64, another order of reductions only
+  }
+  for (int i = 0; i < 3; ++i) {
+    const std::string w = "block" + std::to_string(i) + ".weight";
+    EXPECT_GT((single.at(w) - init->blocks[static_cast<size_t>(i)]->w).abs().max().item<double>(), 1e-3) << w;
+  }
 }
 
 }  // namespace

@@ -64,7 +64,10 @@ struct OptimizerStateDict {
 // collective: every rank, same order.
 TensorDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions& options = {});
 // collective. Every rank passes the full dict (e.g. each read the same checkpoint file). A missing
-// or unexpected key, or a shape that differs from the model's, is an error naming it.
+// or unexpected key, or a shape that differs from the model's, is an error naming it. The ranks agree
+// before anything is written: a dict refused on one rank raises on every rank (with that rank's
+// reason), and copies that differ between ranks (dtype, shape or bytes: a CRC32C of each tensor) raise
+// on every rank naming the first differing key; the model is left as it was.
 void set_model_state_dict(torch::nn::Module& model, const TensorDict& state_dict);
 // collective. Owner-local loading: each rank reads from `source` only what it keeps between steps
 // (its matrices, its sharded_adamw slices, the replicated parameters, TP slices), e.g. from
@@ -84,7 +87,8 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
 // collective. Restores momentum buffers (on the new owners), AdamW moments (sliced for
 // sharded_adamw), step counts and the groups' hyperparameters (learning rates included). After a
 // step (steps_taken > 0) the state dict must hold the state of every parameter the optimizer
-// trains; a missing one is an error naming it (a fresh optimizer's empty state loads).
+// trains; a missing one is an error naming it (a fresh optimizer's empty state loads). Agreed across
+// the ranks as set_model_state_dict's (hyperparameters, step counts and every state tensor).
 void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const OptimizerStateDict& state_dict);
 // The same for a model given as data (model_view.h): `runtime` is runtime_face(dedicate_model_view(...)).
 OptimizerStateDict get_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, const Muon& optimizer,

@@ -43,6 +43,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -329,9 +331,12 @@ class BoundaryScope {
   at::Tensor enter(const at::Tensor& input);  // returns the input to pass on (cast, wrapped)
   at::Tensor cast_input(const at::Tensor& t) const;  // another tensor argument: the boundary's input cast
   void enter();                               // boundary without a tensor first argument
-  at::Tensor exit(const at::Tensor& output);  // returns the output to pass on (cast to output_dtype, wrapped)
+  // returns the output to pass on: cast to output_dtype, and (requiring grad) with the pre-backward hook
+  // registered on it -- the block's very tensor when no cast applies, so the caller may change it in place
+  at::Tensor exit(const at::Tensor& output);
   void exit();                                // non-tensor output: post-forward work only
-  // several outputs (a tuple, a dict): each cast; those requiring grad share one pre-backward hook
+  // several outputs (a tuple, a dict): each as above; the hook runs before the block's backward
+  // whichever of them the loss reaches it through
   std::vector<at::Tensor> exit(const std::vector<at::Tensor>& outputs);
   [[noreturn]] void rethrow(const std::exception& e);
 
@@ -368,10 +373,37 @@ decltype(auto) cast_arg(const BoundaryScope& scope, A&& a) {
     return std::forward<A>(a);
   }
 }
+template <typename E>
+void put_tensor(std::vector<at::Tensor>& tensors, const E& e) {
+  if constexpr (std::is_same_v<E, at::Tensor>) tensors.push_back(e);
+}
+template <typename E>
+void take_tensor(E& e, const std::vector<at::Tensor>& passed, size_t& k) {
+  if constexpr (std::is_same_v<std::remove_const_t<E>, at::Tensor>) {
+    if constexpr (!std::is_const_v<E>) e = passed[k];
+    ++k;
+  }
+}
+template <typename T>
+inline constexpr bool is_std_tuple = false;
+template <typename... T>
+inline constexpr bool is_std_tuple<std::tuple<T...>> = true;
+// A forward returning several tensors (a std::tuple or std::vector<at::Tensor>): every tensor in it
+// gets the output cast and the pre-backward hook, as a Python boundary's tuple does.
 template <typename R>
 R finish_boundary(BoundaryScope& scope, R&& out) {
-  if constexpr (std::is_same_v<std::decay_t<R>, at::Tensor>) {
+  using D = std::decay_t<R>;
+  if constexpr (std::is_same_v<D, at::Tensor>) {
     return scope.exit(out);
+  } else if constexpr (!std::is_reference_v<R> && std::is_same_v<D, std::vector<at::Tensor>>) {
+    return scope.exit(out);
+  } else if constexpr (!std::is_reference_v<R> && is_std_tuple<D>) {
+    std::vector<at::Tensor> tensors;
+    std::apply([&](auto&... e) { (detail::put_tensor(tensors, e), ...); }, out);
+    const std::vector<at::Tensor> passed = scope.exit(tensors);
+    size_t k = 0;
+    std::apply([&](auto&... e) { (detail::take_tensor(e, passed, k), ...); }, out);
+    return std::move(out);
   } else {
     scope.exit();
     return std::forward<R>(out);

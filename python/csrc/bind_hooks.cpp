@@ -54,14 +54,19 @@ void collect(py::handle obj, std::vector<at::Tensor>& out, int depth) {
 }
 
 // `obj` with the tensors collect() found replaced by `values[k...]` where they changed: the caller's
-// object where nothing did; a new tuple / list / named tuple; a dict changed in place (a ModelOutput keeps
-// its attributes in step).
+// object where nothing did, else a new one of its type -- a tuple / list / named tuple, or a shallow copy
+// of a dict (copy.copy: a ModelOutput keeps its fields and attributes in step); the caller's containers
+// are never changed (a dict the module keeps, or was given, passes on as it was).
 py::object rebuild(const py::object& obj, const std::vector<at::Tensor>& values, size_t& k, int depth) {
-  if (is_tensor(obj)) return passed_on(obj, values[k++]);
+  if (is_tensor(obj)) {
+    TORCH_CHECK(k < values.size(), "dmuon: a hook boundary's output changed while its forward hook ran (more "
+                "tensors than were found in it); return a fresh tuple, list or dict from forward.");
+    return passed_on(obj, values[k++]);
+  }
   if (depth < kMaxOutputDepth && is_sequence(obj)) {
     py::list items;
     bool changed = false;
-    for (py::handle item : obj) {
+    for (py::handle item : py::tuple(obj)) {  // (a snapshot: a list is not read while Python code runs)
       py::object now = rebuild(py::reinterpret_borrow<py::object>(item), values, k, depth + 1);
       changed = changed || !now.is(item);
       items.append(now);
@@ -69,12 +74,17 @@ py::object rebuild(const py::object& obj, const std::vector<at::Tensor>& values,
     return changed ? same_sequence(obj, items) : obj;
   }
   if (depth < kMaxOutputDepth && py::isinstance<py::dict>(obj)) {
-    std::vector<std::pair<py::object, py::object>> changed;
-    for (auto item : py::reinterpret_borrow<py::dict>(obj)) {
-      py::object now = rebuild(py::reinterpret_borrow<py::object>(item.second), values, k, depth + 1);
-      if (!now.is(item.second)) changed.emplace_back(py::reinterpret_borrow<py::object>(item.first), now);
+    std::vector<std::pair<py::object, py::object>> entries, changed;  // (owned: the walk may run Python code)
+    for (auto item : py::reinterpret_borrow<py::dict>(obj))
+      entries.emplace_back(py::reinterpret_borrow<py::object>(item.first), py::reinterpret_borrow<py::object>(item.second));
+    for (auto& [key, value] : entries) {
+      py::object now = rebuild(value, values, k, depth + 1);
+      if (!now.is(value)) changed.emplace_back(key, now);
     }
-    for (auto& [key, value] : changed) obj[key] = value;  // (after the walk: the dict is not resized in it)
+    if (changed.empty()) return obj;
+    py::object copy = py::module_::import("copy").attr("copy")(obj);
+    for (auto& [key, value] : changed) copy[key] = value;
+    return copy;
   }
   return obj;
 }
@@ -100,9 +110,10 @@ class ForwardHooks {
 
   // The forward hook (always_call: also when the forward raised, with output None): leaves the newest
   // scope. On a boundary every tensor of the output -- a tensor, or one inside tuples, lists, named tuples
-  // and dicts (a transformers ModelOutput) -- gets its output cast, and those requiring grad share the
-  // pre-backward hook (so it runs before the block's backward whichever of them the loss uses). Returns
-  // None when the output passes on unchanged.
+  // and dicts (a transformers ModelOutput) -- gets its output cast, and those requiring grad the
+  // pre-backward hook (a hook on the tensor itself: it runs before the block's backward whichever of them
+  // the loss uses, and the caller may still change them in place). Returns None when the output passes on
+  // unchanged (no cast: the block's own objects).
   py::object post(py::handle /*module*/, py::handle /*args*/, py::handle /*kwargs*/, const py::object& output) {
     // an earlier pre-hook (FSDP2's, parallelize_module's) raised before this module's: torch still calls
     // this always-called hook, and there is no scope of this call to close
@@ -123,6 +134,8 @@ class ForwardHooks {
     }
     size_t k = 0;
     py::object out = rebuild(output, left, k, 0);
+    TORCH_CHECK(k == left.size(), "dmuon: a hook boundary's output changed while its forward hook ran (fewer "
+                "tensors than were found in it); return a fresh tuple, list or dict from forward.");
     return out.is(output) ? py::none() : out;
   }
 

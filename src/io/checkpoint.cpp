@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "dmuon/tensor_parallel.h"
+#include "io/load_agreement.h"
 #include "runtime/runtime_face.h"
 
 namespace dmuon {
@@ -192,25 +193,32 @@ void set_model_state_dict(torch::nn::Module& model, const TensorDict& sd) {
   auto st = drained_state(model, "set_model_state_dict");
   at::NoGradGuard ng;
   const int rank = st->mesh().global_rank();
-  std::map<std::string, std::vector<int64_t>> expected;
-  for (const auto& [k, shape] : full_shapes_of(model, *st)) expected[k] = shape;
-  std::map<std::string, bool> floating;
-  for (const auto& item : model.named_parameters(true)) floating[item.key()] = item.value().is_floating_point();
-  for (const auto& item : model.named_buffers(true)) floating[item.key()] = item.value().is_floating_point();
-  for (const auto& [k, v] : sd) {
-    TORCH_CHECK_VALUE(expected.count(k), "rank ", rank, ": set_model_state_dict: unexpected key '", k,
-                "': the model has no parameter or buffer of that name. Load a state dict of this model "
-                "architecture (keys as in named_parameters()/named_buffers()).");
-    TORCH_CHECK_VALUE(v.defined() && v.sizes().vec() == expected[k], "rank ", rank, ": set_model_state_dict: '", k,
-                "' has shape ", v.defined() ? shape_str(v.sizes()) : std::string("(undefined)"),
-                " in the state dict but ", shape_str(expected[k]), " in the model.");
-    TORCH_CHECK_VALUE(v.is_floating_point() == floating[k], "rank ", rank, ": set_model_state_dict: '", k, "' is ",
-                v.scalar_type(), " in the state dict but ", floating[k] ? "floating-point" : "not floating-point",
-                " in the model.");
-  }
-  for (const auto& [k, shape] : expected)
-    TORCH_CHECK_VALUE(sd.count(k), "rank ", rank, ": set_model_state_dict: the state dict has no '", k, "' (shape ",
-                shape_str(shape), "). Every rank must pass the full state dict, e.g. as read by load_checkpoint.");
+  auto check = [&] {
+    std::map<std::string, std::vector<int64_t>> expected;
+    for (const auto& [k, shape] : full_shapes_of(model, *st)) expected[k] = shape;
+    std::map<std::string, bool> floating;
+    for (const auto& item : model.named_parameters(true)) floating[item.key()] = item.value().is_floating_point();
+    for (const auto& item : model.named_buffers(true)) floating[item.key()] = item.value().is_floating_point();
+    for (const auto& [k, v] : sd) {
+      TORCH_CHECK_VALUE(expected.count(k), "rank ", rank, ": set_model_state_dict: unexpected key '", k,
+                  "': the model has no parameter or buffer of that name. Load a state dict of this model "
+                  "architecture (keys as in named_parameters()/named_buffers()).");
+      TORCH_CHECK_VALUE(v.defined() && v.sizes().vec() == expected[k], "rank ", rank, ": set_model_state_dict: '", k,
+                  "' has shape ", v.defined() ? shape_str(v.sizes()) : std::string("(undefined)"),
+                  " in the state dict but ", shape_str(expected[k]), " in the model.");
+      TORCH_CHECK_VALUE(v.is_floating_point() == floating[k], "rank ", rank, ": set_model_state_dict: '", k, "' is ",
+                  v.scalar_type(), " in the state dict but ", floating[k] ? "floating-point" : "not floating-point",
+                  " in the model.");
+    }
+    for (const auto& [k, shape] : expected)
+      TORCH_CHECK_VALUE(sd.count(k), "rank ", rank, ": set_model_state_dict: the state dict has no '", k, "' (shape ",
+                  shape_str(shape), "). Every rank must pass the full state dict, e.g. as read by load_checkpoint.");
+  };
+  io::agree_load(st->mesh(), "set_model_state_dict", check, [&] {
+    std::vector<io::LoadEntry> out;
+    for (const auto& [k, v] : sd) out.emplace_back("'" + k + "'", io::tensor_digest(v));
+    return out;
+  });
   auto source = tensor_dict_source(sd);
   assign_model(model, *st, *source);
 }
@@ -218,11 +226,14 @@ void set_model_state_dict(torch::nn::Module& model, const TensorDict& sd) {
 void set_model_state_dict(torch::nn::Module& model, ParamSource& source) {
   auto st = drained_state(model, "set_model_state_dict");
   at::NoGradGuard ng;
-  try {
-    source.check(full_shapes_of(model, *st));
-  } catch (const std::exception& e) {
-    TORCH_CHECK_VALUE(false, "rank ", st->mesh().global_rank(), ": set_model_state_dict: ", e.what());
-  }
+  // (each rank reads its own share later: only a refusal is agreed here, the fills agree their reads)
+  io::agree_load(st->mesh(), "set_model_state_dict", [&] {
+    try {
+      source.check(full_shapes_of(model, *st));
+    } catch (const std::exception& e) {
+      TORCH_CHECK_VALUE(false, "rank ", st->mesh().global_rank(), ": set_model_state_dict: ", e.what());
+    }
+  }, [] { return std::vector<io::LoadEntry>{}; });
   assign_model(model, *st, source);
 }
 
@@ -257,6 +268,30 @@ void check_optimizer_state_dict(const OptimizerStateDict& sd, const std::string&
                   "' has negative values (", v.min().item<double>(), "); a second moment is >= 0.");
     }
 }
+
+namespace {
+// What the ranks compare before an optimizer state dict loads: every group's hyperparameters, the
+// step count and every state tensor.
+std::vector<io::LoadEntry> optimizer_summary(const OptimizerStateDict& sd) {
+  std::vector<io::LoadEntry> out;
+  auto bits = [](double v) {
+    uint64_t b;
+    std::memcpy(&b, &v, sizeof(b));
+    return b;
+  };
+  for (size_t i = 0; i < sd.param_groups.size(); ++i) {
+    const OptimizerGroupState& g = sd.param_groups[i];
+    uint64_t h = io::mix_digest(0, g.name);
+    for (double v : {g.lr, g.momentum, g.weight_decay, g.beta1, g.beta2, g.eps}) h = io::mix_digest(h, bits(v));
+    for (int64_t v : {int64_t{g.is_muon}, int64_t{g.nesterov}, g.ns_steps}) h = io::mix_digest(h, static_cast<uint64_t>(v));
+    out.emplace_back("param_groups[" + std::to_string(i) + "] ('" + g.name + "', " + (g.is_muon ? "Muon" : "AdamW") + ")", h);
+  }
+  out.emplace_back("steps_taken", static_cast<uint64_t>(sd.steps_taken));
+  for (const auto& [k, v] : sd.muon) out.emplace_back("Muon state '" + k + "'", io::tensor_digest(v));
+  for (const auto& [k, v] : sd.adamw) out.emplace_back("AdamW state '" + k + "'", io::tensor_digest(v));
+  return out;
+}
+}  // namespace
 
 OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon& optimizer,
                                             const StateDictOptions& options) {
@@ -302,89 +337,94 @@ void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon&
   TORCH_CHECK_VALUE(runtime, "set_optimizer_state_dict: the runtime is null (dedicate_model_view returns it).");
   const std::shared_ptr<RuntimeFace>& st = runtime;
   st->drain();
-  check_optimizer_state_dict(full_sd, "rank " + std::to_string(st->mesh().global_rank()) + ": set_optimizer_state_dict");
-  OptimizerStateDict sd = full_sd;  // TP: this rank's slices
-  {
-    const TpView tp(*st);
-    sd.muon = tp.local(full_sd.muon);
-    sd.adamw = tp.local(full_sd.adamw);
-  }
   at::NoGradGuard ng;
   const int rank = st->mesh().global_rank();
-  const char* fix = " Build the model and the optimizer as in the run that saved it (same predicate, routes and "
-                    "param_groups); the number of ranks and the mesh may differ.";
-  // 1. check everything, on every rank, before changing anything
   auto& groups = optimizer.param_groups();
-  TORCH_CHECK_VALUE(sd.param_groups.size() == groups.size(), "rank ", rank, ": set_optimizer_state_dict: the state dict has ",
-              sd.param_groups.size(), " parameter groups, the optimizer ", groups.size(),
-              " (each user group lowers into a Muon and an AdamW group).", fix);
-  for (size_t i = 0; i < groups.size(); ++i) {
-    const auto& o = static_cast<const MuonGroupOptions&>(groups[i].options());
-    const OptimizerGroupState& s = sd.param_groups[i];
-    TORCH_CHECK_VALUE(s.name == o.group_name() && s.is_muon == o.is_muon(), "rank ", rank,
-                ": set_optimizer_state_dict: group #", i, " is '", s.name, "' (", s.is_muon ? "Muon" : "AdamW",
-                ") in the state dict but '", o.group_name(), "' (", o.is_muon() ? "Muon" : "AdamW",
-                ") in the optimizer.", fix);
-  }
-  std::set<std::string> used_muon, used_adamw;
-  // a parameter's entries: all of `fields` and ".step", or none; shapes as the parameter's
-  auto check_entries = [&](const TensorDict& d, std::set<std::string>& used, const std::string& name,
-                           bool muon, at::IntArrayRef shape) {
-    const char* section = muon ? "Muon" : "AdamW";
-    int found = 0;
-    for (const std::string& f : state_fields(muon)) {
-      auto it = d.find(name + "." + f);
-      if (it == d.end()) continue;
-      ++found;
-      used.insert(it->first);
-      TORCH_CHECK_VALUE(it->second.sizes() == shape && it->second.is_floating_point(), "rank ", rank,
-                  ": set_optimizer_state_dict: '", it->first, "' has shape ", shape_str(it->second.sizes()), " (",
-                  it->second.scalar_type(), ") but the parameter has shape ", shape_str(shape), ".", fix);
-    }
-    const bool has_step = d.count(name + ".step") > 0;
-    if (found == 0 && !has_step) return false;
-    std::string missing;
-    for (const std::string& f : state_fields(muon))
-      if (!d.count(name + "." + f)) missing += (missing.empty() ? "'" : ", '") + name + "." + f + "'";
-    if (!has_step) missing += (missing.empty() ? "'" : ", '") + name + ".step'";
-    TORCH_CHECK_VALUE(missing.empty(), "rank ", rank, ": set_optimizer_state_dict: the ", section, " state of '", name,
-                "' is incomplete: ", missing, " missing.");
-    used.insert(name + ".step");
-    return true;
-  };
+  OptimizerStateDict sd;
   MuonStateAccess access(optimizer);
-  const std::vector<StateSlot> slots = st->state_slots();
+  std::vector<StateSlot> slots;
   std::vector<bool> has;  // per slot: the state dict holds its state
-  for (const StateSlot& slot : slots)
-    has.push_back(slot.muon ? check_entries(sd.muon, used_muon, slot.name, true, slot.shape)
-                            : check_entries(sd.adamw, used_adamw, slot.name, false, slot.shape));
-  for (const auto& [k, v] : sd.muon)
-    TORCH_CHECK_VALUE(used_muon.count(k), "rank ", rank, ": set_optimizer_state_dict: Muon state '", k,
-                "' belongs to no Muon matrix of this model (a parameter now routed elsewhere, or another model).", fix);
-  for (const auto& [k, v] : sd.adamw)
-    TORCH_CHECK_VALUE(used_adamw.count(k), "rank ", rank, ": set_optimizer_state_dict: AdamW state '", k,
-                "' belongs to no AdamW-trained parameter of this model (a parameter now routed to Muon, or "
-                "another model).", fix);
-
-  // after a step every trained parameter has its state: a missing one would restart from nothing, silently
-  if (sd.steps_taken > 0) {
-    std::vector<std::string> missing;
-    for (size_t i = 0; i < slots.size(); ++i)
-      if (!has[i]) {
-        std::string fields;
-        for (const std::string& f : state_fields(slots[i].muon)) fields += (fields.empty() ? "" : ", ") + f;
-        missing.push_back(slots[i].name + (slots[i].muon ? " (Muon " : " (AdamW ") + fields + ")");
-      }
-    if (!missing.empty()) {
-      std::string list;
-      for (size_t i = 0; i < missing.size() && i < 5; ++i) list += (i ? ", '" : "'") + missing[i] + "'";
-      if (missing.size() > 5) list += " and " + std::to_string(missing.size() - 5) + " more";
-      TORCH_CHECK_VALUE(false, "rank ", rank, ": set_optimizer_state_dict: the state dict is at step ", sd.steps_taken,
-                  " but holds no optimizer state for ", missing.size(), " trained parameter(s): ", list,
-                  ". Loading it would restart them from fresh state; the state dict is incomplete (damaged or "
-                  "written by another tool).");
+  // 1. check everything, on every rank, before changing anything; the ranks agree on the outcome and on the dict
+  auto check = [&] {
+    check_optimizer_state_dict(full_sd, "rank " + std::to_string(st->mesh().global_rank()) + ": set_optimizer_state_dict");
+    sd = full_sd;  // TP: this rank's slices
+    {
+      const TpView tp(*st);
+      sd.muon = tp.local(full_sd.muon);
+      sd.adamw = tp.local(full_sd.adamw);
     }
-  }
+    const char* fix = " Build the model and the optimizer as in the run that saved it (same predicate, routes and "
+                      "param_groups); the number of ranks and the mesh may differ.";
+    TORCH_CHECK_VALUE(sd.param_groups.size() == groups.size(), "rank ", rank, ": set_optimizer_state_dict: the state dict has ",
+                sd.param_groups.size(), " parameter groups, the optimizer ", groups.size(),
+                " (each user group lowers into a Muon and an AdamW group).", fix);
+    for (size_t i = 0; i < groups.size(); ++i) {
+      const auto& o = static_cast<const MuonGroupOptions&>(groups[i].options());
+      const OptimizerGroupState& s = sd.param_groups[i];
+      TORCH_CHECK_VALUE(s.name == o.group_name() && s.is_muon == o.is_muon(), "rank ", rank,
+                  ": set_optimizer_state_dict: group #", i, " is '", s.name, "' (", s.is_muon ? "Muon" : "AdamW",
+                  ") in the state dict but '", o.group_name(), "' (", o.is_muon() ? "Muon" : "AdamW",
+                  ") in the optimizer.", fix);
+    }
+    std::set<std::string> used_muon, used_adamw;
+    // a parameter's entries: all of `fields` and ".step", or none; shapes as the parameter's
+    auto check_entries = [&](const TensorDict& d, std::set<std::string>& used, const std::string& name,
+                             bool muon, at::IntArrayRef shape) {
+      const char* section = muon ? "Muon" : "AdamW";
+      int found = 0;
+      for (const std::string& f : state_fields(muon)) {
+        auto it = d.find(name + "." + f);
+        if (it == d.end()) continue;
+        ++found;
+        used.insert(it->first);
+        TORCH_CHECK_VALUE(it->second.sizes() == shape && it->second.is_floating_point(), "rank ", rank,
+                    ": set_optimizer_state_dict: '", it->first, "' has shape ", shape_str(it->second.sizes()), " (",
+                    it->second.scalar_type(), ") but the parameter has shape ", shape_str(shape), ".", fix);
+      }
+      const bool has_step = d.count(name + ".step") > 0;
+      if (found == 0 && !has_step) return false;
+      std::string missing;
+      for (const std::string& f : state_fields(muon))
+        if (!d.count(name + "." + f)) missing += (missing.empty() ? "'" : ", '") + name + "." + f + "'";
+      if (!has_step) missing += (missing.empty() ? "'" : ", '") + name + ".step'";
+      TORCH_CHECK_VALUE(missing.empty(), "rank ", rank, ": set_optimizer_state_dict: the ", section, " state of '", name,
+                  "' is incomplete: ", missing, " missing.");
+      used.insert(name + ".step");
+      return true;
+    };
+    slots = st->state_slots();
+    for (const StateSlot& slot : slots)
+      has.push_back(slot.muon ? check_entries(sd.muon, used_muon, slot.name, true, slot.shape)
+                              : check_entries(sd.adamw, used_adamw, slot.name, false, slot.shape));
+    for (const auto& [k, v] : sd.muon)
+      TORCH_CHECK_VALUE(used_muon.count(k), "rank ", rank, ": set_optimizer_state_dict: Muon state '", k,
+                  "' belongs to no Muon matrix of this model (a parameter now routed elsewhere, or another model).", fix);
+    for (const auto& [k, v] : sd.adamw)
+      TORCH_CHECK_VALUE(used_adamw.count(k), "rank ", rank, ": set_optimizer_state_dict: AdamW state '", k,
+                  "' belongs to no AdamW-trained parameter of this model (a parameter now routed to Muon, or "
+                  "another model).", fix);
+
+    // after a step every trained parameter has its state: a missing one would restart from nothing, silently
+    if (sd.steps_taken > 0) {
+      std::vector<std::string> missing;
+      for (size_t i = 0; i < slots.size(); ++i)
+        if (!has[i]) {
+          std::string fields;
+          for (const std::string& f : state_fields(slots[i].muon)) fields += (fields.empty() ? "" : ", ") + f;
+          missing.push_back(slots[i].name + (slots[i].muon ? " (Muon " : " (AdamW ") + fields + ")");
+        }
+      if (!missing.empty()) {
+        std::string list;
+        for (size_t i = 0; i < missing.size() && i < 5; ++i) list += (i ? ", '" : "'") + missing[i] + "'";
+        if (missing.size() > 5) list += " and " + std::to_string(missing.size() - 5) + " more";
+        TORCH_CHECK_VALUE(false, "rank ", rank, ": set_optimizer_state_dict: the state dict is at step ", sd.steps_taken,
+                    " but holds no optimizer state for ", missing.size(), " trained parameter(s): ", list,
+                    ". Loading it would restart them from fresh state; the state dict is incomplete (damaged or "
+                    "written by another tool).");
+      }
+    }
+  };
+  io::agree_load(st->mesh(), "set_optimizer_state_dict", check, [&] { return optimizer_summary(full_sd); });
 
   // 2. apply
   for (size_t i = 0; i < groups.size(); ++i) {

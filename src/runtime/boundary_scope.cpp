@@ -25,6 +25,9 @@ struct BoundaryHookFn : torch::autograd::Function<BoundaryHookFn> {
     ctx->saved_data["id"] = runtime_id;
     ctx->saved_data["b"] = b;
     ctx->saved_data["side"] = side;
+    // a gradient that never came (an output the loss does not use) passes on as none, not as zeros:
+    // upstream parameters reached only through it keep no gradient, as in torch
+    ctx->set_materialize_grads(false);
     return {x.view_as(x)};
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
@@ -39,29 +42,25 @@ struct BoundaryHookFn : torch::autograd::Function<BoundaryHookFn> {
   }
 };
 
-// The same pre-backward hook for several outputs (a tuple, a dict): one node, so the hook runs once,
-// before the boundary's backward takes any of their gradients.
-struct BoundaryOutputsFn : torch::autograd::Function<BoundaryOutputsFn> {
-  static variable_list forward(AutogradContext* ctx, at::TensorList xs, int64_t runtime_id, int64_t b) {
-    ctx->saved_data["id"] = runtime_id;
-    ctx->saved_data["b"] = b;
-    ctx->set_materialize_grads(false);  // an output the loss does not use passes no gradient on
-    variable_list out;
-    out.reserve(xs.size());
-    for (const at::Tensor& x : xs) out.push_back(x.view_as(x));
-    return out;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list g) {
-    if (auto rt = detail::runtime_by_id(static_cast<uint64_t>(ctx->saved_data["id"].toInt())))
-      rt->pre_backward(static_cast<int>(ctx->saved_data["b"].toInt()));
-    g.emplace_back();
-    g.emplace_back();
-    return g;
-  }
-};
-
 at::Tensor wrap(const at::Tensor& x, const Runtime& rt, int b, HookSide side) {
   return BoundaryHookFn::apply(x, static_cast<int64_t>(rt.id()), static_cast<int64_t>(b), static_cast<int64_t>(side))[0];
+}
+
+// The pre-backward hook on a boundary's output `y`: a hook on the tensor itself, which runs before the
+// backward of the op that produced it (so before the block's backward takes that gradient, whichever
+// output the loss reaches it through), as FSDP2's. The output passes on as the very tensor the block
+// returned, so the caller may modify it in place as in torch (a custom Function's view could not be).
+// Each output's hook runs the (idempotent) pre-backward work. A leaf (a parameter returned as it is)
+// is wrapped instead: a hook on a long-lived tensor would be registered again at every forward.
+void hook_pre_backward(at::Tensor& y, const Runtime& rt, int b) {
+  if (y.is_leaf()) {
+    y = wrap(y, rt, b, HookSide::PreBackward);
+    return;
+  }
+  const uint64_t id = rt.id();
+  y.register_hook([id, b](const at::Tensor&) {
+    if (auto live = detail::runtime_by_id(id)) live->pre_backward(b);
+  });
 }
 
 }  // namespace
@@ -129,35 +128,18 @@ void BoundaryScope::exit() {
   impl_->exited = true;
 }
 
-at::Tensor BoundaryScope::exit(const at::Tensor& output) {
-  exit();
-  at::Tensor y = output;
-  if (impl_->site.state && y.defined() && y.is_floating_point())
-    if (const auto& d = impl_->B().output_dtype; d && y.scalar_type() != *d) y = y.to(*d);
-  if (!impl_->site.state || !at::GradMode::is_enabled() || !y.defined() || !y.requires_grad()) return y;
-  return wrap(y, *impl_->site.state, impl_->site.boundary, HookSide::PreBackward);
-}
+at::Tensor BoundaryScope::exit(const at::Tensor& output) { return exit(std::vector<at::Tensor>{output}).front(); }
 
 std::vector<at::Tensor> BoundaryScope::exit(const std::vector<at::Tensor>& outputs) {
   exit();
   std::vector<at::Tensor> out = outputs;
   if (!impl_->site.state) return out;
   const auto& d = impl_->B().output_dtype;
-  std::vector<at::Tensor> live;
-  std::vector<size_t> at;
-  for (size_t i = 0; i < out.size(); ++i) {
-    at::Tensor& y = out[i];
+  const bool grad = at::GradMode::is_enabled();
+  for (at::Tensor& y : out) {
     if (y.defined() && y.is_floating_point() && d && y.scalar_type() != *d) y = y.to(*d);
-    if (y.defined() && y.requires_grad()) {
-      live.push_back(y);
-      at.push_back(i);
-    }
+    if (grad && y.defined() && y.requires_grad()) hook_pre_backward(y, *impl_->site.state, impl_->site.boundary);
   }
-  if (live.empty() || !at::GradMode::is_enabled()) return out;
-  const Runtime& rt = *impl_->site.state;
-  const variable_list wrapped = BoundaryOutputsFn::apply(at::TensorList(live), static_cast<int64_t>(rt.id()),
-                                                         static_cast<int64_t>(impl_->site.boundary));
-  for (size_t k = 0; k < at.size(); ++k) out[at[k]] = wrapped[k];
   return out;
 }
 

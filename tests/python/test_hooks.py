@@ -1,8 +1,8 @@
 """dmuon's forward hooks (C++ objects registered as module hooks) on the call conventions real models use:
 a boundary whose tensor arrives only as a keyword, one that returns a (tensor, object) tuple, a named
 tuple, a list, a dict holding a tuple, a tuple whose first tensor the loss does not use, one block run twice in one forward, a recurrent cell run twice on the raw input (whose first
-use needs no input gradient, so it installs no post-backward hook), and a forward that raises inside a boundary (its scope
-is closed and the next forward trains normally). 1 and 2 ranks, Z3, float64: the output and every gradient
+use needs no input gradient, so it installs no post-backward hook), a forward that raises inside a boundary (its scope
+is closed and the next forward trains normally), outputs changed in place by the caller and a dict the block keeps. 1 and 2 ranks, Z3, float64: the output and every gradient
 (averaged over ranks that all see the same batch) equal the plain model's at 1e-12."""
 
 import collections
@@ -194,3 +194,76 @@ def _resolver_mistakes(rank, world):
 
 def test_resolver_results_that_name_no_module_are_errors(tmp_path):
     run_ranks(tmp_path, 1, _resolver_mistakes)
+
+
+class SineBlock(nn.Module):  # a tensor out, which the caller scales in place
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM, dtype=torch.float64)
+
+    def forward(self, x):
+        return torch.sin(self.proj(x))
+
+
+class KeptDictBlock(nn.Module):  # returns a dict it keeps: dmuon must not change it or replace it
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM, dtype=torch.float64)
+        self.kept = {}
+
+    def forward(self, x):
+        self.kept["hidden"] = torch.sin(self.proj(x))
+        self.kept["note"] = "kept"
+        return self.kept
+
+
+class InPlaceNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([SineBlock(), LateBlock(), KeptDictBlock(), SineBlock()])
+
+    def forward(self, x):
+        y = self.layers[0](x)
+        y.mul_(2)  # in place on a boundary's output, as on a plain module's
+        z, h = self.layers[1](y)
+        z.add_(0.5)  # and on a tuple's item
+        out = self.layers[2](h + 0.1 * z)
+        assert out is self.layers[2].kept and set(out) == {"hidden", "note"}, "the block's own dict was replaced"
+        return self.layers[3](out["hidden"])
+
+
+def _in_place(rank, world, reshard):
+    torch.manual_seed(5)
+    plain = InPlaceNet()
+    torch.manual_seed(5)
+    model = InPlaceNet()
+    x = torch.randn(4, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(2))  # every rank alike
+    dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2, reshard_after_forward=reshard,
+                          hook_boundary_predicate=lambda m: isinstance(m, (SineBlock, LateBlock, KeptDictBlock)))
+    dmuon.replicate(model)
+    opt = dmuon.Muon(model, first_step_progress_log=False)
+    want = plain(x)
+    want.square().sum().backward()
+    for attempt in range(2):
+        got = model(x)
+        assert float((got - want).abs().max()) < 1e-12, f"attempt {attempt}: the output differs"
+        got.square().sum().backward()
+        dmuon.prepare_muon_grads(model)
+        mine = {d.name: d for d in dmuon.get_dedicated_params(model)}
+        checked = 0
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            if name in mine and not mine[name].is_owner:
+                continue
+            err = float((p.grad - q.grad).abs().max() / q.grad.abs().max())
+            assert err < 1e-12, f"rank {rank}, attempt {attempt}: the gradient of {name} differs by {err}"
+            checked += 1
+        assert checked == 4 + sum(d.is_owner for d in mine.values())  # the 4 biases and this rank's matrices
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("world,reshard", [(1, True), (2, True), (2, False)])
+def test_outputs_change_in_place_and_a_kept_dict_stays_the_blocks(tmp_path, world, reshard):
+    """A boundary's outputs are the block's own tensors (the pre-backward hook is a hook on each, as FSDP2's),
+    so the caller may change them in place as on a plain module; a dict the block keeps and returns passes on
+    as that very dict, unchanged. Gradients equal the plain model's at 1e-12 (float64), Z3 and Z2."""
+    run_ranks(tmp_path, world, _in_place, reshard)

@@ -3,9 +3,10 @@
 #pragma once
 
 #include <chrono>
-#include <functional>
-#include <optional>
 #include <exception>
+#include <functional>
+#include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -48,5 +49,19 @@ struct RankContext {
 void run_ranks(int world, const std::function<void(RankContext&)>& fn,
                std::chrono::milliseconds timeout = std::chrono::seconds(60),
                const std::optional<LoopbackOptions>& loopback = std::nullopt);
+
+// run_ranks, returning what fn returned on rank 0.
+template <typename T>
+T rank0_result(int world, const std::function<T(RankContext&)>& fn) {
+  T out;
+  std::mutex mu;
+  run_ranks(world, [&](RankContext& ctx) {
+    T mine = fn(ctx);
+    if (ctx.rank != 0) return;
+    std::lock_guard<std::mutex> g(mu);
+    out = std::move(mine);
+  });
+  return out;
+}
 
 }  // namespace dmuon::testing
