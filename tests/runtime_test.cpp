@@ -2189,17 +2189,19 @@ TEST(RuntimeTest, ModelViewOverPlainTensorsMatchesSingleProcess) {
 
 // ---- blocks returning several tensors --------------------------------------------------------------
 
-// y = x W_i^T; returns (sin y, y): a std::tuple of two tensors.
+// y = x W_i^T; returns (sin y, (y, i)): nested std::tuples, as an LSTM's (output, (h, c)), with a non-tensor.
 struct PairBlockImpl : torch::nn::Module {
   explicit PairBlockImpl(int i) {
     const auto f64 = at::TensorOptions().dtype(at::kDouble);
     w = register_parameter("weight", (at::arange(36, f64).reshape({6, 6}) * 0.29 + i).sin().mul(0.5));
+    index = i;
   }
-  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x) {
+  std::tuple<at::Tensor, std::tuple<at::Tensor, int>> forward(const at::Tensor& x) {
     const at::Tensor y = at::matmul(x, w.t());
-    return {at::sin(y), y * 1.0};
+    return {at::sin(y), {y * 1.0, index}};
   }
   at::Tensor w;
+  int index = 0;
 };
 TORCH_MODULE(PairBlock);
 
@@ -2210,7 +2212,9 @@ struct PairNetImpl : torch::nn::Module {
   }
   at::Tensor forward(at::Tensor x) {
     for (size_t i = 0; i < blocks.size(); ++i) {
-      auto [h, z] = dmuon::forward(blocks[i], x);
+      auto [h, rest] = dmuon::forward(blocks[i], x);
+      auto [z, index] = rest;
+      testing::expect(index == static_cast<int>(i), "the tuple's integer passes on");
       h.mul_(2);  // the caller changes the block's outputs in place, as it may a plain module's
       z.add_(0.5);
       x = i + 1 < blocks.size() ? h + 0.1 * z : z;  // the last block: only its second output reaches the loss
@@ -2269,9 +2273,9 @@ TensorDict train_pair_net(int world) {
   });
 }
 
-// A block returning a std::tuple gets the pre-backward hook on every tensor in it: on Z3 its matrix is
-// gathered again before its backward even when the loss uses only its second output, and the caller may
-// change the outputs in place. 2 ranks equal 1 in float64.
+// A block returning (nested) std::tuples gets the pre-backward hook on every tensor in them: on Z3 its
+// matrix is gathered again before its backward even when the loss uses only its nested output, and the
+// caller may change the outputs in place. Gradients equal a plain model's; 2 ranks equal 1 in float64.
 TEST(RuntimeTest, ABlockReturningATupleTrainsOnZ3AndItsOutputsMayChangeInPlace) {
   const auto single = train_pair_net(1);
   const auto two = train_pair_net(2);

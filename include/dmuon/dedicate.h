@@ -331,6 +331,9 @@ class BoundaryScope {
   at::Tensor enter(const at::Tensor& input);  // returns the input to pass on (cast, wrapped)
   at::Tensor cast_input(const at::Tensor& t) const;  // another tensor argument: the boundary's input cast
   void enter();                               // boundary without a tensor first argument
+  // The block's own ops start here (enter() marks it too): a front end that casts arguments after enter()
+  // calls it before running the block, so an argument it returns as it is never counts as the block's output.
+  void mark_block_start();
   // returns the output to pass on: cast to output_dtype, and (requiring grad) with the pre-backward hook
   // registered on it -- the block's very tensor when no cast applies, so the caller may change it in place
   at::Tensor exit(const at::Tensor& output);
@@ -373,37 +376,64 @@ decltype(auto) cast_arg(const BoundaryScope& scope, A&& a) {
     return std::forward<A>(a);
   }
 }
-template <typename E>
-void put_tensor(std::vector<at::Tensor>& tensors, const E& e) {
-  if constexpr (std::is_same_v<E, at::Tensor>) tensors.push_back(e);
-}
-template <typename E>
-void take_tensor(E& e, const std::vector<at::Tensor>& passed, size_t& k) {
-  if constexpr (std::is_same_v<std::remove_const_t<E>, at::Tensor>) {
-    if constexpr (!std::is_const_v<E>) e = passed[k];
-    ++k;
-  }
-}
 template <typename T>
 inline constexpr bool is_std_tuple = false;
 template <typename... T>
 inline constexpr bool is_std_tuple<std::tuple<T...>> = true;
-// A forward returning several tensors (a std::tuple or std::vector<at::Tensor>): every tensor in it
-// gets the output cast and the pre-backward hook, as a Python boundary's tuple does.
+// A forward's result as values: a std::tuple's elements decayed (references and const dropped), nested
+// tuples included; any other type as it is.
+template <typename T>
+struct result_values {
+  using type = T;
+};
+template <typename... T>
+struct result_values<std::tuple<T...>> {
+  using type = std::tuple<typename result_values<std::decay_t<T>>::type...>;
+};
 template <typename R>
-R finish_boundary(BoundaryScope& scope, R&& out) {
-  using D = std::decay_t<R>;
-  if constexpr (std::is_same_v<D, at::Tensor>) {
+using result_values_t = typename result_values<std::decay_t<R>>::type;
+// A result whose tensors are a boundary's outputs: a tensor, a std::vector of them, or a std::tuple
+// (nested ones too) holding any.
+template <typename V>
+inline constexpr bool holds_outputs = std::is_same_v<V, at::Tensor> || std::is_same_v<V, std::vector<at::Tensor>> ||
+                                      is_std_tuple<V>;
+template <typename E>
+void put_tensors(std::vector<at::Tensor>& tensors, const E& e) {
+  if constexpr (std::is_same_v<E, at::Tensor>) {
+    tensors.push_back(e);
+  } else if constexpr (std::is_same_v<E, std::vector<at::Tensor>>) {
+    tensors.insert(tensors.end(), e.begin(), e.end());
+  } else if constexpr (is_std_tuple<E>) {
+    std::apply([&](const auto&... x) { (put_tensors(tensors, x), ...); }, e);
+  }
+}
+template <typename E>
+void take_tensors(E& e, const std::vector<at::Tensor>& passed, size_t& k) {
+  if constexpr (std::is_same_v<E, at::Tensor>) {
+    e = passed[k++];
+  } else if constexpr (std::is_same_v<E, std::vector<at::Tensor>>) {
+    for (at::Tensor& t : e) t = passed[k++];
+  } else if constexpr (is_std_tuple<E>) {
+    std::apply([&](auto&... x) { (take_tensors(x, passed, k), ...); }, e);
+  }
+}
+// Every tensor of a forward's result -- a tensor, a std::vector of them, a std::tuple (nested ones
+// too, e.g. an LSTM's (output, (h, c))) -- gets the output cast and the pre-backward hook, as a Python
+// boundary's tuple does; such a result passes on by value. Anything else passes on as it is.
+template <typename R>
+auto finish_boundary(BoundaryScope& scope, R&& out)
+    -> std::conditional_t<holds_outputs<result_values_t<R>>, result_values_t<R>, R> {
+  using V = result_values_t<R>;
+  if constexpr (std::is_same_v<V, at::Tensor>) {
     return scope.exit(out);
-  } else if constexpr (!std::is_reference_v<R> && std::is_same_v<D, std::vector<at::Tensor>>) {
-    return scope.exit(out);
-  } else if constexpr (!std::is_reference_v<R> && is_std_tuple<D>) {
+  } else if constexpr (holds_outputs<V>) {
+    V result(std::forward<R>(out));
     std::vector<at::Tensor> tensors;
-    std::apply([&](auto&... e) { (detail::put_tensor(tensors, e), ...); }, out);
+    put_tensors(tensors, result);
     const std::vector<at::Tensor> passed = scope.exit(tensors);
     size_t k = 0;
-    std::apply([&](auto&... e) { (detail::take_tensor(e, passed, k), ...); }, out);
-    return std::move(out);
+    take_tensors(result, passed, k);
+    return result;
   } else {
     scope.exit();
     return std::forward<R>(out);

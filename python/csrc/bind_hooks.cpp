@@ -186,6 +186,7 @@ class ForwardHooks {
       new_kwargs[k] = key && k.is(key) ? pass(v, entered)
                       : is_tensor(v)   ? pass(v, scope.cast_input(THPVariable_Unpack(v.ptr())))
                                        : py::reinterpret_borrow<py::object>(v);
+    scope.mark_block_start();  // (the casts above are the arguments', not the block's outputs)
     if (!changed) return py::none();
     return py::make_tuple(std::move(new_args), std::move(new_kwargs));
   }

@@ -15,6 +15,7 @@
 #include <set>
 #include <sstream>
 
+#include "comm/error_text.h"
 #include "dmuon/tensor_parallel.h"
 #include "io/load_agreement.h"
 #include "runtime/runtime_face.h"
@@ -231,7 +232,7 @@ void set_model_state_dict(torch::nn::Module& model, ParamSource& source) {
     try {
       source.check(full_shapes_of(model, *st));
     } catch (const std::exception& e) {
-      TORCH_CHECK_VALUE(false, "rank ", st->mesh().global_rank(), ": set_model_state_dict: ", e.what());
+      TORCH_CHECK_VALUE(false, "rank ", st->mesh().global_rank(), ": set_model_state_dict: ", detail::error_text(e));
     }
   }, [] { return std::vector<io::LoadEntry>{}; });
   assign_model(model, *st, source);

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <exception>
 
+#include "comm/error_text.h"
 #include "dmuon/checkpoint.h"
 
 namespace dmuon::io {
@@ -56,7 +57,7 @@ void agree_load(Mesh& mesh, const std::string& fn, const std::function<void()>& 
     entries = summary();
   } catch (const std::exception& e) {  // reported to the other ranks first: none may leave before the gather
     error = std::current_exception();
-    reason = e.what();
+    reason = detail::error_text(e);
   } catch (...) {
     error = std::current_exception();
     reason = "an exception that is not a std::exception";

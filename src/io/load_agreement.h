@@ -25,7 +25,8 @@ namespace dmuon::io {
 using LoadEntry = std::pair<std::string, uint64_t>;
 
 // A tensor's digest: its dtype, shape and the CRC32C of its bytes (a CUDA tensor is copied to the
-// host in pieces); the same bytes give the same digest on every machine.
+// host first, one tensor at a time); the same bytes give the same digest on every machine. A sparse,
+// quantized or meta tensor: its dtype and shape only.
 uint64_t tensor_digest(const at::Tensor& t);
 // Mixes `v` into the digest `h` (FNV-1a over its bytes).
 uint64_t mix_digest(uint64_t h, uint64_t v);

@@ -1,4 +1,5 @@
 // dmuon::forward's boundary scope and the identity autograd function around each boundary.
+#include <ATen/SequenceNumber.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -46,21 +47,21 @@ at::Tensor wrap(const at::Tensor& x, const Runtime& rt, int b, HookSide side) {
   return BoundaryHookFn::apply(x, static_cast<int64_t>(rt.id()), static_cast<int64_t>(b), static_cast<int64_t>(side))[0];
 }
 
-// The pre-backward hook on a boundary's output `y`: a hook on the tensor itself, which runs before the
-// backward of the op that produced it (so before the block's backward takes that gradient, whichever
-// output the loss reaches it through), as FSDP2's. The output passes on as the very tensor the block
-// returned, so the caller may modify it in place as in torch (a custom Function's view could not be).
-// Each output's hook runs the (idempotent) pre-backward work. A leaf (a parameter returned as it is)
-// is wrapped instead: a hook on a long-lived tensor would be registered again at every forward.
-void hook_pre_backward(at::Tensor& y, const Runtime& rt, int b) {
-  if (y.is_leaf()) {
-    y = wrap(y, rt, b, HookSide::PreBackward);
-    return;
-  }
-  const uint64_t id = rt.id();
-  y.register_hook([id, b](const at::Tensor&) {
-    if (auto live = detail::runtime_by_id(id)) live->pre_backward(b);
+// A hook on `y` running the boundary's pre-backward work, at most once per backward pass among the
+// hooks sharing `last`. A tensor hook runs before the backward of the op that produced the tensor, so
+// before the block's backward takes that gradient, as FSDP2's; the tensor passes on as the very one the
+// block returned, so the caller may modify it in place as in torch (a custom Function's view could not
+// be). The lambda keeps the runtime's id, not the runtime.
+void hook_tensor(const at::Tensor& y, uint64_t id, int b, const std::shared_ptr<std::weak_ptr<void>>& last) {
+  y.register_hook([id, b, last](const at::Tensor&) {
+    if (auto live = detail::runtime_by_id(id)) live->pre_backward_once(b, *last);
   });
+}
+
+// Whether autograd made `t` by an op the block ran (its node is newer than the block's entry): only
+// through such a tensor does a gradient reach the block's own backward.
+bool made_since(const at::Tensor& t, uint64_t mark) {
+  return !t.is_leaf() && t.grad_fn() && t.grad_fn()->sequence_nr() >= mark;
 }
 
 }  // namespace
@@ -69,6 +70,7 @@ namespace detail {
 
 struct BoundaryScope::Impl {
   BoundarySite site;
+  uint64_t first_node = 0;  // the autograd sequence number at enter(): nodes from it on are the block's
   bool entered = false;
   bool exited = false;
   const Boundary& B() const { return site.state->boundaries()[static_cast<size_t>(site.boundary)]; }
@@ -100,7 +102,10 @@ BoundaryScope::BoundaryScope(const BoundarySite& site) : impl_(std::make_unique<
 
 BoundaryScope::~BoundaryScope() = default;
 
+void BoundaryScope::mark_block_start() { impl_->first_node = at::sequence_number::peek(); }
+
 void BoundaryScope::enter() {
+  mark_block_start();
   if (impl_->site.root) impl_->site.root->begin_root_forward();  // the model's own forward: a new pass
   if (impl_->site.state) {
     impl_->site.state->pre_forward(impl_->site.boundary);
@@ -113,14 +118,19 @@ void BoundaryScope::enter() {
 at::Tensor BoundaryScope::cast_input(const at::Tensor& t) const {
   if (!impl_->site.state || !t.defined() || !t.is_floating_point()) return t;
   const auto& d = impl_->B().input_dtype;
-  return d && t.scalar_type() != *d ? t.to(*d) : t;
+  if (!d || t.scalar_type() == *d) return t;
+  at::Tensor cast = t.to(*d);
+  impl_->first_node = at::sequence_number::peek();  // an argument's cast is not the block's own op
+  return cast;
 }
 
 at::Tensor BoundaryScope::enter(const at::Tensor& input) {
   enter();
   const at::Tensor x = cast_input(input);
   if (!impl_->site.state || !at::GradMode::is_enabled() || !x.defined() || !x.requires_grad()) return x;
-  return wrap(x, *impl_->site.state, impl_->site.boundary, HookSide::PostBackward);
+  at::Tensor wrapped = wrap(x, *impl_->site.state, impl_->site.boundary, HookSide::PostBackward);
+  mark_block_start();  // (the input's wrapper too: a block returning its input passes it through)
+  return wrapped;
 }
 
 void BoundaryScope::exit() {
@@ -134,11 +144,30 @@ std::vector<at::Tensor> BoundaryScope::exit(const std::vector<at::Tensor>& outpu
   exit();
   std::vector<at::Tensor> out = outputs;
   if (!impl_->site.state) return out;
+  const Runtime& rt = *impl_->site.state;
+  const int b = impl_->site.boundary;
   const auto& d = impl_->B().output_dtype;
   const bool grad = at::GradMode::is_enabled();
+  const uint64_t mark = impl_->first_node;
+  std::shared_ptr<std::weak_ptr<void>> last;  // shared by this use's hooks: one pre-backward per pass
   for (at::Tensor& y : out) {
-    if (y.defined() && y.is_floating_point() && d && y.scalar_type() != *d) y = y.to(*d);
-    if (grad && y.defined() && y.requires_grad()) hook_pre_backward(y, *impl_->site.state, impl_->site.boundary);
+    if (!y.defined()) continue;
+    const at::Tensor made = y;  // as the block returned it
+    if (y.is_floating_point() && d && y.scalar_type() != *d) y = y.to(*d);
+    if (!grad || !y.requires_grad()) continue;
+    // What autograd reaches first through `made`: the tensor itself, or for a view its base (an in-place
+    // change of the view sends the gradient to the base's node, past the view's own).
+    const at::Tensor origin = made.is_view() ? at::Tensor(made._base()) : made;
+    if (origin.is_leaf()) {  // a parameter (or a view of one) returned: wrapped, as a hook on it would pile up
+      y = wrap(y, rt, b, HookSide::PreBackward);
+      continue;
+    }
+    // a tensor made (or viewed) from one made before the block -- an argument passed through -- carries no
+    // gradient into the block's backward: a hook on it would gather the block again after its backward
+    if (!made_since(origin, mark)) continue;
+    if (!last) last = std::make_shared<std::weak_ptr<void>>();
+    hook_tensor(y, rt.id(), b, last);
+    if (made.is_view()) hook_tensor(origin, rt.id(), b, last);
   }
   return out;
 }

@@ -285,6 +285,15 @@ void Runtime::pre_backward(int b) {
   wait_unshards(b, true);
 }
 
+void Runtime::pre_backward_once(int b, std::weak_ptr<void>& last) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  note_backward();  // (a new pass makes a new token)
+  const std::shared_ptr<void> now = backward_token_.lock(), seen = last.lock();
+  if (now && seen == now) return;
+  pre_backward(b);
+  last = now;
+}
+
 void Runtime::note_use(int b, bool grad_mode) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   Boundary& B = boundaries_[static_cast<size_t>(b)];

@@ -102,6 +102,9 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void pre_forward(int b);
   void post_forward(int b);
   void pre_backward(int b);
+  // pre_backward(b) once per backward pass for the hooks sharing `last` (the outputs of one use of a
+  // boundary): the first to fire in a pass runs it and records the pass in `last`.
+  void pre_backward_once(int b, std::weak_ptr<void>& last);
   void post_backward(int b);
   // a use of boundary b (in grad mode, its backward may fire post_backward); a recompute inside backward
   // counts only a use that ran without grad mode before (a reentrant checkpoint's first run)

@@ -217,10 +217,29 @@ class KeptDictBlock(nn.Module):  # returns a dict it keeps: dmuon must not chang
         return self.kept
 
 
+class ViewBlock(nn.Module):  # returns a view of what it computed, which the caller changes in place
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM, dtype=torch.float64)
+
+    def forward(self, x):
+        return (self.proj(x) * 1.0)[:, :DIM]
+
+
+class PassBlock(nn.Module):  # returns its second tensor argument as it is (as T5's layers their position bias)
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM, dtype=torch.float64)
+
+    def forward(self, x, bias):
+        return torch.sin(self.proj(x)) + bias, bias
+
+
 class InPlaceNet(nn.Module):
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList([SineBlock(), LateBlock(), KeptDictBlock(), SineBlock()])
+        self.layers = nn.ModuleList([SineBlock(), LateBlock(), KeptDictBlock(), ViewBlock(), PassBlock(), SineBlock(),
+                                     PassBlock()])
 
     def forward(self, x):
         y = self.layers[0](x)
@@ -229,7 +248,14 @@ class InPlaceNet(nn.Module):
         z.add_(0.5)  # and on a tuple's item
         out = self.layers[2](h + 0.1 * z)
         assert out is self.layers[2].kept and set(out) == {"hidden", "note"}, "the block's own dict was replaced"
-        return self.layers[3](out["hidden"])
+        v = self.layers[3](out["hidden"])
+        v.mul_(3)  # in place on a view: its gradient goes to the view's base, which the block made
+        bias = v * 0.5
+        w, same = self.layers[4](v + bias, bias)  # (the bias's gradient is complete only after layers.4's backward)
+        assert same is bias, "an argument passed through came back as another object"
+        out = self.layers[5](w)
+        _, again = self.layers[6](out, same)  # only the argument it passes through reaches the loss: no backward
+        return out + again  # (the last block run: the first in backward, which no backward prefetch gathers)
 
 
 def _in_place(rank, world, reshard):
@@ -239,31 +265,47 @@ def _in_place(rank, world, reshard):
     model = InPlaceNet()
     x = torch.randn(4, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(2))  # every rank alike
     dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2, reshard_after_forward=reshard,
-                          hook_boundary_predicate=lambda m: isinstance(m, (SineBlock, LateBlock, KeptDictBlock)))
+                          hook_boundary_predicate=lambda m: isinstance(m, (SineBlock, LateBlock, KeptDictBlock,
+                                                                           ViewBlock, PassBlock)))
     dmuon.replicate(model)
     opt = dmuon.Muon(model, first_step_progress_log=False)
     want = plain(x)
     want.square().sum().backward()
+    mine = {d.name: d for d in dmuon.get_dedicated_params(model)}
+    # each matrix this rank does not own arrives once for the forward and (Z3) once again for its backward:
+    # never a third time (a pass-through's late gradient must not gather a block whose backward is done)
+    def not_owned(block=None):
+        return sum(8 * d.full_shape[0] * d.full_shape[1] for d in mine.values()
+                   if not d.is_owner and block in (None, d.boundary))
     for attempt in range(2):
+        start = dmuon.comm_bytes(model).get("broadcast", 0)
         got = model(x)
         assert float((got - want).abs().max()) < 1e-12, f"attempt {attempt}: the output differs"
         got.square().sum().backward()
         dmuon.prepare_muon_grads(model)
-        mine = {d.name: d for d in dmuon.get_dedicated_params(model)}
+        moved = dmuon.comm_bytes(model).get("broadcast", 0) - start
+        # layers.6 runs no backward: its matrix is gathered for its forward only
+        want_moved = (2 * not_owned() - not_owned("layers.6")) if reshard else not_owned()
+        assert moved == want_moved, f"rank {rank}: {moved} bytes broadcast, not {want_moved}"
         checked = 0
         for (name, p), q in zip(model.named_parameters(), plain.parameters()):
             if name in mine and not mine[name].is_owner:
                 continue
+            if q.grad is None:  # layers.6's
+                assert p.grad is None, f"rank {rank}: {name} has a gradient; the plain model's has none"
+                continue
             err = float((p.grad - q.grad).abs().max() / q.grad.abs().max())
             assert err < 1e-12, f"rank {rank}, attempt {attempt}: the gradient of {name} differs by {err}"
             checked += 1
-        assert checked == 4 + sum(d.is_owner for d in mine.values())  # the 4 biases and this rank's matrices
+        assert checked == 6 + sum(d.is_owner for d in mine.values() if d.boundary != "layers.6")  # biases, matrices
         opt.zero_grad()
 
 
 @pytest.mark.parametrize("world,reshard", [(1, True), (2, True), (2, False)])
 def test_outputs_change_in_place_and_a_kept_dict_stays_the_blocks(tmp_path, world, reshard):
     """A boundary's outputs are the block's own tensors (the pre-backward hook is a hook on each, as FSDP2's),
-    so the caller may change them in place as on a plain module; a dict the block keeps and returns passes on
-    as that very dict, unchanged. Gradients equal the plain model's at 1e-12 (float64), Z3 and Z2."""
+    so the caller may change them in place as on a plain module, a view included; a dict the block keeps and
+    an argument it passes through come back as the very objects. Gradients equal the plain model's at 1e-12
+    (float64), Z3 and Z2, and each matrix is broadcast once per forward and (Z3) once per backward it takes
+    part in: a passed-through argument's gradient gathers no block."""
     run_ranks(tmp_path, world, _in_place, reshard)
