@@ -16,6 +16,7 @@
 #include <torch/serialize/archive.h>
 
 #include <cmath>
+#include <functional>
 #include <map>
 #include <iostream>
 #include <memory>
@@ -1013,6 +1014,55 @@ TEST(MuonTest, TwoRanksOnlyOwnersUpdateTheirMatrices) {
     r.p = init.at(n).to(at::kDouble);
     r.step(g.at(n));
     EXPECT_LT(max_abs_diff(vectors_after[0][n], r.p), kBound) << n;
+  }
+}
+
+// Muon's options must be the same on every rank: each mismatch below raises on every rank (a ValueError
+// naming the option and this rank's value), before anything refuses a value on one rank alone; the same
+// options construct on both ranks.
+TEST(MuonTest, OptionsTheRanksDisagreeOnAreAnErrorOnEveryRank) {
+  struct Case {
+    std::string field;  // what the message names
+    std::function<void(MuonOptions&, Tiny&, int rank)> set;
+  };
+  const std::vector<Case> cases = {
+      {"lr", [](MuonOptions& o, Tiny&, int r) { o.lr = r == 0 ? 0.02 : 0.020000001; }},
+      // refused on rank 1 alone (negative): still the disagreement, on both ranks
+      {"adamw_lr", [](MuonOptions& o, Tiny&, int r) { o.adamw_lr = r == 0 ? 1e-3 : -1.0; }},
+      {"param_groups", [](MuonOptions& o, Tiny& m, int r) {  // the same group, another parameter in it
+         MuonParamGroup g;
+         g.name = "slow";
+         g.lr = 0.01;
+         g.params.push_back(m->named_parameters()[kVectors[r == 0 ? 0 : 1]]);
+         o.param_groups.push_back(g);
+       }},
+      {"ns_backend / ns", [](MuonOptions& o, Tiny&, int r) { o.ns_backend = r == 0 ? "gram" : "direct"; }},
+      {"post_step_prefetch_groups", [](MuonOptions& o, Tiny&, int r) { o.post_step_prefetch_groups = r; }},
+      {"", [](MuonOptions& o, Tiny&, int) { o.lr = 1; }},  // 1 on both ranks: agreed
+  };
+  for (const Case& c : cases) {
+    testing::run_ranks(2, [&](testing::RankContext& ctx) {
+      Tiny m;
+      MeshOptions mopts;
+      mopts.store = ctx.store;
+      mopts.factory = process_group_factory(c10::DeviceType::CPU);
+      auto mesh = Mesh::create(ctx.pg, mopts);
+      dedicate_params(m.ptr(), mesh, is_matrix);
+      replicate(m.ptr(), mesh);
+      MuonOptions o = quiet();
+      c.set(o, m, ctx.rank);
+      const std::string err = testing::error_of([&] { Muon opt(m.ptr(), o); });
+      const std::string who = "rank " + std::to_string(ctx.rank) + ", " + (c.field.empty() ? "agreed" : c.field);
+      if (c.field.empty()) {
+        testing::expect(err.empty(), who + ": " + err);
+        return;
+      }
+      testing::expect(err.find("rank " + std::to_string(ctx.rank) + ": Muon: the ranks were given different " +
+                               c.field + " (this rank's: ") != std::string::npos &&
+                          err.find("rank(s) 1 differ from rank 0") != std::string::npos &&
+                          err.find("pass the same options to Muon on every rank") != std::string::npos,
+                      who + ": " + err);
+    });
   }
 }
 

@@ -11,7 +11,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -261,6 +264,74 @@ TEST(PrecisionTest, SmallUpdatesAccumulateInTheMasterAndVanishWithout) {
       EXPECT_LT(worst, 0.3) << "with an fp32 master the small updates must add up as in the fp32 run";
     else
       EXPECT_GT(best, 0.5) << "without a master, bf16 rounding should swallow updates below half an ulp";
+  }
+}
+
+// ParamPolicy::grad_dtype narrower than the master, several synced backward passes before one step
+// (gradient accumulation without no_sync): each pass's local gradients cross the reduce once and the
+// earlier passes' average stays in the master dtype, on every route (replicated parameters get their
+// average in p.grad after each backward: the next pass must not send it through the reduce again).
+// float64 parameters, fp32 reduce: every gradient equals the sum over passes of
+// float64(fp32 sum over ranks of fp32(local gradient)) / N at 1e-12; re-reducing an installed average
+// rounds it to fp32 (up to 2^-24 relative per element: the test fails then, checked by disabling the fix).
+TEST(PrecisionTest, SyncedBackwardsReduceOnlyTheirOwnGradients) {
+  const GPTConfig cfg = testing::small_config(2);
+  const auto init = testing::init_state(cfg, 1234);
+  const auto batches = testing::make_batches(3, 8, 12, cfg.vocab_size, 17);  // three passes, one step
+  for (const int world : {2, 1}) {
+    const int64_t per = 8 / world;
+    std::map<std::string, at::Tensor> want;  // from a plain model, every rank's slice of every pass
+    {
+      GPT plain(cfg);
+      testing::load_state(plain, init);
+      for (const auto& tokens : batches) {
+        std::map<std::string, at::Tensor> sum32;  // the reduce's fp32 sum over ranks
+        for (int r = 0; r < world; ++r) {
+          for (auto& q : plain->parameters()) q.mutable_grad() = at::Tensor();
+          plain->loss(tokens.narrow(0, r * per, per)).backward();
+          for (const auto& item : plain->named_parameters()) {
+            const at::Tensor g = item.value().grad().to(at::kFloat);
+            auto [it, fresh] = sum32.try_emplace(item.key(), g);
+            if (!fresh) it->second = it->second + g;
+          }
+        }
+        for (const auto& [name, s32] : sum32) {
+          const at::Tensor avg = s32.to(at::kDouble) / world;
+          auto [it, fresh] = want.try_emplace(name, avg);
+          if (!fresh) it->second = it->second + avg;
+        }
+      }
+    }
+    testing::run_ranks(world, [&](testing::RankContext& ctx) {
+      GPT m(cfg);
+      testing::load_state(m, init);
+      auto mesh = make_mesh(ctx);
+      DedicateOptions o;
+      ParamPolicy fp32_grads;
+      fp32_grads.grad_dtype = at::kFloat;
+      o.param_policy.push_back({"", fp32_grads});
+      dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o);
+      replicate(m.ptr(), mesh);
+      for (const auto& tokens : batches) m->loss(tokens.narrow(0, ctx.rank * per, per)).backward();
+      prepare_muon_grads(*m);
+      std::set<std::string> elsewhere;  // matrices another rank owns (and holds the gradient of)
+      for (const auto& d : get_dedicated_params(*m))
+        if (!d.is_owner) elsewhere.insert(d.name);
+      size_t checked = 0;
+      for (const auto& item : m->named_parameters()) {
+        if (elsewhere.count(item.key())) continue;
+        const at::Tensor& g = item.value().grad();
+        const std::string who = "N=" + std::to_string(world) + ", rank " + std::to_string(ctx.rank) + ": " + item.key();
+        expect(g.defined() && g.scalar_type() == at::kDouble, who + " has no float64 gradient");
+        const double e = max_rel(g, want.at(item.key()));
+        char rel[32];
+        std::snprintf(rel, sizeof rel, "%.3e", e);
+        expect(e < 1e-12, who + ": the gradient differs from the passes' fp32-reduced averages by " + rel);
+        ++checked;
+      }
+      expect(checked + elsewhere.size() == want.size() && !get_base_params(*m).empty(),
+             "every parameter checked, replicated ones among them");
+    });
   }
 }
 

@@ -21,7 +21,6 @@
 #include <mutex>
 #include <set>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -2196,7 +2195,8 @@ struct PairBlockImpl : torch::nn::Module {
     w = register_parameter("weight", (at::arange(36, f64).reshape({6, 6}) * 0.29 + i).sin().mul(0.5));
     index = i;
   }
-  std::tuple<at::Tensor, std::tuple<at::Tensor, int>> forward(const at::Tensor& x) {
+  // (index, a reference to the block's own member, passes on as the reference it is)
+  std::tuple<at::Tensor, std::tuple<at::Tensor, const int&>> forward(const at::Tensor& x) {
     const at::Tensor y = at::matmul(x, w.t());
     return {at::sin(y), {y * 1.0, index}};
   }
@@ -2214,7 +2214,8 @@ struct PairNetImpl : torch::nn::Module {
     for (size_t i = 0; i < blocks.size(); ++i) {
       auto [h, rest] = dmuon::forward(blocks[i], x);
       auto [z, index] = rest;
-      testing::expect(index == static_cast<int>(i), "the tuple's integer passes on");
+      static_assert(std::is_same_v<decltype(index), const int&>, "a reference in a block's tuple stays one");
+      testing::expect(&index == &blocks[i]->index, "the tuple's reference to the block's member passes on");
       h.mul_(2);  // the caller changes the block's outputs in place, as it may a plain module's
       z.add_(0.5);
       x = i + 1 < blocks.size() ? h + 0.1 * z : z;  // the last block: only its second output reaches the loss
@@ -2250,15 +2251,20 @@ TensorDict train_pair_net(int world) {
       prepare_muon_grads(*m);
       const auto want = plain->named_parameters();
       int checked = 0;
+      std::string missing;
       for (const auto& item : m->named_parameters()) {
         const at::Tensor& g = item.value().grad();
-        if (!g.defined() || g.numel() == 0) continue;  // a matrix this rank does not own
+        if (!g.defined() || g.numel() == 0) {  // a matrix this rank does not own
+          missing += " " + item.key();
+          continue;
+        }
         const double err = max_rel(g, want[item.key()].grad());
         testing::expect(err < 1e-12, "rank " + std::to_string(ctx.rank) + ": the gradient of " + item.key() +
                                          " differs from the plain model's by " + std::to_string(err));
         ++checked;
       }
-      testing::expect(checked >= (ctx.world == 1 ? 4 : 2), "every owned matrix and the scale checked");
+      testing::expect(checked >= (ctx.world == 1 ? 4 : 2),
+                      "rank " + std::to_string(ctx.rank) + ": every owned matrix and the scale checked; none for" + missing);
       opt.zero_grad();
     }
     for (int step = 0; step < 3; ++step) {

@@ -331,9 +331,10 @@ class BoundaryScope {
   at::Tensor enter(const at::Tensor& input);  // returns the input to pass on (cast, wrapped)
   at::Tensor cast_input(const at::Tensor& t) const;  // another tensor argument: the boundary's input cast
   void enter();                               // boundary without a tensor first argument
-  // The block's own ops start here (enter() marks it too): a front end that casts arguments after enter()
-  // calls it before running the block, so an argument it returns as it is never counts as the block's output.
-  void mark_block_start();
+  // A tensor the block is given (enter(input) and cast_input note theirs; a front end notes the others, e.g.
+  // inside a list argument): the block returning it as it is (or a view of it) passes it through, with no
+  // pre-backward hook, so its late gradient gathers no block. Every other output requiring grad is hooked.
+  void note_argument(const at::Tensor& t) const;
   // returns the output to pass on: cast to output_dtype, and (requiring grad) with the pre-backward hook
   // registered on it -- the block's very tensor when no cast applies, so the caller may change it in place
   at::Tensor exit(const at::Tensor& output);
@@ -380,15 +381,36 @@ template <typename T>
 inline constexpr bool is_std_tuple = false;
 template <typename... T>
 inline constexpr bool is_std_tuple<std::tuple<T...>> = true;
-// A forward's result as values: a std::tuple's elements decayed (references and const dropped), nested
-// tuples included; any other type as it is.
+// Notes the tensors of an argument as the block's: a tensor, an optional one, a std::vector or an
+// at::TensorList of them, a std::tuple (nested ones too) holding any.
+template <typename A>
+void note_arg(const BoundaryScope& scope, const A& a) {
+  if constexpr (std::is_same_v<A, at::Tensor>) {
+    scope.note_argument(a);
+  } else if constexpr (std::is_same_v<A, std::optional<at::Tensor>> || std::is_same_v<A, c10::optional<at::Tensor>>) {
+    if (a) scope.note_argument(*a);
+  } else if constexpr (std::is_same_v<A, std::vector<at::Tensor>> || std::is_same_v<A, at::TensorList>) {
+    for (const at::Tensor& t : a) scope.note_argument(t);
+  } else if constexpr (is_std_tuple<A>) {
+    std::apply([&](const auto&... x) { (note_arg(scope, x), ...); }, a);
+  }
+}
+// A forward's result as passed on: its tensors as values (each may come back cast or hooked) -- in a
+// std::tuple, nested ones included, a tensor, a std::vector of tensors or a nested tuple becomes a value --
+// and any other element as it was returned, an lvalue reference kept (std::tie(out, state_) hands back
+// the module's own state_), anything else a value.
 template <typename T>
 struct result_values {
   using type = T;
 };
 template <typename... T>
 struct result_values<std::tuple<T...>> {
-  using type = std::tuple<typename result_values<std::decay_t<T>>::type...>;
+  template <typename E, typename D = std::decay_t<E>>
+  using element = std::conditional_t<std::is_same_v<D, at::Tensor> || std::is_same_v<D, std::vector<at::Tensor>> ||
+                                         is_std_tuple<D>,
+                                     typename result_values<D>::type,
+                                     std::conditional_t<std::is_lvalue_reference_v<E>, E, std::remove_cv_t<std::remove_reference_t<E>>>>;
+  using type = std::tuple<element<T>...>;
 };
 template <typename R>
 using result_values_t = typename result_values<std::decay_t<R>>::type;
@@ -450,6 +472,7 @@ auto forward(ModuleHolderOrPtr& module, Args&&... args) {
       return [&](auto&& first, auto&&... rest) {
         if constexpr (std::is_same_v<std::decay_t<decltype(first)>, at::Tensor>) {
           at::Tensor in = scope.enter(first);
+          (detail::note_arg(scope, std::as_const(rest)), ...);
           if constexpr (requires { m.forward(in, detail::cast_arg(scope, std::forward<decltype(rest)>(rest))...); })
             return detail::finish_boundary(
                 scope, m.forward(in, detail::cast_arg(scope, std::forward<decltype(rest)>(rest))...));
@@ -457,6 +480,8 @@ auto forward(ModuleHolderOrPtr& module, Args&&... args) {
             return detail::finish_boundary(scope, m.forward(in, std::forward<decltype(rest)>(rest)...));
         } else {
           scope.enter();
+          detail::note_arg(scope, std::as_const(first));
+          (detail::note_arg(scope, std::as_const(rest)), ...);
           if constexpr (requires {
                           m.forward(std::forward<decltype(first)>(first),
                                     detail::cast_arg(scope, std::forward<decltype(rest)>(rest))...);

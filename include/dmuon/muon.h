@@ -220,6 +220,9 @@ struct MuonInternals;
 class Muon : public torch::optim::Optimizer {
  public:
   // `model` must have gone through dedicate_params (a 1-rank mesh works for single-process use).
+  // collective (the world, once): the ranks agree on every option that decides the math or the
+  // collectives (hyperparameters, param groups, ns backend, prefetch and overlap settings); one that
+  // differs is a ValueError on every rank naming it.
   explicit Muon(const std::shared_ptr<torch::nn::Module>& model, MuonOptions options = {});
   // The optimizer of a model dedicated from a ModelView (dedicate_model_view in model_view.h).
   explicit Muon(const std::shared_ptr<RuntimeFace>& runtime, MuonOptions options = {});

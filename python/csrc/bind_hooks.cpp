@@ -156,9 +156,16 @@ class ForwardHooks {
           key = k;
           break;
         }
+    // every tensor the block is given, inside sequences and dicts too: one it returns as it is passes through
+    std::vector<at::Tensor> given;
+    if (site_.state) {
+      collect(args, given, 0);
+      collect(kwargs, given, 0);
+    }
     if (!site_.state || (first < 0 && !key)) {
       py::gil_scoped_release nogil;
       scope.enter();
+      for (const at::Tensor& t : given) scope.note_argument(t);
       return py::none();
     }
     const py::object carrier = first >= 0 ? py::object(args[static_cast<size_t>(first)]) : py::object(kwargs[key]);
@@ -186,7 +193,7 @@ class ForwardHooks {
       new_kwargs[k] = key && k.is(key) ? pass(v, entered)
                       : is_tensor(v)   ? pass(v, scope.cast_input(THPVariable_Unpack(v.ptr())))
                                        : py::reinterpret_borrow<py::object>(v);
-    scope.mark_block_start();  // (the casts above are the arguments', not the block's outputs)
+    for (const at::Tensor& t : given) scope.note_argument(t);
     if (!changed) return py::none();
     return py::make_tuple(std::move(new_args), std::move(new_kwargs));
   }

@@ -345,7 +345,12 @@ void bind_runtime(py::module_& m) {
 
   py::class_<Muon>(m, "_Muon")
       .def(py::init([](const RuntimeHandle& h, const py::dict& options) {
-             return std::make_unique<Muon>(runtime_face(h.runtime), muon_options(options));
+             MuonOptions o = muon_options(options);
+             auto face = runtime_face(h.runtime);
+             // the options' agreement is a collective: run without the GIL, as every other collective
+             // (the options are moved, never copied: a Python log callback changes no reference count)
+             py::gil_scoped_release nogil;
+             return std::make_unique<Muon>(face, std::move(o));
            }),
            "runtime"_a, "options"_a)
       .def("step", [](Muon& opt) { opt.step(); }, release)

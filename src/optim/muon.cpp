@@ -21,6 +21,7 @@
 #include "optim/clip_norm.h"
 #include "optim/host_ops.h"
 #include "optim/multi_tensor.h"
+#include "optim/option_agreement.h"
 #include "optim/phase_clock.h"
 #include "dmuon/ns_runner.h"
 #include "optim/tp_newton_schulz.h"
@@ -153,6 +154,9 @@ std::shared_ptr<RuntimeFace> dedicated_runtime(const std::shared_ptr<torch::nn::
 
 std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_ptr<RuntimeFace>& state,
                                                             const MuonOptions& o) {
+  TORCH_CHECK_VALUE(state, "Muon: the runtime is null.");
+  // first (collective): a value one rank refuses below is then refused on every rank
+  detail::agree_options(*state, o);
   check_hparam("lr", o.lr, HparamRange::NonNegative);
   check_hparam("momentum", o.momentum, HparamRange::UnitInterval);
   check_hparam("weight_decay", o.weight_decay, HparamRange::NonNegative);
@@ -169,7 +173,6 @@ std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_pt
   check_hparam(o.post_step_prefetch_groups >= 0, "post_step_prefetch_groups", o.post_step_prefetch_groups, ">= 0");
   check_hparam(o.tp_distributed_gram_max_factor_to_scatter_ratio >= 0, "tp_distributed_gram_max_factor_to_scatter_ratio",
                o.tp_distributed_gram_max_factor_to_scatter_ratio, ">= 0");
-  TORCH_CHECK_VALUE(state, "Muon: the runtime is null.");
   std::set<const c10::TensorImpl*> dedicated;
   std::vector<at::Tensor> all;  // every trainable parameter, model order
   for (const auto& v : state->describe()) {

@@ -1,5 +1,4 @@
 // dmuon::forward's boundary scope and the identity autograd function around each boundary.
-#include <ATen/SequenceNumber.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -58,22 +57,38 @@ void hook_tensor(const at::Tensor& y, uint64_t id, int b, const std::shared_ptr<
   });
 }
 
-// Whether autograd made `t` by an op the block ran (its node is newer than the block's entry): only
-// through such a tensor does a gradient reach the block's own backward.
-bool made_since(const at::Tensor& t, uint64_t mark) {
-  return !t.is_leaf() && t.grad_fn() && t.grad_fn()->sequence_nr() >= mark;
-}
-
 }  // namespace
 
 namespace detail {
 
 struct BoundaryScope::Impl {
   BoundarySite site;
-  uint64_t first_node = 0;  // the autograd sequence number at enter(): nodes from it on are the block's
+  // Where the gradients of the tensors the block was given go, as they were when it got them: a non-leaf's
+  // node and output slot (held: a node is never freed and its address reused while the block runs), a
+  // leaf's own tensor. An output whose origin is one of them is an argument passed through.
+  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uint32_t>> argument_nodes;
+  std::vector<c10::intrusive_ptr<c10::TensorImpl>> argument_leaves;
   bool entered = false;
   bool exited = false;
   const Boundary& B() const { return site.state->boundaries()[static_cast<size_t>(site.boundary)]; }
+
+  void note(const at::Tensor& t) {
+    if (!t.defined() || !t.requires_grad()) return;
+    if (t.is_leaf())
+      argument_leaves.push_back(t.getIntrusivePtr());
+    else
+      argument_nodes.emplace_back(t.grad_fn(), t.output_nr());
+  }
+  bool passed_through(const at::Tensor& t) const {
+    if (t.is_leaf()) {
+      for (const auto& leaf : argument_leaves)
+        if (leaf.get() == t.unsafeGetTensorImpl()) return true;
+      return false;
+    }
+    for (const auto& [node, slot] : argument_nodes)
+      if (node == t.grad_fn() && slot == t.output_nr()) return true;
+    return false;
+  }
 };
 
 BoundarySite boundary_site(const std::shared_ptr<Runtime>& runtime, const std::string& module) {
@@ -102,10 +117,13 @@ BoundaryScope::BoundaryScope(const BoundarySite& site) : impl_(std::make_unique<
 
 BoundaryScope::~BoundaryScope() = default;
 
-void BoundaryScope::mark_block_start() { impl_->first_node = at::sequence_number::peek(); }
+void BoundaryScope::note_argument(const at::Tensor& t) const {
+  if (!impl_->site.state || !t.defined() || !t.requires_grad()) return;
+  impl_->note(t);
+  if (t.is_view()) impl_->note(at::Tensor(t._base()));  // (a returned argument's gradient reaches its base's node first)
+}
 
 void BoundaryScope::enter() {
-  mark_block_start();
   if (impl_->site.root) impl_->site.root->begin_root_forward();  // the model's own forward: a new pass
   if (impl_->site.state) {
     impl_->site.state->pre_forward(impl_->site.boundary);
@@ -116,11 +134,12 @@ void BoundaryScope::enter() {
 }
 
 at::Tensor BoundaryScope::cast_input(const at::Tensor& t) const {
+  note_argument(t);
   if (!impl_->site.state || !t.defined() || !t.is_floating_point()) return t;
   const auto& d = impl_->B().input_dtype;
   if (!d || t.scalar_type() == *d) return t;
   at::Tensor cast = t.to(*d);
-  impl_->first_node = at::sequence_number::peek();  // an argument's cast is not the block's own op
+  note_argument(cast);  // the block is given the cast
   return cast;
 }
 
@@ -129,7 +148,7 @@ at::Tensor BoundaryScope::enter(const at::Tensor& input) {
   const at::Tensor x = cast_input(input);
   if (!impl_->site.state || !at::GradMode::is_enabled() || !x.defined() || !x.requires_grad()) return x;
   at::Tensor wrapped = wrap(x, *impl_->site.state, impl_->site.boundary, HookSide::PostBackward);
-  mark_block_start();  // (the input's wrapper too: a block returning its input passes it through)
+  note_argument(wrapped);  // the block is given the wrapper: returned as it is, it passes through
   return wrapped;
 }
 
@@ -148,7 +167,6 @@ std::vector<at::Tensor> BoundaryScope::exit(const std::vector<at::Tensor>& outpu
   const int b = impl_->site.boundary;
   const auto& d = impl_->B().output_dtype;
   const bool grad = at::GradMode::is_enabled();
-  const uint64_t mark = impl_->first_node;
   std::shared_ptr<std::weak_ptr<void>> last;  // shared by this use's hooks: one pre-backward per pass
   for (at::Tensor& y : out) {
     if (!y.defined()) continue;
@@ -158,13 +176,14 @@ std::vector<at::Tensor> BoundaryScope::exit(const std::vector<at::Tensor>& outpu
     // What autograd reaches first through `made`: the tensor itself, or for a view its base (an in-place
     // change of the view sends the gradient to the base's node, past the view's own).
     const at::Tensor origin = made.is_view() ? at::Tensor(made._base()) : made;
+    // an argument returned as it was given (or a view of one) carries no gradient into the block's backward:
+    // a hook on it would gather the block again after its backward. Anything else may (an op the block ran,
+    // on this thread or a worker's, or a tensor it kept): hooked -- at worst one gather more, never none.
+    if (impl_->passed_through(origin) || impl_->passed_through(made)) continue;
     if (origin.is_leaf()) {  // a parameter (or a view of one) returned: wrapped, as a hook on it would pile up
       y = wrap(y, rt, b, HookSide::PreBackward);
       continue;
     }
-    // a tensor made (or viewed) from one made before the block -- an argument passed through -- carries no
-    // gradient into the block's backward: a hook on it would gather the block again after its backward
-    if (!made_since(origin, mark)) continue;
     if (!last) last = std::make_shared<std::weak_ptr<void>>();
     hook_tensor(y, rt.id(), b, last);
     if (made.is_view()) hook_tensor(origin, rt.id(), b, last);

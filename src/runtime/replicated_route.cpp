@@ -86,11 +86,64 @@ ReplicatedRoute::ReplicatedRoute(RouteContext& ctx, std::vector<WholeParam> para
   // The end-of-backward callback must run even in models without dedicated boundaries; each backward
   // notes which parameters it gave a gradient here.
   got_grad_.assign(params_.size(), false);
-  for (size_t i = 0; i < params_.size(); ++i)
-    grad_accs_.push_back(ctx.on_grad_accumulated(params_[i], whole_.params()[i].name, [this, i](GradEvents& ev) {
-      got_grad_[i] = true;
-      ev.backward_ran();
-    }));
+  slot_.resize(params_.size());
+  for (size_t bi = 0; bi < buckets_.size(); ++bi)
+    for (size_t k = 0; k < buckets_[bi].params.size(); ++k) slot_[static_cast<size_t>(buckets_[bi].params[k])] = {bi, k};
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Bucket& b = buckets_[slot_[i].first];
+    const bool bases = keeps_bases(b);
+    grad_accs_.push_back(ctx.on_grad_accumulated(
+        params_[i], whole_.params()[i].name,
+        [this, i, bases](GradEvents& ev) {
+          got_grad_[i] = true;
+          if (bases) {
+            auto [bi, k] = slot_[i];
+            Bucket& bk = buckets_[bi];
+            if (!bk.last.empty() && bk.last[k].defined()) bk.last[k] = param(static_cast<int>(i)).grad();
+          }
+          ev.backward_ran();
+        },
+        bases ? std::function<void()>([this, i] { keep_base(static_cast<int>(i)); }) : std::function<void()>()));
+  }
+}
+
+bool ReplicatedRoute::keeps_bases(const Bucket& b) {
+  return c10::elementSize(b.prec.reduce) < c10::elementSize(b.prec.master);
+}
+
+void ReplicatedRoute::keep_base(int i) {
+  auto [bi, k] = slot_[static_cast<size_t>(i)];
+  Bucket& b = buckets_[bi];
+  if (b.installed.empty()) return;  // no average installed since the step
+  const at::Tensor& g = param(i).grad();
+  const bool ours = g.defined() && g.is_same(b.last[k]);  // the installed average, or what autograd made of it
+  if (!ours) {  // the caller's gradient now (or none): nothing of the average to keep out, from now to the step
+    b.base[k] = at::Tensor();
+    b.last[k] = at::Tensor();
+  } else if (!b.base[k].defined()) {
+    // the average as this backward finds it (the caller may have scaled it in place: those values are the base)
+    at::NoGradGuard ng;
+    b.base[k] = g.clone();  // (autograd adds to it in place next)
+  }
+}
+
+void ReplicatedRoute::take_out_bases(Bucket& b) {
+  if (b.installed.empty() || !keeps_bases(b)) return;
+  at::NoGradGuard ng;
+  for (size_t k = 0; k < b.params.size(); ++k) {
+    at::Tensor p = param(b.params[k]);
+    const at::Tensor& g = p.grad();
+    const bool ours = g.defined() && g.is_same(b.last[k]);
+    if (!ours) {  // none, or one the caller put there: that is the gradient, reduced as it is
+      b.base[k] = at::Tensor();
+      b.last[k] = at::Tensor();
+    } else if (b.base[k].defined()) {
+      p.mutable_grad() = g.sub(b.base[k]);  // the gradients the backward passes since the install added
+    } else {
+      b.base[k] = g;  // untouched since the install: adds nothing (a zero, counted as a gradient as before)
+      p.mutable_grad() = at::zeros_like(g);
+    }
+  }
 }
 
 void ReplicatedRoute::end_of_backward() {
@@ -110,6 +163,7 @@ void ReplicatedRoute::end_of_backward() {
   std::fill(got_grad_.begin(), got_grad_.end(), false);
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
     Bucket& b = buckets_[bi];
+    take_out_bases(b);
     std::vector<at::Tensor> ps;
     for (int i : b.params) ps.push_back(param(i));
     if (comm.local_only()) {  // one data-parallel rank: nothing to sum, the gradients are the average
@@ -147,8 +201,11 @@ void ReplicatedRoute::install(Bucket& b) {
   for (size_t k = 0; k < b.params.size(); ++k) {
     at::Tensor p = param(b.params[k]);
     p.mutable_grad() = sum.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
+    if (!b.base.empty() && b.base[k].defined()) p.mutable_grad().add_(b.base[k]);  // the earlier average, kept
     b.installed.push_back(p.grad());
   }
+  b.base.assign(b.params.size(), at::Tensor());
+  b.last = b.installed;
 }
 
 void ReplicatedRoute::drop_unused(Bucket& b, const float*& flag, bool this_pass) {
@@ -159,7 +216,11 @@ void ReplicatedRoute::drop_unused(Bucket& b, const float*& flag, bool this_pass)
     if (unused && p.grad().defined() && p.grad().is_same(b.installed[k])) p.mutable_grad() = at::Tensor();
   }
   b.flags = at::Tensor();
+  // (within a backward the installed averages stay: their bases are taken out next; at the step they go)
+  if (this_pass) return;
   b.installed.clear();
+  b.base.clear();
+  b.last.clear();
 }
 
 void ReplicatedRoute::collect_flags(std::vector<at::Tensor>& out) {
@@ -199,6 +260,8 @@ void ReplicatedRoute::discard_grads() {
     b.acc.clear();
     b.flags = at::Tensor();
     b.installed.clear();
+    b.base.clear();
+    b.last.clear();
   }
   std::fill(got_grad_.begin(), got_grad_.end(), false);
 }

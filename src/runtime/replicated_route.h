@@ -62,18 +62,33 @@ class ReplicatedRoute final : public WholeParamsRoute {
     // read) and the gradients it installed (a zero one no rank had is dropped if still installed)
     at::Tensor flags;
     std::vector<at::Tensor> installed;
+    // Where the reduce is narrower than the master (grad_dtype bf16, say) and a later backward before
+    // the step adds to an installed average: that average as the backward found it, so only the new
+    // local gradient crosses the reduce and the average stays in the master's precision (as FSDP2's
+    // accumulated sharded gradient). Taken when the backward first reaches the parameter.
+    std::vector<at::Tensor> base;
+    // what p.grad was after the install or autograd's last accumulation into it: a base holds only while
+    // p.grad is still that tensor (one the caller put there, or none, is the caller's gradient)
+    std::vector<at::Tensor> last;
   };
   void average(Bucket& b);                      // waits its all-reduce, folds the average
   void install(Bucket& b);                      // the average into p.grad
   // sets p.grad to none where no rank had a gradient (flag 0) and it is still the installed one
   // (`this_pass`: and the backward now ending gave it none)
   void drop_unused(Bucket& b, const float*& flag, bool this_pass);
+  // whether the reduce is narrower than the master (then an installed average is kept out of it)
+  static bool keeps_bases(const Bucket& b);
+  // before autograd adds a new gradient to parameter i's p.grad: its installed average kept as the base
+  void keep_base(int i);
+  // the local gradients of this backward alone in p.grad (each base taken out), before the reduce
+  void take_out_bases(Bucket& b);
   const at::Tensor& param(int i) const { return whole_.params()[static_cast<size_t>(i)].param; }
   RouteContext& ctx_;
   std::vector<int> tp_dims_;      // per parameter: TP split dimension, -1 when whole
   bool tp_ = false;
   std::vector<Bucket> buckets_;
   std::vector<bool> got_grad_;  // per parameter: the backward now running gave it a gradient here
+  std::vector<std::pair<size_t, size_t>> slot_;  // per parameter: its bucket and place in it
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accs_;
 };
 

@@ -2,10 +2,12 @@
 a boundary whose tensor arrives only as a keyword, one that returns a (tensor, object) tuple, a named
 tuple, a list, a dict holding a tuple, a tuple whose first tensor the loss does not use, one block run twice in one forward, a recurrent cell run twice on the raw input (whose first
 use needs no input gradient, so it installs no post-backward hook), a forward that raises inside a boundary (its scope
-is closed and the next forward trains normally), outputs changed in place by the caller and a dict the block keeps. 1 and 2 ranks, Z3, float64: the output and every gradient
+is closed and the next forward trains normally), outputs changed in place by the caller and a dict the block keeps,
+outputs made on a worker thread or with a renumbered autograd node, arguments and a parameter passed through. 1 and 2 ranks, Z3, float64: the output and every gradient
 (averaged over ranks that all see the same batch) equal the plain model's at 1e-12."""
 
 import collections
+import concurrent.futures
 
 import pytest
 import torch
@@ -235,11 +237,29 @@ class PassBlock(nn.Module):  # returns its second tensor argument as it is (as T
         return torch.sin(self.proj(x)) + bias, bias
 
 
+class ThreadBlock(nn.Module):  # its output made on a worker thread (threaded experts, parallel_apply)
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM, dtype=torch.float64)
+
+    def forward(self, x):
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(lambda: torch.sin(self.proj(x))).result()
+
+
+class RenumberedBlock(SineBlock):  # its output's autograd node renumbered (as overlap helpers do)
+    def forward(self, x):
+        y = super().forward(x)
+        y.grad_fn._set_sequence_nr(0)
+        return y
+
+
 class InPlaceNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.layers = nn.ModuleList([SineBlock(), LateBlock(), KeptDictBlock(), ViewBlock(), PassBlock(), SineBlock(),
-                                     PassBlock()])
+                                     PassBlock(), PassBlock(), ThreadBlock(), RenumberedBlock()])
+        self.offset = nn.Parameter(torch.linspace(-0.5, 0.5, DIM, dtype=torch.float64))  # a leaf passed through
 
     def forward(self, x):
         y = self.layers[0](x)
@@ -253,9 +273,11 @@ class InPlaceNet(nn.Module):
         bias = v * 0.5
         w, same = self.layers[4](v + bias, bias)  # (the bias's gradient is complete only after layers.4's backward)
         assert same is bias, "an argument passed through came back as another object"
-        out = self.layers[5](w)
+        out = self.layers[9](self.layers[8](self.layers[5](w)))
         _, again = self.layers[6](out, same)  # only the argument it passes through reaches the loss: no backward
-        return out + again  # (the last block run: the first in backward, which no backward prefetch gathers)
+        _, offset = self.layers[7](out, self.offset)  # a parameter passed through: it gathers no block either
+        assert offset is self.offset, "a leaf passed through came back as another object"
+        return out + again + offset  # (the last blocks run: the first in backward, which no prefetch gathers)
 
 
 def _in_place(rank, world, reshard):
@@ -266,7 +288,7 @@ def _in_place(rank, world, reshard):
     x = torch.randn(4, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(2))  # every rank alike
     dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2, reshard_after_forward=reshard,
                           hook_boundary_predicate=lambda m: isinstance(m, (SineBlock, LateBlock, KeptDictBlock,
-                                                                           ViewBlock, PassBlock)))
+                                                                           ViewBlock, PassBlock, ThreadBlock)))
     dmuon.replicate(model)
     opt = dmuon.Muon(model, first_step_progress_log=False)
     want = plain(x)
@@ -284,20 +306,21 @@ def _in_place(rank, world, reshard):
         got.square().sum().backward()
         dmuon.prepare_muon_grads(model)
         moved = dmuon.comm_bytes(model).get("broadcast", 0) - start
-        # layers.6 runs no backward: its matrix is gathered for its forward only
-        want_moved = (2 * not_owned() - not_owned("layers.6")) if reshard else not_owned()
+        # layers.6 and 7 run no backward: their matrices are gathered for their forwards only
+        want_moved = (2 * not_owned() - not_owned("layers.6") - not_owned("layers.7")) if reshard else not_owned()
         assert moved == want_moved, f"rank {rank}: {moved} bytes broadcast, not {want_moved}"
         checked = 0
         for (name, p), q in zip(model.named_parameters(), plain.parameters()):
             if name in mine and not mine[name].is_owner:
                 continue
-            if q.grad is None:  # layers.6's
+            if q.grad is None:  # layers.6's and 7's
                 assert p.grad is None, f"rank {rank}: {name} has a gradient; the plain model's has none"
                 continue
             err = float((p.grad - q.grad).abs().max() / q.grad.abs().max())
             assert err < 1e-12, f"rank {rank}, attempt {attempt}: the gradient of {name} differs by {err}"
             checked += 1
-        assert checked == 6 + sum(d.is_owner for d in mine.values() if d.boundary != "layers.6")  # biases, matrices
+        # the biases of the blocks that train and the offset, and this rank's matrices of those blocks
+        assert checked == 9 + sum(d.is_owner for d in mine.values() if d.boundary not in ("layers.6", "layers.7"))
         opt.zero_grad()
 
 
@@ -305,7 +328,8 @@ def _in_place(rank, world, reshard):
 def test_outputs_change_in_place_and_a_kept_dict_stays_the_blocks(tmp_path, world, reshard):
     """A boundary's outputs are the block's own tensors (the pre-backward hook is a hook on each, as FSDP2's),
     so the caller may change them in place as on a plain module, a view included; a dict the block keeps and
-    an argument it passes through come back as the very objects. Gradients equal the plain model's at 1e-12
-    (float64), Z3 and Z2, and each matrix is broadcast once per forward and (Z3) once per backward it takes
-    part in: a passed-through argument's gradient gathers no block."""
+    an argument or a parameter it passes through come back as the very objects; an output made on a worker
+    thread or whose node was renumbered is the block's own (hooked: its backward finds the matrix gathered).
+    Gradients equal the plain model's at 1e-12 (float64), Z3 and Z2, and each matrix is broadcast once per
+    forward and (Z3) once per backward it takes part in: a passed-through argument's gradient gathers no block."""
     run_ranks(tmp_path, world, _in_place, reshard)

@@ -1,0 +1,133 @@
+// Muon's options agreed across ranks (see option_agreement.h).
+#include "optim/option_agreement.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <map>
+#include <sstream>
+
+#include "dmuon/host_sync.h"
+
+namespace dmuon::detail {
+
+namespace {
+
+std::string num(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%a", v);
+  return buf;
+}
+template <typename T>
+std::string opt(const std::optional<T>& v, std::string (*text)(const T&)) {
+  return v ? text(*v) : std::string("unset");
+}
+std::string dbl(const double& v) { return num(v); }
+std::string flag(const bool& v) { return v ? "true" : "false"; }
+std::string pair(const std::pair<double, double>& v) {
+  std::ostringstream s;
+  s << '(' << num(v.first) << ", " << num(v.second) << ')';
+  return s.str();
+}
+std::string count(const int& v) { return std::to_string(v); }
+
+std::string ns_text(const NewtonSchulz& ns) {
+  const NsOptions& o = ns.options();
+  std::ostringstream s;
+  s << ns.backend() << " kernel=" << o.kernel << " steps=" << o.steps << " eps=" << num(o.eps) << " coefficients=";
+  if (o.coefficients) {
+    for (const auto& c : *o.coefficients) s << '(' << num(c[0]) << ", " << num(c[1]) << ", " << num(c[2]) << ')';
+  } else {
+    s << "default";
+  }
+  s << " restart_iterations=";
+  if (o.restart_iterations) {
+    for (int i : *o.restart_iterations) s << i << ',';
+  } else {
+    s << "default";
+  }
+  s << " compute_dtype=" << (o.compute_dtype ? std::string(c10::toString(*o.compute_dtype)) : std::string("default"))
+    << " check_finite=" << flag(o.check_finite) << " force_gram=" << flag(o.force_gram);
+  return s.str();
+}
+
+uint64_t fnv(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::string>> agreed_options(const RuntimeFace& runtime, const MuonOptions& o) {
+  std::map<const c10::TensorImpl*, std::string> names;
+  for (const auto& v : runtime.describe())
+    if (v.param.defined()) names.emplace(v.param.unsafeGetTensorImpl(), v.name);
+  std::ostringstream groups;
+  for (const auto& g : o.param_groups) {
+    groups << "{name=" << g.name << " params=[";
+    for (const auto& p : g.params) {
+      auto it = p.defined() ? names.find(p.unsafeGetTensorImpl()) : names.end();
+      groups << (it == names.end() ? std::string("<not a trainable parameter of the model>") : it->second) << ',';
+    }
+    groups << "] lr=" << opt(g.lr, dbl) << " momentum=" << opt(g.momentum, dbl) << " weight_decay="
+           << opt(g.weight_decay, dbl) << " nesterov=" << opt(g.nesterov, flag) << " ns_steps=" << opt(g.ns_steps, count)
+           << " adamw_lr=" << opt(g.adamw_lr, dbl) << " adamw_weight_decay=" << opt(g.adamw_weight_decay, dbl)
+           << " adamw_eps=" << opt(g.adamw_eps, dbl) << " adamw_betas=" << opt(g.adamw_betas, pair) << '}';
+  }
+  return {
+      {"lr", num(o.lr)},
+      {"momentum", num(o.momentum)},
+      {"weight_decay", num(o.weight_decay)},
+      {"ns_steps", std::to_string(o.ns_steps)},
+      {"adamw_lr", num(o.adamw_lr)},
+      {"adamw_betas", pair(o.adamw_betas)},
+      {"adamw_weight_decay", num(o.adamw_weight_decay)},
+      {"adamw_eps", num(o.adamw_eps)},
+      {"param_groups", groups.str()},
+      {"ns_backend / ns", o.ns ? ns_text(*o.ns) : o.ns_backend},
+      {"nesterov", flag(o.nesterov)},
+      {"replicate_async", opt(o.replicate_async, flag)},
+      {"group_prepare_ahead", flag(o.group_prepare_ahead)},
+      {"tp_distributed_gram", flag(o.tp_distributed_gram)},
+      {"tp_distributed_gram_policy", o.tp_distributed_gram_policy},
+      {"tp_distributed_gram_max_factor_to_scatter_ratio", num(o.tp_distributed_gram_max_factor_to_scatter_ratio)},
+      {"post_step_prefetch_groups", std::to_string(o.post_step_prefetch_groups)},
+      {"post_step_prefetch_sharded_adamw", flag(o.post_step_prefetch_sharded_adamw)},
+      {"sharded_adamw_unshard_separate_stream", flag(o.sharded_adamw_unshard_separate_stream)},
+      {"fused", opt(o.fused, flag)},
+      {"foreach", opt(o.foreach, flag)},
+  };
+}
+
+void agree_options(const RuntimeFace& runtime, const MuonOptions& o) {
+  Communicator& world = runtime.mesh().world();
+  if (world.size() == 1) return;
+  const auto fields = agreed_options(runtime, o);
+  const int64_t n = static_cast<int64_t>(fields.size());
+  at::Tensor mine = at::empty({n}, at::TensorOptions().dtype(at::kLong));
+  for (int64_t k = 0; k < n; ++k) mine[k] = static_cast<int64_t>(fnv(fields[static_cast<size_t>(k)].second));
+  mine = mine.to(world.device());
+  const at::Tensor all = at::empty({world.size() * n}, mine.options());
+  world.allgather_flat(all, mine, "Muon: the options of every rank").wait_host();
+  const at::Tensor host = read_to_host(all).view({world.size(), n});
+  const int64_t* h = host.data_ptr<int64_t>();
+  for (int64_t k = 0; k < n; ++k) {
+    std::string differ;
+    for (int r = 1; r < world.size(); ++r)
+      if (h[r * n + k] != h[k]) {
+        if (!differ.empty()) differ += ", ";
+        differ += std::to_string(world.global_ranks()[static_cast<size_t>(r)]);
+      }
+    const auto& [name, value] = fields[static_cast<size_t>(k)];
+    TORCH_CHECK_VALUE(differ.empty(), "rank ", world.global_rank(), ": Muon: the ranks were given different ", name,
+                      " (this rank's: ", value, "; rank(s) ", differ, " differ from rank ", world.global_ranks().front(),
+                      "). Each rank would train with its own (the replicas drift apart) or issue other collectives (a "
+                      "hang); pass the same options to Muon on every rank.");
+  }
+}
+
+}  // namespace dmuon::detail
