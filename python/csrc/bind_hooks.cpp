@@ -123,9 +123,11 @@ class ForwardHooks {
     std::vector<at::Tensor> leaves;
     if (site_.state) collect(output, leaves, 0);
     if (leaves.empty()) {
-      py::gil_scoped_release nogil;
-      scope->exit();
-      return py::none();
+      {
+        py::gil_scoped_release nogil;
+        scope->exit();
+      }
+      return py::none();  // (with the GIL: None's reference count)
     }
     std::vector<at::Tensor> left;
     {
@@ -163,10 +165,12 @@ class ForwardHooks {
       collect(kwargs, given, 0);
     }
     if (!site_.state || (first < 0 && !key)) {
-      py::gil_scoped_release nogil;
-      scope.enter();
-      for (const at::Tensor& t : given) scope.note_argument(t);
-      return py::none();
+      {
+        py::gil_scoped_release nogil;
+        scope.enter();
+        for (const at::Tensor& t : given) scope.note_argument(t);
+      }
+      return py::none();  // (with the GIL: None's reference count)
     }
     const py::object carrier = first >= 0 ? py::object(args[static_cast<size_t>(first)]) : py::object(kwargs[key]);
     at::Tensor entered;

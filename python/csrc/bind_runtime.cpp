@@ -333,9 +333,11 @@ void bind_runtime(py::module_& m) {
         v.tp_split = tp_split;  // DTensor parameters sharded on the TP axis: their local slices, split dim
         for (const auto& [n, t] : buffers) v.buffers.push_back({n, t});
         for (const auto& [n, parent, container] : modules) v.modules.push_back({n, parent, {}, container});
-        // the Python callables run during setup, on this thread: the GIL stays held
         const DedicateOptions o = dedicate_options(options);
         const ParamPredicate select = caller_mistakes_kept(predicate);
+        // setup runs collectives (the plan's agreement, initial values): without the GIL, as every other
+        // collective; the Python callables it runs (predicate, resolver, policy) take the GIL themselves
+        py::gil_scoped_release nogil;
         if (!ddp) return RuntimeHandle{dedicate_model_view(std::move(v), mesh, select, o)};
         return RuntimeHandle{mesh->has_tp() ? dedicate_model_view_ddp_tp(std::move(v), mesh, select, o)
                                             : dedicate_model_view_ddp(std::move(v), mesh, select, o)};

@@ -71,6 +71,9 @@ struct Boundary {
   int post_fired = 0;
   bool grads_ready = false;         // post-backward fired or all params accumulated
   int accumulated = 0;
+  // the fewest that got a gradient in a backward that gave the boundary any (-1: none yet): the
+  // post-backward hook waits for as many before the reduce (see Runtime::post_backward)
+  int accumulated_before = -1;
   bool reduced = false;
   bool in_forward = false;
   bool recomputing = false;  // its forward runs inside backward (activation checkpointing): not released after
