@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/StreamGuard.h>
+#include <c10/util/Exception.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/optim/schedulers/step_lr.h>
 #include <torch/optim/sgd.h>
@@ -2198,16 +2199,8 @@ struct PairBlockImpl : torch::nn::Module {
   }
   // (index, a reference to the block's own member, passes on as the reference it is)
   std::tuple<at::Tensor, std::tuple<at::Tensor, const int&>> forward(const at::Tensor& x) {
-    at::Tensor out, y;
-    auto run = [&] {
-      y = at::matmul(x, w.t());
-      out = at::sin(y);
-    };
-    if (index == 1)
-      std::thread(run).join();  // made on a worker thread (as threaded experts): its autograd nodes are the block's too
-    else
-      run();
-    return {out, {y * 1.0, index}};
+    const at::Tensor y = at::matmul(x, w.t());
+    return {at::sin(y), {y * 1.0, index}};
   }
   at::Tensor w;
   int index = 0;
@@ -2235,6 +2228,53 @@ struct PairNetImpl : torch::nn::Module {
   at::Tensor scale;
 };
 TORCH_MODULE(PairNet);
+
+// A block whose ops run on a worker thread: autograd numbers those nodes on the worker's counter, so the
+// weight's gradient may come after the input's post-backward hook and miss the boundary's reduce. dmuon
+// says so (a warning naming the boundary, once) rather than dropping it in silence.
+struct ThreadedBlockImpl : torch::nn::Module {
+  ThreadedBlockImpl() {
+    w = register_parameter("weight", at::arange(16, at::TensorOptions().dtype(at::kDouble)).reshape({4, 4}).sin());
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor y;
+    std::thread([&] { y = at::matmul(x, w.t()).sin(); }).join();
+    return y;
+  }
+  at::Tensor w;
+};
+TORCH_MODULE(ThreadedBlock);
+
+struct CollectWarnings : c10::WarningHandler {
+  void process(const c10::Warning& w) override { seen.push_back(w.msg()); }
+  std::vector<std::string> seen;
+};
+
+TEST(RuntimeTest, AGradientAfterItsBoundarysReduceWarns) {
+  testing::run_ranks(1, [&](testing::RankContext& ctx) {
+    struct Net : torch::nn::Module {
+      Net() { block = register_module("block", ThreadedBlock()); }
+      ThreadedBlock block{nullptr};
+    };
+    auto m = std::make_shared<Net>();
+    dedicate_params(m, make_mesh(ctx), [](const std::string&, const at::Tensor& p) { return p.dim() == 2; });
+    {  // this thread's autograd numbering well past the worker's, which starts at 0 on every new thread
+      at::Tensor t = at::ones({1}, at::TensorOptions().dtype(at::kDouble)).requires_grad_(true);
+      for (int i = 0; i < 64; ++i) t = t * 1.0;
+    }
+    CollectWarnings warnings;
+    c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+    for (int pass = 0; pass < 2; ++pass) {
+      const at::Tensor x = at::ones({2, 4}, at::TensorOptions().dtype(at::kDouble)).requires_grad_(true);
+      dmuon::forward(m->block, x).sum().backward();
+    }
+    size_t late = 0;
+    for (const auto& msg : warnings.seen)
+      if (msg.find("boundary 'block' arrived after the boundary's reduce") != std::string::npos) ++late;
+    testing::expect(late == 1, "rank 0: " + std::to_string(late) + " late-gradient warnings, not 1 (" +
+                                   std::to_string(warnings.seen.size()) + " warnings in all)");
+  });
+}
 
 // Trains PairNet for 3 steps on `world` ranks (Z3: every matrix released after its block's forward,
 // gathered again before its backward); returns the full parameters.

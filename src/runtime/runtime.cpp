@@ -309,19 +309,6 @@ void Runtime::note_use(int b, bool grad_mode) {
   ++(grad_mode ? B.post_expected : B.uncounted_uses);
 }
 
-namespace {
-// The post-backward hooks of every use of B fired and its parameters got as many gradients as in every
-// earlier backward (all of them, the first time). Autograd runs the block's nodes before the input's hook
-// only while they are numbered after it: nodes the block made on a worker thread (threaded experts,
-// parallel_apply) are numbered on that thread's own counter and may run after the hook, their
-// parameters' gradients after it too. The reduce waits for them (a parameter no gradient reaches
-// this pass waits to the end of the backward, the first time only).
-bool hooks_and_grads_done(const Boundary& B) {
-  const int expected = B.accumulated_before >= 0 ? std::min(B.accumulated_before, B.num_params) : B.num_params;
-  return B.post_fired > 0 && B.post_fired >= B.post_expected && B.accumulated >= expected;
-}
-}  // namespace
-
 void Runtime::post_backward(int b) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   note_backward();
@@ -329,8 +316,7 @@ void Runtime::post_backward(int b) {
   // A block used several times in one graph is done only after the backward of every use. A use whose
   // input needed no gradient fires no post-backward hook: then the hooks never count up to the uses,
   // and the parameters' own accumulation (note_accumulated) or the end of backward decides.
-  ++B.post_fired;
-  if (hooks_and_grads_done(B)) B.grads_ready = true;
+  if (++B.post_fired >= B.post_expected) B.grads_ready = true;
   try_issue_reduces();
 }
 
@@ -340,12 +326,18 @@ void Runtime::note_accumulated(bool& accumulated, int b) {
   if (accumulated) return;
   accumulated = true;
   Boundary& B = boundaries_[static_cast<size_t>(b)];
-  if (B.reduced && !no_sync_)
+  // Autograd runs a block's nodes before its input's post-backward hook only while they are numbered after
+  // it: nodes made on a worker thread (numbered on that thread's counter) may run after, and their
+  // parameters' gradients then miss the reduce. Said, not waited for: whether to wait would depend on
+  // each rank's own counts, and the ranks must issue their reduces and unshards in one order.
+  if (B.reduced && !no_sync_ && !B.warned_late) {
+    B.warned_late = true;
     TORCH_WARN("rank ", mesh().global_rank(), ": a gradient of a parameter of boundary '", B.name,
-               "' arrived after the boundary's reduce went out this backward and is not part of it (a use of the "
-               "parameter outside its boundary, or its block's ops run on another thread with parameters that get "
-               "no gradient in some passes). Run every use of the parameter inside its boundary.");
-  if (++B.accumulated == B.num_params || hooks_and_grads_done(B)) B.grads_ready = true;
+                    "' arrived after the boundary's reduce went out this backward and is not part of it: a use of the "
+                    "parameter outside its boundary, or the block's ops run on another thread. Run every use of the "
+                    "parameter inside its boundary, on the thread that calls it.");
+  }
+  if (++B.accumulated == B.num_params) B.grads_ready = true;
   try_issue_reduces();
 }
 
@@ -385,10 +377,6 @@ void Runtime::end_of_backward() {
 void Runtime::clear_pass_state(bool accumulating) {
   for (auto& B : boundaries_) {
     release(B.index);
-    // the fewest seen: a block whose parameters get fewer gradients in some passes (a MoE layer's idle
-    // experts) soon waits for no more than those it always gets
-    if (B.accumulated > 0)
-      B.accumulated_before = B.accumulated_before < 0 ? B.accumulated : std::min(B.accumulated_before, B.accumulated);
     if (!accumulating) B.ran_since_backward = false;
     B.post_expected = 0;
     B.uncounted_uses = 0;

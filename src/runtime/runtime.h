@@ -71,10 +71,8 @@ struct Boundary {
   int post_fired = 0;
   bool grads_ready = false;         // post-backward fired or all params accumulated
   int accumulated = 0;
-  // the fewest that got a gradient in a backward that gave the boundary any (-1: none yet): the
-  // post-backward hook waits for as many before the reduce (see Runtime::post_backward)
-  int accumulated_before = -1;
   bool reduced = false;
+  bool warned_late = false;  // a gradient arrived after its reduce (said once per boundary)
   bool in_forward = false;
   bool recomputing = false;  // its forward runs inside backward (activation checkpointing): not released after
   int uncounted_uses = 0;    // uses without grad mode since the last backward (a recompute may count them)

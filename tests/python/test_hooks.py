@@ -237,7 +237,9 @@ class PassBlock(nn.Module):  # returns its second tensor argument as it is (as T
         return torch.sin(self.proj(x)) + bias, bias
 
 
-class ThreadBlock(nn.Module):  # its output made on a worker thread (threaded experts, parallel_apply)
+class ThreadBlock(nn.Module):  # its output made on a worker thread (threaded experts, parallel_apply): hooked
+    # (Its weight's gradient node is numbered on the worker's counter, so autograd may run it after the input's
+    # post-backward hook; here every reduce waits to the end of backward, as layers.6/7 run none: README.)
     def __init__(self):
         super().__init__()
         self.proj = nn.Linear(DIM, DIM, dtype=torch.float64)
