@@ -37,6 +37,7 @@
 #include "dmuon/model_view.h"
 #include "dmuon/muon.h"
 #include "dmuon/newton_schulz.h"
+#include "dmuon/torch_version.h"
 #include "model/gpt.h"
 #include "optim/multi_tensor.h"  // fused_adamw_available
 #include "runtime/inspect.h"  // white-box checks of buffer storage
@@ -2246,9 +2247,18 @@ struct ThreadedBlockImpl : torch::nn::Module {
 TORCH_MODULE(ThreadedBlock);
 
 struct CollectWarnings : c10::WarningHandler {
+#if DMUON_TORCH_AT_LEAST(2, 0)
   void process(const c10::Warning& w) override { seen.push_back(w.msg()); }
+#else  // LibTorch 1.13: (location, message, verbatim)
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override { seen.push_back(msg); }
+#endif
   std::vector<std::string> seen;
 };
+#if DMUON_TORCH_AT_LEAST(2, 0)
+using WarningGuard = c10::WarningUtils::WarningHandlerGuard;
+#else
+using WarningGuard = c10::Warning::WarningHandlerGuard;
+#endif
 
 TEST(RuntimeTest, AGradientAfterItsBoundarysReduceWarns) {
   testing::run_ranks(1, [&](testing::RankContext& ctx) {
@@ -2263,7 +2273,7 @@ TEST(RuntimeTest, AGradientAfterItsBoundarysReduceWarns) {
       for (int i = 0; i < 64; ++i) t = t * 1.0;
     }
     CollectWarnings warnings;
-    c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+    WarningGuard guard(&warnings);
     for (int pass = 0; pass < 2; ++pass) {
       const at::Tensor x = at::ones({2, 4}, at::TensorOptions().dtype(at::kDouble)).requires_grad_(true);
       dmuon::forward(m->block, x).sum().backward();
