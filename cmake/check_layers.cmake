@@ -57,7 +57,7 @@ set(_dir_tools tools)
 set(_dir_calibration tools/calibration)
 set(_dir_umbrella "")
 
-set(_public_env env.h)
+set(_public_env env.h digest.h)
 set(_public_device memory.h host_sync.h torch_version.h)
 set(_public_ns newton_schulz.h ns_runner.h ns_graphs.h)
 set(_public_plan owner_plan.h plan_json.h ns_profile.h)

@@ -1018,8 +1018,8 @@ TEST(MuonTest, TwoRanksOnlyOwnersUpdateTheirMatrices) {
 }
 
 // Muon's options must be the same on every rank: each mismatch below raises on every rank (a ValueError
-// naming the option and this rank's value), before anything refuses a value on one rank alone; the same
-// options construct on both ranks.
+// naming the option and this rank's value); a value one rank refuses raises there, and on the other rank
+// naming the refusing rank and its reason; the same options construct on both ranks.
 TEST(MuonTest, OptionsTheRanksDisagreeOnAreAnErrorOnEveryRank) {
   struct Case {
     std::string field;  // what the message names
@@ -1027,8 +1027,8 @@ TEST(MuonTest, OptionsTheRanksDisagreeOnAreAnErrorOnEveryRank) {
   };
   const std::vector<Case> cases = {
       {"lr", [](MuonOptions& o, Tiny&, int r) { o.lr = r == 0 ? 0.02 : 0.020000001; }},
-      // refused on rank 1 alone (negative): still the disagreement, on both ranks
-      {"adamw_lr", [](MuonOptions& o, Tiny&, int r) { o.adamw_lr = r == 0 ? 1e-3 : -1.0; }},
+      // refused on rank 1 alone (negative): rank 1's reason, on both ranks
+      {"refused adamw_lr", [](MuonOptions& o, Tiny&, int r) { o.adamw_lr = r == 0 ? 1e-3 : -1.0; }},
       {"param_groups", [](MuonOptions& o, Tiny& m, int r) {  // the same group, another parameter in it
          MuonParamGroup g;
          g.name = "slow";
@@ -1055,6 +1055,13 @@ TEST(MuonTest, OptionsTheRanksDisagreeOnAreAnErrorOnEveryRank) {
       const std::string who = "rank " + std::to_string(ctx.rank) + ", " + (c.field.empty() ? "agreed" : c.field);
       if (c.field.empty()) {
         testing::expect(err.empty(), who + ": " + err);
+        return;
+      }
+      if (c.field.rfind("refused ", 0) == 0) {
+        testing::expect(err.find("Muon: invalid adamw_lr: -1") != std::string::npos &&
+                            (ctx.rank == 1 || err.find("rank 0: Muon: rank(s) 1 refused the options they were given, "
+                                                       "so no rank builds Muon (rank 1: ") != std::string::npos),
+                        who + ": " + err);
         return;
       }
       testing::expect(err.find("rank " + std::to_string(ctx.rank) + ": Muon: the ranks were given different " +

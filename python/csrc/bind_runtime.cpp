@@ -293,16 +293,19 @@ void bind_runtime(py::module_& m) {
              runtime_assign_params(h.runtime, std::move(values));
            },
            "values"_a, release)
-      .def("set_no_sync", [](const RuntimeHandle& h, bool on) { runtime_set_no_sync(h.runtime, on); })
+      // (each takes the runtime's lock, which a collective's wait may hold: without the GIL, as every call that waits)
+      .def("set_no_sync", [](const RuntimeHandle& h, bool on) { runtime_set_no_sync(h.runtime, on); }, release)
       .def("discard_grads", [](const RuntimeHandle& h) { runtime_discard_grads(h.runtime); }, release)
       .def("set_forward_prefetch_depth",
-           [](const RuntimeHandle& h, int depth) { runtime_set_forward_prefetch_depth(h.runtime, depth); }, "depth"_a)
+           [](const RuntimeHandle& h, int depth) { runtime_set_forward_prefetch_depth(h.runtime, depth); }, "depth"_a,
+           release)
       .def("release_params",
            [](const RuntimeHandle& h, const std::vector<std::string>& names) { runtime_release_params(h.runtime, names); },
-           "names"_a)
-      .def("routes", [](const RuntimeHandle& h) { return runtime_param_routes(*h.runtime); })
-      .def("post_forward_order", [](const RuntimeHandle& h) { return runtime_post_forward_order(h.runtime); })
-      .def("reset_post_forward_order", [](const RuntimeHandle& h) { runtime_reset_post_forward_order(h.runtime); })
+           "names"_a, release)
+      .def("routes", [](const RuntimeHandle& h) { return runtime_param_routes(*h.runtime); }, release)
+      .def("post_forward_order", [](const RuntimeHandle& h) { return runtime_post_forward_order(h.runtime); }, release)
+      .def("reset_post_forward_order", [](const RuntimeHandle& h) { runtime_reset_post_forward_order(h.runtime); },
+           release)
       .def("prepare_grads", [](const RuntimeHandle& h, bool coalesce) { runtime_prepare_grads(h.runtime, coalesce); },
            "coalesce_wait"_a = true, release)
       .def("publish", [](const RuntimeHandle& h, bool async) { runtime_publish(h.runtime, async); }, "async_"_a, release)
@@ -316,7 +319,7 @@ void bind_runtime(py::module_& m) {
            [](const RuntimeHandle& h, int max_groups, int max_params) {
              return summarize_comm_plan(runtime_face(h.runtime), max_groups, max_params).dump();
            },
-           "max_groups"_a, "max_params_per_group"_a);
+           "max_groups"_a, "max_params_per_group"_a, release);
 
   m.def(
       "_dedicate",
@@ -446,7 +449,7 @@ void bind_runtime(py::module_& m) {
            [](const Muon& opt, const RuntimeHandle& h, int max_rows) {
              return summarize_param_groups(runtime_face(h.runtime), opt, max_rows).dump();
            },
-           "runtime"_a, "max_rows"_a)
+           "runtime"_a, "max_rows"_a, release)
       .def("set_group_options", [](Muon& opt, size_t i, double lr, double weight_decay, double momentum, double beta1,
                                    double beta2, double eps) {
         MuonGroupOptions& g = group_options(opt, i);  // checked by Muon::step (check_group_options)

@@ -4,9 +4,10 @@
 // the ranks are left to themselves: a dict one rank refuses (its error leaves the others alone in the
 // load's collectives until the timeout), and dicts that differ between ranks (each rank would load
 // its own copy of a replicated parameter and the replicas would drift apart, never to be noticed).
-// agree_load runs this rank's checks, then one small all-gather over the world: a refusal anywhere
-// raises on every rank, naming the rank that refused; a digest that differs from rank 0's raises on
-// every rank, naming the first entry that differs. Nothing is written before it returns.
+// agree_load is comm's agreement (comm/agreement.h) in a state dict's words: this rank's checks, then
+// one small all-gather over the world; a refusal anywhere raises on every rank, naming the rank that
+// refused; a digest that differs from rank 0's raises on every rank, naming the first entry that
+// differs. Nothing is written before it returns.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -6,6 +6,7 @@
 
 #include <sstream>
 
+#include "dmuon/digest.h"
 #include "dmuon/tensor_parallel.h"
 
 namespace dmuon {
@@ -46,8 +47,8 @@ at::Tensor TensorRegion::cut(const at::Tensor& full) const {
 }
 
 uint64_t param_seed(uint64_t seed, const std::string& name) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a 64
-  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
+  // (started from 1469598103934665603, not FNV's offset: kept, so every (seed, name) draws what it always drew)
+  const uint64_t h = Fnv1a(1469598103934665603ull).chars(name).value();
   uint64_t z = h ^ (seed + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2));  // splitmix64 finaliser
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;

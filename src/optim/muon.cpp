@@ -152,11 +152,8 @@ std::shared_ptr<RuntimeFace> dedicated_runtime(const std::shared_ptr<torch::nn::
   return state;
 }
 
-std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_ptr<RuntimeFace>& state,
-                                                            const MuonOptions& o) {
-  TORCH_CHECK_VALUE(state, "Muon: the runtime is null.");
-  // first (collective): a value one rank refuses below is then refused on every rank
-  detail::agree_options(*state, o);
+std::vector<torch::optim::OptimizerParamGroup> checked_groups(const std::shared_ptr<RuntimeFace>& state,
+                                                              const MuonOptions& o) {
   check_hparam("lr", o.lr, HparamRange::NonNegative);
   check_hparam("momentum", o.momentum, HparamRange::UnitInterval);
   check_hparam("weight_decay", o.weight_decay, HparamRange::NonNegative);
@@ -219,6 +216,16 @@ std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_pt
     groups.emplace_back(muon_ps, std::move(mo));
     groups.emplace_back(adamw_ps, std::move(ao));
   }
+  return groups;
+}
+
+// The options checked and lowered to param groups, agreed across ranks (collective): a value one rank
+// refuses is refused on every rank, with its reason.
+std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_ptr<RuntimeFace>& state,
+                                                            const MuonOptions& o) {
+  TORCH_CHECK_VALUE(state, "Muon: the runtime is null.");
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  detail::agree_options(*state, o, [&] { groups = checked_groups(state, o); });
   return groups;
 }
 

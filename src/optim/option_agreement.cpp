@@ -7,7 +7,8 @@
 #include <map>
 #include <sstream>
 
-#include "dmuon/host_sync.h"
+#include "dmuon/digest.h"
+#include "comm/agreement.h"
 
 namespace dmuon::detail {
 
@@ -49,15 +50,6 @@ std::string ns_text(const NewtonSchulz& ns) {
   s << " compute_dtype=" << (o.compute_dtype ? std::string(c10::toString(*o.compute_dtype)) : std::string("default"))
     << " check_finite=" << flag(o.check_finite) << " force_gram=" << flag(o.force_gram);
   return s.str();
-}
-
-uint64_t fnv(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
 }
 
 }  // namespace
@@ -103,31 +95,26 @@ std::vector<std::pair<std::string, std::string>> agreed_options(const RuntimeFac
   };
 }
 
-void agree_options(const RuntimeFace& runtime, const MuonOptions& o) {
-  Communicator& world = runtime.mesh().world();
-  if (world.size() == 1) return;
-  const auto fields = agreed_options(runtime, o);
-  const int64_t n = static_cast<int64_t>(fields.size());
-  at::Tensor mine = at::empty({n}, at::TensorOptions().dtype(at::kLong));
-  for (int64_t k = 0; k < n; ++k) mine[k] = static_cast<int64_t>(fnv(fields[static_cast<size_t>(k)].second));
-  mine = mine.to(world.device());
-  const at::Tensor all = at::empty({world.size() * n}, mine.options());
-  world.allgather_flat(all, mine, "Muon: the options of every rank").wait_host();
-  const at::Tensor host = read_to_host(all).view({world.size(), n});
-  const int64_t* h = host.data_ptr<int64_t>();
-  for (int64_t k = 0; k < n; ++k) {
-    std::string differ;
-    for (int r = 1; r < world.size(); ++r)
-      if (h[r * n + k] != h[k]) {
-        if (!differ.empty()) differ += ", ";
-        differ += std::to_string(world.global_ranks()[static_cast<size_t>(r)]);
-      }
-    const auto& [name, value] = fields[static_cast<size_t>(k)];
-    TORCH_CHECK_VALUE(differ.empty(), "rank ", world.global_rank(), ": Muon: the ranks were given different ", name,
-                      " (this rank's: ", value, "; rank(s) ", differ, " differ from rank ", world.global_ranks().front(),
-                      "). Each rank would train with its own (the replicas drift apart) or issue other collectives (a "
-                      "hang); pass the same options to Muon on every rank.");
-  }
+void agree_options(const RuntimeFace& runtime, const MuonOptions& o, const std::function<void()>& check) {
+  AgreementText text;
+  text.fn = "Muon";
+  text.given = "the options";
+  text.outcome = "no rank builds Muon";
+  const int first = runtime.mesh().world().global_ranks().front();
+  text.differs = [&](const Disagreement& d) {
+    std::string what = d.entry ? d.entry->key + " (this rank's: " + d.entry->shown + "; " : std::string("options (");
+    return "the ranks were given different " + what + "rank(s) " + rank_list(d.ranks) + " differ from rank " +
+           std::to_string(first) + "). Each rank would train with its own (the replicas drift apart) or issue other "
+           "collectives (a hang); pass the same options to Muon on every rank.";
+  };
+  agree(runtime.mesh().world(), text, check, [&] {
+    std::vector<AgreedEntry> out;
+    for (auto& [name, value] : agreed_options(runtime, o)) {
+      const uint64_t digest = fnv1a(value);
+      out.push_back({name, digest, std::move(value)});
+    }
+    return out;
+  });
 }
 
 }  // namespace dmuon::detail

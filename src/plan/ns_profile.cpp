@@ -9,6 +9,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "dmuon/digest.h"
+
 namespace dmuon {
 namespace {
 using json = nlohmann::json;
@@ -78,24 +80,13 @@ NsCost NsProfile::cost_of(int64_t rows, int64_t cols, int64_t elem_bytes) const 
 }
 
 uint64_t NsProfile::digest() const {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  auto bytes = [&](const void* p, size_t n) {
-    const auto* b = static_cast<const unsigned char*>(p);
-    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 0x100000001b3ULL;
-  };
-  auto i64 = [&](int64_t v) { bytes(&v, sizeof v); };
-  auto f64 = [&](double v) {
-    uint64_t u;
-    std::memcpy(&u, &v, sizeof u);
-    bytes(&u, sizeof u);
-  };
-  i64(ns_steps);
-  i64(static_cast<int64_t>(timings.size()));
+  Fnv1a h;
+  h.i64(ns_steps).i64(static_cast<int64_t>(timings.size()));
   for (const NsTiming& t : timings) {
-    i64(t.rows), i64(t.cols), i64(t.elem_bytes), i64(t.batch);
-    f64(t.single_us), f64(t.batch_us);
+    h.i64(t.rows).i64(t.cols).i64(t.elem_bytes).i64(t.batch);
+    h.f64(t.single_us).f64(t.batch_us);
   }
-  return h;
+  return h.value();
 }
 
 void validate_ns_profile(const NsProfile& p, const std::string& source) {

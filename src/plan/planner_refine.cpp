@@ -6,6 +6,8 @@
 // machines compute the same loads and take the same branches.
 #include "planner.h"
 
+#include "dmuon/digest.h"
+
 namespace dmuon::detail {
 
 bool Planner::moves_feasible(const std::vector<Move>& moves) const {
@@ -299,32 +301,6 @@ std::vector<std::string> Planner::find_violations() const {
                   " groups exceed the cap (first: " + cap.text + ").");
   return out;
 }
-
-// FNV-1a 64 over a canonical little-endian serialization.
-class Fnv1a {
- public:
-  void bytes(const void* p, size_t n) {
-    const auto* c = static_cast<const unsigned char*>(p);
-    for (size_t i = 0; i < n; ++i) {
-      h_ ^= c[i];
-      h_ *= 0x100000001b3ULL;
-    }
-  }
-  void u64(uint64_t v) {
-    unsigned char b[8];
-    for (int i = 0; i < 8; ++i) b[i] = static_cast<unsigned char>(v >> (8 * i));
-    bytes(b, 8);
-  }
-  void i64(int64_t v) { u64(static_cast<uint64_t>(v)); }
-  void str(const std::string& s) {
-    u64(s.size());
-    bytes(s.data(), s.size());
-  }
-  uint64_t value() const { return h_; }
-
- private:
-  uint64_t h_ = 0xcbf29ce484222325ULL;
-};
 
 uint64_t Planner::fingerprint(const OwnerPlan& plan) const {
   Fnv1a h;

@@ -4,19 +4,10 @@
 #include <stdexcept>
 #include <string>
 
+#include "dmuon/digest.h"
 #include "dmuon/owner_plan.h"
 
 namespace dmuon {
-
-namespace {
-uint64_t fnv(uint64_t h, int64_t v) {
-  for (int i = 0; i < 8; ++i) {
-    h ^= static_cast<uint64_t>(v >> (8 * i)) & 0xffu;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-}  // namespace
 
 OwnerPlan plan_owners_tp(const std::vector<ParamSpec>& params, int shard_size, int replicate_size, int tp_size,
                          const PlanOptions& opts) {
@@ -64,9 +55,10 @@ OwnerPlan plan_owners_tp(const std::vector<ParamSpec>& params, int shard_size, i
   plan.tp_makespan = plan.tp_slot_cost.empty() ? 0 : *std::max_element(plan.tp_slot_cost.begin(), plan.tp_slot_cost.end());
   plan.tp_lower_bound = std::max(total / static_cast<double>(plan.tp_slot_cost.size()), largest);
   if (T > 1) {  // the TP layout is part of the plan every rank must agree on
-    uint64_t h = fnv(plan.fingerprint, T);
-    for (size_t i = 0; i < params.size(); ++i) h = fnv(fnv(h, params[i].tp_split_dim), plan.tp_owners[i]);
-    plan.fingerprint = h;
+    Fnv1a h(plan.fingerprint);
+    h.i64(T);
+    for (size_t i = 0; i < params.size(); ++i) h.i64(params[i].tp_split_dim).i64(plan.tp_owners[i]);
+    plan.fingerprint = h.value();
   }
   return plan;
 }

@@ -1,9 +1,13 @@
 // dmuon::forward's boundary scope and the identity autograd function around each boundary.
+#include <ATen/SequenceNumber.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <limits>
 #include <stdexcept>
+#include <unordered_set>
 
 #include "runtime/runtime.h"
 #include "comm/error_text.h"
@@ -57,6 +61,10 @@ void hook_tensor(const at::Tensor& y, uint64_t id, int b, const std::shared_ptr<
   });
 }
 
+// LibTorch 2.x can renumber a node (Node::set_sequence_nr); 1.13 cannot (its sequence number is const).
+template <typename N>
+constexpr bool can_renumber = requires(N& n) { n.set_sequence_nr(uint64_t{0}); };
+
 }  // namespace
 
 namespace detail {
@@ -70,6 +78,8 @@ struct BoundaryScope::Impl {
   std::vector<c10::intrusive_ptr<c10::TensorImpl>> argument_leaves;
   bool entered = false;
   bool exited = false;
+  uint64_t entry_nr = 0;      // this thread's next autograd sequence number when the block was entered
+  uint64_t entry_thread = 0;  // (RecordFunction's id of the thread that entered it)
   const Boundary& B() const { return site.state->boundaries()[static_cast<size_t>(site.boundary)]; }
 
   void note(const at::Tensor& t) {
@@ -89,7 +99,54 @@ struct BoundaryScope::Impl {
       if (node == t.grad_fn() && slot == t.output_nr()) return true;
     return false;
   }
+  bool argument_node(const torch::autograd::Node* n) const {
+    for (const auto& entry : argument_nodes)
+      if (entry.first.get() == n) return true;
+    return false;
+  }
+
+  // Autograd's ready queue runs the node with the higher sequence number first, and a thread numbers the
+  // nodes it makes on its own counter. The block's nodes made on this thread are numbered after the input's
+  // post-backward wrapper, so they all run before it, their parameters' gradients before the boundary's
+  // reduce. Nodes the block made on another thread (its ops on a worker: threaded experts, parallel_apply)
+  // carry that thread's numbers and may run after the wrapper: their gradients would miss the reduce. They
+  // are renumbered as if made here now, so they run before the wrapper as the block's own nodes do; the
+  // order between boundaries, hence every rank's order of collectives, is unchanged. The walk goes from the
+  // outputs down to the tensors the block was given, the parameters' accumulators, the nodes this thread
+  // made before the block and another thread's boundary wrappers (a boundary entered on a worker, whose own
+  // exit ordered it). Not walked: a recompute inside backward (activation checkpointing), whose nodes are
+  // made on the thread running backward. Numbers order nodes within one device's queue only: a worker's
+  // nodes on another device (parallel_apply over GPUs) run concurrently with the wrapper and may still come
+  // late (dropped, warned). (LibTorch 1.13 cannot renumber: a gradient arriving late is dropped, warned.)
+  template <typename N = torch::autograd::Node>
+  void renumber_foreign_nodes(const std::vector<at::Tensor>& outputs) const {
+    if constexpr (can_renumber<N>) {
+      const uint64_t here = at::sequence_number::peek();
+      std::unordered_set<const N*> seen;
+      std::vector<N*> todo;
+      auto visit = [&](N* n) {
+        if (!n || !seen.insert(n).second || argument_node(n)) return;
+        if (n->sequence_nr() == std::numeric_limits<uint64_t>::max()) return;  // an accumulator: a leaf's
+        if (n->thread_id() == entry_thread) {
+          if (n->sequence_nr() < entry_nr) return;  // made before the block
+        } else {
+          if (dynamic_cast<const torch::autograd::CppNode<BoundaryHookFn>*>(n)) return;  // a worker's boundary
+          n->set_sequence_nr(here);
+        }
+        todo.push_back(n);
+      };
+      for (const at::Tensor& y : outputs)
+        if (y.defined() && y.requires_grad() && !y.is_leaf()) visit(y.grad_fn().get());
+      while (!todo.empty()) {
+        N* n = todo.back();
+        todo.pop_back();
+        for (const torch::autograd::Edge& e : n->next_edges()) visit(e.function.get());
+      }
+    }
+  }
 };
+
+bool renumbers_worker_nodes() { return can_renumber<torch::autograd::Node>; }
 
 BoundarySite boundary_site(const std::shared_ptr<Runtime>& runtime, const std::string& module) {
   TORCH_CHECK_VALUE(runtime, "BoundaryScope: the runtime is null.");
@@ -124,6 +181,8 @@ void BoundaryScope::note_argument(const at::Tensor& t) const {
 }
 
 void BoundaryScope::enter() {
+  impl_->entry_nr = at::sequence_number::peek();
+  impl_->entry_thread = at::RecordFunction::currentThreadId();
   if (impl_->site.root) impl_->site.root->begin_root_forward();  // the model's own forward: a new pass
   if (impl_->site.state) {
     impl_->site.state->pre_forward(impl_->site.boundary);
@@ -163,6 +222,7 @@ std::vector<at::Tensor> BoundaryScope::exit(const std::vector<at::Tensor>& outpu
   exit();
   std::vector<at::Tensor> out = outputs;
   if (!impl_->site.state) return out;
+  if (at::GradMode::is_enabled() && !impl_->B().recomputing) impl_->renumber_foreign_nodes(outputs);
   const Runtime& rt = *impl_->site.state;
   const int b = impl_->site.boundary;
   const auto& d = impl_->B().output_dtype;

@@ -6,6 +6,7 @@
 #include <exception>
 #include <set>
 
+#include "dmuon/digest.h"
 #include "dmuon/env.h"
 #include "dmuon/tensor_parallel.h"
 #include "runtime/dedicated_route.h"
@@ -46,14 +47,14 @@ void Runtime::build(const ParamPredicate& predicate) {
   const int rank = mesh.global_rank();
   // route hooks run under the lock, and not at all once this runtime is gone
   ctx_.set_hook_factory([weak = weak_from_this(), rank](const at::Tensor& param, const std::string& name, GradHook hook,
-                                                        std::function<void()> before) {
-    std::function<void()> pre;
+                                                        GradArrival before) {
+    std::function<bool()> pre;
     if (before)
       pre = [weak, before = std::move(before)] {
         auto live = weak.lock();
-        if (!live) return;
+        if (!live) return true;
         std::lock_guard<std::recursive_mutex> g(live->mu_);
-        before();
+        return before(*live);
       };
     return detail::on_grad_accumulated(
         param, name, rank,
@@ -216,7 +217,7 @@ void Runtime::check_deferred(uint64_t& digest) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> deferred;
   for (const ModelView::Tensor& item : view_.params) {
     const bool d = is_deferred(item.tensor);
-    digest = digest * 1099511628211ull ^ (d ? 0x5bd1e995u : 0x27d4eb2fu);
+    digest = Fnv1a(digest).u64(d ? 1 : 0).value();
     if (d) deferred.emplace_back(item.name, ctx_.region_of(item.name, item.tensor.sizes()).full_shape);
   }
   if (deferred.empty()) return;

@@ -121,7 +121,12 @@ void DedicatedRoute::install() {
           auto& e = entries_[i];
           ev.accumulated(e.accumulated, e.boundary);
         },
-        [this, i] { carry_installed_grad(entries_[i]); });
+        [this, i](GradEvents& ev) {
+          // after the boundary's reduce: not in it, and a non-owner's parameter is released (dropped, warned)
+          if (ev.after_reduce(entries_[i].boundary)) return false;
+          carry_installed_grad(entries_[i]);
+          return true;
+        });
   // data: holders keep their value in the packed buffer; the others release theirs
   for_each_buffer([&](int, PackedBuffer& buf) {
     const bool keeps = buf.keeps;

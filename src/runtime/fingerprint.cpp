@@ -9,31 +9,19 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "dmuon/digest.h"
+
 namespace dmuon {
 
 namespace {
 
 // FNV-1a 64 of what must agree per parameter, independent of the planner's options
 uint64_t spec_digest(const ParamSpec& s, const Precision& prec) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  auto bytes = [&](const void* p, size_t n) {
-    for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const unsigned char*>(p)[i]) * 0x100000001b3ULL;
-  };
-  auto str = [&](const std::string& v) {
-    const uint64_t n = v.size();
-    bytes(&n, sizeof n);
-    bytes(v.data(), v.size());
-  };
-  auto i64 = [&](int64_t v) { bytes(&v, sizeof v); };
-  str(s.name);
-  i64(static_cast<int64_t>(s.shape.size()));
-  for (int64_t v : s.shape) i64(v);
-  i64(s.elem_bytes);
-  str(s.group_key);
-  str(s.route);
-  i64(s.tp_split_dim);
-  i64(static_cast<int64_t>(precision_digest(prec)));
-  return h;
+  Fnv1a h;
+  h.str(s.name).i64(static_cast<int64_t>(s.shape.size()));
+  for (int64_t v : s.shape) h.i64(v);
+  h.i64(s.elem_bytes).str(s.group_key).str(s.route).i64(s.tp_split_dim).u64(precision_digest(prec));
+  return h.value();
 }
 
 }  // namespace
@@ -45,8 +33,9 @@ void check_plan_agreement(Mesh& mesh, const OwnerPlan& plan, const std::vector<P
   // [fingerprint, count, setup failed] from every rank; a mismatch names the first differing parameter.
   // built on the host, exchanged on the mesh's device (NCCL takes CUDA tensors only)
   const auto host_opt = at::TensorOptions().dtype(at::kLong);
-  uint64_t fp = plan.fingerprint ^ base_digest;
-  for (const auto& pr : precisions) fp = fp * 1099511628211ull ^ precision_digest(pr);
+  Fnv1a mixed(plan.fingerprint ^ base_digest);
+  for (const auto& pr : precisions) mixed.u64(precision_digest(pr));
+  const uint64_t fp = mixed.value();
   // the failure's kind crosses too, so the other ranks raise the same kind: 1 a caller mistake (ValueError
   // in Python), 2 anything else
   int64_t failed_kind = 0;

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <tuple>
 
+#include "dmuon/digest.h"
+
 namespace dmuon {
 
 // ParamPolicy's dtype fields with the defaults applied (see dmuon/dedicate.h).
@@ -25,13 +27,9 @@ struct Precision {
 
 // Digest of a precision (part of the cross-rank plan fingerprint).
 inline uint64_t precision_digest(const Precision& pr) {
-  uint64_t h = 1469598103934665603ull;
-  for (int v : {static_cast<int>(pr.param), static_cast<int>(pr.reduce), static_cast<int>(pr.master),
-                static_cast<int>(pr.optim)}) {
-    h ^= static_cast<uint64_t>(v) + 1;
-    h *= 1099511628211ull;
-  }
-  return h;
+  Fnv1a h;
+  for (at::ScalarType t : {pr.param, pr.reduce, pr.master, pr.optim}) h.i64(static_cast<int64_t>(t));
+  return h.value();
 }
 
 }  // namespace dmuon

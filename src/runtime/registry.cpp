@@ -133,19 +133,20 @@ std::shared_ptr<RuntimeFace> require_face(const torch::nn::Module& model, const 
 }
 
 namespace {
-// runs `fn` before the accumulator node adds the incoming gradient to param.grad()
+// runs `fn` before the accumulator node adds the incoming gradient to param.grad(); false: an undefined
+// gradient instead, which the accumulator skips
 struct LambdaPreHook : torch::autograd::FunctionPreHook {
-  explicit LambdaPreHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  explicit LambdaPreHook(std::function<bool()> fn) : fn_(std::move(fn)) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
-    fn_();
-    return grads;
+    if (fn_()) return grads;
+    return torch::autograd::variable_list(grads.size());
   }
-  std::function<void()> fn_;
+  std::function<bool()> fn_;
 };
 }  // namespace
 
 std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const at::Tensor& param, const std::string& name, int rank,
-                                                           std::function<void()> fn, std::function<void()> before) {
+                                                           std::function<void()> fn, std::function<bool()> before) {
   auto acc = torch::autograd::impl::grad_accumulator(param);
   TORCH_CHECK(acc, "rank ", rank, ": could not get the gradient accumulator of '", name,
               "' (is it a leaf that requires grad?).");

@@ -103,7 +103,11 @@ ReplicatedRoute::ReplicatedRoute(RouteContext& ctx, std::vector<WholeParam> para
           }
           ev.backward_ran();
         },
-        bases ? std::function<void()>([this, i] { keep_base(static_cast<int>(i)); }) : std::function<void()>()));
+        bases ? GradArrival([this, i](GradEvents&) {
+          keep_base(static_cast<int>(i));
+          return true;
+        })
+              : GradArrival()));
   }
 }
 
@@ -111,16 +115,20 @@ bool ReplicatedRoute::keeps_bases(const Bucket& b) {
   return c10::elementSize(b.prec.reduce) < c10::elementSize(b.prec.master);
 }
 
+bool ReplicatedRoute::still_installed(Bucket& b, size_t k, const at::Tensor& g) {
+  if (g.defined() && g.is_same(b.last[k])) return true;  // the installed average, or what autograd made of it
+  // the caller's gradient now (or none): nothing of the average to keep out, from now to the step
+  b.base[k] = at::Tensor();
+  b.last[k] = at::Tensor();
+  return false;
+}
+
 void ReplicatedRoute::keep_base(int i) {
   auto [bi, k] = slot_[static_cast<size_t>(i)];
   Bucket& b = buckets_[bi];
   if (b.installed.empty()) return;  // no average installed since the step
   const at::Tensor& g = param(i).grad();
-  const bool ours = g.defined() && g.is_same(b.last[k]);  // the installed average, or what autograd made of it
-  if (!ours) {  // the caller's gradient now (or none): nothing of the average to keep out, from now to the step
-    b.base[k] = at::Tensor();
-    b.last[k] = at::Tensor();
-  } else if (!b.base[k].defined()) {
+  if (still_installed(b, k, g) && !b.base[k].defined()) {
     // the average as this backward finds it (the caller may have scaled it in place: those values are the base)
     at::NoGradGuard ng;
     b.base[k] = g.clone();  // (autograd adds to it in place next)
@@ -133,11 +141,8 @@ void ReplicatedRoute::take_out_bases(Bucket& b) {
   for (size_t k = 0; k < b.params.size(); ++k) {
     at::Tensor p = param(b.params[k]);
     const at::Tensor& g = p.grad();
-    const bool ours = g.defined() && g.is_same(b.last[k]);
-    if (!ours) {  // none, or one the caller put there: that is the gradient, reduced as it is
-      b.base[k] = at::Tensor();
-      b.last[k] = at::Tensor();
-    } else if (b.base[k].defined()) {
+    if (!still_installed(b, k, g)) continue;  // none, or one the caller put there: reduced as it is
+    if (b.base[k].defined()) {
       p.mutable_grad() = g.sub(b.base[k]);  // the gradients the backward passes since the install added
     } else {
       b.base[k] = g;  // untouched since the install: adds nothing (a zero, counted as a gradient as before)

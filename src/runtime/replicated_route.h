@@ -78,6 +78,9 @@ class ReplicatedRoute final : public WholeParamsRoute {
   void drop_unused(Bucket& b, const float*& flag, bool this_pass);
   // whether the reduce is narrower than the master (then an installed average is kept out of it)
   static bool keeps_bases(const Bucket& b);
+  // whether `g` (slot k's p.grad) is still the installed average or what autograd made of it; if not (the
+  // caller's gradient, or none), the slot keeps no base from now to the step
+  static bool still_installed(Bucket& b, size_t k, const at::Tensor& g);
   // before autograd adds a new gradient to parameter i's p.grad: its installed average kept as the base
   void keep_base(int i);
   // the local gradients of this backward alone in p.grad (each base taken out), before the reduce

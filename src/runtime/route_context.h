@@ -32,15 +32,20 @@ class GradEvents {
   virtual void accumulated(bool& flag, int b) = 0;
   // some gradient of this model was accumulated (queues the end-of-backward callback)
   virtual void backward_ran() = 0;
+  // boundary b's reduce went out in this backward: a gradient arriving for its parameters now is not in it
+  // (and, on a rank whose parameter is released, has nowhere to go). Warns once per boundary.
+  virtual bool after_reduce(int b) = 0;
 };
 
 using GradHook = std::function<void(GradEvents&)>;
+// Runs as a gradient arrives, before autograd adds it to param.grad(); false drops the gradient.
+using GradArrival = std::function<bool(GradEvents&)>;
 // Registers `hook` to run (under the schedule's lock, and not at all once the model is gone) each
 // time autograd has accumulated `param`'s gradient, and `before` (when set; under the lock too) each
 // time a gradient for `param` arrives, before autograd adds it to param.grad(); returns the
 // accumulator node to keep alive.
 using GradHookFactory = std::function<std::shared_ptr<torch::autograd::Node>(
-    const at::Tensor& param, const std::string& name, GradHook hook, std::function<void()> before)>;
+    const at::Tensor& param, const std::string& name, GradHook hook, GradArrival before)>;
 
 // The schedule's state the routes read (written by the Runtime only).
 struct ScheduleState {
@@ -109,7 +114,7 @@ class RouteContext {
 
   // ---- hooks ----
   std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const at::Tensor& param, const std::string& name,
-                                                             GradHook hook, std::function<void()> before = {}) const {
+                                                             GradHook hook, GradArrival before = {}) const {
     return hooks_(param, name, std::move(hook), std::move(before));
   }
   void set_hook_factory(GradHookFactory f) { hooks_ = std::move(f); }

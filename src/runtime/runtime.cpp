@@ -178,6 +178,7 @@ void Runtime::begin_forward_pass() {
 
 void Runtime::begin_root_forward() {
   std::lock_guard<std::recursive_mutex> g(mu_);
+  root_grad_mode_ = at::GradMode::is_enabled();
   if (pass_begun_by_step_) {  // step() began this pass and prefetched into it
     pass_begun_by_step_ = false;
     return;
@@ -306,6 +307,9 @@ void Runtime::note_use(int b, bool grad_mode) {
     }
     return;
   }
+  // (a use under no_grad in a forward that is itself under no_grad -- evaluation -- has no graph that could
+  // recompute it: not counted)
+  if (!grad_mode && !root_grad_mode_) return;
   ++(grad_mode ? B.post_expected : B.uncounted_uses);
 }
 
@@ -315,9 +319,31 @@ void Runtime::post_backward(int b) {
   Boundary& B = boundaries_[static_cast<size_t>(b)];
   // A block used several times in one graph is done only after the backward of every use. A use whose
   // input needed no gradient fires no post-backward hook: then the hooks never count up to the uses,
-  // and the parameters' own accumulation (note_accumulated) or the end of backward decides.
-  if (++B.post_fired >= B.post_expected) B.grads_ready = true;
+  // and the parameters' own accumulation (note_accumulated) or the end of backward decides. A use that
+  // ran without grad mode may still be recomputed in this backward (reentrant activation checkpointing of
+  // a block used twice: its uses are recomputed one at a time), so none may be left (done_with_uses).
+  if (++B.post_fired >= B.post_expected && done_with_uses(B)) B.grads_ready = true;
   try_issue_reduces();
+}
+
+bool Runtime::after_reduce(int b) {
+  note_backward();  // (a new pass: what an abandoned backward left is cleared first)
+  Boundary& B = boundaries_[static_cast<size_t>(b)];
+  // Autograd runs a block's nodes before its input's post-backward hook only while they are numbered after
+  // it: the scope renumbers nodes the block made on a worker thread (LibTorch 2.x), but a use of the parameter
+  // outside its boundary, or on 1.13 a worker's node, may still run after. Said and dropped, not waited for:
+  // whether to wait would depend on each rank's own counts, and the ranks must issue their reduces and
+  // unshards in one order.
+  if (!B.reduced || no_sync_) return false;
+  if (!B.warned_late) {
+    B.warned_late = true;
+    TORCH_WARN("rank ", mesh().global_rank(), ": a gradient of a parameter of boundary '", B.name,
+               "' arrived after the boundary's reduce went out this backward and is dropped: a use of the parameter "
+               "outside its boundary", detail::renumbers_worker_nodes() ? "" : ", or the block's ops run on another thread",
+               ". Run every use of the parameter inside its boundary",
+               detail::renumbers_worker_nodes() ? "." : ", on the thread that calls it (LibTorch 2.x renumbers a worker's ops).");
+  }
+  return true;
 }
 
 void Runtime::note_accumulated(bool& accumulated, int b) {
@@ -326,18 +352,7 @@ void Runtime::note_accumulated(bool& accumulated, int b) {
   if (accumulated) return;
   accumulated = true;
   Boundary& B = boundaries_[static_cast<size_t>(b)];
-  // Autograd runs a block's nodes before its input's post-backward hook only while they are numbered after
-  // it: nodes made on a worker thread (numbered on that thread's counter) may run after, and their
-  // parameters' gradients then miss the reduce. Said, not waited for: whether to wait would depend on
-  // each rank's own counts, and the ranks must issue their reduces and unshards in one order.
-  if (B.reduced && !no_sync_ && !B.warned_late) {
-    B.warned_late = true;
-    TORCH_WARN("rank ", mesh().global_rank(), ": a gradient of a parameter of boundary '", B.name,
-                    "' arrived after the boundary's reduce went out this backward and is not part of it: a use of the "
-                    "parameter outside its boundary, or the block's ops run on another thread. Run every use of the "
-                    "parameter inside its boundary, on the thread that calls it.");
-  }
-  if (++B.accumulated == B.num_params) B.grads_ready = true;
+  if (++B.accumulated == B.num_params && done_with_uses(B)) B.grads_ready = true;
   try_issue_reduces();
 }
 

@@ -115,6 +115,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   // GradEvents (route hooks; called under the lock)
   void accumulated(bool& flag, int b) override { note_accumulated(flag, b); }
   void backward_ran() override { note_backward(); }
+  bool after_reduce(int b) override;
   std::string bypass_hint() const;             // names a boundary not entered in the current forward
 
   // ---- RuntimeFace: the optimizer (collective: every rank) ----
@@ -244,7 +245,13 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   mutable std::recursive_mutex mu_;
   bool no_sync_ = false;
   bool backward_since_forward_ = true;
-  bool pass_begun_by_step_ = false;  // prefetch_next_forward began the next pass: its root forward does not
+  bool pass_begun_by_step_ = false;  // prefetch_next_forward began the next pass: its root forward does not begin one
+  // the current root forward runs in grad mode (an evaluation forward's no-grad uses are never recomputed)
+  bool root_grad_mode_ = true;
+  // no use of the boundary run without grad mode is left to be recomputed in this backward (a reentrant
+  // activation checkpoint's); one that never is (the block also run under no_grad inside a training
+  // forward) leaves the boundary's reduce to the end of backward
+  static bool done_with_uses(const Boundary& B) { return B.uncounted_uses == 0; }
   // A backward this runtime's hooks saw has begun and its end-of-backward callback has not run. The
   // callback holds the token backward_token_ watches: a backward that raises never runs its final
   // callbacks, and the engine destroys them with its graph task, so an open backward whose token
@@ -277,12 +284,16 @@ void register_state(const std::shared_ptr<torch::nn::Module>& model, const std::
 // a runtime with no LibTorch module (dedicate_model_view): found by id only, while its owner keeps it
 void register_runtime(const std::shared_ptr<Runtime>& state);
 void register_boundary(const std::shared_ptr<torch::nn::Module>& module, const std::shared_ptr<Runtime>& s, int b);
+// Whether a boundary's exit renumbers the autograd nodes its block made on another thread (LibTorch 2.x:
+// Node::set_sequence_nr), so their gradients are in the boundary's reduce (boundary_scope.cpp).
+bool renumbers_worker_nodes();
 // Runs `fn` each time autograd has accumulated `param`'s gradient. Returns the accumulator node:
 // keep it alive (autograd holds it only weakly) and create it while `param` has its full shape
 // (the node caches it). Throws naming `name` and `rank` when `param` is not a leaf requiring grad.
-// `before` (when set) runs each time a gradient arrives, before autograd adds it to param.grad().
+// `before` (when set) runs each time a gradient arrives, before autograd adds it to param.grad(); returning
+// false drops that gradient.
 std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const at::Tensor& param, const std::string& name, int rank,
-                                                           std::function<void()> fn, std::function<void()> before = {});
+                                                           std::function<void()> fn, std::function<bool()> before = {});
 }  // namespace detail
 
 }  // namespace dmuon

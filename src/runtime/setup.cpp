@@ -7,6 +7,7 @@
 #include <functional>
 #include <sstream>
 
+#include "dmuon/digest.h"
 #include "runtime/sharded_route.h"
 
 namespace dmuon {
@@ -313,7 +314,7 @@ Routing route_params(const ModelView& model, const ParamPredicate& predicate, co
       if (pol.output_dtype) merge_boundary_dtype(output_cast, boundary, *pol.output_dtype, name, "output dtypes", rank);
     };
     if (route == RouteKind::Replicated) {
-      out.base_digest = out.base_digest * 31 + precision_digest(r.prec);
+      out.base_digest = Fnv1a(out.base_digest).u64(precision_digest(r.prec)).value();
       out.base.push_back(std::move(r));
       continue;
     }
@@ -324,7 +325,8 @@ Routing route_params(const ModelView& model, const ParamPredicate& predicate, co
         r.boundary = boundary_of(item);
         note_boundary_casts(r.boundary);
       }
-      out.base_digest = out.base_digest * 31 + precision_digest(r.prec) + 7 * static_cast<uint64_t>(route);
+      out.base_digest =
+          Fnv1a(out.base_digest).u64(precision_digest(r.prec)).i64(static_cast<int64_t>(route)).value();
       out.routed[route].push_back(std::move(r));
       continue;
     }
@@ -362,9 +364,8 @@ Routing route_params(const ModelView& model, const ParamPredicate& predicate, co
   // different numbers
   for (const auto* casts : {&input_cast, &output_cast})
     for (const auto& [bname, cast] : *casts)
-      out.base_digest = out.base_digest * 1099511628211ull ^
-                        (std::hash<std::string>{}(bname) + static_cast<uint64_t>(cast.first) +
-                         (casts == &input_cast ? 1 : 2));
+      out.base_digest =
+          Fnv1a(out.base_digest).u64(casts == &input_cast ? 1 : 2).str(bname).i64(static_cast<int64_t>(cast.first)).value();
   for (const auto& [b, c] : input_cast) out.input_cast[b] = c.first;
   for (const auto& [b, c] : output_cast) out.output_cast[b] = c.first;
   return out;

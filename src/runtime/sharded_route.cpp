@@ -70,10 +70,14 @@ void ShardedRoute::add(const BoundParam& bp) {
 void ShardedRoute::install() {
   for (size_t i = 0; i < entries_.size(); ++i) {
     auto& e = entries_[i];
-    e.grad_acc = ctx_.on_grad_accumulated(e.param, e.name, [this, i](GradEvents& ev) {
-      auto& en = entries_[i];
-      ev.accumulated(en.accumulated, en.boundary);
-    });
+    e.grad_acc = ctx_.on_grad_accumulated(
+        e.param, e.name,
+        [this, i](GradEvents& ev) {
+          auto& en = entries_[i];
+          ev.accumulated(en.accumulated, en.boundary);
+        },
+        // after the boundary's reduce-scatter: not in it, and the parameter is released (dropped, warned)
+        [this, i](GradEvents& ev) { return !ev.after_reduce(entries_[i].boundary); });
     at::NoGradGuard ng;
     e.param.set_data(e.placeholder);
     detail::resize_storage_bytes(e.full, 0);

@@ -99,3 +99,21 @@ def reference_ns(G, coefficients, eps=1e-7):
 
 def rel(a, b):
     return float((a.to(torch.float64) - b.to(torch.float64)).norm() / b.to(torch.float64).norm())
+
+
+def assert_grads_like(model, plain, where, bound=1e-12):
+    """Asserts that every gradient this rank holds of dedicated `model` -- each parameter but the dedicated
+    matrices other ranks own -- equals `plain`'s (the same module without dmuon, its parameters in the same
+    order): max |difference| / max |plain| below `bound`. Returns how many it checked."""
+    import dmuon
+
+    theirs = {d.name for d in dmuon.get_dedicated_params(model) if not d.is_owner}
+    checked = 0
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        if name in theirs:
+            continue
+        assert p.grad is not None, f"{where}: {name} has no gradient"
+        err = float((p.grad - q.grad).abs().max() / q.grad.abs().max())
+        assert err < bound, f"{where}: the gradient of {name} differs by {err}"
+        checked += 1
+    return checked
