@@ -2346,6 +2346,55 @@ TEST(RuntimeTest, AGradientAfterItsBoundarysReduceIsDroppedWithAWarning) {
   two_backwards_of<LateWeightBlock>(/*in_reduce=*/false);
 }
 
+struct PlainBlockImpl : ThreadedBlockImpl {
+  at::Tensor forward(const at::Tensor& x) { return at::matmul(x, w.t()).sin(); }
+};
+TORCH_MODULE(PlainBlock);
+
+// A C++ model calls its blocks through dmuon::forward, with no scope of its own: an evaluation forward under
+// NoGradGuard before a training step must not hold that step's reduces to the end of its backward (its
+// no-grad uses are no reentrant checkpoint's, which only Python has): block b's reduce goes out before
+// block a's backward, as without the evaluation, and nothing is warned.
+TEST(RuntimeTest, AnEvaluationForwardLeavesTheNextBackwardsReducesInIt) {
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    struct Net : torch::nn::Module {
+      Net() {
+        a = register_module("a", PlainBlock());
+        b = register_module("b", PlainBlock());
+      }
+      PlainBlock a{nullptr}, b{nullptr};
+    };
+    auto m = std::make_shared<Net>();
+    auto mesh = make_mesh(ctx);
+    DedicateOptions opts;
+    opts.reshard_after_forward = true;
+    dedicate_params(m, mesh, [](const std::string&, const at::Tensor& p) { return p.dim() == 2; }, opts);
+    const auto f64 = at::TensorOptions().dtype(at::kDouble);
+    CollectWarnings warnings;
+    WarningGuard guard(&warnings);
+    for (bool evaluate : {false, true}) {
+      if (evaluate) {
+        at::NoGradGuard ng;
+        dmuon::forward(m->b, dmuon::forward(m->a, at::ones({2, 4}, f64)));
+      }
+      const at::Tensor x = (at::arange(8, f64).reshape({2, 4}) * (0.2 + ctx.rank)).cos().requires_grad_(true);
+      const at::Tensor h = dmuon::forward(m->a, x);
+      const int64_t before = mesh->counters().calls(CommOp::Reduce);
+      int64_t at_a = -1;  // reduces issued when block a's output gradient is ready, before a's own backward
+      h.register_hook([&](const at::Tensor&) { at_a = mesh->counters().calls(CommOp::Reduce) - before; });
+      dmuon::forward(m->b, h).sum().backward();
+      prepare_muon_grads(*m);
+      testing::expect(at_a >= 1, "rank " + std::to_string(ctx.rank) + (evaluate ? ", after an evaluation" : "") +
+                                     ": block b's reduce had not gone out before block a's backward (" +
+                                     std::to_string(at_a) + " reduces)");
+      for (auto& p : m->parameters()) p.mutable_grad() = at::Tensor();
+    }
+    for (const auto& msg : warnings.seen)
+      testing::expect(msg.find("ran under no_grad inside a training forward") == std::string::npos,
+                      "rank " + std::to_string(ctx.rank) + ": " + msg);
+  });
+}
+
 // Trains PairNet for 3 steps on `world` ranks (Z3: every matrix released after its block's forward,
 // gathered again before its backward); returns the full parameters.
 TensorDict train_pair_net(int world) {

@@ -8,6 +8,7 @@
 #include "dmuon/dedicate.h"
 #include "dmuon/deferred_init.h"
 #include "dmuon/diagnostics.h"
+#include "dmuon/digest.h"
 #include "dmuon/env.h"
 #include "dmuon/files.h"
 #include "dmuon/grad_clip.h"

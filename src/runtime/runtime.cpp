@@ -178,6 +178,7 @@ void Runtime::begin_forward_pass() {
 
 void Runtime::begin_root_forward() {
   std::lock_guard<std::recursive_mutex> g(mu_);
+  root_scope_seen_ = true;
   root_grad_mode_ = at::GradMode::is_enabled();
   if (pass_begun_by_step_) {  // step() began this pass and prefetched into it
     pass_begun_by_step_ = false;
@@ -307,9 +308,12 @@ void Runtime::note_use(int b, bool grad_mode) {
     }
     return;
   }
-  // (a use under no_grad in a forward that is itself under no_grad -- evaluation -- has no graph that could
-  // recompute it: not counted)
-  if (!grad_mode && !root_grad_mode_) return;
+  // A use under no_grad is counted only where a reentrant checkpoint could recompute it in backward: inside
+  // a root forward that runs in grad mode. Not in an evaluation forward (the root under no_grad), nor where
+  // no root scope ever runs (a C++ model calling its blocks through dmuon::forward: LibTorch has no
+  // checkpointing that recomputes in backward, and its evaluation forwards would hold the next backward's
+  // reduces to its end).
+  if (!grad_mode && !(root_scope_seen_ && root_grad_mode_)) return;
   ++(grad_mode ? B.post_expected : B.uncounted_uses);
 }
 
@@ -376,6 +380,17 @@ void Runtime::issue_reduce(int b) {
 
 void Runtime::end_of_backward() {
   std::lock_guard<std::recursive_mutex> g(mu_);
+  if (!no_sync_ && !warned_unrecomputed_)
+    for (const Boundary& B : boundaries_)
+      if (!done_with_uses(B) && !B.reduced) {
+        warned_unrecomputed_ = true;
+        TORCH_WARN("rank ", mesh().global_rank(), ": boundary '", B.name, "' ran under no_grad inside a training "
+                   "forward and was not recomputed in this backward (as a reentrant activation checkpoint's use "
+                   "would be), so its reduce and the ones after it waited to the end of backward (no overlap; on "
+                   "Z3 their parameters stayed gathered). If the block's no-grad use is on purpose (a teacher or "
+                   "target pass), run it outside the training forward, or the block without its hook. Said once.");
+        break;
+      }
   // Fire every boundary whose backward hooks did not run (no input needed grad, unused outputs...).
   if (!no_sync_)
     for (; next_reduce_ < reduce_order_.size(); ++next_reduce_) issue_reduce(reduce_order_[next_reduce_]);

@@ -246,8 +246,11 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   bool no_sync_ = false;
   bool backward_since_forward_ = true;
   bool pass_begun_by_step_ = false;  // prefetch_next_forward began the next pass: its root forward does not begin one
-  // the current root forward runs in grad mode (an evaluation forward's no-grad uses are never recomputed)
+  // the current root forward runs in grad mode (an evaluation forward's no-grad uses are never recomputed);
+  // whether a root scope ever ran (a C++ model calling its blocks alone has none)
   bool root_grad_mode_ = true;
+  bool root_scope_seen_ = false;
+  bool warned_unrecomputed_ = false;  // a no-grad use held reduces to the end of backward (said once)
   // no use of the boundary run without grad mode is left to be recomputed in this backward (a reentrant
   // activation checkpoint's); one that never is (the block also run under no_grad inside a training
   // forward) leaves the boundary's reduce to the end of backward
