@@ -219,10 +219,11 @@ void BoundaryScope::exit() {
 at::Tensor BoundaryScope::exit(const at::Tensor& output) { return exit(std::vector<at::Tensor>{output}).front(); }
 
 std::vector<at::Tensor> BoundaryScope::exit(const std::vector<at::Tensor>& outputs) {
+  const bool recompute = impl_->site.state && impl_->B().recomputing;  // (post_forward ends the recompute)
   exit();
   std::vector<at::Tensor> out = outputs;
   if (!impl_->site.state) return out;
-  if (at::GradMode::is_enabled() && !impl_->B().recomputing) impl_->renumber_foreign_nodes(outputs);
+  if (at::GradMode::is_enabled() && !recompute) impl_->renumber_foreign_nodes(outputs);
   const Runtime& rt = *impl_->site.state;
   const int b = impl_->site.boundary;
   const auto& d = impl_->B().output_dtype;
