@@ -219,6 +219,7 @@ class Variant {
         if (o.shard != shard) bytes += flag;
         else if (o.replicate != rep) bytes += flag;
       }
+      bytes += 3.0 * 8.0 * (world - 1);  // Muon::step's non-finite verdict: three int64 from every other rank
     } else {
       bytes = 2.0 * (world - 1) / world * pb + ring * flag * static_cast<double>(spec.params.size());
       if (name_ == "baseline_b")  // this implementation's all-gather: rounds of N matrices, padded to the largest

@@ -473,6 +473,15 @@ TEST(CheckpointTest, StateDictsTheRanksDisagreeOnAreRefusedOnEveryRank) {
                     "and the replicas would drift apart; nothing was loaded.") != std::string::npos,
            "differing value: " + err);
     unchanged("a load of differing dicts");
+    // a source that differs between ranks (another seed here; a stale copy of a file), known without reading it
+    auto source = seeded_init(static_cast<uint64_t>(ctx.rank), [](const std::string&, at::Tensor& full, at::Generator& gen) {
+      full.normal_(0, 0.02, gen);
+    });
+    err = error_of([&] { set_model_state_dict(*m, *source); });
+    expect(err.find("the ranks were given different state dicts (the source's tensors (names, dtypes, shapes, "
+                    "recorded checksums) differs between rank 0 and rank 1)") != std::string::npos,
+           "differing source: " + err);
+    unchanged("a load of differing sources");
     // a dtype differing in one rank's copy is a difference too (same shape, same values)
     sd = good;
     if (ctx.rank == 1) sd["layers.0.q_proj.weight"] = good.at("layers.0.q_proj.weight").to(at::kDouble);

@@ -689,6 +689,19 @@ TEST(MuonTest, ParamInTwoGroupsIsAnError) {
     o.param_groups = {twice};
     const std::string err2 = error_of([&] { Muon opt(m.ptr(), o); });
     EXPECT_NE(err2.find("more than one param group (group 'twice')"), std::string::npos) << err2;
+    // a trainable tensor that is not the model's would never be stepped: refused; a frozen one is left alone
+    MuonParamGroup foreign;
+    foreign.name = "foreign";
+    foreign.params = {param(m, "layers.2.weight"), at::zeros({3, 4}, at::kDouble).requires_grad_(true)};
+    o.param_groups = {foreign};
+    const std::string err3 = error_of([&] { Muon opt(m.ptr(), o); });
+    EXPECT_NE(err3.find("param group 'foreign' holds a trainable tensor of shape [3, 4] that is not a trainable "
+                        "parameter of the dedicated model"),
+              std::string::npos)
+        << err3;
+    foreign.params = {param(m, "layers.2.weight"), at::zeros({3, 4}, at::kDouble)};
+    o.param_groups = {foreign};
+    EXPECT_EQ(error_of([&] { Muon opt(m.ptr(), o); }), "");
   });
 }
 
@@ -948,7 +961,8 @@ TEST(MuonTest, StepProfileCountsOwnedUpdates) {
 // ============================== two ranks =============================================================
 
 // Each matrix has one owner; only the owner updates it (with the hand-computed value) and holds its
-// state; AdamW vectors are updated identically on both ranks; the step issues no collective.
+// state; AdamW vectors are updated identically on both ranks; the step issues one collective: the world's
+// verdict on non-finite gradients (an all-gather of three int64 per rank).
 TEST(MuonTest, TwoRanksOnlyOwnersUpdateTheirMatrices) {
   const StateDict init = random_like_model(71, -0.5, 0.5);
   const StateDict g = random_like_model(72, -1.0, 1.0);
@@ -975,9 +989,9 @@ TEST(MuonTest, TwoRanksOnlyOwnersUpdateTheirMatrices) {
     set_grads(m, g);  // owners get the full gradient; placeholders (0 elements) are skipped
     mesh->counters().reset();
     opt.step();
-    EXPECT_EQ(mesh->counters().total_bytes(), 0);
+    EXPECT_EQ(mesh->counters().total_bytes(), 3 * 8);  // (the other rank's row)
     for (int op = 0; op < static_cast<int>(CommOp::kCount); ++op)
-      EXPECT_EQ(mesh->counters().calls(static_cast<CommOp>(op)), 0);
+      EXPECT_EQ(mesh->counters().calls(static_cast<CommOp>(op)), op == static_cast<int>(CommOp::AllGather) ? 1 : 0);
     int mine = 0;
     for (const auto& d : get_dedicated_params(*m)) {
       EXPECT_EQ(d.is_owner, d.owner_rank == ctx.rank) << d.name;

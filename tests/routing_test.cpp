@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/moduledict.h>
 #include <torch/nn/modules/container/parameterdict.h>
 #include <torch/nn/modules/container/parameterlist.h>
@@ -184,6 +185,8 @@ TEST(RoutingTest, AContainerThatRunsNoForwardIsNeverABoundary) {
       dict->insert("up", at::zeros({4, 4}));
       experts->update({{"e0", dict.ptr()}});
       register_module("block", torch::nn::Linear(4, 4));
+      // MultiheadAttention reads out_proj's weight without calling out_proj: its boundary is the attention
+      register_module("attn", torch::nn::MultiheadAttention(4, 2));
     }
   };
   const auto net = std::make_shared<Net>();  // (the view holds its modules weakly)
@@ -199,6 +202,9 @@ TEST(RoutingTest, AContainerThatRunsNoForwardIsNeverABoundary) {
   EXPECT_EQ(boundary("mix.0"), "");
   EXPECT_EQ(boundary("experts.e0.up"), "");
   EXPECT_EQ(boundary("block.weight"), "block");
+  EXPECT_TRUE(mods.find("attn.out_proj")->container);
+  EXPECT_EQ(boundary("attn.out_proj.weight"), "attn");
+  EXPECT_EQ(boundary("attn.in_proj_weight"), "attn");
   // a predicate is asked about modules that run a forward only
   std::vector<std::string> asked;
   o.hook_boundary_predicate = [&](const std::string& name, const torch::nn::Module&) {

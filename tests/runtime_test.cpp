@@ -793,9 +793,10 @@ TEST(RuntimeTest, HostReadsPerStepDoNotGrowWithTheParameterCount) {
   }
 }
 
-// NaN or Inf in a gradient (NaN; +Inf; -Inf; +Inf and -Inf together, whose sum is NaN): every owner
-// of a non-finite matrix stops with an error naming it, before any weight changes.
-TEST(RuntimeTest, NonFiniteMuonGradientIsAnErrorNamingTheMatrix) {
+// NaN or Inf in a gradient (NaN; +Inf; -Inf; +Inf and -Inf together, whose sum is NaN): the matrix is not
+// updated (weights, momentum), and step() raises on every rank naming it -- not on its owner alone, which would
+// leave the others in the next forward's broadcast until the timeout. The next step trains on.
+TEST(RuntimeTest, NonFiniteMuonGradientIsAnErrorOnEveryRankNamingTheMatrix) {
   const double inf = std::numeric_limits<double>::infinity();
   // foreach: the check by one _foreach_norm per dtype (the CUDA default) instead of a sum per gradient
   for (bool foreach : {false, true})
@@ -812,29 +813,51 @@ TEST(RuntimeTest, NonFiniteMuonGradientIsAnErrorNamingTheMatrix) {
       MuonOptions mo = testing::muon_options(TrainConfig{});
       mo.foreach = foreach;
       Muon opt(m.ptr(), mo);
-      const auto tokens = make_batches(1, 4, 8, cfg.vocab_size, 3)[0];
-      m->loss(tokens.narrow(0, ctx.rank * 2, 2)).backward();
-      prepare_muon_grads(*m);
-      std::map<std::string, at::Tensor> before;
+      const auto batches = make_batches(2, 4, 8, cfg.vocab_size, 3);
+      const std::string bad = "layers.0.k_proj.weight";
+      auto train = [&](int i, bool poisoned) {
+        m->loss(batches[static_cast<size_t>(i)].narrow(0, ctx.rank * 2, 2)).backward();
+        prepare_muon_grads(*m);
+        std::map<std::string, at::Tensor> before;
+        for (const auto& d : get_dedicated_params(*m))
+          if (d.is_owner) {
+            before[d.name] = d.param.detach().clone();
+            if (poisoned && d.name == bad) {
+              d.param.grad()[0][0] = poison.first;
+              if (poison.second != 0) d.param.grad()[1][1] = poison.second;
+            }
+          }
+        const std::string err = error_of([&] { opt.step(); });
+        opt.zero_grad();
+        return std::make_pair(err, before);
+      };
+      // a first clean step: the poisoned matrix has momentum, which must stay as it is
+      const auto [clean, start] = train(0, false);
+      testing::expect(clean.empty(), "a clean step failed: " + clean);
+      std::map<std::string, at::Tensor> momentum;
+      for (const auto& d : get_dedicated_params(*m))
+        if (d.is_owner) momentum[d.name] = opt.state_of(d.param)->momentum_buffer().clone();
+      const auto [err, before] = train(1, true);
+      const bool owns_bad = before.count(bad) > 0;
+      const std::string want = owns_bad ? "rank " + std::to_string(ctx.rank) + ": Muon::step: the averaged gradient of '" + bad + "'"
+                                        : "rank " + std::to_string(ctx.rank) + ": Muon::step: a Muon gradient is not finite on rank(s) " +
+                                              std::to_string(1 - ctx.rank) + ": rank " + std::to_string(1 - ctx.rank) +
+                                              ": Muon::step: the averaged gradient of '" + bad + "'";
+      testing::expect(err.find(want) != std::string::npos && err.find("NaN or Inf") != std::string::npos &&
+                          err.find("No rank updated it") != std::string::npos,
+                      "rank " + std::to_string(ctx.rank) + ": unexpected message: " + err);
       for (const auto& d : get_dedicated_params(*m))
         if (d.is_owner) {
-          before[d.name] = d.param.detach().clone();
-          if (d.name == "layers.0.k_proj.weight") {
-            d.param.grad()[0][0] = poison.first;
-            if (poison.second != 0) d.param.grad()[1][1] = poison.second;
-          }
+          const bool same = d.param.equal(before.at(d.name));
+          testing::expect(same == (d.name == bad), d.name + (same ? " was not updated" : " changed"));
+          const at::Tensor& buf = opt.state_of(d.param)->momentum_buffer();
+          testing::expect(buf.equal(momentum.at(d.name)) == (d.name == bad), d.name + ": momentum");
         }
-      const bool owns_k = before.count("layers.0.k_proj.weight") > 0;
-      const std::string err = error_of([&] { opt.step(); });
-      if (owns_k) {
-        testing::expect(err.find("gradient of 'layers.0.k_proj.weight'") != std::string::npos &&
-                            err.find("NaN or Inf") != std::string::npos && err.find("rank ") != std::string::npos,
-                        "unexpected message: " + err);
-        for (const auto& d : get_dedicated_params(*m))
-          if (d.is_owner) testing::expect(d.param.equal(before.at(d.name)), d.name + " changed before the error");
-      } else {
-        testing::expect(err.empty(), "a rank without the NaN matrix failed: " + err);
-      }
+      // the replicas agree, and the next step trains every matrix again
+      const auto [next, unused] = train(0, false);
+      testing::expect(next.empty(), "the step after the error failed: " + next);
+      for (const auto& d : get_dedicated_params(*m))
+        if (d.is_owner && d.name == bad) testing::expect(!d.param.equal(before.at(bad)), "not updated after the error");
     });
   }
 }
@@ -1424,8 +1447,9 @@ TEST(RuntimeTest, AllGatherModeKeepsShardsAndCountsItsBytes) {
       //    the other replicate groups
       //  * publish: the owner's group scatters S/G into each non-holder; HSDP: each shard crosses the
       //    replicate axis (S/G into every rank of the other groups); DDP: then all-gather (G-1)/G*S
+      //  * the step's non-finite verdict: an all-gather of three int64 from every other rank of the world
       const int64_t G = mesh->shard_size();
-      int64_t gather = 0, reduce = 0, scatter = 0, bcast = 0;
+      int64_t gather = 3 * 8 * (mesh->world_size() - 1), reduce = 0, scatter = 0, bcast = 0;
       for (const auto& buf : inspect::packed_units(*m)) {
         const auto& d = get_dedicated_params(*m);
         const auto it = std::find_if(d.begin(), d.end(), [&](const DedicatedParam& p) { return p.name == buf.params[0]; });
@@ -2068,6 +2092,42 @@ TEST(RuntimeTest, PlannerOptionsMismatchIsNamedNotBlamedOnAParameter) {
         err.find("parameter #") != std::string::npos)
       throw std::runtime_error("rank " + std::to_string(ctx.rank) + ": unexpected message: " + err);
   });
+}
+
+// Ranks given different options that decide which collectives run (Z3 on one, Z2 on the other; broadcast or
+// all-gather unshard; publish chunks) are told so at dedicate_params, naming the option and its value, instead
+// of waiting in different collectives; an option one rank refuses fails every rank.
+TEST(RuntimeTest, DedicateOptionsThatShapeTheCollectivesMustAgree) {
+  struct Case {
+    std::function<void(DedicateOptions&)> set;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {[](DedicateOptions& o) { o.reshard_after_forward = false; }, "reshard_after_forward = "},
+      {[](DedicateOptions& o) { o.muon_forward_unshard = "all_gather"; }, "muon_forward_unshard = "},
+      {[](DedicateOptions& o) { o.replicate_broadcast_bucket_mb = 4.000001; }, "replicate_broadcast_bucket_mb = "},
+      {[](DedicateOptions& o) { o.delay_stage2_to_optimizer = false; }, "delay_stage2_to_optimizer = "},
+      {[](DedicateOptions& o) { o.param_policy.push_back({"layers.1.", [] {
+                                  ParamPolicy p;
+                                  p.muon_forward_unshard = "all_gather";
+                                  return p;
+                                }()}); },
+       "muon_forward_unshard or mixed-precision policy"},
+      {[](DedicateOptions& o) { o.replicate_broadcast_bucket_mb = -1; }, "replicate_broadcast_bucket_mb must be >= 0"},
+  };
+  for (const Case& c : cases)
+    testing::run_ranks(2, [&](testing::RankContext& ctx) {
+      GPT m(small_config(2));
+      auto mesh = make_mesh(ctx, std::chrono::seconds(60));
+      DedicateOptions o;
+      o.replicate_broadcast_bucket_mb = 4;
+      if (ctx.rank == 1) c.set(o);
+      const std::string err = error_of([&] { dedicate_params(m.ptr(), mesh, models::is_muon_matrix, o); });
+      const bool refused = c.want.find("must be") != std::string::npos;
+      const std::string want = refused && ctx.rank == 0 ? "setup failed on rank(s) 1" : c.want;
+      if (err.find(want) == std::string::npos || err.find("rank " + std::to_string(ctx.rank) + ": ") != 0)
+        throw std::runtime_error("rank " + std::to_string(ctx.rank) + ": unexpected message: " + err);
+    });
 }
 
 // A setup failure on one rank only (here: rank 1's planner options are invalid) fails every rank at

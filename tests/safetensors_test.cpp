@@ -134,6 +134,12 @@ TEST(Safetensors, DamagedFilesAreErrorsThatNameTheFileAndTensor) {
   EXPECT_NE(err(R"({"a":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}})", eight).find("dtype C64"),
             std::string::npos);
   EXPECT_NE(err(R"({"__metadata__":{"k":1}})", "").find("not a string"), std::string::npos);
+  // values nested deeper than a recursive printer's stack (here 1M levels, 2 MB of header): quoted two levels
+  // deep in the error, not a crash
+  const std::string deep = std::string(1000000, '[') + std::string(1000000, ']');
+  EXPECT_NE(err(R"({"w":)" + deep + "}", "").find(R"(needs "dtype", "shape" and "data_offsets", got [[[...]]])"),
+            std::string::npos);
+  EXPECT_NE(err(R"({"__metadata__":{"k":)" + deep + "}}", "").find("is not a string ([[[...]]]"), std::string::npos);
   {  // a header length beyond the file
     std::ofstream out(p, std::ios::binary);
     const char len[8] = {100, 0, 0, 0, 0, 0, 0, 0};

@@ -66,6 +66,12 @@ class ParamSource {
   // dtype and device the rank keeps: the master copy's where mixed precision keeps one).
   virtual void fill(const std::string& name, const TensorRegion& region, at::Tensor& out) = 0;
   virtual std::string describe() const = 0;  // for error messages ("seeded init (seed 0)", a file path)
+  // What identifies the values served, known without reading them: the ranks compare it before they fill from
+  // the source (dedicate_params with a param_source, set_model_state_dict), so ranks given different sources
+  // (another seed, a stale copy of a file) fail instead of drifting apart. seeded_init: its seed; a dict: its
+  // names, dtypes and shapes; safetensors: its tensors' names, dtypes, shapes and recorded checksums. 0: the
+  // source cannot tell (nothing is compared).
+  virtual uint64_t digest() const { return 0; }
 };
 
 // Fills `full` (a float32 CPU tensor of the parameter's full shape) with its initial value, drawing

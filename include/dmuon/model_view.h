@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -52,8 +53,11 @@ struct ModelView {
   // Modules that run tensor-parallel collectives, with the mesh they were built on (checked to be
   // the dedicate mesh).
   std::vector<std::pair<std::string, const Mesh*>> tp_modules;
+  // A front end's checks of its own arguments, run first inside dedicate's agreement: what it refuses on one
+  // rank fails every rank (naming that rank and its reason) instead of leaving the others in a collective.
+  std::function<void()> precheck;
 
-  // Checks the view (names unique and non-empty for parameters; parents before children; every
+  // Runs precheck, then checks the view (names unique and non-empty for parameters; parents before children; every
   // module's parent is the dotted prefix of its name). Throws naming the first problem and `rank`.
   void check(int rank) const;
   const Module* module(const std::string& name) const;  // null when absent

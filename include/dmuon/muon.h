@@ -255,6 +255,8 @@ class Muon : public torch::optim::Optimizer {
   const MuonParamState* state_of(const at::Tensor& p) const;
 
  private:
+  // `model`: the LibTorch model (its parameters are checked to be the runtime's), or null
+  Muon(const std::shared_ptr<RuntimeFace>& runtime, MuonOptions options, const torch::nn::Module* model);
   friend struct detail::MuonInternals;  // checkpoint restore and segmented clipping write through it
   // Muon on an owned matrix: momentum, Newton-Schulz, update of its target (the master copy under
   // mixed precision, rounded into the parameter).

@@ -327,8 +327,10 @@ void bind_runtime(py::module_& m) {
          const std::vector<std::pair<std::string, at::Tensor>>& buffers,
          const std::vector<std::tuple<std::string, int, bool>>& modules, const std::shared_ptr<Mesh>& mesh,
          const ParamPredicate& predicate, const py::dict& options, bool ddp,
-         const std::map<std::string, int>& tp_split, const std::map<std::string, std::vector<std::string>>& aliases) {
+         const std::map<std::string, int>& tp_split, const std::map<std::string, std::vector<std::string>>& aliases,
+         const std::function<void()>& precheck) {
         ModelView v;
+        v.precheck = caller_mistakes_kept(precheck);  // the Python front end's refusal, agreed with the others
         for (const auto& [n, t] : params) {
           auto it = aliases.find(n);
           v.params.push_back({n, t, it == aliases.end() ? std::vector<std::string>{} : it->second});
@@ -346,7 +348,8 @@ void bind_runtime(py::module_& m) {
                                             : dedicate_model_view_ddp(std::move(v), mesh, select, o)};
       },
       "params"_a, "buffers"_a, "modules"_a, "mesh"_a, "predicate"_a, "options"_a, "ddp"_a,
-      "tp_split"_a = std::map<std::string, int>{}, "aliases"_a = std::map<std::string, std::vector<std::string>>{});
+      "tp_split"_a = std::map<std::string, int>{}, "aliases"_a = std::map<std::string, std::vector<std::string>>{},
+      "precheck"_a = std::function<void()>{});
 
   py::class_<Muon>(m, "_Muon")
       .def(py::init([](const RuntimeHandle& h, const py::dict& options) {

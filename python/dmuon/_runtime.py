@@ -154,17 +154,20 @@ def _model_view(model: nn.Module):
     params = [(n, p) for n, p in model.named_parameters()]  # tied parameters once (their first name)
     buffers = [(n, b) for n, b in model.named_buffers()]
     modules, index = [], {}
-    for name, m in model.named_modules():
+    by_name = dict(model.named_modules())
+    for name, m in by_name.items():
         parent = -1 if name == "" else index[name.rpartition(".")[0]]
         index[name] = len(modules)
-        modules.append((name, parent, _is_container(m)))
+        modules.append((name, parent, _is_container(m, by_name.get(name.rpartition(".")[0]) if name else None)))
     return params, buffers, modules
 
 
-def _is_container(module: nn.Module) -> bool:
-    """A module without a forward of its own (ModuleList, ModuleDict, ParameterList, ParameterDict): its parent's
-    forward uses what it holds, so its forward hooks never run and it cannot be a hook boundary."""
-    return type(module).forward is nn.Module.forward
+def _is_container(module: nn.Module, parent: Optional[nn.Module] = None) -> bool:
+    """A module whose forward never runs: one without a forward of its own (ModuleList, ModuleDict, ParameterList,
+    ParameterDict), or one whose parent reads its parameters instead of calling it (nn.MultiheadAttention's
+    out_proj: F.multi_head_attention_forward takes out_proj.weight). Its forward hooks never run, so it cannot be
+    a hook boundary: its parameters' boundary is the lowest ancestor that runs (the attention module)."""
+    return type(module).forward is nn.Module.forward or isinstance(parent, nn.MultiheadAttention)
 
 
 def _boundary_resolver(model: nn.Module, predicate: Callable[[nn.Module], bool], strict: bool):
@@ -187,7 +190,7 @@ def _boundary_resolver(model: nn.Module, predicate: Callable[[nn.Module], bool],
         for i in range(len(parts), -1, -1):  # the lowest ancestor first
             candidate = ".".join(parts[:i])
             module = modules.get(candidate)
-            if module is None or (_is_container(module) and i > 0):
+            if module is None or (_is_container(module, modules.get(".".join(parts[:i - 1]))) and i > 0):
                 continue
             lowest = candidate if lowest is None else lowest
             if predicate(module):
@@ -310,8 +313,18 @@ def _policy_options(param_policy, param_policy_fn, fn: str) -> dict:
     return out
 
 
-def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_predicate, hook_boundary_strict,
-              process_group_policy, ddp, fn):
+def _options_or_failure(build):
+    """``build()``'s options, or ({}, the exception it raised): a refusal on one rank is agreed with the others
+    inside the core's setup (:func:`_dedicate`), not raised before they wait in a collective."""
+    try:
+        return build(), None
+    except Exception as e:  # noqa: BLE001  (re-raised on this rank after the agreement)
+        return {}, e
+
+
+def _check_dedicate_arguments(model, predicate, options, hook_boundary_predicate, hook_boundary_strict, tp_params,
+                              fn):
+    """The checks of _dedicate's arguments that need no collective (raised through the core's agreement)."""
     if getattr(model, "_dmuon", None) is not None:
         raise ValueError(f"{fn}: this model is dedicated already; call it once per model.")
     if not callable(predicate):
@@ -324,9 +337,6 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
             "publishes real values. Materialise the model first (model.to_empty(device=...) and initialise the "
             "weights, or load a checkpoint), then call it."
         )
-    user_predicate = predicate
-    predicate = lambda name, param: bool(user_predicate(name, param))  # noqa: E731  truthiness, as filter() takes it
-    tp_group, tp_params = find_tp_params(model, mesh, replicate_mesh, fn)
     if tp_params and fn == "dedicate_params_ddp":
         raise ValueError(f"dedicate_params_ddp: parameter '{tp_params[0].name}' is a tensor-parallel DTensor; the DDP "
                          "path with tensor parallelism is dedicate_params_ddp_tp (then replicate_tp).")
@@ -337,7 +347,29 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
         options["hook_boundary_resolver"] = _module_name_resolver(model, options["hook_boundary_resolver"], fn)
     elif hook_boundary_predicate is not None:
         options["hook_boundary_resolver"] = _boundary_resolver(model, hook_boundary_predicate, hook_boundary_strict)
+
+
+def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_predicate, hook_boundary_strict,
+              process_group_policy, ddp, fn, failure=None):
+    # (`failure`: the caller's options were refused on this rank; raised here after every rank learnt of it)
+    tp_group, tp_params = find_tp_params(model, mesh, replicate_mesh, fn)
+    if failure is None:
+        try:
+            _check_dedicate_arguments(model, predicate, options, hook_boundary_predicate, hook_boundary_strict,
+                                      tp_params, fn)
+        except Exception as e:  # noqa: BLE001
+            failure = e
     native_mesh, world_group, dp_ranks, groups = make_mesh(mesh, replicate_mesh, process_group_policy, fn, tp=tp_group)
+    if failure is not None:  # the core's setup agreement, with this rank's refusal: every rank raises
+        def refuse():
+            raise failure
+        try:
+            _C._dedicate([], [], [], native_mesh, lambda name, param: False, {}, ddp, precheck=refuse)
+        except Exception:  # noqa: BLE001
+            pass
+        raise failure
+    user_predicate = predicate
+    predicate = lambda name, param: bool(user_predicate(name, param))  # noqa: E731  truthiness, as filter() takes it
     swap_in_local_slices(tp_params)
     # the user's callables see the TP parameters as they wrote the model: DTensors of the full shape
     predicate = show_dtensors(tp_params, predicate)
@@ -498,7 +530,7 @@ def dedicate_params(
     (or in the distributed Gram form), and :func:`replicate_tp` or FSDP2 takes the rest. Returns parameter ->
     owner rank (HSDP: its (shard, replicate) coordinate).
     Collective: every rank of the default group, in the same order."""
-    options = {
+    options, failure = _options_or_failure(lambda: {
         "compute_dtype": compute_dtype,
         "reshard_after_forward": reshard_after_forward,
         "hook_boundary_strict": hook_boundary_strict,
@@ -515,9 +547,9 @@ def dedicate_params(
         "delay_stage2_to_optimizer": delay_stage2_to_optimizer,
         "tp_buffer_reuse": _tp_buffer_reuse(tp_buffer_reuse, "dedicate_params"),
         **_policy_options(param_policy, param_policy_fn, "dedicate_params"),
-    }
+    })
     return _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_predicate, hook_boundary_strict,
-                     process_group_policy, False, "dedicate_params")
+                     process_group_policy, False, "dedicate_params", failure)
 
 
 def dedicate_params_ddp(
@@ -540,9 +572,10 @@ def dedicate_params_ddp(
     """The DDP path: every rank keeps every matrix whole; ownership decides who runs Newton-Schulz, where
     its gradient is reduced and who publishes the update after ``step()``. Pair it with
     :func:`replicate` for the other parameters. 1-D meshes. Returns parameter -> owner rank. Collective."""
-    options = _ddp_options(locals(), "dedicate_params_ddp")
+    given = dict(locals())
+    options, failure = _options_or_failure(lambda: _ddp_options(given, "dedicate_params_ddp"))
     return _dedicate(model, mesh, None, predicate, options, hook_boundary_predicate, hook_boundary_strict,
-                     process_group_policy, True, "dedicate_params_ddp")
+                     process_group_policy, True, "dedicate_params_ddp", failure)
 
 
 def dedicate_params_ddp_tp(
@@ -568,10 +601,12 @@ def dedicate_params_ddp_tp(
     mesh (e.g. ``mesh2d["dp"]``), then :func:`replicate_tp`. The TP ranks of the owner's data-parallel
     position gather their slices to a TP owner for Newton-Schulz, scatter the update back, and the updated
     slices are published over the data-parallel mesh. Returns parameter -> owner rank. Collective."""
-    options = _ddp_options(locals(), "dedicate_params_ddp_tp")
-    options["tp_buffer_reuse"] = _tp_buffer_reuse(tp_buffer_reuse, "dedicate_params_ddp_tp")
+    given = dict(locals())
+    options, failure = _options_or_failure(lambda: {
+        **_ddp_options(given, "dedicate_params_ddp_tp"),
+        "tp_buffer_reuse": _tp_buffer_reuse(tp_buffer_reuse, "dedicate_params_ddp_tp")})
     return _dedicate(model, mesh, None, predicate, options, hook_boundary_predicate, hook_boundary_strict,
-                     process_group_policy, True, "dedicate_params_ddp_tp")
+                     process_group_policy, True, "dedicate_params_ddp_tp", failure)
 
 
 def _tp_buffer_reuse(value, fn: str) -> str:
@@ -761,6 +796,27 @@ def _summary(value, path: str, out: dict) -> None:
         out[path] = type(value).__name__
 
 
+def _gathered_with_refusals(group, fn: str, given: str, outcome: str, failure, payload) -> list:
+    """One all_gather_object over ``group`` of this rank's refusal (``failure``, or None) and ``payload``; every
+    rank learns of every refusal before any raises (none leaves the others in the gather). A refusal anywhere
+    raises on every rank: this rank's own ``failure`` here, elsewhere "rank(s) R refused <given> they were
+    given, so <outcome>" with the first refusing rank's reason (a ValueError where every refusal was a caller
+    mistake, ValueError or TypeError, else a RuntimeError). Returns every rank's payload, in group order."""
+    everyone = [None] * dist.get_world_size(group)
+    mine = None if failure is None else (isinstance(failure, (ValueError, TypeError)),
+                                         f"{type(failure).__name__}: {failure}")
+    dist.all_gather_object(everyone, (mine, payload), group=group)
+    if failure is not None:
+        raise failure
+    refused = [(r, theirs) for r, (theirs, _) in zip(dist.get_process_group_ranks(group), everyone)
+               if theirs is not None]
+    if refused:
+        kind = ValueError if all(mistake for _, (mistake, _) in refused) else RuntimeError
+        raise kind(f"rank {dist.get_rank()}: {fn}: rank(s) {', '.join(str(r) for r, _ in refused)} refused {given} "
+                   f"they were given, so {outcome} (rank {refused[0][0]}: {refused[0][1][1]})")
+    return [p for _, p in everyone]
+
+
 def _load_agreed(group, fn: str, check: Callable[[], None], given) -> None:
     """The agreement before a load writes anything (collective over the model's ranks, reached on every
     rank whatever `check` raises): `check` (this rank's validation of `given`) raising on any rank raises on
@@ -776,19 +832,11 @@ def _load_agreed(group, fn: str, check: Callable[[], None], given) -> None:
         if error is not None:
             raise error
         return
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (None if error is None else f"{type(error).__name__}: {error}", summary),
-                           group=group)
-    if error is not None:
-        raise error
+    everyone = _gathered_with_refusals(group, fn, "the state dict", "no rank loads anything", error, summary)
     ranks = dist.get_process_group_ranks(group)
     me = dist.get_rank()
-    for r, (theirs, _) in zip(ranks, everyone):
-        if theirs is not None:
-            raise ValueError(f"rank {me}: {fn}: rank {r} refused the state dict it was given, so no rank loads "
-                             f"anything ({theirs})")
-    first = everyone[0][1]
-    for r, (_, theirs) in zip(ranks[1:], everyone[1:]):
+    first = everyone[0]
+    for r, theirs in zip(ranks[1:], everyone[1:]):
         if theirs == first:
             continue
         path = next((k for k in sorted(set(first) | set(theirs)) if first.get(k) != theirs.get(k)))
@@ -991,14 +1039,17 @@ def _canonical(value) -> str:
     return repr(value)
 
 
-def _agree_across_ranks(group, options: dict) -> None:
+def _agree_across_ranks(group, options: dict, failure: Optional[BaseException] = None) -> None:
     """Every rank constructs Muon with the same options (collective over the model's mesh, once): a
-    ValueError on every rank naming the first option that differs and each rank's value."""
+    ValueError on every rank naming the first option that differs and each rank's value. ``failure``: this
+    rank refused its arguments; every rank raises, this one ``failure``, the others naming it (a ValueError
+    where every refusal was a caller mistake, ValueError or TypeError, else a RuntimeError)."""
     if group is None or dist.get_world_size(group) == 1:
+        if failure is not None:
+            raise failure
         return
-    mine = {key: (_canonical(value), repr(value)) for key, value in options.items()}
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    mine = {key: (_canonical(value), repr(value)) for key, value in options.items()} if failure is None else {}
+    everyone = _gathered_with_refusals(group, "Muon", "the options", "no rank builds Muon", failure, mine)
     ranks = dist.get_process_group_ranks(group)
     for key in options:
         values = [theirs.get(key, ("", "unset")) for theirs in everyone]
@@ -1137,33 +1188,48 @@ class Muon(torch.optim.Optimizer):
         foreach: Optional[bool] = None,
     ):
         state = _state_of(model, "Muon")
-        given = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps, adamw_lr=adamw_lr,
-                     adamw_betas=adamw_betas, adamw_weight_decay=adamw_weight_decay, adamw_eps=adamw_eps,
-                     ns_backend=ns_backend, nesterov=nesterov, replicate_async=replicate_async,
-                     group_prepare_ahead=group_prepare_ahead)
-        unset = [k for k, v in given.items() if v is None]
-        if unset:  # as torch.optim: None is no value (only fused / foreach take None, meaning "decide")
-            raise TypeError(f"Muon: {unset[0]}=None; pass a value (or leave the argument out for its default).")
-        if isinstance(post_step_prefetch_groups, bool) or not isinstance(post_step_prefetch_groups, int) \
-                or post_step_prefetch_groups < 0:
-            raise ValueError(f"Muon: post_step_prefetch_groups must be an int >= 0, got {post_step_prefetch_groups!r}")
-        if isinstance(forward_prefetch_depth, bool) or not isinstance(forward_prefetch_depth, int) or forward_prefetch_depth < 0:
-            raise ValueError(f"Muon: forward_prefetch_depth must be an int >= 0, got {forward_prefetch_depth!r}")
-        # FSDP2's DTensor shards (fully_shard after dedicate_params) leave dmuon's routes before the native
-        # optimizer checks that every trainable parameter is on a distributed route
-        external = _sync_external(model, state)
-        local = [n for n, route in state.runtime.routes() if route == "local"]
-        if local and state.mesh.world_size > 1:
-            raise ValueError(
-                f"Muon: {len(local)} trainable parameter(s) have no data-parallel route on this "
-                f"{state.mesh.world_size}-rank mesh: {local[:8]}. Each rank would update them with its own "
-                "gradient and the replicas would drift apart. Before constructing Muon, call dmuon.replicate(model), "
-                "or fully_shard the modules that hold them, or freeze them (requires_grad_(False))."
-            )
-        user = _user_groups(param_groups, state)
+        # this rank's checks; a refusal is agreed with the other ranks below (each raises), never raised alone
+        # while they wait in the agreement's collective
+        failure, user, external = None, [], {}
+        try:
+            given = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps, adamw_lr=adamw_lr,
+                         adamw_betas=adamw_betas, adamw_weight_decay=adamw_weight_decay, adamw_eps=adamw_eps,
+                         ns_backend=ns_backend, nesterov=nesterov, replicate_async=replicate_async,
+                         group_prepare_ahead=group_prepare_ahead)
+            unset = [k for k, v in given.items() if v is None]
+            if unset:  # as torch.optim: None is no value (only fused / foreach take None, meaning "decide")
+                raise TypeError(f"Muon: {unset[0]}=None; pass a value (or leave the argument out for its default).")
+            if isinstance(post_step_prefetch_groups, bool) or not isinstance(post_step_prefetch_groups, int) \
+                    or post_step_prefetch_groups < 0:
+                raise ValueError(f"Muon: post_step_prefetch_groups must be an int >= 0, got {post_step_prefetch_groups!r}")
+            if isinstance(forward_prefetch_depth, bool) or not isinstance(forward_prefetch_depth, int) or forward_prefetch_depth < 0:
+                raise ValueError(f"Muon: forward_prefetch_depth must be an int >= 0, got {forward_prefetch_depth!r}")
+            # FSDP2's DTensor shards (fully_shard after dedicate_params) leave dmuon's routes before the native
+            # optimizer checks that every trainable parameter is on a distributed route
+            external = _sync_external(model, state)
+            local = [n for n, route in state.runtime.routes() if route == "local"]
+            if local and state.mesh.world_size > 1:
+                raise ValueError(
+                    f"Muon: {len(local)} trainable parameter(s) have no data-parallel route on this "
+                    f"{state.mesh.world_size}-rank mesh: {local[:8]}. Each rank would update them with its own "
+                    "gradient and the replicas would drift apart. Before constructing Muon, call dmuon.replicate(model), "
+                    "or fully_shard the modules that hold them, or freeze them (requires_grad_(False))."
+                )
+            known = {id(p) for p in state.params.values()} | {id(p) for p in external.values()}
+            added = [n for n, p in model.named_parameters()
+                     if p.requires_grad and n not in state.params and id(p) not in known]
+            if added:
+                raise ValueError(
+                    f"Muon: trainable parameter(s) {added[:8]} were added to the model after dedicate_params, so no "
+                    "dmuon route averages their gradients and no step would update them. Add every parameter before "
+                    "dedicate_params (or freeze these: requires_grad_(False))."
+                )
+            user = _user_groups(param_groups, state)
+        except Exception as e:  # noqa: BLE001  (raised on this rank by the agreement)
+            failure = e
         # what decides the math or the collectives must be the same on every rank: else the replicas drift
         # apart silently (an lr per rank) or the ranks issue different collectives (a hang until the timeout)
-        _agree_across_ranks(state.world_group, dict(
+        _agree_across_ranks(state.world_group, {} if failure is not None else dict(
             lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps, adamw_lr=adamw_lr,
             adamw_betas=tuple(adamw_betas), adamw_weight_decay=adamw_weight_decay, adamw_eps=adamw_eps,
             param_groups=user, ns_backend=ns_backend, nesterov=nesterov, replicate_async=replicate_async,
@@ -1173,7 +1239,7 @@ class Muon(torch.optim.Optimizer):
             post_step_prefetch_groups=post_step_prefetch_groups,
             post_step_prefetch_sharded_adamw=post_step_prefetch_sharded_adamw,
             sharded_adamw_unshard_separate_stream=sharded_adamw_unshard_separate_stream,
-            forward_prefetch_depth=forward_prefetch_depth))
+            forward_prefetch_depth=forward_prefetch_depth), failure=failure)
         native_user = [dict(g, params=[state.params[n] for n in g["params"] if n not in external]) for g in user]
         options = dict(
             lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps, adamw_lr=adamw_lr,
@@ -1624,6 +1690,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
             if len(numbers) != 6 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
                 raise ValueError(f"set_optimizer_state_dict: param_groups[{i}] holds a value that is not a number in "
                                  f"lr, momentum, weight_decay, eps or betas (a pair): {dict((k, saved[k]) for k in ('lr', 'momentum', 'weight_decay', 'eps', 'betas'))}.")
+            _refuse_torch_only_flags(i, saved)  # (copied into the live groups below: step() would refuse them)
             mine = optimizer.param_groups[i]
             if bool(saved.get("is_muon")) != mine["is_muon"] or saved.get("group_name") != mine["group_name"]:
                 raise ValueError(

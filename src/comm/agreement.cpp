@@ -8,7 +8,6 @@
 #include <cstring>
 #include <exception>
 
-#include "comm/error_text.h"
 #include "dmuon/digest.h"
 #include "dmuon/host_sync.h"
 
@@ -20,19 +19,11 @@ constexpr int64_t kMessageBytes = 1024;  // of a refusing rank's error, sent to 
 uint64_t entry_digest(const AgreedEntry& e) { return Fnv1a().str(e.key).u64(e.digest).value(); }
 }  // namespace
 
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string s;
-  for (int r : ranks) {
-    if (!s.empty()) s += ", ";
-    s += std::to_string(r);
-  }
-  return s;
-}
-
 void agree(Communicator& world, const AgreementText& text, const std::function<void()>& check,
            const std::function<std::vector<AgreedEntry>()>& summary) {
   std::exception_ptr error;
   std::string reason;
+  int64_t refusal = 0;  // 0 none, 1 a caller mistake, 2 anything else
   std::vector<AgreedEntry> entries;
   try {
     check();
@@ -40,7 +31,9 @@ void agree(Communicator& world, const AgreementText& text, const std::function<v
   } catch (const std::exception& e) {  // reported to the other ranks first: none may leave before the gather
     error = std::current_exception();
     reason = error_text(e);
+    refusal = is_caller_mistake(e) ? 1 : 2;
   } catch (...) {
+    refusal = 2;
     error = std::current_exception();
     reason = "an exception that is not a std::exception";
   }
@@ -55,7 +48,7 @@ void agree(Communicator& world, const AgreementText& text, const std::function<v
   // one row per rank: [refused, entries, digest of them all]
   at::Tensor mine = at::empty({3}, at::kLong);
   int64_t* m3 = mine.data_ptr<int64_t>();
-  m3[0] = error ? 1 : 0;
+  m3[0] = error ? refusal : 0;
   m3[1] = static_cast<int64_t>(entries.size());
   m3[2] = static_cast<int64_t>(all.value());
   at::Tensor rows = at::empty({3 * n}, world.options(at::kLong));
@@ -64,8 +57,12 @@ void agree(Communicator& world, const AgreementText& text, const std::function<v
   const int64_t* row = host.data_ptr<int64_t>();
 
   std::vector<int> refused;
+  bool mistakes_only = true;  // every refusal was a caller mistake: the others raise one too
   for (int r = 0; r < n; ++r)
-    if (row[3 * r] != 0) refused.push_back(r);
+    if (row[3 * r] != 0) {
+      refused.push_back(r);
+      mistakes_only = mistakes_only && row[3 * r] == 1;
+    }
   if (!refused.empty()) {  // every rank learns the first refusal's reason
     at::Tensor msg = at::zeros({kMessageBytes}, at::kByte);
     std::memcpy(msg.data_ptr(), reason.data(), std::min<size_t>(reason.size(), kMessageBytes - 1));
@@ -79,8 +76,12 @@ void agree(Communicator& world, const AgreementText& text, const std::function<v
     std::string said(first, strnlen(first, kMessageBytes));
     const std::string who = "rank " + std::to_string(global.front()) + ": ";
     if (said.rfind(who, 0) == 0) said.erase(0, who.size());  // (its error names its rank already)
-    TORCH_CHECK_VALUE(false, "rank ", me, ": ", text.fn, ": rank(s) ", rank_list(global), " refused ", text.given,
-                      " they were given, so ", text.outcome, " (", who, said, ")");
+    said = who + said;
+    const std::string what = text.refused ? text.refused(global, said)
+                                          : "rank(s) " + rank_list(global) + " refused " + text.given +
+                                                " they were given, so " + text.outcome + " (" + said + ")";
+    if (mistakes_only) TORCH_CHECK_VALUE(false, "rank ", me, ": ", text.fn, ": ", what);
+    TORCH_CHECK(false, "rank ", me, ": ", text.fn, ": ", what);
   }
 
   Disagreement d;
@@ -108,6 +109,7 @@ void agree(Communicator& world, const AgreementText& text, const std::function<v
     for (int r = 1; r < n; ++r)
       if (e[r * m + i] != e[i]) {
         d.entry = &entries[static_cast<size_t>(i)];
+        d.index = i;
         d.ranks.push_back(ranks[static_cast<size_t>(r)]);
       }
   if (d.entry) TORCH_CHECK_VALUE(false, "rank ", me, ": ", text.fn, ": ", text.differs(d));

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/error_text.h"
 #include "dmuon/communicator.h"
 
 namespace dmuon::detail {
@@ -31,26 +32,28 @@ struct AgreedEntry {
 // from global rank 0's; `count0` rank 0's number of entries, `count` the first differing rank's.
 struct Disagreement {
   const AgreedEntry* entry = nullptr;
+  int64_t index = -1;  // entry's position in the summary
   std::vector<int> ranks;
   int64_t count0 = 0, count = 0;
 };
 
 struct AgreementText {
-  std::string fn;     // the call, first in every message and in the collectives' names: "set_model_state_dict"
-  std::string given;  // what a rank refused: "the state dict" -> "rank(s) 1 refused the state dict they were given"
+  std::string fn;       // the call, first in every message and in the collectives' names: "set_model_state_dict"
+  std::string given;    // what a rank refused: "the state dict" -> "rank(s) 1 refused the state dict they were given"
   std::string outcome;  // after a refusal: "no rank loads anything"
+  // the whole error for a refusal on other ranks (after "rank R: fn: "), from the refusing global ranks and the
+  // first one's reason ("rank 1: ..."); empty: "rank(s) 1 refused <given> they were given, so <outcome> (reason)"
+  std::function<std::string(const std::vector<int>& ranks, const std::string& reason)> refused;
   // the whole error for a disagreement (after "rank R: fn: ")
   std::function<std::string(const Disagreement&)> differs;
 };
 
-// "1, 3": global ranks for messages.
-std::string rank_list(const std::vector<int>& ranks);
-
 // collective over `world`, every rank, whatever `check` throws: `check` validates this rank's input
 // (throwing what the caller reports), `summary` lists what must agree (called only when `check` passed).
-// Throws on every rank when any rank's check threw (this rank's own exception where it is this rank's, a
-// ValueError naming the first refusing rank and its reason elsewhere) or when the summaries differ from
-// global rank 0's (a ValueError with text.differs). A world of one exchanges nothing (check still runs).
+// Throws on every rank when any rank's check threw (this rank's own exception where it is this rank's; elsewhere
+// one naming the first refusing rank and its reason, a ValueError where every refusal was a caller mistake, else
+// a RuntimeError) or when the summaries differ from global rank 0's (a ValueError with text.differs). A world of
+// one exchanges nothing (check still runs).
 void agree(Communicator& world, const AgreementText& text, const std::function<void()>& check,
            const std::function<std::vector<AgreedEntry>()>& summary);
 

@@ -6,6 +6,7 @@
 
 #include <numeric>
 
+#include "comm/error_text.h"
 #include "dmuon/env.h"
 
 namespace dmuon {
@@ -19,33 +20,37 @@ std::vector<int> iota_ranks(int n, int start, int stride) {
 }  // namespace
 
 std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts) {
-  TORCH_CHECK_VALUE(world, "Mesh::create: the world process group is null. Create one with "
-              "dmuon::make_process_group or dmuon::bootstrap_from_environment first.");
+  TORCH_CHECK_VALUE(world,
+                    "Mesh::create: the world process group is null. Create one with "
+                    "dmuon::make_process_group or dmuon::bootstrap_from_environment first.");
   const int rank = world->getRank(), n = world->getSize();
   std::string policy = opts.process_group_policy;
   if (policy.empty()) policy = env::process_group_policy();
   if (policy.empty()) policy = "isolated";
-  TORCH_CHECK_VALUE(policy == "isolated" || policy == "shared", "rank ", rank, ": unknown process_group_policy '", policy,
-              "' (from ", opts.process_group_policy.empty() ? "DMUON_PROCESS_GROUP_POLICY" : "MeshOptions",
-              "). Use \"isolated\" (dmuon's own groups, the default) or \"shared\" (the caller's group).");
+  TORCH_CHECK_VALUE(policy == "isolated" || policy == "shared", "rank ", rank, ": unknown process_group_policy '",
+                    policy, "' (from ",
+                    opts.process_group_policy.empty() ? "DMUON_PROCESS_GROUP_POLICY" : "MeshOptions",
+                    "). Use \"isolated\" (dmuon's own groups, the default) or \"shared\" (the caller's group).");
   const int R = opts.replicate_size, T = opts.tp_size;
   TORCH_CHECK_VALUE(T >= 1 && n % T == 0, "rank ", rank, ": tp_size ", T, " does not divide the world size ", n,
-              ". A mesh with tensor parallelism needs world = R x G x T; pick T among the divisors of ", n, ".");
-  TORCH_CHECK_VALUE(R >= 1 && (n / T) % R == 0, "rank ", rank, ": replicate size ", R, " does not divide the world size ",
-              n, T > 1 ? " over the tp_size" : "", ". An HSDP mesh needs world = R x G", T > 1 ? " x T" : "",
-              "; pick R among the divisors of ", n / T, ".");
+                    ". A mesh with tensor parallelism needs world = R x G x T; pick T among the divisors of ", n, ".");
+  TORCH_CHECK_VALUE(R >= 1 && (n / T) % R == 0, "rank ", rank, ": replicate size ", R,
+                    " does not divide the world size ", n, T > 1 ? " over the tp_size" : "",
+                    ". An HSDP mesh needs world = R x G", T > 1 ? " x T" : "", "; pick R among the divisors of ", n / T,
+                    ".");
   TORCH_CHECK_VALUE(opts.timeout.count() > 0, "rank ", rank, ": MeshOptions::timeout is ", opts.timeout.count(),
-              " ms; it must be > 0. Every collective waits at most this long, so a lost peer is an error instead "
-              "of a hang; there is no \"no timeout\" (the default is ", kDefaultCollectiveTimeout.count(), " ms).");
+                    " ms; it must be > 0. Every collective waits at most this long, so a lost peer is an error instead "
+                    "of a hang; there is no \"no timeout\" (the default is ",
+                    kDefaultCollectiveTimeout.count(), " ms).");
   const int G = n / R / T;
   const bool need_groups = policy == "isolated" || R > 1 || T > 1;
   TORCH_CHECK_VALUE(!need_groups || (opts.store && opts.factory), "rank ", rank, ": ",
-              (T > 1   ? "a mesh with a tensor-parallel axis"
-               : R > 1 ? "a 2-D (replicate x shard) mesh"
-                       : "process_group_policy=\"isolated\""),
-              " builds dmuon's own process groups and needs MeshOptions::store and MeshOptions::factory (see "
-              "dmuon::process_group_factory in bootstrap.h), or use process_group_policy=\"shared\" on a 1-D mesh"
-              ", or pass the caller's groups of every axis to Mesh::from_groups.");
+                    (T > 1   ? "a mesh with a tensor-parallel axis"
+                     : R > 1 ? "a 2-D (replicate x shard) mesh"
+                             : "process_group_policy=\"isolated\""),
+                    " builds dmuon's own process groups and needs MeshOptions::store and MeshOptions::factory (see "
+                    "dmuon::process_group_factory in bootstrap.h), or use process_group_policy=\"shared\" on a 1-D mesh"
+                    ", or pass the caller's groups of every axis to Mesh::from_groups.");
 
   auto mesh = std::shared_ptr<Mesh>(new Mesh());
   mesh->global_rank_ = rank;
@@ -68,27 +73,30 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
   // every group carries the world's device: the caller's, else the one the world group is bound to
   const std::optional<at::Device> device =
       opts.device ? opts.device
-                  : std::optional<at::Device>(Communicator(world, "world", iota_ranks(n, 0, 1), opts.timeout, nullptr)
-                                                  .device());
+                  : std::optional<at::Device>(
+                        Communicator(world, "world", iota_ranks(n, 0, 1), opts.timeout, nullptr).device());
   auto make = [&](const std::string& name, const std::vector<int>& ranks, const ProcessGroupFactory& factory) {
     const int sub = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
     auto store = c10::make_intrusive<c10d::PrefixStore>(base + "/" + name, opts.store);
     CommPtr pg = factory(store, sub, static_cast<int>(ranks.size()), opts.timeout);
 #if DMUON_TORCH_AT_LEAST(2, 0)
     if (const auto bound = pg->getBoundDeviceId(); bound && device && *bound != *device)
-      TORCH_CHECK_VALUE(false, "rank ", rank, ": the factory bound dmuon group '", name, "' to ", *bound, " but the mesh's "
-                  "device is ", *device, ". Make that device current (c10::cuda::set_device) before Mesh::create, or "
-                  "leave MeshOptions::device unset.");
+      TORCH_CHECK_VALUE(false, "rank ", rank, ": the factory bound dmuon group '", name, "' to ", *bound,
+                        " but the mesh's "
+                        "device is ",
+                        *device,
+                        ". Make that device current (c10::cuda::set_device) before Mesh::create, or "
+                        "leave MeshOptions::device unset.");
 #endif
     auto c = std::make_unique<Communicator>(pg, opts.tag + "/" + name, ranks, opts.timeout, mesh->counters_, device);
     mesh->built_.push_back(c.get());
     return c;
   };
   // Same global order on every rank: world, then all shard groups, then all replicate groups (each
-  // with its publish twin), then all TP groups, then all data-parallel groups (each rank builds only the groups it belongs to; groups of one kind are disjoint,
-  // so no rank waits on a group its peers build later).
-  // "shared": the world collectives run on the caller's group; the sub-groups, which the caller did
-  // not give (Mesh::from_groups takes them), are built here
+  // with its publish twin), then all TP groups, then all data-parallel groups (each rank builds only the groups it
+  // belongs to; groups of one kind are disjoint, so no rank waits on a group its peers build later). "shared": the
+  // world collectives run on the caller's group; the sub-groups, which the caller did not give (Mesh::from_groups takes
+  // them), are built here
   const bool share_world = policy == "shared";
   mesh->world_ = share_world ? std::make_unique<Communicator>(world, opts.tag + "/world", iota_ranks(n, 0, 1),
                                                               opts.timeout, mesh->counters_, device)
@@ -120,20 +128,13 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
   return mesh;
 }
 
-namespace {
-std::string ranks_text(const std::vector<int>& ranks) {
-  std::string out = "[";
-  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
-  return out + "]";
-}
-}  // namespace
-
 std::shared_ptr<Mesh> Mesh::from_groups(const MeshGroups& g, const MeshOptions& opts) {
   TORCH_CHECK_VALUE(g.world.group && g.shard.group, "Mesh::from_groups: the world and shard groups must be set.");
   const int rank = g.world.group->getRank(), n = g.world.group->getSize();
   TORCH_CHECK_VALUE(opts.timeout.count() > 0, "rank ", rank, ": MeshOptions::timeout is ", opts.timeout.count(),
                     " ms; it must be > 0 (a lost peer is an error after it, never a hang).");
-  TORCH_CHECK_VALUE(g.tp.has_value() == g.dp.has_value(), "rank ", rank, ": Mesh::from_groups: a TP mesh needs both "
+  TORCH_CHECK_VALUE(g.tp.has_value() == g.dp.has_value(), "rank ", rank,
+                    ": Mesh::from_groups: a TP mesh needs both "
                     "its tp group and its dp group (the ranks at this rank's TP position); got only the ",
                     g.tp ? "tp" : "dp", " group.");
   const int G = g.shard.group->getSize(), R = g.replicate ? g.replicate->group->getSize() : 1;
@@ -144,14 +145,19 @@ std::shared_ptr<Mesh> Mesh::from_groups(const MeshGroups& g, const MeshOptions& 
                                    : std::to_string(R) + " x " + std::to_string(G);
   const std::string rule = T > 1 ? "(replicate_rank x " + std::to_string(G) + " + shard_rank) x " + std::to_string(T) +
                                        " + tp_rank, as init_device_mesh((R, G, T)) lays ranks out"
-                                 : "replicate_rank x " + std::to_string(G) + " + shard_rank, as init_device_mesh((R, G)) "
-                                   "lays ranks out";
+                                 : "replicate_rank x " + std::to_string(G) +
+                                       " + shard_rank, as init_device_mesh((R, G)) "
+                                       "lays ranks out";
   auto check_group = [&](const MeshGroup& m, const char* axis, const std::vector<int>& expected) {
     TORCH_CHECK_VALUE(static_cast<int>(m.ranks.size()) == m.group->getSize(), "rank ", rank, ": the ", axis,
                       " group has ", m.group->getSize(), " ranks but ", m.ranks.size(), " were listed for it.");
-    TORCH_CHECK_VALUE(m.ranks == expected, "rank ", rank, ": the ", axis, " group's ranks ", ranks_text(m.ranks),
-                      " are not ", ranks_text(expected), ", which dmuon's ", layout, " mesh needs: dmuon numbers "
-                      "ranks replicate-major (rank = ", rule, "). Build the mesh that way, or pass the groups of such "
+    TORCH_CHECK_VALUE(m.ranks == expected, "rank ", rank, ": the ", axis, " group's ranks [",
+                      detail::rank_list(m.ranks), "] are not [", detail::rank_list(expected), "], which dmuon's ",
+                      layout,
+                      " mesh needs: dmuon numbers "
+                      "ranks replicate-major (rank = ",
+                      rule,
+                      "). Build the mesh that way, or pass the groups of such "
                       "a mesh.");
   };
   TORCH_CHECK_VALUE(R * G * T == n, "rank ", rank, ": the shard group (", G, " ranks) times the replicate group (", R,
@@ -160,8 +166,9 @@ std::shared_ptr<Mesh> Mesh::from_groups(const MeshGroups& g, const MeshOptions& 
                     T > 1 ? "(replicate, shard, tp)" : "(replicate, shard)", " mesh.");
   TORCH_CHECK_VALUE(rank == (r * G + s) * T + t, "rank ", rank, ": this rank is shard rank ", s, " and replicate rank ",
                     r, T > 1 ? " and TP rank " + std::to_string(t) : std::string(), " of a ", layout,
-                    " mesh, which dmuon's replicate-major layout (rank = ", rule, ") puts at rank ", (r * G + s) * T + t,
-                    " of the mesh's world group, not ", rank, ". Pass the axes of such a mesh, not swapped.");
+                    " mesh, which dmuon's replicate-major layout (rank = ", rule, ") puts at rank ",
+                    (r * G + s) * T + t, " of the mesh's world group, not ", rank,
+                    ". Pass the axes of such a mesh, not swapped.");
   check_group(g.world, "world", iota_ranks(n, 0, 1));
   check_group(g.shard, "shard", iota_ranks(G, r * G * T + t, T));
   if (g.replicate) check_group(*g.replicate, "replicate", iota_ranks(R, s * T + t, G * T));
@@ -203,21 +210,25 @@ std::unique_ptr<Communicator> Mesh::twin_of(const Communicator& axis, const Mesh
                       " is not a rank of the mesh's world group (", world_->size(), " ranks).");
     globals.push_back(world_->global_ranks()[static_cast<size_t>(r)]);
   }
-  TORCH_CHECK_VALUE(globals == axis.global_ranks() && g.group->getSize() == axis.size() &&
-                        g.group->getRank() == axis.rank(),
-                    "rank ", global_rank_, ": ", setter, ": the group must hold the ", axis.name(), " group's ranks in "
-                    "its order (", axis.size(), " ranks, this one at ", axis.rank(), "); got ", g.group->getSize(),
-                    " ranks, this one at ", g.group->getRank(), ". Build it over that group's ranks.");
+  TORCH_CHECK_VALUE(
+      globals == axis.global_ranks() && g.group->getSize() == axis.size() && g.group->getRank() == axis.rank(), "rank ",
+      global_rank_, ": ", setter, ": the group must hold the ", axis.name(),
+      " group's ranks in "
+      "its order (",
+      axis.size(), " ranks, this one at ", axis.rank(), "); got ", g.group->getSize(), " ranks, this one at ",
+      g.group->getRank(), ". Build it over that group's ranks.");
   return std::make_unique<Communicator>(g.group, axis.name() + suffix, globals, timeout_, counters_, world_->device());
 }
 
 void Mesh::set_sharded_unshard_group(const MeshGroup& g) {
-  TORCH_CHECK_VALUE(!sharded_unshard_, "rank ", global_rank_, ": set_sharded_unshard_group: this mesh has one already.");
+  TORCH_CHECK_VALUE(!sharded_unshard_, "rank ", global_rank_,
+                    ": set_sharded_unshard_group: this mesh has one already.");
   sharded_unshard_ = twin_of(*shard_, g, "set_sharded_unshard_group", "/sharded-unshard");
 }
 
 void Mesh::set_replicate_publish_group(const MeshGroup& g) {
-  TORCH_CHECK_VALUE(replicate_, "rank ", global_rank_, ": set_replicate_publish_group: this mesh has no replicate "
+  TORCH_CHECK_VALUE(replicate_, "rank ", global_rank_,
+                    ": set_replicate_publish_group: this mesh has no replicate "
                     "axis (a 1-D mesh publishes nothing over one).");
   TORCH_CHECK_VALUE(!replicate_publish_, "rank ", global_rank_,
                     ": set_replicate_publish_group: this mesh has one already.");

@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "comm/error_text.h"
+#include "dmuon/digest.h"
 #include "dmuon/tensor_parallel.h"
 #include "io/load_agreement.h"
 #include "runtime/runtime_face.h"
@@ -227,14 +228,17 @@ void set_model_state_dict(torch::nn::Module& model, const TensorDict& sd) {
 void set_model_state_dict(torch::nn::Module& model, ParamSource& source) {
   auto st = drained_state(model, "set_model_state_dict");
   at::NoGradGuard ng;
-  // (each rank reads its own share later: only a refusal is agreed here, the fills agree their reads)
+  // (each rank reads its own share later: the source's identity and a refusal are agreed here, the fills agree
+  // their reads)
   io::agree_load(st->mesh(), "set_model_state_dict", [&] {
     try {
       source.check(full_shapes_of(model, *st));
     } catch (const std::exception& e) {
       TORCH_CHECK_VALUE(false, "rank ", st->mesh().global_rank(), ": set_model_state_dict: ", detail::error_text(e));
     }
-  }, [] { return std::vector<io::LoadEntry>{}; });
+  }, [&] {  // what the source is, known without reading it: a stale copy of a file on one rank is refused
+    return std::vector<io::LoadEntry>{{"the source's tensors (names, dtypes, shapes, recorded checksums)", source.digest()}};
+  });
   assign_model(model, *st, source);
 }
 
@@ -275,17 +279,13 @@ namespace {
 // step count and every state tensor.
 std::vector<io::LoadEntry> optimizer_summary(const OptimizerStateDict& sd) {
   std::vector<io::LoadEntry> out;
-  auto bits = [](double v) {
-    uint64_t b;
-    std::memcpy(&b, &v, sizeof(b));
-    return b;
-  };
   for (size_t i = 0; i < sd.param_groups.size(); ++i) {
     const OptimizerGroupState& g = sd.param_groups[i];
-    uint64_t h = io::mix_digest(0, g.name);
-    for (double v : {g.lr, g.momentum, g.weight_decay, g.beta1, g.beta2, g.eps}) h = io::mix_digest(h, bits(v));
-    for (int64_t v : {int64_t{g.is_muon}, int64_t{g.nesterov}, g.ns_steps}) h = io::mix_digest(h, static_cast<uint64_t>(v));
-    out.emplace_back("param_groups[" + std::to_string(i) + "] ('" + g.name + "', " + (g.is_muon ? "Muon" : "AdamW") + ")", h);
+    Fnv1a h;
+    h.str(g.name);
+    for (double v : {g.lr, g.momentum, g.weight_decay, g.beta1, g.beta2, g.eps}) h.f64(v);
+    for (int64_t v : {int64_t{g.is_muon}, int64_t{g.nesterov}, g.ns_steps}) h.i64(v);
+    out.emplace_back("param_groups[" + std::to_string(i) + "] ('" + g.name + "', " + (g.is_muon ? "Muon" : "AdamW") + ")", h.value());
   }
   out.emplace_back("steps_taken", static_cast<uint64_t>(sd.steps_taken));
   for (const auto& [k, v] : sd.muon) out.emplace_back("Muon state '" + k + "'", io::tensor_digest(v));

@@ -242,6 +242,11 @@ std::string read_sections(torch::serialize::InputArchive& ar, Checkpoint& ck) {
                             g.hparams.scalar_type() != at::kDouble))
       damaged = std::string("the ") + kMetaKey + " (the group lists do not fit together)";
     if (damaged.empty()) {
+      const at::Tensor steps_col = g.hparams.select(1, 6);  // ns_steps, whole numbers a cast can take
+      if (!(steps_col.eq(steps_col.floor()) & steps_col.abs().le(double{1 << 30})).all().item<bool>())
+        damaged = std::string("the ") + kMetaKey + " (an ns_steps that is not a whole number)";
+    }
+    if (damaged.empty()) {
       const at::Tensor h = g.hparams.contiguous();
       const double* r = h.data_ptr<double>();
       for (size_t i = 0; i < n; ++i, r += 7)

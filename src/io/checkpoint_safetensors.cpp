@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dmuon/safetensors.h"
+#include "env/json_text.h"
 
 namespace dmuon::io {
 
@@ -101,7 +102,7 @@ std::shared_ptr<ParamSource> checkpoint_safetensors_model_source(const std::stri
   for (auto it = sums.begin(); it != sums.end(); ++it) {
     if (it.key().rfind(o.prefix, 0) != 0) continue;
     if (!it->is_number_unsigned())
-      throw std::invalid_argument(where + " is corrupt: its \"crc32c\" metadata records " + it->dump() + " for '" +
+      throw std::invalid_argument(where + " is corrupt: its \"crc32c\" metadata records " + detail::json_brief(*it) + " for '" +
                                   it.key() + "', which is not a checksum.");
     o.crc32c[it.key()] = it->get<uint32_t>();
   }
@@ -117,7 +118,7 @@ Checkpoint load_checkpoint_safetensors(const std::string& path, bool include_mod
     if (!sums.contains(key)) return;
     const uint32_t got = checkpoint_crc32c(data, n);
     TORCH_CHECK(sums[key].is_number_unsigned() && sums[key].get<uint32_t>() == got, where, " is corrupt; the damage "
-                "is in '", key, "' (stored checksum ", sums[key].dump(), ", read ", got, "). The file was damaged "
+                "is in '", key, "' (stored checksum ", detail::json_brief(sums[key]), ", read ", got, "). The file was damaged "
                 "after it was written: resume from another checkpoint.");
   };
   Checkpoint ck;
@@ -152,13 +153,17 @@ Checkpoint load_checkpoint_safetensors(const std::string& path, bool include_mod
   verify("optimizer", opt->second.data(), opt->second.size());
   try {
     const json j = json::parse(opt->second);
-    o.steps_taken = j.at("steps_taken").get<int64_t>();
+    auto count = [&](const json& v) {  // (get<int64_t> casts a float: 1e300 would be undefined behaviour)
+      if (!v.is_number_integer()) throw std::invalid_argument("a count is " + detail::json_brief(v) + ", not an integer");
+      return v.get<int64_t>();
+    };
+    o.steps_taken = count(j.at("steps_taken"));
     for (const json& g : j.at("param_groups"))
       o.param_groups.push_back({g.at("name").get<std::string>(), g.at("is_muon").get<bool>(), g.at("lr").get<double>(),
                                 g.at("momentum").get<double>(), g.at("weight_decay").get<double>(),
                                 g.at("beta1").get<double>(), g.at("beta2").get<double>(), g.at("eps").get<double>(),
-                                g.at("nesterov").get<bool>(), g.at("ns_steps").get<int64_t>()});
-  } catch (const json::exception& e) {
+                                g.at("nesterov").get<bool>(), count(g.at("ns_steps"))});
+  } catch (const std::exception& e) {
     TORCH_CHECK(false, where, ": its \"optimizer\" metadata is not the layout dmuon writes (", e.what(), "); it "
                 "needs {\"steps_taken\": N, \"param_groups\": [{\"name\", \"is_muon\", \"lr\", \"momentum\", "
                 "\"weight_decay\", \"beta1\", \"beta2\", \"eps\", \"nesterov\", \"ns_steps\"}, ...]}.");

@@ -9,19 +9,15 @@
 
 namespace dmuon::io {
 
-uint64_t mix_digest(uint64_t h, uint64_t v) { return Fnv1a(h).u64(v).value(); }
-uint64_t mix_digest(uint64_t h, const std::string& s) { return Fnv1a(h).str(s).value(); }
-
 uint64_t tensor_digest(const at::Tensor& t) {
-  uint64_t h = Fnv1a::kOffset;
-  if (!t.defined()) return mix_digest(h, std::string("undefined"));
-  h = mix_digest(h, static_cast<uint64_t>(t.scalar_type()));
-  h = mix_digest(h, static_cast<uint64_t>(t.layout()));
-  h = mix_digest(h, static_cast<uint64_t>(t.dim()));
-  for (int64_t s : t.sizes()) h = mix_digest(h, static_cast<uint64_t>(s));
-  if (t.layout() != at::kStrided || t.is_quantized() || t.device().is_meta() || t.numel() == 0) return h;
+  if (!t.defined()) return fnv1a("undefined");
+  Fnv1a h;
+  h.u64(static_cast<uint64_t>(t.scalar_type())).u64(static_cast<uint64_t>(t.layout()));
+  h.u64(static_cast<uint64_t>(t.dim()));
+  for (int64_t s : t.sizes()) h.u64(static_cast<uint64_t>(s));
+  if (t.layout() != at::kStrided || t.is_quantized() || t.device().is_meta() || t.numel() == 0) return h.value();
   const at::Tensor c = t.detach().to(at::kCPU).contiguous();  // (CUDA: one host copy, then the bytes)
-  return mix_digest(h, static_cast<uint64_t>(checkpoint_crc32c(c.data_ptr(), c.nbytes())));
+  return h.u64(static_cast<uint64_t>(checkpoint_crc32c(c.data_ptr(), c.nbytes()))).value();
 }
 
 void agree_load(Mesh& mesh, const std::string& fn, const std::function<void()>& check,
@@ -31,16 +27,19 @@ void agree_load(Mesh& mesh, const std::string& fn, const std::function<void()>& 
   text.given = "the state dict";
   text.outcome = "no rank loads anything";
   text.differs = [&](const detail::Disagreement& d) {
-    const std::string fix = "; nothing was loaded. Pass the same full state dict on every rank (each reads the same "
-                            "checkpoint file, or get_*_state_dict with rank0_only = false).";
+    const std::string fix =
+        "; nothing was loaded. Pass the same full state dict on every rank (each reads the same "
+        "checkpoint file, or get_*_state_dict with rank0_only = false).";
     const std::string first = std::to_string(mesh.world().global_ranks().front());
     if (!d.entry)
       return "the ranks were given different state dicts (" + std::to_string(d.count0) + " entries on rank " + first +
              ", " + std::to_string(d.count) + " on rank " + std::to_string(d.ranks.front()) +
              "), so each would load its own and the replicas would drift apart" + fix;
     return "the ranks were given different state dicts (" + d.entry->key + " differs between rank " + first +
-           " and rank " + std::to_string(d.ranks.front()) + "), so each would load its own and the replicas would "
-           "drift apart" + fix;
+           " and rank " + std::to_string(d.ranks.front()) +
+           "), so each would load its own and the replicas would "
+           "drift apart" +
+           fix;
   };
   detail::agree(mesh.world(), text, check, [&] {
     std::vector<detail::AgreedEntry> out;

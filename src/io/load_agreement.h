@@ -29,9 +29,6 @@ using LoadEntry = std::pair<std::string, uint64_t>;
 // host first, one tensor at a time); the same bytes give the same digest on every machine. A sparse,
 // quantized or meta tensor: its dtype and shape only.
 uint64_t tensor_digest(const at::Tensor& t);
-// Mixes `v` into the digest `h` (FNV-1a over its bytes).
-uint64_t mix_digest(uint64_t h, uint64_t v);
-uint64_t mix_digest(uint64_t h, const std::string& s);
 
 // collective over mesh.world(), every rank, whatever `check` throws: `check` validates this rank's
 // dict (throwing what the caller reports), `summary` lists its entries in key order (called only when

@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "file_io.h"
+#include "env/json_text.h"
 
 namespace dmuon {
 
@@ -92,9 +93,9 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   for (auto it = h.begin(); it != h.end(); ++it) {
     const std::string& name = it.key();
     if (name == "__metadata__") {
-      TORCH_CHECK(it->is_object(), where, ": \"__metadata__\" must be an object of strings, got ", it->dump());
+      TORCH_CHECK(it->is_object(), where, ": \"__metadata__\" must be an object of strings, got ", detail::json_brief(*it));
       for (auto m = it->begin(); m != it->end(); ++m) {
-        TORCH_CHECK(m->is_string(), where, ": metadata value '", m.key(), "' is not a string (", m->dump(),
+        TORCH_CHECK(m->is_string(), where, ": metadata value '", m.key(), "' is not a string (", detail::json_brief(*m),
                     "); safetensors metadata maps strings to strings.");
         metadata_[m.key()] = m->get<std::string>();
       }
@@ -103,32 +104,32 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     const std::string bad = where + ": tensor '" + name + "' ";
     const json& e = *it;
     TORCH_CHECK(e.is_object() && e.contains("dtype") && e.contains("shape") && e.contains("data_offsets"), bad,
-                "needs \"dtype\", \"shape\" and \"data_offsets\", got ", e.dump());
+                "needs \"dtype\", \"shape\" and \"data_offsets\", got ", detail::json_brief(e));
     SafetensorsEntry en;
-    TORCH_CHECK(e["dtype"].is_string(), bad, "has a dtype that is not a string: ", e["dtype"].dump());
+    TORCH_CHECK(e["dtype"].is_string(), bad, "has a dtype that is not a string: ", detail::json_brief(e["dtype"]));
     en.dtype = e["dtype"].get<std::string>();
     bool known = false;
     for (const auto& d : kDtypes)
       if (en.dtype == d.name) en.scalar_type = d.type, known = true;
     TORCH_CHECK(known, bad, "has dtype ", en.dtype, ", which dmuon does not read (it reads BOOL, U8, I8, I16, I32, "
                 "I64, F16, BF16, F32, F64). Convert the file's tensor in Python first.");
-    TORCH_CHECK(e["shape"].is_array(), bad, "has a shape that is not a list: ", e["shape"].dump());
+    TORCH_CHECK(e["shape"].is_array(), bad, "has a shape that is not a list: ", detail::json_brief(e["shape"]));
     uint64_t numel = 1;
     for (const json& s : e["shape"]) {
-      TORCH_CHECK(s.is_number_integer() && s.get<int64_t>() >= 0, bad, "has a bad shape ", e["shape"].dump());
+      TORCH_CHECK(s.is_number_integer() && s.get<int64_t>() >= 0, bad, "has a bad shape ", detail::json_brief(e["shape"]));
       en.shape.push_back(s.get<int64_t>());
       numel *= static_cast<uint64_t>(s.get<int64_t>());
     }
     const json& o = e["data_offsets"];
     TORCH_CHECK(o.is_array() && o.size() == 2 && o[0].is_number_unsigned() && o[1].is_number_unsigned(), bad,
-                "has data_offsets that are not two byte offsets: ", o.dump());
+                "has data_offsets that are not two byte offsets: ", detail::json_brief(o));
     en.begin = o[0].get<uint64_t>();
     en.end = o[1].get<uint64_t>();
     TORCH_CHECK(en.begin <= en.end && en.end <= data_size, bad, "lies at bytes [", en.begin, ", ", en.end,
                 ") but the data section has ", data_size, " bytes (the file is truncated or its header damaged).");
     const uint64_t want = numel * c10::elementSize(en.scalar_type);
     TORCH_CHECK(en.end - en.begin == want, bad, "has ", en.end - en.begin, " bytes, but ", en.dtype, " of shape ",
-                e["shape"].dump(), " needs ", want, " (the header is damaged).");
+                detail::json_brief(e["shape"]), " needs ", want, " (the header is damaged).");
     order.emplace_back(en.begin, name);
     entries_.emplace(name, std::move(en));
   }
@@ -261,7 +262,7 @@ std::map<std::string, std::string> safetensors_weight_map(const std::string& pat
   const fs::path dir = fs::path(path).parent_path();
   for (auto it = idx["weight_map"].begin(); it != idx["weight_map"].end(); ++it) {
     TORCH_CHECK(it->is_string(), "safetensors index '", path, "': weight_map entry '", it.key(),
-                "' is not a file name: ", it->dump());
+                "' is not a file name: ", detail::json_brief(*it));
     map[it.key()] = (dir / it->get<std::string>()).string();
   }
   // every shard must hold what the index says it holds

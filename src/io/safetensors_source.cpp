@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "dmuon/checkpoint.h"
+#include "dmuon/digest.h"
 #include "dmuon/safetensors.h"
 
 namespace dmuon {
@@ -57,6 +58,18 @@ class SafetensorsSource final : public ParamSource {
   }
 
   std::string describe() const override { return o_.what; }
+  uint64_t digest() const override {  // (the header and the recorded checksums: no tensor is read)
+    Fnv1a h;
+    h.str(o_.prefix);
+    for (const auto& [key, f] : by_key_) {
+      const SafetensorsEntry& e = f->entry(key);
+      h.str(key).str(e.dtype).i64(static_cast<int64_t>(e.shape.size()));
+      for (int64_t d : e.shape) h.i64(d);
+      const auto crc = o_.crc32c.find(key);
+      h.u64(crc == o_.crc32c.end() ? uint64_t{1} << 32 : crc->second);
+    }
+    return h.value();
+  }
 
  private:
   void check_crc(const std::string& key, uint32_t got) const {

@@ -70,6 +70,7 @@ class SeededInit final : public ParamSource {
     out.copy_(region.cut(full));
   }
   std::string describe() const override { return "seeded initialisation (seed " + std::to_string(seed_) + ")"; }
+  uint64_t digest() const override { return Fnv1a().str("seeded_init").u64(seed_).value(); }
 
  private:
   uint64_t seed_;
@@ -97,6 +98,15 @@ class TensorDictSource final : public ParamSource {
     out.copy_(region.cut(it->second));
   }
   std::string describe() const override { return what_; }
+  uint64_t digest() const override {
+    Fnv1a h;
+    for (const auto& [k, v] : values_) {
+      h.str(k).i64(v.defined() ? static_cast<int64_t>(v.scalar_type()) : -1);
+      if (v.defined())
+        for (int64_t d : v.sizes()) h.i64(d);
+    }
+    return h.value();
+  }
 
  private:
   std::map<std::string, at::Tensor> values_;

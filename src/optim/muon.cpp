@@ -11,19 +11,20 @@
 #include <functional>
 #include <iostream>
 #include <map>
-#include <tuple>
 #include <set>
 #include <sstream>
+#include <tuple>
 #include <type_traits>
 
+#include "comm/agreement.h"
 #include "dmuon/env.h"
 #include "dmuon/host_sync.h"
+#include "dmuon/ns_runner.h"
 #include "optim/clip_norm.h"
 #include "optim/host_ops.h"
 #include "optim/multi_tensor.h"
 #include "optim/option_agreement.h"
 #include "optim/phase_clock.h"
-#include "dmuon/ns_runner.h"
 #include "optim/tp_newton_schulz.h"
 #include "runtime/runtime_face.h"
 
@@ -65,9 +66,12 @@ void MuonParamState::serialize(torch::serialize::InputArchive& archive) {
     c10::IValue iv;
     if (!archive.try_read(key, iv)) continue;
     const at::Tensor t = iv.toTensor();
-    if (std::string(key) == "momentum_buffer") momentum_buffer(t);
-    else if (std::string(key) == "exp_avg") exp_avg(t);
-    else exp_avg_sq(t);
+    if (std::string(key) == "momentum_buffer")
+      momentum_buffer(t);
+    else if (std::string(key) == "exp_avg")
+      exp_avg(t);
+    else
+      exp_avg_sq(t);
   }
 }
 
@@ -77,9 +81,18 @@ bool in_range(double v, HparamRange range, const char*& must) {
   bool ok = std::isfinite(v);
   must = "";
   switch (range) {
-    case HparamRange::NonNegative: ok = ok && v >= 0; must = ">= 0"; break;
-    case HparamRange::UnitInterval: ok = ok && v >= 0 && v < 1; must = "in [0, 1)"; break;
-    case HparamRange::Positive: ok = ok && v > 0; must = "> 0"; break;
+    case HparamRange::NonNegative:
+      ok = ok && v >= 0;
+      must = ">= 0";
+      break;
+    case HparamRange::UnitInterval:
+      ok = ok && v >= 0 && v < 1;
+      must = "in [0, 1)";
+      break;
+    case HparamRange::Positive:
+      ok = ok && v > 0;
+      must = "> 0";
+      break;
     case HparamRange::Count:
       ok = ok && v >= 1 && v <= 1000 && v == std::floor(v);
       must = v < 1 ? ">= 1" : "an integer in [1, 1000]";
@@ -146,14 +159,15 @@ void check_hparam(const char* field, double v, HparamRange range) {
 std::shared_ptr<RuntimeFace> dedicated_runtime(const std::shared_ptr<torch::nn::Module>& model) {
   TORCH_CHECK_VALUE(model, "Muon: the model is null.");
   auto state = detail::face_of(*model);
-  TORCH_CHECK_VALUE(state, "Muon: the model was not dedicated. Call dmuon::dedicate_params(model, mesh, predicate) (and "
-              "dmuon::replicate for the other parameters) before constructing Muon; a mesh of one rank works for "
-              "single-process training.");
+  TORCH_CHECK_VALUE(state,
+                    "Muon: the model was not dedicated. Call dmuon::dedicate_params(model, mesh, predicate) (and "
+                    "dmuon::replicate for the other parameters) before constructing Muon; a mesh of one rank works for "
+                    "single-process training.");
   return state;
 }
 
 std::vector<torch::optim::OptimizerParamGroup> checked_groups(const std::shared_ptr<RuntimeFace>& state,
-                                                              const MuonOptions& o) {
+                                                              const MuonOptions& o, const torch::nn::Module* model) {
   check_hparam("lr", o.lr, HparamRange::NonNegative);
   check_hparam("momentum", o.momentum, HparamRange::UnitInterval);
   check_hparam("weight_decay", o.weight_decay, HparamRange::NonNegative);
@@ -163,26 +177,46 @@ std::vector<torch::optim::OptimizerParamGroup> checked_groups(const std::shared_
   check_hparam("adamw_betas.second", o.adamw_betas.second, HparamRange::UnitInterval);
   check_hparam("adamw_weight_decay", o.adamw_weight_decay, HparamRange::NonNegative);
   check_hparam("adamw_eps", o.adamw_eps, HparamRange::Positive);
-  TORCH_CHECK_VALUE(o.tp_distributed_gram_policy == "beneficial" || o.tp_distributed_gram_policy == "always",
-              "Muon: invalid tp_distributed_gram_policy: '", o.tp_distributed_gram_policy, "'. Must be \"beneficial\" "
-              "(the distributed Gram form where its payload is at most tp_distributed_gram_max_factor_to_scatter_ratio "
-              "of the full scatter) or \"always\" (wherever it applies).");
+  TORCH_CHECK_VALUE(
+      o.tp_distributed_gram_policy == "beneficial" || o.tp_distributed_gram_policy == "always",
+      "Muon: invalid tp_distributed_gram_policy: '", o.tp_distributed_gram_policy,
+      "'. Must be \"beneficial\" "
+      "(the distributed Gram form where its payload is at most tp_distributed_gram_max_factor_to_scatter_ratio "
+      "of the full scatter) or \"always\" (wherever it applies).");
   check_hparam(o.post_step_prefetch_groups >= 0, "post_step_prefetch_groups", o.post_step_prefetch_groups, ">= 0");
-  check_hparam(o.tp_distributed_gram_max_factor_to_scatter_ratio >= 0, "tp_distributed_gram_max_factor_to_scatter_ratio",
-               o.tp_distributed_gram_max_factor_to_scatter_ratio, ">= 0");
-  std::set<const c10::TensorImpl*> dedicated;
+  check_hparam(o.tp_distributed_gram_max_factor_to_scatter_ratio >= 0,
+               "tp_distributed_gram_max_factor_to_scatter_ratio", o.tp_distributed_gram_max_factor_to_scatter_ratio,
+               ">= 0");
+  std::set<const c10::TensorImpl*> dedicated, trainable;
   std::vector<at::Tensor> all;  // every trainable parameter, model order
   for (const auto& v : state->describe()) {
     all.push_back(v.param);
+    trainable.insert(v.param.unsafeGetTensorImpl());
     if (v.muon()) dedicated.insert(v.param.unsafeGetTensorImpl());
   }
 
+  if (model)  // a parameter added (or unfrozen) after dedicate_params has no route: it would never train
+    for (const auto& item : model->named_parameters())
+      TORCH_CHECK_VALUE(!item.value().requires_grad() || trainable.count(item.value().unsafeGetTensorImpl()),
+                        "rank ", state->mesh().global_rank(), ": Muon: parameter '", item.key(),
+                        "' is trainable but was not when dedicate_params ran (added to the model, or unfrozen, since), "
+                        "so no dmuon route averages its gradient and no step would update it. Build the whole model "
+                        "(and set requires_grad) before dedicate_params, or freeze it (requires_grad(false)).");
   std::vector<MuonParamGroup> user = o.param_groups;
   std::set<const c10::TensorImpl*> grouped;
   for (const auto& g : user)
     for (const auto& p : g.params) {
-      TORCH_CHECK_VALUE(grouped.insert(p.unsafeGetTensorImpl()).second, "Muon: a parameter appears in more than one "
-                  "param group (group '", g.name, "'). Each parameter may be in at most one group.");
+      // a frozen tensor is never stepped (as in torch.optim); a trainable one must be the model's, or it would
+      // be silently left alone
+      TORCH_CHECK_VALUE(p.defined() && (trainable.count(p.unsafeGetTensorImpl()) || !p.requires_grad()),
+                        "Muon: param group '", g.name, "' holds ",
+                        p.defined() ? "a trainable tensor of shape " + c10::str(p.sizes()) : std::string("an undefined tensor"),
+                        " that is not a trainable parameter of the dedicated model, so no step would ever update it. "
+                        "Build the groups from the model's parameters (model->named_parameters()).");
+      TORCH_CHECK_VALUE(grouped.insert(p.unsafeGetTensorImpl()).second,
+                        "Muon: a parameter appears in more than one "
+                        "param group (group '",
+                        g.name, "'). Each parameter may be in at most one group.");
     }
   MuonParamGroup rest;
   rest.name = "default";
@@ -197,22 +231,32 @@ std::vector<torch::optim::OptimizerParamGroup> checked_groups(const std::shared_
     const std::optional<double> beta1 = g.adamw_betas ? std::optional(g.adamw_betas->first) : std::nullopt;
     const std::optional<double> beta2 = g.adamw_betas ? std::optional(g.adamw_betas->second) : std::nullopt;
     const std::optional<double> steps = g.ns_steps ? std::optional<double>(*g.ns_steps) : std::nullopt;
-    for (const auto& [field, v, range] :
-         {std::tuple{"lr", g.lr, HparamRange::NonNegative}, {"momentum", g.momentum, HparamRange::UnitInterval},
-          {"weight_decay", g.weight_decay, HparamRange::NonNegative}, {"ns_steps", steps, HparamRange::Count},
-          {"adamw_lr", g.adamw_lr, HparamRange::NonNegative}, {"adamw_betas.first", beta1, HparamRange::UnitInterval},
-          {"adamw_betas.second", beta2, HparamRange::UnitInterval},
-          {"adamw_weight_decay", g.adamw_weight_decay, HparamRange::NonNegative},
-          {"adamw_eps", g.adamw_eps, HparamRange::Positive}})
-      if (v) check_hyperparameter("Muon: invalid " + std::string(field) + " of param group '" + g.name + "'", *v, range);
+    for (const auto& [field, v, range] : {std::tuple{"lr", g.lr, HparamRange::NonNegative},
+                                          {"momentum", g.momentum, HparamRange::UnitInterval},
+                                          {"weight_decay", g.weight_decay, HparamRange::NonNegative},
+                                          {"ns_steps", steps, HparamRange::Count},
+                                          {"adamw_lr", g.adamw_lr, HparamRange::NonNegative},
+                                          {"adamw_betas.first", beta1, HparamRange::UnitInterval},
+                                          {"adamw_betas.second", beta2, HparamRange::UnitInterval},
+                                          {"adamw_weight_decay", g.adamw_weight_decay, HparamRange::NonNegative},
+                                          {"adamw_eps", g.adamw_eps, HparamRange::Positive}})
+      if (v)
+        check_hyperparameter("Muon: invalid " + std::string(field) + " of param group '" + g.name + "'", *v, range);
     auto mo = std::make_unique<MuonGroupOptions>(g.lr.value_or(o.lr));
-    mo->is_muon(true).momentum(g.momentum.value_or(o.momentum)).nesterov(g.nesterov.value_or(o.nesterov))
-        .weight_decay(g.weight_decay.value_or(o.weight_decay)).ns_steps(g.ns_steps.value_or(o.ns_steps))
+    mo->is_muon(true)
+        .momentum(g.momentum.value_or(o.momentum))
+        .nesterov(g.nesterov.value_or(o.nesterov))
+        .weight_decay(g.weight_decay.value_or(o.weight_decay))
+        .ns_steps(g.ns_steps.value_or(o.ns_steps))
         .group_name(g.name);
     const auto betas = g.adamw_betas.value_or(o.adamw_betas);
     auto ao = std::make_unique<MuonGroupOptions>(g.adamw_lr.value_or(o.adamw_lr));
-    ao->is_muon(false).beta1(betas.first).beta2(betas.second).eps(g.adamw_eps.value_or(o.adamw_eps))
-        .weight_decay(g.adamw_weight_decay.value_or(o.adamw_weight_decay)).group_name(g.name);
+    ao->is_muon(false)
+        .beta1(betas.first)
+        .beta2(betas.second)
+        .eps(g.adamw_eps.value_or(o.adamw_eps))
+        .weight_decay(g.adamw_weight_decay.value_or(o.adamw_weight_decay))
+        .group_name(g.name);
     groups.emplace_back(muon_ps, std::move(mo));
     groups.emplace_back(adamw_ps, std::move(ao));
   }
@@ -222,10 +266,10 @@ std::vector<torch::optim::OptimizerParamGroup> checked_groups(const std::shared_
 // The options checked and lowered to param groups, agreed across ranks (collective): a value one rank
 // refuses is refused on every rank, with its reason.
 std::vector<torch::optim::OptimizerParamGroup> lower_groups(const std::shared_ptr<RuntimeFace>& state,
-                                                            const MuonOptions& o) {
+                                                            const MuonOptions& o, const torch::nn::Module* model) {
   TORCH_CHECK_VALUE(state, "Muon: the runtime is null.");
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  detail::agree_options(*state, o, [&] { groups = checked_groups(state, o); });
+  detail::agree_options(*state, o, [&] { groups = checked_groups(state, o, model); });
   return groups;
 }
 
@@ -243,35 +287,35 @@ void require_replicated(const RuntimeFace& state) {
   for (size_t i = 0; i < missing.size() && i < 8; ++i) names << (i ? ", " : "") << "'" << missing[i] << "'";
   if (missing.size() > 8) names << " and " << missing.size() - 8 << " more";
   TORCH_CHECK_VALUE(false, "rank ", mesh.global_rank(), ": Muon: ", missing.size(), " trainable parameter(s) ",
-              "have no distributed route on this ", mesh.world_size(), "-rank mesh: ", names.str(),
-              ". Each rank would update them with its own local gradient and the replicas would drift apart. "
-              "Call dmuon::replicate(model, mesh) after dedicate_params (or route them to sharded_adamw, or "
-              "freeze them with requires_grad(false)) before constructing Muon.");
+                    "have no distributed route on this ", mesh.world_size(), "-rank mesh: ", names.str(),
+                    ". Each rank would update them with its own local gradient and the replicas would drift apart. "
+                    "Call dmuon::replicate(model, mesh) after dedicate_params (or route them to sharded_adamw, or "
+                    "freeze them with requires_grad(false)) before constructing Muon.");
 }
 
-// NaN/Inf in any averaged Muon gradient this rank updates is an error naming it (one host read for
-// all of them). One reduction per gradient: its sum (accumulated in fp32, fp64 for fp64) is not
-// finite whenever an element is NaN or Inf (they propagate; +Inf with -Inf gives NaN). A finite
-// gradient whose sum overflows is reported too: its Frobenius norm overflows as well (|sum|^2 /
-// numel <= |G|_F^2), so Newton-Schulz could not normalise it. (isfinite(g).all() costs ~5
-// element-wise passes per matrix: a visible share of the step for many small matrices.)
-void check_finite_grad(bool ok, const ReadyGrad& r, int rank) {
-  TORCH_CHECK(ok, "rank ", rank, ": Muon::step: the averaged gradient of '", r.name, "' (shape ", r.grad.sizes(),
-              ") contains NaN or Inf (or values so large that its norm overflows), so Newton-Schulz cannot "
-              "orthogonalise it. A non-finite gradient usually means the loss diverged: lower the learning rate or "
-              "clip gradients (dmuon.Muon.clip_grad_norm_ / Muon::clip_grad_norm_). In C++ a NewtonSchulz with "
-              "set_check_finite(false) in MuonOptions::ns lets NaN propagate instead.");
+// NaN/Inf in an averaged Muon gradient this rank updates: the matrix is not updated and step() raises on
+// every rank, naming it (one host read for all of them). One reduction per gradient: its sum (accumulated in
+// fp32, fp64 for fp64) is not finite whenever an element is NaN or Inf (they propagate; +Inf with -Inf gives
+// NaN). A finite gradient whose sum overflows is reported too: its Frobenius norm overflows as well (|sum|^2 /
+// numel <= |G|_F^2), so Newton-Schulz could not normalise it. (isfinite(g).all() costs ~5 element-wise passes
+// per matrix: a visible share of the step for many small matrices.)
+std::string nonfinite_grad_text(const ReadyGrad& r, int rank) {
+  std::ostringstream o;
+  o << "rank " << rank << ": Muon::step: the averaged gradient of '" << r.name << "' (shape " << r.grad.sizes()
+    << ") contains NaN or Inf (or values so large that its norm overflows), so Newton-Schulz cannot orthogonalise "
+    << "it";
+  return o.str();
 }
 
 // `foreach` (MuonOptions::foreach, by default on CUDA): the norms of every fp32/fp64/bf16 gradient in
 // one multi-tensor call per dtype instead of one sum per gradient (a norm is not finite exactly when
 // the sum test above fails or the norm overflows); fp16 keeps the fp32 sums (its norm would overflow
 // at 65504).
-void check_finite_grads(const std::vector<ReadyGrad>& ready, int rank, std::optional<bool> foreach) {
+std::vector<char> finite_grads(const std::vector<ReadyGrad>& ready, std::optional<bool> foreach) {
   // device reductions by their dtype, each list stacked into one flag vector, all read at once
   std::map<at::ScalarType, std::vector<at::Tensor>> values;
   std::map<at::ScalarType, std::vector<at::Tensor>> norm_grads;  // by dtype, for _foreach_norm
-  std::map<at::ScalarType, std::vector<size_t>> norm_at;          // their entries in `where`
+  std::map<at::ScalarType, std::vector<size_t>> norm_at;         // their entries in `where`
   // per dedicated gradient, in `ready` order: the dtype of its value and its index there; or summed
   // on the host (small CPU matrices: no op per matrix), finite = i
   struct At {
@@ -281,6 +325,7 @@ void check_finite_grads(const std::vector<ReadyGrad>& ready, int rank, std::opti
     size_t i;
   };
   std::vector<At> where;
+  std::vector<char> ok(ready.size(), 1);
   for (const auto& r : ready) {
     if (!r.muon) continue;
     const bool multi = detail::foreach_on(foreach, r.grad);
@@ -317,7 +362,32 @@ void check_finite_grads(const std::vector<ReadyGrad>& ready, int rank, std::opti
   at::Tensor host;  // one host read for every device reduction
   if (!finite.empty()) host = detail::read_to_host(finite.size() == 1 ? finite[0] : at::cat(finite));
   for (const At& a : where)
-    check_finite_grad(a.host ? a.i != 0 : host.data_ptr<bool>()[offset.at(a.dtype) + a.i], *a.r, rank);
+    ok[static_cast<size_t>(a.r - ready.data())] = a.host ? a.i != 0 : host.data_ptr<bool>()[offset.at(a.dtype) + a.i];
+  return ok;
+}
+
+// collective over the world: step() raises on every rank when any rank skipped a non-finite Muon gradient
+// (`mine`: this rank's first, "" none; `count`: how many), naming the first rank's; one small all-gather.
+void agree_finite_step(const RuntimeFace& rt, const std::string& mine, int64_t count) {
+  static const std::string after =
+      ". No rank updated it (weights and momentum unchanged; a tensor-parallel matrix was updated from its momentum "
+      "with the non-finite slice of its gradient taken as zero); the step's other updates were applied. A "
+      "non-finite gradient usually means the loss diverged: lower the learning rate or clip gradients "
+      "(dmuon.Muon.clip_grad_norm_ / Muon::clip_grad_norm_). In C++ a NewtonSchulz with set_check_finite(false) in "
+      "MuonOptions::ns lets NaN propagate instead.";
+  detail::AgreementText text;
+  text.fn = "Muon::step";
+  text.refused = [](const std::vector<int>& ranks, const std::string& reason) {  // (reason: the whole error)
+    return "a Muon gradient is not finite on rank(s) " + detail::rank_list(ranks) + ": " + reason;
+  };
+  detail::agree(
+      rt.mesh().world(), text,
+      [&] {
+        if (mine.empty()) return;
+        const std::string more = count > 1 ? " (and " + std::to_string(count - 1) + " more on this rank)" : "";
+        TORCH_CHECK(false, mine, more, after);
+      },
+      [] { return std::vector<detail::AgreedEntry>{}; });
 }
 
 // The device of the model's first trainable parameter when it is a GPU (step profiles time by its events).
@@ -338,9 +408,7 @@ double elapsed_ms(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 
 // Muon::step's side of RuntimeFace::step: the runtime prepares the gradients and hands them over
 // group by group; each group is updated (Muon on the dedicated matrices, AdamW on the rest) and its
@@ -351,20 +419,22 @@ struct Muon::StepRun final : StepVisitor {
   StepProfile& prof;
   detail::PhaseClock& clock;
   bool log_first = false;
-  std::vector<NsJob> ns_jobs;        // the group's whole matrices: NS batched by shape at the group's end
+  std::vector<NsJob> ns_jobs;          // the group's whole matrices: NS batched by shape at the group's end
   std::vector<at::Tensor> ns_targets;  // (what each job updates: the progress log names its shape)
-  std::vector<TpUpdate> tp_pending;  // TP gathers in flight, in step order: NS and scatter before the publish
-  struct AdamwBatch {                 // fused AdamW of one (parameter group, device, dtype)
+  std::vector<TpUpdate> tp_pending;    // TP gathers in flight, in step order: NS and scatter before the publish
+  struct AdamwBatch {                  // fused AdamW of one (parameter group, device, dtype)
     const MuonGroupOptions* options = nullptr;
     std::vector<detail::AdamwOperands> ops;
     std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (parameter, master) under mixed precision
   };
   std::map<std::pair<const MuonGroupOptions*, std::tuple<int, int, int>>, AdamwBatch> adamw_batches;
-  struct PendingUpdate {  // W <- decay W + alpha NS(u), by multi-tensor ops (MuonOptions::foreach)
+  struct PendingUpdate {               // W <- decay W + alpha NS(u), by multi-tensor ops (MuonOptions::foreach)
     at::Tensor target, update, param;  // param: defined under mixed precision (rounded from the master)
     double decay, alpha;
   };
   std::vector<PendingUpdate> pending_updates;  // of the NS batch just run
+  std::string nonfinite;        // this rank's first non-finite Muon gradient ("" none), raised after the step
+  int64_t nonfinite_count = 0;  // and how many it found
   detail::PhaseClock::Mark phase_start;
 
   void add_ns_job(NsJob job, const at::Tensor& target) {
@@ -376,10 +446,13 @@ struct Muon::StepRun final : StepVisitor {
       : opt(o), rt(r), prof(p), clock(c), log_first(o.options_.first_step_progress_log && o.steps_ == 0) {}
 
   void begin(Phase) override { phase_start = clock.now(); }
-  void end(Phase p) override { clock.add(p == Phase::Prepare ? detail::Phase::Prepare : detail::Phase::Publish, phase_start); }
+  void end(Phase p) override {
+    clock.add(p == Phase::Prepare ? detail::Phase::Prepare : detail::Phase::Publish, phase_start);
+  }
 
   void update(const std::vector<ReadyGrad>& group) override {
-    if (opt.check_finite_) check_finite_grads(group, rt.mesh().global_rank(), opt.options_.foreach);
+    const std::vector<char> finite =
+        opt.check_finite_ ? finite_grads(group, opt.options_.foreach) : std::vector<char>(group.size(), 1);
     // each gradient's parameter group (null: in none, not optimized); the Muon gradients in the
     // optimizer's dtype, and their momentum where it runs multi-tensor
     std::vector<const MuonGroupOptions*> o(group.size());
@@ -387,8 +460,21 @@ struct Muon::StepRun final : StepVisitor {
     for (size_t i = 0; i < group.size(); ++i) {
       const ReadyGrad& r = group[i];
       o[i] = options_of(r);
+      if (!finite[i] && o[i] != nullptr) {
+        // not updated; step() raises on every rank once its collectives are done. A whole matrix is skipped
+        // (weights and momentum unchanged); a slice of a tensor-parallel matrix counts as zero, so that its
+        // TP group still runs the matrix's gathers and scatters together
+        if (nonfinite.empty()) nonfinite = nonfinite_grad_text(r, rt.mesh().global_rank());
+        ++nonfinite_count;
+        if (r.tp_owner < 0) {
+          o[i] = nullptr;
+          continue;
+        }
+      }
       if (r.muon && o[i] != nullptr && o[i]->is_muon())
-        g[i] = r.grad.scalar_type() == r.prec.optim ? r.grad : r.grad.to(r.prec.optim);
+        g[i] = !finite[i]                             ? at::zeros_like(r.grad, r.grad.options().dtype(r.prec.optim))
+               : r.grad.scalar_type() == r.prec.optim ? r.grad
+                                                      : r.grad.to(r.prec.optim);
     }
     const std::vector<char> momentum_done = foreach_momentum(group, o, g);
     for (size_t i = 0; i < group.size(); ++i)
@@ -401,8 +487,9 @@ struct Muon::StepRun final : StepVisitor {
     std::vector<double> ms(ns_jobs.size(), 0.0);
     NsBatchOptions batching;
     batching.after_batch = [this] { flush_updates(); };
-    run_ns_batched(ns_jobs, [this](const at::Tensor& G, int steps) { return opt.ns_graphs_->run(G, steps); }, batching,
-                   [&ms](size_t i, double t) { ms[i] = t; });
+    run_ns_batched(
+        ns_jobs, [this](const at::Tensor& G, int steps) { return opt.ns_graphs_->run(G, steps); }, batching,
+        [&ms](size_t i, double t) { ms[i] = t; });
     flush_updates();  // (after_batch did; nothing is left queued past the group)
     clock.add(detail::Phase::Ns, t0);
     for (size_t i = 0; i < ns_targets.size(); ++i) progress_line(ns_targets[i], ms[i]);
@@ -555,24 +642,30 @@ struct Muon::StepRun final : StepVisitor {
     std::ostringstream line;
     line << "[dmuon] rank " << rt.mesh().global_rank() << ": first step: " << opt.ns_.describe(target.device().type())
          << " on " << target.size(0) << "x" << target.size(1) << " took " << ms << " ms";
-    if (opt.options_.log) opt.options_.log(line.str());
-    else std::cerr << line.str() << "\n";
+    if (opt.options_.log)
+      opt.options_.log(line.str());
+    else
+      std::cerr << line.str() << "\n";
   }
 };
 
 Muon::Muon(const std::shared_ptr<torch::nn::Module>& model, MuonOptions options)
-    : Muon(dedicated_runtime(model), std::move(options)) {
+    : Muon(dedicated_runtime(model), std::move(options), model.get()) {
   model_ = model;
   has_model_ = true;
 }
 
 Muon::Muon(const std::shared_ptr<RuntimeFace>& runtime, MuonOptions options)
-    : Optimizer(lower_groups(runtime, options), std::make_unique<MuonGroupOptions>(options.lr)),
+    : Muon(runtime, std::move(options), nullptr) {}
+
+Muon::Muon(const std::shared_ptr<RuntimeFace>& runtime, MuonOptions options, const torch::nn::Module* model)
+    : Optimizer(lower_groups(runtime, options, model), std::make_unique<MuonGroupOptions>(options.lr)),
       runtime_(runtime),
       options_(std::move(options)),
       ns_(options_.ns ? *options_.ns : NewtonSchulz(options_.ns_backend)) {
   check_finite_ = ns_.options().check_finite;
   ns_.set_check_finite(false);  // checked for all matrices at once in step()
+  runtime->set_step_verdict(check_finite_);
   NsGraphOptions go;
   go.enabled = env::ns_cuda_graphs().value_or(options_.ns_cuda_graphs);
   ns_graphs_ = std::make_shared<NsGraphs>(ns_, go);
@@ -600,7 +693,8 @@ std::shared_ptr<RuntimeFace> Muon::runtime(const char* fn) const {
     return state;
   }
   auto state = runtime_.lock();
-  TORCH_CHECK_VALUE(state, fn, ": the dedicated model's runtime was destroyed (keep what dedicate_model_view returned).");
+  TORCH_CHECK_VALUE(state, fn,
+                    ": the dedicated model's runtime was destroyed (keep what dedicate_model_view returned).");
   return state;
 }
 
@@ -647,7 +741,7 @@ void Muon::muon_update(const ReadyGrad& r, const at::Tensor& g, bool momentum_do
     if (wb) param.copy_(target);
   };
   double flop_share = 1;  // of the full matrix's NS work done on this rank
-  if (r.tp_owner < 0) {  // batched with the other whole matrices of the group (run_ns_batched)
+  if (r.tp_owner < 0) {   // batched with the other whole matrices of the group (run_ns_batched)
     NsJob ns_job;
     ns_job.like = buf;
     ns_job.steps = steps;
@@ -665,8 +759,8 @@ void Muon::muon_update(const ReadyGrad& r, const at::Tensor& g, bool momentum_do
       };
     if (detail::foreach_on(options_.foreach, r.target) && r.target.scalar_type() == buf.scalar_type())
       // queued for the batch's multi-tensor update (StepRun::flush_updates), after its NS
-      ns_job.apply = [&run, target = r.target, param = r.param, wb = r.write_back, decay = 1.0 - o.lr() * o.weight_decay(),
-                      alpha = -o.lr() * scale](const at::Tensor& update) {
+      ns_job.apply = [&run, target = r.target, param = r.param, wb = r.write_back,
+                      decay = 1.0 - o.lr() * o.weight_decay(), alpha = -o.lr() * scale](const at::Tensor& update) {
         run.pending_updates.push_back({target, update, wb ? param : at::Tensor(), decay, alpha});
       };
     else
@@ -733,10 +827,12 @@ at::Tensor Muon::step(LossClosure closure) {
   // collective: prepare (reduces waited), update group by group, publish
   StepRun run(*this, *state, prof, clock);
   state->step(options_.group_prepare_ahead, async, std::move(taken), run);
+  ++steps_;  // (a step that raises below has applied its other updates: it counts)
+  // every rank raises, or none: a rank that raised alone would leave the others in its next collective
+  if (check_finite_) agree_finite_step(*state, run.nonfinite, run.nonfinite_count);
   if (options_.post_step_prefetch_groups > 0 || options_.post_step_prefetch_sharded_adamw)
     state->prefetch_next_forward(options_.post_step_prefetch_groups, options_.post_step_prefetch_sharded_adamw);
   clock.add(detail::Phase::Total, t_start);
-  ++steps_;
   prof.valid = true;
   prof.step = steps_;
   if (options_.record_step_profile) {

@@ -266,7 +266,7 @@ void BoundaryScope::rethrow(const std::exception& e) {
     const std::string hint = st->bypass_hint();
     if (!hint.empty()) {
       // the hint added, the kind kept: a caller mistake stays one (ValueError in Python)
-      if (dynamic_cast<const c10::ValueError*>(&e) || dynamic_cast<const std::invalid_argument*>(&e))
+      if (detail::is_caller_mistake(e))
         TORCH_CHECK_VALUE(false, what, "\n", hint);
       TORCH_CHECK(false, what, "\n", hint);
     }

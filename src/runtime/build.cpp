@@ -41,7 +41,7 @@ Runtime::~Runtime() {
   }
 }
 
-void Runtime::build(const ParamPredicate& predicate) {
+void Runtime::build(const ParamPredicate& predicate, const std::function<void()>& precheck) {
   Mesh& mesh = ctx_.mesh();
   const DedicateOptions& opts = ctx_.options();
   const int rank = mesh.global_rank();
@@ -72,9 +72,11 @@ void Runtime::build(const ParamPredicate& predicate) {
   Routing routing;
   std::vector<ParamSpec> full_specs;
   std::vector<Precision> precisions;
+  std::vector<int> unshard;  // each dedicated parameter's muon_forward_unshard mode
   std::exception_ptr setup_failure;
   const PlanOptions& po = opts.plan;
   try {
+    if (precheck) precheck();
     // 1. routes, precision, boundaries
     view_.check(rank);
     routing = route_params(view_, predicate, opts, RoutingContext{rank, ctx_.ddp(), mesh.has_tp()});
@@ -105,12 +107,15 @@ void Runtime::build(const ParamPredicate& predicate) {
     } catch (const std::exception& e) {
       TORCH_CHECK_VALUE(false, "rank ", rank, ": dedicate_params: owner planning failed: ", detail::error_text(e));
     }
-    for (const auto& r : routing.dedicated) precisions.push_back(r.prec);
+    for (const auto& r : routing.dedicated) {
+      precisions.push_back(r.prec);
+      unshard.push_back(static_cast<int>(r.unshard));
+    }
   } catch (...) {
     setup_failure = std::current_exception();
   }
   // every rank agrees on the plan, or all throw
-  check_plan_agreement(mesh, plan_, specs_, precisions, routing.base_digest, po, setup_failure);
+  check_plan_agreement(mesh, plan_, specs_, precisions, unshard, routing.base_digest, opts, setup_failure);
 
   // 3. boundaries in model order of first appearance
   std::map<std::string, int> bindex;
@@ -226,6 +231,7 @@ void Runtime::check_deferred(uint64_t& digest) {
               "DedicateOptions::param_source is unset, so there is nothing to fill it from. Pass a source: "
               "dmuon::seeded_init(seed, rule) for a fresh model, dmuon::safetensors_source(path) for weights.");
   ParamSource* source = opts.param_source.get();
+  digest = Fnv1a(digest).u64(source->digest()).value();  // (ranks filling from different sources would drift)
   ctx_.set_deferred_source(source);
   try {
     source->check(deferred);

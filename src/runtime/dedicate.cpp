@@ -37,15 +37,16 @@ std::map<std::string, OwnerCoord> dedicate_impl(const std::shared_ptr<torch::nn:
                                                 const DedicateOptions& options, bool ddp) {
   TORCH_CHECK_VALUE(model, "dedicate_params: the model is null.");
   TORCH_CHECK_VALUE(mesh, "dedicate_params: the mesh is null; create one with dmuon::Mesh::create.");
-  TORCH_CHECK_VALUE(!detail::state_of_model(model.get()), "rank ", mesh->global_rank(),
-              ": dedicate_params was already called on this model. Dedicate a model once; to change options, "
-              "build a fresh model.");
-  for (const auto& item : model->named_modules("", true))
-    TORCH_CHECK_VALUE(!detail::boundary_of_module(item.value().get()).first, "rank ", mesh->global_rank(),
-                ": dedicate_params: submodule '", item.key(), "' already belongs to a dedicated model.");
-  check_dedicate_options(*mesh, options);
   auto state = std::make_shared<Runtime>(model_view(*model), model, mesh, options, ddp);
-  state->build(predicate);
+  state->build(predicate, [&] {  // (inside the plan agreement: a refusal on one rank fails every rank)
+    TORCH_CHECK_VALUE(!detail::state_of_model(model.get()), "rank ", mesh->global_rank(),
+                      ": dedicate_params was already called on this model. Dedicate a model once; to change "
+                      "options, build a fresh model.");
+    for (const auto& item : model->named_modules("", true))
+      TORCH_CHECK_VALUE(!detail::boundary_of_module(item.value().get()).first, "rank ", mesh->global_rank(),
+                        ": dedicate_params: submodule '", item.key(), "' already belongs to a dedicated model.");
+    check_dedicate_options(*mesh, options);
+  });
   detail::register_state(model, state);
   for (const auto& b : state->boundaries())
     if (auto mod = b.module.lock()) detail::register_boundary(mod, state, b.index);
@@ -157,9 +158,8 @@ namespace {
 std::shared_ptr<Runtime> dedicate_view_impl(ModelView view, const std::shared_ptr<Mesh>& mesh,
                                             const ParamPredicate& predicate, const DedicateOptions& options, bool ddp) {
   TORCH_CHECK_VALUE(mesh, "dedicate_model_view: the mesh is null; create one with dmuon::Mesh::create.");
-  check_dedicate_options(*mesh, options);
   auto state = std::make_shared<Runtime>(std::move(view), nullptr, mesh, options, ddp);
-  state->build(predicate);
+  state->build(predicate, [&] { check_dedicate_options(*mesh, options); });
   detail::register_runtime(state);
   return state;
 }

@@ -1,14 +1,12 @@
-// The cross-rank plan check (see fingerprint.h).
+// The cross-rank plan check (see fingerprint.h): an agreement (comm/agreement.h) on the plan.
 #include "runtime/fingerprint.h"
 
-#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include <algorithm>
-#include <climits>
+#include <iomanip>
 #include <sstream>
-#include <stdexcept>
 
+#include "comm/agreement.h"
 #include "dmuon/digest.h"
 
 namespace dmuon {
@@ -16,111 +14,90 @@ namespace dmuon {
 namespace {
 
 // FNV-1a 64 of what must agree per parameter, independent of the planner's options
-uint64_t spec_digest(const ParamSpec& s, const Precision& prec) {
+uint64_t spec_digest(const ParamSpec& s, const Precision& prec, int unshard) {
   Fnv1a h;
+  h.i64(unshard);
   h.str(s.name).i64(static_cast<int64_t>(s.shape.size()));
   for (int64_t v : s.shape) h.i64(v);
   h.i64(s.elem_bytes).str(s.group_key).str(s.route).i64(s.tp_split_dim).u64(precision_digest(prec));
   return h.value();
 }
 
+constexpr const char* kSame =
+    ". Every rank must build the same model and pass the same options before dedicate_params.";
+
 }  // namespace
 
 void check_plan_agreement(Mesh& mesh, const OwnerPlan& plan, const std::vector<ParamSpec>& specs,
-                          const std::vector<Precision>& precisions, uint64_t base_digest, const PlanOptions& po,
-                          const std::exception_ptr& failure) {
-  const int rank = mesh.global_rank();
-  // [fingerprint, count, setup failed] from every rank; a mismatch names the first differing parameter.
-  // built on the host, exchanged on the mesh's device (NCCL takes CUDA tensors only)
-  const auto host_opt = at::TensorOptions().dtype(at::kLong);
-  Fnv1a mixed(plan.fingerprint ^ base_digest);
-  for (const auto& pr : precisions) mixed.u64(precision_digest(pr));
-  const uint64_t fp = mixed.value();
-  // the failure's kind crosses too, so the other ranks raise the same kind: 1 a caller mistake (ValueError
-  // in Python), 2 anything else
-  int64_t failed_kind = 0;
-  if (failure) {
-    try {
-      std::rethrow_exception(failure);
-    } catch (const c10::ValueError&) {
-      failed_kind = 1;
-    } catch (const std::invalid_argument&) {
-      failed_kind = 1;
-    } catch (...) {
-      failed_kind = 2;
-    }
-  }
-  const at::Tensor mine =
-      at::tensor({static_cast<int64_t>(fp), static_cast<int64_t>(specs.size()), failed_kind}, host_opt)
-          .to(mesh.device());
-  const int n = mesh.world_size();
-  at::Tensor all = at::empty({3 * n}, mesh.options(at::kLong));
-  mesh.world().allgather_flat(all, mine, "plan fingerprint check").wait_host();
-  const at::Tensor host = all.cpu();
-  const int64_t* a = host.data_ptr<int64_t>();
-  std::string failed;
-  bool mistakes_only = true;  // every failed rank's error was a caller mistake
-  for (int r = 0; r < n; ++r)
-    if (a[3 * r + 2] != 0) {
-      failed += (failed.empty() ? "" : ", ") + std::to_string(r);
-      mistakes_only = mistakes_only && a[3 * r + 2] == 1;
-    }
-  if (failure) std::rethrow_exception(failure);
-  if (!failed.empty()) {
-    const std::string what = "rank " + std::to_string(rank) + ": dedicate_params: setup failed on rank(s) " + failed +
-                             " before the ranks compared their owner plans (this rank's setup succeeded; see their "
-                             "errors). Every rank must build the same model and pass the same options before "
-                             "dedicate_params.";
-    if (mistakes_only) TORCH_CHECK_VALUE(false, what);
-    TORCH_CHECK(false, what);
-  }
-  bool same = true;
-  for (int r = 0; r < n; ++r) same = same && a[3 * r] == a[0];
-  if (same) return;
-  int64_t max_count = 0, min_count = INT64_MAX;
-  for (int r = 0; r < n; ++r) {
-    max_count = std::max(max_count, a[3 * r + 1]);
-    min_count = std::min(min_count, a[3 * r + 1]);
-  }
-  std::string detail;
-  if (max_count != min_count) {
+                          const std::vector<Precision>& precisions, const std::vector<int>& unshard,
+                          uint64_t base_digest, const DedicateOptions& options, const std::exception_ptr& failure) {
+  const PlanOptions& po = options.plan;
+  // the options that shape the collectives, each an entry (its value shown where it differs)
+  std::ostringstream bucket;
+  bucket << std::setprecision(17) << options.replicate_broadcast_bucket_mb;
+  const std::vector<std::pair<std::string, std::string>> shaping = {
+      {"reshard_after_forward", options.reshard_after_forward ? "true" : "false"},
+      {"muon_forward_unshard", options.muon_forward_unshard},
+      {"replicate_broadcast_bucket_mb", bucket.str()},
+      {"delay_stage2_to_optimizer", options.delay_stage2_to_optimizer ? "true" : "false"}};
+  using detail::AgreedEntry;
+  detail::AgreementText text;
+  text.fn = "dedicate_params";
+  text.refused = [](const std::vector<int>& ranks, const std::string& reason) {
+    return "setup failed on rank(s) " + detail::rank_list(ranks) +
+           " before the ranks compared their owner plans (this rank's setup succeeded; " + reason + ")" + kSame;
+  };
+  // the entries: the options that shape the collectives, the resolved planner options (the fingerprint of a plan
+  // of no parameters), one per dedicated parameter (its spec), and last what they leave out (the plan itself,
+  // the boundaries, every precision)
+  const int64_t first_param = static_cast<int64_t>(shaping.size()) + 1;
+  text.differs = [&](const detail::Disagreement& d) {
     std::ostringstream o;
-    o << "ranks select different numbers of dedicated parameters (this rank " << specs.size() << ", others between "
-      << min_count << " and " << max_count << ")";
-    detail = o.str();
-  } else {
-    // per-parameter digests of the specs alone, then one of the resolved planner options (a plan of
-    // no parameters): the first parameter whose spec differs from rank 0's, else the options
-    const int64_t np = static_cast<int64_t>(specs.size());
-    at::Tensor d = at::empty({np + 1}, host_opt);
-    for (int64_t i = 0; i < np; ++i)
-      d[i] = static_cast<int64_t>(spec_digest(specs[static_cast<size_t>(i)], precisions[static_cast<size_t>(i)]));
-    d[np] = static_cast<int64_t>(plan_owners({}, 1, 1, po).fingerprint);
-    at::Tensor alld = at::empty({(np + 1) * n}, mesh.options(at::kLong));
-    mesh.world().allgather_flat(alld, d.to(mesh.device()), "plan fingerprint diagnosis").wait_host();
-    const at::Tensor hd = alld.cpu();
-    const int64_t* dd = hd.data_ptr<int64_t>();
-    for (int64_t i = 0; i <= np && detail.empty(); ++i)
-      for (int r = 1; r < n; ++r)
-        if (dd[r * (np + 1) + i] != dd[i]) {
-          std::ostringstream o;
-          if (i < np)
-            o << "parameter #" << i << " ('" << specs[static_cast<size_t>(i)].name << "' on this rank, shape "
-              << at::IntArrayRef(specs[static_cast<size_t>(i)].shape) << ") differs between rank 0 and rank " << r
-              << " (its shape, name, assignment group, tensor-parallel split or mixed-precision policy)";
-          else
-            o << "the planner options differ between rank 0 and rank " << r << " (PlanOptions or the DMUON_OWNER_* "
-              << "environment: strategy, cost model, packing; with owner_cost_model \"profiled\", the NS profile: "
-              << "PlanOptions::ns_profile / DMUON_NS_PROFILE must hold the same measurements on every rank)";
-          detail = o.str();
-          break;
+    const std::string first = std::to_string(mesh.world().global_ranks().front());
+    const std::string others = (d.ranks.size() == 1 ? "rank " : "ranks ") + detail::rank_list(d.ranks);
+    o << "the owner plan differs between ranks: ";
+    const std::string key = d.entry ? d.entry->key : "";
+    if (!d.entry)
+      o << "ranks select different numbers of dedicated parameters (rank " << first << " " << d.count0 - first_param - 1
+        << ", " << others << " " << d.count - first_param - 1 << ")";
+    else if (key == "parameter")
+      o << "parameter #" << d.index - first_param << " (" << d.entry->shown << ") differs between rank " << first
+        << " and " << others
+        << " (its shape, name, assignment group, tensor-parallel split, muon_forward_unshard or mixed-precision "
+           "policy)";
+    else if (key == "planner options")
+      o << "the planner options differ between rank " << first << " and " << others
+        << " (PlanOptions or the DMUON_OWNER_* environment: strategy, cost model, "
+        << "packing; with owner_cost_model \"profiled\", the NS profile: PlanOptions::ns_profile / DMUON_NS_PROFILE "
+        << "must hold the same measurements on every rank)";
+    else if (key == "plan")
+      o << "the mixed-precision policy (dtypes of the non-dedicated parameters, the boundaries' "
+           "cast_forward_inputs/output_dtype), the boundaries, the deferred parameters or their param_source (its "
+           "seed, its file's tensors) differ between ranks";
+    else
+      o << "dedicate_params was given " << key << " = " << d.entry->shown << " here and another value on " << others
+        << " (an option that decides which collectives run: the ranks would wait in different ones)";
+    return o.str() + kSame;
+  };
+  detail::agree(
+      mesh.world(), text,
+      [&] {
+        if (failure) std::rethrow_exception(failure);
+      },
+      [&] {
+        std::vector<AgreedEntry> out;
+        for (const auto& [name, value] : shaping) out.push_back({name, fnv1a(value), value});
+        out.push_back({"planner options", plan_owners({}, 1, 1, po).fingerprint, ""});
+        for (size_t i = 0; i < specs.size(); ++i) {
+          std::ostringstream shown;
+          shown << "'" << specs[i].name << "' on this rank, shape " << at::IntArrayRef(specs[i].shape);
+          out.push_back({"parameter", spec_digest(specs[i], precisions[i], unshard[i]), shown.str()});
         }
-    if (detail.empty())
-      detail = "the mixed-precision policy (dtypes of the non-dedicated parameters, the boundaries' "
-               "cast_forward_inputs/output_dtype), the boundaries or the deferred parameters differ between ranks";
-  }
-  TORCH_CHECK(false, "rank ", rank, ": dedicate_params: the owner plan differs between ranks: ", detail,
-              ". Every rank must build the same model and pass the same options before dedicate_params.");
+        Fnv1a rest(plan.fingerprint ^ base_digest);
+        for (const auto& pr : precisions) rest.u64(precision_digest(pr));
+        out.push_back({"plan", rest.value(), ""});
+        return out;
+      });
 }
 
 }  // namespace dmuon

@@ -3,6 +3,7 @@
 
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/moduledict.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/parameterdict.h>
@@ -16,6 +17,7 @@
 namespace dmuon {
 
 void ModelView::check(int rank) const {
+  if (precheck) precheck();
   std::set<std::string> names;
   std::set<const c10::TensorImpl*> impls;
   for (const auto* list : {&params, &buffers})
@@ -72,9 +74,12 @@ ModelView model_view(const torch::nn::Module& model) {
     }
     m.libtorch = item.value();
     const torch::nn::Module* raw = item.value().get();
+    // (MultiheadAttention reads its out_proj's weight without calling out_proj: that forward never runs either)
+    const auto parent = m.parent >= 0 ? v.modules[static_cast<size_t>(m.parent)].libtorch.lock() : nullptr;
     m.container = dynamic_cast<const torch::nn::ModuleListImpl*>(raw) || dynamic_cast<const torch::nn::ModuleDictImpl*>(raw) ||
                   dynamic_cast<const torch::nn::ParameterListImpl*>(raw) ||
-                  dynamic_cast<const torch::nn::ParameterDictImpl*>(raw);
+                  dynamic_cast<const torch::nn::ParameterDictImpl*>(raw) ||
+                  dynamic_cast<const torch::nn::MultiheadAttentionImpl*>(parent.get());
     index[name] = static_cast<int>(v.modules.size());
     v.modules.push_back(std::move(m));
     if (const auto* tp = dynamic_cast<const TensorParallel*>(item.value().get()))

@@ -607,7 +607,16 @@ std::vector<PlannedTraffic> Runtime::planned_step_traffic() const {
   std::lock_guard<std::recursive_mutex> g(mu_);
   std::vector<PlannedTraffic> out;
   for (const Route* r : routes()) r->plan_step_traffic(out);
+  if (step_verdict_) {  // (the optimizer's: comm/agreement.h's all-gather of [refused, count, digest])
+    Communicator& world = mesh().world();
+    add_planned(out, "muon", world, CommOp::AllGather, 3 * int64_t{sizeof(int64_t)} * world.size());
+  }
   return out;
+}
+
+void Runtime::set_step_verdict(bool on) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  step_verdict_ = on;
 }
 
 void Runtime::set_separate_sharded_unshard(bool on) {

@@ -89,8 +89,9 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   ~Runtime();
 
   // ---- setup (build.cpp) ----
-  // collective: fingerprint exchange, initial values of the owners / rank 0.
-  void build(const ParamPredicate& predicate);
+  // collective: fingerprint exchange, initial values of the owners / rank 0. `precheck` (the caller's checks
+  // of its arguments) runs first, inside the plan agreement: one rank's refusal fails every rank, no hang.
+  void build(const ParamPredicate& predicate, const std::function<void()>& precheck = {});
   // dmuon::replicate (tp: replicate_tp). collective: rank 0's initial values.
   void add_replicated(double bucket_mb, bool tp);
   // Trainable parameters on the local route that another data-parallel wrapper replaced after
@@ -126,6 +127,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void defer_update(const std::string& name, std::function<void()> apply) override;
   void prefetch_next_forward(int groups, bool sharded_adamw) override;
   void set_separate_sharded_unshard(bool on) override;
+  void set_step_verdict(bool on) override;
   std::vector<PlannedTraffic> planned_step_traffic() const override;
   void discard_grads() override;
   uint64_t grads_epoch() const override;
@@ -245,6 +247,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   mutable std::recursive_mutex mu_;
   bool no_sync_ = false;
   bool backward_since_forward_ = true;
+  bool step_verdict_ = false;  // set_step_verdict
   bool pass_begun_by_step_ = false;  // prefetch_next_forward began the next pass: its root forward does not begin one
   // the current root forward runs in grad mode (an evaluation forward's no-grad uses are never recomputed);
   // whether a root scope ever ran (a C++ model calling its blocks alone has none)

@@ -83,6 +83,9 @@ class RuntimeFace {
   // Mesh::set_sharded_unshard_group) or on the shard group with the dedicated broadcasts. Local; every
   // rank the same, before the next forward.
   virtual void set_separate_sharded_unshard(bool on) = 0;
+  // The optimizer ends each step with the world's verdict on non-finite gradients (one all-gather of three
+  // int64 per rank, Muon::step): counted in planned_step_traffic. Local.
+  virtual void set_step_verdict(bool on) = 0;
   // TP: `apply` finishes the update of `name` when its slice has arrived -- before the holder's data
   // are read or sent again (local)
   virtual void defer_update(const std::string& name, std::function<void()> apply) = 0;

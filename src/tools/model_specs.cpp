@@ -1,6 +1,7 @@
 // model_specs.cpp -- Hugging Face config and parameter-list loaders, the model builders, the Muon
 // predicate (the presets: model_presets.cpp).
 #include "dmuon/tools/model_specs.h"
+#include "env/json_text.h"
 #include "model_builders.h"
 
 #include <algorithm>
@@ -150,12 +151,12 @@ int64_t cfg_int(const json& cfg, const std::string& key, const std::string& sour
   }
   if (!f->is_number_integer())
     throw std::invalid_argument(source + ": field '" + key + "' must be " + kind + ", got " +
-                                f->dump());
+                                detail::json_brief(*f));
   // Values beyond int64 parse as unsigned (or fail to fit): report them as too large.
   if (f->is_number_unsigned() && f->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
     std::string what;
     const int64_t limit = limit_of(key, &what);
-    throw std::invalid_argument(source + ": field '" + key + "' is " + f->dump() +
+    throw std::invalid_argument(source + ": field '" + key + "' is " + detail::json_brief(*f) +
                                 ", above the limit of " + std::to_string(limit) +
                                 (what.empty() ? "" : " " + what) + "; check the value");
   }
@@ -239,11 +240,11 @@ ModelSpec build_decoder(const json& cfg, const std::string& type, const std::str
     if (const json* f = field(cfg, "mlp_only_layers")) {
       if (!f->is_array())
         throw std::invalid_argument(src + ": field 'mlp_only_layers' must be an array of layer "
-                                    "indices, got " + f->dump());
+                                    "indices, got " + detail::json_brief(*f));
       for (const json& x : *f) {
         if (!x.is_number_integer())
           throw std::invalid_argument(src + ": field 'mlp_only_layers' must hold integers, got " +
-                                      x.dump());
+                                      detail::json_brief(x));
         mlp_only.push_back(x.get<int64_t>());
       }
     }
@@ -557,7 +558,7 @@ ModelSpec model_from_params_json(const std::string& json_text, const std::string
   for (size_t i = 0; i < j.size(); ++i) {
     const json& e = j[i];
     const std::string at = source + ": entry " + std::to_string(i);
-    if (!e.is_object()) throw std::invalid_argument(at + " is not an object: " + e.dump());
+    if (!e.is_object()) throw std::invalid_argument(at + " is not an object: " + detail::json_brief(e));
     if (!e.contains("name") || !e["name"].is_string() || e["name"].get<std::string>().empty())
       throw std::invalid_argument(at + " needs a non-empty string \"name\"");
     ParamSpec p;
@@ -567,18 +568,18 @@ ModelSpec model_from_params_json(const std::string& json_text, const std::string
       throw std::invalid_argument(who + " needs \"shape\": an array of integers");
     for (const json& d : e["shape"]) {
       if (!d.is_number_integer())
-        throw std::invalid_argument(who + " has shape " + e["shape"].dump() +
+        throw std::invalid_argument(who + " has shape " + detail::json_brief(e["shape"]) +
                                     ": dimensions must be integers");
       p.shape.push_back(d.get<int64_t>());
     }
     for (int64_t d : p.shape)
       if (d < 1)
-        throw std::invalid_argument(who + " has shape " + e["shape"].dump() + ": dimension " +
+        throw std::invalid_argument(who + " has shape " + detail::json_brief(e["shape"]) + ": dimension " +
                                     std::to_string(d) + " is not >= 1");
     std::string dt = default_dtype;
     if (e.contains("dtype")) {
       if (!e["dtype"].is_string())
-        throw std::invalid_argument(who + " has a non-string \"dtype\": " + e["dtype"].dump());
+        throw std::invalid_argument(who + " has a non-string \"dtype\": " + detail::json_brief(e["dtype"]));
       dt = e["dtype"].get<std::string>();
     }
     try {
@@ -589,7 +590,7 @@ ModelSpec model_from_params_json(const std::string& json_text, const std::string
     for (const char* key : {"group", "group_key"})
       if (e.contains(key)) {
         if (!e[key].is_string())
-          throw std::invalid_argument(who + " has a non-string \"" + key + "\": " + e[key].dump());
+          throw std::invalid_argument(who + " has a non-string \"" + key + "\": " + detail::json_brief(e[key]));
         p.group_key = e[key].get<std::string>();
       }
     if (e.contains("route") && e["route"].is_string()) p.route = e["route"].get<std::string>();

@@ -12,6 +12,8 @@
 #include <stdexcept>
 #include <tuple>
 
+#include "env/json_text.h"
+
 namespace dmuon {
 
 namespace {
@@ -96,7 +98,7 @@ double need(const json& j, const char* key, const std::string& where) {
   if (!j.contains(key) || !j[key].is_number())
     throw std::invalid_argument(where + ": hardware description needs a number \"" + key + "\"");
   const double v = j[key].get<double>();
-  if (!(v > 0)) throw std::invalid_argument(where + ": \"" + key + "\" must be > 0, got " + j[key].dump());
+  if (!(v > 0)) throw std::invalid_argument(where + ": \"" + key + "\" must be > 0, got " + detail::json_brief(j[key]));
   return v;
 }
 
@@ -159,7 +161,7 @@ HardwareSpec hardware_from_json(const std::string& text, const std::string& sour
     const double c = need(j, "cores_per_node", source);
     if (c != std::floor(c) || c > 1e6)
       throw std::invalid_argument(source + ": \"cores_per_node\" must be a whole number of ranks the host runs at "
-                                  "once (its cores over each rank's threads), got " + j["cores_per_node"].dump());
+                                  "once (its cores over each rank's threads), got " + detail::json_brief(j["cores_per_node"]));
     h.cores_per_node = static_cast<int>(c);
   }
   if (j.contains("ns_profile"))

@@ -390,18 +390,25 @@ def _load_mistakes(rank, world, layout):
     assert dmuon.get_model_state_dict(model, rank0_only=False)["layers.1.proj.bias"].isnan().sum() == 1
     dmuon.set_model_state_dict(model, sd)
     unchanged()
-    # any error on one rank (not only a refusal): raised there, and on the others naming it
-    with pytest.raises(RuntimeError if rank else ValueError, match="unreadable" if rank else "rank 1 refused"):
+    # any error on one rank (not only a refusal): raised there, and on the others naming it, of its kind
+    with pytest.raises(RuntimeError, match="unreadable" if rank else r"rank\(s\) 1 refused"):
         opt.load_state_dict({**osd, "steps_taken": UnreadableCount()} if rank else osd)
     unchanged()
     odd = {**osd, "param_groups": [dict(g, lr=g["lr"] * (1 + rank)) for g in osd["param_groups"]]}
     with pytest.raises(ValueError, match="different state dicts"):
         opt.load_state_dict(odd)
     unchanged()
+    # a torch.optim flag dmuon does not implement: refused before it reaches the live groups (which step() and
+    # state_dict() would then refuse for good)
+    flagged = {**osd, "param_groups": [dict(g, maximize=True) for g in osd["param_groups"]]}
+    with pytest.raises(ValueError, match="has maximize=True; dmuon's Muon and AdamW have no maximize"):
+        opt.load_state_dict(flagged)
+    unchanged()
+    assert all("maximize" not in g for g in opt.param_groups) and opt.state_dict()["steps_taken"] == osd["steps_taken"]
     # the default rank0_only=True dicts, loaded on every rank: empty on the others, refused on all
     for load, full in ((lambda d: dmuon.set_model_state_dict(model, d), dmuon.get_model_state_dict(model)),
                        (opt.load_state_dict, dmuon.get_optimizer_state_dict(model, opt))):
-        with pytest.raises(ValueError, match="rank0_only=True" if rank else "rank 1 refused"):
+        with pytest.raises(ValueError, match="rank0_only=True" if rank else r"rank\(s\) 1 refused"):
             load(full)
         unchanged()
     # a tied parameter's other key: checked like the first; its value is the one loaded (the last key's, as torch)
@@ -1329,6 +1336,67 @@ def _callable_mistake(rank, world):
 
 def test_a_callables_value_error_is_a_value_error_on_every_rank(tmp_path):
     run_ranks(tmp_path, 2, _callable_mistake)
+
+
+def _one_rank_refuses(rank, world):
+    """An argument one rank gets wrong -- checked by the Python front end before the core sees it -- is an
+    error on every rank at once (that rank: its own; the others: naming it and its reason), not a refusal on
+    one rank that leaves the others in the next collective until the timeout (this group's is 120 s: each
+    call must end well within it)."""
+    import time
+
+    mesh = init_device_mesh("cpu", (world,))
+    start = time.monotonic()
+    bad = {"tp_buffer_reuse": "sometimes"} if rank == 1 else {}
+    with pytest.raises(ValueError, match="tp_buffer_reuse='sometimes'" if rank else
+                       r"rank 0: dedicate_params: setup failed on rank\(s\) 1 .*tp_buffer_reuse='sometimes'"):
+        dmuon.dedicate_params(make_net(), mesh, predicate=lambda n, p: p.dim() == 2, **bad)
+    policy = {"defaults": {"param_dtpye": torch.float32}} if rank == 0 else None  # a typo'd field on rank 0
+    with pytest.raises(ValueError, match="param_dtpye" if rank == 0 else r"setup failed on rank\(s\) 0 .*param_dtpye"):
+        dmuon.dedicate_params(make_net(), mesh, predicate=lambda n, p: p.dim() == 2, param_policy=policy)
+    model = make_net()
+    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: p.dim() == 2)
+    dmuon.replicate(model)
+    for kwargs, raised, said in (
+            ({"post_step_prefetch_groups": -1}, ValueError, "post_step_prefetch_groups must be an int >= 0"),
+            ({"adamw_betas": None}, TypeError, "adamw_betas=None"),
+            ({"param_groups": [{"params": [torch.zeros(3, requires_grad=True)]}]}, ValueError,
+             "not a parameter of the dedicated model")):
+        with pytest.raises(raised if rank == 1 else ValueError,
+                           match=said if rank == 1 else r"rank 0: Muon: rank\(s\) 1 refused the options they were "
+                                                        r"given, so no rank builds Muon \(rank 1: .*" + said):
+            dmuon.Muon(model, **(kwargs if rank == 1 else {}))
+    assert time.monotonic() - start < 60
+    # a parameter added after dedicate_params would never train: refused (every rank added it)
+    model.head = nn.Linear(DIM, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"\['head.weight', 'head.bias'\] were added to the model after "
+                                         "dedicate_params"):
+        dmuon.Muon(model)
+    model.head.requires_grad_(False)  # frozen: nothing to train, nothing refused
+    opt = dmuon.Muon(model)
+    # a NaN in one matrix's averaged gradient: known to its owner alone, an error on every rank once the step's
+    # collectives are done; that matrix keeps its weights, the next step trains on
+    x = torch.randn(4, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    model(x).square().sum().backward()
+    dmuon.prepare_muon_grads(model)
+    target = model.layers[0].gate.weight
+    mine = target.grad is not None and target.grad.numel() > 0
+    if mine:
+        target.grad[0, 0] = float("nan")
+    before = target.detach().clone()
+    with pytest.raises(RuntimeError, match="the averaged gradient of 'layers.0.gate.weight'" if mine else
+                       r"a Muon gradient is not finite on rank\(s\) \d: rank \d: Muon::step: the averaged gradient "
+                       "of 'layers.0.gate.weight'"):
+        opt.step()
+    if mine:
+        assert torch.equal(target.detach(), before)
+    opt.zero_grad()
+    model(x).square().sum().backward()
+    opt.step()
+
+
+def test_a_refusal_on_one_rank_is_an_error_on_every_rank(tmp_path):
+    run_ranks(tmp_path, 2, _one_rank_refuses)
 
 
 def _torch_state_paths(rank, world, fsdp2):

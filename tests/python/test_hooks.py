@@ -361,19 +361,28 @@ def _threaded(rank, world, reshard):
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randn(world, 4, DIM, dtype=torch.float64, generator=gen) for _ in range(2)]
     for step, xs in enumerate(batches):
-        plain.zero_grad()
-        for r in range(world):  # the plain model's gradient of every rank's loss, averaged
-            (plain(xs[r]).square().sum() / world).backward()
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            model(xs[rank]).square().sum().backward()
-        late = [str(w.message) for w in seen if "arrived after the boundary's reduce" in str(w.message)]
-        assert not late, f"rank {rank}, step {step}: {late}"
-        dmuon.prepare_muon_grads(model)
-        checked = assert_grads_like(model, plain, f"rank {rank}, step {step}")
+        checked = _backward_like_plain(model, plain, xs, rank, world, f"rank {rank}, step {step}",
+                                       "arrived after the boundary's reduce")
         assert checked == 3 + sum(d.is_owner for d in mine.values())
-        for p in model.parameters():
-            p.grad = None
+
+
+def _backward_like_plain(model, plain, xs, rank, world, where, unwanted):
+    """One backward of rank `rank`'s batch xs[rank] through dedicated `model`, with no warning containing
+    `unwanted`; its gradients equal the plain model's gradient of every rank's loss, averaged (1e-12).
+    Returns how many gradients were compared; drops them after."""
+    plain.zero_grad()
+    for r in range(world):
+        (plain(xs[r]).square().sum() / world).backward()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(xs[rank]).square().sum().backward()
+    said = [str(w.message) for w in seen if unwanted in str(w.message)]
+    assert not said, f"{where}: {said}"
+    dmuon.prepare_muon_grads(model)
+    checked = assert_grads_like(model, plain, where)
+    for p in model.parameters():
+        p.grad = None
+    return checked
 
 
 @pytest.mark.parametrize("world,reshard", [(2, True), (2, False)])
@@ -384,3 +393,52 @@ def test_a_blocks_ops_on_a_worker_thread_give_their_gradients_to_the_reduce(tmp_
     gradient is in the reduce: each equals the plain model's at 1e-12 (float64, averaged over 2 ranks, Z3 and
     Z2), with no late-gradient warning."""
     run_ranks(tmp_path, world, _threaded, reshard)
+
+
+class AttentionBlock(nn.Module):  # CLIP-style: torch's MultiheadAttention, not under layers.N / blocks.N
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(DIM, 2, dtype=torch.float64)
+        self.mlp = nn.Linear(DIM, DIM, dtype=torch.float64)
+
+    def forward(self, x):
+        x = x + self.attn(x, x, x, need_weights=False)[0]
+        return x + torch.tanh(self.mlp(x))
+
+
+class AttentionNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.resblocks = nn.Sequential(AttentionBlock(), AttentionBlock())
+
+    def forward(self, x):
+        return self.resblocks(x)
+
+
+def _attention(rank, world, reshard, ddp):
+    torch.manual_seed(7)
+    plain = AttentionNet()
+    torch.manual_seed(7)
+    model = AttentionNet()
+    dedicate = dmuon.dedicate_params_ddp if ddp else dmuon.dedicate_params
+    extra = {} if ddp else {"reshard_after_forward": reshard}
+    dedicate(model, dist.group.WORLD, lambda n, p: p.dim() == 2, **extra)
+    dmuon.replicate(model)
+    boundary = {d.name: d.boundary for d in dmuon.get_dedicated_params(model)}
+    # MultiheadAttention reads out_proj.weight itself (out_proj's forward never runs): its boundary is the
+    # attention module, whose forward does
+    assert boundary["resblocks.0.attn.out_proj.weight"] == "resblocks.0.attn", boundary
+    gen = torch.Generator().manual_seed(3)
+    for step in range(2):
+        xs = torch.randn(world, 3, 2, DIM, dtype=torch.float64, generator=gen)
+        checked = _backward_like_plain(model, plain, xs, rank, world, f"rank {rank}, step {step}", "dropped")
+        assert checked == len(list(model.parameters())) - sum(not d.is_owner for d in dmuon.get_dedicated_params(model))
+
+
+@pytest.mark.parametrize("reshard,ddp", [(True, False), (False, False), (False, True)])
+def test_multihead_attentions_out_proj_trains_under_any_module_names(tmp_path, reshard, ddp):
+    """nn.MultiheadAttention under names that are not layers.N / blocks.N (CLIP's resblocks.N.attn): its
+    out_proj's boundary was out_proj itself, whose forward MultiheadAttention never calls, so its gradient was
+    dropped (the DDP path) or a non-owner read a released placeholder (Z3). Every gradient equals the plain
+    model's at 1e-12 (float64, 2 ranks), Z3, Z2 and the DDP path."""
+    run_ranks(tmp_path, 2, _attention, reshard, ddp)
