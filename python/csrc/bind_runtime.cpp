@@ -36,6 +36,7 @@ std::string python_kind() {
   else if constexpr (std::is_same_v<T, at::ScalarType>) return "a torch.dtype";
   else if constexpr (std::is_same_v<T, std::pair<double, double>>) return "a pair of floats";
   else if constexpr (std::is_same_v<T, py::list>) return "a list";
+  else if constexpr (std::is_same_v<T, NewtonSchulz>) return "a backend name ('gram', 'direct') or a dmuon.NewtonSchulz";
   else return "a callable";
 }
 
@@ -48,15 +49,18 @@ std::optional<T> get_opt(const py::dict& d, const char* key) {
   // a bool is an int to Python: ns_steps=True would be 1
   const bool bool_for_number = (std::is_integral_v<T> || std::is_floating_point_v<T>) && !std::is_same_v<T, bool> &&
                                py::isinstance<py::bool_>(v);
-  if (!bool_for_number) {
+  // and a flag is True or False: pybind would take 0 or a list for one (their truth value)
+  const bool number_for_bool = std::is_same_v<T, bool> && !py::isinstance<py::bool_>(v) &&
+                               std::string(Py_TYPE(v.ptr())->tp_name) != "numpy.bool_";
+  if (!bool_for_number && !number_for_bool) {
     try {
       return v.cast<T>();
     } catch (const py::cast_error&) {
     }
   }
-  throw py::type_error(std::string("dmuon: option '") + key + "' must be " + python_kind<T>() + ", got " +
-                       py::repr(v).cast<std::string>() + " (" + std::string(Py_TYPE(v.ptr())->tp_name) +
-                       ").");
+  // (c10::TypeError: a TypeError in Python, and a caller mistake to the ranks' agreements)
+  TORCH_CHECK_TYPE(false, "dmuon: option '", key, "' must be ", python_kind<T>(), ", got ",
+                   py::repr(v).cast<std::string>(), " (", Py_TYPE(v.ptr())->tp_name, ").");
 }
 
 // One policy as the Python side normalised it (dmuon/_runtime.py: dtypes as torch.dtype, known keys).
@@ -137,7 +141,7 @@ MuonOptions muon_options(const py::dict& d) {
   if (auto v = get_opt<double>(d, "adamw_eps")) o.adamw_eps = *v;
   if (d.contains("ns_backend") && !d["ns_backend"].is_none()) {
     if (py::isinstance<py::str>(d["ns_backend"])) o.ns_backend = d["ns_backend"].cast<std::string>();
-    else o.ns = d["ns_backend"].cast<NewtonSchulz>();
+    else o.ns = *get_opt<NewtonSchulz>(d, "ns_backend");
   }
   if (auto v = get_opt<bool>(d, "nesterov")) o.nesterov = *v;
   o.replicate_async = get_opt<bool>(d, "replicate_async");
@@ -330,7 +334,19 @@ void bind_runtime(py::module_& m) {
          const std::map<std::string, int>& tp_split, const std::map<std::string, std::vector<std::string>>& aliases,
          const std::function<void()>& precheck) {
         ModelView v;
-        v.precheck = caller_mistakes_kept(precheck);  // the Python front end's refusal, agreed with the others
+        // the Python front end's refusal and this binding's reading of the options: refused inside the setup's
+        // agreement (every rank raises), not on this rank alone
+        DedicateOptions o;
+        std::exception_ptr unread;
+        try {
+          o = dedicate_options(options);
+        } catch (...) {
+          unread = std::current_exception();
+        }
+        v.precheck = [unread, given = caller_mistakes_kept(precheck)] {
+          if (given) given();
+          if (unread) std::rethrow_exception(unread);
+        };
         for (const auto& [n, t] : params) {
           auto it = aliases.find(n);
           v.params.push_back({n, t, it == aliases.end() ? std::vector<std::string>{} : it->second});
@@ -338,7 +354,6 @@ void bind_runtime(py::module_& m) {
         v.tp_split = tp_split;  // DTensor parameters sharded on the TP axis: their local slices, split dim
         for (const auto& [n, t] : buffers) v.buffers.push_back({n, t});
         for (const auto& [n, parent, container] : modules) v.modules.push_back({n, parent, {}, container});
-        const DedicateOptions o = dedicate_options(options);
         const ParamPredicate select = caller_mistakes_kept(predicate);
         // setup runs collectives (the plan's agreement, initial values): without the GIL, as every other
         // collective; the Python callables it runs (predicate, resolver, policy) take the GIL themselves

@@ -1204,6 +1204,7 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"Muon: post_step_prefetch_groups must be an int >= 0, got {post_step_prefetch_groups!r}")
             if isinstance(forward_prefetch_depth, bool) or not isinstance(forward_prefetch_depth, int) or forward_prefetch_depth < 0:
                 raise ValueError(f"Muon: forward_prefetch_depth must be an int >= 0, got {forward_prefetch_depth!r}")
+
             # FSDP2's DTensor shards (fully_shard after dedicate_params) leave dmuon's routes before the native
             # optimizer checks that every trainable parameter is on a distributed route
             external = _sync_external(model, state)

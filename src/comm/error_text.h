@@ -16,10 +16,10 @@ inline std::string error_text(const std::exception& e) {
   return e.what();
 }
 
-// A caller mistake (Python: ValueError) rather than a failure of the system (RuntimeError): what dmuon re-raises
+// A caller mistake (Python: ValueError, TypeError) rather than a failure of the system (RuntimeError): what dmuon re-raises
 // on a caller's behalf keeps this kind.
 inline bool is_caller_mistake(const std::exception& e) {
-  return dynamic_cast<const c10::ValueError*>(&e) != nullptr ||
+  return dynamic_cast<const c10::ValueError*>(&e) != nullptr || dynamic_cast<const c10::TypeError*>(&e) != nullptr ||
          dynamic_cast<const std::invalid_argument*>(&e) != nullptr;
 }
 

@@ -1351,6 +1351,12 @@ def _one_rank_refuses(rank, world):
     with pytest.raises(ValueError, match="tp_buffer_reuse='sometimes'" if rank else
                        r"rank 0: dedicate_params: setup failed on rank\(s\) 1 .*tp_buffer_reuse='sometimes'"):
         dmuon.dedicate_params(make_net(), mesh, predicate=lambda n, p: p.dim() == 2, **bad)
+    # an option of the wrong type, found by the core's reading of the options (a TypeError there)
+    with pytest.raises(TypeError if rank else ValueError,
+                       match="option 'reshard_after_forward' must be a bool" if rank else
+                       r"setup failed on rank\(s\) 1 .*option 'reshard_after_forward' must be a bool"):
+        dmuon.dedicate_params(make_net(), mesh, predicate=lambda n, p: p.dim() == 2,
+                              reshard_after_forward="yes" if rank else True)
     policy = {"defaults": {"param_dtpye": torch.float32}} if rank == 0 else None  # a typo'd field on rank 0
     with pytest.raises(ValueError, match="param_dtpye" if rank == 0 else r"setup failed on rank\(s\) 0 .*param_dtpye"):
         dmuon.dedicate_params(make_net(), mesh, predicate=lambda n, p: p.dim() == 2, param_policy=policy)

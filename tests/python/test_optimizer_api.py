@@ -472,7 +472,9 @@ def _hostile_edits(rank, world):
                             (dict(ns_steps=True), r"option 'ns_steps' must be an int, got True \(bool\)"),
                             (dict(ns_steps=2.5), r"option 'ns_steps' must be an int, got 2.5 \(float\)"),
                             (dict(adamw_betas=(0.9,)), r"option 'adamw_betas' must be a pair of floats"),
-                            (dict(nesterov="no"), r"option 'nesterov' must be a bool, got 'no' \(str\)")):
+                            (dict(nesterov="no"), r"option 'nesterov' must be a bool, got 'no' \(str\)"),
+                            (dict(nesterov=0), r"option 'nesterov' must be a bool, got 0 \(int\)"),
+                            (dict(ns_backend=5), r"option 'ns_backend' must be .*, got 5 \(int\)")):
         with pytest.raises(TypeError, match=message):
             dmuon.Muon(model, **kwargs)
     with pytest.raises(TypeError, match=r"Muon: lr=None; pass a value"):
