@@ -50,8 +50,9 @@ std::optional<T> get_opt(const py::dict& d, const char* key) {
   const bool bool_for_number = (std::is_integral_v<T> || std::is_floating_point_v<T>) && !std::is_same_v<T, bool> &&
                                py::isinstance<py::bool_>(v);
   // and a flag is True or False: pybind would take 0 or a list for one (their truth value)
+  const std::string type_name = Py_TYPE(v.ptr())->tp_name;  // (numpy's bool: "numpy.bool_", "numpy.bool" in 2.x)
   const bool number_for_bool = std::is_same_v<T, bool> && !py::isinstance<py::bool_>(v) &&
-                               std::string(Py_TYPE(v.ptr())->tp_name) != "numpy.bool_";
+                               type_name != "numpy.bool_" && type_name != "numpy.bool";
   if (!bool_for_number && !number_for_bool) {
     try {
       return v.cast<T>();

@@ -1204,6 +1204,10 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"Muon: post_step_prefetch_groups must be an int >= 0, got {post_step_prefetch_groups!r}")
             if isinstance(forward_prefetch_depth, bool) or not isinstance(forward_prefetch_depth, int) or forward_prefetch_depth < 0:
                 raise ValueError(f"Muon: forward_prefetch_depth must be an int >= 0, got {forward_prefetch_depth!r}")
+            if isinstance(first_step_progress_log_limit, bool) or not isinstance(first_step_progress_log_limit, int) \
+                    or first_step_progress_log_limit < 0:
+                raise ValueError("Muon: first_step_progress_log_limit must be an int >= 0, got "
+                                 f"{first_step_progress_log_limit!r}")
 
             # FSDP2's DTensor shards (fully_shard after dedicate_params) leave dmuon's routes before the native
             # optimizer checks that every trainable parameter is on a distributed route
@@ -1246,10 +1250,10 @@ class Muon(torch.optim.Optimizer):
             lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps, adamw_lr=adamw_lr,
             adamw_betas=tuple(adamw_betas), adamw_weight_decay=adamw_weight_decay, adamw_eps=adamw_eps,
             param_groups=native_user, ns_backend=ns_backend, nesterov=nesterov, replicate_async=replicate_async,
-            record_step_profile=record_step_profile, group_prepare_ahead=group_prepare_ahead,
+            record_step_profile=bool(record_step_profile), group_prepare_ahead=group_prepare_ahead,
             tp_distributed_gram=tp_distributed_gram, tp_distributed_gram_policy=tp_distributed_gram_policy,
             tp_distributed_gram_max_factor_to_scatter_ratio=tp_distributed_gram_max_factor_to_scatter_ratio,
-            first_step_progress_log=first_step_progress_log,
+            first_step_progress_log=bool(first_step_progress_log),  # (local settings: not agreed, never refused)
             first_step_progress_log_limit=first_step_progress_log_limit,
             post_step_prefetch_groups=post_step_prefetch_groups,
             post_step_prefetch_sharded_adamw=bool(post_step_prefetch_sharded_adamw),
@@ -1366,7 +1370,14 @@ class Muon(torch.optim.Optimizer):
             self._push_groups()
             if hasattr(self, "found_inf") and self._amp_skips():
                 return loss
-            self._native.step()
+            try:
+                self._native.step()
+            except RuntimeError as e:
+                # the verdict on a non-finite Muon gradient, raised on every rank once dmuon's updates are done:
+                # FSDP2's shards take their step too ("the step's other updates were applied"), then it is raised
+                if self._external is not None and "NaN or Inf" in str(e):
+                    self._external.step()
+                raise
             if self._external is not None:
                 self._external.step()
         except BaseException:

@@ -240,8 +240,9 @@ std::string resolve_boundary(const DedicateOptions& opts, const ModuleIndex& mod
                 boundary, "' for parameter '", name, "', which is not a module of the model (named_modules()).");
     TORCH_CHECK_VALUE(!m->container || boundary.empty(), "rank ", rank, ": dedicate_params: hook_boundary_resolver returned '",
                 boundary, "' for parameter '", name, "', a container (ModuleList, ModuleDict, ParameterList or "
-                "ParameterDict) that runs no forward of its own, so its forward hooks never run and the parameter "
-                "would never be unsharded. Return the module whose forward uses it (for a container, its parent).");
+                "ParameterDict, or a MultiheadAttention's out_proj, whose weight the attention reads without calling "
+                "it) that runs no forward of its own, so its forward hooks never run and the parameter would never "
+                "be unsharded. Return the module whose forward uses it (for a container, its parent).");
     return boundary;
   }
   if (opts.hook_boundary_predicate) {

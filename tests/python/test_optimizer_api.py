@@ -247,6 +247,11 @@ def _buckets_and_profile(rank, world):
         dmuon.Muon(model, forward_prefetch_depth=-1)
     with pytest.raises(ValueError, match="post_step_prefetch_groups must be an int >= 0, got -1"):
         dmuon.Muon(model, post_step_prefetch_groups=-1)
+    with pytest.raises(ValueError, match="first_step_progress_log_limit must be an int >= 0, got -5"):
+        dmuon.Muon(model, first_step_progress_log_limit=-5)
+    # numpy's bool is a flag (named numpy.bool in numpy 2, numpy.bool_ before); local settings take any truth value
+    import numpy
+    dmuon.Muon(model, nesterov=numpy.True_, record_step_profile=1, first_step_progress_log=0).zero_grad()
     with pytest.raises(ValueError, match="may set name, lr"):
         dmuon.Muon(model, param_groups=[{"params": list(model.parameters())[:1], "betas": (0.8, 0.9)}])
     with pytest.raises(ValueError, match="ns_steps=2.5; it must be an int"):
