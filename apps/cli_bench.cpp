@@ -211,7 +211,8 @@ class Variant {
       bytes = static_cast<double>(l.z3 ? comm.per_rank_bytes_z3[static_cast<size_t>(rank)]
                                        : comm.per_rank_bytes_z2[static_cast<size_t>(rank)]);
       if (l.replicate > 1) bytes += static_cast<double>(comm.per_rank_replicate_bytes[static_cast<size_t>(rank)]);
-      bytes += l.shard_base ? e->bytes_per_rank - static_cast<double>(l.z3 ? comm.max_z3() : comm.max_z2())
+      const double verdict = 3.0 * 8.0 * (world - 1);  // Muon::step's non-finite verdict: three int64 from every other rank
+      bytes += l.shard_base ? e->bytes_per_rank - static_cast<double>(l.z3 ? comm.max_z3() : comm.max_z2()) - verdict
                             : ring * (base + flag * n_base);
       // flags: every matrix this rank reduces to another shard's owner, and (HSDP) to another replicate's
       const int shard = rank % l.shard, rep = rank / l.shard;
@@ -219,7 +220,7 @@ class Variant {
         if (o.shard != shard) bytes += flag;
         else if (o.replicate != rep) bytes += flag;
       }
-      bytes += 3.0 * 8.0 * (world - 1);  // Muon::step's non-finite verdict: three int64 from every other rank
+      bytes += verdict;
     } else {
       bytes = 2.0 * (world - 1) / world * pb + ring * flag * static_cast<double>(spec.params.size());
       if (name_ == "baseline_b")  // this implementation's all-gather: rounds of N matrices, padded to the largest

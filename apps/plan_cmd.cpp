@@ -222,6 +222,7 @@ json estimate_json(const StepEstimate& e) {
               {"ns_ms", e.ns_s * 1e3},
               {"adamw_ms", e.adamw_s * 1e3},
               {"replicate_or_gather_ms", e.replicate_s * 1e3},
+              {"verdict_ms", e.verdict_s * 1e3},
               {"bytes_per_rank", e.bytes_per_rank},
               {"inter_node_bytes_per_rank", e.inter_node_bytes_per_rank},
               {"memory_bytes_per_rank", e.memory_bytes_per_rank},

@@ -499,6 +499,30 @@ TEST(RuntimeTest, ZeroGradDiscardsGradientsDmuonAlreadyHolds) {
   }
 }
 
+// zero_grad(false) and then a step in which a block runs under no_grad: torch steps that block's parameters
+// with the zeros left in p.grad (AdamW's moments decay and it moves on; Muon's momentum carries the matrix
+// on), and so does dmuon on every route -- also sharded_adamw, whose slices are never in p.grad.
+TEST(RuntimeTest, ZeroGradFalseStepsParametersLeftWithoutAGradientAsTorchDoes) {
+  struct Case {
+    std::string label;
+    int world, replicate;
+    bool ddp, sharded;
+  };
+  const std::vector<Case> cases = {
+      {"one rank", 1, 1, false, false},          {"N3 Muon + replicated", 3, 1, false, false},
+      {"N3 sharded_adamw", 3, 1, false, true},    {"HSDP 2x2 sharded_adamw", 4, 2, false, true},
+      {"DDP path N2", 2, 1, true, false},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.label);
+    TrainConfig tc;
+    tc.steps = 4;
+    tc.frozen_on_odd_steps = 1;
+    tc.zero_grad_to_none = false;
+    check_equivalence(small_config(2), tc, unpacked_layout(c.world, c.replicate, c.ddp, c.sharded));
+  }
+}
+
 // Without zero_grad between steps each step uses the sum of every gradient so far, as in torch, on
 // any number of ranks: a matrix's owner keeps its averaged gradient in p.grad() after the step, and
 // the next reduce must not average it over the ranks a second time (it would then depend on the
@@ -596,6 +620,49 @@ TEST(RuntimeTest, ReplicatedGradientsAreAveragesInGradAfterBackwardAndEditsCount
     };
     check_equivalence(small_config(2), tc, unpacked_layout(c.world, c.replicate, c.ddp, false));
   }
+}
+
+// step() after backward passes run only inside NoSync (the synced last micro-batch forgotten, or step() inside
+// the scope): the gradients were never reduced, so each replica would step with its own and the ranks drift
+// apart. Refused on every rank before any collective; zero_grad() drops them and training goes on. A checkpoint
+// taken in the middle of the accumulation is no update: it works.
+TEST(RuntimeTest, AStepOnGradientsNoRankReducedIsRefused) {
+  testing::run_ranks(2, [](testing::RankContext& ctx) {
+    const GPTConfig cfg = small_config(2);
+    GPT m(cfg);
+    auto mesh = make_mesh(ctx);
+    testing::dedicate_gpt(m, mesh, DistConfig{});
+    Muon opt(m.ptr(), testing::muon_options(TrainConfig{}));
+    const auto batch = make_batches(1, 4, 8, cfg.vocab_size, 5)[0].narrow(0, ctx.rank * 2, 2);
+    std::map<std::string, at::Tensor> before;
+    for (const auto& item : m->named_parameters()) before[item.key()] = item.value().detach().clone();
+    for (bool inside : {false, true}) {  // after the scope, and inside it
+      std::optional<NoSync> ns(std::in_place, *m);
+      m->loss(batch).backward();
+      if (!inside) ns.reset();
+      testing::expect(get_model_state_dict(*m, StateDictOptions{}).size() == before.size() || ctx.rank != 0,
+                      "a state dict in the middle of the accumulation");
+      for (const auto& [fn, call] : std::vector<std::pair<std::string, std::function<void()>>>{
+               {"step", [&] { opt.step(); }}, {"clip_grad_norm_", [&] { opt.clip_grad_norm_(1.0); }}}) {
+        const std::string err = error_of(call);
+        testing::expect(err.find("rank " + std::to_string(ctx.rank) + ": " + fn + ": the last backward through this "
+                                 "dmuon model ran inside no_sync") != std::string::npos &&
+                            err.find("across the 2 data-parallel ranks") != std::string::npos,
+                        "unexpected: " + err);
+      }
+      ns.reset();
+      opt.zero_grad();
+    }
+    for (const auto& item : m->named_parameters())
+      testing::expect(item.value().detach().equal(before.at(item.key())), item.key() + " changed");
+    // the accumulation done right: the synced last backward reduces it all
+    {
+      NoSync ns(*m);
+      m->loss(batch).backward();
+    }
+    m->loss(batch).backward();
+    opt.step();
+  });
 }
 
 // zero_grad(false) leaves zeros where gradients were (as LibTorch does), zero_grad() leaves none.
@@ -827,7 +894,15 @@ TEST(RuntimeTest, NonFiniteMuonGradientIsAnErrorOnEveryRankNamingTheMatrix) {
               if (poison.second != 0) d.param.grad()[1][1] = poison.second;
             }
           }
-        const std::string err = error_of([&] { opt.step(); });
+        std::string err = error_of([&] {
+          try {
+            opt.step();
+          } catch (const NonFiniteGradientError&) {  // the verdict's own type (Python: NonFiniteGradientError)
+            throw;
+          } catch (const std::exception& e) {
+            throw std::runtime_error(std::string("not a NonFiniteGradientError: ") + e.what());
+          }
+        });
         opt.zero_grad();
         return std::make_pair(err, before);
       };

@@ -123,8 +123,9 @@ ForwardUnshardProfile runtime_forward_unshard_profile(const std::shared_ptr<Runt
 void runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on);
 // Drops every gradient the runtime holds outside p.grad (a matrix owner's reduced sum, sharded_adamw
 // slices; in-flight reduces are waited), as Muon::zero_grad does before clearing p.grad: the model's own
-// zero_grad() in Python. Local.
-void runtime_discard_grads(const std::shared_ptr<Runtime>& runtime);
+// zero_grad() in Python. Local. set_to_none=false: the sharded_adamw slices that had a gradient keep a zero
+// one, as torch's zero_grad(set_to_none=False) keeps zeros in p.grad (the next step steps them).
+void runtime_discard_grads(const std::shared_ptr<Runtime>& runtime, bool set_to_none = true);
 // How many boundaries ahead the forward issues its unshards (DedicateOptions::forward_prefetch_depth;
 // the Python Muon's forward_prefetch_depth). Local; takes effect at the next boundary.
 void runtime_set_forward_prefetch_depth(const std::shared_ptr<Runtime>& runtime, int depth);

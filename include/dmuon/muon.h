@@ -26,6 +26,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
@@ -216,6 +217,15 @@ class PhaseClock;
 // The one way io and clipping write Muon's internals (defined below the class).
 struct MuonInternals;
 }
+
+// Raised by Muon::step on every rank when a Muon matrix's averaged gradient holds NaN or Inf (or overflows) on
+// any rank: that matrix is skipped (weights and momentum kept), the step's other updates are applied and
+// counted, then every rank raises this, naming the matrix and the rank that saw it. A c10::Error, so
+// `catch (const c10::Error&)` still catches it; Python: dmuon.NonFiniteGradientError (a RuntimeError).
+class NonFiniteGradientError : public c10::Error {
+ public:
+  using c10::Error::Error;
+};
 
 class Muon : public torch::optim::Optimizer {
  public:

@@ -300,7 +300,8 @@ void bind_runtime(py::module_& m) {
            "values"_a, release)
       // (each takes the runtime's lock, which a collective's wait may hold: without the GIL, as every call that waits)
       .def("set_no_sync", [](const RuntimeHandle& h, bool on) { runtime_set_no_sync(h.runtime, on); }, release)
-      .def("discard_grads", [](const RuntimeHandle& h) { runtime_discard_grads(h.runtime); }, release)
+      .def("discard_grads", [](const RuntimeHandle& h, bool set_to_none) { runtime_discard_grads(h.runtime, set_to_none); },
+           "set_to_none"_a = true, release)
       .def("set_forward_prefetch_depth",
            [](const RuntimeHandle& h, int depth) { runtime_set_forward_prefetch_depth(h.runtime, depth); }, "depth"_a,
            release)

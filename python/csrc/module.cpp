@@ -5,10 +5,19 @@
 #include <stdexcept>
 
 #include "bindings.h"
+#include "dmuon/muon.h"
 
 namespace dmuon::python {
 
-void register_errors(py::module_& /*m*/) {
+void register_errors(py::module_& m) {
+  // Muon.step's verdict on a non-finite gradient (every rank raises it): a RuntimeError, told apart by type
+  static PyObject* non_finite = PyErr_NewExceptionWithDoc(
+      "dmuon.NonFiniteGradientError",
+      "Raised by Muon.step on every rank when a dedicated matrix's averaged gradient holds NaN or Inf on any "
+      "rank: that matrix was skipped, the step's other updates were applied.",
+      PyExc_RuntimeError, nullptr);
+  if (non_finite == nullptr) throw py::error_already_set();
+  m.attr("NonFiniteGradientError") = py::handle(non_finite);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -17,6 +26,8 @@ void register_errors(py::module_& /*m*/) {
       if (PyErr_CheckSignals() == 0) PyErr_SetNone(PyExc_KeyboardInterrupt);
     } catch (const PythonCallerError& e) {
       e.error->restore();  // the user's own exception, as their callable raised it
+    } catch (const NonFiniteGradientError& e) {
+      PyErr_SetString(non_finite, e.what_without_backtrace());
     } catch (const c10::ValueError& e) {
       PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
     } catch (const c10::TypeError& e) {

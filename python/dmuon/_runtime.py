@@ -238,7 +238,7 @@ def _install_zero_grad(model: nn.Module, runtime) -> None:
     owner = weakref.ref(model)  # (no reference cycle through the model's own attribute)
 
     def zero_grad(set_to_none: bool = True) -> None:
-        runtime.discard_grads()
+        runtime.discard_grads(bool(set_to_none))
         m = owner()
         type(m).zero_grad(m, set_to_none)
 
@@ -1372,10 +1372,10 @@ class Muon(torch.optim.Optimizer):
                 return loss
             try:
                 self._native.step()
-            except RuntimeError as e:
+            except _C.NonFiniteGradientError:
                 # the verdict on a non-finite Muon gradient, raised on every rank once dmuon's updates are done:
                 # FSDP2's shards take their step too ("the step's other updates were applied"), then it is raised
-                if self._external is not None and "NaN or Inf" in str(e):
+                if self._external is not None:
                     self._external.step()
                 raise
             if self._external is not None:
@@ -1718,7 +1718,8 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
             raise ValueError(f"set_optimizer_state_dict: steps_taken is {state_dict['steps_taken']!r}; a step count is "
                              "an integer >= 0.")
         unknown = [n for n in state_dict["fsdp"] if n not in external]
-        absent = [n for n in external if n not in state_dict["fsdp"]] if steps > 0 else []
+        # (one frozen now may have been frozen before its first step: no state, in torch's optimizer either)
+        absent = [n for n, p in external.items() if n not in state_dict["fsdp"] and p.requires_grad] if steps > 0 else []
         if unknown or absent:
             raise ValueError(
                 f"set_optimizer_state_dict: the 'fsdp' section does not match the FSDP2 parameters of this model "

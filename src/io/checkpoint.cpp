@@ -409,7 +409,7 @@ void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon&
     if (sd.steps_taken > 0) {
       std::vector<std::string> missing;
       for (size_t i = 0; i < slots.size(); ++i)
-        if (!has[i]) {
+        if (!has[i] && slots[i].required) {
           std::string fields;
           for (const std::string& f : state_fields(slots[i].muon)) fields += (fields.empty() ? "" : ", ") + f;
           missing.push_back(slots[i].name + (slots[i].muon ? " (Muon " : " (AdamW ") + fields + ")");

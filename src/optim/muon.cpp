@@ -380,14 +380,25 @@ void agree_finite_step(const RuntimeFace& rt, const std::string& mine, int64_t c
   text.refused = [](const std::vector<int>& ranks, const std::string& reason) {  // (reason: the whole error)
     return "a Muon gradient is not finite on rank(s) " + detail::rank_list(ranks) + ": " + reason;
   };
-  detail::agree(
-      rt.mesh().world(), text,
-      [&] {
-        if (mine.empty()) return;
-        const std::string more = count > 1 ? " (and " + std::to_string(count - 1) + " more on this rank)" : "";
-        TORCH_CHECK(false, mine, more, after);
-      },
-      [] { return std::vector<detail::AgreedEntry>{}; });
+  bool verdict = false;  // another rank's refusal, or this rank's own error (not the agreement's failure)
+  text.refused = [&verdict, inner = text.refused](const std::vector<int>& ranks, const std::string& reason) {
+    verdict = true;
+    return inner(ranks, reason);
+  };
+  try {
+    detail::agree(
+        rt.mesh().world(), text,
+        [&] {
+          if (mine.empty()) return;
+          const std::string more = count > 1 ? " (and " + std::to_string(count - 1) + " more on this rank)" : "";
+          TORCH_CHECK(false, mine, more, after);
+        },
+        [] { return std::vector<detail::AgreedEntry>{}; });
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    if (!verdict && (mine.empty() || what.find(mine) == std::string::npos)) throw;  // a lost peer's timeout
+    throw NonFiniteGradientError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, what);
+  }
 }
 
 // The device of the model's first trainable parameter when it is a GPU (step profiles time by its events).
@@ -852,7 +863,7 @@ void Muon::zero_grad(bool set_to_none) {
   } else {
     state = runtime_.lock();
   }
-  if (state) state->discard_grads();
+  if (state) state->discard_grads(set_to_none);
   for (auto& group : param_groups_)
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
@@ -887,6 +898,7 @@ void Muon::load(torch::serialize::InputArchive& archive) {
 std::vector<ClipGrad> Muon::clip_grads(ClipScope scope) {
   at::NoGradGuard ng;
   const std::shared_ptr<RuntimeFace> state = runtime("clip_grad_norm_");
+  state->require_reduced_grads("clip_grad_norm_");
   state->prepare_grads();  // collective: the reduces land (idempotent; step() calls it again)
   // taken once per set of gradients: a backward or a zero_grad (the model's too) since makes them stale
   if (taken_ && taken_epoch_ != state->grads_epoch()) taken_.reset();

@@ -36,7 +36,7 @@ Runtime::~Runtime() {
   // otherwise, e.g. at exit.) Issues nothing; a failed wait (a peer already gone) changes nothing now.
   try {
     wait_publishes();
-    discard_grads();
+    discard_grads(true);
   } catch (const std::exception&) {
   }
 }
@@ -209,7 +209,7 @@ void Runtime::build(const ParamPredicate& predicate, const std::function<void()>
   // every other parameter (frozen ones, and trainable ones dmuon::replicate may take later)
   std::vector<WholeParam> rest;
   for (const ModelView::Tensor& item : view_.params)
-    if (!routed(item.name)) rest.push_back({item.name, item.tensor});
+    if (!routed(item.name)) rest.push_back({item.name, item.tensor, item.tensor.requires_grad()});
   local_ = std::make_unique<LocalRoute>(ctx_, std::move(rest));
   routes_ = {dedicated_.get()};
   for (const auto& r : table_routes_) routes_.push_back(r.get());

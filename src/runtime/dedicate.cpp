@@ -240,9 +240,9 @@ void runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on) {
   runtime->set_no_sync(on);
 }
 
-void runtime_discard_grads(const std::shared_ptr<Runtime>& runtime) {
+void runtime_discard_grads(const std::shared_ptr<Runtime>& runtime, bool set_to_none) {
   TORCH_CHECK_VALUE(runtime, "zero_grad: the runtime is null (dedicate_model_view returns it).");
-  runtime->discard_grads();
+  runtime->discard_grads(set_to_none);
 }
 
 void runtime_set_forward_prefetch_depth(const std::shared_ptr<Runtime>& runtime, int depth) {

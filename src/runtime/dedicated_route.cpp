@@ -738,7 +738,7 @@ bool DedicatedRoute::describe(const std::string& name, ParamView& v) const {
 }
 
 void DedicatedRoute::state_slots(std::vector<StateSlot>& out) const {
-  for (const auto& e : entries_) out.push_back({e.name, e.shape, true});
+  for (const auto& e : entries_) out.push_back({e.name, e.shape, true, e.param.requires_grad()});
 }
 
 // Each matrix's state from its owner: a [has, step] header, then the state tensors, broadcast over

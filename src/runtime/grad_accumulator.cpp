@@ -13,14 +13,26 @@ namespace {
 
 // Every gradient defined and the slots [offsets[k], offsets[k] + numel) back to back from 0 to `end`
 // (the usual case: no zero fill, and the flags set by one op -- a boundary of many small matrices
-// pays per op, not per byte).
+// pays per op, not per byte). Sizes are the gradients': a released parameter's data is a 0-element
+// placeholder while its gradient, accumulated in an earlier micro-batch, is full-size.
 bool dense_grads(const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets, int64_t end) {
   int64_t at_ = 0;
   for (size_t k = 0; k < params.size(); ++k) {
     if (!params[k].grad().defined() || offsets[k] != at_) return false;
-    at_ += params[k].numel();
+    at_ += params[k].grad().numel();
   }
   return !params.empty() && at_ == end;
+}
+
+// Parameter k's slot in a payload of gradients [0, end): its gradient's size, which must fit before the
+// next slot (a gradient of another size, set by hand, would write into its neighbour).
+int64_t grad_slot_numel(const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets, size_t k,
+                        int64_t end) {
+  const int64_t n = params[k].grad().numel(), limit = k + 1 < offsets.size() ? offsets[k + 1] : end;
+  TORCH_CHECK(offsets[k] + n <= limit, "a gradient of ", n, " elements (shape ", params[k].grad().sizes(),
+              ") does not fit its parameter's ", limit - offsets[k], " in the reduce payload: a gradient of another "
+              "shape than its parameter's was assigned to p.grad");
+  return n;
 }
 
 // CPU, contiguous, small and already in the sum's dtype (float / double): copied or added by a host
@@ -59,7 +71,7 @@ at::Tensor pack_grads(const std::vector<at::Tensor>& params, const std::vector<i
     at::Tensor p = params[k];
     const at::Tensor& g = p.grad();
     if (g.defined()) {
-      payload.narrow(0, offsets[k], p.numel()).copy_(g.reshape(-1));
+      payload.narrow(0, offsets[k], grad_slot_numel(params, offsets, k, flags_at)).copy_(g.reshape(-1));
       if (!all) payload[flags_at + static_cast<int64_t>(k)] = 1;
     } else {
       TORCH_INTERNAL_ASSERT(!all, "pack_grads: parameter ", k, " is listed twice");  // its gradient was taken
@@ -116,9 +128,10 @@ void GradAccumulator::fold_grads(const std::vector<at::Tensor>& params, const st
                             ") is listed twice in one accumulator");  // its gradient was taken
       continue;
     }
+    const int64_t n = grad_slot_numel(params, offsets, k, numel);
     if (g.scalar_type() != reduce || !host_fold(sum_, offsets[k], g, !copy)) {
       const at::Tensor v = (g.scalar_type() == reduce ? g : g.to(reduce)).reshape(-1);
-      at::Tensor slot = sum_.narrow(0, offsets[k], p.numel());
+      at::Tensor slot = sum_.narrow(0, offsets[k], n);
       if (copy)
         slot.copy_(v);
       else

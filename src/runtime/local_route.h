@@ -20,16 +20,16 @@ class LocalRoute final : public WholeParamsRoute {
   }
   RouteKind kind() const override { return RouteKind::Local; }
 
-  // dmuon::replicate takes the trainable parameters (model order); the frozen ones stay
+  // dmuon::replicate takes the parameters that require a gradient now (model order); the frozen ones stay
   std::vector<WholeParam> trainable() const {
     std::vector<WholeParam> out;
     for (const auto& w : whole_.params())
-      if (w.trainable()) out.push_back(w);
+      if (w.param.requires_grad()) out.push_back({w.name, w.param, /*trained=*/true});
     return out;
   }
   bool holds_frozen(const std::string& name) const {
     const WholeParam* w = whole_.find(name);
-    return w && !w->trainable();
+    return w && !w->param.requires_grad();
   }
   // parameters another data-parallel wrapper took over (Runtime::release_external)
   void drop(const std::set<std::string>& names) {
@@ -41,7 +41,7 @@ class LocalRoute final : public WholeParamsRoute {
   void drop_trainable() {
     std::vector<WholeParam> kept;
     for (const auto& w : whole_.params())
-      if (!w.trainable()) kept.push_back(w);
+      if (!w.param.requires_grad()) kept.push_back(w);
     whole_.set_params(std::move(kept));
   }
 

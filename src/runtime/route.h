@@ -121,6 +121,9 @@ struct StateSlot {
   std::string name;
   std::vector<int64_t> shape;
   bool muon = false;
+  // its state must be in a state dict of a trained model: false for a parameter frozen now (it may have been
+  // frozen before its first step, as torch's optimizer then holds no state for it either)
+  bool required = true;
 };
 // the full state of `name` (this TP rank's slice), from whichever ranks hold it
 using StateSink = std::function<void(const std::string& name, bool muon, const ParamState& full)>;
@@ -155,6 +158,9 @@ class Route {
   virtual void ready_grads(std::vector<ReadyGrad>& out) = 0;      // what this rank updates (taken again until stepped)
   virtual void stepped() {}  // the step updated with them: drops what it holds outside p.grad
   virtual void discard_grads() {}                                // zero_grad: waits, drops, issues nothing
+  // zero_grad, after discard_grads, for what a route keeps outside p.grad: set_to_none=false leaves a zero
+  // gradient where a gradient was (torch's p.grad after it), set_to_none=true none
+  virtual void after_zero_grad(bool /*set_to_none*/) {}
   virtual void upcast_local_grads() {}                           // NoSync: accumulate in the master dtype
   virtual void publish(bool /*async*/) {}                        // after the update
   virtual void wait_publishes() {}

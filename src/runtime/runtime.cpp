@@ -283,6 +283,10 @@ void Runtime::pre_backward(int b) {
   if (z3()) {
     issue_unshards(b, "backward broadcast", true, false);
     prefetch_after(b, /*backward=*/true);
+  } else {
+    // Z2 keeps them from the forward (no collective here), unless the backward of another graph released
+    // them since: forwards first, then a backward each (the other graphs' saved views are filled again)
+    issue_unshards(b, "backward broadcast", true, false);
   }
   wait_unshards(b, true);
 }
@@ -395,6 +399,7 @@ void Runtime::end_of_backward() {
   if (!no_sync_)
     for (; next_reduce_ < reduce_order_.size(); ++next_reduce_) issue_reduce(reduce_order_[next_reduce_]);
   ++grads_epoch_;
+  local_grads_only_ = no_sync_;
   clear_pass_state(/*accumulating=*/no_sync_);
   if (no_sync_) {
     for (Route* r : routes()) r->upcast_local_grads();
@@ -437,6 +442,7 @@ void Runtime::drop_abandoned_backward(const char* warn_where, bool param_grads) 
     B.in_forward = false;
     B.recomputing = false;
   }
+  local_grads_only_ = false;
   clear_pass_state(/*accumulating=*/false);
   backward_open_ = false;
   ++grads_epoch_;
@@ -458,6 +464,17 @@ std::string Runtime::bypass_hint() const {
 }
 
 // ---- optimizer interface ---------------------------------------------------------------------------
+void Runtime::require_reduced_grads(const char* fn) const {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  // (checked before any collective: every rank that accumulated the same way raises here)
+  TORCH_CHECK(!local_grads_only_ || mesh().data_parallel_size() == 1, "rank ", mesh().global_rank(), ": ", fn,
+              ": the last backward through this dmuon model ran inside no_sync, so the gradients are this rank's "
+              "own, never reduced across the ", mesh().data_parallel_size(), " data-parallel ranks: updating with them "
+              "would give each replica a different step and the ranks would drift apart. Run the last micro-batch's "
+              "backward outside no_sync (it reduces what the earlier ones accumulated), or call "
+              "optimizer.zero_grad() to drop them.");
+}
+
 void Runtime::prepare_grads(bool dedicated) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   TORCH_CHECK(!backward_abandoned(), "rank ", mesh().global_rank(), ": the last backward through this dmuon model did "
@@ -533,6 +550,7 @@ std::vector<ReadyGrad> Runtime::current_grads(std::vector<ReadyGrad> taken) {
 void Runtime::step(bool group_prepare_ahead, bool async, std::optional<std::vector<ReadyGrad>> taken,
                    StepVisitor& v) {
   std::lock_guard<std::recursive_mutex> g(mu_);
+  require_reduced_grads("step");
   at::NoGradGuard ng;
   const Mesh& m = mesh();
   // group_prepare_ahead: the dedicated route group by group, each group's Newton-Schulz running
@@ -642,14 +660,15 @@ uint64_t Runtime::grads_epoch() const {
   return grads_epoch_;
 }
 
-void Runtime::discard_grads() {
+void Runtime::discard_grads(bool set_to_none) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   ++grads_epoch_;
-  if (backward_abandoned()) {
+  local_grads_only_ = false;
+  if (backward_abandoned())
     drop_abandoned_backward(nullptr, /*param_grads=*/false);  // (zero_grad's own work)
-    return;
-  }
-  for (Route* r : routes()) r->discard_grads();
+  else
+    for (Route* r : routes()) r->discard_grads();
+  for (Route* r : routes()) r->after_zero_grad(set_to_none);
 }
 
 void Runtime::drain_all() {
@@ -715,6 +734,7 @@ void Runtime::assign_params(ParamSource& source, const std::vector<std::pair<std
   }
   // nothing from before the load survives: gradients are dropped (the routes dropped theirs)
   for (const ModelView::Tensor& item : view_.params) at::Tensor(item.tensor).mutable_grad() = at::Tensor();
+  local_grads_only_ = false;
   ctx_.agree_fills(what);
 }
 

@@ -121,6 +121,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
 
   // ---- RuntimeFace: the optimizer (collective: every rank) ----
   void prepare_grads() override { prepare_grads(true); }
+  void require_reduced_grads(const char* fn) const override;
   std::vector<ReadyGrad> take_ready_grads() override { return take_ready_grads(true); }
   void step(bool group_prepare_ahead, bool async, std::optional<std::vector<ReadyGrad>> taken,
             StepVisitor& v) override;
@@ -129,7 +130,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void set_separate_sharded_unshard(bool on) override;
   void set_step_verdict(bool on) override;
   std::vector<PlannedTraffic> planned_step_traffic() const override;
-  void discard_grads() override;
+  void discard_grads(bool set_to_none = true) override;
   uint64_t grads_epoch() const override;
   // ---- RuntimeFace: checkpoints ----
   void drain() override;
@@ -246,6 +247,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
 
   mutable std::recursive_mutex mu_;
   bool no_sync_ = false;
+  bool local_grads_only_ = false;  // the last backward ran inside no_sync: its gradients were never reduced
   bool backward_since_forward_ = true;
   bool step_verdict_ = false;  // set_step_verdict
   bool pass_begun_by_step_ = false;  // prefetch_next_forward began the next pass: its root forward does not begin one

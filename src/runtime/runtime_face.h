@@ -66,6 +66,9 @@ class RuntimeFace {
   // ---- the optimizer (collective) ----
   // Waits every gradient collective and installs the averaged gradients (idempotent).
   virtual void prepare_grads() = 0;
+  // Before gradients are used to update (step, clipping; step() checks itself): refuses those of a backward
+  // that ran inside no_sync on several data-parallel ranks -- never reduced, each replica's own. Local.
+  virtual void require_reduced_grads(const char* fn) const = 0;
   // after prepare_grads: what this rank updates (clip_grad_norm_ takes them before step)
   virtual std::vector<ReadyGrad> take_ready_grads() = 0;
   // One optimizer step: prepares the gradients and hands them to `v` group by group -- per hook
@@ -89,8 +92,10 @@ class RuntimeFace {
   // TP: `apply` finishes the update of `name` when its slice has arrived -- before the holder's data
   // are read or sent again (local)
   virtual void defer_update(const std::string& name, std::function<void()> apply) = 0;
-  // zero_grad: drops every gradient dmuon holds (waits what is in flight; issues nothing)
-  virtual void discard_grads() = 0;
+  // zero_grad: drops every gradient dmuon holds (waits what is in flight; issues nothing); with
+  // set_to_none false, what dmuon keeps outside p.grad becomes zeros where a gradient was, as torch leaves
+  // p.grad (so a parameter without a gradient in the next backward is still stepped, with a zero one)
+  virtual void discard_grads(bool set_to_none) = 0;
   // counts the changes of the gradients since setup: every backward's end and every discard_grads
   // (gradients taken before one are stale: Muon::clip_grad_norm_'s set). Local.
   virtual uint64_t grads_epoch() const = 0;

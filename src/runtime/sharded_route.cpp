@@ -186,6 +186,7 @@ void ShardedRoute::install_grads(const float*& flag) {
     const at::Tensor sum = e.acc.take_sum();
     // a gradient installed by an earlier prepare_grads and not yet stepped on keeps accumulating
     if (has) e.grad = e.grad.defined() ? e.grad.add(sum) : sum;
+    e.had_grad = e.had_grad || has;
   }
 }
 
@@ -244,6 +245,15 @@ void ShardedRoute::discard_grads() {
   }
 }
 
+void ShardedRoute::after_zero_grad(bool set_to_none) {
+  for (auto& e : entries_) {
+    if (set_to_none)
+      e.had_grad = false;
+    else if (e.had_grad)
+      e.grad = at::zeros_like(e.shard);
+  }
+}
+
 void ShardedRoute::upcast_local_grads() {
   for (auto& e : entries_) upcast_local_grad(e.param, e.prec);
 }
@@ -283,6 +293,7 @@ void ShardedRoute::assign_from(ParamSource& source) {
     e.ready_pass = -1;  // the gathered copy is refreshed by the next forward
     e.acc.clear();      // gradients from before the load are dropped
     e.grad = at::Tensor();
+    e.had_grad = false;
   }
 }
 
@@ -304,7 +315,7 @@ bool ShardedRoute::describe(const std::string& name, ParamView& v) const {
 }
 
 void ShardedRoute::state_slots(std::vector<StateSlot>& out) const {
-  for (const auto& e : entries_) out.push_back({e.name, e.shape, false});
+  for (const auto& e : entries_) out.push_back({e.name, e.shape, false, e.param.requires_grad()});
 }
 
 void ShardedRoute::gather_state(const OptimizerStateReader& opt, const StateSink& put) {

@@ -43,6 +43,7 @@ struct ShardedEntry {
   bool rs_issued = false;
   GradAccumulator acc;              // averaged shard gradient over backward passes, has-grad flag
   at::Tensor grad;                  // set by install_grads when some rank produced a gradient
+  bool had_grad = false;            // torch's p.grad would be a tensor: stepped with one since set_to_none
   bool accumulated = false;
   std::shared_ptr<torch::autograd::Node> grad_acc;
 };
@@ -75,6 +76,7 @@ class ShardedRoute final : public Route {
   void ready_grads(std::vector<ReadyGrad>& out) override;
   void stepped() override;
   void discard_grads() override;
+  void after_zero_grad(bool set_to_none) override;
   bool in_flight() override;
   void plan_step_traffic(std::vector<PlannedTraffic>& out) const override;
   void upcast_local_grads() override;

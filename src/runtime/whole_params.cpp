@@ -55,7 +55,7 @@ void WholeParams::full_shapes(std::map<std::string, std::vector<int64_t>>& out) 
 
 void WholeParams::state_slots(std::vector<StateSlot>& out) const {
   for (const auto& w : params_)
-    if (w.trainable()) out.push_back({w.name, w.param.sizes().vec(), false});
+    if (w.trainable()) out.push_back({w.name, w.param.sizes().vec(), false, w.param.requires_grad()});
 }
 
 void WholeParams::gather_state(const OptimizerStateReader& opt, const StateSink& put) const {

@@ -16,9 +16,13 @@ namespace dmuon {
 struct WholeParam {
   std::string name;
   at::Tensor param;
-  // requires_grad now (read live: a parameter frozen or unfrozen after dedicate_params): it has a
-  // gradient and optimizer state; frozen ones are checkpointed only
-  bool trainable() const { return param.requires_grad(); }
+  // trainable when dedicate_params (or replicate) took it: the optimizer keeps it, as torch's keeps a
+  // parameter frozen later (its state is checkpointed; a zero gradient left by zero_grad(set_to_none=False)
+  // still steps it)
+  bool trained = false;
+  // trained, or requires_grad now (one unfrozen later): it has optimizer state and is stepped when it has
+  // a gradient; the others are checkpointed only
+  bool trainable() const { return trained || param.requires_grad(); }
 };
 
 class WholeParams {

@@ -87,7 +87,8 @@ const char* largest_term(const StepEstimate& e) {
   const std::pair<double, const char*> terms[] = {{e.exposed_comm_s, "exposed shard-axis communication"},
                                                   {e.ns_s, "Newton-Schulz on the busiest rank"},
                                                   {e.adamw_s, "AdamW"},
-                                                  {e.replicate_s, "post-backward exchange (replicate axis / update all-gather)"}};
+                                                  {e.replicate_s, "post-backward exchange (replicate axis / update all-gather)"},
+                                                  {e.verdict_s, "the step's non-finite-gradient verdict (latency)"}};
   const auto* best = &terms[0];
   for (const auto& t : terms)
     if (t.first > best->first) best = &t;
@@ -385,12 +386,17 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
                         (l.shard_base ? 3.0 * (G - 1) / G * PB_bytes / T + 2.0 * (R - 1) / R * PB_bytes / (G * T)
                                       : 2.0 * (DP - 1) / DP * PB_bytes / T);
     if (G * T > hw.devices_per_node) dm.inter_node_bytes_per_rank += dm.bytes_per_rank;
+    // Muon::step's verdict on non-finite gradients: three int64 from every rank of the world, read on the host
+    const double verdict_bytes = 24.0 * N;
+    dm.verdict_s = ring_time(verdict_bytes, N, N <= hw.devices_per_node ? hw.intra_node : hw.inter_node);
+    dm.bytes_per_rank += verdict_bytes * (N - 1) / N;
+    if (N > hw.devices_per_node) dm.inter_node_bytes_per_rank += verdict_bytes * (N - 1) / N;
     // memory: parameters held (1/G of P_M), the owner's fp32 master, momentum and gradient (1/(G R)),
     // the gathered window (Z3: the prefetched boundaries; Z2: every other rank's matrices), the base
     const double held = local_PM / G, owned = local_PM / (G * R) / e * 12.0;
     const double window = l.z3 ? (L ? 2.0 * (1 + l.prefetch_depth) * local_PM / L : 0.0) : (G - 1.0) / G * local_PM;
     dm.memory_bytes_per_rank = held + owned + window + PB_bytes / T / (l.shard_base ? G : 1) * (1.0 + 16.0 / e);
-    dm.step_s = compute + dm.exposed_comm_s + dm.ns_s + dm.adamw_s + dm.replicate_s;
+    dm.step_s = compute + dm.exposed_comm_s + dm.ns_s + dm.adamw_s + dm.replicate_s + dm.verdict_s;
   }
 
   // ---- FSDP-style AdamW (ZeRO-3 over the data-parallel ranks, all parameters sharded) ----

@@ -57,7 +57,7 @@ CLIP = 0.05  # a max norm below every step's gradient norm here: each step clips
 
 
 def reference_train(compute_dtype=None, clip=None, hparams=None, muon_clip=None, keep_grads=False, model=None,
-                    loss_of=None, edit=None):
+                    loss_of=None, edit=None, set_to_none=True):
     """The same training in one process by a pure-PyTorch Muon + AdamW written from the documented update
     rule (docs: NEWTON_SCHULZ.md section 6), not by dmuon: Nesterov momentum buf = mu*buf + g, u = g + mu*buf;
     W *= 1 - lr*wd; W -= lr * 0.2 * sqrt(max(rows, cols)) * NS(u) with float64 direct NS (Polar Express);
@@ -70,13 +70,14 @@ def reference_train(compute_dtype=None, clip=None, hparams=None, muon_clip=None,
     no zero_grad between steps (each step's gradient is the sum of every backward so far). model: another model
     than make_net(); loss_of(model, step): another loss than the batch's mean squared error. edit(model, step):
     called after the backward (what a training loop does to the gradients before the step; a parameter left
-    without one is not updated)."""
+    without one is not updated). set_to_none: zero_grad's (False: zeros where a gradient was, which torch steps
+    with), or a function of the step giving it."""
     model = make_net() if model is None else model
-    buf, m1, m2 = {}, {}, {}
+    buf, m1, m2, steps = {}, {}, {}, {}
     for step in range(STEPS):
         x, y = batch(step)
         if not keep_grads:
-            model.zero_grad()
+            model.zero_grad(set_to_none=set_to_none(step) if callable(set_to_none) else set_to_none)
         if loss_of is not None:
             loss_of(model, step).backward()
         elif compute_dtype is None:
@@ -115,7 +116,8 @@ def reference_train(compute_dtype=None, clip=None, hparams=None, muon_clip=None,
                     m1[name] = m1.get(name, torch.zeros_like(g)) * b1 + (1 - b1) * g
                     m2[name] = m2.get(name, torch.zeros_like(g)) * b2 + (1 - b2) * g * g
                     p.mul_(1 - lr * h["adamw_wd"])
-                    bc1, bc2 = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)
+                    steps[name] = steps.get(name, 0) + 1  # torch's AdamW: each parameter's own count
+                    bc1, bc2 = 1 - b1 ** steps[name], 1 - b2 ** steps[name]
                     p.sub_(lr / bc1 * m1[name] / ((m2[name] / bc2).sqrt() + h["eps"]))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -141,11 +143,15 @@ def dedicated_net(mesh, fsdp2, model=None, **options):
 
 def layout_net(mesh, layout, model):
     """`model` on `layout`: "ddp" (dedicate_params_ddp, the rest replicated), "z3" / "z2" (reshard after forward
-    or not, the rest replicated) or "fsdp2" (dedicated_net's)."""
+    or not, the rest replicated), "sharded" (Z3, the rest on dmuon's sharded_adamw) or "fsdp2" (dedicated_net's)."""
     if layout == "ddp":
         dmuon.dedicate_params_ddp(model, mesh, lambda n, p: p.dim() == 2)
         dmuon.replicate(model)
         return model
+    if layout == "sharded":
+        dmuon.dedicate_params(model, mesh, lambda n, p: p.dim() == 2,
+                              route_hint_fn=lambda n, p: "sharded_adamw" if p.dim() == 1 else "")
+        return dmuon.replicate(model)
     return dedicated_net(mesh, layout == "fsdp2", model, reshard_after_forward=layout != "z2")
 
 
@@ -330,6 +336,190 @@ def test_ranks_train_like_one_process(tmp_path, layout, accumulate, worlds):
     # training moved every kind of parameter (Muon matrices, AdamW biases and scale)
     for name in ("layers.1.proj.weight", "layers.2.gate.weight", "layers.0.proj.bias", "scale"):
         assert (ref[name] - init[name].detach()).abs().max() > 1e-4, name
+
+
+class SkipNet(Net):
+    """Net whose forward leaves out the blocks in `skip` (a layer dropped on some micro-batches, an MoE expert
+    that got no tokens)."""
+
+    skip = ()
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i not in self.skip:
+                x = layer(x)
+        return x * self.scale
+
+
+def make_skip_net():
+    torch.manual_seed(7)
+    return SkipNet()
+
+
+def _micro_batch(model, step, rank, world, k):
+    """Micro-batch k (0 or 1) of this rank's share of the batch, half the loss; block 1 runs in the first only."""
+    x, y = batch(step)
+    per = BATCH // world
+    lo = rank * per + k * (per // 2)
+    model.skip = (1,) if k else ()
+    return ((model(x[lo:lo + per // 2]) - y[lo:lo + per // 2]) ** 2).mean().div(2)
+
+
+def _left_out_of_the_last_micro_batch(rank, world, layout, out_path):
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_skip_net()
+    layout_net(mesh, layout, model)
+    opt, sched = make_optimizer(model, first_step_progress_log=False)
+    for step in range(STEPS):
+        opt.zero_grad()
+        with dmuon.no_sync(model):
+            _micro_batch(model, step, rank, world, 0).backward()
+        # block 1's matrices get no gradient here: their reduce carries the first micro-batch's
+        _micro_batch(model, step, rank, world, 1).backward()
+        opt.step()
+        sched.step()
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save(sd, out_path)
+
+
+@pytest.mark.parametrize("layout", ["z3", "z2", "ddp", "fsdp2", "sharded"])
+def test_a_block_left_out_of_the_last_micro_batch_keeps_its_accumulated_gradient(tmp_path, layout):
+    # (it crashed on a non-owner: the released matrix's 0-element placeholder sized its slot in the reduce)
+    world = 2
+
+    def loss_of(model, step):
+        return sum(_micro_batch(model, step, rank, world, k) for rank in range(world) for k in (0, 1)) / world
+
+    ref = reference_train(model=make_skip_net(), loss_of=loss_of)
+    assert_matches(ref, train_on_ranks(tmp_path, world, _left_out_of_the_last_micro_batch, layout), layout)
+
+
+def _forwards_first(rank, world, layout, no_sync, out_path):
+    mesh = init_device_mesh("cpu", (world,))
+    model = layout_net(mesh, layout, make_skip_net())
+    opt, sched = make_optimizer(model, first_step_progress_log=False)
+    for step in range(STEPS):
+        opt.zero_grad()
+        first, last = (_micro_batch(model, step, rank, world, k) for k in (0, 1))  # (the second skips block 1)
+        if no_sync:
+            with dmuon.no_sync(model):
+                first.backward()
+        else:
+            first.backward()  # (its reduces go out; the second backward's add to them)
+        last.backward()
+        opt.step()
+        sched.step()
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save(sd, out_path)
+
+
+@pytest.mark.parametrize("layout", ["z3", "z2", "ddp", "fsdp2"])
+@pytest.mark.parametrize("no_sync", [False, True], ids=["reduced-twice", "no_sync"])
+def test_two_forwards_first_then_a_backward_each(tmp_path, layout, no_sync):
+    # (Z2 crashed: the first backward released the matrices the second graph had saved)
+    world = 2
+
+    def loss_of(model, step):
+        return sum(_micro_batch(model, step, rank, world, k) for rank in range(world) for k in (0, 1)) / world
+
+    ref = reference_train(model=make_skip_net(), loss_of=loss_of)
+    assert_matches(ref, train_on_ranks(tmp_path, world, _forwards_first, layout, no_sync), layout)
+
+
+def _skip_block_1_on_steps_1_and_2(model, step, rank=0, world=1):
+    x, y = batch(step)
+    per = BATCH // world
+    model.skip = (1,) if step in (1, 2) else ()
+    return ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean()
+
+
+def _zeros_only_where_a_gradient_is(rank, world, layout, out_path):
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_skip_net()
+    layout_net(mesh, layout, model)
+    opt, sched = make_optimizer(model, first_step_progress_log=False)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=step != 2)
+        _skip_block_1_on_steps_1_and_2(model, step, rank, world).backward()
+        opt.step()
+        sched.step()
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save(sd, out_path)
+
+
+@pytest.mark.parametrize("layout", ["z3", "ddp", "sharded", "fsdp2"])
+def test_zero_grad_to_none_then_to_zeros_steps_only_what_torch_steps(tmp_path, layout):
+    # block 1 skipped on steps 1 and 2: zero_grad() on step 1 leaves its parameters no gradient, so
+    # zero_grad(set_to_none=False) on step 2 leaves them none either (torch: None stays None) -- not stepped
+    ref = reference_train(model=make_skip_net(), loss_of=_skip_block_1_on_steps_1_and_2, set_to_none=lambda s: s != 2)
+    assert_matches(ref, train_on_ranks(tmp_path, 2, _zeros_only_where_a_gradient_is, layout), layout)
+
+
+def _frozen_for_a_while_loss(model, step, rank=0, world=1):
+    """The batch's loss (this rank's share), with layers.2 frozen (requires_grad_(False)) on steps 1 and 2."""
+    if step in (1, 3):
+        model.layers[2].requires_grad_(step == 3)
+    x, y = batch(step)
+    per = BATCH // world
+    return ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean()
+
+
+def _frozen_for_a_while(rank, world, layout, set_to_none, out_path):
+    """layers.2 frozen after training started and unfrozen later. set_to_none=False: torch steps its parameters
+    with the zeros left in .grad while it is frozen, and so does every route. set_to_none=True: a checkpoint taken
+    while it is frozen holds its optimizer state, and the resumed run (frozen at load) goes on like the
+    uninterrupted one once the layer trains again."""
+    mesh = init_device_mesh("cpu", (world,))
+
+    def build():
+        model = make_net()
+        layout_net(mesh, layout, model)
+        return (model,) + make_optimizer(model, first_step_progress_log=False)
+
+    def train(model, opt, sched, steps):
+        for step in steps:
+            opt.zero_grad(set_to_none=set_to_none)
+            _frozen_for_a_while_loss(model, step, rank, world).backward()
+            opt.step()
+            sched.step()
+
+    model, opt, sched = build()
+    if set_to_none:
+        train(model, opt, sched, range(STEPS // 2))
+        model_sd = dmuon.get_model_state_dict(model, rank0_only=False)
+        optim_sd = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+        section = optim_sd["fsdp" if layout == "fsdp2" else "dedicated_adamw"]
+        assert "layers.2.proj.bias" in section and "layers.2.gate.weight" in optim_sd["dedicated"]  # (frozen now)
+        sched_sd = sched.state_dict()
+        model, opt, sched = build()
+        model.layers[2].requires_grad_(False)  # as it is at this step
+        dmuon.set_model_state_dict(model, model_sd)
+        dmuon.set_optimizer_state_dict(model, opt, optim_sd)
+        sched.load_state_dict(sched_sd)
+        train(model, opt, sched, range(STEPS // 2, STEPS))
+        # a layer frozen before its first step has no optimizer state, in torch too: a state dict without it
+        # is complete
+        early, early_opt, early_sched = build()
+        early.layers[0].requires_grad_(False)
+        train_steps(early, early_opt, early_sched, rank, world, range(1))
+        early_sd = dmuon.get_optimizer_state_dict(early, early_opt, rank0_only=False)
+        assert "layers.0.proj.bias" not in early_sd["fsdp" if layout == "fsdp2" else "dedicated_adamw"]
+        dmuon.set_optimizer_state_dict(early, early_opt, early_sd)
+    else:
+        train(model, opt, sched, range(STEPS))
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save(sd, out_path)
+
+
+@pytest.mark.parametrize("layout", ["z3", "ddp", "sharded", "fsdp2"])
+@pytest.mark.parametrize("set_to_none", [False, True], ids=["zeros-stepped", "resumed-while-frozen"])
+def test_a_layer_frozen_for_a_while_keeps_its_optimizer_state_as_in_torch(tmp_path, layout, set_to_none):
+    ref = reference_train(loss_of=_frozen_for_a_while_loss, set_to_none=set_to_none)
+    assert_matches(ref, train_on_ranks(tmp_path, 2, _frozen_for_a_while, layout, set_to_none), layout)
 
 
 def _state_dict_roundtrip(rank, world):
@@ -1390,10 +1580,11 @@ def _one_rank_refuses(rank, world):
     if mine:
         target.grad[0, 0] = float("nan")
     before = target.detach().clone()
-    with pytest.raises(RuntimeError, match="the averaged gradient of 'layers.0.gate.weight'" if mine else
-                       r"a Muon gradient is not finite on rank\(s\) \d: rank \d: Muon::step: the averaged gradient "
-                       "of 'layers.0.gate.weight'"):
+    with pytest.raises(dmuon.NonFiniteGradientError, match="the averaged gradient of 'layers.0.gate.weight'" if mine
+                       else r"a Muon gradient is not finite on rank\(s\) \d: rank \d: Muon::step: the averaged "
+                       "gradient of 'layers.0.gate.weight'") as verdict:
         opt.step()
+    assert isinstance(verdict.value, RuntimeError)  # (code catching RuntimeError still catches it)
     if mine:
         assert torch.equal(target.detach(), before)
     opt.zero_grad()
@@ -1403,6 +1594,41 @@ def _one_rank_refuses(rank, world):
 
 def test_a_refusal_on_one_rank_is_an_error_on_every_rank(tmp_path):
     run_ranks(tmp_path, 2, _one_rank_refuses)
+
+
+def _fsdp2_non_finite(rank, world):
+    """The verdict on a non-finite Muon gradient with FSDP2 holding the rest: every rank raises
+    dmuon.NonFiniteGradientError, the poisoned matrix keeps its weights, and FSDP2's shards and the other matrices
+    take exactly the step they take in an unpoisoned twin (the error's "the step's other updates were applied")."""
+    mesh = init_device_mesh("cpu", (world,))
+    twins = [dedicated_net(mesh, True) for _ in range(2)]
+    start = dmuon.get_model_state_dict(twins[0], rank0_only=False)
+    x, y = batch(0)
+    per = BATCH // world
+    for poisoned, model in enumerate(twins):
+        opt, _ = make_optimizer(model)
+        ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
+        dmuon.prepare_muon_grads(model)
+        if not poisoned:
+            opt.step()
+            continue
+        grad = model.layers[1].gate.weight.grad
+        if grad is not None and grad.numel() > 0:  # its owner
+            grad[1, 2] = float("inf")
+        with pytest.raises(dmuon.NonFiniteGradientError, match="'layers.1.gate.weight'"):
+            opt.step()
+    after = [dmuon.get_model_state_dict(m, rank0_only=False) for m in twins]
+    assert torch.equal(after[1]["layers.1.gate.weight"], start["layers.1.gate.weight"])
+    dedicated = {d.name for d in dmuon.get_dedicated_params(twins[1])}
+    fsdp2 = [n for n, _ in twins[1].named_parameters() if n not in dedicated]
+    assert len(fsdp2) == BLOCKS + 1 and all(not torch.equal(after[1][n], start[n]) for n in fsdp2)  # FSDP2 stepped
+    for name, value in after[0].items():
+        if name != "layers.1.gate.weight":
+            assert torch.equal(after[1][name], value), name
+
+
+def test_a_non_finite_verdict_steps_fsdp2s_shards_first(tmp_path):
+    run_ranks(tmp_path, 2, _fsdp2_non_finite)
 
 
 def _torch_state_paths(rank, world, fsdp2):

@@ -84,8 +84,14 @@ RefResult reference_train(const GPTConfig& cfg, const StateDict& init, const std
     const at::Tensor& tokens = batches[s];
     if (tc.frozen_on_odd_steps >= 0) m->frozen_blocks[static_cast<size_t>(tc.frozen_on_odd_steps)] = s % 2 == 1;
     const double f = sgd.param_groups()[0].options().get_lr();
-    if (!tc.keep_grads)
-      for (auto& p : m->parameters()) p.mutable_grad() = at::Tensor();
+    if (!tc.keep_grads) {  // torch's zero_grad: None, or zeros where a gradient was
+      for (auto& p : m->parameters()) {
+        if (tc.zero_grad_to_none || !p.grad().defined())
+          p.mutable_grad() = at::Tensor();
+        else
+          p.mutable_grad().zero_();
+      }
+    }
     at::Tensor loss = m->loss(tokens);
     loss.backward();
     r.losses.push_back(loss.item<double>());

@@ -106,7 +106,10 @@ struct StepEstimate {
   double ns_s = 0;             // Newton-Schulz on the critical path
   double adamw_s = 0;
   double replicate_s = 0;      // exposed replicate-axis (HSDP) or post-NS all-gather time
-  double bytes_per_rank = 0;   // sent + received over the shard/data-parallel group per step
+  double verdict_s = 0;        // DMuon: Muon::step's non-finite-gradient verdict, one all-gather of 24 bytes
+                               // per rank over the world at the end of the step (exposed: the host reads it)
+  double bytes_per_rank = 0;   // sent + received per step: the shard/data-parallel groups (+ DMuon's verdict
+                               // over the world)
   double inter_node_bytes_per_rank = 0;
   double memory_bytes_per_rank = 0;  // model state (parameters, gradients, optimizer state, gathered matrices)
   std::string dominant;        // the largest term beyond compute
