@@ -257,8 +257,8 @@ void Runtime::add_replicated(double bucket_mb, bool tp) {
   TORCH_CHECK_VALUE(bucket_mb > 0, "rank ", rank, ": replicate: invalid bucket_mb: ", bucket_mb,
               ". Must be > 0 (MiB per coalesced all-reduce).");
   // the trainable parameters on no other route move from the local route to the replicated one
-  replicated_owner_ = std::make_unique<ReplicatedRoute>(ctx_, local_->trainable(), bucket_mb, tp);
-  local_->drop_trainable();
+  replicated_owner_ = std::make_unique<ReplicatedRoute>(ctx_, local_->requiring_grad(), bucket_mb, tp);
+  local_->drop_requiring_grad();
   replicated_ = replicated_owner_.get();
   routes_.insert(routes_.end() - 1, replicated_);  // before the local route
 }

@@ -21,7 +21,7 @@ class LocalRoute final : public WholeParamsRoute {
   RouteKind kind() const override { return RouteKind::Local; }
 
   // dmuon::replicate takes the parameters that require a gradient now (model order); the frozen ones stay
-  std::vector<WholeParam> trainable() const {
+  std::vector<WholeParam> requiring_grad() const {
     std::vector<WholeParam> out;
     for (const auto& w : whole_.params())
       if (w.param.requires_grad()) out.push_back({w.name, w.param, /*trained=*/true});
@@ -38,7 +38,7 @@ class LocalRoute final : public WholeParamsRoute {
       if (!names.count(w.name)) kept.push_back(w);
     whole_.set_params(std::move(kept));
   }
-  void drop_trainable() {
+  void drop_requiring_grad() {
     std::vector<WholeParam> kept;
     for (const auto& w : whole_.params())
       if (!w.param.requires_grad()) kept.push_back(w);

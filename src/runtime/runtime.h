@@ -130,7 +130,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void set_separate_sharded_unshard(bool on) override;
   void set_step_verdict(bool on) override;
   std::vector<PlannedTraffic> planned_step_traffic() const override;
-  void discard_grads(bool set_to_none = true) override;
+  void discard_grads(bool set_to_none) override;
   uint64_t grads_epoch() const override;
   // ---- RuntimeFace: checkpoints ----
   void drain() override;
