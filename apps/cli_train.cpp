@@ -583,6 +583,45 @@ std::string earlier_metrics(const TrainArgs& a, int first_step) {
   return kept;
 }
 
+// collective: `work` runs on the ranks where `here` holds, then every rank learns whether it failed anywhere
+// (one small all-gather): a failure raises on every rank, its own error where it failed and the failing ranks
+// elsewhere, instead of leaving the others in the next collective until --timeout (a file one host cannot read).
+// A usage error (std::invalid_argument) stays one on every rank.
+void agreed_outcome(TrainRun& r, const std::string& what, bool here, const std::function<void()>& work) {
+  std::string err;
+  double kind = 0;  // 0 ok, 1 a usage error, 2 another error
+  if (here) try {
+      work();
+    } catch (const std::invalid_argument& e) {
+      err = e.what();
+      kind = 1;
+    } catch (const std::exception& e) {
+      err = e.what();
+      kind = 2;
+    }
+  const at::Tensor mine = at::tensor({kind}, at::kDouble).to(r.device);
+  at::Tensor all = at::empty({r.world}, mine.options());
+  try {
+    r.trainer->allgather_flat(all, mine, what).wait_host();
+  } catch (const std::exception&) {
+    if (kind == 0) throw;
+    all.fill_(kind);  // (a rank that learnt of this failure may have left already: this rank's own error stands)
+  }
+  const at::Tensor kinds = all.cpu();
+  std::string failed;
+  bool usage = true;
+  for (int64_t i = 0; i < r.world; ++i)
+    if (const double k = kinds[i].item<double>(); k != 0) {
+      failed += (failed.empty() ? "" : ", ") + std::to_string(i);
+      usage = usage && k == 1;
+    }
+  if (failed.empty()) return;
+  const std::string m = "rank " + std::to_string(r.rank) + ": " + what + " failed" +
+                        (err.empty() ? " on rank(s) " + failed + " (see their errors)" : ": " + err);
+  if (usage) throw std::invalid_argument(m);
+  throw std::runtime_error(m);
+}
+
 // collective: every rank (mesh, dedicate_params, the checkpoint it resumes from).
 TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   // peak live bytes per phase (summary.json's peak_memory_bytes); the CUDA caching allocator keeps its own
@@ -702,12 +741,19 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   if (!a.resume.empty()) {  // every rank reads the file; the new owners take their matrices
     // a safetensors checkpoint (what --checkpoint writes) is read by offset: each rank only the model
     // tensors and rows it keeps; a format-2 file of an earlier dmuon is read and verified whole
-    const Checkpoint ck = load_checkpoint(a.resume, /*include_model=*/false, a.allow_unverified);
-    TORCH_CHECK(ck.optim, "--resume ", a.resume, ": the checkpoint has no optimizer state; write it with --checkpoint.");
-    check_same_run(a, r, ck, out);
-    TORCH_CHECK(ck.optim->steps_taken < a.steps, "--resume ", a.resume, ": the checkpoint is at step ",
-                ck.optim->steps_taken, ", so --steps ", a.steps,
-                " leaves nothing to do; --steps counts all steps, pass a larger one.");
+    // read and checked on every rank, the outcome agreed: a rank that cannot read its copy (another host's
+    // disk) fails every rank at once, not the others after --timeout in the load's collectives
+    Checkpoint ck;
+    agreed_outcome(r, "reading --resume " + a.resume, true, [&] {
+      if (const char* f = std::getenv("DMUON_TEST_FAIL_AT"); f && std::string(f) == std::to_string(r.rank) + ":resume")
+        throw std::runtime_error("injected read failure (DMUON_TEST_FAIL_AT)");
+      ck = load_checkpoint(a.resume, /*include_model=*/false, a.allow_unverified);
+      TORCH_CHECK(ck.optim, "--resume ", a.resume, ": the checkpoint has no optimizer state; write it with --checkpoint.");
+      check_same_run(a, r, ck, out);
+      TORCH_CHECK(ck.optim->steps_taken < a.steps, "--resume ", a.resume, ": the checkpoint is at step ",
+                  ck.optim->steps_taken, ", so --steps ", a.steps,
+                  " leaves nothing to do; --steps counts all steps, pass a larger one.");
+    });
     if (r.lead && a.allow_unverified && safetensors_without_checksums(a.resume))
       out << "  note: " << a.resume << " has no checksums (another tool wrote it); loaded unverified "
           << "(--allow-unverified-checkpoint)\n";
@@ -729,16 +775,7 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
 
 // collective: rank 0 runs `write`, every rank learns whether it worked (an error names `what`).
 void lead_writes(TrainRun& r, const std::string& what, const std::function<void()>& write) {
-  std::string err;
-  if (r.lead) try {
-      write();
-    } catch (const std::exception& e) {
-      err = e.what();
-    }
-  at::Tensor ok = at::tensor({err.empty() ? 1.0 : 0.0}, at::kDouble).to(r.device);
-  r.trainer->allreduce(ok, Reduction::Sum, what).wait();
-  TORCH_CHECK(ok.cpu().item<double>() == static_cast<double>(r.world), "rank ", r.rank, ": ", what, " failed",
-              err.empty() ? std::string(" on rank 0") : ": " + err);
+  agreed_outcome(r, what, r.lead, write);
 }
 
 // collective: the owners broadcast, rank 0 writes.

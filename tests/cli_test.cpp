@@ -440,6 +440,43 @@ TEST(CliTest, ResumeRefusesMissingOptimizerStateAndUncheckedFiles) {
 }
 
 // Item 3: non-finite or absurd weights and config values are refused at load time, naming them.
+// A rank that cannot read --resume (its host's copy missing or damaged) fails every rank at once: under torchrun
+// on several hosts no launcher stops the others, which would wait in the load's collectives until --timeout
+// (here 300 s, beyond the 120 s each rank is given). Both ranks run as torchrun starts them (RANK, WORLD_SIZE).
+TEST(CliTest, AResumeOneRankCannotReadFailsEveryRankAtOnce) {
+  const std::string d = temp_dir(), ck = d + "/ck.pt";
+  Result r = run("train --steps 2" + kTiny + " --checkpoint " + ck + " --out " + d);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const std::string port = std::to_string(ntohs(addr.sin_port));
+  ::close(fd);
+  const auto rank_env = [&](int rank) {
+    return "RANK=" + std::to_string(rank) + " LOCAL_RANK=" + std::to_string(rank) +
+           " WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + " DMUON_TEST_FAIL_AT=1:resume";
+  };
+  const std::string args = "train --steps 4 --batch 2 --seq-len 16 --d-model 32 --layers 1 --heads 4 --timeout 300 "
+                           "--resume " + ck + " --out " + d + "/b";
+  Result r1;
+  std::thread other([&] { r1 = run(args, 120, rank_env(1)); });
+  const Result r0 = run(args, 120, rank_env(0));
+  other.join();
+  EXPECT_NE(r1.status, 0) << r1.output;
+  EXPECT_NE(r1.output.find("rank 1: reading --resume " + ck + " failed: injected read failure"), std::string::npos)
+      << r1.output;
+  EXPECT_NE(r0.status, 0) << r0.output;
+  EXPECT_NE(r0.status, 124) << "rank 0 waited for the timeout: " << r0.output;
+  EXPECT_NE(r0.output.find("rank 0: reading --resume " + ck + " failed on rank(s) 1 (see their errors)"),
+            std::string::npos)
+      << r0.output;
+  std::filesystem::remove_all(d);
+}
+
 TEST(CliTest, NonFiniteWeightsAndConfigValuesAreRefusedNamingThem) {
   const std::string d = temp_dir(), w = d + "/w.safetensors", ck = d + "/ck.safetensors";
   Result r = run("train --steps 1" + kTiny + " --export-safetensors " + w + " --checkpoint " + ck + " --out " + d);

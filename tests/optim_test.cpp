@@ -12,6 +12,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/schedulers/step_lr.h>
+#include <torch/optim/serialize.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize/archive.h>
 
@@ -888,6 +889,7 @@ TEST(MuonTest, SaveLoadRoundTrip) {
     EXPECT_EQ(fresh.state_of(param(m, "layers.0.weight")), nullptr);
     load_from_string(fresh, bytes);
     expect_state_equals(fresh, m, saved, "new optimizer");
+    EXPECT_EQ(fresh.steps_taken(), 2);
 
     // 3. resuming gives the same next step as not stopping: continue `opt` and a restored copy on
     //    two models that start from the same parameters
@@ -909,6 +911,88 @@ TEST(MuonTest, SaveLoadRoundTrip) {
       for (const auto& p : m->named_parameters(true))
         EXPECT_TRUE(at::equal(p.value(), param(m2, p.key()))) << p.key();
     });
+  });
+}
+
+// Muon::save/load keep one rank's state under one plan: another rank's file, or a file of another world size,
+// is refused before anything changes (each owner would otherwise take another owner's momentum, or none, in
+// silence); steps_taken comes back; an archive without dmuon's fields (an earlier dmuon's) still loads.
+TEST(MuonTest, SaveLoadResumesOnlyTheRankAndPlanThatWroteIt) {
+  const StateDict init = random_like_model(55, -0.5, 0.5);
+  const StateDict g1 = random_like_model(56, -1.0, 1.0), g2 = random_like_model(57, -1.0, 1.0);
+  std::vector<std::string> files(2);
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    Tiny m;
+    load_state(m, init);
+    const auto mesh = shared_mesh(ctx);
+    dedicate_params(m.ptr(), mesh, is_matrix);
+    replicate(m.ptr(), mesh);
+    Muon opt(m.ptr(), quiet());
+    for (const StateDict* g : {&g1, &g2}) {
+      opt.zero_grad();
+      set_grads(m, *g);
+      opt.step();
+    }
+    files[static_cast<size_t>(ctx.rank)] = save_to_string(opt);
+    const std::string mine = files[static_cast<size_t>(ctx.rank)];
+    mesh->world().barrier("test: both files written");
+    const std::string theirs = files[static_cast<size_t>(1 - ctx.rank)];
+
+    Muon fresh(m.ptr(), quiet());
+    const std::string err = error_of([&] { load_from_string(fresh, theirs); });
+    EXPECT_NE(err.find("rank " + std::to_string(ctx.rank) + ": Muon::load: the archive holds the optimizer state of rank " +
+                       std::to_string(1 - ctx.rank) + " of 2 under plan "),
+              std::string::npos)
+        << err;
+    EXPECT_NE(err.find("but this is rank " + std::to_string(ctx.rank) + " of 2 under plan"), std::string::npos) << err;
+    EXPECT_NE(err.find("save_checkpoint/load_checkpoint"), std::string::npos) << err;
+    EXPECT_EQ(fresh.steps_taken(), 0);
+    for (const auto& p : m->named_parameters(true)) EXPECT_EQ(fresh.state_of(p.value()), nullptr) << p.key();
+
+    load_from_string(fresh, mine);
+    EXPECT_EQ(fresh.steps_taken(), 2);
+    int owned = 0;
+    for (const auto& p : m->named_parameters(true)) {
+      const MuonParamState* a = opt.state_of(p.value());
+      const MuonParamState* b = fresh.state_of(p.value());
+      ASSERT_EQ(a == nullptr, b == nullptr) << p.key();
+      if (!a) continue;
+      ++owned;
+      EXPECT_EQ(a->step(), b->step()) << p.key();
+      for (const auto& [x, y] : {std::pair{a->momentum_buffer(), b->momentum_buffer()},
+                                 std::pair{a->exp_avg(), b->exp_avg()}, std::pair{a->exp_avg_sq(), b->exp_avg_sq()}}) {
+        ASSERT_EQ(x.defined(), y.defined()) << p.key();
+        if (x.defined()) {
+          EXPECT_TRUE(at::equal(x, y)) << p.key();
+        }
+      }
+    }
+    EXPECT_GT(owned, 0);
+
+    // LibTorch's archive alone (an earlier dmuon's Muon::save): loads, steps_taken is left as it was
+    torch::serialize::OutputArchive plain;
+    torch::optim::serialize<MuonParamState, MuonGroupOptions>(plain, opt);
+    std::ostringstream ss;
+    plain.save_to(ss);
+    Muon older(m.ptr(), quiet());
+    load_from_string(older, ss.str());
+    EXPECT_EQ(older.steps_taken(), 0);
+    EXPECT_NE(older.state_of(param(m, "scale")), nullptr);
+    // part of dmuon's fields: damaged
+    plain.write("dmuon_rank", c10::IValue(int64_t{ctx.rank}));
+    std::ostringstream part;
+    plain.save_to(part);
+    const std::string damaged = error_of([&] { load_from_string(older, part.str()); });
+    EXPECT_NE(damaged.find("Muon::load: the archive holds only part of what Muon::save writes"), std::string::npos)
+        << damaged;
+  });
+  // rank 1's file on a world of one: another plan
+  with_tiny(init, [&](Tiny& m, std::shared_ptr<Mesh>&) {
+    Muon one(m.ptr(), quiet());
+    const std::string err = error_of([&] { load_from_string(one, files[1]); });
+    EXPECT_NE(err.find("rank 0: Muon::load: the archive holds the optimizer state of rank 1 of 2"), std::string::npos)
+        << err;
+    EXPECT_EQ(one.state_of(param(m, "scale")), nullptr);
   });
 }
 

@@ -240,6 +240,9 @@ class Muon : public torch::optim::Optimizer {
   at::Tensor step(LossClosure closure = nullptr) override;
   // Clears gradients; set_to_none=true (default) leaves them undefined, as PyTorch 2.x does.
   void zero_grad(bool set_to_none = true);
+  // LibTorch's optimizer archive (torch::save(opt, path) / torch::load(opt, path)) of this rank's own state,
+  // with the rank, world size, plan fingerprint and steps_taken: load() refuses a file of another rank or plan
+  // (a ValueError, before anything changes). To resume on another mesh: save_checkpoint / load_checkpoint.
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 

@@ -6,6 +6,7 @@ identity autograd functions, the engine's end-of-backward callback)."""
 import contextlib
 import json
 import math
+import numbers
 import operator
 import sys
 import warnings
@@ -327,6 +328,29 @@ def _check_dedicate_arguments(model, predicate, options, hook_boundary_predicate
     """The checks of _dedicate's arguments that need no collective (raised through the core's agreement)."""
     if getattr(model, "_dmuon", None) is not None:
         raise ValueError(f"{fn}: this model is dedicated already; call it once per model.")
+    for name, m in model.named_modules():
+        if isinstance(m, nn.parallel.DistributedDataParallel):
+            raise ValueError(
+                f"{fn}: {'the model' if not name else repr(name)} is a torch DistributedDataParallel; its gradient "
+                "all-reduces would run beside dmuon's (a dedicated matrix is whole on its owner only). Pass the "
+                f"module it wraps ({'model' if not name else name}.module): dmuon.replicate / dedicate_params_ddp do "
+                "DDP's part for the parameters Muon does not train.")
+        if name and getattr(m, "_dmuon", None) is not None:
+            raise ValueError(f"{fn}: submodule '{name}' was dedicated already (its matrices live on their owners); "
+                             "dedicate the whole model once instead, with one predicate for all its matrices.")
+    for name, p in model.named_parameters():
+        if hasattr(p, "_dedicated_owner_rank"):
+            raise ValueError(f"{fn}: parameter '{name}' is dedicated already, by an earlier {fn} of a module that "
+                             "holds it; dedicate the whole model once instead, with one predicate for all its "
+                             "matrices.")
+    for name, m in model.named_modules():
+        weight = getattr(m, "weight", None)
+        if (isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and isinstance(weight, torch.Tensor)
+                and weight.requires_grad):
+            where = f"'{name}'" if name else "the model"
+            raise ValueError(f"{fn}: {where} is an {type(m).__name__} with sparse=True, so '{name + '.' if name else ''}weight' gets "
+                             "sparse gradients; dmuon reduces and updates dense ones (as torch's AdamW refuses "
+                             "sparse gradients). Build it with sparse=False.")
     if not callable(predicate):
         raise TypeError(f"{fn}: predicate must be a callable (name, param) -> bool selecting the Muon matrices, "
                         f"got {type(predicate).__name__}.")
@@ -401,7 +425,45 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
     register_undedicated(tp_params)  # what fully_shard may take later: as DTensors (hand_to_fsdp2)
     model._dmuon.hooks += _install_state_dict_guards(model, model._dmuon, dtypes)
     _install_zero_grad(model, runtime)
+    _sync_buffers(model, world_group)
     return owners
+
+
+def _broadcast_from_first(tensors: List[torch.Tensor], group) -> List[torch.Tensor]:
+    """Copies of `tensors` holding the values of the group's first rank (collective over `group`: every rank
+    passes tensors of the same shapes and dtypes in the same order; one broadcast per device and dtype). Plain
+    tensors only: a DTensor (a tensor-parallel buffer) keeps its own, as do meta tensors."""
+    out = [t.detach().clone() for t in tensors]
+    if group is None or dist.get_world_size(group) == 1:
+        return out
+    src = dist.get_global_rank(group, 0)
+    by_kind: Dict[tuple, List[int]] = {}
+    for i, t in enumerate(out):
+        if not is_dtensor(t) and not t.is_meta and t.numel() > 0:
+            by_kind.setdefault((t.device, t.dtype), []).append(i)
+    for (_, dtype), idx in by_kind.items():
+        flat = torch.cat([out[i].reshape(-1) for i in idx])
+        wire = flat.to(torch.uint8) if dtype == torch.bool else flat  # (Gloo has no bool)
+        dist.broadcast(wire, src=src, group=group)
+        flat = wire.to(dtype) if dtype == torch.bool else wire
+        at = 0
+        for i in idx:
+            n = out[i].numel()
+            out[i].copy_(flat[at:at + n].view_as(out[i]))
+            at += n
+    return out
+
+
+def _sync_buffers(model: nn.Module, group) -> None:
+    """Every buffer of the model takes the first rank's values (collective over `group`), as DDP's construction
+    does: with the parameters (replicated ones from the first rank, each matrix from its owner) one model on
+    every rank, whatever each rank's initialisation was. Afterwards each rank's buffers (BatchNorm's running
+    statistics) evolve with its own batches, as under FSDP2 or DDP(broadcast_buffers=False)."""
+    buffers = [b for _, b in model.named_buffers()]
+    with torch.no_grad():
+        for b, first in zip(buffers, _broadcast_from_first(buffers, group)):
+            if not is_dtensor(b) and not b.is_meta:
+                b.copy_(first)
 
 
 def _rank() -> int:
@@ -743,16 +805,22 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True, rank0_on
     # shards, and named_parameters() (_first_names) must list the same objects as this dict
     local = model.state_dict(keep_vars=True)
     full = _full_params(model)
-    if rank0_only and dist.get_rank() != 0:
-        return {}
     first_name = _first_names(model)
+    kept = {key: value for key, value in local.items()
+            if first_name.get(id(value)) is None or first_name[id(value)] not in full}
+    if not rank0_only:  # every rank returns rank 0's dict: its buffers too (each rank's running stats differ)
+        buffers = {key: value for key, value in kept.items() if not isinstance(value, nn.Parameter)}
+        state = getattr(model, "_dmuon", None)
+        kept.update(zip(buffers, _broadcast_from_first(list(buffers.values()), state.world_group if state else None)))
+    elif dist.get_rank() != 0:
+        return {}
     out = {}
     for key, value in local.items():
         name = first_name.get(id(value))
         if name is not None and name in full:
             t = full[name]  # the master where param_policy keeps one (the dtype the model had at dedicate time)
-        else:  # a buffer, or a parameter no route trains (frozen): the model's own tensor
-            t = value.detach()
+        else:  # a buffer (rank 0's), or a parameter no route trains (frozen): the model's own tensor
+            t = kept[key].detach()
         out[key] = (t.cpu() if cpu_offload else t).clone()
     return out
 
@@ -920,6 +988,20 @@ _GROUP_KEYS = ("params", "name", "lr", "momentum", "weight_decay", "nesterov", "
                "adamw_weight_decay", "adamw_eps")
 
 
+def _real_number(value) -> Optional[float]:
+    """A real number as torch.optim takes one in a group (a Python or numpy number, or a one-element real
+    tensor, as a tensor lr), as a float; None for anything else (a bool, a string, a complex number)."""
+    if isinstance(value, (bool, str, bytes)) or getattr(value, "dtype", None) == torch.bool:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            return None
+        return float(value)
+    if isinstance(value, numbers.Real):  # int, float, numpy's numbers
+        return float(value)
+    return None
+
+
 def _group_value(key: str, value, where: str):
     """A group's override as the core takes it: bool, int, (float, float) or float."""
     try:
@@ -933,8 +1015,14 @@ def _group_value(key: str, value, where: str):
             return int(value)
         if key == "adamw_betas":
             b1, b2 = value
-            return (float(b1), float(b2))
-        return float(value)
+            pair = (_real_number(b1), _real_number(b2))
+            if None in pair:
+                raise TypeError
+            return pair
+        number = _real_number(value)  # (not a string or a bool, which float() would take)
+        if number is None:
+            raise TypeError
+        return number
     except (TypeError, ValueError):
         want = {"nesterov": "a bool", "ns_steps": "an int", "adamw_betas": "a pair of floats"}.get(key, "a float")
         raise ValueError(f"Muon: {where} has {key}={value!r}; it must be {want}.") from None
@@ -981,8 +1069,10 @@ def _user_groups(param_groups, state: _State) -> List[dict]:
                     "not a parameter of the dedicated model. Build the groups from model.named_parameters()."
                 )
             if name in seen:
-                raise ValueError(f"Muon: parameter '{name}' is in param_groups[{seen[name]}] and param_groups[{i}]; "
-                                 "each parameter may be in at most one group.")
+                where = (f"twice in param_groups[{i}]" if seen[name] == i else
+                         f"in param_groups[{seen[name]}] and param_groups[{i}]")
+                raise ValueError(f"Muon: parameter '{name}' is {where}; each parameter may be in at most one group "
+                                 "(once).")
             seen[name] = i
             group["params"].append(name)
         for key in _GROUP_KEYS[2:]:
@@ -1070,6 +1160,27 @@ def _check_adamw_group(g: dict, k: int) -> None:
                           f"('{g.get('group_name')}', AdamW), as set since construction,")
 
 
+_STATE_WRITE = (
+    "dmuon.Muon.state is a read-only view: dmuon keeps each parameter's state in its native core, where the "
+    "parameter is updated (a dedicated matrix's momentum on its owner), so a write here would be lost. Change the "
+    "state in place (opt.state[p]['exp_avg'].zero_()), load a state dict (opt.load_state_dict / "
+    "dmuon.set_optimizer_state_dict), or build a new Muon to start from fresh state."
+)
+
+
+class _StateEntry(dict):
+    """One parameter's state in ``Muon.state`` (a dict of live tensors); writing keys is refused (it would be
+    lost), changing the tensors in place reaches the optimizer. Copies are plain dicts."""
+
+    def _refuse(self, *_args, **_kwargs):
+        raise TypeError(f"rank {_rank()}: {_STATE_WRITE}")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
+
+    def __reduce__(self):
+        return (dict, (dict(self),))
+
+
 class _OptimizerState(Mapping):
     """``Muon.state``: a read-only view of the per-parameter state this rank holds, as torch.optim's
     (``opt.state[p]``: ``momentum_buffer`` for a Muon matrix, ``step`` / ``exp_avg`` / ``exp_avg_sq`` for AdamW;
@@ -1095,18 +1206,24 @@ class _OptimizerState(Mapping):
             found["step"] = torch.tensor(float(found["step"]))
         else:
             del found["step"]
-        return found
+        return _StateEntry(found)
 
     def __getitem__(self, p):
         found = self._lookup(p)
         if found is not None:
             return found
         if id(p) in self._params:
-            return {}
+            return _StateEntry()
         raise KeyError(f"Muon.state: {type(p).__name__} is not a parameter of this optimizer")
 
     def __contains__(self, p):
         return self._lookup(p) is not None
+
+    def __setitem__(self, p, value):
+        raise TypeError(f"rank {_rank()}: {_STATE_WRITE}")
+
+    def __delitem__(self, p):
+        raise TypeError(f"rank {_rank()}: {_STATE_WRITE}")
 
     def get(self, p, default=None):
         """As torch's defaultdict: ``default`` (not ``{}``) for a parameter without state on this rank."""
@@ -1360,7 +1477,8 @@ class Muon(torch.optim.Optimizer):
         then FSDP2's shards), and the post-step publish. Returns ``closure()``'s loss when given.
 
         Under :class:`dmuon.GradScaler` (``scaler.step(optimizer)``): the gradients are unscaled first, and a
-        step whose gradients hold an inf or NaN on any rank is skipped on every rank, its gradients dropped."""
+        step whose gradients hold an inf or NaN on any rank is skipped on every rank (the gradients stay, as
+        torch's scaler leaves them, until the loop's ``zero_grad``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1430,7 +1548,8 @@ class Muon(torch.optim.Optimizer):
 
     def _amp_skips(self) -> bool:
         """Under a GradScaler's step (found_inf / grad_scale set on the optimizer): True when the step is to be
-        skipped (an inf or NaN on some rank; its gradients are dropped), else unscales what is still scaled."""
+        skipped (an inf or NaN on some rank; its gradients are left as torch leaves them, for the loop's
+        zero_grad), else unscales what is still scaled."""
         agreed, self._amp_found_inf = getattr(self, "_amp_found_inf", None), None
         if agreed is None:
             raise RuntimeError(
@@ -1442,7 +1561,6 @@ class Muon(torch.optim.Optimizer):
                 "unscale_, step, update as usual) for this optimizer."
             )
         if float(self.found_inf) > 0:  # agreed over the mesh by _unscale_grads: every rank skips
-            self.zero_grad(set_to_none=True)
             return True
         scale = getattr(self, "grad_scale", None)  # None: unscale_ ran already
         if scale is not None:  # scaler.step without unscale_: the infs were checked, the gradients are still scaled
@@ -1548,12 +1666,30 @@ class Muon(torch.optim.Optimizer):
 
     def state_dict(self):
         """:func:`dmuon.get_optimizer_state_dict` with every rank holding the full result (collective: every
-        rank of the model's mesh). torch.optim's own format cannot hold state that lives on other ranks."""
-        return get_optimizer_state_dict(self._model, self, cpu_offload=False, rank0_only=False)
+        rank of the model's mesh). torch.optim's own format cannot hold state that lives on other ranks.
+        Hooks registered by ``register_state_dict_pre_hook`` / ``_post_hook`` run as in torch.optim."""
+        for pre_hook in getattr(self, "_optimizer_state_dict_pre_hooks", {}).values():
+            pre_hook(self)
+        state_dict = get_optimizer_state_dict(self._model, self, cpu_offload=False, rank0_only=False)
+        for post_hook in getattr(self, "_optimizer_state_dict_post_hooks", {}).values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict):
-        """:func:`dmuon.set_optimizer_state_dict` (collective; every rank passes the full dict)."""
+        """:func:`dmuon.set_optimizer_state_dict` (collective; every rank passes the full dict). Hooks registered
+        by ``register_load_state_dict_pre_hook`` (which may return the dict to load) / ``_post_hook`` run as in
+        torch.optim."""
+        if isinstance(state_dict, Mapping):
+            state_dict = dict(state_dict)  # a shallow copy, as torch.optim's (a pre-hook may edit it)
+        for pre_hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         set_optimizer_state_dict(self._model, self, state_dict)
+        for post_hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
+            post_hook(self)
 
     def zero_grad(self, set_to_none: bool = True):
         """Clears every gradient this optimizer trains (set_to_none=True: None, as PyTorch 2.x does), including
@@ -1699,7 +1835,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
                                  "get_optimizer_state_dict returned.")
             numbers = [saved[k] for k in ("lr", "momentum", "weight_decay", "eps")] + list(
                 saved["betas"] if isinstance(saved["betas"], (tuple, list)) else [saved["betas"]] * 3)
-            if len(numbers) != 6 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+            if len(numbers) != 6 or not all(_real_number(v) is not None for v in numbers):
                 raise ValueError(f"set_optimizer_state_dict: param_groups[{i}] holds a value that is not a number in "
                                  f"lr, momentum, weight_decay, eps or betas (a pair): {dict((k, saved[k]) for k in ('lr', 'momentum', 'weight_decay', 'eps', 'betas'))}.")
             _refuse_torch_only_flags(i, saved)  # (copied into the live groups below: step() would refuse them)
@@ -1730,8 +1866,12 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
 
     _load_agreed(state.world_group, fn, check, state_dict)
     n = optimizer._native_groups
+    # (a tensor or numpy lr, as torch allows, reaches the core as a float; the groups keep what was saved)
+    native_groups = [{k: (tuple(_real_number(b) for b in v) if k == "betas" else
+                          _real_number(v) if k in ("lr", "momentum", "weight_decay", "eps") else v)
+                      for k, v in g.items()} for g in groups[:n]]
     optimizer._native.load_state(state.runtime, _flat(state_dict["dedicated"]), _flat(state_dict["dedicated_adamw"]),
-                                 groups[:n], steps)
+                                 native_groups, steps)
     for i, (g, saved) in enumerate(zip(optimizer.param_groups, groups)):
         for k, v in saved.items():
             if k != "params":  # (a torch-style dict's parameter indices: the groups are matched by position)

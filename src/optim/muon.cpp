@@ -886,12 +886,58 @@ StepProfile Muon::consume_last_step_profile() {
   return p;
 }
 
+// Beside LibTorch's optimizer archive (groups and per-parameter state, by position), what makes a file one rank's
+// state under one plan: the rank and world size that wrote it, the plan's fingerprint, and steps_taken. A state
+// only means something on the rank that holds the same matrices: on another rank or plan each owner would take
+// another owner's momentum (or none) without a word.
+namespace {
+constexpr const char* kSavedRank = "dmuon_rank";
+constexpr const char* kSavedWorld = "dmuon_world_size";
+constexpr const char* kSavedPlan = "dmuon_plan_fingerprint";
+constexpr const char* kSavedSteps = "dmuon_steps_taken";
+}  // namespace
+
 void Muon::save(torch::serialize::OutputArchive& archive) const {
+  const std::shared_ptr<RuntimeFace> state = runtime("Muon::save");
   torch::optim::serialize<MuonParamState, MuonGroupOptions>(archive, *this);
+  archive.write(kSavedRank, c10::IValue(static_cast<int64_t>(state->mesh().global_rank())));
+  archive.write(kSavedWorld, c10::IValue(static_cast<int64_t>(state->mesh().world_size())));
+  archive.write(kSavedPlan, c10::IValue(static_cast<int64_t>(state->plan().fingerprint)));
+  archive.write(kSavedSteps, c10::IValue(steps_));
 }
 
 void Muon::load(torch::serialize::InputArchive& archive) {
+  const std::shared_ptr<RuntimeFace> state = runtime("Muon::load");
+  const Mesh& mesh = state->mesh();
+  const auto saved = [&](const char* key) -> std::optional<int64_t> {
+    c10::IValue v;
+    if (!archive.try_read(key, v)) return std::nullopt;
+    TORCH_CHECK_VALUE(v.isInt(), "rank ", mesh.global_rank(), ": Muon::load: the archive's \"", key,
+                      "\" is not an integer; the file is damaged or was not written by Muon::save.");
+    return v.toInt();
+  };
+  const auto rank = saved(kSavedRank), world = saved(kSavedWorld), plan = saved(kSavedPlan), steps = saved(kSavedSteps);
+  // every check before anything changes: a refused file leaves this optimizer as it was
+  if (rank || world || plan || steps) {
+    TORCH_CHECK_VALUE(rank && world && plan && steps, "rank ", mesh.global_rank(),
+                      ": Muon::load: the archive holds only part of what Muon::save writes (rank, world size, plan "
+                      "fingerprint, steps taken); the file is damaged or was not written by Muon::save.");
+    const uint64_t fingerprint = state->plan().fingerprint;
+    TORCH_CHECK_VALUE(*rank == mesh.global_rank() && *world == mesh.world_size() &&
+                          static_cast<uint64_t>(*plan) == fingerprint,
+                      "rank ", mesh.global_rank(), ": Muon::load: the archive holds the optimizer state of rank ", *rank,
+                      " of ", *world, " under plan ", format_fingerprint(static_cast<uint64_t>(*plan)), ", but this is rank ",
+                      mesh.global_rank(), " of ", mesh.world_size(), " under plan ", format_fingerprint(fingerprint),
+                      ". Muon::save/load keep each rank's own state (the matrices it owns), so a file resumes only on "
+                      "the rank that wrote it, on the same mesh and plan (same model, options and world size); load "
+                      "each rank's own file, or resume on another mesh from save_checkpoint/load_checkpoint "
+                      "(or get_optimizer_state_dict/set_optimizer_state_dict).");
+    TORCH_CHECK_VALUE(*steps >= 0, "rank ", mesh.global_rank(), ": Muon::load: the archive's steps taken is ", *steps,
+                      "; the file is damaged.");
+  }
   torch::optim::serialize<MuonParamState, MuonGroupOptions>(archive, *this);
+  if (steps) steps_ = *steps;  // an archive of an earlier dmuon records none: the count is left as it was
+  taken_.reset();  // gradients clipping took belong to the state before the load
 }
 
 // ---- clipping (the norm itself: grad_clip.cpp) -----------------------------------------------------

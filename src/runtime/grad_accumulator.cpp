@@ -28,7 +28,11 @@ bool dense_grads(const std::vector<at::Tensor>& params, const std::vector<int64_
 // next slot (a gradient of another size, set by hand, would write into its neighbour).
 int64_t grad_slot_numel(const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets, size_t k,
                         int64_t end) {
-  const int64_t n = params[k].grad().numel(), limit = k + 1 < offsets.size() ? offsets[k + 1] : end;
+  const at::Tensor& g = params[k].grad();
+  TORCH_CHECK_VALUE(g.layout() == at::kStrided, "a ", g.layout(), " gradient (shape ", g.sizes(),
+                    ") reached dmuon's reduce, which takes dense gradients only; make the layer produce dense ones "
+                    "(nn.Embedding / EmbeddingBag with sparse=False).");
+  const int64_t n = g.numel(), limit = k + 1 < offsets.size() ? offsets[k + 1] : end;
   TORCH_CHECK(offsets[k] + n <= limit, "a gradient of ", n, " elements (shape ", params[k].grad().sizes(),
               ") does not fit its parameter's ", limit - offsets[k], " in the reduce payload: a gradient of another "
               "shape than its parameter's was assigned to p.grad");

@@ -288,6 +288,11 @@ Routing route_params(const ModelView& model, const ParamPredicate& predicate, co
         out.to_cast.emplace_back(p, resolve_precision(pol, opts, name, p, false, /*frozen=*/true, rank));
       continue;
     }
+    TORCH_CHECK_VALUE(!at::isComplexType(p.scalar_type()), "rank ", rank, ": dedicate_params: parameter '", name,
+                      "' is complex (", p.scalar_type(), "); dmuon trains real parameters only (its reduces and updates "
+                      "would drop the imaginary part). Hold it as a real parameter with a last dimension of 2 "
+                      "(torch.view_as_complex of it in forward), or freeze it (requires_grad false) before "
+                      "dedicate_params.");
     RouteKind route;
     const char* route_from = "param_policy";
     std::string hint;
@@ -336,9 +341,12 @@ Routing route_params(const ModelView& model, const ParamPredicate& predicate, co
                 "Newton-Schulz, which needs a 2-D matrix; make ", route_from, " route it elsewhere (\"adamw\": "
                 "replicated AdamW), or reshape it into a 2-D parameter in the model.");
     TORCH_CHECK_VALUE(p.numel() > 0, "rank ", rank, ": dedicate_params: parameter '", name, "' has no elements (shape ",
-                shape_str(p.sizes()), ").");
+                shape_str(p.sizes()), "), so it has no Newton-Schulz to run; leave it out of ", route_from,
+                " (e.g. p.numel() > 0) or route it to \"adamw\".");
     TORCH_CHECK_VALUE(p.is_contiguous(), "rank ", rank, ": dedicate_params: parameter '", name,
-                "' is not contiguous; dedicated parameters must be plain dense tensors.");
+                "' is not contiguous (strides ", shape_str(p.strides()), "); dedicated parameters must be plain dense "
+                "tensors. Make it contiguous in the model before dedicate_params (e.g. replace it by a parameter of "
+                "p.detach().contiguous()), or route it to \"adamw\".");
     r.boundary = boundary_of(item);
     note_boundary_casts(r.boundary);
     const std::string unshard = !pol.muon_forward_unshard.empty() ? pol.muon_forward_unshard : opts.muon_forward_unshard;

@@ -1664,6 +1664,18 @@ def _torch_state_paths(rank, world, fsdp2):
     assert len(opt.state) == len(owned) + BLOCKS + 1
     with pytest.raises(KeyError):
         opt.state[torch.zeros(1)]
+    # writing keys would be lost (the state lives in the core): refused; in place reaches the optimizer
+    d = dmuon.get_dedicated_params(model)[0]
+    for write in (lambda: opt.state.__setitem__(d.param, {}), lambda: opt.state.__delitem__(d.param),
+                  lambda: opt.state[d.param].__setitem__("momentum_buffer", None), lambda: opt.state[d.param].clear()):
+        with pytest.raises(TypeError, match=rf"rank {rank}: dmuon.Muon.state is a read-only view"):
+            write()
+    if d.name in owned:
+        opt.state[d.param]["momentum_buffer"].mul_(2)
+    doubled = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)["dedicated"][d.name]["momentum_buffer"]
+    assert torch.equal(doubled, 2 * osd["dedicated"][d.name]["momentum_buffer"])  # (every rank: from the owner)
+    if d.name in owned:
+        opt.state[d.param]["momentum_buffer"].div_(2)
     with pytest.raises(RuntimeError, match=rf"rank {rank}: the truth value of dmuon.Muon.state is ambiguous"):
         bool(opt.state)
     # torch.distributed.checkpoint's functions are stopped before they step or save anything wrong
@@ -1725,3 +1737,61 @@ def test_torch_state_dicts_copies_and_checkpoint_functions_are_refused_where_the
     state-dict functions on a dedicated model: errors naming dmuon's functions where the result would silently
     be wrong (0-element placeholders, a skipped owner), nothing changed; opt.state is torch.optim's view."""
     run_ranks(tmp_path, world, _torch_state_paths, fsdp2)
+
+
+class _BufferNet(nn.Module):
+    """Buffers of every kind a model holds: BatchNorm's running statistics (and its int64 counter), a fixed
+    random projection, a bool flag, a non-persistent buffer (not in state dicts, still used by forward)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(DIM, DIM, dtype=torch.float64) for _ in range(2))
+        self.bn = nn.BatchNorm1d(DIM, dtype=torch.float64)
+        self.register_buffer("proj", torch.randn(DIM, DIM, dtype=torch.float64))
+        self.register_buffer("flag", torch.tensor([rank % 2 == 0]))
+        self.register_buffer("shift", torch.randn(DIM, dtype=torch.float64), persistent=False)
+
+    def forward(self, x):
+        x = self.bn(self.layers[0](x)) @ self.proj + self.shift
+        return self.layers[1](x) * (2.0 if bool(self.flag) else 1.0)
+
+
+def _buffers_as_ddp(rank, world, fsdp2):
+    import torch.distributed as dist
+
+    torch.manual_seed(100)
+    first = dict(_BufferNet(0).named_buffers())  # rank 0's
+    torch.manual_seed(100 + rank)  # each rank its own initialisation, as a script that seeds nothing
+    model = _BufferNet(rank)
+    dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), lambda n, p: p.dim() == 2)
+    if fsdp2:
+        fully_shard(model)
+    else:
+        dmuon.replicate(model)
+    # rank 0's buffers on every rank, as DDP's construction makes them
+    for name, b in model.named_buffers():
+        assert torch.equal(b, first[name]), (rank, name)
+    opt = dmuon.Muon(model, lr=LR, first_step_progress_log=False)
+    for step in range(2):  # each rank its own batch: BatchNorm's running statistics differ between ranks
+        x, y = batch(step)
+        opt.zero_grad()
+        ((model(x[rank::world]) - y[rank::world]) ** 2).mean().backward()
+        opt.step()
+    theirs = [torch.empty_like(model.bn.running_mean) for _ in range(world)]
+    dist.all_gather(theirs, model.bn.running_mean)
+    assert not torch.equal(theirs[0], theirs[1])
+    # every rank gets rank 0's dict (its buffers too), which loads back on every rank
+    sd = dmuon.get_model_state_dict(model, rank0_only=False)
+    assert torch.equal(sd["bn.running_mean"], theirs[0]) and set(sd) == set(model.state_dict(keep_vars=True))
+    dmuon.set_model_state_dict(model, sd)
+    assert torch.equal(model.bn.running_mean, theirs[0])
+    model.eval()
+    out = model(batch(0)[0]).detach()
+    outs = [torch.empty_like(out) for _ in range(world)]
+    dist.all_gather(outs, out)
+    assert all(torch.equal(o, outs[0]) for o in outs)  # one model on every rank
+
+
+@pytest.mark.parametrize("fsdp2", [False, True], ids=["replicate", "fsdp2"])
+def test_buffers_are_rank_0s_at_dedicate_params_and_in_full_state_dicts(tmp_path, fsdp2):
+    run_ranks(tmp_path, 2, _buffers_as_ddp, fsdp2)

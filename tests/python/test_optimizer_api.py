@@ -511,6 +511,111 @@ def test_hostile_edits_between_steps_and_options_of_the_wrong_type(tmp_path):
     run_ranks(tmp_path, 1, _hostile_edits)
 
 
+def _models_dmuon_cannot_train(rank, world):
+    """Models dmuon cannot train are refused at dedicate_params, naming the parameter and the remedy, on every
+    rank: a complex parameter (its imaginary part would be dropped), a sparse embedding, a module dedicated
+    already (inside or around this one: a matrix would never train), a torch DDP wrapper."""
+    predicate = lambda n, p: p.dim() == 2  # noqa: E731
+    group = dist.group.WORLD
+    complex_net = make_net()
+    complex_net.phase = torch.nn.Parameter(torch.ones(3, dtype=torch.complex128))
+    with pytest.raises(ValueError, match=rf"rank {rank}: dedicate_params: parameter 'phase' is complex .*view_as_complex"):
+        dmuon.dedicate_params(complex_net, group, predicate)
+    sparse_net = make_net()
+    sparse_net.embed = torch.nn.Embedding(10, 8, sparse=True, dtype=torch.float64)
+    with pytest.raises(ValueError, match="'embed' is an Embedding with sparse=True, so 'embed.weight' gets sparse"):
+        dmuon.dedicate_params(sparse_net, group, predicate)
+    inner_first = make_net()
+    dmuon.dedicate_params(inner_first.layers[1], group, predicate)
+    with pytest.raises(ValueError, match="submodule 'layers.1' was dedicated already"):
+        dmuon.dedicate_params(inner_first, group, predicate)
+    outer_first = make_net()
+    dmuon.dedicate_params(outer_first, group, predicate)
+    with pytest.raises(ValueError, match="parameter 'proj.weight' is dedicated already"):
+        dmuon.dedicate_params(outer_first.layers[0], group, predicate)
+    wrapped = torch.nn.parallel.DistributedDataParallel(make_net())
+    with pytest.raises(ValueError, match=r"the model is a torch DistributedDataParallel.*\(model.module\)"):
+        dmuon.dedicate_params(wrapped, group, predicate)
+    dmuon.dedicate_params(wrapped.module, group, predicate)  # what it wraps is a model dmuon trains
+
+
+def test_models_dmuon_cannot_train_are_refused_at_dedicate_params(tmp_path):
+    run_ranks(tmp_path, 2, _models_dmuon_cannot_train)
+
+
+def _torch_optimizer_protocol(rank, world):
+    """What torch.optim.Optimizer's users rely on beyond step(): state-dict hooks fire as in torch (a post-hook's
+    key is in the dict, a load pre-hook's returned dict is what loads), a tensor or numpy lr (torch allows them)
+    round-trips through state_dict, a group value that is not a number is refused, a duplicate is named."""
+    import numpy as np
+
+    model = make_net()
+    dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2)
+    dmuon.replicate(model)
+    opt = dmuon.Muon(model, lr=LR, first_step_progress_log=False)
+    x, y = batch(0)
+    opt.zero_grad()
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("sd_pre"))
+
+    def sd_post(o, sd):
+        calls.append("sd_post")
+        sd["mine"] = 1
+        return sd
+
+    opt.register_state_dict_post_hook(sd_post)
+    sd = opt.state_dict()
+    assert sd["mine"] == 1 and calls == ["sd_pre", "sd_post"]
+    lrs = [g["lr"] for g in sd["param_groups"]]
+
+    def lsd_pre(o, d):
+        calls.append("lsd_pre")
+        assert d.pop("mine") == 1
+        d = dict(d)
+        d["param_groups"] = [dict(g, lr=g["lr"] / 2) for g in d["param_groups"]]
+        return d
+
+    handles = [opt.register_load_state_dict_pre_hook(lsd_pre),
+               opt.register_load_state_dict_post_hook(lambda o: calls.append("lsd_post"))]
+    opt.load_state_dict(sd)
+    for handle in handles:
+        handle.remove()
+    assert calls == ["sd_pre", "sd_post", "lsd_pre", "lsd_post"]
+    assert [g["lr"] for g in opt.param_groups] == [lr / 2 for lr in lrs]  # the pre-hook's dict loaded
+    assert "mine" in sd  # (the caller's dict: a shallow copy was edited, as torch's)
+
+    # a tensor lr (torch allows it) and a numpy lr (a LambdaLR returning numpy) round-trip, and train as floats
+    opt.param_groups[0]["lr"] = torch.tensor(0.01, dtype=torch.float64)
+    opt.param_groups[1]["lr"] = np.float32(0.005)
+    saved = opt.state_dict()
+    opt.load_state_dict(saved)
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor) and float(opt.param_groups[0]["lr"]) == 0.01
+    assert opt._native.group_options(0)["lr"] == 0.01 and opt._native.group_options(1)["lr"] == float(np.float32(0.005))
+    opt.step()
+    for bad in ("0.01", True, [0.01]):
+        wrong = dict(saved, param_groups=[dict(g) for g in saved["param_groups"]])
+        wrong["param_groups"][0]["lr"] = bad
+        with pytest.raises(ValueError, match="holds a value that is not a number in lr"):
+            opt.load_state_dict(wrong)
+
+    # group values: a string or a bool is not a number (float() would take both)
+    for value in ("0.5", True):
+        with pytest.raises(ValueError, match=rf"has lr={value!r}; it must be a float"):
+            dmuon.Muon(model, param_groups=[{"params": [model.scale], "lr": value}], first_step_progress_log=False)
+    with pytest.raises(ValueError, match=r"has adamw_betas=\('0.9', 0.99\); it must be a pair of floats"):
+        dmuon.Muon(model, param_groups=[{"params": [model.scale], "adamw_betas": ("0.9", 0.99)}],
+                   first_step_progress_log=False)
+    with pytest.raises(ValueError, match=r"parameter 'scale' is twice in param_groups\[0\]"):
+        dmuon.Muon(model, param_groups=[{"params": [model.scale, model.scale]}], first_step_progress_log=False)
+
+
+def test_state_dict_hooks_tensor_lrs_and_group_value_types_as_torch_optim(tmp_path):
+    run_ranks(tmp_path, 1, _torch_optimizer_protocol)
+
+
 def _fsdp2_only_adamw_group(rank, world):
     # every dedicated matrix in a user group: FSDP2's shards get a "default" AdamW group that only torch's AdamW
     # reads; values written into it are checked with the core's ranges at step(), before anything is updated
