@@ -116,6 +116,16 @@ void with_tiny(const StateDict& init, Fn&& fn) {
   });
 }
 
+// `m` with `init`'s values, dedicated on this rank's mesh and its vectors replicated (Muon on several ranks
+// needs them routed); returns the mesh.
+std::shared_ptr<Mesh> dedicate_replicated(Tiny& m, const StateDict& init, testing::RankContext& ctx) {
+  load_state(m, init);
+  auto mesh = shared_mesh(ctx);
+  dedicate_params(m.ptr(), mesh, is_matrix);
+  replicate(m.ptr(), mesh);
+  return mesh;
+}
+
 // ---- the hand-computed reference (float64) ---------------------------------------------------------
 struct RefMuon {
   double lr = 0.02, momentum = 0.95, wd = 0.0;
@@ -923,10 +933,7 @@ TEST(MuonTest, SaveLoadResumesOnlyTheRankAndPlanThatWroteIt) {
   std::vector<std::string> files(2);
   testing::run_ranks(2, [&](testing::RankContext& ctx) {
     Tiny m;
-    load_state(m, init);
-    const auto mesh = shared_mesh(ctx);
-    dedicate_params(m.ptr(), mesh, is_matrix);
-    replicate(m.ptr(), mesh);
+    const auto mesh = dedicate_replicated(m, init, ctx);
     Muon opt(m.ptr(), quiet());
     for (const StateDict* g : {&g1, &g2}) {
       opt.zero_grad();
@@ -993,6 +1000,37 @@ TEST(MuonTest, SaveLoadResumesOnlyTheRankAndPlanThatWroteIt) {
     EXPECT_NE(err.find("rank 0: Muon::load: the archive holds the optimizer state of rank 1 of 2"), std::string::npos)
         << err;
     EXPECT_EQ(one.state_of(param(m, "scale")), nullptr);
+  });
+}
+
+// A group value changed on one rank only (a scheduler stepped on each rank's own metric) is an error on every rank
+// at the step's verdict, naming the group, this rank's values and the ranks that differ; the same values pass.
+TEST(MuonTest, GroupValuesThatDifferBetweenRanksAreAnErrorAtTheStep) {
+  const StateDict init = random_like_model(58, -0.5, 0.5), g = random_like_model(59, -1.0, 1.0);
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    Tiny m;
+    dedicate_replicated(m, init, ctx);
+    Muon opt(m.ptr(), quiet());
+    set_grads(m, g);
+    opt.step();  // the same values: no error
+    ASSERT_EQ(opt.param_groups().size(), 2u);
+    for (size_t gi : {size_t{1}, size_t{0}}) {
+      auto& o = static_cast<MuonGroupOptions&>(opt.param_groups()[gi].options());
+      const double lr = o.lr();
+      if (ctx.rank == 1) o.lr(lr / 2);
+      set_grads(m, g);
+      const std::string err = error_of([&] { opt.step(); });
+      const std::string group = gi == 0 ? "param group #0 ('default', Muon)" : "param group #1 ('default', AdamW)";
+      EXPECT_NE(err.find("rank " + std::to_string(ctx.rank) + ": Muon::step: the ranks stepped with different values "
+                         "of " + group + " (this rank's: lr="),
+                std::string::npos)
+          << err;
+      EXPECT_NE(err.find("rank(s) 1 differ from the first rank"), std::string::npos) << err;
+      EXPECT_NE(err.find("ReduceLROnPlateau"), std::string::npos) << err;
+      o.lr(lr);
+    }
+    set_grads(m, g);
+    opt.step();  // agreed again
   });
 }
 

@@ -42,6 +42,21 @@ constexpr int kMaxOutputDepth = 4;  // nesting searched for an output's tensors
 
 bool is_sequence(py::handle h) { return py::isinstance<py::tuple>(h) || py::isinstance<py::list>(h); }
 
+// A dataclass instance (not a dict: a transformers ModelOutput is both, and walked as a dict): its fields'
+// names, in declaration order, that are set (an init=False field may not be); empty for anything else. By
+// its class (dataclasses.is_dataclass(type(h))): an instance's __getattr__ (a proxy, a mock) is not asked.
+std::vector<std::string> dataclass_fields(py::handle h) {
+  std::vector<std::string> names;
+  if (py::isinstance<py::dict>(h) || PyType_Check(h.ptr())) return names;
+  const py::module_ dataclasses = py::module_::import("dataclasses");
+  if (!dataclasses.attr("is_dataclass")(py::type::of(h)).cast<bool>()) return names;
+  for (py::handle f : dataclasses.attr("fields")(h)) {
+    const py::str name = f.attr("name");
+    if (py::hasattr(h, name)) names.push_back(name);
+  }
+  return names;
+}
+
 // The tensors of a boundary's output, depth first (a dict's in its order).
 void collect(py::handle obj, std::vector<at::Tensor>& out, int depth) {
   if (is_tensor(obj)) {
@@ -50,12 +65,14 @@ void collect(py::handle obj, std::vector<at::Tensor>& out, int depth) {
     for (py::handle item : obj) collect(item, out, depth + 1);
   } else if (depth < kMaxOutputDepth && py::isinstance<py::dict>(obj)) {
     for (auto item : py::reinterpret_borrow<py::dict>(obj)) collect(item.second, out, depth + 1);
+  } else if (depth < kMaxOutputDepth) {
+    for (const std::string& name : dataclass_fields(obj)) collect(obj.attr(name.c_str()), out, depth + 1);
   }
 }
 
 // `obj` with the tensors collect() found replaced by `values[k...]` where they changed: the caller's
 // object where nothing did, else a new one of its type -- a tuple / list / named tuple, or a shallow copy
-// of a dict (copy.copy: a ModelOutput keeps its fields and attributes in step); the caller's containers
+// of a dict (copy.copy: a ModelOutput keeps its fields and attributes in step) or of a dataclass; the caller's containers
 // are never changed (a dict the module keeps, or was given, passes on as it was).
 py::object rebuild(const py::object& obj, const std::vector<at::Tensor>& values, size_t& k, int depth) {
   if (is_tensor(obj)) {
@@ -84,6 +101,19 @@ py::object rebuild(const py::object& obj, const std::vector<at::Tensor>& values,
     if (changed.empty()) return obj;
     py::object copy = py::module_::import("copy").attr("copy")(obj);
     for (auto& [key, value] : changed) copy[key] = value;
+    return copy;
+  }
+  if (depth < kMaxOutputDepth) {  // a dataclass: a shallow copy with the changed fields (frozen ones too)
+    std::vector<std::pair<std::string, py::object>> changed;
+    for (const std::string& name : dataclass_fields(obj)) {
+      py::object value = obj.attr(name.c_str());
+      py::object now = rebuild(value, values, k, depth + 1);
+      if (!now.is(value)) changed.emplace_back(name, now);
+    }
+    if (changed.empty()) return obj;
+    py::object copy = py::module_::import("copy").attr("copy")(obj);
+    py::object set = py::module_::import("builtins").attr("object").attr("__setattr__");
+    for (auto& [name, value] : changed) set(copy, name, value);
     return copy;
   }
   return obj;

@@ -331,16 +331,16 @@ def _check_dedicate_arguments(model, predicate, options, hook_boundary_predicate
     for name, m in model.named_modules():
         if isinstance(m, nn.parallel.DistributedDataParallel):
             raise ValueError(
-                f"{fn}: {'the model' if not name else repr(name)} is a torch DistributedDataParallel; its gradient "
+                f"rank {_rank()}: {fn}: {'the model' if not name else repr(name)} is a torch DistributedDataParallel; its gradient "
                 "all-reduces would run beside dmuon's (a dedicated matrix is whole on its owner only). Pass the "
                 f"module it wraps ({'model' if not name else name}.module): dmuon.replicate / dedicate_params_ddp do "
                 "DDP's part for the parameters Muon does not train.")
         if name and getattr(m, "_dmuon", None) is not None:
-            raise ValueError(f"{fn}: submodule '{name}' was dedicated already (its matrices live on their owners); "
+            raise ValueError(f"rank {_rank()}: {fn}: submodule '{name}' was dedicated already (its matrices live on their owners); "
                              "dedicate the whole model once instead, with one predicate for all its matrices.")
     for name, p in model.named_parameters():
         if hasattr(p, "_dedicated_owner_rank"):
-            raise ValueError(f"{fn}: parameter '{name}' is dedicated already, by an earlier {fn} of a module that "
+            raise ValueError(f"rank {_rank()}: {fn}: parameter '{name}' is dedicated already, by an earlier {fn} of a module that "
                              "holds it; dedicate the whole model once instead, with one predicate for all its "
                              "matrices.")
     for name, m in model.named_modules():
@@ -348,7 +348,7 @@ def _check_dedicate_arguments(model, predicate, options, hook_boundary_predicate
         if (isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and isinstance(weight, torch.Tensor)
                 and weight.requires_grad):
             where = f"'{name}'" if name else "the model"
-            raise ValueError(f"{fn}: {where} is an {type(m).__name__} with sparse=True, so '{name + '.' if name else ''}weight' gets "
+            raise ValueError(f"rank {_rank()}: {fn}: {where} is an {type(m).__name__} with sparse=True, so '{name + '.' if name else ''}weight' gets "
                              "sparse gradients; dmuon reduces and updates dense ones (as torch's AdamW refuses "
                              "sparse gradients). Build it with sparse=False.")
     if not callable(predicate):
@@ -425,43 +425,51 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
     register_undedicated(tp_params)  # what fully_shard may take later: as DTensors (hand_to_fsdp2)
     model._dmuon.hooks += _install_state_dict_guards(model, model._dmuon, dtypes)
     _install_zero_grad(model, runtime)
-    _sync_buffers(model, world_group)
+    # (after the core's setup agreement: a rank refused there never reaches this collective)
+    _sync_buffers(model, world_group, fn)
     return owners
 
 
-def _broadcast_from_first(tensors: List[torch.Tensor], group) -> List[torch.Tensor]:
-    """Copies of `tensors` holding the values of the group's first rank (collective over `group`: every rank
-    passes tensors of the same shapes and dtypes in the same order; one broadcast per device and dtype). Plain
-    tensors only: a DTensor (a tensor-parallel buffer) keeps its own, as do meta tensors."""
-    out = [t.detach().clone() for t in tensors]
+def _broadcast_from_first(tensors: List[torch.Tensor], group, fn: str) -> List[torch.Tensor]:
+    """Copies of `tensors` holding the values of the group's first rank (collective over `group`, every rank).
+    Sent as their bytes (any dtype; one broadcast per device, staged on the group's device where its backend
+    needs one), after one small all-gather that checks every rank holds the same shapes and dtypes (else a
+    ValueError on every rank, not mismatched broadcasts). A DTensor (a tensor-parallel buffer) and a meta
+    tensor keep their own."""
+    out = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
     if group is None or dist.get_world_size(group) == 1:
         return out
-    src = dist.get_global_rank(group, 0)
-    by_kind: Dict[tuple, List[int]] = {}
-    for i, t in enumerate(out):
-        if not is_dtensor(t) and not t.is_meta and t.numel() > 0:
-            by_kind.setdefault((t.device, t.dtype), []).append(i)
-    for (_, dtype), idx in by_kind.items():
-        flat = torch.cat([out[i].reshape(-1) for i in idx])
-        wire = flat.to(torch.uint8) if dtype == torch.bool else flat  # (Gloo has no bool)
-        dist.broadcast(wire, src=src, group=group)
-        flat = wire.to(dtype) if dtype == torch.bool else wire
-        at = 0
-        for i in idx:
-            n = out[i].numel()
-            out[i].copy_(flat[at:at + n].view_as(out[i]))
-            at += n
+    sent = [i for i, t in enumerate(out) if not is_dtensor(t) and not t.is_meta and t.numel() > 0]
+    layout = zlib.crc32(repr([(tuple(out[i].shape), str(out[i].dtype)) for i in sent]).encode())
+    wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.tensor([layout, len(sent)], dtype=torch.int64, device=wire)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    differ = [dist.get_global_rank(group, r) for r, t in enumerate(every) if not torch.equal(t, every[0])]
+    if differ:
+        raise ValueError(f"rank {_rank()}: {fn}: the model's buffers differ in shape or dtype between ranks (rank(s) "
+                         f"{differ} differ from rank {dist.get_global_rank(group, 0)}); every rank must build the "
+                         "same model, its buffers included.")
+    if not sent:
+        return out
+    flat = torch.cat([out[i].reshape(-1).view(torch.uint8).to(wire) for i in sent])
+    dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+    at = 0
+    for i in sent:
+        n = out[i].numel() * out[i].element_size()
+        out[i].reshape(-1).view(torch.uint8).copy_(flat[at:at + n])
+        at += n
     return out
 
 
-def _sync_buffers(model: nn.Module, group) -> None:
+def _sync_buffers(model: nn.Module, group, fn: str) -> None:
     """Every buffer of the model takes the first rank's values (collective over `group`), as DDP's construction
     does: with the parameters (replicated ones from the first rank, each matrix from its owner) one model on
     every rank, whatever each rank's initialisation was. Afterwards each rank's buffers (BatchNorm's running
     statistics) evolve with its own batches, as under FSDP2 or DDP(broadcast_buffers=False)."""
     buffers = [b for _, b in model.named_buffers()]
     with torch.no_grad():
-        for b, first in zip(buffers, _broadcast_from_first(buffers, group)):
+        for b, first in zip(buffers, _broadcast_from_first(buffers, group, fn)):
             if not is_dtensor(b) and not b.is_meta:
                 b.copy_(first)
 
@@ -811,7 +819,8 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True, rank0_on
     if not rank0_only:  # every rank returns rank 0's dict: its buffers too (each rank's running stats differ)
         buffers = {key: value for key, value in kept.items() if not isinstance(value, nn.Parameter)}
         state = getattr(model, "_dmuon", None)
-        kept.update(zip(buffers, _broadcast_from_first(list(buffers.values()), state.world_group if state else None)))
+        kept.update(zip(buffers, _broadcast_from_first(list(buffers.values()), state.world_group if state else None,
+                                                       "get_model_state_dict")))
     elif dist.get_rank() != 0:
         return {}
     out = {}
@@ -1152,10 +1161,23 @@ def _agree_across_ranks(group, options: dict, failure: Optional[BaseException] =
             )
 
 
+def _group_number(g: dict, key: str, i: int, value=None) -> float:
+    """A live group's value as the core takes it (what a scheduler or the caller wrote since the last step):
+    a real number (a tensor lr too); a string or a bool is refused, not converted."""
+    value = g.get(key) if value is None else value
+    number = _real_number(value)
+    if number is None:
+        raise ValueError(f"rank {_rank()}: Muon: param group #{i} ('{g.get('group_name')}') has {key}={value!r}; "
+                         "it must be a number (a float, or a one-element real tensor).")
+    return number
+
+
 def _check_adamw_group(g: dict, k: int) -> None:
     """The values of an AdamW group only torch's AdamW (on FSDP2's shards) reads, with the core's ranges."""
     b1, b2 = g["betas"]
-    _C._check_adamw_group(float(g["lr"]), float(g["weight_decay"]), float(b1), float(b2), float(g["eps"]),
+    _C._check_adamw_group(_group_number(g, "lr", k), _group_number(g, "weight_decay", k),
+                          _group_number(g, "betas[0]", k, b1), _group_number(g, "betas[1]", k, b2),
+                          _group_number(g, "eps", k),
                           f"rank {_rank()}: Muon.step: param group #{k} "
                           f"('{g.get('group_name')}', AdamW), as set since construction,")
 
@@ -1175,7 +1197,12 @@ class _StateEntry(dict):
     def _refuse(self, *_args, **_kwargs):
         raise TypeError(f"rank {_rank()}: {_STATE_WRITE}")
 
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
+    def __setitem__(self, key, value):
+        if key in self and dict.__getitem__(self, key) is value:
+            return  # `st["exp_avg"] *= 0.5`: the tensor changed in place, then is set back as itself
+        self._refuse()
+
+    __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
 
     def __reduce__(self):
         return (dict, (dict(self),))
@@ -1441,7 +1468,7 @@ class Muon(torch.optim.Optimizer):
         changed since the last step (a scheduler writes one of them) sets both."""
         betas = g.get("betas")
         if (not isinstance(betas, (tuple, list)) or len(betas) != 2
-                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)):
+                or not all(_real_number(b) is not None for b in betas)):
             raise ValueError(f"Muon: param group #{i} ('{g.get('group_name')}', AdamW) has betas={betas!r}; betas "
                              "is a pair of numbers (beta1, beta2).")
         last, m = self._beta1[i], g.get("momentum")
@@ -1598,8 +1625,9 @@ class Muon(torch.optim.Optimizer):
                     )
             betas = g["betas"] if not g["is_muon"] else native["betas"]
             eps = g["eps"] if not g["is_muon"] else native["eps"]
-            self._native.set_group_options(i, float(g["lr"]), float(g["weight_decay"]), float(g["momentum"]),
-                                           float(betas[0]), float(betas[1]), float(eps))
+            self._native.set_group_options(i, _group_number(g, "lr", i), _group_number(g, "weight_decay", i),
+                                           _group_number(g, "momentum", i), _group_number(g, "betas[0]", i, betas[0]),
+                                           _group_number(g, "betas[1]", i, betas[1]), _group_number(g, "eps", i, eps))
         for k, j in self._external_groups:
             g, inner = self.param_groups[k], self._external.param_groups[j]
             if k >= self._native_groups:  # only torch's AdamW reads this group: checked here, as the core checks its own
@@ -1875,7 +1903,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
     for i, (g, saved) in enumerate(zip(optimizer.param_groups, groups)):
         for k, v in saved.items():
             if k != "params":  # (a torch-style dict's parameter indices: the groups are matched by position)
-                g[k] = tuple(v) if k == "betas" else v
+                g[k] = tuple(_real_number(b) for b in v) if k == "betas" else v
         if not g["is_muon"]:  # the saved betas are the AdamW group's (its momentum is beta1)
             g["momentum"] = optimizer._beta1[i] = g["betas"][0]
     if optimizer._external is not None:

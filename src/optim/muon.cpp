@@ -367,8 +367,10 @@ std::vector<char> finite_grads(const std::vector<ReadyGrad>& ready, std::optiona
 }
 
 // collective over the world: step() raises on every rank when any rank skipped a non-finite Muon gradient
-// (`mine`: this rank's first, "" none; `count`: how many), naming the first rank's; one small all-gather.
-void agree_finite_step(const RuntimeFace& rt, const std::string& mine, int64_t count) {
+// (`mine`: this rank's first, "" none; `count`: how many), naming the first rank's, or when the groups' values
+// the step used (`values`) differ between ranks; one small all-gather.
+void agree_finite_step(const RuntimeFace& rt, const std::string& mine, int64_t count,
+                       const std::vector<detail::AgreedEntry>& values) {
   static const std::string after =
       ". No rank updated it (weights and momentum unchanged; a tensor-parallel matrix was updated from its momentum "
       "with the non-finite slice of its gradient taken as zero); the step's other updates were applied. A "
@@ -380,6 +382,7 @@ void agree_finite_step(const RuntimeFace& rt, const std::string& mine, int64_t c
   text.refused = [](const std::vector<int>& ranks, const std::string& reason) {  // (reason: the whole error)
     return "a Muon gradient is not finite on rank(s) " + detail::rank_list(ranks) + ": " + reason;
   };
+  text.differs = detail::step_values_differ;
   bool verdict = false;  // another rank's refusal, or this rank's own error (not the agreement's failure)
   text.refused = [&verdict, inner = text.refused](const std::vector<int>& ranks, const std::string& reason) {
     verdict = true;
@@ -393,7 +396,7 @@ void agree_finite_step(const RuntimeFace& rt, const std::string& mine, int64_t c
           const std::string more = count > 1 ? " (and " + std::to_string(count - 1) + " more on this rank)" : "";
           TORCH_CHECK(false, mine, more, after);
         },
-        [] { return std::vector<detail::AgreedEntry>{}; });
+        [&] { return values; });
   } catch (const c10::Error& e) {
     const std::string what = e.what_without_backtrace();
     if (!verdict && (mine.empty() || what.find(mine) == std::string::npos)) throw;  // a lost peer's timeout
@@ -691,6 +694,7 @@ Muon::Muon(const std::shared_ptr<RuntimeFace>& runtime, MuonOptions options, con
                         ") has no fused AdamW kernel for '", v.name, "' on ", v.param.device(),
                         " (LibTorch >= 2.0 has it on CUDA, >= 2.4 on the CPU). Leave `fused` unset (fused wherever "
                         "LibTorch has the kernel) or set it false.");
+  runtime->attach_optimizer();  // (last: a construction that failed above takes no gradient)
 }
 
 Mesh& Muon::mesh() const { return runtime("Muon")->mesh(); }
@@ -840,7 +844,7 @@ at::Tensor Muon::step(LossClosure closure) {
   state->step(options_.group_prepare_ahead, async, std::move(taken), run);
   ++steps_;  // (a step that raises below has applied its other updates: it counts)
   // every rank raises, or none: a rank that raised alone would leave the others in its next collective
-  if (check_finite_) agree_finite_step(*state, run.nonfinite, run.nonfinite_count);
+  if (check_finite_) agree_finite_step(*state, run.nonfinite, run.nonfinite_count, detail::step_group_values(param_groups_));
   if (options_.post_step_prefetch_groups > 0 || options_.post_step_prefetch_sharded_adamw)
     state->prefetch_next_forward(options_.post_step_prefetch_groups, options_.post_step_prefetch_sharded_adamw);
   clock.add(detail::Phase::Total, t_start);

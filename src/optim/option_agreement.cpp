@@ -95,6 +95,33 @@ std::vector<std::pair<std::string, std::string>> agreed_options(const RuntimeFac
   };
 }
 
+std::vector<AgreedEntry> step_group_values(const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  std::vector<AgreedEntry> out;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const auto& g = static_cast<const MuonGroupOptions&>(groups[i].options());
+    std::string shown = "lr=" + num(g.lr()) + " weight_decay=" + num(g.weight_decay());
+    if (g.is_muon())
+      shown += " momentum=" + num(g.momentum()) + " nesterov=" + flag(g.nesterov()) +
+               " ns_steps=" + std::to_string(g.ns_steps());
+    else
+      shown += " betas=" + pair({g.beta1(), g.beta2()}) + " eps=" + num(g.eps());
+    const uint64_t digest = fnv1a(shown);
+    out.push_back({"param group #" + std::to_string(i) + " ('" + g.group_name() + "', " +
+                       (g.is_muon() ? "Muon" : "AdamW") + ")",
+                   digest, std::move(shown)});
+  }
+  return out;
+}
+
+std::string step_values_differ(const Disagreement& d) {
+  const std::string what = d.entry ? d.entry->key + " (this rank's: " + d.entry->shown + ")" : "the param groups";
+  return "the ranks stepped with different values of " + what + "; rank(s) " + rank_list(d.ranks) +
+         " differ from the first rank. Each rank applied its own in this step, so the replicas differ now. A value "
+         "changed on some ranks only does this (a scheduler stepped with each rank's own metric, e.g. "
+         "ReduceLROnPlateau.step(local_loss), or a write on one rank): give every rank the same values (average "
+         "the metric over the ranks first), then resume from a checkpoint taken before this step.";
+}
+
 void agree_options(const RuntimeFace& runtime, const MuonOptions& o, const std::function<void()>& check) {
   AgreementText text;
   text.fn = "Muon";

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/agreement.h"
 #include "dmuon/muon.h"
 #include "runtime/runtime_face.h"
 
@@ -26,5 +27,12 @@ std::vector<std::pair<std::string, std::string>> agreed_options(const RuntimeFac
 // rank naming the first option whose value differs from global rank 0's, this rank's value and the ranks that
 // differ. A world of one: `check` only.
 void agree_options(const RuntimeFace& runtime, const MuonOptions& o, const std::function<void()>& check);
+
+// What each param group's update uses in a step (lr, momentum, weight decay, Nesterov, NS steps, Adam's betas
+// and eps), one entry per group, exact: step()'s verdict agrees them, so a value one rank changed alone (a
+// scheduler stepped on a rank's own metric, a write on one rank) is an error on every rank, not replicas that
+// drift apart in silence. step_values_differ: the error for a disagreement (after "rank R: Muon::step: ").
+std::vector<AgreedEntry> step_group_values(const std::vector<torch::optim::OptimizerParamGroup>& groups);
+std::string step_values_differ(const Disagreement& d);
 
 }  // namespace dmuon::detail

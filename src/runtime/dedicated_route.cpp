@@ -689,7 +689,7 @@ void DedicatedRoute::gather_full(const TensorSink& put) {
       t = at::empty(e.shape, e.param.options().dtype(e.prec.master));
     }
     // over the data-parallel ranks of this TP position (the world without TP)
-    mesh.dp().broadcast(t, OwnerPlan::slot_index(e.owner, mesh.shard_size()), "checkpoint: '" + e.name +
+    mesh.dp().broadcast(t, OwnerPlan::slot_index(e.owner, mesh.shard_size()), kCheckpointWhat + "'" + e.name +
                                                                                "' from its owner").wait_host();
     put(e.name, t);
   }
@@ -712,7 +712,7 @@ void DedicatedRoute::assign_from(ParamSource& source) {
   }
   for_each_buffer([&](int b, PackedBuffer& buf) {  // all_gather mode: every rank's shard of the new value
     if (buf.gather_mode())
-      scatter_shards(buf, "checkpoint: shards of '" + ctx_.boundary_name(b) + "'").wait();
+      scatter_shards(buf, kCheckpointWhat + "shards of '" + ctx_.boundary_name(b) + "'").wait();
   });
   // gathered copies are refreshed by the next forward
   for_each_buffer([&](int, PackedBuffer& buf) { buf.ready_pass = -1; });
@@ -751,7 +751,7 @@ void DedicatedRoute::gather_state(const OptimizerStateReader& opt, const StateSi
     at::Tensor header = at::zeros({2}, e.param.options().dtype(at::kLong));
     if (s.defined()) header = at::tensor({int64_t{1}, s.step}, header.options());
     const int root = OwnerPlan::slot_index(e.owner, mesh.shard_size());
-    mesh.dp().broadcast(header, root, "checkpoint: optimizer state header of '" + e.name + "'").wait_host();
+    mesh.dp().broadcast(header, root, kCheckpointWhat + "optimizer state header of '" + e.name + "'").wait_host();
     const at::Tensor h = header.cpu();
     if (h[0].item<int64_t>() == 0) continue;
     s.step = h[1].item<int64_t>();
@@ -759,7 +759,7 @@ void DedicatedRoute::gather_state(const OptimizerStateReader& opt, const StateSi
     for (size_t k = 0; k < fields.size(); ++k) {
       at::Tensor& t = s.tensors[k];
       if (!e.is_owner) t = at::empty(e.shape, e.param.options().dtype(e.prec.optim));
-      mesh.dp().broadcast(t, root, "checkpoint: " + fields[k] + " of '" + e.name + "'").wait_host();
+      mesh.dp().broadcast(t, root, kCheckpointWhat + fields[k] + " of '" + e.name + "'").wait_host();
     }
     put(e.name, true, s);
   }

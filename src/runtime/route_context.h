@@ -24,6 +24,13 @@
 
 namespace dmuon {
 
+// How the collectives of a full state dict (gather_full / gather_state) name themselves: a timeout there is
+// most often a rank that skipped the call (`if rank == 0: get_..._state_dict(...)`), so they say it is collective.
+inline const std::string kCheckpointWhat =
+    "checkpoint (a full state dict is collective: every rank calls get_model_state_dict / get_optimizer_state_dict / "
+    "opt.state_dict(), not rank 0 alone): ";
+
+
 // What a gradient hook reports to the schedule (the Runtime implements it).
 class GradEvents {
  public:

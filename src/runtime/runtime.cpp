@@ -400,6 +400,13 @@ void Runtime::end_of_backward() {
     for (; next_reduce_ < reduce_order_.size(); ++next_reduce_) issue_reduce(reduce_order_[next_reduce_]);
   ++grads_epoch_;
   local_grads_only_ = no_sync_;
+  if (!no_sync_ && !grads_taken_ && !specs().empty() && ++synced_backwards_ == 2)
+    TORCH_WARN("rank ", mesh().global_rank(), ": a second backward through this dedicated model, and no dmuon "
+               "optimizer was built on it: dmuon holds each Muon matrix's averaged gradient for dmuon.Muon (on its "
+               "owner, outside p.grad), so another optimizer (torch.optim.AdamW(model.parameters()), ...) sees no "
+               "gradient for the matrices and leaves them untrained. Build dmuon.Muon on the model (dmuon::Muon in "
+               "C++), or call dmuon.prepare_muon_grads(model) before that optimizer's step (the owners' p.grad). "
+               "Said once.");
   clear_pass_state(/*accumulating=*/no_sync_);
   if (no_sync_) {
     for (Route* r : routes()) r->upcast_local_grads();
@@ -477,6 +484,7 @@ void Runtime::require_reduced_grads(const char* fn) const {
 
 void Runtime::prepare_grads(bool dedicated) {
   std::lock_guard<std::recursive_mutex> g(mu_);
+  grads_taken_ = true;
   TORCH_CHECK(!backward_abandoned(), "rank ", mesh().global_rank(), ": the last backward through this dmuon model did "
               "not finish (an exception was raised in it), so the gradients dmuon holds are incomplete and no step "
               "or gradient clipping can use them. Call optimizer.zero_grad() after catching the exception (every "
@@ -635,6 +643,11 @@ std::vector<PlannedTraffic> Runtime::planned_step_traffic() const {
 void Runtime::set_step_verdict(bool on) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   step_verdict_ = on;
+}
+
+void Runtime::attach_optimizer() {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  grads_taken_ = true;
 }
 
 void Runtime::set_separate_sharded_unshard(bool on) {

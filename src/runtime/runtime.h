@@ -129,6 +129,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void prefetch_next_forward(int groups, bool sharded_adamw) override;
   void set_separate_sharded_unshard(bool on) override;
   void set_step_verdict(bool on) override;
+  void attach_optimizer() override;
   std::vector<PlannedTraffic> planned_step_traffic() const override;
   void discard_grads(bool set_to_none) override;
   uint64_t grads_epoch() const override;
@@ -250,6 +251,8 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   bool local_grads_only_ = false;  // the last backward ran inside no_sync: its gradients were never reduced
   bool backward_since_forward_ = true;
   bool step_verdict_ = false;  // set_step_verdict
+  bool grads_taken_ = false;   // attach_optimizer or prepare_grads ran: something takes the held gradients
+  int synced_backwards_ = 0;   // (to 2: a second backward with nothing taking them warns, once)
   bool pass_begun_by_step_ = false;  // prefetch_next_forward began the next pass: its root forward does not begin one
   // the current root forward runs in grad mode (an evaluation forward's no-grad uses are never recomputed);
   // whether a root scope ever ran (a C++ model calling its blocks alone has none)

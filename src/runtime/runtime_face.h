@@ -89,6 +89,10 @@ class RuntimeFace {
   // The optimizer ends each step with the world's verdict on non-finite gradients (one all-gather of three
   // int64 per rank, Muon::step): counted in planned_step_traffic. Local.
   virtual void set_step_verdict(bool on) = 0;
+  // A dmuon optimizer was built on this runtime: it takes the gradients dmuon holds (a dedicated matrix's
+  // reduced sum outside p.grad). Without one (and no prepare_grads), a second backward warns once that no
+  // other optimizer sees them. Local.
+  virtual void attach_optimizer() = 0;
   // TP: `apply` finishes the update of `name` when its slice has arrived -- before the holder's data
   // are read or sent again (local)
   virtual void defer_update(const std::string& name, std::function<void()> apply) = 0;

@@ -273,7 +273,7 @@ at::Tensor ShardedRoute::slice_of(const ShardedEntry& e, const at::Tensor& full,
 }
 
 void ShardedRoute::gather_full(const TensorSink& put) {
-  for (auto& e : entries_) put(e.name, gather(e, e.shard, "checkpoint: slices of '" + e.name + "'"));
+  for (auto& e : entries_) put(e.name, gather(e, e.shard, kCheckpointWhat + "slices of '" + e.name + "'"));
 }
 
 void ShardedRoute::fill_shard(ShardedEntry& e, ParamSource& source) const {
@@ -324,7 +324,7 @@ void ShardedRoute::gather_state(const OptimizerStateReader& opt, const StateSink
     if (!s.defined()) continue;
     const std::vector<std::string>& fields = opt.fields(false);
     for (size_t k = 0; k < s.tensors.size(); ++k)
-      s.tensors[k] = gather(e, s.tensors[k], "checkpoint: " + fields[k] + " slices of '" + e.name + "'");
+      s.tensors[k] = gather(e, s.tensors[k], kCheckpointWhat + fields[k] + " slices of '" + e.name + "'");
     put(e.name, false, s);
   }
 }

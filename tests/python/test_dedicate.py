@@ -1671,7 +1671,8 @@ def _torch_state_paths(rank, world, fsdp2):
         with pytest.raises(TypeError, match=rf"rank {rank}: dmuon.Muon.state is a read-only view"):
             write()
     if d.name in owned:
-        opt.state[d.param]["momentum_buffer"].mul_(2)
+        st = opt.state[d.param]
+        st["momentum_buffer"] *= 2  # (in place, then set back as itself: allowed)
     doubled = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)["dedicated"][d.name]["momentum_buffer"]
     assert torch.equal(doubled, 2 * osd["dedicated"][d.name]["momentum_buffer"])  # (every rank: from the owner)
     if d.name in owned:
@@ -1749,6 +1750,7 @@ class _BufferNet(nn.Module):
         self.bn = nn.BatchNorm1d(DIM, dtype=torch.float64)
         self.register_buffer("proj", torch.randn(DIM, DIM, dtype=torch.float64))
         self.register_buffer("flag", torch.tensor([rank % 2 == 0]))
+        self.register_buffer("codes", torch.arange(DIM, dtype=torch.int16) + rank)  # (no int16 in Gloo: sent as bytes)
         self.register_buffer("shift", torch.randn(DIM, dtype=torch.float64), persistent=False)
 
     def forward(self, x):

@@ -11,6 +11,7 @@ import re
 import signal
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -511,6 +512,33 @@ def test_hostile_edits_between_steps_and_options_of_the_wrong_type(tmp_path):
     run_ranks(tmp_path, 1, _hostile_edits)
 
 
+def _plateau_on_local_metrics(rank, world):
+    """ReduceLROnPlateau stepped with each rank's own metric cuts the lr on one rank only: the next step is a
+    ValueError on every rank naming the group (each rank's values agreed in the step's verdict), not replicas
+    that drift apart in silence; the same values on every rank step as before."""
+    model = make_net()
+    dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2)
+    dmuon.replicate(model)
+    opt = dmuon.Muon(model, lr=LR, first_step_progress_log=False)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    x, y = batch(0)
+    for metric in (1.0, 0.5 if rank == 0 else 1.0):  # rank 1's does not improve: its lr is cut
+        opt.zero_grad()
+        ((model(x[rank::world]) - y[rank::world]) ** 2).mean().backward()
+        opt.step()
+        sched.step(metric)
+    assert (opt.param_groups[0]["lr"] == LR) == (rank == 0)
+    opt.zero_grad()
+    ((model(x[rank::world]) - y[rank::world]) ** 2).mean().backward()
+    with pytest.raises(ValueError, match=rf"rank {rank}: Muon::step: the ranks stepped with different values of "
+                                         r"param group #0 \('default', Muon\) \(this rank's: lr=.*rank\(s\) 1 differ"):
+        opt.step()
+
+
+def test_a_scheduler_stepped_on_local_metrics_is_an_error_at_the_next_step(tmp_path):
+    run_ranks(tmp_path, 2, _plateau_on_local_metrics)
+
+
 def _models_dmuon_cannot_train(rank, world):
     """Models dmuon cannot train are refused at dedicate_params, naming the parameter and the remedy, on every
     rank: a complex parameter (its imaginary part would be dropped), a sparse embedding, a module dedicated
@@ -537,6 +565,19 @@ def _models_dmuon_cannot_train(rank, world):
     with pytest.raises(ValueError, match=r"the model is a torch DistributedDataParallel.*\(model.module\)"):
         dmuon.dedicate_params(wrapped, group, predicate)
     dmuon.dedicate_params(wrapped.module, group, predicate)  # what it wraps is a model dmuon trains
+
+    # a torch optimizer alone on a dedicated model would leave the matrices untrained: a warning, once
+    dmuon.replicate(wrapped.module)
+    adamw = torch.optim.AdamW(wrapped.module.parameters())
+    x, y = batch(0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            adamw.zero_grad()
+            ((wrapped.module(x) - y) ** 2).mean().backward()
+            adamw.step()
+    said = [str(w.message) for w in seen if "no dmuon optimizer was built on it" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith(f"rank {rank}: a second backward"), said
 
 
 def test_models_dmuon_cannot_train_are_refused_at_dedicate_params(tmp_path):
@@ -594,6 +635,16 @@ def _torch_optimizer_protocol(rank, world):
     opt.load_state_dict(saved)
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor) and float(opt.param_groups[0]["lr"]) == 0.01
     assert opt._native.group_options(0)["lr"] == 0.01 and opt._native.group_options(1)["lr"] == float(np.float32(0.005))
+    opt.step()
+    # saved betas as tensors load (as numbers) and step; a string written between steps is refused at the step
+    tensors = dict(saved, param_groups=[dict(g, betas=tuple(torch.tensor(b) for b in g["betas"]))
+                                        for g in saved["param_groups"]])
+    opt.load_state_dict(tensors)
+    opt.step()
+    opt.param_groups[1]["lr"] = "0.01"
+    with pytest.raises(ValueError, match=r"param group #1 \('default'\) has lr='0.01'; it must be a number"):
+        opt.step()
+    opt.param_groups[1]["lr"] = 0.01
     opt.step()
     for bad in ("0.01", True, [0.01]):
         wrong = dict(saved, param_groups=[dict(g) for g in saved["param_groups"]])
