@@ -44,10 +44,13 @@ bool is_sequence(py::handle h) { return py::isinstance<py::tuple>(h) || py::isin
 
 // A dataclass instance (not a dict: a transformers ModelOutput is both, and walked as a dict): its fields'
 // names, in declaration order, that are set (an init=False field may not be); empty for anything else. By
-// its class (dataclasses.is_dataclass(type(h))): an instance's __getattr__ (a proxy, a mock) is not asked.
+// its class (dataclasses.is_dataclass(type(h))): a proxy's or mock's __getattr__ does not make it one.
 std::vector<std::string> dataclass_fields(py::handle h) {
   std::vector<std::string> names;
-  if (py::isinstance<py::dict>(h) || PyType_Check(h.ptr())) return names;
+  // (the class attribute first: a cheap test for every leaf of every boundary's inputs and outputs)
+  if (h.is_none() || py::isinstance<py::dict>(h) || PyType_Check(h.ptr()) ||
+      !py::hasattr(py::type::of(h), "__dataclass_fields__"))
+    return names;
   const py::module_ dataclasses = py::module_::import("dataclasses");
   if (!dataclasses.attr("is_dataclass")(py::type::of(h)).cast<bool>()) return names;
   for (py::handle f : dataclasses.attr("fields")(h)) {

@@ -426,14 +426,13 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
     model._dmuon.hooks += _install_state_dict_guards(model, model._dmuon, dtypes)
     _install_zero_grad(model, runtime)
     # (after the core's setup agreement: a rank refused there never reaches this collective)
-    _sync_buffers(model, world_group, fn)
+    _sync_buffers(model, world_group, groups.device, fn)
     return owners
 
 
-def _broadcast_from_first(tensors: List[torch.Tensor], group, fn: str) -> List[torch.Tensor]:
+def _broadcast_from_first(tensors: List[torch.Tensor], group, device: torch.device, fn: str) -> List[torch.Tensor]:
     """Copies of `tensors` holding the values of the group's first rank (collective over `group`, every rank).
-    Sent as their bytes (any dtype; one broadcast per device, staged on the group's device where its backend
-    needs one), after one small all-gather that checks every rank holds the same shapes and dtypes (else a
+    Sent as their bytes (any dtype; one broadcast, staged on `device`, where the mesh's collectives run), after one small all-gather that checks every rank holds the same shapes and dtypes (else a
     ValueError on every rank, not mismatched broadcasts). A DTensor (a tensor-parallel buffer) and a meta
     tensor keep their own."""
     out = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
@@ -441,7 +440,7 @@ def _broadcast_from_first(tensors: List[torch.Tensor], group, fn: str) -> List[t
         return out
     sent = [i for i, t in enumerate(out) if not is_dtensor(t) and not t.is_meta and t.numel() > 0]
     layout = zlib.crc32(repr([(tuple(out[i].shape), str(out[i].dtype)) for i in sent]).encode())
-    wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    wire = device
     mine = torch.tensor([layout, len(sent)], dtype=torch.int64, device=wire)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
@@ -462,14 +461,14 @@ def _broadcast_from_first(tensors: List[torch.Tensor], group, fn: str) -> List[t
     return out
 
 
-def _sync_buffers(model: nn.Module, group, fn: str) -> None:
+def _sync_buffers(model: nn.Module, group, device: torch.device, fn: str) -> None:
     """Every buffer of the model takes the first rank's values (collective over `group`), as DDP's construction
     does: with the parameters (replicated ones from the first rank, each matrix from its owner) one model on
     every rank, whatever each rank's initialisation was. Afterwards each rank's buffers (BatchNorm's running
     statistics) evolve with its own batches, as under FSDP2 or DDP(broadcast_buffers=False)."""
     buffers = [b for _, b in model.named_buffers()]
     with torch.no_grad():
-        for b, first in zip(buffers, _broadcast_from_first(buffers, group, fn)):
+        for b, first in zip(buffers, _broadcast_from_first(buffers, group, device, fn)):
             if not is_dtensor(b) and not b.is_meta:
                 b.copy_(first)
 
@@ -817,9 +816,10 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True, rank0_on
     kept = {key: value for key, value in local.items()
             if first_name.get(id(value)) is None or first_name[id(value)] not in full}
     if not rank0_only:  # every rank returns rank 0's dict: its buffers too (each rank's running stats differ)
-        buffers = {key: value for key, value in kept.items() if not isinstance(value, nn.Parameter)}
-        state = getattr(model, "_dmuon", None)
-        kept.update(zip(buffers, _broadcast_from_first(list(buffers.values()), state.world_group if state else None,
+        names = {n for n, _ in model.named_buffers()}  # (not a module's _extra_state: any object)
+        buffers = {key: value for key, value in kept.items() if key in names and isinstance(value, torch.Tensor)}
+        state = model._dmuon  # (_full_params checked it is dedicated)
+        kept.update(zip(buffers, _broadcast_from_first(list(buffers.values()), state.world_group, state.groups.device,
                                                        "get_model_state_dict")))
     elif dist.get_rank() != 0:
         return {}
@@ -828,8 +828,11 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True, rank0_on
         name = first_name.get(id(value))
         if name is not None and name in full:
             t = full[name]  # the master where param_policy keeps one (the dtype the model had at dedicate time)
-        else:  # a buffer (rank 0's), or a parameter no route trains (frozen): the model's own tensor
+        elif isinstance(kept[key], torch.Tensor):  # a buffer (rank 0's), a parameter no route trains (frozen)
             t = kept[key].detach()
+        else:  # a module's _extra_state (get_extra_state): as the module gave it
+            out[key] = kept[key]
+            continue
         out[key] = (t.cpu() if cpu_offload else t).clone()
     return out
 
@@ -935,6 +938,9 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
     expected = model.state_dict(keep_vars=True)
     external = _sync_external(model, state)
     first_name = _first_names(model)
+    # modules with their own extra state (get_extra_state): any object, given back to set_extra_state
+    extra = {(f"{name}." if name else "") + "_extra_state": m for name, m in model.named_modules()
+             if type(m).get_extra_state is not nn.Module.get_extra_state}
 
     def check():  # every check before anything is written: a failed load leaves the model as it was
         if not isinstance(state_dict, Mapping):
@@ -951,6 +957,8 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
         first_key = {}
         for key, value in expected.items():
             given = state_dict[key]
+            if key in extra:
+                continue  # (its module's set_extra_state checks it)
             if not isinstance(given, torch.Tensor):
                 raise TypeError(f"{fn}: '{key}' is a {type(given).__name__} in the state dict, not a "
                                 "tensor. Pass a state dict of tensors, as model.state_dict() gives.")
@@ -977,7 +985,9 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
         assign_full(p, fsdp2[name], name)
     with torch.no_grad():
         for key, value in expected.items():
-            if first_name.get(id(value)) is None:  # a buffer
+            if key in extra:
+                extra[key].set_extra_state(state_dict[key])
+            elif first_name.get(id(value)) is None:  # a buffer
                 value.copy_(state_dict[key])
 
 
@@ -1185,21 +1195,22 @@ def _check_adamw_group(g: dict, k: int) -> None:
 _STATE_WRITE = (
     "dmuon.Muon.state is a read-only view: dmuon keeps each parameter's state in its native core, where the "
     "parameter is updated (a dedicated matrix's momentum on its owner), so a write here would be lost. Change the "
-    "state in place (opt.state[p]['exp_avg'].zero_()), load a state dict (opt.load_state_dict / "
+    "moments or the momentum in place (opt.state[p]['exp_avg'].zero_(); 'step' is a copy), load a state dict (opt.load_state_dict / "
     "dmuon.set_optimizer_state_dict), or build a new Muon to start from fresh state."
 )
 
 
 class _StateEntry(dict):
-    """One parameter's state in ``Muon.state`` (a dict of live tensors); writing keys is refused (it would be
-    lost), changing the tensors in place reaches the optimizer. Copies are plain dicts."""
+    """One parameter's state in ``Muon.state`` (a dict of live tensors, but ``step``: a copy); writing keys is
+    refused (it would be lost), changing the moments or the momentum in place reaches the optimizer. Copies are
+    plain dicts."""
 
     def _refuse(self, *_args, **_kwargs):
         raise TypeError(f"rank {_rank()}: {_STATE_WRITE}")
 
     def __setitem__(self, key, value):
-        if key in self and dict.__getitem__(self, key) is value:
-            return  # `st["exp_avg"] *= 0.5`: the tensor changed in place, then is set back as itself
+        if key != "step" and key in self and dict.__getitem__(self, key) is value:
+            return  # `st["exp_avg"] *= 0.5`: the live tensor changed in place, then is set back as itself
         self._refuse()
 
     __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse

@@ -1659,6 +1659,9 @@ def _torch_state_paths(rank, world, fsdp2):
         st = opt.state[p]
         ref = osd["dedicated_adamw"].get(n) or osd["fsdp"][n]
         assert float(st["step"]) == 2.0
+        if n in osd["dedicated_adamw"]:  # dmuon's state: 'step' is a copy, so even `+=` on it is refused
+            with pytest.raises(TypeError, match="read-only view"):
+                st["step"] += 1
         exp_avg = st["exp_avg"].full_tensor() if hasattr(st["exp_avg"], "full_tensor") else st["exp_avg"]  # model order
         assert torch.equal(exp_avg, ref["exp_avg"]), n
     assert len(opt.state) == len(owned) + BLOCKS + 1
@@ -1740,6 +1743,14 @@ def test_torch_state_dicts_copies_and_checkpoint_functions_are_refused_where_the
     run_ranks(tmp_path, world, _torch_state_paths, fsdp2)
 
 
+class _ExtraState(nn.Module):
+    def get_extra_state(self):
+        return {"version": 3}
+
+    def set_extra_state(self, state):
+        assert state == {"version": 3}
+
+
 class _BufferNet(nn.Module):
     """Buffers of every kind a model holds: BatchNorm's running statistics (and its int64 counter), a fixed
     random projection, a bool flag, a non-persistent buffer (not in state dicts, still used by forward)."""
@@ -1752,6 +1763,7 @@ class _BufferNet(nn.Module):
         self.register_buffer("flag", torch.tensor([rank % 2 == 0]))
         self.register_buffer("codes", torch.arange(DIM, dtype=torch.int16) + rank)  # (no int16 in Gloo: sent as bytes)
         self.register_buffer("shift", torch.randn(DIM, dtype=torch.float64), persistent=False)
+        self.note = _ExtraState()  # a module's _extra_state in its state dict: any object, passed through
 
     def forward(self, x):
         x = self.bn(self.layers[0](x)) @ self.proj + self.shift
@@ -1785,6 +1797,7 @@ def _buffers_as_ddp(rank, world, fsdp2):
     # every rank gets rank 0's dict (its buffers too), which loads back on every rank
     sd = dmuon.get_model_state_dict(model, rank0_only=False)
     assert torch.equal(sd["bn.running_mean"], theirs[0]) and set(sd) == set(model.state_dict(keep_vars=True))
+    assert sd["note._extra_state"] == {"version": 3}
     dmuon.set_model_state_dict(model, sd)
     assert torch.equal(model.bn.running_mean, theirs[0])
     model.eval()
