@@ -583,45 +583,6 @@ std::string earlier_metrics(const TrainArgs& a, int first_step) {
   return kept;
 }
 
-// collective: `work` runs on the ranks where `here` holds, then every rank learns whether it failed anywhere
-// (one small all-gather): a failure raises on every rank, its own error where it failed and the failing ranks
-// elsewhere, instead of leaving the others in the next collective until --timeout (a file one host cannot read).
-// A usage error (std::invalid_argument) stays one on every rank.
-void agreed_outcome(TrainRun& r, const std::string& what, bool here, const std::function<void()>& work) {
-  std::string err;
-  double kind = 0;  // 0 ok, 1 a usage error, 2 another error
-  if (here) try {
-      work();
-    } catch (const std::invalid_argument& e) {
-      err = e.what();
-      kind = 1;
-    } catch (const std::exception& e) {
-      err = e.what();
-      kind = 2;
-    }
-  const at::Tensor mine = at::tensor({kind}, at::kDouble).to(r.device);
-  at::Tensor all = at::empty({r.world}, mine.options());
-  try {
-    r.trainer->allgather_flat(all, mine, what).wait_host();
-  } catch (const std::exception&) {
-    if (kind == 0) throw;
-    all.fill_(kind);  // (a rank that learnt of this failure may have left already: this rank's own error stands)
-  }
-  const at::Tensor kinds = all.cpu();
-  std::string failed;
-  bool usage = true;
-  for (int64_t i = 0; i < r.world; ++i)
-    if (const double k = kinds[i].item<double>(); k != 0) {
-      failed += (failed.empty() ? "" : ", ") + std::to_string(i);
-      usage = usage && k == 1;
-    }
-  if (failed.empty()) return;
-  const std::string m = "rank " + std::to_string(r.rank) + ": " + what + " failed" +
-                        (err.empty() ? " on rank(s) " + failed + " (see their errors)" : ": " + err);
-  if (usage) throw std::invalid_argument(m);
-  throw std::runtime_error(m);
-}
-
 // collective: every rank (mesh, dedicate_params, the checkpoint it resumes from).
 TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   // peak live bytes per phase (summary.json's peak_memory_bytes); the CUDA caching allocator keeps its own
@@ -744,7 +705,7 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
     // read and checked on every rank, the outcome agreed: a rank that cannot read its copy (another host's
     // disk) fails every rank at once, not the others after --timeout in the load's collectives
     Checkpoint ck;
-    agreed_outcome(r, "reading --resume " + a.resume, true, [&] {
+    agree_outcome(*r.trainer, "reading --resume " + a.resume, true, [&] {
       if (const char* f = std::getenv("DMUON_TEST_FAIL_AT"); f && std::string(f) == std::to_string(r.rank) + ":resume")
         throw std::runtime_error("injected read failure (DMUON_TEST_FAIL_AT)");
       ck = load_checkpoint(a.resume, /*include_model=*/false, a.allow_unverified);
@@ -773,24 +734,20 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   return r;
 }
 
-// collective: rank 0 runs `write`, every rank learns whether it worked (an error names `what`).
-void lead_writes(TrainRun& r, const std::string& what, const std::function<void()>& write) {
-  agreed_outcome(r, what, r.lead, write);
-}
-
 // collective: the owners broadcast, rank 0 writes.
 void write_checkpoint(const TrainArgs& a, TrainRun& r) {
   memory::PhaseScope phase(memory::Phase::Checkpoint);
   const TensorDict msd = get_model_state_dict(*r.model);
   const OptimizerStateDict osd = get_optimizer_state_dict(*r.model, *r.opt);
   const auto meta = run_metadata(a, r);
-  lead_writes(r, "writing the checkpoint " + a.checkpoint, [&] { save_checkpoint(a.checkpoint, msd, &osd, meta); });
+  // rank 0 writes, every rank learns whether it worked
+  agree_outcome(*r.trainer, "writing the checkpoint " + a.checkpoint, r.lead, [&] { save_checkpoint(a.checkpoint, msd, &osd, meta); });
 }
 
 // collective: the full state dict (single-process names and shapes) as safetensors, written by rank 0.
 void export_model(const TrainArgs& a, TrainRun& r, std::ostream& out) {
   const TensorDict msd = get_model_state_dict(*r.model);
-  lead_writes(r, "--export-safetensors " + a.export_safetensors, [&] {
+  agree_outcome(*r.trainer, "--export-safetensors " + a.export_safetensors, r.lead, [&] {
     save_safetensors(a.export_safetensors, msd, {{"format", "pt"}, {"producer", "dmuon train"}});
     out << "  exported the model (" << msd.size() << " tensors) to " << a.export_safetensors << "\n";
   });

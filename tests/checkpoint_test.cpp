@@ -686,6 +686,50 @@ TEST(CheckpointTest, CorruptedCheckpointsAreRefusedNamingTheTensorOrSection) {
   std::filesystem::remove_all(dir);
 }
 
+// A damaged tensor found while the ranks read a checkpoint (each reads only what it keeps) leaves every
+// rank's model as it was: no rank writes anything before every rank has read all it needs.
+TEST(CheckpointTest, ADamagedTensorFoundByOneRankLeavesEveryModelAsItWas) {
+  const std::string dir = testing::fresh_temp_dir("dmuon-ckpt-staged");
+  for (const Layout& l : {Layout{"N2", 2}, Layout{"N2 sharded all_gather", 2, 1, true, false, true, "all_gather"}}) {
+    testing::run_ranks(2, [&](testing::RankContext& ctx) {
+      const GPTConfig cfg = testing::small_config(2);
+      GPT m(cfg);
+      auto mesh = make_mesh(ctx);
+      dedicate(m, mesh, l);
+      Muon opt(m.ptr(), testing::muon_options({}));
+      train_one_step(ctx, m, opt);
+      const StateDictOptions all = on_every_rank();
+      const TensorDict before = get_model_state_dict(*m, all);
+      TensorDict next;  // every value differs from the model's
+      for (const auto& [k, v] : before) next[k] = v + 1;
+      // each rank its own copy of the file; rank 1's has every tensor's payload damaged (its recorded
+      // checksums, so the source's identity, are intact: the ranks agree on what they were given)
+      const std::string path = dir + "/" + l.label + "-rank" + std::to_string(ctx.rank) + ".pt";
+      save_checkpoint(path, next);
+      if (ctx.rank == 1) {
+        std::string b = read_bytes(path);
+        for (const auto& [k, v] : next)
+          for (size_t at : find_all(b, bytes_of(v))) b[at + v.nbytes() / 2] = static_cast<char>(b[at + v.nbytes() / 2] ^ 0x40);
+        write_bytes(path, b);
+      }
+      const std::string err = error_of([&] { set_model_state_dict(*m, *checkpoint_model_source(path)); });
+      expect(err.find("reading the parameter values failed on rank(s) 1") != std::string::npos &&
+                 err.find("Nothing was written: the model holds the values it had before.") != std::string::npos,
+             l.label + ": rank " + std::to_string(ctx.rank) + ": " + err);
+      if (ctx.rank == 1) expect(err.find("is corrupt") != std::string::npos, l.label + ": the damage named: " + err);
+      const TensorDict after = get_model_state_dict(*m, all);
+      for (const auto& [k, v] : before) expect(after.at(k).equal(v), l.label + ": '" + k + "' changed by a failed load");
+      // the intact copy loads every value, and training goes on from it on every rank alike
+      if (ctx.rank == 1) save_checkpoint(path, next);
+      set_model_state_dict(*m, *checkpoint_model_source(path));
+      const TensorDict loaded = get_model_state_dict(*m, all);
+      for (const auto& [k, v] : next) expect(loaded.at(k).equal(v), l.label + ": '" + k + "' not loaded");
+      train_one_step(ctx, m, opt);
+    });
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST(CheckpointTest, TruncatedEmptyForeignAndFormat1FilesAreClearErrors) {
   const std::string dir = testing::fresh_temp_dir("dmuon-ckpt-trunc");
   const SmallCheckpoint sc = small_format2_file();

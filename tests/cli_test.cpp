@@ -471,7 +471,7 @@ TEST(CliTest, AResumeOneRankCannotReadFailsEveryRankAtOnce) {
       << r1.output;
   EXPECT_NE(r0.status, 0) << r0.output;
   EXPECT_NE(r0.status, 124) << "rank 0 waited for the timeout: " << r0.output;
-  EXPECT_NE(r0.output.find("rank 0: reading --resume " + ck + " failed on rank(s) 1 (see their errors)"),
+  EXPECT_NE(r0.output.find("rank 0: reading --resume " + ck + ": failed on rank(s) 1: rank 1: injected read failure"),
             std::string::npos)
       << r0.output;
   std::filesystem::remove_all(d);

@@ -371,6 +371,12 @@ void check_scaled_training(const Layout& l) {
     expect(scaler.get_scale() == kInit / 2, "backed off on every rank: " + std::to_string(scaler.get_scale()));
     expect(opt.steps_taken() == 0, "no step taken");
     for (const auto& [name, t] : local()) expect(at::equal(t, before.at(name)), name + " changed by a skipped step");
+    // the gradients stay, unscaled (torch.amp.GradScaler's skip leaves them too), until zero_grad
+    if (!l.sharded) {  // (a sharded_adamw parameter's gradient is its slice, outside .grad)
+      const at::Tensor norm_grad = m->named_parameters(true)["final_norm.weight"].grad();
+      expect(norm_grad.defined() && norm_grad.isfinite().all().item<bool>() && norm_grad.abs().sum().item<double>() > 0,
+             "a skipped step keeps the gradients");
+    }
     // training, unscaled by step() itself or by unscale_ first
     std::vector<double> scales;
     for (size_t s = 0; s < batches.size(); ++s) {

@@ -224,6 +224,15 @@ class Communicator {
   at::Device device_{at::kCPU};
 };
 
+// ---- an outcome every rank learns ----
+// collective over `comm`, every rank: `work` runs on the ranks where `here` holds (a file rank 0 writes, a
+// file each rank reads), then one small all-gather tells every rank whether it failed anywhere: a failure
+// raises on every rank at once -- where it failed "rank R: <what> failed: <its error>", elsewhere
+// "rank R: <what>: failed on rank(s) F: <the first failing rank's error>" -- instead of leaving the others in
+// their next collective until the timeout. A caller mistake (std::invalid_argument, c10::ValueError) stays
+// one on every rank where every failure was one.
+void agree_outcome(Communicator& comm, const std::string& what, bool here, const std::function<void()>& work);
+
 // ---- the column-sharded Gram NS over a group (newton_schulz.h takes an all-reduce function) ----
 // An in-place sum over `comm`, waited with its timeout and counted like every dmuon collective.
 AllReduceSumFn allreduce_sum_fn(Communicator& comm, std::string what);

@@ -2,7 +2,8 @@
 // gradients dmuon holds. scale() multiplies the loss before backward; unscale_() divides every gradient
 // the next step uses by the scale -- the reduced sums dmuon keeps outside .grad (a dedicated matrix's on
 // its owner alone), replicated, sharded_adamw and TP gradients -- and agrees over the mesh whether any is
-// inf or NaN; step() then steps, or skips on every rank alike (dropping the gradients, updating nothing);
+// inf or NaN; step() then steps, or skips on every rank alike (updating nothing; the gradients stay, as torch's scaler
+// leaves them, for the next zero_grad);
 // update() backs the scale off after a skipped step and grows it after growth_interval clean ones.
 //
 //   dmuon::GradScaler scaler;                       // fp16 parameters (ParamPolicy::param_dtype = kHalf)
@@ -40,7 +41,8 @@ class GradScaler {
   // the next step uses, in place, and returns whether any rank's holds an inf or NaN. Once per step.
   bool unscale_(Muon& optimizer);
   // collective: unscale_ unless done, then optimizer.step(), or, where unscale_ found an inf or NaN on
-  // any rank, optimizer.zero_grad() instead. Returns whether the step was taken (the same on every rank).
+  // any rank, nothing (the unscaled gradients stay until the caller's zero_grad, as in torch). Returns
+  // whether the step was taken (the same on every rank).
   bool step(Muon& optimizer);
   // After step(): scale *= backoff_factor when it was skipped; after growth_interval taken steps in a
   // row, scale *= growth_factor (when that stays finite).

@@ -106,6 +106,9 @@ void runtime_assign_params(const std::shared_ptr<Runtime>& runtime, std::map<std
 // runtime forgets them -- no optimizer state, not in full params or checkpoints. Each must be a
 // parameter on no dmuon route; throws (naming it and the rank) for one dmuon trains. Local.
 void runtime_release_params(const std::shared_ptr<Runtime>& runtime, const std::vector<std::string>& names);
+// The full-precision master copy this rank keeps of parameter `name` (mixed precision: param_policy's
+// param_dtype cast it), undefined where it keeps none. Local.
+at::Tensor runtime_master_of(const std::shared_ptr<Runtime>& runtime, const std::string& name);
 // Every trainable parameter's route as route_name spells it ("muon", "sharded_adamw", "replicated",
 // "local"), model order. Local.
 std::vector<std::pair<std::string, std::string>> runtime_param_routes(const Runtime& runtime);

@@ -308,6 +308,12 @@ void bind_runtime(py::module_& m) {
       .def("release_params",
            [](const RuntimeHandle& h, const std::vector<std::string>& names) { runtime_release_params(h.runtime, names); },
            "names"_a, release)
+      .def("master_of",
+           [](const RuntimeHandle& h, const std::string& name) -> std::optional<at::Tensor> {
+             at::Tensor m = runtime_master_of(h.runtime, name);
+             return m.defined() ? std::optional<at::Tensor>(m) : std::nullopt;
+           },
+           "name"_a, release)
       .def("routes", [](const RuntimeHandle& h) { return runtime_param_routes(*h.runtime); }, release)
       .def("post_forward_order", [](const RuntimeHandle& h) { return runtime_post_forward_order(h.runtime); }, release)
       .def("reset_post_forward_order", [](const RuntimeHandle& h) { runtime_reset_post_forward_order(h.runtime); },

@@ -8,12 +8,76 @@ tensor-parallel parameter dmuon holds as its local slice but does not train goes
 """
 
 import inspect
+import sys
+import warnings
+import weakref
 from typing import List, Optional, Set
 
 import torch
 from torch import nn
 
 _ORIGINAL = None  # FSDP2's own _get_managed_states while the patch is installed
+# id(param) -> (weak reference to it, its runtime, its name): parameters dmuon does not dedicate that
+# param_policy's param_dtype cast at dedicate_params (dmuon keeps their full-precision masters), until
+# fully_shard takes one
+_CAST = {}
+_WARNED = []  # the runtimes restore_masters warned for
+
+
+def register_cast(runtime, params) -> None:
+    """Records `params` ((name, parameter) pairs dmuon does not dedicate, cast by param_policy and kept with a
+    master by `runtime`): fully_shard takes them back in their master precision (restore_masters)."""
+    for name, p in params:
+        key = id(p)
+        _CAST[key] = (weakref.ref(p, lambda _, key=key: _CAST.pop(key, None)), runtime, name)
+
+
+def _fully_shard_mp_policy():
+    """The mp_policy argument of the fully_shard call running now (read from its frame: _get_managed_states is
+    called by it), or None where it cannot be found."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        policy = frame.f_locals.get("mp_policy")
+        if policy is not None and hasattr(policy, "param_dtype"):
+            return policy
+    return None
+
+
+def restore_masters(modules) -> None:
+    """Before fully_shard lists the parameters of ``modules``, for each one param_policy cast at dedicate_params
+    (dmuon keeps its full-precision master; FSDP2 keeps none of its own, so its shards, AdamW state and
+    checkpoints would hold the cast precision and small updates would vanish): where fully_shard is given a
+    compute dtype (mp_policy=MixedPrecisionPolicy(param_dtype=...)), the parameter takes its master's value and
+    dtype again, so FSDP2 shards the master and computes in its policy's dtype; without one it stays in the cast
+    dtype (the model computes as dedicate_params left it), with a warning (once per model) saying how to keep the
+    master. Local."""
+    policy = _fully_shard_mp_policy()
+    give_masters = policy is not None and policy.param_dtype is not None
+    cast_only = []
+    for module in modules:
+        for p in module._parameters.values():
+            entry = _CAST.pop(id(p), None) if p is not None else None
+            if entry is None or entry[0]() is not p:
+                continue
+            runtime, name = entry[1], entry[2]
+            master = runtime.master_of(name)
+            if master is None:
+                continue
+            if give_masters:
+                p.data = master.detach().clone()
+            elif all(r is not runtime for r in _WARNED):  # once per model
+                _WARNED.append(runtime)
+                cast_only.append((name, p.dtype, master.dtype))
+    for name, cast, kept in cast_only:
+        warnings.warn(
+            f"dmuon: fully_shard takes parameters param_policy cast to {cast} at dedicate_params ('{name}', ...), "
+            f"and FSDP2 keeps no {kept} master of its own: their shards, AdamW state and checkpoints hold {cast}, "
+            f"and updates smaller than its precision are lost. Give fully_shard mp_policy=MixedPrecisionPolicy("
+            f"param_dtype={cast}): dmuon then hands FSDP2 the {kept} masters and FSDP2 computes in {cast}.",
+            stacklevel=4)
 
 
 def _fsdp_init():
@@ -39,6 +103,7 @@ def _call_get_managed_states(original, modules, ignored_params):
     from ._tp import hand_to_fsdp2
 
     hand_to_fsdp2(modules)  # TP slices dmuon does not train: FSDP2 gets their DTensors, not the slices
+    restore_masters(modules)  # parameters param_policy cast: FSDP2 gets their masters
     dedicated = _dedicated_in(modules)
     if len(inspect.signature(original).parameters) >= 2:
         return original(modules, set(ignored_params or ()) | dedicated)

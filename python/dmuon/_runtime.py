@@ -20,7 +20,7 @@ from torch import nn
 
 from . import _C
 from ._clip import MuonGradClipStats, python_strategy, run_python_strategy
-from ._fsdp2 import assign_full, fsdp_modules, full_tensor, is_dtensor, shard_of
+from ._fsdp2 import assign_full, fsdp_modules, full_tensor, is_dtensor, register_cast, shard_of
 from ._mesh import add_sharded_unshard_group, make_mesh
 from ._tp import (find_tp_params, install_dtensor_hooks, is_tp_slice, register_undedicated, release_dtensors,
                   restore_dtensors, show_dtensors, swap_in_local_slices)
@@ -75,6 +75,7 @@ def _sync_external(model: nn.Module, state: _State) -> Dict[str, nn.Parameter]:
         # FSDP2 holds them now: the runtime forgets them, frozen ones too (the state dicts read and write their
         # shards; nothing trains a frozen one)
         state.runtime.release_params([n for n, _ in fresh])
+        state.guard.forget({n for n, _ in fresh})
         state.external.update(fresh)
     return state.external
 
@@ -128,6 +129,12 @@ def _param_guard(params):
                     "and its .grad would only grow. Unfreeze it before dedicate_params (a group with lr=0 keeps it "
                     "still until it should train), or keep it frozen."
                 )
+
+    def forget(names):  # parameters another wrapper took (FSDP2): theirs to convert
+        kept[:] = [k for k in kept if k[0] not in names]
+        frozen[:] = [f for f in frozen if f[0] not in names]
+
+    check.forget = forget
     return check
 
 
@@ -423,6 +430,8 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
         d["param"]._dedicated_owner_rank = coord
         owners[d["param"]] = coord
     register_undedicated(tp_params)  # what fully_shard may take later: as DTensors (hand_to_fsdp2)
+    # what fully_shard may take later after param_policy cast it: in its master precision (restore_masters)
+    register_cast(runtime, [(n, p) for n, p in params if p.dtype != dtypes[n] and p not in owners])
     model._dmuon.hooks += _install_state_dict_guards(model, model._dmuon, dtypes)
     _install_zero_grad(model, runtime)
     # (after the core's setup agreement: a rank refused there never reaches this collective)
@@ -963,9 +972,16 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
                 raise TypeError(f"{fn}: '{key}' is a {type(given).__name__} in the state dict, not a "
                                 "tensor. Pass a state dict of tensors, as model.state_dict() gives.")
             name = first_name.get(id(value))
+            if given.is_meta or given.layout != torch.strided or (given.is_complex() and not value.is_complex()):
+                raise ValueError(f"{fn}: '{key}' is a {'meta' if given.is_meta else str(given.layout)} {given.dtype} "
+                                 "tensor in the state dict, which holds no values to load. Pass dense real "
+                                 "tensors with values, as model.state_dict() gives.")
             if (name is None or name in external) and tuple(given.shape) != tuple(value.shape):  # buffers, FSDP2's
                 raise ValueError(f"{fn}: '{key}' has shape {tuple(given.shape)} in the state dict but "
                                  f"{tuple(value.shape)} in the model. Pass a state dict of this architecture.")
+            if name is not None and value.is_floating_point() and not given.is_floating_point():
+                raise ValueError(f"{fn}: '{key}' is {given.dtype} in the state dict but a floating-point parameter "
+                                 "in the model (weights must be floating point). Pass the model's state dict.")
             first = first_key.setdefault(id(value), key)
             if first != key and (tuple(given.shape) != tuple(state_dict[first].shape)
                                  or given.is_floating_point() != state_dict[first].is_floating_point()):
@@ -975,6 +991,13 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
                     f"{state_dict[first].dtype} one under '{first}'. Pass a state dict of this architecture.")
 
     _load_agreed(state.world_group, fn, check, state_dict)
+    # the modules' extra states first (their set_extra_state may still refuse a value: agreed, so a refusal on any
+    # rank raises on every rank before any parameter or buffer is written)
+    def set_extra_states():
+        for key, module in extra.items():
+            module.set_extra_state(state_dict[key])
+
+    _load_agreed(state.world_group, fn, set_extra_states, {})
     params, fsdp2 = {}, {}
     for key, value in expected.items():  # a tied parameter: its last key's value, as load_state_dict leaves it
         name = first_name.get(id(value))
@@ -985,9 +1008,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
         assign_full(p, fsdp2[name], name)
     with torch.no_grad():
         for key, value in expected.items():
-            if key in extra:
-                extra[key].set_extra_state(state_dict[key])
-            elif first_name.get(id(value)) is None:  # a buffer
+            if key not in extra and first_name.get(id(value)) is None:  # a buffer
                 value.copy_(state_dict[key])
 
 
@@ -1858,6 +1879,13 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
                 "dmuon.get_optimizer_state_dict(model, optimizer, rank0_only=False) returned (or rank 0's, sent to "
                 "every rank)." + (empty if not state_dict else "")
             )
+        for key in _SECTIONS:
+            if not isinstance(state_dict[key], Mapping):
+                raise TypeError(f"set_optimizer_state_dict: the '{key}' section is a {type(state_dict[key]).__name__}, "
+                                "not a dict; pass what dmuon.get_optimizer_state_dict returned.")
+        if not isinstance(state_dict["param_groups"], (list, tuple)):
+            raise TypeError(f"set_optimizer_state_dict: param_groups is a {type(state_dict['param_groups']).__name__}, "
+                            "not a list; pass what dmuon.get_optimizer_state_dict returned.")
         groups = list(state_dict["param_groups"])
         if len(groups) != len(optimizer.param_groups):
             raise ValueError(
@@ -1872,11 +1900,18 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
             if absent:
                 raise ValueError(f"set_optimizer_state_dict: param_groups[{i}] has no {absent}; pass the param_groups "
                                  "get_optimizer_state_dict returned.")
-            numbers = [saved[k] for k in ("lr", "momentum", "weight_decay", "eps")] + list(
+            values = [saved[k] for k in ("lr", "momentum", "weight_decay", "eps")] + list(
                 saved["betas"] if isinstance(saved["betas"], (tuple, list)) else [saved["betas"]] * 3)
-            if len(numbers) != 6 or not all(_real_number(v) is not None for v in numbers):
+            if len(values) != 6 or not all(_real_number(v) is not None for v in values):
                 raise ValueError(f"set_optimizer_state_dict: param_groups[{i}] holds a value that is not a number in "
                                  f"lr, momentum, weight_decay, eps or betas (a pair): {dict((k, saved[k]) for k in ('lr', 'momentum', 'weight_decay', 'eps', 'betas'))}.")
+            if not isinstance(saved["nesterov"], bool):
+                raise ValueError(f"set_optimizer_state_dict: param_groups[{i}] has nesterov={saved['nesterov']!r}; it "
+                                 "must be a bool.")
+            if isinstance(saved["ns_steps"], bool) or not isinstance(saved["ns_steps"], numbers.Integral) \
+                    or saved["ns_steps"] < 1:
+                raise ValueError(f"set_optimizer_state_dict: param_groups[{i}] has ns_steps={saved['ns_steps']!r}; it "
+                                 "must be an int >= 1.")
             _refuse_torch_only_flags(i, saved)  # (copied into the live groups below: step() would refuse them)
             mine = optimizer.param_groups[i]
             if bool(saved.get("is_muon")) != mine["is_muon"] or saved.get("group_name") != mine["group_name"]:
@@ -1889,9 +1924,9 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
             steps = None if isinstance(steps, bool) else operator.index(steps)
         except TypeError:
             steps = None
-        if steps is None or steps < 0:
+        if steps is None or steps < 0 or steps >= 2 ** 63:
             raise ValueError(f"set_optimizer_state_dict: steps_taken is {state_dict['steps_taken']!r}; a step count is "
-                             "an integer >= 0.")
+                             "an integer in [0, 2**63).")
         unknown = [n for n in state_dict["fsdp"] if n not in external]
         # (one frozen now may have been frozen before its first step: no state, in torch's optimizer either)
         absent = [n for n, p in external.items() if n not in state_dict["fsdp"] and p.requires_grad] if steps > 0 else []

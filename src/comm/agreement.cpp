@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <stdexcept>
 
 #include "dmuon/digest.h"
 #include "dmuon/host_sync.h"
@@ -119,3 +120,32 @@ void agree(Communicator& world, const AgreementText& text, const std::function<v
 }
 
 }  // namespace dmuon::detail
+
+namespace dmuon {
+
+void agree_outcome(Communicator& comm, const std::string& what, bool here, const std::function<void()>& work) {
+  detail::AgreementText text;
+  text.fn = what;
+  text.refused = [](const std::vector<int>& ranks, const std::string& reason) {
+    return "failed on rank(s) " + detail::rank_list(ranks) + ": " + reason;
+  };
+  bool failed_here = false;
+  try {
+    detail::agree(comm, text, [&] {
+      if (!here) return;
+      try {
+        work();
+      } catch (...) {
+        failed_here = true;
+        throw;
+      }
+    }, [] { return std::vector<detail::AgreedEntry>{}; });
+  } catch (const std::exception& e) {
+    if (!failed_here) throw;
+    const std::string m = "rank " + std::to_string(comm.global_rank()) + ": " + what + " failed: " + detail::error_text(e);
+    if (detail::is_caller_mistake(e)) throw std::invalid_argument(m);
+    throw std::runtime_error(m);
+  }
+}
+
+}  // namespace dmuon

@@ -65,10 +65,9 @@ bool GradScaler::step(Muon& optimizer) {
               ": GradScaler::step: already called since the last update(); call update() once per step.");
   if (stage_ == Stage::Ready) unscale_(optimizer);
   stage_ = Stage::Stepped;
-  if (found_inf_) {
-    optimizer.zero_grad();  // the overflowed gradients: nothing is updated, every rank alike
-    return false;
-  }
+  // the overflowed gradients: nothing is updated, every rank alike; the gradients stay (as torch.amp.GradScaler
+  // leaves them) for the caller's zero_grad
+  if (found_inf_) return false;
   optimizer.step();
   return true;
 }

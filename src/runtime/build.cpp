@@ -291,4 +291,11 @@ void Runtime::release_external(const std::vector<std::string>& names) {
   view_.params = std::move(kept);
 }
 
+at::Tensor Runtime::master_of(const std::string& name) const {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  for (const ModelView::Tensor& item : view_.params)
+    if (item.name == name) return ctx_.master_of(item.tensor);
+  return at::Tensor();
+}
+
 }  // namespace dmuon

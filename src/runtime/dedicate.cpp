@@ -255,6 +255,11 @@ void runtime_release_params(const std::shared_ptr<Runtime>& runtime, const std::
   runtime->release_external(names);
 }
 
+at::Tensor runtime_master_of(const std::shared_ptr<Runtime>& runtime, const std::string& name) {
+  TORCH_CHECK_VALUE(runtime, "master_of: the runtime is null (dedicate_model_view returns it).");
+  return runtime->master_of(name);
+}
+
 std::vector<std::pair<std::string, std::string>> runtime_param_routes(const Runtime& runtime) {
   std::vector<std::pair<std::string, std::string>> out;
   for (const ParamView& v : runtime.describe()) out.emplace_back(v.name, route_name(v.route));

@@ -705,14 +705,16 @@ void DedicatedRoute::assign_from(ParamSource& source) {
     // the owner's master (when it keeps one) takes the full-precision value
     if (at::Tensor m = ctx_.master_of(e.param); m.defined()) {
       ctx_.fill_from(source, e.name, region, m);
-      if (buf.keeps) view.copy_(m);
+      if (buf.keeps) ctx_.after_fills([view, m]() mutable { view.copy_(m); });
     } else if (buf.keeps) {
       ctx_.fill_from(source, e.name, region, view);
     }
   }
   for_each_buffer([&](int b, PackedBuffer& buf) {  // all_gather mode: every rank's shard of the new value
     if (buf.gather_mode())
-      scatter_shards(buf, kCheckpointWhat + "shards of '" + ctx_.boundary_name(b) + "'").wait();
+      ctx_.after_fills([this, &buf, b] {
+        scatter_shards(buf, kCheckpointWhat + "shards of '" + ctx_.boundary_name(b) + "'").wait();
+      });
   });
   // gathered copies are refreshed by the next forward
   for_each_buffer([&](int, PackedBuffer& buf) { buf.ready_pass = -1; });

@@ -1,5 +1,7 @@
 // What the routes see of their model (see route_context.h).
 #include "runtime/route_context.h"
+
+#include <utility>
 #include "comm/error_text.h"
 
 #include <c10/util/Exception.h>
@@ -55,13 +57,23 @@ void RouteContext::fill_from(ParamSource& source, const std::string& name, const
   try {
     TORCH_CHECK(out.sizes().vec() == region.size, "'", name, "': the destination has shape ", out.sizes(),
                 " but the region ", at::IntArrayRef(region.size));
-    source.fill(name, region, out);
+    if (!dry_) {
+      source.fill(name, region, out);
+      return;
+    }
+    at::Tensor scratch = at::empty_like(out, at::MemoryFormat::Contiguous);
+    source.fill(name, region, scratch);
   } catch (const std::exception& e) {
     fill_error_ = "reading '" + name + "' from " + source.describe() + ": " + detail::error_text(e);
   }
 }
 
+void RouteContext::after_fills(std::function<void()> work) {
+  if (!dry_) work();
+}
+
 void RouteContext::agree_fills(const std::string& what) {
+  const bool dry = std::exchange(dry_, false);
   const int n = mesh_->world_size();
   const at::Tensor mine = at::full({1}, fill_error_.empty() ? int64_t{0} : int64_t{1}, mesh_->options(at::kLong));
   at::Tensor all = at::empty({n}, mesh_->options(at::kLong));
@@ -73,7 +85,8 @@ void RouteContext::agree_fills(const std::string& what) {
   std::string mine_err = std::move(fill_error_);
   fill_error_.clear();
   TORCH_CHECK(failed.empty(), "rank ", mesh_->global_rank(), ": ", what, ": reading the parameter values failed on rank(s) ",
-              failed, mine_err.empty() ? std::string(" (this rank read its share; see their errors)") : ": " + mine_err);
+              failed, mine_err.empty() ? std::string(" (this rank read its share; see their errors)") : ": " + mine_err,
+              !dry ? "" : " Nothing was written: the model holds the values it had before.");
 }
 
 }  // namespace dmuon

@@ -112,8 +112,16 @@ class RouteContext {
   // failure (a missing or damaged tensor, a read error) is recorded, not thrown, so every rank still
   // reaches the same collectives; agree_fills() then throws on every rank when any rank failed.
   void fill_from(ParamSource& source, const std::string& name, const TensorRegion& region, at::Tensor& out);
+  // Work that uses what the fills wrote (a master copied into the forward copy, shards scattered; it may be
+  // collective, in the same order on every rank): at once, or nothing in a dry run.
+  void after_fills(std::function<void()> work);
+  // A dry run, up to agree_fills: fill_from reads (and so verifies: a checkpoint's checksums) into scratch and
+  // writes nothing, after_fills drops its work. A load into values the model has (set_model_state_dict) runs
+  // the fills dry first, so a damaged tensor one rank finds leaves every rank's model as it was instead of
+  // half-loaded; it costs a second read of what this rank keeps, one tensor in memory at a time.
+  void begin_dry_fills() { dry_ = true; }
   // collective (the world): throws on every rank, naming the ranks that failed and this rank's
-  // error, when a fill_from since the last call failed anywhere.
+  // error, when a fill_from since the last call failed anywhere (after a dry run: saying nothing was written).
   void agree_fills(const std::string& what);
   // setup only: the source of deferred parameters (null when none is deferred)
   ParamSource* deferred_source() const { return deferred_source_; }
@@ -139,6 +147,7 @@ class RouteContext {
   std::map<const c10::TensorImpl*, at::Tensor> masters_;
   std::map<std::string, int> tp_split_;
   std::string fill_error_;  // the first failed fill_from since agree_fills
+  bool dry_ = false;         // begin_dry_fills .. agree_fills
   ParamSource* deferred_source_ = nullptr;
   GradHookFactory hooks_;
 };

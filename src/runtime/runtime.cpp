@@ -740,15 +740,21 @@ void Runtime::assign_params(ParamSource& source, const std::vector<std::pair<std
                             const std::string& what) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   at::NoGradGuard ng;
-  for (Route* r : routes()) r->assign_from(source);
-  for (const auto& [name, t] : extra) {
-    at::Tensor b = t.detach();
-    ctx_.fill_from(source, name, TensorRegion::whole(b.sizes()), b);
-  }
+  auto fill_all = [&] {
+    for (Route* r : routes()) r->assign_from(source);
+    for (const auto& [name, t] : extra) {
+      at::Tensor b = t.detach();
+      ctx_.fill_from(source, name, TensorRegion::whole(b.sizes()), b);
+    }
+    ctx_.agree_fills(what);
+  };
+  // every rank reads (verifies) all it needs before any rank writes: a damaged tensor leaves every model as it was
+  ctx_.begin_dry_fills();
+  fill_all();
+  fill_all();
   // nothing from before the load survives: gradients are dropped (the routes dropped theirs)
   for (const ModelView::Tensor& item : view_.params) at::Tensor(item.tensor).mutable_grad() = at::Tensor();
   local_grads_only_ = false;
-  ctx_.agree_fills(what);
 }
 
 std::vector<StateSlot> Runtime::state_slots() const {

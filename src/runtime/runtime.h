@@ -98,6 +98,8 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   // dedicate_params (FSDP2's fully_shard): forgotten (no optimizer state, no checkpoint entry).
   // Throws naming one that is on a dmuon route. Local.
   void release_external(const std::vector<std::string>& names);
+  // the master copy this rank keeps of parameter `name` (undefined where it keeps none). Local.
+  at::Tensor master_of(const std::string& name) const;
 
   // ---- hooks (runtime.cpp; collective where they issue unshards and reduces) ----
   void begin_root_forward();

@@ -279,21 +279,28 @@ void ShardedRoute::gather_full(const TensorSink& put) {
 void ShardedRoute::fill_shard(ShardedEntry& e, ParamSource& source) const {
   const int64_t begin = static_cast<int64_t>(ctx_.mesh().shard_rank()) * e.shard_len;
   const int64_t len = std::max<int64_t>(0, std::min(e.numel - begin, e.shard_len));
-  e.shard.zero_();
-  if (len == 0) return;
+  if (len == 0) {
+    ctx_.after_fills([&e] { e.shard.zero_(); });
+    return;
+  }
   const auto [rows, skip] = detail::rows_covering(ctx_.region_of(e.name, e.shape), begin, len);
   at::Tensor part = at::empty(rows.size, e.shard.options());
   ctx_.fill_from(source, e.name, rows, part);
-  e.shard.narrow(0, 0, len).copy_(part.reshape(-1).narrow(0, skip, len));
+  ctx_.after_fills([&e, part, skip = skip, len] {
+    e.shard.zero_();
+    e.shard.narrow(0, 0, len).copy_(part.reshape(-1).narrow(0, skip, len));
+  });
 }
 
 void ShardedRoute::assign_from(ParamSource& source) {
   for (auto& e : entries_) {
     fill_shard(e, source);
-    e.ready_pass = -1;  // the gathered copy is refreshed by the next forward
-    e.acc.clear();      // gradients from before the load are dropped
-    e.grad = at::Tensor();
-    e.had_grad = false;
+    ctx_.after_fills([&e] {
+      e.ready_pass = -1;  // the gathered copy is refreshed by the next forward
+      e.acc.clear();      // gradients from before the load are dropped
+      e.grad = at::Tensor();
+      e.had_grad = false;
+    });
   }
 }
 

@@ -42,7 +42,7 @@ void WholeParams::assign_from(ParamSource& source) const {
     const TensorRegion region = ctx_.region_of(w.name, p.sizes());
     if (at::Tensor m = ctx_.master_of(w.param); m.defined()) {
       ctx_.fill_from(source, w.name, region, m);
-      p.copy_(m);
+      ctx_.after_fills([p, m]() mutable { p.copy_(m); });
     } else {
       ctx_.fill_from(source, w.name, region, p);
     }

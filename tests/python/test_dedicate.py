@@ -1424,6 +1424,50 @@ def test_mixed_precision_bf16_params_fp32_masters(tmp_path):
         assert (got[name].bfloat16().float() != got[name]).float().mean() > 0.5, name
 
 
+def _mixed_fsdp2(rank, world, mp_policy):
+    """param_policy's bf16 with the rest of the model under fully_shard: FSDP2 keeps no master of its own, so
+    given a compute dtype (mp_policy) it shards dmuon's float32 masters; without one its parameters stay bf16
+    (the model computes as dedicate_params left it) and a warning says how to keep the masters."""
+    import warnings
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = make_net().float()
+    mesh = init_device_mesh("cpu", (world,))
+    dmuon.dedicate_params(model, mesh, lambda n, p: p.dim() == 2, param_policy={"defaults": {"param_dtype": "bf16"}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, **({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
+                                            if mp_policy else {}))
+        fully_shard(model, mesh=mesh, **({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
+                                        if mp_policy else {}))
+    said = [str(w.message) for w in caught if "FSDP2 keeps no torch.float32 master" in str(w.message)]
+    fsdp2 = {n: p for n, p in model.named_parameters() if not hasattr(p, "_dedicated_owner_rank")}
+    assert fsdp2 and all(type(p).__name__ == "DTensor" for p in fsdp2.values()), list(fsdp2)
+    want = torch.float32 if mp_policy else torch.bfloat16
+    assert all(p.dtype == want for p in fsdp2.values()), {n: p.dtype for n, p in fsdp2.items()}
+    assert len(said) == (0 if mp_policy else 1), said  # once per model, not per fully_shard call
+    opt, sched = make_optimizer(model)
+    train_steps(model, opt, sched, rank, world, range(STEPS), torch.float32)
+    sd = dmuon.get_model_state_dict(model, rank0_only=False)
+    osd = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+    for name in fsdp2:
+        assert sd[name].dtype == want and osd["fsdp"][name]["exp_avg"].dtype == want, name
+        if mp_policy:  # float32 masters: most of their values are not bf16 numbers after training
+            assert (sd[name].bfloat16().float() != sd[name]).float().mean() > 0.5, name
+    # a float32 value that bf16 cannot hold round-trips through the masters
+    value = dict(sd, scale=torch.full((DIM,), 1.0 + 2 ** -12))
+    dmuon.set_model_state_dict(model, value)
+    back = dmuon.get_model_state_dict(model, rank0_only=False)["scale"]
+    assert torch.equal(back, value["scale"] if mp_policy else torch.ones(DIM, dtype=torch.bfloat16)), back
+
+
+@pytest.mark.parametrize("mp_policy", [True, False], ids=["mp_policy", "no_mp_policy"])
+def test_param_policy_bf16_with_fsdp2_gives_fsdp2_the_fp32_masters(tmp_path, mp_policy):
+    run_ranks(tmp_path, 2, _mixed_fsdp2, mp_policy)
+
+
 def _memory_rank(rank, world):
     dmuon.install_counting_allocator()
     start = dmuon.tensor_memory_stats()["current"]
@@ -1744,10 +1788,14 @@ def test_torch_state_dicts_copies_and_checkpoint_functions_are_refused_where_the
 
 
 class _ExtraState(nn.Module):
+    refuse = False  # set_extra_state raises on this rank (a version the module cannot read)
+
     def get_extra_state(self):
         return {"version": 3}
 
     def set_extra_state(self, state):
+        if self.refuse:
+            raise ValueError(f"cannot read extra state {state}")
         assert state == {"version": 3}
 
 
@@ -1800,6 +1848,19 @@ def _buffers_as_ddp(rank, world, fsdp2):
     assert sd["note._extra_state"] == {"version": 3}
     dmuon.set_model_state_dict(model, sd)
     assert torch.equal(model.bn.running_mean, theirs[0])
+    # refused loads write nothing on any rank: a module's set_extra_state refusing on rank 1 only, a value with
+    # no data (meta), an integer value for a floating-point parameter
+    moved = {k: v + 1 if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in sd.items()}
+    model.note.refuse = rank == 1
+    with pytest.raises(ValueError, match="cannot read extra state" if rank == 1 else r"rank\(s\) 1 refused"):
+        dmuon.set_model_state_dict(model, moved)
+    model.note.refuse = False
+    for bad in ({**moved, "layers.1.bias": torch.empty(DIM, dtype=torch.float64, device="meta")},
+                {**moved, "bn.weight": torch.ones(DIM, dtype=torch.bool)}):
+        with pytest.raises(ValueError, match="meta|weights must be floating point"):
+            dmuon.set_model_state_dict(model, bad)
+    after = dmuon.get_model_state_dict(model, rank0_only=False)
+    assert all(torch.equal(after[k], v) for k, v in sd.items() if isinstance(v, torch.Tensor)), "a refused load wrote"
     model.eval()
     out = model(batch(0)[0]).detach()
     outs = [torch.empty_like(out) for _ in range(world)]

@@ -651,6 +651,25 @@ def _torch_optimizer_protocol(rank, world):
         wrong["param_groups"][0]["lr"] = bad
         with pytest.raises(ValueError, match="holds a value that is not a number in lr"):
             opt.load_state_dict(wrong)
+    # other values the constructor refuses are refused on load too, naming the key; malformed sections likewise
+    before = opt._native.group_options(0)
+    for key, bad, says in (("nesterov", None, "nesterov=None; it must be a bool"),
+                           ("nesterov", 2, "nesterov=2; it must be a bool"),
+                           ("ns_steps", True, "ns_steps=True; it must be an int >= 1"),
+                           ("ns_steps", 2.5, "ns_steps=2.5; it must be an int >= 1"),
+                           ("ns_steps", "5", "ns_steps='5'; it must be an int >= 1")):
+        wrong = dict(saved, param_groups=[dict(g) for g in saved["param_groups"]])
+        wrong["param_groups"][0][key] = bad
+        with pytest.raises(ValueError, match=re.escape(f"param_groups[0] has {says}")):
+            opt.load_state_dict(wrong)
+    with pytest.raises(ValueError, match=re.escape("steps_taken is 1180591620717411303424; a step count is an integer")):
+        opt.load_state_dict(dict(saved, steps_taken=2 ** 70))
+    with pytest.raises(TypeError, match="the 'dedicated' section is a list, not a dict"):
+        opt.load_state_dict(dict(saved, dedicated=[]))
+    with pytest.raises(TypeError, match="param_groups is a NoneType, not a list"):
+        opt.load_state_dict(dict(saved, param_groups=None))
+    assert opt._native.group_options(0) == before and opt.param_groups[0]["nesterov"] is True
+    opt.step()
 
     # group values: a string or a bool is not a number (float() would take both)
     for value in ("0.5", True):
