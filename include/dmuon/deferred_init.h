@@ -63,8 +63,13 @@ class ParamSource {
   // Throws, naming the parameter, when the source cannot serve one (missing, misshapen, extra).
   virtual void check(const std::vector<std::pair<std::string, std::vector<int64_t>>>& params) { (void)params; }
   // Writes the box `region` of parameter `name`'s full value into `out` (shape region.size, in the
-  // dtype and device the rank keeps: the master copy's where mixed precision keeps one).
+  // dtype and device the rank keeps: the master copy's where mixed precision keeps one). A load into a
+  // model that has values (set_model_state_dict) calls it twice per box: first into a CPU scratch tensor
+  // (a dry run: every rank reads, and so verifies, all it needs before any rank writes), then into `out`;
+  // the same box must give the same values both times.
   virtual void fill(const std::string& name, const TensorRegion& region, at::Tensor& out) = 0;
+  // true when fill cannot fail once check() passed (values already in memory): no dry run is needed.
+  virtual bool fills_cannot_fail() const { return false; }
   virtual std::string describe() const = 0;  // for error messages ("seeded init (seed 0)", a file path)
   // What identifies the values served, known without reading them: the ranks compare it before they fill from
   // the source (dedicate_params with a param_source, set_model_state_dict), so ranks given different sources

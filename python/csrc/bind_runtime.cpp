@@ -2,6 +2,7 @@
 // ModelView), its boundary scopes, and Muon. The Python package (dmuon/_runtime.py) turns these into
 // the API reference's functions; nothing here is meant to be called directly.
 #include <pybind11/functional.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
@@ -378,10 +379,16 @@ void bind_runtime(py::module_& m) {
       .def(py::init([](const RuntimeHandle& h, const py::dict& options) {
              MuonOptions o = muon_options(options);
              auto face = runtime_face(h.runtime);
-             // the options' agreement is a collective: run without the GIL, as every other collective
-             // (the options are moved, never copied: a Python log callback changes no reference count)
-             py::gil_scoped_release nogil;
-             return std::make_unique<Muon>(face, std::move(o));
+             torch::PyWarningHandler warnings;  // the core's TORCH_WARN (an unused ns_steps) as a UserWarning
+             try {
+               // the options' agreement is a collective: run without the GIL, as every other collective
+               // (the options are moved, never copied: a Python log callback changes no reference count)
+               py::gil_scoped_release nogil;
+               return std::make_unique<Muon>(face, std::move(o));
+             } catch (...) {
+               warnings.set_in_exception();  // the error wins: the handler must not throw a warning over it
+               throw;
+             }
            }),
            "runtime"_a, "options"_a)
       .def("step", [](Muon& opt) { opt.step(); }, release)

@@ -17,19 +17,27 @@ import torch
 from torch import nn
 
 _ORIGINAL = None  # FSDP2's own _get_managed_states while the patch is installed
-# id(param) -> (weak reference to it, its runtime, its name): parameters dmuon does not dedicate that
-# param_policy's param_dtype cast at dedicate_params (dmuon keeps their full-precision masters), until
-# fully_shard takes one
+# id(param) -> (weak reference to it, its runtime, its model's parameter guard, its name): parameters dmuon
+# does not dedicate that param_policy's param_dtype cast at dedicate_params (dmuon keeps their full-precision
+# masters), until fully_shard takes one
 _CAST = {}
-_WARNED = []  # the runtimes restore_masters warned for
 
 
-def register_cast(runtime, params) -> None:
+def register_cast(runtime, guard, params) -> None:
     """Records `params` ((name, parameter) pairs dmuon does not dedicate, cast by param_policy and kept with a
-    master by `runtime`): fully_shard takes them back in their master precision (restore_masters)."""
+    master by `runtime`; `guard`: the model's check of its parameters' dtypes): fully_shard may take them back
+    in their master precision (restore_masters)."""
     for name, p in params:
         key = id(p)
-        _CAST[key] = (weakref.ref(p, lambda _, key=key: _CAST.pop(key, None)), runtime, name)
+        _CAST[key] = (weakref.ref(p, lambda _, key=key: _CAST.pop(key, None)), runtime, guard, name)
+
+
+def _user_stacklevel() -> int:
+    """warnings.warn's stacklevel of the first caller outside torch and dmuon (the user's fully_shard call)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and any(part in frame.f_code.co_filename for part in ("/torch/", "/dmuon/")):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _fully_shard_mp_policy():
@@ -46,38 +54,43 @@ def _fully_shard_mp_policy():
     return None
 
 
-def restore_masters(modules) -> None:
-    """Before fully_shard lists the parameters of ``modules``, for each one param_policy cast at dedicate_params
-    (dmuon keeps its full-precision master; FSDP2 keeps none of its own, so its shards, AdamW state and
-    checkpoints would hold the cast precision and small updates would vanish): where fully_shard is given a
-    compute dtype (mp_policy=MixedPrecisionPolicy(param_dtype=...)), the parameter takes its master's value and
-    dtype again, so FSDP2 shards the master and computes in its policy's dtype; without one it stays in the cast
-    dtype (the model computes as dedicate_params left it), with a warning (once per model) saying how to keep the
-    master. Local."""
+def restore_masters(modules, ignored=()) -> None:
+    """Before fully_shard lists the parameters of ``modules`` (but ``ignored``, left to dmuon), for each one
+    param_policy cast at dedicate_params (dmuon keeps its full-precision master; FSDP2 keeps none of its own, so
+    its shards, AdamW state and checkpoints would hold the cast precision and small updates would vanish): where
+    fully_shard is given a compute dtype (mp_policy=MixedPrecisionPolicy(param_dtype=...)), the parameter takes
+    its master's value and dtype again, so FSDP2 shards the master and computes in its policy's dtype; without
+    one it stays in the cast dtype (the model computes as dedicate_params left it), with a warning (once per
+    model) saying how to keep the master. Local."""
     policy = _fully_shard_mp_policy()
     give_masters = policy is not None and policy.param_dtype is not None
-    cast_only = []
+    ignored = {id(p) for p in ignored}
+    warn = None
     for module in modules:
         for p in module._parameters.values():
-            entry = _CAST.pop(id(p), None) if p is not None else None
+            if p is None or id(p) in ignored:
+                continue
+            entry = _CAST.pop(id(p), None)
             if entry is None or entry[0]() is not p:
                 continue
-            runtime, name = entry[1], entry[2]
+            _, runtime, guard, name = entry
             master = runtime.master_of(name)
             if master is None:
                 continue
             if give_masters:
+                guard.forget({name})  # FSDP2's to convert from here (the guard would see a dtype change)
                 p.data = master.detach().clone()
-            elif all(r is not runtime for r in _WARNED):  # once per model
-                _WARNED.append(runtime)
-                cast_only.append((name, p.dtype, master.dtype))
-    for name, cast, kept in cast_only:
+            elif warn is None and not getattr(guard, "cast_warned", False):  # once per model
+                guard.cast_warned = True
+                warn = (name, p.dtype, master.dtype)
+    if warn is not None:
+        name, cast, kept = warn
         warnings.warn(
             f"dmuon: fully_shard takes parameters param_policy cast to {cast} at dedicate_params ('{name}', ...), "
             f"and FSDP2 keeps no {kept} master of its own: their shards, AdamW state and checkpoints hold {cast}, "
             f"and updates smaller than its precision are lost. Give fully_shard mp_policy=MixedPrecisionPolicy("
             f"param_dtype={cast}): dmuon then hands FSDP2 the {kept} masters and FSDP2 computes in {cast}.",
-            stacklevel=4)
+            stacklevel=_user_stacklevel())
 
 
 def _fsdp_init():
@@ -103,7 +116,7 @@ def _call_get_managed_states(original, modules, ignored_params):
     from ._tp import hand_to_fsdp2
 
     hand_to_fsdp2(modules)  # TP slices dmuon does not train: FSDP2 gets their DTensors, not the slices
-    restore_masters(modules)  # parameters param_policy cast: FSDP2 gets their masters
+    restore_masters(modules, ignored_params or ())  # parameters param_policy cast: FSDP2 gets their masters
     dedicated = _dedicated_in(modules)
     if len(inspect.signature(original).parameters) >= 2:
         return original(modules, set(ignored_params or ()) | dedicated)

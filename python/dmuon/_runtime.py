@@ -51,6 +51,11 @@ def _sync_external(model: nn.Module, state: _State) -> Dict[str, nn.Parameter]:
     hands them over: the runtime forgets them, Muon trains them with AdamW on the shards, the state dicts
     read and write them through DTensor. Local; idempotent."""
     fresh = []
+    unsharded = [n for n, p in model.named_parameters()
+                 if state.params.get(n) is not None and state.params[n] is not p and not is_dtensor(p)]
+    if unsharded:  # FSDP2 keeps the root's parameters unsharded after a forward: its shards are registered again
+        for module in fsdp_modules(model):
+            module.reshard()
     for name, p in model.named_parameters():
         seen = state.params.get(name)
         if seen is None or seen is p or name in state.external:
@@ -431,7 +436,7 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
         owners[d["param"]] = coord
     register_undedicated(tp_params)  # what fully_shard may take later: as DTensors (hand_to_fsdp2)
     # what fully_shard may take later after param_policy cast it: in its master precision (restore_masters)
-    register_cast(runtime, [(n, p) for n, p in params if p.dtype != dtypes[n] and p not in owners])
+    register_cast(runtime, guard, [(n, p) for n, p in params if p.dtype != dtypes[n] and p not in owners])
     model._dmuon.hooks += _install_state_dict_guards(model, model._dmuon, dtypes)
     _install_zero_grad(model, runtime)
     # (after the core's setup agreement: a rank refused there never reaches this collective)
@@ -651,6 +656,11 @@ def dedicate_params_ddp(
     its gradient is reduced and who publishes the update after ``step()``. Pair it with
     :func:`replicate` for the other parameters. 1-D meshes. Returns parameter -> owner rank. Collective."""
     given = dict(locals())
+    if getattr(mesh, "ndim", 1) != 1:  # (a DeviceMesh; a (1, N) mesh too, whose replicate axis is trivial)
+        raise ValueError(
+            f"dedicate_params_ddp: mesh is a {mesh.ndim}-D DeviceMesh {tuple(mesh.shape)}; the DDP path takes a 1-D "
+            "mesh over the data-parallel world. For a (replicate, shard) layout use dedicate_params with the 2-D "
+            "mesh; with tensor parallelism, dedicate_params_ddp_tp(model, mesh['dp'], ...).")
     options, failure = _options_or_failure(lambda: _ddp_options(given, "dedicate_params_ddp"))
     return _dedicate(model, mesh, None, predicate, options, hook_boundary_predicate, hook_boundary_strict,
                      process_group_policy, True, "dedicate_params_ddp", failure)
@@ -993,11 +1003,20 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
     _load_agreed(state.world_group, fn, check, state_dict)
     # the modules' extra states first (their set_extra_state may still refuse a value: agreed, so a refusal on any
     # rank raises on every rank before any parameter or buffer is written)
+    before = {key: module.get_extra_state() for key, module in extra.items()}
+    written = []
+
     def set_extra_states():
         for key, module in extra.items():
             module.set_extra_state(state_dict[key])
+            written.append(key)
 
-    _load_agreed(state.world_group, fn, set_extra_states, {})
+    try:
+        _load_agreed(state.world_group, fn, set_extra_states, {})
+    except BaseException:
+        for key in written:  # this rank's modules as they were (a refusal here or on another rank)
+            extra[key].set_extra_state(before[key])
+        raise
     params, fsdp2 = {}, {}
     for key, value in expected.items():  # a tied parameter: its last key's value, as load_state_dict leaves it
         name = first_name.get(id(value))
@@ -1787,7 +1806,10 @@ def _flat(nested: Dict[str, Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]
 
 def _check_optimizer(model: nn.Module, optimizer, fn: str) -> _State:
     state = _state_of(model, fn)
-    if not isinstance(optimizer, Muon) or optimizer._model is not model:
+    def unwrapped(m):  # torch.compile(model) wraps it (OptimizedModule): the same model
+        return getattr(m, "_orig_mod", m)
+
+    if not isinstance(optimizer, Muon) or unwrapped(optimizer._model) is not unwrapped(model):
         raise ValueError(f"{fn}: optimizer must be the dmuon.Muon built on this model (dmuon.Muon(model, ...)).")
     return state
 
@@ -1828,6 +1850,31 @@ def get_optimizer_state_dict(model: nn.Module, optimizer, *, cpu_offload: bool =
     }
 
 
+def _in_this_layouts_sections(state_dict, external: Dict[str, nn.Parameter]):
+    """A dict saved by a run of another layout (FSDP2's fully_shard there, dmuon's replicate here, or the other
+    way): a parameter's AdamW state under 'fsdp' that dmuon trains here moves to 'dedicated_adamw', one under
+    'dedicated_adamw' that FSDP2 trains here (``external``) moves to 'fsdp', each step count as that section
+    keeps it (torch's AdamW: a float tensor; dmuon: an integer). Anything else is left for the checks."""
+    if not isinstance(state_dict, Mapping) or not all(isinstance(state_dict.get(k), Mapping)
+                                                      for k in ("fsdp", "dedicated_adamw")):
+        return state_dict
+    fsdp, own = dict(state_dict["fsdp"]), dict(state_dict["dedicated_adamw"])
+
+    def moved(entry, dtype):
+        step = entry.get("step") if isinstance(entry, Mapping) else None
+        if not isinstance(step, torch.Tensor) or step.numel() != 1 or not math.isfinite(float(step)):
+            return entry
+        return dict(entry, step=torch.tensor(float(step) if dtype.is_floating_point else int(float(step)), dtype=dtype))
+
+    for name in [n for n in fsdp if n not in external and n not in own]:
+        own[name] = moved(fsdp.pop(name), torch.int64)
+    for name in [n for n in own if n in external and n not in fsdp]:
+        fsdp[name] = moved(own.pop(name), torch.float32)
+    if len(fsdp) == len(state_dict["fsdp"]):
+        return state_dict
+    return dict(state_dict, fsdp=fsdp, dedicated_adamw=own)
+
+
 def _check_fsdp_state(name: str, saved, shape: tuple) -> None:
     """The "fsdp" section's entry of one parameter (full shape `shape`), checked as the core checks its own
     sections (torch's AdamW keeps the step as a float tensor)."""
@@ -1864,6 +1911,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
     fn = "set_optimizer_state_dict"
     state = _check_optimizer(model, optimizer, fn)
     external = _trained_external(state)
+    state_dict = _in_this_layouts_sections(state_dict, external)
     groups, steps = [], 0
 
     def check():  # every check before anything is loaded, agreed across the ranks
@@ -1909,7 +1957,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
                 raise ValueError(f"set_optimizer_state_dict: param_groups[{i}] has nesterov={saved['nesterov']!r}; it "
                                  "must be a bool.")
             if isinstance(saved["ns_steps"], bool) or not isinstance(saved["ns_steps"], numbers.Integral) \
-                    or saved["ns_steps"] < 1:
+                    or (saved["ns_steps"] < 1 and saved.get("is_muon")):  # (an AdamW group keeps 0)
                 raise ValueError(f"set_optimizer_state_dict: param_groups[{i}] has ns_steps={saved['ns_steps']!r}; it "
                                  "must be an int >= 1.")
             _refuse_torch_only_flags(i, saved)  # (copied into the live groups below: step() would refuse them)

@@ -129,21 +129,26 @@ void agree_outcome(Communicator& comm, const std::string& what, bool here, const
   text.refused = [](const std::vector<int>& ranks, const std::string& reason) {
     return "failed on rank(s) " + detail::rank_list(ranks) + ": " + reason;
   };
-  bool failed_here = false;
+  std::string own;  // the work's error here (it stands even where the agreement itself then fails)
+  bool mistake = false;
   try {
     detail::agree(comm, text, [&] {
       if (!here) return;
       try {
         work();
+      } catch (const std::exception& e) {
+        own = detail::error_text(e);
+        mistake = detail::is_caller_mistake(e);
+        throw;
       } catch (...) {
-        failed_here = true;
+        own = "an exception that is not a std::exception";
         throw;
       }
     }, [] { return std::vector<detail::AgreedEntry>{}; });
-  } catch (const std::exception& e) {
-    if (!failed_here) throw;
-    const std::string m = "rank " + std::to_string(comm.global_rank()) + ": " + what + " failed: " + detail::error_text(e);
-    if (detail::is_caller_mistake(e)) throw std::invalid_argument(m);
+  } catch (...) {
+    if (own.empty()) throw;
+    const std::string m = "rank " + std::to_string(comm.global_rank()) + ": " + what + " failed: " + own;
+    if (mistake) throw std::invalid_argument(m);
     throw std::runtime_error(m);
   }
 }

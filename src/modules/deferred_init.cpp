@@ -97,6 +97,7 @@ class TensorDictSource final : public ParamSource {
     TORCH_CHECK(it != values_.end(), what_, " has no '", name, "'.");
     out.copy_(region.cut(it->second));
   }
+  bool fills_cannot_fail() const override { return true; }  // check() saw every name, shape and kind
   std::string describe() const override { return what_; }
   uint64_t digest() const override {
     Fnv1a h;

@@ -223,6 +223,25 @@ std::vector<torch::optim::OptimizerParamGroup> checked_groups(const std::shared_
   for (const auto& p : all)
     if (!grouped.count(p.unsafeGetTensorImpl())) rest.params.push_back(p);
   if (!rest.params.empty() || user.empty()) user.push_back(rest);
+  // explicit coefficients set the iteration count (one per triple, as the API reference's NS functions): an
+  // ns_steps that differs is not used, which the caller should hear of rather than train on silently
+  if (o.ns && o.ns->options().coefficients) {
+    const auto n = static_cast<int64_t>(o.ns->options().coefficients->size());
+    std::vector<std::string> unused;
+    // (the default 5 cannot be told from one the caller gave: only another value is said to be unused)
+    if (o.ns_steps != n && o.ns_steps != kDefaultNsSteps)
+      unused.push_back("ns_steps=" + std::to_string(static_cast<int64_t>(o.ns_steps)));
+    for (const auto& g : user)
+      if (g.ns_steps && static_cast<int64_t>(*g.ns_steps) != n)
+        unused.push_back("param group '" + g.name + "' ns_steps=" + std::to_string(static_cast<int64_t>(*g.ns_steps)));
+    if (!unused.empty()) {
+      std::string list;
+      for (const auto& u : unused) list += (list.empty() ? "" : ", ") + u;
+      TORCH_WARN("Muon: ", list, " not used: the NewtonSchulz backend has explicit coefficients, so every matrix runs ",
+                 n, " iterations (one per (a, b, c) triple). Pass as many triples as iterations, or leave "
+                 "coefficients unset for the default Polar Express steps.");
+    }
+  }
 
   std::vector<torch::optim::OptimizerParamGroup> groups;
   for (const auto& g : user) {

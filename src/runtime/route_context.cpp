@@ -61,7 +61,7 @@ void RouteContext::fill_from(ParamSource& source, const std::string& name, const
       source.fill(name, region, out);
       return;
     }
-    at::Tensor scratch = at::empty_like(out, at::MemoryFormat::Contiguous);
+    at::Tensor scratch = at::empty(out.sizes(), out.options().device(at::kCPU));  // (no device memory)
     source.fill(name, region, scratch);
   } catch (const std::exception& e) {
     fill_error_ = "reading '" + name + "' from " + source.describe() + ": " + detail::error_text(e);

@@ -118,7 +118,7 @@ class RouteContext {
   // A dry run, up to agree_fills: fill_from reads (and so verifies: a checkpoint's checksums) into scratch and
   // writes nothing, after_fills drops its work. A load into values the model has (set_model_state_dict) runs
   // the fills dry first, so a damaged tensor one rank finds leaves every rank's model as it was instead of
-  // half-loaded; it costs a second read of what this rank keeps, one tensor in memory at a time.
+  // half-loaded; it costs a second read of what this rank keeps, one tensor at a time in host memory.
   void begin_dry_fills() { dry_ = true; }
   // collective (the world): throws on every rank, naming the ranks that failed and this rank's
   // error, when a fill_from since the last call failed anywhere (after a dry run: saying nothing was written).

@@ -749,8 +749,10 @@ void Runtime::assign_params(ParamSource& source, const std::vector<std::pair<std
     ctx_.agree_fills(what);
   };
   // every rank reads (verifies) all it needs before any rank writes: a damaged tensor leaves every model as it was
-  ctx_.begin_dry_fills();
-  fill_all();
+  if (!source.fills_cannot_fail()) {
+    ctx_.begin_dry_fills();
+    fill_all();
+  }
   fill_all();
   // nothing from before the load survives: gradients are dropped (the routes dropped theirs)
   for (const ModelView::Tensor& item : view_.params) at::Tensor(item.tensor).mutable_grad() = at::Tensor();

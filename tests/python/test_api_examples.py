@@ -174,6 +174,14 @@ def _ddp_no_sync_ns(rank, world, out_dir):
     ns = dmuon.NewtonSchulz("direct", coefficients=dmuon.YOU_COEFFICIENTS)
     optimizer = dmuon.Muon(model, ns_backend=ns)
     # ----
+    # explicit coefficients set the iteration count: an ns_steps that differs is not used, and said so
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dmuon.Muon(model, ns_backend=ns, ns_steps=3)
+    said = [str(w.message) for w in caught if "not used" in str(w.message)]
+    assert len(said) == 1 and "ns_steps=3 not used" in said[0] and "5 iterations" in said[0], said
     assert dmuon.NewtonSchulz(kernel="cublas").resolved_kernel("cpu") == dmuon.NewtonSchulz(deterministic=True).resolved_kernel("cpu")
     batch = dataloader[0]
     optimizer.zero_grad()

@@ -717,6 +717,10 @@ def _mesh_mistakes(rank, world):
     # the axes swapped: dmuon's layout (rank = replicate_rank x G + shard_rank) does not hold
     with pytest.raises(ValueError, match="replicate-major"):
         dmuon.dedicate_params(make_net(), mesh["replicate"], two_d, replicate_mesh=mesh["shard"])
+    # the DDP path takes a 1-D mesh: a 2-D one is refused, even one whose replicate axis is trivial
+    for shape in ((2, 2), (1, 4)):
+        with pytest.raises(ValueError, match=r"dedicate_params_ddp: mesh is a 2-D DeviceMesh .*takes a 1-D mesh"):
+            dmuon.dedicate_params_ddp(make_net(), init_device_mesh("cpu", shape), two_d)
 
 
 def test_mesh_mistakes(tmp_path):
@@ -725,11 +729,13 @@ def test_mesh_mistakes(tmp_path):
 
 def _resume(rank, world, layout, out_path):
     """Two steps, the model and optimizer state dicts, then a fresh model and optimizer loaded from them
-    train the last two steps: the same run as four uninterrupted steps."""
-    fsdp2 = layout == "fsdp2"
+    train the last two steps: the same run as four uninterrupted steps ("a->b": saved with layout a, resumed
+    with layout b, the AdamW state moving between FSDP2's section and dmuon's)."""
+    saved_as, _, resumed_as = layout.partition("->")
+    fsdp2 = saved_as == "fsdp2"
     mesh = init_device_mesh("cpu", (world,))
 
-    def build():
+    def build(fsdp2=fsdp2):
         model = dedicated_net(mesh, fsdp2)
         return (model,) + make_optimizer(model)
 
@@ -757,12 +763,18 @@ def _resume(rank, world, layout, out_path):
     assert [g["lr"] for g in optim_sd["param_groups"]] == [LR * schedule(STEPS // 2), ADAMW_LR * schedule(STEPS // 2)]
     sched_sd = sched.state_dict()
 
-    model, opt, sched = build()  # a fresh run resumes
+    if resumed_as:
+        fsdp2 = resumed_as == "fsdp2"
+    model, opt, sched = build(fsdp2)  # a fresh run resumes
     dmuon.set_model_state_dict(model, model_sd)
     if fsdp2:
         dmuon.set_optimizer_state_dict(model, opt, optim_sd)
     else:
         opt.load_state_dict(optim_sd)
+    if resumed_as:  # the state moved to the section this layout keeps it in
+        moved = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+        assert set(moved["fsdp" if fsdp2 else "dedicated_adamw"]) == set(adamw_section)
+        assert not moved["dedicated_adamw" if fsdp2 else "fsdp"]
     sched.load_state_dict(sched_sd)
     assert opt.param_groups[0]["lr"] == LR * schedule(STEPS // 2)
     train(model, opt, sched, range(STEPS // 2, STEPS))
@@ -773,7 +785,7 @@ def _resume(rank, world, layout, out_path):
     with pytest.raises(ValueError, match="no \\['fsdp'\\] section"):
         dmuon.set_optimizer_state_dict(model, opt, broken)
     # damaged values are refused before anything loads, in every section
-    if fsdp2:
+    if fsdp2 and not resumed_as:
         for key, value, message in (("exp_avg_sq", -1.0, "'scale.exp_avg_sq' has negative values"),
                                     ("exp_avg", float("nan"), "'scale.exp_avg' holds 1 non-finite value"),
                                     ("step", -1.0, "'scale.step' is -1; a step count must be >= 0")):
@@ -796,7 +808,7 @@ def _resume(rank, world, layout, out_path):
         dmuon.set_optimizer_state_dict(model, opt, {k: v for k, v in optim_sd.items() if k != "steps_taken"})
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "replicate"])
+@pytest.mark.parametrize("layout", ["fsdp2", "replicate", "fsdp2->replicate", "replicate->fsdp2"])
 def test_optimizer_state_dict_resumes(tmp_path, layout):
     run_ranks(tmp_path, 2, _resume, layout, str(tmp_path / "resumed.pt"))
     resumed = torch.load(tmp_path / "resumed.pt")
@@ -1448,6 +1460,8 @@ def _mixed_fsdp2(rank, world, mp_policy):
     want = torch.float32 if mp_policy else torch.bfloat16
     assert all(p.dtype == want for p in fsdp2.values()), {n: p.dtype for n, p in fsdp2.items()}
     assert len(said) == (0 if mp_policy else 1), said  # once per model, not per fully_shard call
+    with torch.no_grad():  # a forward before Muon() is built: the parameters FSDP2 took are its own
+        model(batch(0)[0].float())
     opt, sched = make_optimizer(model)
     train_steps(model, opt, sched, rank, world, range(STEPS), torch.float32)
     sd = dmuon.get_model_state_dict(model, rank0_only=False)
@@ -1789,14 +1803,15 @@ def test_torch_state_dicts_copies_and_checkpoint_functions_are_refused_where_the
 
 class _ExtraState(nn.Module):
     refuse = False  # set_extra_state raises on this rank (a version the module cannot read)
+    state = {"version": 3}
 
     def get_extra_state(self):
-        return {"version": 3}
+        return dict(self.state)
 
     def set_extra_state(self, state):
         if self.refuse:
             raise ValueError(f"cannot read extra state {state}")
-        assert state == {"version": 3}
+        self.state = dict(state)
 
 
 class _BufferNet(nn.Module):
@@ -1851,10 +1866,12 @@ def _buffers_as_ddp(rank, world, fsdp2):
     # refused loads write nothing on any rank: a module's set_extra_state refusing on rank 1 only, a value with
     # no data (meta), an integer value for a floating-point parameter
     moved = {k: v + 1 if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in sd.items()}
+    moved["note._extra_state"] = {"version": 4}
     model.note.refuse = rank == 1
     with pytest.raises(ValueError, match="cannot read extra state" if rank == 1 else r"rank\(s\) 1 refused"):
         dmuon.set_model_state_dict(model, moved)
     model.note.refuse = False
+    assert model.note.get_extra_state() == {"version": 3}  # rank 0's, set before rank 1 refused, is put back
     for bad in ({**moved, "layers.1.bias": torch.empty(DIM, dtype=torch.float64, device="meta")},
                 {**moved, "bn.weight": torch.ones(DIM, dtype=torch.bool)}):
         with pytest.raises(ValueError, match="meta|weights must be floating point"):

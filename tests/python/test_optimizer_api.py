@@ -670,6 +670,11 @@ def _torch_optimizer_protocol(rank, world):
         opt.load_state_dict(dict(saved, param_groups=None))
     assert opt._native.group_options(0) == before and opt.param_groups[0]["nesterov"] is True
     opt.step()
+    # torch.compile(model) (an OptimizedModule around it, compiled lazily) is the same model to the state dicts
+    compiled = torch.compile(model)
+    osd = dmuon.get_optimizer_state_dict(compiled, opt, rank0_only=False)
+    assert osd["steps_taken"] == opt.steps_taken and set(osd) >= {"dedicated", "dedicated_adamw", "fsdp"}
+    dmuon.set_optimizer_state_dict(compiled, opt, osd)
 
     # group values: a string or a bool is not a number (float() would take both)
     for value in ("0.5", True):
@@ -712,6 +717,11 @@ def _fsdp2_only_adamw_group(rank, world):
         group[key] = good
     opt.step()
     assert opt.steps_taken == 1
+    # its state dict (the group's ns_steps is 0: AdamW runs no Newton-Schulz) loads back
+    saved = opt.state_dict()
+    assert saved["param_groups"][-1]["ns_steps"] == 0
+    opt.load_state_dict(saved)
+    opt.step()
 
 
 def test_values_written_into_the_fsdp2_only_adamw_group_are_checked(tmp_path):
