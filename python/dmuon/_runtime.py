@@ -784,7 +784,10 @@ def _check_replicate_mesh(mesh, state: _State, expected, fn: str) -> None:
 @contextlib.contextmanager
 def no_sync(model: nn.Module):
     """Gradient accumulation: no gradient reduce inside (dmuon's, and FSDP2's on the modules fully_shard
-    wrapped); the next backward outside reduces the accumulated sum."""
+    wrapped); the next backward outside reduces the accumulated sum. Unlike torch's DDP, the forward and
+    backward inside still gather the dedicated matrices from their owners (dedicate_params; the DDP path
+    keeps them whole and does not): there every rank runs the same number of micro-batches and the same
+    blocks, else the ranks wait for each other until the collective timeout, an error naming the boundary."""
     state = _state_of(model, "no_sync")
     wrapped = fsdp_modules(model)
     state.runtime.set_no_sync(True)
