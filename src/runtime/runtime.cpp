@@ -241,6 +241,10 @@ void Runtime::note_backward() {
   // (retain_graph: a backward again without a forward; what it accumulated so far stays)
   if (backward_abandoned()) drop_abandoned_backward("the next backward", /*param_grads=*/false);
   backward_open_ = true;
+  // a backward through a retained graph (no use counted since the last backward): the uses of that graph (a
+  // boundary used by two forwards gets two gradients again; expecting fewer would reduce before the second)
+  for (auto& B : boundaries_)
+    if (B.post_expected == 0 && B.uncounted_uses == 0) B.post_expected = B.retained_uses;
   if (!reduce_order_fixed_ && ddp()) {
     // The DDP path: every boundary, the last in model order first, on every rank, whatever ran here.
     // Ranks may run different boundaries (a data-dependent branch, an expert that got no tokens): one
@@ -420,6 +424,7 @@ void Runtime::clear_pass_state(bool accumulating) {
   for (auto& B : boundaries_) {
     release(B.index);
     if (!accumulating) B.ran_since_backward = false;
+    if (B.post_expected > 0) B.retained_uses = B.post_expected;  // (its graph may be run backward again)
     B.post_expected = 0;
     B.uncounted_uses = 0;
     B.post_fired = 0;

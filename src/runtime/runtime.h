@@ -68,6 +68,9 @@ struct Boundary {
   bool ran_forward = false;         // entered in the current forward pass
   bool ran_since_backward = false;  // entered in any forward since the last backward (reduce set)
   int post_expected = 0;            // uses in grad mode since the last backward (hooked or not)
+  // the last backward's post_expected: a backward again through its retained graph (retain_graph=True, no
+  // forward since) runs every use's hook again, so it expects as many
+  int retained_uses = 0;
   int post_fired = 0;
   bool grads_ready = false;         // post-backward fired or all params accumulated
   int accumulated = 0;

@@ -817,6 +817,45 @@ def test_optimizer_state_dict_resumes(tmp_path, layout):
         assert err < 1e-10, f"{name} differs from four uninterrupted steps by {err}"
 
 
+def _retained_graph(rank, world, layout):
+    """Two forwards, then two backwards through the retained graphs (an auxiliary loss over several forwards):
+    the same training as one backward of the summed loss (each block's gradient arrives once per use in each
+    backward; none may be taken for the last)."""
+    import warnings
+
+    per, half = BATCH // world, BATCH // world // 2
+    results = {}
+    for split in (False, True):
+        model = dedicated_net(init_device_mesh("cpu", (world,)), layout == "fsdp2", reshard_after_forward=layout != "z2")
+        opt, sched = make_optimizer(model, first_step_progress_log=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(2):
+                x, y = batch(step)
+                x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+                opt.zero_grad()
+                outs = [model(x[:half]), model(x[half:])]
+                l1 = ((outs[0] - y[:half]) ** 2).mean() + ((outs[1] - y[half:]) ** 2).mean()
+                l2 = sum((o ** 2).mean() for o in outs)
+                if split:
+                    l1.backward(retain_graph=True)
+                    l2.backward()
+                else:
+                    (l1 + l2).backward()
+                opt.step()
+                sched.step()
+        assert not [w for w in caught if "dropped" in str(w.message)], [str(w.message) for w in caught]
+        results[split] = dmuon.get_model_state_dict(model, rank0_only=False)
+    for name, value in results[False].items():
+        err = float((results[True][name] - value).abs().max())
+        assert err < 1e-12, f"{name}: two backwards differ from one by {err}"
+
+
+@pytest.mark.parametrize("layout", ["z3", "z2", "fsdp2"])
+def test_backwards_through_retained_graphs_of_two_forwards_train_as_one(tmp_path, layout):
+    run_ranks(tmp_path, 2, _retained_graph, layout)
+
+
 def _kept_grads(rank, world, layout, out_path):
     # no zero_grad between steps: each step's gradient is the sum of all so far, as in torch, on any world size
     model = dedicated_net(init_device_mesh("cpu", (world,)), layout == "fsdp2")
