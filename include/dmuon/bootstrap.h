@@ -91,7 +91,7 @@ struct Bootstrap {
   int local_rank = 0;
 };
 // From the launch environment (TCPStore at MASTER_ADDR:MASTER_PORT); a single-process world
-// (rank 0 of 1, FileStore in a temp dir) when the variables are unset.
+// (rank 0 of 1, an in-memory HashStore: nothing is written to disk) when the variables are unset.
 Bootstrap bootstrap_from_environment(c10::DeviceType device,
                                      std::chrono::milliseconds timeout = kDefaultCollectiveTimeout);
 

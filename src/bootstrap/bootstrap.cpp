@@ -6,16 +6,14 @@
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <cstdlib>
-#include <filesystem>
 #include <stdexcept>
 #include <thread>
 #include <vector>
-
-#include <unistd.h>
 
 // Gloo only where CMake allowed it (DMUON_WITH_GLOO: gloo headers that match this LibTorch's gloo,
 // i.e. Debian's 1.13) AND this LibTorch was built with it AND the headers are here.
@@ -246,10 +244,8 @@ Bootstrap bootstrap_from_environment(c10::DeviceType device, std::chrono::millis
     b.store = make_launch_store(*env, timeout);
     check_in(b.store, b.rank, b.world_size, deadline, "connecting to the store");
   } else {
-    const auto dir = std::filesystem::temp_directory_path() /
-                     ("dmuon-single-" + std::to_string(::getpid()) + "-" + std::to_string(std::rand()));
-    std::filesystem::create_directories(dir);
-    b.store = make_file_store((dir / "store").string(), 1);
+    // one process: an in-memory store (nothing on disk for a run to leave behind)
+    b.store = c10::make_intrusive<c10d::HashStore>();
   }
   try {
     b.world = make_process_group(b.store, b.rank, b.world_size, device, timeout);
