@@ -63,9 +63,13 @@ void add_options(CLI::App& app, TrainArgs& a) {
   app.add_option("--weight-decay", a.weight_decay, "Muon weight decay")->capture_default_str();
   app.add_option("--grad-accum", a.grad_accum, "micro-batches per optimizer step on every rank")->capture_default_str();
   app.add_option("--seed", a.seed, "seed of the model init and the data order")
-      ->check(CLI::NonNegativeNumber)
+      ->check(CLI::Validator(
+          [](std::string& v) {
+            return v.rfind('-', 0) == 0 ? "must be >= 0 (an unsigned 64-bit integer), got " + v : std::string();
+          },
+          "NONNEGATIVE"))
       ->capture_default_str();
-  app.add_option("--port", a.port, "rendezvous port on 127.0.0.1 (default: a free one)");
+  app.add_option("--port", a.port, "rendezvous port on 127.0.0.1 (default, or 0: a free one)");
   app.add_option("--log-every", a.log_every, "progress/metrics interval in steps")->capture_default_str();
   app.add_option("--ns-backend", a.ns_backend, "Newton-Schulz form: gram or direct")
       ->check(CLI::IsMember({"gram", "direct"}))
@@ -164,15 +168,17 @@ std::filesystem::path resolved(const std::string& p) {
   return ec ? std::filesystem::absolute(p).lexically_normal() : r;
 }
 
-// --out: a directory (made if missing) that this process may write.
+// --out: a directory that this process may write, made (with its parents) if missing.
 void check_out_dir(const TrainArgs& a) {
   namespace fs = std::filesystem;
   if (a.out.empty()) bad("--out must name a directory");
   if (fs::exists(a.out) && !fs::is_directory(a.out))
     bad("--out " + a.out + " exists and is not a directory; --out names the directory for metrics.csv, "
         "summary.json and loss.svg");
-  if (fs::is_directory(a.out) && ::access(a.out.c_str(), W_OK) != 0)
-    bad("--out " + a.out + ": the directory is not writable");
+  std::error_code ec;
+  fs::create_directories(a.out, ec);  // first: --checkpoint / --export-safetensors may lie in it
+  if (ec) bad("--out " + a.out + ": cannot create the directory (" + ec.message() + "); --out names a writable directory");
+  if (::access(a.out.c_str(), W_OK) != 0) bad("--out " + a.out + ": the directory is not writable");
 }
 
 // Every output path before step 1: a file (not a directory) in a writable directory, never an input
@@ -303,7 +309,7 @@ void validate(const TrainArgs& a, int world) {
   check_hyperparameter("--weight-decay", a.weight_decay, HparamRange::NonNegative);
   if (!(a.val_fraction >= 0 && a.val_fraction < 1)) bad("--val-fraction must be in [0, 1)");
   if (a.port < 0 || a.port > 65535)
-    bad("--port " + std::to_string(a.port) + " is out of range 1-65535 (leave it unset for a free port)");
+    bad("--port " + std::to_string(a.port) + " is out of range 1-65535 (0, or leave it unset, for a free port)");
   if (!(a.timeout_s > 0 && a.timeout_s <= 7 * 24 * 3600.0)) bad("--timeout must be > 0 seconds (and at most a week)");
   if (a.replicate < 1 || dp % a.replicate != 0)
     bad("--replicate " + std::to_string(a.replicate) + " must divide the number of data-parallel ranks " +
@@ -530,11 +536,15 @@ void apply_overrides(const TrainArgs& a, TrainRun& r, std::ostream& out) {
   }
   if (!r.lead) return;
   out << note.str();
-  if (!a.lr_given || !a.adamw_lr_given) {
-    const auto& gs = r.opt->param_groups();
+  // the rates kept from the checkpoint (an overridden one is in the note above)
+  const auto& gs = r.opt->param_groups();
+  if (!a.lr_given && !a.adamw_lr_given)
     out << "  learning rates from the checkpoint: Muon " << gs[0].options().get_lr() << ", AdamW "
         << gs[1].options().get_lr() << " (--lr / --adamw-lr override them)\n";
-  }
+  else if (!a.lr_given)
+    out << "  Muon learning rate from the checkpoint: " << gs[0].options().get_lr() << " (--lr overrides it)\n";
+  else if (!a.adamw_lr_given)
+    out << "  AdamW learning rate from the checkpoint: " << gs[1].options().get_lr() << " (--adamw-lr overrides it)\n";
 }
 
 // --resume with loss scaling: the scale and growth tracker the checkpoint's run had reached.
@@ -925,8 +935,7 @@ int run_train_command(const std::vector<std::string>& args, std::ostream& out, s
   try {
     if (!launched_as_rank()) {
       const LaunchFn launch = [&](const TrainArgs& b, const std::vector<std::string>& bargs) {
-        check_out_dir(b);
-        std::filesystem::create_directories(b.out);  // first: --checkpoint / --export-safetensors may lie in it
+        check_out_dir(b);  // (made here: --checkpoint / --export-safetensors may lie in it)
         validate(b, b.ranks);
         std::string train_text, val_text;  // a missing or short file fails here, before any rank starts
         split_text(b, load_text(b.data, static_cast<size_t>(b.seq_len + 2)), train_text, val_text);

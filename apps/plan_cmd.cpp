@@ -623,7 +623,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out, const Calibrate
                  "Parameters with fewer elements are packed per layer (default 5000000)");
   app.add_option("--ns-steps", a.ns_steps, "Newton-Schulz steps in the optimizer cost (default 5)");
   app.add_option("--dtype", a.dtype,
-                 "Element type of the parameters: bf16 (default), fp16, fp32 (--hf-config: "
+                 "Element type of the parameters: bf16 (default), fp16, fp32, fp64, fp8 (--hf-config: "
                  "torch_dtype unless given)");
   app.add_option("--include", a.include,
                  "Muon targets = >=2-D params whose name matches (substring, or glob with * ?); "
@@ -686,6 +686,13 @@ int run(const std::vector<std::string>& argv, std::ostream& out, const Calibrate
   if (a.pack_threshold < 0)
     throw UsageError("--pack-threshold must be >= 0, got " + std::to_string(a.pack_threshold));
   if (a.ns_steps < 1) throw UsageError("--ns-steps must be >= 1, got " + std::to_string(a.ns_steps));
+  if (!a.dtype.empty()) {
+    try {
+      (void)dtype_bytes(a.dtype);
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(std::string("--dtype: ") + e.what());
+    }
+  }
   if (a.show_slots < 0)
     throw UsageError("--show-slots must be >= 0, got " + std::to_string(a.show_slots));
   if (a.show_boundaries < 0)

@@ -399,6 +399,9 @@ TEST(CliTest, ResumeChecksTheCheckpointsHyperparametersAndLogsOverrides) {
   r = run("train --steps 4" + kTiny + " --lr 0.01 --resume " + ck + " --out " + d);
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("--lr 0.01 overrides the checkpoint's Muon learning rate 0.02"), std::string::npos) << r.output;
+  // the kept rate is said as the checkpoint's, the overridden one is not
+  EXPECT_NE(r.output.find("AdamW learning rate from the checkpoint: "), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("learning rates from the checkpoint"), std::string::npos) << r.output;
   std::vector<std::string> lrs;
   ASSERT_EQ(csv_rows(d + "/metrics.csv", &lrs), 4);
   EXPECT_EQ(lrs[1], "0.02");
@@ -537,6 +540,10 @@ TEST(CliTest, OutputPathsAreCheckedBeforeTheFirstStep) {
   Result r = run("train --steps 3" + kTiny + " --data " + d + "/adir --out " + d + "/o", 60);
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.output.find("--data " + d + "/adir: is a directory"), std::string::npos) << r.output;
+  // an --out that cannot be made (its parent is a file) is named as --out, not as a bare file-system error
+  r = run("train --steps 3" + kTiny + " --data " + data + " --out " + data + "/o", 60);
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("--out " + data + "/o: cannot create the directory ("), std::string::npos) << r.output;
   std::filesystem::remove_all(d);
 }
 
@@ -687,6 +694,11 @@ TEST(CliTest, BadSizesNameTheFlagAtFault) {
     EXPECT_EQ(r.status, 1) << c.args << ": " << r.output;
     EXPECT_NE(r.output.find(c.want), std::string::npos) << c.args << ": " << r.output;
   }
+  // a command-line mistake (exit 2), said in a short line (not CLI11's range up to DBL_MAX's 300 digits)
+  const Result r = run(base + "--seed -1 --out " + temp_dir(), 60);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("error: --seed: must be >= 0 (an unsigned 64-bit integer), got -1\n"), std::string::npos)
+      << r.output;
 }
 
 // One rank dies: its error comes first and whole, the others' consequential errors after it, then

@@ -30,6 +30,7 @@
 #include "dmuon/env.h"
 #include "dmuon/communicator.h"
 #include "dmuon/mesh.h"
+#include "support/env_guard.h"
 #include "support/multirank.h"
 
 namespace dmuon {
@@ -82,26 +83,7 @@ using testing::error_of;
 int64_t allreduce_bytes(int n, int64_t s) { return n > 1 ? 2 * (n - 1) * s / n : 0; }
 int64_t gather_bytes(int n, int64_t s) { return n > 1 ? (n - 1) * s / n : 0; }
 
-// Sets (or unsets, with nullopt) an environment variable for the lifetime of the guard; restores the
-// previous value. Use in the main thread only, before starting rank threads.
-class EnvGuard {
- public:
-  EnvGuard(std::string name, const std::optional<std::string>& value) : name_(std::move(name)) {
-    if (const char* old = std::getenv(name_.c_str())) old_ = std::string(old);
-    set(value);
-  }
-  ~EnvGuard() { set(old_); }
-  EnvGuard(const EnvGuard&) = delete;
-  EnvGuard& operator=(const EnvGuard&) = delete;
-  void set(const std::optional<std::string>& value) {
-    if (value) ::setenv(name_.c_str(), value->c_str(), 1);
-    else ::unsetenv(name_.c_str());
-  }
-
- private:
-  std::string name_;
-  std::optional<std::string> old_;
-};
+using testing::EnvGuard;
 
 // CPU groups are Gloo unless this LibTorch has none (PyPI wheels) or DMUON_CPU_BACKEND=store: then
 // dmuon's store backend, which reduces natively (AVG, reduce-scatter, bf16).
@@ -1061,6 +1043,35 @@ TEST_F(BootstrapTest, BadPort) {
   port_.set("http");
   const std::string err = invalid_argument_of();
   EXPECT_NE(err.find("MASTER_PORT='http' is not an integer"), std::string::npos) << err;
+}
+
+// A malformed DMUON_CPU_BACKEND is this rank's own mistake, said before any connection: not a setup failure
+// after the --timeout wait for peers that are not there (here rank 0 of 2 with no rank 1 and a 60 s budget).
+TEST_F(BootstrapTest, AMalformedCpuBackendIsRefusedBeforeConnecting) {
+  EnvGuard backend("DMUON_CPU_BACKEND", "bogus");
+  rank_.set("0");
+  world_.set("2");
+  addr_.set("127.0.0.1");
+  port_.set("1");  // never reached
+  std::string err;
+  try {
+    bootstrap_from_environment(c10::DeviceType::CPU, 60s);
+  } catch (const c10::ValueError& e) {
+    err = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    err = std::string("wrong exception type: ") + e.what();
+  }
+  EXPECT_EQ(err.rfind("rank 0: DMUON_CPU_BACKEND='bogus' is not a CPU backend; use \"gloo\" or \"store\"", 0), 0u)
+      << err;
+  world_.set(std::nullopt);  // a single-process world: the same
+  rank_.set(std::nullopt);
+  err.clear();
+  try {
+    bootstrap_from_environment(c10::DeviceType::CPU, 60s);
+  } catch (const c10::ValueError& e) {
+    err = e.what_without_backtrace();
+  }
+  EXPECT_NE(err.find("DMUON_CPU_BACKEND='bogus' is not a CPU backend"), std::string::npos) << err;
 }
 
 TEST_F(BootstrapTest, SingleProcessWorldWhenEnvironmentIsUnset) {

@@ -28,6 +28,7 @@
 #include "dmuon/ns_graphs.h"
 #include "model/gpt.h"
 #include "ns/kernels.h"  // internal: what "auto" resolves to per shape
+#include "support/env_guard.h"
 #include "support/multirank.h"
 #include "support/training.h"
 
@@ -197,19 +198,7 @@ void queue_sleep(int64_t cycles) {
 #endif
 }
 
-// Sets an environment variable for the guard's lifetime (main thread, before any rank starts).
-class EnvGuard {
- public:
-  EnvGuard(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    ::setenv(name, value, 1);
-  }
-  ~EnvGuard() { old_ ? (void)::setenv(name_.c_str(), old_->c_str(), 1) : (void)::unsetenv(name_.c_str()); }
-
- private:
-  std::string name_;
-  std::optional<std::string> old_;
-};
+using testing::EnvGuard;
 
 struct OneGpuRun {
   int64_t most_reads = 0;

@@ -22,6 +22,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -36,6 +37,7 @@
 #include "dmuon/newton_schulz.h"
 #include "model/gpt.h"
 #include "optim/host_ops.h"
+#include "support/env_guard.h"
 #include "support/multirank.h"
 
 namespace dmuon {
@@ -541,12 +543,20 @@ TEST(MuonTest, FirstStepProgressLogIsLimitedToTheFirstStep) {
     };
     const std::string first = captured(), second = captured();
     int lines = 0;
+    std::set<std::string> named;  // each line names its matrix (identical lines said nothing about which)
     std::istringstream in(first);
     for (std::string l; std::getline(in, l); ++lines) {
-      EXPECT_EQ(l.rfind("[dmuon] rank 0: first step: Gram NS · kernel=cpu-gemm on ", 0), 0u) << l;
+      const std::string head = "[dmuon] rank 0: first step: Gram NS · kernel=cpu-gemm on '";
+      EXPECT_EQ(l.rfind(head, 0), 0u) << l;
+      const size_t end = l.find("' (", head.size());
+      ASSERT_NE(end, std::string::npos) << l;
+      const std::string name = l.substr(head.size(), end - head.size());
+      EXPECT_TRUE(m->named_parameters().contains(name) && param(m, name).dim() == 2) << l;
+      named.insert(name);
       EXPECT_NE(l.find(" ms"), std::string::npos) << l;
     }
     EXPECT_EQ(lines, 2) << first;
+    EXPECT_EQ(named.size(), 2u) << first;
     EXPECT_EQ(second, "");
   });
 }
@@ -1027,6 +1037,14 @@ TEST(MuonTest, GroupValuesThatDifferBetweenRanksAreAnErrorAtTheStep) {
           << err;
       EXPECT_NE(err.find("rank(s) 1 differ from the first rank"), std::string::npos) << err;
       EXPECT_NE(err.find("ReduceLROnPlateau"), std::string::npos) << err;
+      // the value in decimal (not a hex float), the shortest text that reads back as this rank's lr exactly
+      const size_t at = err.find("(this rank's: lr=");
+      ASSERT_NE(at, std::string::npos) << err;
+      char* end = nullptr;
+      const std::string shown = err.substr(at + 17, err.find(';', at) - at - 17);  // up to "); rank(s)"
+      EXPECT_EQ(std::strtod(shown.c_str(), &end), ctx.rank == 1 ? lr / 2 : lr) << err;
+      EXPECT_EQ(*end, ' ') << err;
+      EXPECT_EQ(shown.find("0x"), std::string::npos) << err;
       o.lr(lr);
     }
     set_grads(m, g);
@@ -1204,6 +1222,39 @@ TEST(MuonTest, OptionsTheRanksDisagreeOnAreAnErrorOnEveryRank) {
                                c.field + " (this rank's: ") != std::string::npos &&
                           err.find("rank(s) 1 differ from rank 0") != std::string::npos &&
                           err.find("pass the same options to Muon on every rank") != std::string::npos,
+                      who + ": " + err);
+    });
+  }
+}
+
+// A malformed DMUON_* variable that step() or clipping reads is refused when Muon is built, on every rank,
+// naming the variable (it used to surface in the first step on whichever rank read it first, while the
+// others waited in a collective); with the variables unset the same options construct.
+TEST(MuonTest, AMalformedEnvironmentVariableIsRefusedAtConstructionOnEveryRank) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"DMUON_NS_KERNEL", "unknown kernel 'bogus'"},
+      {"DMUON_BATCHED_NS", "DMUON_BATCHED_NS='bogus' is not a boolean"},
+      {"DMUON_NS_CPU_FUSED", "DMUON_NS_CPU_FUSED='bogus' is not a boolean"},
+      {"DMUON_NS_BATCH_MB", "DMUON_NS_BATCH_MB='bogus' is not a positive number of MiB"},
+      {"DMUON_FAST_CLIP", "DMUON_FAST_CLIP='bogus' is not a boolean"},
+      {"DMUON_FAST_CLIP_CHUNK_SIZE", "DMUON_FAST_CLIP_CHUNK_SIZE='bogus' is not a positive element count"},
+      {"", ""},
+  };
+  for (const auto& [var, expected] : cases) {
+    std::optional<testing::EnvGuard> guard;
+    if (!var.empty()) guard.emplace(var, "bogus");
+    testing::run_ranks(2, [&](testing::RankContext& ctx) {
+      Tiny m;
+      const auto mesh = shared_mesh(ctx);
+      dedicate_params(m.ptr(), mesh, is_matrix);
+      replicate(m.ptr(), mesh);
+      const std::string err = testing::error_of([&] { Muon opt(m.ptr(), quiet()); });
+      const std::string who = "rank " + std::to_string(ctx.rank) + ", " + (var.empty() ? "unset" : var);
+      if (var.empty()) {
+        testing::expect(err.empty(), who + ": " + err);
+        return;
+      }
+      testing::expect(err.find(expected) != std::string::npos && err.find("rank " + std::to_string(ctx.rank)) == 0,
                       who + ": " + err);
     });
   }

@@ -224,7 +224,10 @@ TEST_F(PlanToolTest, BadInputIsOneLineErrorNeverACrash) {
   ExpectOneLineError(run({"llama3-8b", "--owner-cost-model", "flops"}), "'flops'");
   ExpectOneLineError(run({"llama3-8b", "--pack-small-params", "maybe"}), "'maybe'");
   ExpectOneLineError(run({"llama3-8b", "--max-owners-per-group", "0"}), "got 0");
-  ExpectOneLineError(run({"llama3-8b", "--dtype", "int3"}), "unknown dtype 'int3'");
+  ExpectOneLineError(run({"llama3-8b", "--dtype", "int3"}), "--dtype: unknown dtype 'int3'");
+  // the flag is named, not the parameter list it would have been applied to
+  ExpectOneLineError(run({"--params", write("one.json", R"([{"name": "w", "shape": [4, 4]}])"), "--dtype", "fp7"}),
+                     "--dtype: unknown dtype 'fp7' (use bf16, fp16, fp32, fp64 or fp8)");
   ExpectOneLineError(run({"llama3-8b", "--no-such-flag"}), "--no-such-flag");
   ExpectOneLineError(run({}), "no model given");
   ExpectOneLineError(run({"llama3-8b", "--params", "x.json"}), "more than one model");

@@ -1331,17 +1331,19 @@ TEST(RuntimeTest, HsdpStage2ReducesGoOutDuringBackwardAndStepWaitsThem) {
 
 TEST(RuntimeTest, HsdpStrictPostStepFence) {
   // DMUON_ISOLATED_PG_BARRIER=1: each step() ends with one barrier on the shard group and one on the
-  // replicate group (HSDP), one on the shard group (1-D); none without it
-  for (const int replicate : {2, 1}) {
+  // replicate group (HSDP), one on the shard group (1-D, and the DDP path: its groups are dmuon's too);
+  // none without it
+  for (const int replicate : {2, 1, 0}) {  // (0: the DDP path)
     for (const bool fence : {true, false}) {
       if (fence) setenv("DMUON_ISOLATED_PG_BARRIER", "1", 1);
       testing::run_ranks(4, [&](testing::RankContext& ctx) {
         const GPTConfig cfg = small_config(2);
         GPT m(cfg);
-        auto mesh = make_mesh(ctx, std::chrono::seconds(60), replicate);
+        auto mesh = make_mesh(ctx, std::chrono::seconds(60), std::max(replicate, 1));
         DistConfig dc;
         dc.world = 4;
-        dc.replicate = replicate;
+        dc.replicate = std::max(replicate, 1);
+        dc.ddp = replicate == 0;
         testing::dedicate_gpt(m, mesh, dc);
         Muon opt(m.ptr(), testing::muon_options(TrainConfig{}));
         const auto batches = make_batches(2, 8, 8, cfg.vocab_size, 3);

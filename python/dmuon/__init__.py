@@ -49,7 +49,11 @@ from ._clip import (  # noqa: E402
     try_clip_optimizer_grad_norm_buckets_,
 )
 from ._runtime import (  # noqa: E402
+    AssignmentGroupKeyFn,
+    HookBoundaryResolver,
     Muon,
+    ParamPolicyFn,
+    RouteHintFn,
     clip_grad_norm_,
     dedicate_params,
     dedicate_params_ddp,
@@ -67,6 +71,7 @@ from ._fsdp2 import ignored_params, install_patch, uninstall_patch  # noqa: E402
 from ._inspect import (  # noqa: E402
     DedicatedCommContext,
     DedicatedParam,
+    OwnerRankLike,
     ReplicatedGroup,
     broadcast_all_updates,
     broadcast_all_updates_async,
@@ -93,8 +98,18 @@ from ._ns import (  # noqa: E402
     gram_newton_schulz_q,
 )
 
+# The coefficients the Newton-Schulz functions use when given none (the API reference's DEFAULT_COEFFICIENTS):
+# Polar Express, one (a, b, c) triple per iteration.
+DEFAULT_COEFFICIENTS = POLAR_EXPRESS_COEFFICIENTS
+
 __all__ = [
     "__version__",
+    "AssignmentGroupKeyFn",
+    "DEFAULT_COEFFICIENTS",
+    "HookBoundaryResolver",
+    "OwnerRankLike",
+    "ParamPolicyFn",
+    "RouteHintFn",
     "DedicatedCommContext",
     "DedicatedParam",
     "GradClipBucket",

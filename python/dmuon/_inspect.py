@@ -77,9 +77,9 @@ def get_owned_params(model: nn.Module, rank: OwnerRankLike) -> List[DedicatedPar
 
 def get_replicated_group(model: nn.Module) -> Optional[ReplicatedGroup]:
     """What :func:`dmuon.replicate` or :func:`dmuon.replicate_tp` attached to ``model``, or None when neither was
-    called. Local."""
-    state = _state_of(model, "get_replicated_group")
-    if not state.replicated:
+    called (or the model was never dedicated). Local."""
+    state = getattr(model, "_dmuon", None)
+    if state is None or not state.replicated:
         return None
     names = [n for n, route in state.runtime.routes() if route == "replicated"]
     return ReplicatedGroup(names, state.mesh.shard_size * state.mesh.replicate_size, tp=state.replicated_tp)

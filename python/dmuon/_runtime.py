@@ -46,6 +46,14 @@ class _State:
         self.comm_options = {}  # tp_buffer_reuse, replicate_broadcast_bucket_mb as dedicate_params lowered them
 
 
+# The API reference's names for the callables dedicate_params takes (each called with a parameter's fully
+# qualified name and the parameter).
+HookBoundaryResolver = Callable[[str, nn.Parameter], Union[nn.Module, str]]  # its boundary module (or its name)
+AssignmentGroupKeyFn = Callable[[str, nn.Parameter], str]  # the owner assignment's group key
+RouteHintFn = Callable[[str, nn.Parameter], str]  # "muon", "adamw", "sharded_adamw" ("" or None: the default)
+ParamPolicyFn = Callable[[str, nn.Parameter], Optional[Mapping[str, object]]]  # param_policy's fields for it
+
+
 def _sync_external(model: nn.Module, state: _State) -> Dict[str, nn.Parameter]:
     """Finds the parameters FSDP2 (fully_shard) replaced with its DTensor shards since dedicate_params and
     hands them over: the runtime forgets them, Muon trains them with AdamW on the shards, the state dicts
@@ -580,9 +588,9 @@ def dedicate_params(
     replicate_mesh=None,
     hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
     hook_boundary_strict: bool = True,
-    hook_boundary_resolver: Optional[Callable[[str, nn.Parameter], Union[nn.Module, str]]] = None,
-    assignment_group_key_fn: Optional[Callable[[str, nn.Parameter], str]] = None,
-    route_hint_fn: Optional[Callable[[str, nn.Parameter], str]] = None,
+    hook_boundary_resolver: Optional[HookBoundaryResolver] = None,
+    assignment_group_key_fn: Optional[AssignmentGroupKeyFn] = None,
+    route_hint_fn: Optional[RouteHintFn] = None,
     max_owners_per_group: Optional[int] = None,
     owner_strategy: Optional[str] = None,
     owner_cost_model: Optional[str] = None,
@@ -593,7 +601,7 @@ def dedicate_params(
     muon_forward_unshard: str = "broadcast",
     delay_stage2_to_optimizer: bool = True,
     param_policy: Optional[Mapping[str, object]] = None,
-    param_policy_fn: Optional[Callable[[str, nn.Parameter], Optional[Mapping[str, object]]]] = None,
+    param_policy_fn: Optional[ParamPolicyFn] = None,
     process_group_policy: Optional[str] = None,
 ) -> Dict[nn.Parameter, int]:
     """Gives each Muon matrix (``predicate(name, param)`` true) one owner rank that holds it whole and runs
@@ -642,14 +650,14 @@ def dedicate_params_ddp(
     compute_dtype: Optional[torch.dtype] = None,
     hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
     hook_boundary_strict: bool = True,
-    hook_boundary_resolver: Optional[Callable[[str, nn.Parameter], Union[nn.Module, str]]] = None,
-    assignment_group_key_fn: Optional[Callable[[str, nn.Parameter], str]] = None,
+    hook_boundary_resolver: Optional[HookBoundaryResolver] = None,
+    assignment_group_key_fn: Optional[AssignmentGroupKeyFn] = None,
     max_owners_per_group: Optional[int] = None,
     owner_strategy: Optional[str] = None,
     owner_cost_model: Optional[str] = None,
     pack_small_params: Optional[bool] = None,
     param_policy: Optional[Mapping[str, object]] = None,
-    param_policy_fn: Optional[Callable[[str, nn.Parameter], Optional[Mapping[str, object]]]] = None,
+    param_policy_fn: Optional[ParamPolicyFn] = None,
     process_group_policy: Optional[str] = None,
 ) -> Dict[nn.Parameter, int]:
     """The DDP path: every rank keeps every matrix whole; ownership decides who runs Newton-Schulz, where
@@ -673,15 +681,15 @@ def dedicate_params_ddp_tp(
     compute_dtype: Optional[torch.dtype] = None,
     hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
     hook_boundary_strict: bool = True,
-    hook_boundary_resolver: Optional[Callable[[str, nn.Parameter], Union[nn.Module, str]]] = None,
-    assignment_group_key_fn: Optional[Callable[[str, nn.Parameter], str]] = None,
+    hook_boundary_resolver: Optional[HookBoundaryResolver] = None,
+    assignment_group_key_fn: Optional[AssignmentGroupKeyFn] = None,
     max_owners_per_group: Optional[int] = None,
     owner_strategy: Optional[str] = None,
     owner_cost_model: Optional[str] = None,
     pack_small_params: Optional[bool] = None,
     tp_buffer_reuse: Union[bool, str] = False,
     param_policy: Optional[Mapping[str, object]] = None,
-    param_policy_fn: Optional[Callable[[str, nn.Parameter], Optional[Mapping[str, object]]]] = None,
+    param_policy_fn: Optional[ParamPolicyFn] = None,
     process_group_policy: Optional[str] = None,
 ) -> Dict[nn.Parameter, int]:
     """The DDP path with tensor parallelism, kept apart so that dedicate_params_ddp keeps rejecting DTensor
@@ -732,6 +740,7 @@ def replicate(model: nn.Module, mesh=None) -> nn.Module:
     state = _state_of(model, "replicate")
     if state.replicated:
         raise RuntimeError("replicate: already called on this model; call it once, after dedicate_params.")
+    _refuse_fsdp2_managed(model, state, "replicate")
     if state.mesh.tp_size > 1:
         raise ValueError("replicate: the model has tensor-parallel DTensor parameters (parallelize_module), whose "
                          "gradients are slices; replicate keeps rejecting them. Call dmuon.replicate_tp(model, mesh) "
@@ -751,6 +760,7 @@ def replicate_tp(model: nn.Module, mesh=None) -> nn.Module:
     state = _state_of(model, "replicate_tp")
     if state.replicated:
         raise RuntimeError("replicate_tp: already called on this model; call it once, after dedicate_params.")
+    _refuse_fsdp2_managed(model, state, "replicate_tp")
     if state.mesh.tp_size == 1:
         raise ValueError("replicate_tp: the model has no tensor-parallel DTensor parameter; use dmuon.replicate.")
     if mesh is not None:
@@ -758,6 +768,19 @@ def replicate_tp(model: nn.Module, mesh=None) -> nn.Module:
     state.runtime.replicate(25.0, tp=True)
     state.replicated = state.replicated_tp = True
     return model
+
+
+def _refuse_fsdp2_managed(model: nn.Module, state: _State, fn: str) -> None:
+    """replicate's refusal (the API reference's RuntimeError) when fully_shard already took trainable parameters
+    it would replicate: FSDP2 averages and steps those itself, and the two cannot share a parameter."""
+    taken = sorted(_trained_external(state) if _sync_external(model, state) else {})
+    if taken:
+        shown = ", ".join(f"'{n}'" for n in taken[:3]) + (f" and {len(taken) - 3} more" if len(taken) > 3 else "")
+        raise RuntimeError(
+            f"rank {_rank()}: {fn}: {shown} {'is' if len(taken) == 1 else 'are'} already under FSDP2 (fully_shard ran "
+            f"on {'its module' if len(taken) == 1 else 'their modules'}), which averages their gradients and shards "
+            "them itself. Train the non-dedicated parameters with one of the two: fully_shard (then Muon trains "
+            f"them on FSDP2's shards, no {fn}), or {fn} without fully_shard.")
 
 
 def _check_replicate_mesh(mesh, state: _State, expected, fn: str) -> None:
@@ -1823,7 +1846,8 @@ def get_optimizer_state_dict(model: nn.Module, optimizer, *, cpu_offload: bool =
     ``exp_avg``, ``exp_avg_sq``, ``step`` of the parameters on dmuon's routes), ``"fsdp"`` (the same for
     FSDP2's shards, gathered) and ``"param_groups"`` (every group's hyperparameters), plus
     ``"steps_taken"``. ``cpu_offload``: tensors on the CPU; ``rank0_only``: only rank 0 gets a populated
-    dict. Collective: every rank of the model's mesh."""
+    dict, the others ``{"fsdp": {}, "dedicated": {}, "param_groups": []}``. Collective: every rank of the
+    model's mesh."""
     state = _check_optimizer(model, optimizer, "get_optimizer_state_dict")
     optimizer._push_groups()  # a scheduler may have changed lr since the last step
     native = optimizer._native.state(state.runtime, cpu_offload, rank0_only)
@@ -1839,8 +1863,8 @@ def get_optimizer_state_dict(model: nn.Module, optimizer, *, cpu_offload: bool =
             entry["step"] = st["step"].detach().clone()
             if keep:
                 fsdp[name] = {k: (v.cpu() if cpu_offload else v).clone() for k, v in entry.items()}
-    if not keep:
-        return {"fsdp": {}, "dedicated": {}, "dedicated_adamw": {}, "param_groups": [], "steps_taken": 0}
+    if not keep:  # the API reference's empty form
+        return {"fsdp": {}, "dedicated": {}, "param_groups": []}
     groups = []
     for g in optimizer.param_groups:
         groups.append({k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"})
@@ -1851,6 +1875,27 @@ def get_optimizer_state_dict(model: nn.Module, optimizer, *, cpu_offload: bool =
         "param_groups": groups,
         "steps_taken": native["steps_taken"],
     }
+
+
+def _with_every_section(state_dict):
+    """A dict of the API reference's four sections (no ``steps_taken``, which dmuon adds) or without
+    ``dedicated_adamw`` (its owner-managed AdamW state, absent where there is none): loadable. The missing
+    section is empty; the step count is the largest per-parameter ``step`` (the step the state was saved
+    after). A dict holding neither a section nor a group is left for the checks to refuse."""
+    if not isinstance(state_dict, Mapping) or not state_dict.get("param_groups"):
+        return state_dict
+    out = dict(state_dict)
+    out.setdefault("dedicated_adamw", {})
+    if "steps_taken" not in out:
+        steps = [0]
+        for key in _SECTIONS:
+            for entry in (out[key].values() if isinstance(out.get(key), Mapping) else ()):
+                step = entry.get("step") if isinstance(entry, Mapping) else None
+                if isinstance(step, (torch.Tensor, numbers.Real)) and not isinstance(step, bool) and \
+                        (not isinstance(step, torch.Tensor) or step.numel() == 1) and math.isfinite(float(step)):
+                    steps.append(max(0, int(float(step))))
+        out["steps_taken"] = max(steps)
+    return out
 
 
 def _in_this_layouts_sections(state_dict, external: Dict[str, nn.Parameter]):
@@ -1914,7 +1959,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
     fn = "set_optimizer_state_dict"
     state = _check_optimizer(model, optimizer, fn)
     external = _trained_external(state)
-    state_dict = _in_this_layouts_sections(state_dict, external)
+    state_dict = _in_this_layouts_sections(_with_every_section(state_dict), external)
     groups, steps = [], 0
 
     def check():  # every check before anything is loaded, agreed across the ranks
@@ -1924,11 +1969,12 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
         missing = [k for k in _SECTIONS + ("param_groups", "steps_taken") if k not in state_dict]
         empty = (" This rank got an empty dict: get_optimizer_state_dict returns the state on rank 0 only by "
                  "default (rank0_only=True); pass rank0_only=False, or send rank 0's to every rank.")
+        blank = not any(state_dict.get(k) for k in _SECTIONS + ("param_groups",))
         if missing:
             raise ValueError(
                 f"set_optimizer_state_dict: the state dict has no {missing} section(s); pass what "
                 "dmuon.get_optimizer_state_dict(model, optimizer, rank0_only=False) returned (or rank 0's, sent to "
-                "every rank)." + (empty if not state_dict else "")
+                "every rank)." + (empty if blank else "")
             )
         for key in _SECTIONS:
             if not isinstance(state_dict[key], Mapping):

@@ -142,15 +142,23 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& hostna
 }  // namespace
 #endif
 
+namespace {
+// DMUON_CPU_BACKEND, checked: "" (Gloo where this build has it, else the store backend), "gloo" or "store".
+std::string cpu_backend_choice(int rank) {
+  const std::string choice = env::cpu_backend();
+  TORCH_CHECK_VALUE(choice.empty() || choice == "gloo" || choice == "store", "rank ", rank, ": DMUON_CPU_BACKEND='",
+                    choice, "' is not a CPU backend; use \"gloo\" or \"store\" (or leave it unset).");
+  TORCH_CHECK_VALUE(choice != "gloo" || DMUON_HAVE_GLOO, "rank ", rank, ": DMUON_CPU_BACKEND=gloo, but this dmuon "
+                    "build has no Gloo (this LibTorch ships no gloo headers, e.g. a PyPI wheel). Unset it to use "
+                    "dmuon's store backend, or build against Debian's libtorch-dev + libgloo-dev.");
+  return choice;
+}
+}  // namespace
+
 CommPtr make_process_group(const StorePtr& store, int rank, int size, c10::DeviceType device,
                            std::chrono::milliseconds timeout, const std::string& hostname, StreamPriority priority) {
   if (device == c10::DeviceType::CPU) {
-    const std::string choice = env::cpu_backend();
-    TORCH_CHECK(choice.empty() || choice == "gloo" || choice == "store", "rank ", rank, ": DMUON_CPU_BACKEND='",
-                choice, "' is not a CPU backend; use \"gloo\" or \"store\" (or leave it unset).");
-    TORCH_CHECK(choice != "gloo" || DMUON_HAVE_GLOO, "rank ", rank, ": DMUON_CPU_BACKEND=gloo, but this dmuon build "
-                "has no Gloo (this LibTorch ships no gloo headers, e.g. a PyPI wheel). Unset it to use dmuon's "
-                "store backend, or build against Debian's libtorch-dev + libgloo-dev.");
+    const std::string choice = cpu_backend_choice(rank);
 #if DMUON_HAVE_GLOO
     if (choice != "store") {
       auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
@@ -227,6 +235,8 @@ void check_in(const StorePtr& store, int rank, int world, std::chrono::steady_cl
 Bootstrap bootstrap_from_environment(c10::DeviceType device, std::chrono::milliseconds timeout) {
   Bootstrap b;
   const auto env = LaunchEnv::from_environment();
+  // a malformed backend choice is this rank's own mistake: said before connecting (not as a failed setup)
+  if (device == c10::DeviceType::CPU) (void)cpu_backend_choice(env ? env->rank : 0);
   if (env) {
     b.rank = env->rank;
     b.world_size = env->world_size;

@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "comm/agreement.h"
+#include "comm/error_text.h"
 #include "dmuon/env.h"
 #include "dmuon/host_sync.h"
 #include "dmuon/ns_runner.h"
@@ -166,6 +167,31 @@ std::shared_ptr<RuntimeFace> dedicated_runtime(const std::shared_ptr<torch::nn::
   return state;
 }
 
+// The DMUON_* variables step() and clipping read (the NS kernel, batching, the fused CPU path, CUDA graphs, the
+// fast clip), parsed here so a
+// malformed value is refused at construction, on every rank (within the option agreement), not in the first
+// step on whichever rank reaches it first while the others wait in a collective.
+void check_environment(const MuonOptions& o, const RuntimeFace& state) {
+  c10::DeviceType device = c10::DeviceType::CPU;
+  for (const auto& v : state.describe())
+    if (v.param.defined()) {
+      device = v.param.device().type();
+      break;
+    }
+  try {
+    (void)(o.ns ? *o.ns : NewtonSchulz(o.ns_backend)).resolved_kernel(device);  // DMUON_NS_KERNEL
+    (void)env::batched_ns();
+    (void)env::ns_cpu_fused();
+    (void)env::ns_cuda_graphs();
+    (void)ns_batch_cap_bytes();                 // DMUON_NS_BATCH_MB
+    (void)env::fast_clip();                     // clip_grad_norm_'s
+    (void)detail::resolve_chunk(std::nullopt);  // DMUON_FAST_CLIP_CHUNK_SIZE
+  } catch (const std::exception& e) {
+    TORCH_CHECK_VALUE(false, "rank ", state.mesh().global_rank(), ": Muon: ", detail::error_text(e),
+                      " (the environment is read when Muon is built: fix or unset the variable on every rank)");
+  }
+}
+
 std::vector<torch::optim::OptimizerParamGroup> checked_groups(const std::shared_ptr<RuntimeFace>& state,
                                                               const MuonOptions& o, const torch::nn::Module* model) {
   check_hparam("lr", o.lr, HparamRange::NonNegative);
@@ -187,6 +213,7 @@ std::vector<torch::optim::OptimizerParamGroup> checked_groups(const std::shared_
   check_hparam(o.tp_distributed_gram_max_factor_to_scatter_ratio >= 0,
                "tp_distributed_gram_max_factor_to_scatter_ratio", o.tp_distributed_gram_max_factor_to_scatter_ratio,
                ">= 0");
+  check_environment(o, *state);
   std::set<const c10::TensorImpl*> dedicated, trainable;
   std::vector<at::Tensor> all;  // every trainable parameter, model order
   for (const auto& v : state->describe()) {
@@ -453,7 +480,7 @@ struct Muon::StepRun final : StepVisitor {
   detail::PhaseClock& clock;
   bool log_first = false;
   std::vector<NsJob> ns_jobs;          // the group's whole matrices: NS batched by shape at the group's end
-  std::vector<at::Tensor> ns_targets;  // (what each job updates: the progress log names its shape)
+  std::vector<std::pair<std::string, at::Tensor>> ns_targets;  // each job's parameter (the progress log's)
   std::vector<TpUpdate> tp_pending;    // TP gathers in flight, in step order: NS and scatter before the publish
   struct AdamwBatch {                  // fused AdamW of one (parameter group, device, dtype)
     const MuonGroupOptions* options = nullptr;
@@ -470,9 +497,9 @@ struct Muon::StepRun final : StepVisitor {
   int64_t nonfinite_count = 0;  // and how many it found
   detail::PhaseClock::Mark phase_start;
 
-  void add_ns_job(NsJob job, const at::Tensor& target) {
+  void add_ns_job(NsJob job, const std::string& name, const at::Tensor& target) {
     ns_jobs.push_back(std::move(job));
-    ns_targets.push_back(target);
+    ns_targets.emplace_back(name, target);
   }
 
   StepRun(Muon& o, RuntimeFace& r, StepProfile& p, detail::PhaseClock& c)
@@ -525,7 +552,7 @@ struct Muon::StepRun final : StepVisitor {
         [&ms](size_t i, double t) { ms[i] = t; });
     flush_updates();  // (after_batch did; nothing is left queued past the group)
     clock.add(detail::Phase::Ns, t0);
-    for (size_t i = 0; i < ns_targets.size(); ++i) progress_line(ns_targets[i], ms[i]);
+    for (size_t i = 0; i < ns_targets.size(); ++i) progress_line(ns_targets[i].first, ns_targets[i].second, ms[i]);
     clock.add(detail::Phase::Muon, t0);
     ns_jobs.clear();
     ns_targets.clear();
@@ -588,7 +615,7 @@ struct Muon::StepRun final : StepVisitor {
     if (r.muon && o.is_muon()) {
       opt.muon_update(r, g, momentum_done, o, rt.mesh(), prof, clock, *this);
       clock.add(detail::Phase::Muon, t0);
-      if (r.tp_owner >= 0) progress_line(r.target, elapsed_ms(t0.host));  // whole matrices: after their batch
+      if (r.tp_owner >= 0) progress_line(r.name, r.target, elapsed_ms(t0.host));  // whole matrices: after their batch
     } else if (!r.muon && !o.is_muon()) {
       adamw(r, o);
       clock.add(detail::Phase::Adamw, t0);
@@ -669,12 +696,12 @@ struct Muon::StepRun final : StepVisitor {
     clock.add(detail::Phase::Adamw, t0);
   }
 
-  void progress_line(const at::Tensor& target, double ms) {
+  void progress_line(const std::string& name, const at::Tensor& target, double ms) {
     if (!log_first || opt.progress_logged_ >= opt.options_.first_step_progress_log_limit) return;
     ++opt.progress_logged_;
     std::ostringstream line;
     line << "[dmuon] rank " << rt.mesh().global_rank() << ": first step: " << opt.ns_.describe(target.device().type())
-         << " on " << target.size(0) << "x" << target.size(1) << " took " << ms << " ms";
+         << " on '" << name << "' (" << target.size(0) << "x" << target.size(1) << ") took " << ms << " ms";
     if (opt.options_.log)
       opt.options_.log(line.str());
     else
@@ -799,7 +826,7 @@ void Muon::muon_update(const ReadyGrad& r, const at::Tensor& g, bool momentum_do
       };
     else
       ns_job.apply = std::move(job.apply);
-    run.add_ns_job(std::move(ns_job), r.target);
+    run.add_ns_job(std::move(ns_job), r.name, r.target);
   } else {
     const at::Tensor u = nesterov ? g.add(buf, mu) : buf;
     const bool dist = options_.tp_distributed_gram && tp_distributed_gram_applies(full, r.tp_dim) &&

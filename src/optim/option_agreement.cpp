@@ -3,7 +3,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <sstream>
 
@@ -14,9 +16,14 @@ namespace dmuon::detail {
 
 namespace {
 
+// The shortest decimal that reads back as exactly `v` (so two values differ in text iff they differ; the
+// digests compare the text): 0.02, not 0x1.47ae147ae147bp-6.
 std::string num(double v) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%a", v);
+  for (int digits = 15; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, v);
+    if (std::strtod(buf, nullptr) == v || std::isnan(v)) break;
+  }
   return buf;
 }
 template <typename T>

@@ -84,8 +84,9 @@ void RouteContext::agree_fills(const std::string& what) {
     if (host.data_ptr<int64_t>()[r] != 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
   std::string mine_err = std::move(fill_error_);
   fill_error_.clear();
+  if (!mine_err.empty() && mine_err.back() != '.') mine_err += '.';  // (a sentence follows)
   TORCH_CHECK(failed.empty(), "rank ", mesh_->global_rank(), ": ", what, ": reading the parameter values failed on rank(s) ",
-              failed, mine_err.empty() ? std::string(" (this rank read its share; see their errors)") : ": " + mine_err,
+              failed, mine_err.empty() ? std::string(" (this rank read its share; see their errors).") : ": " + mine_err,
               !dry ? "" : " Nothing was written: the model holds the values it had before.");
 }
 

@@ -700,7 +700,7 @@ void Runtime::drain_all() {
 void Runtime::publish(bool async) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   for (Route* r : routes()) r->publish(async);
-  if (env::isolated_pg_barrier() && !ddp()) {
+  if (env::isolated_pg_barrier()) {
     // strict post-step fence on dmuon's own groups (diagnosis of process-group ordering issues)
     Mesh& m = mesh();
     const bool hsdp = m.replicate() != nullptr;

@@ -256,6 +256,10 @@ def _train(rank, world, layout, accumulate, out_path):
         # FSDP2 sharded the rest and left dmuon's matrices alone (the same Parameter objects)
         assert all((p in owners) != (type(p).__name__ == "DTensor") for p in model.parameters())
         assert sum(p in owners for p in model.parameters()) == 2 * BLOCKS
+        # the API reference: replicate raises a RuntimeError when a parameter it would take is under FSDP2
+        with pytest.raises(RuntimeError, match=rf"rank {rank}: replicate: 'layers\.0\.proj\.bias', .* are already "
+                                               r"under FSDP2 \(fully_shard ran"):
+            dmuon.replicate(model)
     else:
         assert dmuon.replicate(model) is model
     routes = dict(model._dmuon.runtime.routes())
@@ -748,6 +752,12 @@ def _resume(rank, world, layout, out_path):
     if fsdp2:  # the functions, rank 0's dict sent to every rank
         optim_sd = dmuon.get_optimizer_state_dict(model, opt)
         assert (rank == 0) == bool(optim_sd["dedicated"]) and (rank == 0) == bool(optim_sd["fsdp"])
+        # the other ranks get the API reference's empty form; loading it is refused (on every rank), saying why
+        empty = {"fsdp": {}, "dedicated": {}, "param_groups": []}
+        assert (optim_sd == empty) == (rank != 0)
+        with pytest.raises(ValueError, match=r"no \['dedicated_adamw', 'steps_taken'\] section.*This rank got an "
+                                             r"empty dict: get_optimizer_state_dict returns the state on rank 0 only"):
+            dmuon.set_optimizer_state_dict(model, opt, empty)
         box = [optim_sd]
         torch.distributed.broadcast_object_list(box, src=0)
         optim_sd = box[0]
@@ -768,7 +778,9 @@ def _resume(rank, world, layout, out_path):
     model, opt, sched = build(fsdp2)  # a fresh run resumes
     dmuon.set_model_state_dict(model, model_sd)
     if fsdp2:
-        dmuon.set_optimizer_state_dict(model, opt, optim_sd)
+        # the API reference's four sections (without dmuon's steps_taken): the step count is the state's
+        dmuon.set_optimizer_state_dict(model, opt, {k: v for k, v in optim_sd.items() if k != "steps_taken"})
+        assert opt.steps_taken == STEPS // 2
     else:
         opt.load_state_dict(optim_sd)
     if resumed_as:  # the state moved to the section this layout keeps it in
@@ -804,8 +816,8 @@ def _resume(rank, world, layout, out_path):
                                                 for g in optim_sd["param_groups"]]}
     with pytest.raises(ValueError, match=re.escape("param_groups[0] has no ['momentum']")):
         dmuon.set_optimizer_state_dict(model, opt, no_momentum)
-    with pytest.raises(ValueError, match="no \\['steps_taken'\\] section"):
-        dmuon.set_optimizer_state_dict(model, opt, {k: v for k, v in optim_sd.items() if k != "steps_taken"})
+    with pytest.raises(ValueError, match="no \\['dedicated'\\] section"):
+        dmuon.set_optimizer_state_dict(model, opt, {k: v for k, v in optim_sd.items() if k != "dedicated"})
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "replicate", "fsdp2->replicate", "replicate->fsdp2"])
@@ -1396,6 +1408,7 @@ def _inspect(rank, world):
     os.environ["DMUON_RECORD_FORWARD_PROFILE"] = "1"  # read when dedicate_params builds the runtime
     mesh = init_device_mesh("cpu", (world,))
     model = make_net()
+    assert dmuon.get_replicated_group(model) is None  # not dedicated: None, as the API reference says
     dmuon.dedicate_params(model, mesh, lambda n, p: p.dim() == 2)
     assert dmuon.get_replicated_group(model) is None
     for layer in model.layers:

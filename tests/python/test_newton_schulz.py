@@ -1,6 +1,8 @@
 """dmuon's Newton-Schulz from Python: the API reference's names and defaults, results against a float64
 reference, errors as Python exceptions, and the column-sharded Gram form over a real Gloo group."""
 
+import collections.abc
+import typing
 import warnings
 
 import pytest
@@ -16,8 +18,17 @@ def test_import_names_and_version():
     assert dmuon.__version__.count(".") == 2
     for name in dmuon.__all__:
         assert hasattr(dmuon, name), name
-        if name[0].isalpha():
+        if name[0].isalpha() and typing.get_origin(getattr(dmuon, name)) is None:  # (type aliases have none)
             assert getattr(dmuon, name).__doc__ or name.isupper(), f"{name} has no docstring"
+    # the API reference's type aliases of dedicate_params's callables and get_owned_params's rank
+    assert typing.get_origin(dmuon.OwnerRankLike) is typing.Union
+    for alias in (dmuon.HookBoundaryResolver, dmuon.AssignmentGroupKeyFn, dmuon.RouteHintFn, dmuon.ParamPolicyFn):
+        assert typing.get_origin(alias) is collections.abc.Callable
+    # DEFAULT_COEFFICIENTS: what the functions use when given none
+    G = torch.randn(24, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    assert dmuon.DEFAULT_COEFFICIENTS == PE
+    for fn in (dmuon.direct_newton_schulz, dmuon.newton_schulz, dmuon.gram_newton_schulz):
+        assert torch.equal(fn(G), fn(G, coefficients=dmuon.DEFAULT_COEFFICIENTS)), fn.__name__
     # the reference's YOU coefficients, exactly; Polar Express: 5 triples with the safety factor
     assert dmuon.YOU_COEFFICIENTS[0] == [4.0848, -6.8946, 2.927]
     assert len(dmuon.YOU_COEFFICIENTS) == 5 and len(PE) == 5
