@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -65,7 +66,11 @@ void add_options(CLI::App& app, TrainArgs& a) {
   app.add_option("--seed", a.seed, "seed of the model init and the data order")
       ->check(CLI::Validator(
           [](std::string& v) {
-            return v.rfind('-', 0) == 0 ? "must be >= 0 (an unsigned 64-bit integer), got " + v : std::string();
+            uint64_t n = 0;
+            const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+            return ec == std::errc() && end == v.data() + v.size()
+                       ? std::string()
+                       : "must be an integer in [0, 2^64), got " + v;
           },
           "NONNEGATIVE"))
       ->capture_default_str();
@@ -168,17 +173,23 @@ std::filesystem::path resolved(const std::string& p) {
   return ec ? std::filesystem::absolute(p).lexically_normal() : r;
 }
 
-// --out: a directory that this process may write, made (with its parents) if missing.
+// --out: a directory (made if missing, see make_out_dir) that this process may write.
 void check_out_dir(const TrainArgs& a) {
   namespace fs = std::filesystem;
   if (a.out.empty()) bad("--out must name a directory");
   if (fs::exists(a.out) && !fs::is_directory(a.out))
     bad("--out " + a.out + " exists and is not a directory; --out names the directory for metrics.csv, "
         "summary.json and loss.svg");
+  if (fs::is_directory(a.out) && ::access(a.out.c_str(), W_OK) != 0)
+    bad("--out " + a.out + ": the directory is not writable");
+}
+
+// --out made (with its parents) where missing: by the launcher before its checks (--checkpoint /
+// --export-safetensors may lie in it) and by the lead rank; a failure names the flag.
+void make_out_dir(const TrainArgs& a) {
   std::error_code ec;
-  fs::create_directories(a.out, ec);  // first: --checkpoint / --export-safetensors may lie in it
+  std::filesystem::create_directories(a.out, ec);
   if (ec) bad("--out " + a.out + ": cannot create the directory (" + ec.message() + "); --out names a writable directory");
-  if (::access(a.out.c_str(), W_OK) != 0) bad("--out " + a.out + ": the directory is not writable");
 }
 
 // Every output path before step 1: a file (not a directory) in a writable directory, never an input
@@ -691,7 +702,7 @@ TrainRun setup_run(const TrainArgs& a, std::ostream& out) {
   }
 
   if (r.lead) {
-    std::filesystem::create_directories(a.out);
+    make_out_dir(a);
     out << "dmuon train: " << r.world << " rank(s)"
         << (a.replicate > 1 ? " (HSDP " + std::to_string(a.replicate) + " x " +
                                   std::to_string(r.world / a.replicate / a.tp) + ")"
@@ -935,7 +946,8 @@ int run_train_command(const std::vector<std::string>& args, std::ostream& out, s
   try {
     if (!launched_as_rank()) {
       const LaunchFn launch = [&](const TrainArgs& b, const std::vector<std::string>& bargs) {
-        check_out_dir(b);  // (made here: --checkpoint / --export-safetensors may lie in it)
+        check_out_dir(b);
+        make_out_dir(b);  // first: --checkpoint / --export-safetensors may lie in it
         validate(b, b.ranks);
         std::string train_text, val_text;  // a missing or short file fails here, before any rank starts
         split_text(b, load_text(b.data, static_cast<size_t>(b.seq_len + 2)), train_text, val_text);

@@ -695,10 +695,12 @@ TEST(CliTest, BadSizesNameTheFlagAtFault) {
     EXPECT_NE(r.output.find(c.want), std::string::npos) << c.args << ": " << r.output;
   }
   // a command-line mistake (exit 2), said in a short line (not CLI11's range up to DBL_MAX's 300 digits)
-  const Result r = run(base + "--seed -1 --out " + temp_dir(), 60);
-  EXPECT_EQ(r.status, 2) << r.output;
-  EXPECT_NE(r.output.find("error: --seed: must be >= 0 (an unsigned 64-bit integer), got -1\n"), std::string::npos)
-      << r.output;
+  for (const std::string seed : {"-1", "18446744073709551616", "1.5"}) {  // (2^64: past uint64, not wrapped)
+    const Result r = run(base + "--seed " + seed + " --out " + temp_dir(), 60);
+    EXPECT_EQ(r.status, 2) << r.output;
+    EXPECT_NE(r.output.find("error: --seed: must be an integer in [0, 2^64), got " + seed + "\n"), std::string::npos)
+        << r.output;
+  }
 }
 
 // One rank dies: its error comes first and whole, the others' consequential errors after it, then

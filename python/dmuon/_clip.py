@@ -71,6 +71,11 @@ def register_muon_grad_clip_strategy(name: str, strategy: MuonGradClipStrategy) 
     _STRATEGIES[name] = strategy
 
 
+def registered_strategies() -> List[str]:
+    """The names register_muon_grad_clip_strategy registered (Python strategies), sorted."""
+    return sorted(_STRATEGIES)
+
+
 def python_strategy(strategy) -> Optional[MuonGradClipStrategy]:
     """The Python strategy `strategy` names (or is), else None (a C++ strategy: "global_norm")."""
     if callable(strategy):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C
-from ._clip import MuonGradClipStats, python_strategy, run_python_strategy
+from ._clip import MuonGradClipStats, python_strategy, registered_strategies, run_python_strategy
 from ._fsdp2 import assign_full, fsdp_modules, full_tensor, is_dtensor, register_cast, shard_of
 from ._mesh import add_sharded_unshard_group, make_mesh
 from ._tp import (find_tp_params, install_dtensor_hooks, is_tp_slice, register_undedicated, release_dtensors,
@@ -1740,8 +1740,13 @@ class Muon(torch.optim.Optimizer):
         elif not isinstance(strategy, str):
             raise ValueError(f"clip_grad_norm_: strategy must be a name or a callable, got {type(strategy).__name__}")
         else:
-            stats = MuonGradClipStats(**self._native.clip(max_norm, norm_type, error_if_nonfinite, foreach, strategy,
-                                                           scope == "all", extra))
+            try:
+                stats = MuonGradClipStats(**self._native.clip(max_norm, norm_type, error_if_nonfinite, foreach,
+                                                               strategy, scope == "all", extra))
+            except ValueError as e:  # the core knows its own strategies only: add the ones registered from Python
+                if "unknown strategy" not in str(e) or not registered_strategies():
+                    raise
+                raise ValueError(f"{e} From Python: {', '.join(registered_strategies())}.") from None
         self._last_clip = stats
         return stats
 
@@ -1826,8 +1831,18 @@ def _nest(flat: Dict[str, torch.Tensor], fields) -> Dict[str, Dict[str, torch.Te
     return out
 
 
+def _step_count(value) -> Optional[int]:
+    """A step given as a number (an int, or a float holding one), as a count; else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    value = float(value)
+    return int(value) if math.isfinite(value) and value == int(value) and 0 <= value < 2 ** 63 else None
+
+
 def _flat(nested: Dict[str, Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
-    return {f"{name}.{field}": value for name, fields in nested.items() for field, value in fields.items()}
+    """{"<param>": {"<field>": t}} -> {"<param>.<field>": t}; a step given as a number becomes a tensor."""
+    return {f"{name}.{field}": value if isinstance(value, torch.Tensor) else torch.tensor(_step_count(value))
+            for name, fields in nested.items() for field, value in fields.items()}
 
 
 def _check_optimizer(model: nn.Module, optimizer, fn: str) -> _State:
@@ -1882,7 +1897,8 @@ def _with_every_section(state_dict):
     ``dedicated_adamw`` (its owner-managed AdamW state, absent where there is none): loadable. The missing
     section is empty; the step count is the largest per-parameter ``step`` (the step the state was saved
     after). A dict holding neither a section nor a group is left for the checks to refuse."""
-    if not isinstance(state_dict, Mapping) or not state_dict.get("param_groups"):
+    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    if not isinstance(groups, (list, tuple)) or not groups:
         return state_dict
     out = dict(state_dict)
     out.setdefault("dedicated_adamw", {})
@@ -1891,9 +1907,14 @@ def _with_every_section(state_dict):
         for key in _SECTIONS:
             for entry in (out[key].values() if isinstance(out.get(key), Mapping) else ()):
                 step = entry.get("step") if isinstance(entry, Mapping) else None
-                if isinstance(step, (torch.Tensor, numbers.Real)) and not isinstance(step, bool) and \
-                        (not isinstance(step, torch.Tensor) or step.numel() == 1) and math.isfinite(float(step)):
-                    steps.append(max(0, int(float(step))))
+                try:  # (a value that is not a finite count is left for the checks: it counts nothing here)
+                    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_meta or \
+                            isinstance(step, numbers.Real) and not isinstance(step, bool):
+                        value = float(step)
+                        if math.isfinite(value):
+                            steps.append(min(max(0, int(value)), 2 ** 63 - 1))
+                except (TypeError, ValueError, RuntimeError):
+                    pass
         out["steps_taken"] = max(steps)
     return out
 
@@ -2024,6 +2045,15 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
         if steps is None or steps < 0 or steps >= 2 ** 63:
             raise ValueError(f"set_optimizer_state_dict: steps_taken is {state_dict['steps_taken']!r}; a step count is "
                              "an integer in [0, 2**63).")
+        for key in ("dedicated", "dedicated_adamw"):  # what the core takes: tensors (a step may be a number)
+            for name, entry in state_dict[key].items():
+                fields = entry.items() if isinstance(entry, Mapping) else [("", entry)]
+                for field, value in fields:
+                    if not isinstance(value, torch.Tensor) and not (field == "step" and _step_count(value) is not None):
+                        raise TypeError(
+                            f"set_optimizer_state_dict: '{key}'['{name}']" + (f"['{field}']" if field else "") +
+                            f" is a {type(value).__name__}, not a " + ("tensor" if field else "dict of tensors") +
+                            "; pass what dmuon.get_optimizer_state_dict returned.")
         unknown = [n for n in state_dict["fsdp"] if n not in external]
         # (one frozen now may have been frozen before its first step: no state, in torch's optimizer either)
         absent = [n for n, p in external.items() if n not in state_dict["fsdp"] and p.requires_grad] if steps > 0 else []

@@ -178,8 +178,9 @@ void check_environment(const MuonOptions& o, const RuntimeFace& state) {
       device = v.param.device().type();
       break;
     }
+  const NewtonSchulz ns = o.ns ? *o.ns : NewtonSchulz(o.ns_backend);  // (a bad backend: its own error)
   try {
-    (void)(o.ns ? *o.ns : NewtonSchulz(o.ns_backend)).resolved_kernel(device);  // DMUON_NS_KERNEL
+    (void)ns.resolved_kernel(device);  // DMUON_NS_KERNEL (unless the options name the kernel)
     (void)env::batched_ns();
     (void)env::ns_cpu_fused();
     (void)env::ns_cuda_graphs();

@@ -818,6 +818,15 @@ def _resume(rank, world, layout, out_path):
         dmuon.set_optimizer_state_dict(model, opt, no_momentum)
     with pytest.raises(ValueError, match="no \\['dedicated'\\] section"):
         dmuon.set_optimizer_state_dict(model, opt, {k: v for k, v in optim_sd.items() if k != "dedicated"})
+    # a step given as a Python number loads as that count; a moment that is not a tensor is named
+    as_ints = {**optim_sd, "dedicated": {n: {**e, "step": int(e["step"])} for n, e in optim_sd["dedicated"].items()}}
+    dmuon.set_optimizer_state_dict(model, opt, as_ints)
+    again = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)["dedicated"]
+    assert set(again) == set(optim_sd["dedicated"]) and all(int(e["step"]) == STEPS // 2 for e in again.values())
+    as_list = {**optim_sd, "dedicated": {n: {**e, "momentum_buffer": e["momentum_buffer"].tolist()}
+                                         for n, e in optim_sd["dedicated"].items()}}
+    with pytest.raises(TypeError, match=r"'dedicated'\['[^']+'\]\['momentum_buffer'\] is a list, not a tensor"):
+        dmuon.set_optimizer_state_dict(model, opt, as_list)
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "replicate", "fsdp2->replicate", "replicate->fsdp2"])

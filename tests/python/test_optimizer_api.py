@@ -88,6 +88,9 @@ def _groups_and_strategy(rank, world, layout, out_path):
         assert abs(stats.total_norm - measured.total_norm) <= 1e-12 * measured.total_norm
         opt.step()
         sched.step()
+    # a misspelt name: the core's strategies and the ones registered from Python are listed
+    with pytest.raises(ValueError, match=r"unknown strategy 'per_matrx'\. Registered: global_norm .* From Python: per_matrix\."):
+        opt.clip_grad_norm_(CLIP_M, strategy="per_matrx")
     sd = dmuon.get_model_state_dict(model)
     if rank == 0:
         torch.save(sd, out_path)
