@@ -119,9 +119,31 @@ def _call_get_managed_states(original, modules, ignored_params):
     restore_masters(modules, ignored_params or ())  # parameters param_policy cast: FSDP2 gets their masters
     dedicated = _dedicated_in(modules)
     if len(inspect.signature(original).parameters) >= 2:
-        return original(modules, set(ignored_params or ()) | dedicated)
-    params, buffers = original(modules)
-    return [p for p in params if p not in dedicated], buffers
+        params, buffers = original(modules, set(ignored_params or ()) | dedicated)
+    else:
+        params, buffers = original(modules)
+        params = [p for p in params if p not in dedicated]
+    _refuse_replicated(modules, params)
+    return params, buffers
+
+
+def _refuse_replicated(modules, params) -> None:
+    """fully_shard after dmuon.replicate took the same parameters (the API reference's RuntimeError): both would
+    average their gradients and step them."""
+    taken = {id(p) for p in params if getattr(p, "_dmuon_replicated", False)}
+    if not taken:
+        return
+    named = {}  # each parameter by its longest name: under the highest module holding it (fully_shard's)
+    for m in modules:
+        for n, p in m.named_parameters():
+            if id(p) in taken and len(n) > len(named.get(id(p), "")):
+                named[id(p)] = n
+    names = sorted(named.values())
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    raise RuntimeError(
+        f"fully_shard: {shown} {'is' if len(names) == 1 else 'are'} already replicated by dmuon.replicate, which "
+        f"averages {'its gradient' if len(names) == 1 else 'their gradients'} for Muon to step. Train the non-dedicated parameters with one of the two: "
+        "fully_shard before Muon (no dmuon.replicate), or dmuon.replicate without fully_shard.")
 
 
 def install_patch() -> None:

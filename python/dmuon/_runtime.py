@@ -749,6 +749,7 @@ def replicate(model: nn.Module, mesh=None) -> nn.Module:
         _check_replicate_mesh(mesh, state, state.world_group, "replicate")
     state.runtime.replicate(25.0)
     state.replicated = True
+    _mark_replicated(model, state)
     return model
 
 
@@ -767,7 +768,16 @@ def replicate_tp(model: nn.Module, mesh=None) -> nn.Module:
         _check_replicate_mesh(mesh, state, state.dp_ranks, "replicate_tp")
     state.runtime.replicate(25.0, tp=True)
     state.replicated = state.replicated_tp = True
+    _mark_replicated(model, state)
     return model
+
+
+def _mark_replicated(model: nn.Module, state: _State) -> None:
+    """Marks the parameters replicate took (``_dmuon_replicated``): the FSDP2 patch refuses them to fully_shard."""
+    replicated = {n for n, route in state.runtime.routes() if route == "replicated"}
+    for name, p in model.named_parameters():
+        if name in replicated:
+            p._dmuon_replicated = True
 
 
 def _refuse_fsdp2_managed(model: nn.Module, state: _State, fn: str) -> None:
@@ -1193,8 +1203,18 @@ def _external_clip_grads(state: _State) -> list:
     """The local gradient shards of the parameters FSDP2 trains, as (name, grad, counted, counts_param) for
     a clip over every parameter: a shard is counted on the ranks at coordinate 0 of every mesh dimension
     it is replicated over (HSDP's replicate axis), the parameter once, on the ranks at coordinate 0
-    everywhere."""
-    return [(name,) + shard_of(p.grad) for name, p in state.external.items() if p.grad is not None]
+    everywhere. Under tensor parallelism FSDP2 shards a parameter whole on every TP rank (one that is not a TP
+    DTensor) over the data-parallel mesh alone: its TP ranks hold copies, counted on TP rank 0 only."""
+    world = dist.get_world_size(state.world_group) if state.world_group is not None else 1
+    out = []
+    for name, p in state.external.items():
+        if p.grad is None:
+            continue
+        local, counted, counts_param = shard_of(p.grad)
+        if is_dtensor(p.grad) and p.grad.device_mesh.size() < world and state.mesh.tp_rank != 0:
+            counted = counts_param = False  # (a copy of TP rank 0's shard)
+        out.append((name, local, counted, counts_param))
+    return out
 
 
 def _canonical(value) -> str:

@@ -701,6 +701,12 @@ def _fsdp2_patch(rank, world):
     fully_shard(model, mesh=mesh)
     with pytest.raises(ValueError, match="fully_shard .*ran before dedicate_params"):
         dmuon.dedicate_params(model, mesh, lambda n, p: p.dim() == 2)
+    # fully_shard after dmuon.replicate took the same parameters: the API reference's RuntimeError, at once
+    model = make_net()
+    dmuon.dedicate_params(model, mesh, lambda n, p: p.dim() == 2)
+    dmuon.replicate(model)
+    with pytest.raises(RuntimeError, match=r"fully_shard: 'proj\.bias' is already replicated by dmuon\.replicate"):
+        fully_shard(model.layers[0], mesh=mesh)
 
 
 def test_fsdp2_patch_and_ignored_params(tmp_path):

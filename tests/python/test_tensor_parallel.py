@@ -87,6 +87,15 @@ def _train(rank, world, layout, dp, out_path):
         opt.zero_grad()
         loss_of(model, tokens(step)[dp_rank * per:(dp_rank + 1) * per]).backward()
         dmuon.prepare_muon_grads(model)  # what step() does first: the reduces are not counted below
+        if step == 0 and layout in ("fsdp2", "hsdp-fsdp2"):
+            # scope="all" counts every gradient once over dp x tp: FSDP2's shards of the parameters whole on
+            # every TP rank (embeddings, norms) on TP rank 0 alone; torch's norm of the one-process model
+            stats = opt.clip_grad_norm_(None, scope="all")
+            one = make_llama()
+            loss_of(one, tokens(0)).backward()
+            want = float(torch.stack([p.grad.norm() for p in one.parameters()]).norm())
+            assert abs(stats.total_norm - want) <= 1e-12 * want, (stats.total_norm, want)
+            assert stats.param_count == len(list(one.parameters())), stats.param_count
         before = dmuon.comm_bytes(model)
         opt.step()
         dmuon.wait_all_post_step_broadcasts(model)
