@@ -561,6 +561,32 @@ TEST(MuonTest, FirstStepProgressLogIsLimitedToTheFirstStep) {
   });
 }
 
+// A parameter frozen when dedicate_params ran and unfrozen after Muon was built (progressive unfreezing) has no
+// route: a step with its gradient is an error on every rank naming it (LibTorch's optimizers would train it, dmuon
+// would leave it as it is, silently); unfrozen without a gradient, or frozen again, steps as before.
+TEST(MuonTest, AParameterUnfrozenAfterDedicateIsAnErrorAtTheStep) {
+  const StateDict init = random_like_model(61, -0.5, 0.5), g = random_like_model(62, -1.0, 1.0);
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    Tiny m;
+    m->scale.set_requires_grad(false);
+    dedicate_replicated(m, init, ctx);
+    Muon opt(m.ptr(), quiet());
+    m->scale.set_requires_grad(true);
+    set_grads(m, g);
+    m->scale.mutable_grad() = at::Tensor();
+    opt.step();  // no gradient on it: nothing to lose
+    set_grads(m, g);
+    const std::string err = testing::error_of([&] { opt.step(); });
+    testing::expect(err.rfind("rank " + std::to_string(ctx.rank) + ": Muon::step: parameter 'scale' has a gradient, "
+                              "but it was frozen (requires_grad(false)) or not in the model when dedicate_params ran",
+                              0) == 0,
+                    "rank " + std::to_string(ctx.rank) + ": " + err);
+    EXPECT_TRUE(at::equal(m->scale, init.at("scale"))) << "the refused step changed nothing on it";
+    m->scale.set_requires_grad(false);
+    opt.step();  // frozen again: its leftover gradient is not used
+  });
+}
+
 TEST(MuonTest, ParamsWithoutGradientAreSkipped) {
   const StateDict init = random_like_model(15, -0.5, 0.5);
   const StateDict g = random_like_model(16, -1.0, 1.0);

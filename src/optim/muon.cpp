@@ -6,6 +6,7 @@
 #include <torch/serialize/archive.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <functional>
@@ -15,6 +16,7 @@
 #include <sstream>
 #include <tuple>
 #include <type_traits>
+#include <unordered_set>
 
 #include "comm/agreement.h"
 #include "comm/error_text.h"
@@ -463,6 +465,27 @@ std::tuple<int, int, int> list_key(const at::Tensor& t) {
   return {static_cast<int>(t.device().type()), static_cast<int>(t.device().index()), static_cast<int>(t.scalar_type())};
 }
 
+// A parameter of the model with a gradient but in no group has no route: frozen (or added) when dedicate_params
+// ran and trainable since. Nothing averages its gradient or updates it, so a step would leave it as it is where
+// LibTorch's own optimizers train it: an error naming it (cheap: a pointer set over the groups; names only then).
+void refuse_unrouted_gradients(const torch::nn::Module& model, const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                               int rank) {
+  std::unordered_set<const c10::TensorImpl*> grouped;
+  for (const auto& g : groups)
+    for (const auto& p : g.params()) grouped.insert(p.unsafeGetTensorImpl());
+  auto unrouted = [&](const at::Tensor& p) {
+    return p.requires_grad() && p.grad().defined() && !grouped.count(p.unsafeGetTensorImpl());
+  };
+  const auto params = model.parameters();
+  if (std::none_of(params.begin(), params.end(), unrouted)) return;
+  for (const auto& item : model.named_parameters())
+    TORCH_CHECK_VALUE(!unrouted(item.value()), "rank ", rank, ": Muon::step: parameter '", item.key(),
+                      "' has a gradient, but it was frozen (requires_grad(false)) or not in the model when "
+                      "dedicate_params ran, so it has no route and no optimizer state: no rank averages its gradient "
+                      "and no step would update it. Unfreeze it before dedicate_params (a param group with lr 0 keeps "
+                      "it still until it should train), or keep it frozen.");
+}
+
 double elapsed_ms(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -868,6 +891,7 @@ at::Tensor Muon::step(LossClosure closure) {
     loss = closure();
   }
   const std::shared_ptr<RuntimeFace> state = runtime("Muon::step");
+  if (const auto model = model_.lock()) refuse_unrouted_gradients(*model, param_groups_, state->mesh().global_rank());
   index_groups();
   // the groups' values may have changed since construction (a scheduler, the caller): a NaN lr or a
   // momentum of 1.5 is an error here, not weights silently ruined by this step

@@ -253,10 +253,12 @@ std::string DedicatedRoute::bypass_hint(int b) const {
     const auto& e = entries_[buf.params.front()];
     const std::string& bname = ctx_.boundary_name(b);
     std::ostringstream o;
-    o << "dmuon: hook boundary '" << bname << "' was not run through dmuon::forward in this forward pass, and its "
+    // (said as a possibility: the error may come from a block before it, or from the model's own code)
+    o << "dmuon: hook boundary '" << bname << "' has not run through dmuon::forward in this forward pass, so its "
       << "dedicated parameters are 0-element placeholders on rank " << ctx_.mesh().global_rank() << " (e.g. '" << e.name
-      << "', shape " << at::IntArrayRef(e.shape) << ", owned by rank " << e.owner_rank << "). Call "
-      << "`x = dmuon::forward(module, x)` for '" << bname << "' instead of calling its forward directly.";
+      << "', shape " << at::IntArrayRef(e.shape) << ", owned by rank " << e.owner_rank << "). If the error above "
+      << "comes from one of them (a shape error with a 0-element or 1-D tensor), its module was called directly: call "
+      << "`x = dmuon::forward(module, x)` for '" << bname << "' instead of calling its forward.";
     return o.str();
   }
   return "";
