@@ -1852,7 +1852,11 @@ def _nest(flat: Dict[str, torch.Tensor], fields) -> Dict[str, Dict[str, torch.Te
 
 
 def _step_count(value) -> Optional[int]:
-    """A step given as a number (an int, or a float holding one), as a count; else None."""
+    """A step (an int, a float holding one, or a one-element real tensor of one) as a count; else None."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_meta or value.is_complex() or value.dtype == torch.bool:
+            return None
+        value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     value = float(value)
@@ -1923,19 +1927,10 @@ def _with_every_section(state_dict):
     out = dict(state_dict)
     out.setdefault("dedicated_adamw", {})
     if "steps_taken" not in out:
-        steps = [0]
-        for key in _SECTIONS:
-            for entry in (out[key].values() if isinstance(out.get(key), Mapping) else ()):
-                step = entry.get("step") if isinstance(entry, Mapping) else None
-                try:  # (a value that is not a finite count is left for the checks: it counts nothing here)
-                    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_meta or \
-                            isinstance(step, numbers.Real) and not isinstance(step, bool):
-                        value = float(step)
-                        if math.isfinite(value):
-                            steps.append(min(max(0, int(value)), 2 ** 63 - 1))
-                except (TypeError, ValueError, RuntimeError):
-                    pass
-        out["steps_taken"] = max(steps)
+        # (a value that is not a step count is left for the checks: it counts nothing here)
+        steps = [_step_count(entry.get("step")) if isinstance(entry, Mapping) else None
+                 for key in _SECTIONS if isinstance(out.get(key), Mapping) for entry in out[key].values()]
+        out["steps_taken"] = max([0] + [n for n in steps if n is not None])
     return out
 
 

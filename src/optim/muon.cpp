@@ -16,7 +16,6 @@
 #include <sstream>
 #include <tuple>
 #include <type_traits>
-#include <unordered_set>
 
 #include "comm/agreement.h"
 #include "comm/error_text.h"
@@ -170,16 +169,10 @@ std::shared_ptr<RuntimeFace> dedicated_runtime(const std::shared_ptr<torch::nn::
 }
 
 // The DMUON_* variables step() and clipping read (the NS kernel, batching, the fused CPU path, CUDA graphs, the
-// fast clip), parsed here so a
-// malformed value is refused at construction, on every rank (within the option agreement), not in the first
-// step on whichever rank reaches it first while the others wait in a collective.
-void check_environment(const MuonOptions& o, const RuntimeFace& state) {
-  c10::DeviceType device = c10::DeviceType::CPU;
-  for (const auto& v : state.describe())
-    if (v.param.defined()) {
-      device = v.param.device().type();
-      break;
-    }
+// fast clip), parsed here so a malformed value is refused at construction, on every rank (within the option
+// agreement), not in the first step on whichever rank reaches it first while the others wait in a collective.
+// `device`: the model's (the NS kernel is resolved for it).
+void check_environment(const MuonOptions& o, c10::DeviceType device, const RuntimeFace& state) {
   const NewtonSchulz ns = o.ns ? *o.ns : NewtonSchulz(o.ns_backend);  // (a bad backend: its own error)
   try {
     (void)ns.resolved_kernel(device);  // DMUON_NS_KERNEL (unless the options name the kernel)
@@ -216,7 +209,6 @@ std::vector<torch::optim::OptimizerParamGroup> checked_groups(const std::shared_
   check_hparam(o.tp_distributed_gram_max_factor_to_scatter_ratio >= 0,
                "tp_distributed_gram_max_factor_to_scatter_ratio", o.tp_distributed_gram_max_factor_to_scatter_ratio,
                ">= 0");
-  check_environment(o, *state);
   std::set<const c10::TensorImpl*> dedicated, trainable;
   std::vector<at::Tensor> all;  // every trainable parameter, model order
   for (const auto& v : state->describe()) {
@@ -224,6 +216,8 @@ std::vector<torch::optim::OptimizerParamGroup> checked_groups(const std::shared_
     trainable.insert(v.param.unsafeGetTensorImpl());
     if (v.muon()) dedicated.insert(v.param.unsafeGetTensorImpl());
   }
+  const auto first = std::find_if(all.begin(), all.end(), [](const at::Tensor& p) { return p.defined(); });
+  check_environment(o, first == all.end() ? c10::DeviceType::CPU : first->device().type(), *state);
 
   if (model)  // a parameter added (or unfrozen) after dedicate_params has no route: it would never train
     for (const auto& item : model->named_parameters())
@@ -467,12 +461,10 @@ std::tuple<int, int, int> list_key(const at::Tensor& t) {
 
 // A parameter of the model with a gradient but in no group has no route: frozen (or added) when dedicate_params
 // ran and trainable since. Nothing averages its gradient or updates it, so a step would leave it as it is where
-// LibTorch's own optimizers train it: an error naming it (cheap: a pointer set over the groups; names only then).
-void refuse_unrouted_gradients(const torch::nn::Module& model, const std::vector<torch::optim::OptimizerParamGroup>& groups,
+// LibTorch's own optimizers train it: an error naming it (cheap: lookups in the groups' index; names only then).
+// `grouped`: Muon's index of its groups' parameters.
+void refuse_unrouted_gradients(const torch::nn::Module& model, const std::map<const c10::TensorImpl*, size_t>& grouped,
                                int rank) {
-  std::unordered_set<const c10::TensorImpl*> grouped;
-  for (const auto& g : groups)
-    for (const auto& p : g.params()) grouped.insert(p.unsafeGetTensorImpl());
   auto unrouted = [&](const at::Tensor& p) {
     return p.requires_grad() && p.grad().defined() && !grouped.count(p.unsafeGetTensorImpl());
   };
@@ -891,8 +883,8 @@ at::Tensor Muon::step(LossClosure closure) {
     loss = closure();
   }
   const std::shared_ptr<RuntimeFace> state = runtime("Muon::step");
-  if (const auto model = model_.lock()) refuse_unrouted_gradients(*model, param_groups_, state->mesh().global_rank());
   index_groups();
+  if (const auto model = model_.lock()) refuse_unrouted_gradients(*model, group_of_, state->mesh().global_rank());
   // the groups' values may have changed since construction (a scheduler, the caller): a NaN lr or a
   // momentum of 1.5 is an error here, not weights silently ruined by this step
   for (size_t i = 0; i < param_groups_.size(); ++i) {

@@ -1,12 +1,11 @@
 // What the routes see of their model (see route_context.h).
 #include "runtime/route_context.h"
-
-#include <utility>
 #include "comm/error_text.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <utility>
 
 namespace dmuon {
 
