@@ -695,6 +695,66 @@ TEST(RuntimeTest, ZeroGradFalseLeavesZeros) {
   });
 }
 
+// A parameter whose data were replaced after dedicate_params (torch::load into the model sets each tensor's storage,
+// p.set_data, model->to(dtype)) would be used on its own rank only (the owner updates and sends dmuon's buffer):
+// the next forward refuses it on every rank, naming the parameter and the way to load values; nothing trained
+// in silence with ranks apart. The layouts whose parameters dmuon re-points: Z3, Z2, sharded_adamw, the DDP path.
+TEST(RuntimeTest, AParameterReplacedAfterDedicateIsAnErrorAtTheNextForward) {
+  struct Case {
+    std::string label;
+    DistConfig dc;
+    std::string param;  // what is replaced
+    std::string how;    // "set_", "set_data", "to"
+  };
+  std::vector<Case> cases;
+  auto layout = [](bool z3, bool ddp, bool sharded) {
+    DistConfig dc;
+    dc.z3 = z3;
+    dc.ddp = ddp;
+    dc.sharded = sharded;
+    return dc;
+  };
+  cases.push_back({"Z3, torch::load's set_", layout(true, false, false), "layers.0.q_proj.weight", "set_"});
+  cases.push_back({"Z2, set_data", layout(false, false, false), "layers.1.gate_proj.weight", "set_data"});
+  cases.push_back({"DDP path, set_", layout(false, true, false), "layers.0.down_proj.weight", "set_"});
+  cases.push_back({"sharded_adamw, set_data", layout(true, false, true), "layers.0.attn_norm.weight", "set_data"});
+  cases.push_back({"Z3, model->to(kFloat64)", layout(true, false, false), "", "to"});
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.label);
+    testing::run_ranks(2, [&](testing::RankContext& ctx) {
+      const GPTConfig cfg = small_config(2);
+      GPT m(cfg);
+      auto mesh = make_mesh(ctx);
+      testing::dedicate_gpt(m, mesh, c.dc);
+      Muon opt(m.ptr(), testing::muon_options(TrainConfig{}));
+      const auto batch = make_batches(1, 4, 8, cfg.vocab_size, 5)[0];
+      m->loss(batch).backward();
+      opt.step();
+      opt.zero_grad();
+      {
+        at::NoGradGuard ng;
+        if (c.how == "to") {
+          m->to(at::kDouble);
+        } else {  // a full value, as a load brings it (also where this rank holds a 0-element placeholder)
+          at::Tensor p = m->named_parameters()[c.param];
+          const at::Tensor value = GPT(cfg)->named_parameters()[c.param].detach().clone();
+          if (c.how == "set_") p.set_(value);
+          else p.set_data(value);
+        }
+      }
+      const std::string err = error_of([&] { m->loss(batch).backward(); });
+      for (const std::string& said : {"rank " + std::to_string(ctx.rank) + ": the forward of boundary",
+                                      std::string("no longer holds the data dmuon gave it"),
+                                      std::string("set_model_state_dict")})
+        if (err.find(said) == std::string::npos) throw std::runtime_error("unexpected message: " + err);
+      if (err.find("has not run through dmuon::forward") != std::string::npos)
+        throw std::runtime_error("the boundary hint is not about this error: " + err);
+      if (c.how != "to" && err.find("parameter '" + c.param + "'") == std::string::npos)
+        throw std::runtime_error("the replaced parameter is not named: " + err);
+    });
+  }
+}
+
 // Muon on several ranks needs every trainable parameter routed: without replicate() each rank
 // would update its base parameters with its own local gradient. Frozen parameters need nothing.
 TEST(RuntimeTest, MuonWithoutReplicateOnSeveralRanksIsAnError) {

@@ -78,6 +78,12 @@ struct BoundaryScope::Impl {
   std::vector<c10::intrusive_ptr<c10::TensorImpl>> argument_leaves;
   bool entered = false;
   bool exited = false;
+  bool root_open = false;  // begin_root_forward ran and end_root_forward not yet
+  void end_root() {
+    if (!root_open) return;
+    root_open = false;
+    site.root->end_root_forward();
+  }
   uint64_t entry_nr = 0;      // this thread's next autograd sequence number when the block was entered
   uint64_t entry_thread = 0;  // (RecordFunction's id of the thread that entered it)
   const Boundary& B() const { return site.state->boundaries()[static_cast<size_t>(site.boundary)]; }
@@ -172,7 +178,12 @@ BoundaryScope::BoundaryScope(const std::shared_ptr<Runtime>& runtime, const std:
 
 BoundaryScope::BoundaryScope(const BoundarySite& site) : impl_(std::make_unique<Impl>()) { impl_->site = site; }
 
-BoundaryScope::~BoundaryScope() = default;
+BoundaryScope::~BoundaryScope() {
+  try {
+    if (impl_) impl_->end_root();  // (a scope left by neither exit nor rethrow)
+  } catch (...) {
+  }
+}
 
 void BoundaryScope::note_argument(const at::Tensor& t) const {
   if (!impl_->site.state || !t.defined() || !t.requires_grad()) return;
@@ -183,7 +194,10 @@ void BoundaryScope::note_argument(const at::Tensor& t) const {
 void BoundaryScope::enter() {
   impl_->entry_nr = at::sequence_number::peek();
   impl_->entry_thread = at::RecordFunction::currentThreadId();
-  if (impl_->site.root) impl_->site.root->begin_root_forward();  // the model's own forward: a new pass
+  if (impl_->site.root) {
+    impl_->site.root->begin_root_forward();  // the model's own forward: a new pass
+    impl_->root_open = true;
+  }
   if (impl_->site.state) {
     impl_->site.state->pre_forward(impl_->site.boundary);
     // every use that can give the parameters a gradient counts, with or without a post-backward hook
@@ -214,6 +228,7 @@ at::Tensor BoundaryScope::enter(const at::Tensor& input) {
 void BoundaryScope::exit() {
   if (impl_->site.state && impl_->entered && !impl_->exited) impl_->site.state->post_forward(impl_->site.boundary);
   impl_->exited = true;
+  impl_->end_root();
 }
 
 at::Tensor BoundaryScope::exit(const at::Tensor& output) { return exit(std::vector<at::Tensor>{output}).front(); }
@@ -260,9 +275,11 @@ void BoundaryScope::rethrow(const std::exception& e) {
     } catch (...) {
     }
   }
+  impl_->end_root();
   const std::string what = detail::error_text(e);
   std::shared_ptr<Runtime> st = impl_->site.root ? impl_->site.root : impl_->site.state;
-  if (st && what.find("dmuon: hook boundary") == std::string::npos) {
+  if (st && what.find("dmuon: hook boundary") == std::string::npos &&
+      what.find(kReplacedParamText) == std::string::npos) {
     const std::string hint = st->bypass_hint();
     if (!hint.empty()) {
       // the hint added, the kind kept: a caller mistake stays one (ValueError in Python)

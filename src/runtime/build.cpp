@@ -214,6 +214,7 @@ void Runtime::build(const ParamPredicate& predicate, const std::function<void()>
   routes_ = {dedicated_.get()};
   for (const auto& r : table_routes_) routes_.push_back(r.get());
   routes_.push_back(local_.get());
+  ctx_.drop_setup_callables();
 }
 
 void Runtime::check_deferred(uint64_t& digest) {

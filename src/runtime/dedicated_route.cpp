@@ -206,6 +206,14 @@ void DedicatedRoute::issue_unshard(int b, const char* phase) {
   }
 }
 
+void DedicatedRoute::check_params(int b) const {
+  for (const auto& buf : buffers_[static_cast<size_t>(b)])
+    for (int p : buf.params) {
+      const DedicatedEntry& e = entries_[static_cast<size_t>(p)];
+      ctx_.require_given_storage(b, e.name, e.param, {&buf.flat, &e.placeholder});
+    }
+}
+
 void DedicatedRoute::wait_unshard(int b) {
   at::NoGradGuard ng;
   for (auto& buf : buffers_[static_cast<size_t>(b)]) {

@@ -150,6 +150,9 @@ class Route {
   virtual void issue_reduce(int /*b*/) {}                           // boundary b's gradients are complete
   virtual void end_of_backward() {}                                 // every boundary reduced (not in NoSync)
   virtual void reset_pass() {}                                      // a backward pass ended: clear per-pass bits
+  // local, before boundary b's forward: its parameters still hold the storage the route gave them (one it
+  // updates and sends), else an error naming the parameter (torch::load, set_data, model->to(dtype) since)
+  virtual void check_params(int /*b*/) const {}
 
   // ---- optimizer ----
   virtual void finish_reduces() {}                               // wait, fold into the accumulators

@@ -1,10 +1,12 @@
 // What the routes see of their model (see route_context.h).
 #include "runtime/route_context.h"
+
 #include "comm/error_text.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <sstream>
 #include <utility>
 
 namespace dmuon {
@@ -24,6 +26,29 @@ Precision RouteContext::precision_of(const at::Tensor& p) const {
 at::Tensor RouteContext::master_of(const at::Tensor& p) const {
   auto it = masters_.find(p.unsafeGetTensorImpl());
   return it != masters_.end() ? it->second : at::Tensor();
+}
+
+void RouteContext::require_given_storage(int b, const std::string& name, const at::Tensor& param,
+                                         std::initializer_list<const at::Tensor*> given) const {
+  const at::Tensor& first = **given.begin();
+  bool held = param.scalar_type() == first.scalar_type() && param.device() == first.device();
+  if (held) {
+    held = false;
+    for (const at::Tensor* t : given)
+      if (t->defined() && param.storage().is_alias_of(t->storage())) held = true;
+  }
+  if (held) return;
+  std::ostringstream o;
+  o << "rank " << mesh_->global_rank() << ": the forward of boundary '" << boundary_name(b) << "': parameter '"
+    << name << "' " << kReplacedParamText << " at dedicate_params (it is now " << param.scalar_type() << " "
+    << param.sizes() << " on " << param.device() << "; dmuon's is " << first.scalar_type() << " on " << first.device()
+    << "). Something replaced it since: a load into the model (torch::load(model, ...), load_state_dict), "
+       "p.set_data(...) / p.data = ..., or model->to(dtype or device). dmuon keeps this parameter in a buffer that "
+       "its owner updates and sends to the other ranks, so the replacement would be used on this rank alone (and "
+       "lose its gradient hooks): the ranks would drift apart. Load values with dmuon's set_model_state_dict "
+       "(dmuon.set_model_state_dict in Python) or into the model before dedicate_params; choose dtypes before "
+       "dedicate_params (a ParamPolicy / param_policy_fn for mixed precision).";
+  TORCH_CHECK_VALUE(false, o.str());
 }
 
 ReadyGrad RouteContext::ready_grad(const std::string& name, const at::Tensor& p, const Precision& prec, bool muon,

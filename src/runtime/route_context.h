@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <string>
@@ -30,6 +31,9 @@ inline const std::string kCheckpointWhat =
     "checkpoint (a full state dict is collective: every rank calls get_model_state_dict / get_optimizer_state_dict / "
     "opt.state_dict(), not rank 0 alone): ";
 
+
+// Route::check_params's refusal says this (a forward's error that is not the bypass the boundary hint is about)
+inline constexpr const char* kReplacedParamText = "no longer holds the data dmuon gave it";
 
 // What a gradient hook reports to the schedule (the Runtime implements it).
 class GradEvents {
@@ -71,6 +75,17 @@ class RouteContext {
   const std::shared_ptr<Mesh>& mesh_ptr() const { return mesh_; }
   const DedicateOptions& options() const { return opts_; }
   void set_forward_prefetch_depth(int depth) { opts_.forward_prefetch_depth = depth; }  // Runtime only
+  // After setup (Runtime only): the options' callables and parameter source are setup's alone. Kept, they would
+  // keep what they capture alive with the model (in Python a resolver over the model's modules: a cycle
+  // through C++ that the garbage collector cannot see, so the model would never be freed).
+  void drop_setup_callables() {
+    opts_.hook_boundary_predicate = nullptr;
+    opts_.hook_boundary_resolver = nullptr;
+    opts_.assignment_group_key_fn = nullptr;
+    opts_.param_policy_fn = nullptr;
+    opts_.route_hint_fn = nullptr;
+    opts_.param_source = nullptr;
+  }
   // the sharded_adamw all-gathers on the mesh's sharded_unshard group (Runtime only)
   void set_separate_sharded_unshard(bool on) { separate_sharded_unshard_ = on; }
   Communicator& sharded_unshard_group() const {
@@ -93,6 +108,11 @@ class RouteContext {
   Precision precision_of(const at::Tensor& p) const;  // plain (own dtype) without a policy
   void set_precision(const at::Tensor& p, const Precision& prec) { precision_[p.unsafeGetTensorImpl()] = prec; }
   at::Tensor master_of(const at::Tensor& p) const;    // undefined when p has no master on this rank
+  // Route::check_params for one parameter: `param` (boundary b's `name`) still holds the storage of one of
+  // `given` (what the route set it to: its buffer, its placeholder) and the dtype of the first; else an
+  // error saying what replaced it and how to load values instead (local)
+  void require_given_storage(int b, const std::string& name, const at::Tensor& param,
+                             std::initializer_list<const at::Tensor*> given) const;
   void set_master(const at::Tensor& p, at::Tensor master) { masters_[p.unsafeGetTensorImpl()] = std::move(master); }
   bool has_masters() const { return !masters_.empty(); }
   // p's gradient for the optimizer: the update targets p's master when it has one here, else p.

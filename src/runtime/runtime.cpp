@@ -28,6 +28,11 @@ namespace dmuon {
 namespace {
 // this thread runs an autograd backward (a graph task): a forward now recomputes for it
 bool in_autograd_backward() { return torch::autograd::get_current_graph_task_exec_info() != nullptr; }
+// this thread's graph task computes the gradients of given inputs only (torch.autograd.grad, backward(inputs=))
+bool partial_backward() {
+  const auto* info = torch::autograd::get_current_graph_task_exec_info();
+  return info != nullptr && !info->empty();
+}
 }  // namespace
 
 bool Runtime::routed(const std::string& name) const {
@@ -178,13 +183,18 @@ void Runtime::begin_forward_pass() {
 
 void Runtime::begin_root_forward() {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  root_scope_seen_ = true;
+  ++root_open_;
   root_grad_mode_ = at::GradMode::is_enabled();
   if (pass_begun_by_step_) {  // step() began this pass and prefetched into it
     pass_begun_by_step_ = false;
     return;
   }
   begin_forward_pass();
+}
+
+void Runtime::end_root_forward() {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  if (root_open_ > 0) --root_open_;
 }
 
 void Runtime::pre_forward(int b) {
@@ -208,6 +218,7 @@ void Runtime::pre_forward(int b) {
     }
     return;
   }
+  for (Route* r : routes()) r->check_params(b);  // (before anything of this forward: an error changes nothing)
   pass_begun_by_step_ = false;
   if (backward_since_forward_ || B.ran_forward) begin_forward_pass();
   B.ran_forward = true;
@@ -240,6 +251,7 @@ void Runtime::note_backward() {
   if (backward_live()) return;
   // (retain_graph: a backward again without a forward; what it accumulated so far stays)
   if (backward_abandoned()) drop_abandoned_backward("the next backward", /*param_grads=*/false);
+  refuse_graph_building_partial_backward();
   backward_open_ = true;
   // a backward through a retained graph (no use counted since the last backward): the uses of that graph (a
   // boundary used by two forwards gets two gradients again; expecting fewer would reduce before the second)
@@ -280,6 +292,19 @@ void Runtime::note_backward() {
   });
 }
 
+void Runtime::refuse_graph_building_partial_backward() const {
+  if (!at::GradMode::is_enabled() || !partial_backward() || ddp()) return;
+  bool frees = mesh().shard_size() > 1;  // (one shard rank keeps every matrix; sharded_adamw frees at any size)
+  for (const auto& r : table_routes_) frees = frees || r->kind() == RouteKind::Sharded;
+  TORCH_CHECK_VALUE(!frees, "rank ", mesh().global_rank(), ": a backward pass with create_graph=True that computes "
+                    "the gradients of some inputs only (torch.autograd.grad(..., create_graph=True), e.g. a gradient "
+                    "penalty) ran through this dedicated model. dmuon ends each backward pass by reducing the "
+                    "parameters' gradients and freeing the parameters this rank does not keep, so the graph that "
+                    "pass builds (differentiated again by the loss's backward) would lose them. Dedicate a model "
+                    "whose loss differentiates its gradients with dedicate_params_ddp (every rank keeps the full "
+                    "parameters, and gradients are reduced once, in the loss's backward).");
+}
+
 void Runtime::pre_backward(int b) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   note_backward();
@@ -317,11 +342,11 @@ void Runtime::note_use(int b, bool grad_mode) {
     return;
   }
   // A use under no_grad is counted only where a reentrant checkpoint could recompute it in backward: inside
-  // a root forward that runs in grad mode. Not in an evaluation forward (the root under no_grad), nor where
-  // no root scope ever runs (a C++ model calling its blocks through dmuon::forward: LibTorch has no
-  // checkpointing that recomputes in backward, and its evaluation forwards would hold the next backward's
-  // reduces to its end).
-  if (!grad_mode && !(root_scope_seen_ && root_grad_mode_)) return;
+  // a root forward that runs in grad mode. Not in an evaluation forward (the root under no_grad), nor outside
+  // the root's forward (a block called alone under no_grad to sample or probe; a C++ model calling its blocks
+  // through dmuon::forward has no root scope: LibTorch has no checkpointing that recomputes in backward, and
+  // its evaluation forwards would hold the next backward's reduces to its end).
+  if (!grad_mode && !(root_open_ > 0 && root_grad_mode_)) return;
   ++(grad_mode ? B.post_expected : B.uncounted_uses);
 }
 
@@ -565,6 +590,10 @@ void Runtime::step(bool group_prepare_ahead, bool async, std::optional<std::vect
   std::lock_guard<std::recursive_mutex> g(mu_);
   require_reduced_grads("step");
   at::NoGradGuard ng;
+  // Z2 keeps what a forward without a backward since (an eval forward between backward and step) gathered: the
+  // update makes it stale, and a read outside its boundary (a tied head, a logged norm) would see the old value
+  if (!ddp())
+    for (const Boundary& B : boundaries_) release(B.index);
   const Mesh& m = mesh();
   // group_prepare_ahead: the dedicated route group by group, each group's Newton-Schulz running
   // while later groups' reduces still arrive and, where step() publishes, each group's publish

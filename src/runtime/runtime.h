@@ -106,6 +106,10 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
 
   // ---- hooks (runtime.cpp; collective where they issue unshards and reduces) ----
   void begin_root_forward();
+  // note_backward's refusal of torch.autograd.grad(..., create_graph=True) through a model whose parameters a
+  // backward frees (every rank, at the pass's first hook: before any collective)
+  void refuse_graph_building_partial_backward() const;
+  void end_root_forward();  // the root's scope was left (or its forward raised)
   void pre_forward(int b);
   void post_forward(int b);
   void pre_backward(int b);
@@ -259,10 +263,11 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   bool grads_taken_ = false;   // attach_optimizer or prepare_grads ran: something takes the held gradients
   int synced_backwards_ = 0;   // (to 2: a second backward with nothing taking them warns, once)
   bool pass_begun_by_step_ = false;  // prefetch_next_forward began the next pass: its root forward does not begin one
-  // the current root forward runs in grad mode (an evaluation forward's no-grad uses are never recomputed);
-  // whether a root scope ever ran (a C++ model calling its blocks alone has none)
+  // the root forward running now (its scope entered, not left: none where a C++ model calls its blocks alone, nor
+  // where a block is called outside the model's forward) and whether it runs in grad mode (an evaluation
+  // forward's no-grad uses are never recomputed)
+  int root_open_ = 0;
   bool root_grad_mode_ = true;
-  bool root_scope_seen_ = false;
   bool warned_unrecomputed_ = false;  // a no-grad use held reduces to the end of backward (said once)
   // no use of the boundary run without grad mode is left to be recomputed in this backward (a reentrant
   // activation checkpoint's); one that never is (the block also run under no_grad inside a training

@@ -100,6 +100,14 @@ void ShardedRoute::issue_unshard(int b, const char* phase) {
   }
 }
 
+void ShardedRoute::check_params(int b) const {
+  if (static_cast<size_t>(b) >= by_boundary_.size()) return;
+  for (int i : by_boundary_[static_cast<size_t>(b)]) {
+    const ShardedEntry& e = entries_[static_cast<size_t>(i)];
+    ctx_.require_given_storage(b, e.name, e.param, {&e.full, &e.placeholder});
+  }
+}
+
 void ShardedRoute::wait_unshard(int b) {
   if (static_cast<size_t>(b) >= by_boundary_.size()) return;
   at::NoGradGuard ng;

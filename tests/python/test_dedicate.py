@@ -5,6 +5,7 @@ changing both groups' learning rates every step."""
 
 import re
 import time
+import warnings
 
 import pytest
 import torch
@@ -1955,3 +1956,191 @@ def _buffers_as_ddp(rank, world, fsdp2):
 @pytest.mark.parametrize("fsdp2", [False, True], ids=["replicate", "fsdp2"])
 def test_buffers_are_rank_0s_at_dedicate_params_and_in_full_state_dicts(tmp_path, fsdp2):
     run_ranks(tmp_path, 2, _buffers_as_ddp, fsdp2)
+
+
+class TiedLM(nn.Module):
+    """An embedding whose matrix the head reuses (the root holds the tied matrix), two blocks, a root vector."""
+
+    VOCAB = 11
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.emb = nn.Embedding(self.VOCAB, DIM, dtype=torch.float64)
+        self.layers = nn.ModuleList(nn.Linear(DIM, DIM, dtype=torch.float64) for _ in range(2))
+        self.scale = nn.Parameter(torch.full((DIM,), 1.3, dtype=torch.float64))
+        self.head = nn.Linear(DIM, self.VOCAB, bias=False, dtype=torch.float64)
+        self.head.weight = self.emb.weight
+
+    def hidden(self, tok):
+        h = self.emb(tok)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return h * self.scale
+
+    def forward(self, tok):
+        return self.head(self.hidden(tok))
+
+
+def _reads_after_an_eval_forward_before_step(rank, world, sharded):
+    """Z2 keeps what a forward gathered until the next backward ends; an evaluation forward between backward and
+    step gathered the matrices (and the sharded_adamw vector) again, and step() updates the owners' and the
+    shards: what a rank reads outside the blocks' forwards after step() (a tied head by F.linear, a logged
+    weight) is the trained value, or a placeholder on a rank that keeps none, never the value before the step
+    (all ranks read the same then: one model)."""
+    model = TiedLM()
+    hint = (lambda n, p: "sharded_adamw" if n == "scale" else "") if sharded else None
+    dmuon.dedicate_params(model, torch.distributed.group.WORLD, lambda n, p: p.dim() == 2, reshard_after_forward=False,
+                          route_hint_fn=hint)
+    dmuon.replicate(model)
+    opt = dmuon.Muon(model, lr=LR, adamw_lr=ADAMW_LR, first_step_progress_log=False)
+    tok = (torch.arange(6).reshape(2, 3) * (rank + 2)) % TiedLM.VOCAB
+    for _ in range(2):
+        opt.zero_grad()
+        logits = model(tok).reshape(-1, TiedLM.VOCAB)
+        torch.nn.functional.cross_entropy(logits, ((tok + 1) % TiedLM.VOCAB).reshape(-1)).backward()
+        model.eval()
+        with torch.no_grad():
+            model(tok)  # a validation forward between backward and step
+        model.train()
+        opt.step()
+        # (read before the state dict's collective, which may gather the values again)
+        seen = {name: p.detach().clone() for name, p in model.named_parameters() if p.numel()}
+        trained = dmuon.get_model_state_dict(model, rank0_only=False)
+        for name, value in seen.items():  # (a rank that keeps no copy holds a 0-element placeholder)
+            assert torch.equal(value, trained[name]), f"rank {rank}: '{name}' is not its trained value"
+        assert seen
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded_adamw"])
+def test_values_read_after_step_are_the_trained_ones_after_an_eval_forward_before_it(tmp_path, sharded):
+    run_ranks(tmp_path, 2, _reads_after_an_eval_forward_before_step, sharded)
+
+
+def _blocks_called_alone_under_no_grad(rank, world):
+    """Blocks called alone under no_grad after a step (sampling, probing: no root forward) are not uses a reentrant
+    checkpoint recomputes: the next backward reduces as usual (no warning, no reduce held to its end)."""
+    model = make_net()
+    dmuon.dedicate_params(model, torch.distributed.group.WORLD, lambda n, p: p.dim() == 2)
+    dmuon.replicate(model)
+    opt = dmuon.Muon(model, lr=LR, first_step_progress_log=False)
+    x, y = batch(0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            opt.zero_grad()
+            ((model(x[rank::world]) - y[rank::world]) ** 2).mean().backward()
+            opt.step()
+            with torch.no_grad():
+                h = x
+                for block in model.layers:
+                    h = block(h)
+    said = [str(w.message) for w in seen if "ran under no_grad" in str(w.message)]
+    assert not said, said
+
+
+def test_blocks_called_alone_under_no_grad_leave_the_next_backward_as_it_was(tmp_path):
+    run_ranks(tmp_path, 2, _blocks_called_alone_under_no_grad)
+
+
+def _replaced_after_dedicate(rank, world, how):
+    """A parameter whose data were replaced after dedicate_params (a dtype round trip model.float().double(),
+    p.data = ...) would train on its own rank alone (the owner updates and sends dmuon's buffer, and the
+    replacement lost dmuon's gradient hooks): the next forward is an error on every rank naming it."""
+    model = make_net()
+    dmuon.dedicate_params(model, torch.distributed.group.WORLD, lambda n, p: p.dim() == 2)
+    dmuon.replicate(model)
+    opt = dmuon.Muon(model, lr=LR, first_step_progress_log=False)
+    x, y = batch(0)
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    if how == "round trip":
+        model.float()
+        model.double()
+    else:
+        model.layers[1].gate.weight.data = torch.ones(DIM, DIM, dtype=torch.float64)
+    named = "layers.0.proj.weight" if how == "round trip" else "layers.1.gate.weight"
+    with pytest.raises(ValueError, match=rf"rank {rank}: the forward of boundary .*parameter '{re.escape(named)}' no "
+                                         r"longer holds the data dmuon gave it.*set_model_state_dict"):
+        model(x)
+
+
+@pytest.mark.parametrize("how", ["round trip", "data"])
+def test_a_parameter_replaced_after_dedicate_params_is_an_error_at_the_next_forward(tmp_path, how):
+    run_ranks(tmp_path, 2, _replaced_after_dedicate, how)
+
+
+def _freed_after_a_sweep(rank, world):
+    """dedicate_params' callables (hook_boundary_predicate's resolver over the model's modules, a route_hint_fn,
+    a param_policy_fn that captures the model) are setup's alone: a model dedicated with them is freed once the
+    caller drops it, as one dedicated without them."""
+    import gc
+    import weakref
+
+    gone = []
+    for _ in range(3):
+        model = make_net()
+        dmuon.dedicate_params(model, torch.distributed.group.WORLD, lambda n, p: p.dim() == 2,
+                              hook_boundary_predicate=lambda m: isinstance(m, Block),
+                              route_hint_fn=lambda n, p, m=model: "" if m is not None else "adamw",
+                              process_group_policy="shared")
+        dmuon.replicate(model)
+        opt = dmuon.Muon(model, lr=LR, first_step_progress_log=False)
+        x, y = batch(0)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        gone.append(weakref.ref(model))
+        del model, opt
+        gc.collect()
+    assert all(r() is None for r in gone), f"{sum(r() is not None for r in gone)} of 3 models still alive"
+
+
+def test_a_model_dedicated_with_setup_callables_is_freed_when_dropped(tmp_path):
+    run_ranks(tmp_path, 1, _freed_after_a_sweep)
+
+
+def _penalty(model, x):
+    """WGAN-GP's term: the input gradient's norm, differentiated again by the loss's backward."""
+    (gx,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    return ((gx.norm(dim=1) - 1) ** 2).sum()
+
+
+def _gradient_penalty(rank, world, layout, out_path):
+    """A gradient penalty (WGAN-GP: torch.autograd.grad(D(x).sum(), x, create_graph=True), then the backward of a
+    loss holding it) through a model whose backward frees parameters (Z3, Z2, sharded_adamw) is refused on every
+    rank at that pass's first hook, naming the remedy, before any collective (was a bare storage error on some
+    ranks and a collective timeout on others); the DDP path keeps full parameters and trains as torch does."""
+    model = make_net()
+    predicate = lambda n, p: p.dim() == 2  # noqa: E731
+    if layout == "ddp":
+        dmuon.dedicate_params_ddp(model, torch.distributed.group.WORLD, predicate)
+    else:
+        dmuon.dedicate_params(model, torch.distributed.group.WORLD, predicate, reshard_after_forward=layout == "z3",
+                              route_hint_fn=(lambda n, p: "sharded_adamw" if n == "scale" else "")
+                              if layout == "sharded" else None)
+    dmuon.replicate(model)
+    opt, sched = make_optimizer(model, first_step_progress_log=False)
+    for step in range(STEPS):
+        x = batch(step)[0][rank::world].clone().requires_grad_(True)
+        opt.zero_grad()
+        if layout != "ddp":
+            with pytest.raises((ValueError, RuntimeError),
+                               match=rf"rank {rank}: a backward pass with create_graph=True .*dedicate_params_ddp"):
+                _penalty(model, x)
+            return
+        (_penalty(model, x) * world / BATCH).backward()  # (the ranks' mean: the one-process loss / BATCH)
+        opt.step()
+        sched.step()
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save(sd, out_path)
+
+
+@pytest.mark.parametrize("layout", ["z3", "z2", "sharded", "ddp"])
+def test_a_gradient_penalty_trains_on_the_ddp_path_and_is_refused_where_backward_frees_parameters(tmp_path, layout):
+    if layout != "ddp":
+        run_ranks(tmp_path, 2, _gradient_penalty, layout, str(tmp_path / "unused.pt"))
+        return
+    ref = reference_train(loss_of=lambda model, step: _penalty(model, batch(step)[0].requires_grad_(True)) / BATCH)
+    assert_matches(ref, train_on_ranks(tmp_path, 2, _gradient_penalty, layout), "gradient penalty, DDP path")
