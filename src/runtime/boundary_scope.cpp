@@ -79,10 +79,11 @@ struct BoundaryScope::Impl {
   bool entered = false;
   bool exited = false;
   bool root_open = false;  // begin_root_forward ran and end_root_forward not yet
+  bool outer_grad_mode = true;  // what begin_root_forward returned
   void end_root() {
     if (!root_open) return;
     root_open = false;
-    site.root->end_root_forward();
+    site.root->end_root_forward(outer_grad_mode);
   }
   uint64_t entry_nr = 0;      // this thread's next autograd sequence number when the block was entered
   uint64_t entry_thread = 0;  // (RecordFunction's id of the thread that entered it)
@@ -195,7 +196,7 @@ void BoundaryScope::enter() {
   impl_->entry_nr = at::sequence_number::peek();
   impl_->entry_thread = at::RecordFunction::currentThreadId();
   if (impl_->site.root) {
-    impl_->site.root->begin_root_forward();  // the model's own forward: a new pass
+    impl_->outer_grad_mode = impl_->site.root->begin_root_forward();  // the model's own forward: a new pass
     impl_->root_open = true;
   }
   if (impl_->site.state) {

@@ -181,20 +181,23 @@ void Runtime::begin_forward_pass() {
   backward_since_forward_ = false;
 }
 
-void Runtime::begin_root_forward() {
+bool Runtime::begin_root_forward() {
   std::lock_guard<std::recursive_mutex> g(mu_);
+  const bool outer = root_grad_mode_;
   ++root_open_;
   root_grad_mode_ = at::GradMode::is_enabled();
   if (pass_begun_by_step_) {  // step() began this pass and prefetched into it
     pass_begun_by_step_ = false;
-    return;
+    return outer;
   }
   begin_forward_pass();
+  return outer;
 }
 
-void Runtime::end_root_forward() {
+void Runtime::end_root_forward(bool outer_grad_mode) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   if (root_open_ > 0) --root_open_;
+  root_grad_mode_ = outer_grad_mode;  // (a root forward run inside another: the outer one's mode again)
 }
 
 void Runtime::pre_forward(int b) {
@@ -209,7 +212,7 @@ void Runtime::pre_forward(int b) {
     // unsharded them; the reduce releases them): no new pass, nothing recorded, no release after it.
     // The end-of-backward callback goes on this (the outer) backward, before a reentrant checkpoint's
     // nested backward could take it.
-    note_backward();
+    note_backward(/*engine_hook=*/false);  // (a recompute runs in grad mode whatever the backward's create_graph)
     B.recomputing = true;
     B.in_forward = true;
     if (!ddp()) {
@@ -246,12 +249,16 @@ void Runtime::release(int b) {
 }
 
 // ---- backward --------------------------------------------------------------------------------------
-void Runtime::note_backward() {
+void Runtime::note_backward(bool engine_hook) {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  if (backward_live()) return;
+  if (backward_live()) {
+    if (engine_hook && !pass_mode_checked_) refuse_graph_building_partial_backward();  // (a recompute opened it)
+    return;
+  }
   // (retain_graph: a backward again without a forward; what it accumulated so far stays)
   if (backward_abandoned()) drop_abandoned_backward("the next backward", /*param_grads=*/false);
-  refuse_graph_building_partial_backward();
+  pass_mode_checked_ = false;
+  if (engine_hook) refuse_graph_building_partial_backward();
   backward_open_ = true;
   // a backward through a retained graph (no use counted since the last backward): the uses of that graph (a
   // boundary used by two forwards gets two gradients again; expecting fewer would reduce before the second)
@@ -292,7 +299,9 @@ void Runtime::note_backward() {
   });
 }
 
-void Runtime::refuse_graph_building_partial_backward() const {
+void Runtime::refuse_graph_building_partial_backward() {
+  // (in the engine's hooks grad mode is the backward's create_graph; a checkpoint's recompute is not asked)
+  pass_mode_checked_ = true;
   if (!at::GradMode::is_enabled() || !partial_backward() || ddp()) return;
   bool frees = mesh().shard_size() > 1;  // (one shard rank keeps every matrix; sharded_adamw frees at any size)
   for (const auto& r : table_routes_) frees = frees || r->kind() == RouteKind::Sharded;

@@ -105,11 +105,11 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   at::Tensor master_of(const std::string& name) const;
 
   // ---- hooks (runtime.cpp; collective where they issue unshards and reduces) ----
-  void begin_root_forward();
+  bool begin_root_forward();  // returns the grad mode of a root forward running around it (for end_root_forward)
   // note_backward's refusal of torch.autograd.grad(..., create_graph=True) through a model whose parameters a
   // backward frees (every rank, at the pass's first hook: before any collective)
-  void refuse_graph_building_partial_backward() const;
-  void end_root_forward();  // the root's scope was left (or its forward raised)
+  void refuse_graph_building_partial_backward();
+  void end_root_forward(bool outer_grad_mode);  // the root's scope was left (or its forward raised)
   void pre_forward(int b);
   void post_forward(int b);
   void pre_backward(int b);
@@ -121,7 +121,9 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   // counts only a use that ran without grad mode before (a reentrant checkpoint's first run)
   void note_use(int b, bool grad_mode);
   void note_accumulated(bool& accumulated, int b);  // a parameter of b got its gradient (its own bit)
-  void note_backward();                        // some hook ran in backward: queue the end-of-backward
+  // some hook ran in backward: queue the end-of-backward; engine_hook false: a checkpoint's recompute (its grad
+  // mode is not the backward's create_graph)
+  void note_backward(bool engine_hook = true);
   // GradEvents (route hooks; called under the lock)
   void accumulated(bool& flag, int b) override { note_accumulated(flag, b); }
   void backward_ran() override { note_backward(); }
@@ -267,6 +269,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   // where a block is called outside the model's forward) and whether it runs in grad mode (an evaluation
   // forward's no-grad uses are never recomputed)
   int root_open_ = 0;
+  bool pass_mode_checked_ = false;  // refuse_graph_building_partial_backward ran in this backward pass
   bool root_grad_mode_ = true;
   bool warned_unrecomputed_ = false;  // a no-grad use held reduces to the end of backward (said once)
   // no use of the boundary run without grad mode is left to be recomputed in this backward (a reentrant

@@ -2144,3 +2144,41 @@ def test_a_gradient_penalty_trains_on_the_ddp_path_and_is_refused_where_backward
         return
     ref = reference_train(loss_of=lambda model, step: _penalty(model, batch(step)[0].requires_grad_(True)) / BATCH)
     assert_matches(ref, train_on_ranks(tmp_path, 2, _gradient_penalty, layout), "gradient penalty, DDP path")
+
+
+class CheckpointedStack(nn.Module):
+    """make_net()'s blocks under one non-reentrant checkpoint that ends in an op saving its output after the last
+    block: backward recomputes the region before any block's backward hook runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_net()
+
+    def run(self, x):
+        return torch.tanh(self.net(x))
+
+    def forward(self, x):
+        return checkpoint(self.run, x, use_reentrant=False)
+
+
+def _input_gradients_through_a_checkpoint(rank, world):
+    """torch.autograd.grad(loss, [x]) and loss.backward(inputs=[x]) without create_graph (saliency, an input
+    gradient) through such a checkpoint on Z3 with a sharded_adamw vector are input gradients as torch's, not the
+    gradient penalty's refusal (the recompute runs in grad mode whatever the backward's create_graph)."""
+    model = CheckpointedStack()
+    plain = CheckpointedStack()
+    dmuon.dedicate_params(model, torch.distributed.group.WORLD, lambda n, p: p.dim() == 2,
+                          route_hint_fn=lambda n, p: "sharded_adamw" if n.endswith("scale") else "")
+    dmuon.replicate(model)
+    x = batch(0)[0]
+    given = x.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(plain(given).square().sum(), [given])
+    mine = x.clone().requires_grad_(True)
+    (got,) = torch.autograd.grad(model(mine).square().sum(), [mine])
+    assert float((got - want).abs().max()) < 1e-12
+    model(mine).square().sum().backward(inputs=[mine])
+    assert float((mine.grad - want).abs().max()) < 1e-12
+
+
+def test_input_gradients_through_a_checkpoint_are_torchs(tmp_path):
+    run_ranks(tmp_path, 2, _input_gradients_through_a_checkpoint)
