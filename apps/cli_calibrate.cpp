@@ -1,5 +1,6 @@
 // cli_calibrate.cpp -- the LibTorch side of `dmuon plan --calibrate` (plan_cmd.cpp writes the file).
 #include <ATen/Parallel.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 
 #include <stdexcept>
 
@@ -12,6 +13,9 @@ CalibrationResult calibrate_device(const CalibrationRequest& req, std::ostream& 
   const at::Device device(req.device);
   if (device.is_cuda() && !at::hasCUDA())
     throw std::invalid_argument("--calibrate --device " + req.device + ": this build or machine has no CUDA device");
+  if (device.is_cuda() && device.has_index() && device.index() >= at::detail::getCUDAHooks().getNumGPUs())
+    throw std::invalid_argument("--calibrate --device " + req.device + ": this machine has " +
+                                std::to_string(at::detail::getCUDAHooks().getNumGPUs()) + " CUDA device(s)");
   if (req.threads > 0) at::set_num_threads(req.threads);
   NsCalibrationOptions o;
   o.device = device;

@@ -28,6 +28,7 @@
 #include "dmuon/checkpoint.h"
 #include "dmuon/dedicate.h"
 #include "dmuon/diagnostics.h"
+#include "dmuon/env.h"
 #include "dmuon/files.h"
 #include "dmuon/grad_scaler.h"
 #include "dmuon/memory.h"
@@ -264,8 +265,11 @@ void check_memory(const TrainArgs& a, int world) {
              layers * (2 * d * q + 2 * d * kv + 3 * d * static_cast<double>(c.intermediate_size) + 2 * d) + d;
   }
   // ranks on this host: torchrun's LOCAL_WORLD_SIZE (dmuon's launcher sets it too), else all of them
+  // (a whole number only: "nan" made the estimate NaN and turned the check off; another value counts every rank)
   const char* lws = std::getenv("LOCAL_WORLD_SIZE");
-  const double local = std::clamp(lws ? std::atof(lws) : static_cast<double>(world), 1.0, static_cast<double>(world));
+  const std::optional<int64_t> lws_count = env::parse_count(lws ? lws : "", int64_t{1} << 20);
+  const double local = std::clamp(lws_count ? static_cast<double>(*lws_count) : static_cast<double>(world), 1.0,
+                                  static_cast<double>(world));
   const double share = local / world;
   const double state = params * (a.param_dtype == "fp64" ? 32 : 16) * share;
   const double tokens = static_cast<double>(a.batch) / a.grad_accum * a.tp * static_cast<double>(a.seq_len) * share;

@@ -132,6 +132,11 @@ struct Args {
 // hardware description: the --hardware one with the measured numbers in place and an "ns_profile".
 // The links stay the base description's (named in "source"): --calibrate measures one device.
 int run_calibration(std::ostream& out, const std::vector<ParamSpec>& full, const Args& a, const CalibrateFn& fn) {
+  const bool cuda_n = a.device.rfind("cuda:", 0) == 0 && a.device.size() > 5 && a.device.size() <= 8 &&
+                      a.device.find_first_not_of("0123456789", 5) == std::string::npos;
+  if (a.device != "cpu" && a.device != "cuda" && !cuda_n)
+    throw UsageError("--device '" + a.device + "': --calibrate measures the CPU (cpu) or a GPU (cuda, or cuda:N for "
+                     "GPU N)");
   if (!fn)
     throw UsageError("--calibrate measures this device with LibTorch; this dmuon was built without it "
                      "(plan-only). Use the full build's `dmuon plan --calibrate`");
@@ -187,15 +192,8 @@ int run_calibration(std::ostream& out, const std::vector<ParamSpec>& full, const
                 " cores over --threads " + std::to_string(a.threads) + ")";
   }
   const json j = json::parse(hardware_to_json(h));
-  const std::string tmp = a.calibrate + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    f << j.dump(2) << "\n";
-    if (!f.flush()) throw std::runtime_error("--calibrate: cannot write '" + tmp + "'");
-  }
-  if (std::rename(tmp.c_str(), a.calibrate.c_str()) != 0)
-    throw std::runtime_error("--calibrate: cannot move '" + tmp + "' to '" + a.calibrate + "'");
-  hardware_from_json(j.dump(), a.calibrate);  // what was written reads back
+  hardware_from_json(j.dump(), a.calibrate);  // what is written reads back: checked before it replaces anything
+  write_output_atomically("--calibrate", a.calibrate, j.dump(2) + "\n");
   out << "calibration: " << r.describe << ", NS efficiency " << fixed(eff, 3) << "\n"
       << "  " << pad("shape", 16) << pad("elem", 6) << pad("single us", 12) << pad("batch", 7) << pad("batch us", 12)
       << pad("fixed us", 10) << "per-matrix us\n";
@@ -698,6 +696,15 @@ int run(const std::vector<std::string>& argv, std::ostream& out, const Calibrate
   if (a.show_boundaries < 0)
     throw UsageError("--show-boundaries must be >= 0, got " + std::to_string(a.show_boundaries));
 
+  // the input files checked before any is read (a FIFO or a device would block the read, a directory
+  // would read as empty JSON)
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--hf-config", a.hf_config},
+                                   {"--params", a.params_file}, {"--ns-profile", a.ns_profile},
+                                   {"--hardware", a.hardware}})
+    if (!path.empty() && std::filesystem::exists(path))  // a missing one: the loader's "cannot open"
+      if (const std::string why = input_file_problem(path); !why.empty())
+        throw UsageError(std::string(flag) + " " + path + ": " + why);
+
   PlanOptions opts;
   if (!a.strategy.empty()) opts.owner_strategy = a.strategy;
   if (!a.cost_model.empty()) opts.owner_cost_model = a.cost_model;
@@ -714,12 +721,6 @@ int run(const std::vector<std::string>& argv, std::ostream& out, const Calibrate
   opts.pack_threshold_numel = a.pack_threshold;
   opts.ns_steps = a.ns_steps;
 
-  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--hf-config", a.hf_config},
-                                   {"--params", a.params_file}, {"--ns-profile", a.ns_profile},
-                                   {"--hardware", a.hardware}})
-    if (!path.empty() && std::filesystem::exists(path))  // a missing one: the loader's "cannot open"
-      if (const std::string why = input_file_problem(path); !why.empty())
-        throw UsageError(std::string(flag) + " " + path + ": " + why);
   if (!a.calibrate.empty())  // before minutes of measuring
     if (const std::string why = output_file_problem(a.calibrate); !why.empty())
       throw UsageError("--calibrate " + a.calibrate + ": " + why);

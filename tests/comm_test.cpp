@@ -635,6 +635,40 @@ TEST(MeshTest, UnknownPolicyIsAnError) {
   }
 }
 
+// What one rank alone refuses, or settings that differ between ranks (a node's own DMUON_PROCESS_GROUP_POLICY),
+// are an error on every rank at once: the others were left connecting groups that rank never built until the
+// timeout.
+TEST(MeshTest, OptionsOneRankRefusesOrTheRanksDisagreeOnAreAnErrorOnEveryRank) {
+  EnvGuard env("DMUON_PROCESS_GROUP_POLICY", std::nullopt);
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    MeshOptions mo;
+    mo.store = ctx.store;
+    mo.factory = process_group_factory(c10::DeviceType::CPU);
+    mo.timeout = std::chrono::seconds(60);
+    mo.process_group_policy = ctx.rank == 1 ? "bogus" : "shared";
+    std::string err = error_of([&] { Mesh::create(ctx.pg, mo); });
+    const std::string me = "rank " + std::to_string(ctx.rank) + ": ";
+    testing::expect(err.find(ctx.rank == 1 ? me + "unknown process_group_policy 'bogus' (from MeshOptions)"
+                                           : me + "Mesh::create: rank(s) 1 refused the mesh's options") !=
+                        std::string::npos,
+                    me + err);
+    mo.process_group_policy = ctx.rank == 1 ? "isolated" : "shared";
+    err = error_of([&] { Mesh::create(ctx.pg, mo); });
+    testing::expect(err.find(me + "Mesh::create: the ranks' meshes differ in process_group_policy (this rank's: " +
+                             (ctx.rank == 1 ? "\"isolated\"" : "\"shared\"") + "): rank(s) 1 differ from rank 0") !=
+                        std::string::npos,
+                    me + err);
+    mo.process_group_policy = "shared";
+    mo.replicate_size = ctx.rank == 1 ? 2 : 1;
+    err = error_of([&] { Mesh::create(ctx.pg, mo); });
+    testing::expect(err.find("differ in replicate_size (this rank's: " + std::to_string(mo.replicate_size) +
+                             "): rank(s) 1 differ from rank 0") != std::string::npos,
+                    me + err);
+    mo.replicate_size = 1;
+    EXPECT_EQ(Mesh::create(ctx.pg, mo)->world_size(), 2);  // and the next one is built as usual
+  });
+}
+
 TEST(MeshTest, NullWorldIsAnError) {
   const std::string err = error_of([] { Mesh::create(CommPtr()); });
   EXPECT_NE(err.find("Mesh::create: the world process group is null"), std::string::npos) << err;

@@ -89,6 +89,22 @@ TEST(HFDecoder, ConfigMistakesAreClearErrors) {
   j["num_key_value_heads"] = 3;
   EXPECT_NE(error_of([&] { HFDecoderConfig::parse(j.dump(), "cfg.json"); }).find("not a multiple of num_key_value_heads"),
             std::string::npos);
+  // sizes beyond any real model (heads x head_dim overflowed int64 and slipped past the memory estimate)
+  j = base("llama");
+  j["num_attention_heads"] = j["num_key_value_heads"] = j["head_dim"] = 4294967296;
+  EXPECT_NE(error_of([&] { HFDecoderConfig::parse(j.dump(), "cfg.json"); })
+                .find("cfg.json: \"num_attention_heads\" is 4294967296, above the limit of 1048576"),
+            std::string::npos);
+  j = base("llama");
+  j["num_hidden_layers"] = 20000;
+  EXPECT_NE(error_of([&] { HFDecoderConfig::parse(j.dump(), "cfg.json"); }).find("above the limit of 10000"),
+            std::string::npos);
+  // a rope_type that is not a string: said with the field, not a bare JSON type error
+  j = base("llama");
+  j["rope_scaling"] = {{"rope_type", 5}};
+  EXPECT_NE(error_of([&] { HFDecoderConfig::parse(j.dump(), "cfg.json"); })
+                .find("cfg.json: rope_scaling's rope_type must be a string, got 5"),
+            std::string::npos);
 }
 
 // Closed forms: with zero attention and MLP projections every layer is the identity, so the logits

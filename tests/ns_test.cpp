@@ -683,6 +683,35 @@ void check_sharded(int world, int64_t rows, int64_t cols, std::vector<int> resta
   });
 }
 
+// Shards that cannot be column blocks of one matrix (another row count, dtype or orientation on one rank) are an
+// error on every rank before any all-reduce, naming what differs: on Gloo a size mismatch aborted the process of
+// one rank ("Received data size doesn't match expected size") and left the others with "Connection reset".
+TEST(NewtonSchulzTest, ColumnShardedGramRefusesShardsOfDifferentMatricesOnEveryRank) {
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    const std::string me = "rank " + std::to_string(ctx.rank) + ": gram_newton_schulz_distributed_local: ";
+    auto run = [&](const at::Tensor& local, bool transposed) {
+      return testing::error_of([&] { gram_newton_schulz_distributed_local(local, ctx.pg, transposed); });
+    };
+    std::string err = run(at::randn({ctx.rank == 0 ? 8 : 6, 4}, at::kDouble), false);
+    testing::expect(err.rfind(me + "the ranks' shards differ in rows of the oriented shard (this rank's: " +
+                                  (ctx.rank == 0 ? "8" : "6") + "): rank(s) 1 differ from the group's rank 0",
+                              0) == 0,
+                    err);
+    err = run(at::randn({8, 4}, ctx.rank == 0 ? at::kDouble : at::kFloat), false);
+    testing::expect(err.find("differ in dtype (this rank's: " + std::string(ctx.rank == 0 ? "Double" : "Float")) !=
+                        std::string::npos,
+                    err);
+    err = run(at::randn({8, 8}, at::kDouble), ctx.rank == 1);
+    testing::expect(err.find("differ in transposed") != std::string::npos, err);
+    err = run(ctx.rank == 0 ? at::randn({8, 4}, at::kDouble) : at::randn({2, 8, 4}, at::kDouble), false);
+    testing::expect(err.find(ctx.rank == 1 ? "rank 1: gram_newton_schulz_distributed_local: expected a 2-D tensor"
+                                           : me + "rank(s) 1 refused the shard") != std::string::npos,
+                    err);
+    // and shards of one matrix run (their other sides may differ: 8 x 5 and 8 x 3)
+    EXPECT_EQ(run(at::randn({8, ctx.rank == 0 ? 5 : 3}, at::kDouble), false), "");
+  });
+}
+
 TEST(NewtonSchulzTest, ColumnShardedGramEqualsUnshardedOn2Ranks) {
   check_sharded(2, 24, 80, {2}, false);
   check_sharded(2, 80, 24, {1, 3}, false);

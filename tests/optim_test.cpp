@@ -562,8 +562,9 @@ TEST(MuonTest, FirstStepProgressLogIsLimitedToTheFirstStep) {
 }
 
 // A parameter frozen when dedicate_params ran and unfrozen after Muon was built (progressive unfreezing) has no
-// route: a step with its gradient is an error on every rank naming it (LibTorch's optimizers would train it, dmuon
-// would leave it as it is, silently); unfrozen without a gradient, or frozen again, steps as before.
+// route: a step is an error on every rank naming it (LibTorch's optimizers would train it, dmuon would leave it as
+// it is, silently) -- whether or not this rank's batch gave it a gradient (rank 1's did not here: a check of the
+// gradient would refuse on rank 0 alone and leave rank 1 in the step's collectives); frozen again, steps as before.
 TEST(MuonTest, AParameterUnfrozenAfterDedicateIsAnErrorAtTheStep) {
   const StateDict init = random_like_model(61, -0.5, 0.5), g = random_like_model(62, -1.0, 1.0);
   testing::run_ranks(2, [&](testing::RankContext& ctx) {
@@ -573,12 +574,11 @@ TEST(MuonTest, AParameterUnfrozenAfterDedicateIsAnErrorAtTheStep) {
     Muon opt(m.ptr(), quiet());
     m->scale.set_requires_grad(true);
     set_grads(m, g);
-    m->scale.mutable_grad() = at::Tensor();
-    opt.step();  // no gradient on it: nothing to lose
-    set_grads(m, g);
+    if (ctx.rank == 1) m->scale.mutable_grad() = at::Tensor();
     const std::string err = testing::error_of([&] { opt.step(); });
-    testing::expect(err.rfind("rank " + std::to_string(ctx.rank) + ": Muon::step: parameter 'scale' has a gradient, "
-                              "but it was frozen (requires_grad(false)) or not in the model when dedicate_params ran",
+    testing::expect(err.rfind("rank " + std::to_string(ctx.rank) + ": Muon::step: parameter 'scale' requires a "
+                              "gradient, but it was frozen (requires_grad(false)) or not in the model when "
+                              "dedicate_params ran",
                               0) == 0,
                     "rank " + std::to_string(ctx.rank) + ": " + err);
     EXPECT_TRUE(at::equal(m->scale, init.at("scale"))) << "the refused step changed nothing on it";
@@ -749,6 +749,58 @@ TEST(MuonTest, ParamInTwoGroupsIsAnError) {
     foreign.params = {param(m, "layers.2.weight"), at::zeros({3, 4}, at::kDouble)};
     o.param_groups = {foreign};
     EXPECT_EQ(error_of([&] { Muon opt(m.ptr(), o); }), "");
+  });
+}
+
+// One Muon steps a whole dedicated model (the parameters in none of its param_groups form a default group), so
+// two Muons splitting a model by param_groups would each step everything: the second to step (or clip) the same
+// gradients is refused on every rank before anything changes, naming both. Replacing the optimizer is fine: a
+// Muon built later steps after the next zero_grad / backward, and a Muon built and never stepped changes nothing.
+TEST(MuonTest, ASecondMuonSteppingTheSameGradientsIsRefused) {
+  const StateDict init = random_like_model(25, -0.5, 0.5), g = random_like_model(26, -1.0, 1.0);
+  std::vector<StateDict> alone(2);  // each rank's values (its owned matrices, the vectors) after one Muon's step
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    Tiny m;
+    dedicate_replicated(m, init, ctx);
+    Muon opt(m.ptr(), quiet());
+    set_grads(m, g);
+    opt.step();
+    for (const auto& p : m->named_parameters(true))
+      if (p.value().numel() > 0) alone[ctx.rank][p.key()] = p.value().detach().clone();
+  });
+  ASSERT_EQ(alone[0].size() + alone[1].size(), 2 * kVectors.size() + kMatrices.size());  // each matrix on its owner
+  testing::run_ranks(2, [&](testing::RankContext& ctx) {
+    Tiny m;
+    dedicate_replicated(m, init, ctx);
+    MuonParamGroup mats, vecs;
+    mats.name = "matrices";
+    for (const auto& n : kMatrices) mats.params.push_back(param(m, n));
+    vecs.name = "vectors";
+    for (const auto& n : kVectors) vecs.params.push_back(param(m, n));
+    MuonOptions a = quiet(), b = quiet();
+    a.param_groups = {mats};
+    b.param_groups = {vecs};
+    Muon first(m.ptr(), a), second(m.ptr(), b);
+    set_grads(m, g);
+    first.step();  // every parameter: the matrices' group and the default group
+    const std::string prefix = "rank " + std::to_string(ctx.rank) + ": ";
+    for (const auto& [fn, call] : std::vector<std::pair<std::string, std::function<void()>>>{
+             {"Muon::step", [&] { second.step(); }}, {"clip_grad_norm_", [&] { second.clip_grad_norm_(1.0); }}}) {
+      const std::string err = testing::error_of(call);
+      testing::expect(err.rfind(prefix + fn + ": another Muon on this model (the #1 built on it; this is #2) took "
+                                              "these gradients already",
+                                0) == 0,
+                      prefix + err);
+    }
+    for (const auto& [name, value] : alone[ctx.rank]) EXPECT_TRUE(at::equal(param(m, name), value)) << name;
+    // replaced: the newest steps after a zero_grad (a new set of gradients); the first no longer takes those
+    Muon newest(m.ptr(), quiet());
+    newest.zero_grad();
+    set_grads(m, g);
+    newest.step();
+    testing::expect(testing::error_of([&] { first.step(); }).find("(the #3 built on it; this is #1)") !=
+                        std::string::npos,
+                    prefix + "the first after the newest");
   });
 }
 
@@ -1257,18 +1309,24 @@ TEST(MuonTest, OptionsTheRanksDisagreeOnAreAnErrorOnEveryRank) {
 // naming the variable (it used to surface in the first step on whichever rank read it first, while the
 // others waited in a collective); with the variables unset the same options construct.
 TEST(MuonTest, AMalformedEnvironmentVariableIsRefusedAtConstructionOnEveryRank) {
-  const std::vector<std::pair<std::string, std::string>> cases = {
-      {"DMUON_NS_KERNEL", "unknown kernel 'bogus'"},
-      {"DMUON_BATCHED_NS", "DMUON_BATCHED_NS='bogus' is not a boolean"},
-      {"DMUON_NS_CPU_FUSED", "DMUON_NS_CPU_FUSED='bogus' is not a boolean"},
-      {"DMUON_NS_BATCH_MB", "DMUON_NS_BATCH_MB='bogus' is not a positive number of MiB"},
-      {"DMUON_FAST_CLIP", "DMUON_FAST_CLIP='bogus' is not a boolean"},
-      {"DMUON_FAST_CLIP_CHUNK_SIZE", "DMUON_FAST_CLIP_CHUNK_SIZE='bogus' is not a positive element count"},
-      {"", ""},
+  // (counts: digits only and in range -- 2^64+ was accepted past strtoll's ERANGE, 9999999999999 MiB overflowed
+  // the byte count, " 5" was read as 5 where the boolean variables refuse " 1")
+  const std::vector<std::tuple<std::string, std::string, std::string>> cases = {
+      {"DMUON_NS_KERNEL", "bogus", "unknown kernel 'bogus'"},
+      {"DMUON_BATCHED_NS", "bogus", "DMUON_BATCHED_NS='bogus' is not a boolean"},
+      {"DMUON_NS_CPU_FUSED", "bogus", "DMUON_NS_CPU_FUSED='bogus' is not a boolean"},
+      {"DMUON_NS_BATCH_MB", "bogus", "DMUON_NS_BATCH_MB='bogus' is not a number of MiB from 1 to 1048576"},
+      {"DMUON_NS_BATCH_MB", "99999999999999999999", "DMUON_NS_BATCH_MB='99999999999999999999' is not a number"},
+      {"DMUON_NS_BATCH_MB", "9999999999999", "DMUON_NS_BATCH_MB='9999999999999' is not a number"},
+      {"DMUON_NS_BATCH_MB", " 5", "DMUON_NS_BATCH_MB=' 5' is not a number"},
+      {"DMUON_FAST_CLIP", "bogus", "DMUON_FAST_CLIP='bogus' is not a boolean"},
+      {"DMUON_FAST_CLIP_CHUNK_SIZE", "bogus", "DMUON_FAST_CLIP_CHUNK_SIZE='bogus' is not an element count"},
+      {"DMUON_FAST_CLIP_CHUNK_SIZE", "18446744073709551617", "='18446744073709551617' is not an element count"},
+      {"", "", ""},
   };
-  for (const auto& [var, expected] : cases) {
+  for (const auto& [var, value, expected] : cases) {
     std::optional<testing::EnvGuard> guard;
-    if (!var.empty()) guard.emplace(var, "bogus");
+    if (!var.empty()) guard.emplace(var, value);
     testing::run_ranks(2, [&](testing::RankContext& ctx) {
       Tiny m;
       const auto mesh = shared_mesh(ctx);

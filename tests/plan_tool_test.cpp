@@ -1,12 +1,14 @@
 // plan_tool_test -- `dmuon plan` in process: reports, --json, and every bad-input path.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -17,6 +19,8 @@
 #include "dmuon/tools/model_specs.h"
 #include "dmuon/owner_plan.h"
 #include "dmuon/tools/step_simulator.h"
+#include "cli_files.h"
+#include "dmuon/ns_profile.h"
 #include "plan_cmd.h"
 
 namespace dmuon {
@@ -251,6 +255,48 @@ TEST_F(PlanToolTest, BadInputIsOneLineErrorNeverACrash) {
   ExpectOneLineError(run({"--hf-config", write("neg_cfg.json",
                                                R"({"model_type": "llama", "hidden_size": 0})")}),
                      "'hidden_size' must be a positive integer, got 0");
+  // a boolean written as a string would have planned the other case silently
+  const std::string llama = R"({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100, "tie_word_embeddings": "yes"})";
+  ExpectOneLineError(run({"--hf-config", write("tie.json", llama)}),
+                     "field 'tie_word_embeddings' must be true or false, got \"yes\"");
+  // input files are checked before any is read: a FIFO blocked the read of --ns-profile / --hardware (the
+  // profiled cost model reads them before the other checks), a directory read as empty JSON
+  const std::string fifo = dir_ + "/fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  ExpectOneLineError(run({"llama3-8b", "--owner-cost-model", "profiled", "--ns-profile", fifo}),
+                     "--ns-profile " + fifo + ": is not a regular file");
+  ExpectOneLineError(run({"llama3-8b", "--owner-cost-model", "profiled", "--hardware", fifo}),
+                     "--hardware " + fifo + ": is not a regular file");
+  ExpectOneLineError(run({"llama3-8b", "--owner-cost-model", "profiled", "--ns-profile", dir_}),
+                     "--ns-profile " + dir_ + ": is a directory");
+  // --calibrate's device is checked before anything is measured (LibTorch's own parser printed a backtrace; "meta"
+  // measured nothing and wrote a profile of it)
+  for (const char* device : {"cuda:abc", "meta", "cpu:3", "cuda:"})
+    ExpectOneLineError(run({"--params", write("one.json", R"([{"name": "w", "shape": [4, 4]}])"), "--calibrate",
+                            dir_ + "/cal.json", "--device", device}),
+                       "--device '" + std::string(device) + "': --calibrate measures the CPU (cpu) or a GPU");
+}
+
+// --calibrate's file replaces the old one whole or not at all, never through a link put at its temporary's name
+TEST_F(PlanToolTest, OutputFilesAreWrittenAtomicallyAndNeverThroughALink) {
+  const std::string target = dir_ + "/cal.json", precious = write("precious.txt", "keep me");
+  const std::string tmp = dir_ + "/.cal.json.tmp-" + std::to_string(::getpid());
+  std::filesystem::create_symlink(precious, tmp);
+  cli::write_output_atomically("--calibrate", target, "{\"new\": 1}\n");
+  std::ifstream kept(precious), written(target);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(kept), {}), "keep me");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(written), {}), "{\"new\": 1}\n");
+  EXPECT_FALSE(std::filesystem::is_symlink(target));
+  EXPECT_FALSE(std::filesystem::exists(std::filesystem::symlink_status(tmp)));
+  try {  // a directory that is not there: said, and nothing is left behind
+    cli::write_output_atomically("--calibrate", dir_ + "/no/such/dir/cal.json", "x");
+    ADD_FAILURE() << "accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("--calibrate: writing '" + dir_ + "/no/such/dir/cal.json' failed"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST_F(PlanToolTest, MoeHfConfigReportsImbalanceAgainstSingleMatrices) {
@@ -628,7 +674,7 @@ TEST(StepSimulator, HardwareDescriptionsAndTheirErrors) {
   EXPECT_EQ(hardware_from_json(hardware_to_json(round_hardware()), "t").cores_per_node, 0);
   EXPECT_EQ(hardware_preset("cpu-2core").cores_per_node, 2);
   EXPECT_EQ(hardware_preset("h200").cores_per_node, 0);
-  for (const char* bad : {"1.5", "-1", "0"}) {
+  for (const char* bad : {"1.5", "-1", "0", "1e10"}) {
     std::string j = hardware_to_json(round_hardware());
     j.insert(j.find('{') + 1, std::string("\"cores_per_node\": ") + bad + ", ");
     try {
@@ -639,6 +685,47 @@ TEST(StepSimulator, HardwareDescriptionsAndTheirErrors) {
       EXPECT_NE(std::string(e.what()).find("cores.json"), std::string::npos) << e.what();
     }
   }
+  // devices_per_node is a whole count in range (1e10 was cast to int: -2147483648 per node; 2.7 became 2), and
+  // the text fields are strings
+  auto error_of_json = [](const std::string& edit, const std::string& value) {
+    json j = json::parse(hardware_to_json(round_hardware()));
+    j[edit] = json::parse(value);
+    try {
+      hardware_from_json(j.dump(), "hw.json");
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  for (const char* bad : {"1e10", "2.7", "0"})
+    EXPECT_NE(error_of_json("devices_per_node", bad).find("hw.json: \"devices_per_node\" must"), std::string::npos)
+        << bad << ": " << error_of_json("devices_per_node", bad);
+  EXPECT_NE(error_of_json("name", "5").find("hw.json: \"name\" must be a string, got 5"), std::string::npos);
+  EXPECT_NE(error_of_json("source", "[1]").find("\"source\" must be a string"), std::string::npos);
+  // an NS profile's counts are whole numbers in range and its text fields strings (1.5 rows were truncated,
+  // ns_steps 4294967297 became 1, "5" threw a bare JSON type error)
+  auto profile_error = [](const std::string& text) {
+    try {
+      ns_profile_from_json(text, "prof.json");
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  const std::string timing = R"("timings": [{"rows": 32, "cols": 32, "single_us": 10}])";
+  EXPECT_EQ(profile_error("{" + timing + "}"), "accepted");
+  EXPECT_NE(profile_error(R"({"ns_steps": "5", )" + timing + "}").find("prof.json: \"ns_steps\" must be a whole number"),
+            std::string::npos);
+  EXPECT_NE(profile_error(R"({"ns_steps": 4294967297, )" + timing + "}").find("\"ns_steps\" must be a whole number"),
+            std::string::npos);
+  EXPECT_NE(profile_error(R"({"device": 7, )" + timing + "}").find("\"device\" must be a string, got 7"),
+            std::string::npos);
+  EXPECT_NE(profile_error(R"({"timings": [{"rows": 1.5, "cols": 32, "single_us": 10}]})")
+                .find("prof.json: timings[0]: \"rows\" must be a whole number"),
+            std::string::npos);
+  EXPECT_NE(profile_error(R"({"timings": [{"rows": 32, "cols": 32, "single_us": 10, "batch": 2.5, "batch_us": 9}]})")
+                .find("\"batch\" must be a whole number"),
+            std::string::npos);
   EXPECT_EQ(hardware_preset("H200").devices_per_node, 8);
   EXPECT_NE(hardware_preset("h200").source.find("estimate"), std::string::npos);
   EXPECT_GT(load_hardware("cpu-2core").matmul_tflops, 0);

@@ -161,7 +161,10 @@ void check_equivalence(const GPTConfig& cfg, const TrainConfig& tc, const DistCo
         if (tc.discarded_in_no_sync) ns.emplace(*m);
         m->loss((mine * 7 + 3).remainder(cfg.vocab_size)).backward();
         ns.reset();
-        opt.zero_grad(tc.zero_grad_to_none);
+        if (tc.module_zero_grad)
+          m->zero_grad(/*set_to_none=*/true);
+        else
+          opt.zero_grad(tc.zero_grad_to_none);
       }
       if (tc.raised_backward && s > 0) {
         *raise_now = true;
@@ -466,26 +469,16 @@ DistConfig unpacked_layout(int world, int replicate, bool ddp, bool sharded) {
   return dc;
 }
 
-// backward(b1); zero_grad(); backward(b2); step() == backward(b2); step(), as in single-process
-// LibTorch: zero_grad discards what dmuon already holds (reduced Muon sums, replicated buckets,
-// sharded slices), on every route and path, with set_to_none either way.
-TEST(RuntimeTest, ZeroGradDiscardsGradientsDmuonAlreadyHolds) {
-  struct Case {
-    std::string label;
-    int world, replicate;
-    bool ddp, sharded, to_none, in_no_sync;
-    int accum;
-  };
-  const std::vector<Case> cases = {
-      {"one rank", 1, 1, false, false, true, false, 1},
-      {"N2 Muon + replicated", 2, 1, false, false, true, false, 1},
-      {"N3 sharded_adamw, zero_grad(false)", 3, 1, false, true, false, false, 1},
-      {"HSDP 2x2", 4, 2, false, false, true, false, 1},
-      {"HSDP 2x2 sharded, zero_grad(false)", 4, 2, false, true, false, false, 1},
-      {"DDP path N2", 2, 1, true, false, true, false, 1},
-      {"discarded inside NoSync, then NoSync accumulation", 2, 1, false, false, true, true, 2},
-      {"discarded inside NoSync, zero_grad(false)", 3, 1, false, true, false, true, 1},
-  };
+// backward(b1) -- discarded --; backward(b2); step() == backward(b2); step(), as in single-process LibTorch:
+// each case's layout, with b1 discarded by the optimizer's zero_grad(to_none) or by the model's own
+// zero_grad(true) (module_zero_grad), inside NoSync or not, then `accum` micro-batches.
+struct DiscardCase {
+  std::string label;
+  int world, replicate;
+  bool ddp, sharded, to_none, in_no_sync;
+  int accum;
+};
+void check_discarded_backward(const std::vector<DiscardCase>& cases, bool module_zero_grad) {
   for (const auto& c : cases) {
     SCOPED_TRACE(c.label);
     TrainConfig tc;
@@ -493,10 +486,41 @@ TEST(RuntimeTest, ZeroGradDiscardsGradientsDmuonAlreadyHolds) {
     tc.discarded_backward = true;
     tc.discarded_in_no_sync = c.in_no_sync;
     tc.zero_grad_to_none = c.to_none;
+    tc.module_zero_grad = module_zero_grad;
     tc.accum = c.accum;
     tc.no_sync = c.accum > 1;
     check_equivalence(small_config(2), tc, unpacked_layout(c.world, c.replicate, c.ddp, c.sharded));
   }
+}
+
+// The optimizer's zero_grad discards what dmuon already holds (reduced Muon sums, replicated buckets, sharded
+// slices), on every route and path, with set_to_none either way.
+TEST(RuntimeTest, ZeroGradDiscardsGradientsDmuonAlreadyHolds) {
+  check_discarded_backward({{"one rank", 1, 1, false, false, true, false, 1},
+                            {"N2 Muon + replicated", 2, 1, false, false, true, false, 1},
+                            {"N3 sharded_adamw, zero_grad(false)", 3, 1, false, true, false, false, 1},
+                            {"HSDP 2x2", 4, 2, false, false, true, false, 1},
+                            {"HSDP 2x2 sharded, zero_grad(false)", 4, 2, false, true, false, false, 1},
+                            {"DDP path N2", 2, 1, true, false, true, false, 1},
+                            {"discarded inside NoSync, then NoSync accumulation", 2, 1, false, false, true, true, 2},
+                            {"discarded inside NoSync, zero_grad(false)", 3, 1, false, true, false, true, 1}},
+                           /*module_zero_grad=*/false);
+}
+
+// The same with the model's zero_grad (LibTorch's Module::zero_grad(true): a GAN loop clears the discriminator
+// after the generator's backward went through it, as LibTorch's DCGAN example does) instead of the optimizer's:
+// every p.grad the earlier backward left is gone, so what dmuon holds outside p.grad (the owners' reduced sums,
+// replicated parameters' buckets) is dropped too -- the step was 1e-2 off torch's, silently. (The signal is the
+// gradients dmuon leaves in p.grad: a model whose every trainable parameter is dedicated or sharded_adamw
+// leaves none, and needs the optimizer's zero_grad.)
+TEST(RuntimeTest, TheModelsZeroGradDiscardsGradientsDmuonHolds) {
+  check_discarded_backward({{"one rank", 1, 1, false, false, true, false, 1},
+                            {"N2 Muon + replicated", 2, 1, false, false, true, false, 1},
+                            {"N3 Muon + replicated", 3, 1, false, false, true, false, 1},
+                            {"HSDP 2x2", 4, 2, false, false, true, false, 1},
+                            {"DDP path N2", 2, 1, true, false, true, false, 1},
+                            {"discarded inside NoSync", 2, 1, false, false, true, true, 1}},
+                           /*module_zero_grad=*/true);
 }
 
 // zero_grad(false) and then a step in which a block runs under no_grad: torch steps that block's parameters

@@ -134,6 +134,11 @@ TEST(Safetensors, DamagedFilesAreErrorsThatNameTheFileAndTensor) {
   EXPECT_NE(err(R"({"a":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}})", eight).find("dtype C64"),
             std::string::npos);
   EXPECT_NE(err(R"({"__metadata__":{"k":1}})", "").find("not a string"), std::string::npos);
+  // a shape whose byte count wraps in 64 bits (2^61 I64 = 2^64 bytes: 0 mod 2^64) names the tensor
+  EXPECT_NE(err(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"z":{"dtype":"I64","shape":[2305843009213693952],"data_offsets":[8,8]}})",
+                eight)
+                .find("tensor 'z' has shape [2305843009213693952], whose I64 size overflows 64 bits"),
+            std::string::npos);
   // values nested deeper than a recursive printer's stack (here 1M levels, 2 MB of header): quoted two levels
   // deep in the error, not a crash
   const std::string deep = std::string(1000000, '[') + std::string(1000000, ']');
@@ -165,6 +170,15 @@ TEST(Safetensors, ShardedIndexResolvesEveryTensorToItsFile) {
   const SafetensorsDict d = load_safetensors(dir + "/model.safetensors.index.json");
   ASSERT_EQ(d.size(), 3u);
   EXPECT_TRUE(at::equal(d.at("c"), at::full({4}, 2.0)));
+  for (const std::string& elsewhere : {dir + "/model-00002-of-00002.safetensors", std::string("../x.safetensors"),
+                                       std::string("sub/../../x.safetensors")}) {  // a shard outside the index's dir
+    idx["weight_map"]["c"] = elsewhere;
+    std::ofstream(dir + "/out.safetensors.index.json") << idx.dump();
+    EXPECT_NE(error_of([&] { load_safetensors(dir + "/out.safetensors.index.json"); })
+                  .find("weight_map entry 'c' names '" + elsewhere + "', not a shard file beside the index"),
+              std::string::npos)
+        << elsewhere;
+  }
   idx["weight_map"]["c"] = "model-00001-of-00002.safetensors";
   std::ofstream(dir + "/bad.safetensors.index.json") << idx.dump();
   EXPECT_NE(error_of([&] { load_safetensors(dir + "/bad.safetensors.index.json"); }).find("which does not hold it"),
@@ -234,6 +248,28 @@ TEST(Safetensors, CheckpointsRoundTripAndDamageNamesTheTensor) {
     save_safetensors(dir + "/gone.safetensors", t, meta);
     EXPECT_NE(error_of([&] { load_checkpoint(dir + "/gone.safetensors"); })
                   .find("records tensor 'optim_adamw/norm.weight.exp_avg_sq', which is not in the file"),
+              std::string::npos);
+    // the optimizer's metadata (learning rates, steps taken) edited and its checksum entry removed: refused, as a
+    // tensor without one is; a checksum beyond 32 bits (crc + 2^32) is not one
+    meta = SafetensorsFile(ok).metadata();
+    t = SafetensorsFile(ok).load_all();
+    json edited = json::parse(meta.at("optimizer"));
+    edited["param_groups"][0]["lr"] = 0.5;
+    meta["optimizer"] = edited.dump();
+    json sums = json::parse(meta.at("crc32c"));
+    sums.erase("optimizer");
+    meta["crc32c"] = sums.dump();
+    save_safetensors(dir + "/unsummed.safetensors", t, meta);
+    EXPECT_NE(error_of([&] { load_checkpoint(dir + "/unsummed.safetensors"); })
+                  .find("its \"optimizer\" metadata has no entry in its \"crc32c\" metadata"),
+              std::string::npos);
+    meta = SafetensorsFile(ok).metadata();
+    sums = json::parse(meta.at("crc32c"));
+    sums["model/norm.weight"] = sums["model/norm.weight"].get<uint64_t>() + (uint64_t{1} << 32);
+    meta["crc32c"] = sums.dump();
+    save_safetensors(dir + "/wide.safetensors", t, meta);
+    EXPECT_NE(error_of([&] { load_checkpoint(dir + "/wide.safetensors"); })
+                  .find("for 'model/norm.weight', which is not a CRC32C checksum"),
               std::string::npos);
   }
   // plain weights are not a checkpoint

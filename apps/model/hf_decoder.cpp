@@ -33,6 +33,14 @@ int64_t int_field(const json& j, const char* key, const std::string& src, std::o
   }
   TORCH_CHECK(f->is_number_integer() && f->get<int64_t>() > 0, src, ": \"", key, "\" must be a positive integer, got ",
               f->dump());
+  // bounds of real models, well above the largest published (as `dmuon plan` keeps): products of the sizes
+  // (heads x head_dim, the memory estimate) stay far from int64's range
+  const std::string k(key);
+  const bool layers = k == "num_hidden_layers" || k == "max_window_layers";
+  const bool positions = k.find("position") != std::string::npos || k == "sliding_window";
+  const int64_t limit = layers ? 10'000 : positions ? int64_t{1} << 31 : int64_t{1} << 20;
+  TORCH_CHECK(!f->is_number_unsigned() || f->get<uint64_t>() <= static_cast<uint64_t>(limit), src, ": \"", key,
+              "\" is ", f->dump(), ", above the limit of ", limit, ": no real model is that large; check the value.");
   return f->get<int64_t>();
 }
 double num_field(const json& j, const char* key, const std::string& src, double fallback) {
@@ -121,7 +129,9 @@ HFDecoderConfig HFDecoderConfig::parse(const std::string& text, const std::strin
   }
   if (const json* rs = field(j, "rope_scaling")) {
     TORCH_CHECK(rs->is_object(), src, ": rope_scaling must be an object, got ", rs->dump());
-    std::string type = rs->value("rope_type", rs->value("type", std::string("default")));
+    const json* named = field(*rs, "rope_type") ? field(*rs, "rope_type") : field(*rs, "type");
+    TORCH_CHECK(!named || named->is_string(), src, ": rope_scaling's rope_type must be a string, got ", named->dump());
+    std::string type = named ? named->get<std::string>() : std::string("default");
     TORCH_CHECK(type == "default" || type == "linear" || type == "llama3", src, ": rope_scaling type \"", type,
                 "\" is not supported (dmuon has default, linear and llama3).");
     c.rope_type = type;

@@ -5,6 +5,7 @@
 // variable in its error message.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -38,5 +39,8 @@ std::string fast_clip_chunk_size();         // DMUON_FAST_CLIP_CHUNK_SIZE: eleme
 // Parses a boolean flag value ("1", "0", "true", "false", "on", "off", "yes", "no", any case).
 // Throws std::invalid_argument naming `var` and the value when it is none of those.
 bool parse_bool(const std::string& var, const std::string& value);
+// A count from an environment variable: decimal digits only (no sign, space or exponent), from 1 to `max`;
+// nullopt otherwise (the caller says what the variable is for).
+std::optional<int64_t> parse_count(const std::string& value, int64_t max);
 
 }  // namespace dmuon::env

@@ -22,7 +22,9 @@
 //
 // Parameter groups: each user group (MuonParamGroup) is lowered into a Muon subgroup (its dedicated
 // matrices) and an AdamW subgroup (its other parameters), so schedulers and checkpoints keep
-// per-group hyperparameters. Parameters in no user group form a default group.
+// per-group hyperparameters. Parameters in no user group form a default group, so one Muon steps the
+// whole model: a second Muon stepping (or clipping) the same gradients -- no backward or zero_grad since
+// another one did -- is refused (two Muons cannot split a model; replacing the optimizer is fine).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -236,6 +238,7 @@ class Muon : public torch::optim::Optimizer {
   explicit Muon(const std::shared_ptr<torch::nn::Module>& model, MuonOptions options = {});
   // The optimizer of a model dedicated from a ModelView (dedicate_model_view in model_view.h).
   explicit Muon(const std::shared_ptr<RuntimeFace>& runtime, MuonOptions options = {});
+  ~Muon() override;  // (the runtime learns it holds none of the gradients any more)
 
   at::Tensor step(LossClosure closure = nullptr) override;
   // Clears gradients; set_to_none=true (default) leaves them undefined, as PyTorch 2.x does.
@@ -286,6 +289,8 @@ class Muon : public torch::optim::Optimizer {
 
   // the dedicated model's runtime (errors name `fn` when the model or runtime is gone)
   std::shared_ptr<RuntimeFace> runtime(const char* fn) const;
+  // runtime(fn), refused when a later optimizer was built on it (what takes the gradients: step, clipping)
+  std::shared_ptr<RuntimeFace> stepping_runtime(const char* fn) const;
 
   std::weak_ptr<torch::nn::Module> model_;  // the LibTorch model, when built from one
   bool has_model_ = false;
@@ -305,6 +310,7 @@ class Muon : public torch::optim::Optimizer {
   uint64_t taken_epoch_ = 0;  // the runtime's grads_epoch when taken_ was taken (stale after a change)
   int64_t steps_ = 0;
   int progress_logged_ = 0;
+  uint64_t attachment_ = 0;  // RuntimeFace::attach_optimizer's number for this optimizer
 };
 
 namespace detail {

@@ -88,11 +88,20 @@ def _ordered_ranks(group: dist.ProcessGroup) -> List[int]:
     return sorted(ranks, key=lambda g: dist.get_group_rank(group, g))
 
 
-def _partition(my_axes, world_size) -> Tuple[list, list, list]:
-    """Every rank's (shard ranks, replicate ranks), gathered on the default group: the partitions of each
-    axis and of the meshes' worlds, in one deterministic order on every rank."""
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, my_axes)
+class _Setup(NamedTuple):
+    """What each rank tells the others before a mesh is built (make_mesh's one gather)."""
+    refusal: Optional[str]  # this rank's error, or None
+    policy: Optional[str]
+    timeout_s: float
+    shard: List[int]        # the shard group's global ranks, in its order
+    replicate: List[int]    # the replicate group's (empty on a 1-D mesh)
+    tp: List[int]           # the tensor-parallel group's (empty without TP)
+
+
+def _partition(gathered: List[_Setup]) -> Tuple[list, list, list, float]:
+    """From every rank's setup: the partitions of each axis and of the meshes' worlds, in one
+    deterministic order on every rank, and the clones' timeout."""
+    everyone = [(g.shard, g.replicate) for g in gathered]
     shards = sorted({tuple(s) for s, _ in everyone}, key=lambda g: (min(g), g))
     replicas = sorted({tuple(r) for _, r in everyone if r}, key=lambda g: (min(g), g))
     shard_of = {rank: s for s in shards for rank in s}
@@ -103,14 +112,45 @@ def _partition(my_axes, world_size) -> Tuple[list, list, list]:
             members |= set(shard_of[rank])
         members |= set(s)
         worlds.add(tuple(sorted(members)))
-    return sorted(worlds), shards, replicas
+    return sorted(worlds), shards, replicas, _agreed_timeout(g.timeout_s for g in gathered)
 
 
-def _new_groups(partition, backend, timeout_s, high_priority=False):
+# dmuon's clones ("isolated"), kept for the default group they were made under and reused by every later
+# dedicate_params with the same key: a sweep dedicating model after model in one process makes its groups
+# (threads, sockets, NCCL communicators) once. Every rank decides hit or miss from values all ranks agree on
+# (the partitions and timeout gathered over the default group), so new_group's collective calls stay in
+# one order everywhere. Two dedicated models sharing a clone issue their collectives in program order on
+# it, as two models on one C++ mesh do; the user's own groups stay apart from them.
+_clones = {"default": None, "groups": {}}
+
+
+def _clone_cache() -> dict:
+    default = dist.distributed_c10d._get_default_group()
+    if _clones["default"] is not default:  # a new default group (destroy_process_group, init again): none reused
+        _clones["default"], _clones["groups"] = default, {}
+    return _clones["groups"]
+
+
+def _registered(group) -> bool:
+    """Whether `group` is still one of torch.distributed's (destroy_process_group(group) removes it)."""
+    try:
+        dist.get_process_group_ranks(group)
+        return True
+    except (KeyError, RuntimeError, ValueError):
+        return False
+
+
+def _new_groups(partition, backend, timeout_s, role, high_priority=False):
     """Every group of `partition` (lists of global ranks), created by every rank in one order (new_group is
-    collective over the default group); returns this rank's own (None when it is in none). ``high_priority``:
-    on NCCL, the groups' collectives run on high-priority CUDA streams (the shard axis: the broadcasts and
+    collective over the default group); returns this rank's own (None when it is in none). ``role`` names
+    what the groups are for (two roles over one partition get two sets of groups); a partition made for the
+    same role, backend and timeout before, under the same default group, is reused. ``high_priority``: on
+    NCCL, the groups' collectives run on high-priority CUDA streams (the shard axis: the broadcasts and
     reduces the next forward and the optimizer wait for, ahead of compute and of the replicate axis)."""
+    cache = _clone_cache()
+    key = (role, backend, tuple(tuple(r) for r in partition), float(timeout_s), bool(high_priority))
+    if key in cache and (cache[key] is None or _registered(cache[key])):
+        return cache[key]
     me, out = dist.get_rank(), None
     options = None
     if high_priority and backend == "nccl":
@@ -119,18 +159,25 @@ def _new_groups(partition, backend, timeout_s, high_priority=False):
         g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timedelta(seconds=timeout_s), pg_options=options)
         if me in ranks:
             out = g
+    cache[key] = out
     return out
 
 
-def _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device):
+def _agreed_timeout(timeouts) -> float:
+    """The timeout dmuon's clones are made with: the longest any rank asked for (every rank computes the same
+    value, so the clones' cache keys agree; each rank's own waits keep its own timeout)."""
+    return max(float(t) for t in timeouts)
+
+
+def _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device, gathered: List[_Setup]):
     """The mesh with a tensor-parallel axis: this rank's shard, replicate (or None) and TP groups as given,
     the data-parallel group (the ranks at this rank's TP position) and the world built from the partitions
-    every rank gathers; "isolated" clones every axis."""
+    of every rank's setup; "isolated" clones every axis."""
     me = dist.get_rank()
     shard_ranks, tp_ranks = _ordered_ranks(shard), _ordered_ranks(tp)
     replicate_ranks = _ordered_ranks(replicate) if replicate is not None else []
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (shard_ranks, replicate_ranks, tp_ranks))
+    everyone = [(g.shard, g.replicate, g.tp) for g in gathered]
+    clone_timeout = _agreed_timeout(g.timeout_s for g in gathered)
     shard_of = {r: tuple(s) for s, _, _ in everyone for r in s}
     tp_of = {r: tuple(t) for _, _, t in everyone for r in t}
 
@@ -140,20 +187,20 @@ def _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device):
     dps = {dp_of(s, r) for s, r, _ in everyone}
     worlds = sorted({tuple(sorted({x for rank in dp for x in tp_of[rank]})) for dp in dps}, key=lambda g: (min(g), g))
     order = lambda groups: sorted(groups, key=lambda g: (min(g), g))  # noqa: E731
-    new = lambda partition: _new_groups(partition, backend, timeout_s)  # noqa: E731
+    new = lambda partition, role: _new_groups(partition, backend, clone_timeout, role)  # noqa: E731
 
-    world = new(worlds)
+    world = new(worlds, "tp-world")
     isolated = policy == "isolated"
-    shard_group = _new_groups(order({tuple(s) for s, _, _ in everyone}), backend, timeout_s, high_priority=True) \
-        if isolated else shard
+    shard_group = _new_groups(order({tuple(s) for s, _, _ in everyone}), backend, clone_timeout, "shard",
+                              high_priority=True) if isolated else shard
     replicate_group = publish_group = None
     if replicate is not None:
         replicas = order({tuple(r) for _, r, _ in everyone if r})
-        replicate_group = new(replicas) if isolated else replicate
+        replicate_group = new(replicas, "replicate") if isolated else replicate
         if isolated:  # the post-step publish apart from the replicate-axis reduces
-            publish_group = new(replicas)
-    tp_group = new(order({tuple(t) for _, _, t in everyone})) if isolated else tp
-    dp_group = new(order(dps))
+            publish_group = new(replicas, "publish")
+    tp_group = new(order({tuple(t) for _, _, t in everyone}), "tp") if isolated else tp
+    dp_group = new(order(dps), "dp")
     world_ranks = next(list(w) for w in worlds if me in w)
     dp_ranks = list(dp_of(shard_ranks, replicate_ranks))
     index = {g: i for i, g in enumerate(world_ranks)}
@@ -166,7 +213,7 @@ def _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device):
         native.set_replicate_publish_group(publish_group, [index[g] for g in replicate_ranks])
     return native, world, dp_ranks, MeshGroups(world, shard_group, replicate_group, tp_group, dp_group,
                                                isolated and backend == "nccl", torch.device(device), shard_ranks,
-                                               [index[g] for g in shard_ranks], publish_group)
+                                               [index[g] for g in shard_ranks], publish_group, clone_timeout)
 
 
 class MeshGroups(NamedTuple):
@@ -181,6 +228,42 @@ class MeshGroups(NamedTuple):
     shard_ranks: List[int]                  # the shard group's global ranks, in its order
     shard_in_world: List[int]               # the same as ranks of the world group (what the C++ mesh takes)
     replicate_publish: Optional[dist.ProcessGroup] = None  # HSDP, "isolated": the post-step publish's own group
+    clone_timeout_s: float = 0.0            # the timeout dmuon's clones of this mesh were made with (agreed by all ranks)
+
+
+def _gather_setup(mine: _Setup, shard, fn: str) -> List[_Setup]:
+    """Every rank's setup (one all_gather_object), refused on every rank when any rank refused its own or the
+    ranks disagree on the policy or on tensor parallelism: a rank raising alone would leave the others in the
+    next collective until the timeout. Over the default group, where the mesh's setup calls new_group (which
+    is collective over it) anyway; a "shared" 1-D mesh over part of the ranks gathers over its own group (the
+    other ranks may not dedicate at all)."""
+    me = dist.get_rank()
+    world = dist.get_world_size()
+    group = None
+    if mine.policy == "shared" and not mine.replicate and not mine.tp and len(mine.shard) < world:
+        group = shard
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    ranks = _ordered_ranks(group) if group is not None else list(range(world))
+    gathered = [_Setup(*g) for g in gathered]
+    refused = [g.refusal for g in gathered if g.refusal is not None]
+    if refused:
+        if mine.refusal is not None:
+            raise ValueError(mine.refusal)
+        raise ValueError(f"rank {me}: {fn}: another rank refused the mesh's setup, so no rank builds it: {refused[0]}")
+    policies = {r: g.policy for r, g in zip(ranks, gathered)}
+    if len(set(policies.values())) > 1:
+        raise ValueError(
+            f"rank {me}: {fn}: the ranks disagree on the process-group policy (rank: policy {policies}); "
+            "process_group_policy (or DMUON_PROCESS_GROUP_POLICY where it is not given) must be the same on every rank."
+        )
+    if len({bool(g.tp) for g in gathered}) > 1:
+        with_tp = [r for r, g in zip(ranks, gathered) if g.tp]
+        raise ValueError(
+            f"rank {me}: {fn}: ranks {with_tp} have tensor-parallel (DTensor) parameters and the others have none; "
+            "every rank must dedicate the same model, with the same tensor-parallel plan."
+        )
+    return gathered
 
 
 def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str, tp=None):
@@ -194,36 +277,46 @@ def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str
     ``dp_ranks`` (the global ranks at this rank's TP position) is returned as a third value; the fourth is
     the mesh's torch groups (MeshGroups)."""
     _require_initialized(fn)
-    policy = process_group_policy or os.environ.get("DMUON_PROCESS_GROUP_POLICY", "") or "isolated"
-    if policy not in ("isolated", "shared"):
-        raise ValueError(f"{fn}: process_group_policy must be 'isolated' or 'shared', got {policy!r}")
-    shard, replicate, device = _axes(mesh, replicate_mesh, fn)
+    shard, replicate, device = _axes(mesh, replicate_mesh, fn)  # (the same on every rank: types and dims)
     backend = dist.get_backend(shard)
     shard_ranks = _ordered_ranks(shard)
     replicate_ranks = _ordered_ranks(replicate) if replicate is not None else []
+    tp_ranks = _ordered_ranks(tp) if tp is not None and dist.get_world_size(tp) > 1 else []
     me = dist.get_rank()
-    # a lost peer is an error after this: DMUON_COLLECTIVE_TIMEOUT, else the timeout init_process_group was
-    # given (or the group's own, when shorter); dmuon's clones get it too (new_group's default is torch's 30 min)
-    timeout_s = _C._collective_timeout(shard, device)
-    if tp is not None and dist.get_world_size(tp) > 1:
-        return _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device)
-    publish_group = None
+    policy = timeout_s = None
+    try:  # what each rank's environment decides: refused on every rank or none (the others would wait for it)
+        policy = process_group_policy or os.environ.get("DMUON_PROCESS_GROUP_POLICY", "") or "isolated"
+        if policy not in ("isolated", "shared"):
+            given = "process_group_policy" if process_group_policy else "DMUON_PROCESS_GROUP_POLICY"
+            raise ValueError(f"rank {me}: {fn}: {given} must be 'isolated' or 'shared', got {policy!r}")
+        # a lost peer is an error after this: DMUON_COLLECTIVE_TIMEOUT, else the timeout init_process_group was
+        # given (or the group's own, when shorter); dmuon's clones get it too (new_group's default is 30 min)
+        timeout_s = _C._collective_timeout(shard, device)
+        mine = _Setup(None, policy, timeout_s, shard_ranks, replicate_ranks, tp_ranks)
+    except ValueError as e:
+        text = str(e) if str(e).startswith(f"rank {me}:") else f"rank {me}: {fn}: {e}"
+        mine = _Setup(text, policy, 0.0, shard_ranks, replicate_ranks, tp_ranks)
+    gathered = _gather_setup(mine, shard, fn)
+    if tp_ranks:
+        return _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device, gathered)
+    publish_group, clone_timeout = None, timeout_s
     if policy == "shared" and replicate is None:
         world_ranks, world, shard_group, replicate_group = shard_ranks, shard, shard, None
     else:
-        worlds, shards, replicas = _partition((shard_ranks, replicate_ranks), dist.get_world_size())
-        new = lambda partition: _new_groups(partition, backend, timeout_s)  # noqa: E731
+        worlds, shards, replicas, clone_timeout = _partition(gathered)
+        new = lambda partition, role: _new_groups(partition, backend, clone_timeout, role)  # noqa: E731
 
         world_ranks = next(list(w) for w in worlds if me in w)
         if replicate is None:  # 1-D isolated: one clone serves as world and shard group
-            world = shard_group = _new_groups(shards, backend, timeout_s, high_priority=True)
+            world = shard_group = _new_groups(shards, backend, clone_timeout, "shard", high_priority=True)
             replicate_group = None
         else:
-            world = new(worlds)
-            shard_group = _new_groups(shards, backend, timeout_s, high_priority=True) if policy == "isolated" else shard
-            replicate_group = new(replicas) if policy == "isolated" else replicate
+            world = new(worlds, "world")
+            shard_group = _new_groups(shards, backend, clone_timeout, "shard", high_priority=True) \
+                if policy == "isolated" else shard
+            replicate_group = new(replicas, "replicate") if policy == "isolated" else replicate
             # isolated: the post-step publish on its own group, apart from the replicate-axis reduces
-            publish_group = new(replicas) if policy == "isolated" else None
+            publish_group = new(replicas, "publish") if policy == "isolated" else None
     index = {g: i for i, g in enumerate(world_ranks)}  # global rank -> rank in the mesh's world group
     groups = [(world, list(range(len(world_ranks)))), (shard_group, [index[g] for g in shard_ranks])]
     if replicate is not None:
@@ -233,17 +326,24 @@ def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str
         native.set_replicate_publish_group(publish_group, [index[g] for g in replicate_ranks])
     return native, world, None, MeshGroups(
         world, shard_group, replicate_group, None, world, policy == "isolated" and backend == "nccl", torch.device(device),
-        shard_ranks, [index[g] for g in shard_ranks], publish_group)
+        shard_ranks, [index[g] for g in shard_ranks], publish_group, clone_timeout)
 
 
 def add_sharded_unshard_group(native_mesh, groups: MeshGroups) -> None:
     """A second group over this rank's shard group's ranks for the sharded_adamw all-gathers
     (Muon(sharded_adamw_unshard_separate_stream=True)): on NCCL its own stream (default priority, behind none of
     the shard group's high-priority broadcasts), on Gloo its own connections. Collective over the shard group's
-    ranks only (new_group with local synchronization); once per mesh."""
+    ranks only (new_group with local synchronization); once per mesh, and reused by later meshes over the same
+    ranks (as the clones of _new_groups)."""
     if native_mesh.has_sharded_unshard_group:
         return
     backend = dist.get_backend(groups.shard)
-    group = dist.new_group(ranks=list(groups.shard_ranks), backend=backend,
-                           timeout=timedelta(seconds=native_mesh.timeout_s), use_local_synchronization=True)
+    timeout_s = groups.clone_timeout_s or native_mesh.timeout_s
+    cache = _clone_cache()
+    key = ("sharded-unshard", backend, tuple(groups.shard_ranks), float(timeout_s), False)
+    group = cache.get(key)
+    if group is None or not _registered(group):
+        group = dist.new_group(ranks=list(groups.shard_ranks), backend=backend, timeout=timedelta(seconds=timeout_s),
+                               use_local_synchronization=True)
+        cache[key] = group
     native_mesh.set_sharded_unshard_group(group, list(groups.shard_in_world))

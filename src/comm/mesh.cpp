@@ -6,7 +6,9 @@
 
 #include <numeric>
 
+#include "comm/agreement.h"
 #include "comm/error_text.h"
+#include "dmuon/digest.h"
 #include "dmuon/env.h"
 
 namespace dmuon {
@@ -27,30 +29,57 @@ std::shared_ptr<Mesh> Mesh::create(const CommPtr& world, const MeshOptions& opts
   std::string policy = opts.process_group_policy;
   if (policy.empty()) policy = env::process_group_policy();
   if (policy.empty()) policy = "isolated";
-  TORCH_CHECK_VALUE(policy == "isolated" || policy == "shared", "rank ", rank, ": unknown process_group_policy '",
-                    policy, "' (from ",
-                    opts.process_group_policy.empty() ? "DMUON_PROCESS_GROUP_POLICY" : "MeshOptions",
-                    "). Use \"isolated\" (dmuon's own groups, the default) or \"shared\" (the caller's group).");
   const int R = opts.replicate_size, T = opts.tp_size;
-  TORCH_CHECK_VALUE(T >= 1 && n % T == 0, "rank ", rank, ": tp_size ", T, " does not divide the world size ", n,
-                    ". A mesh with tensor parallelism needs world = R x G x T; pick T among the divisors of ", n, ".");
-  TORCH_CHECK_VALUE(R >= 1 && (n / T) % R == 0, "rank ", rank, ": replicate size ", R,
-                    " does not divide the world size ", n, T > 1 ? " over the tp_size" : "",
-                    ". An HSDP mesh needs world = R x G", T > 1 ? " x T" : "", "; pick R among the divisors of ", n / T,
-                    ".");
-  TORCH_CHECK_VALUE(opts.timeout.count() > 0, "rank ", rank, ": MeshOptions::timeout is ", opts.timeout.count(),
-                    " ms; it must be > 0. Every collective waits at most this long, so a lost peer is an error instead "
-                    "of a hang; there is no \"no timeout\" (the default is ",
-                    kDefaultCollectiveTimeout.count(), " ms).");
-  const int G = n / R / T;
   const bool need_groups = policy == "isolated" || R > 1 || T > 1;
-  TORCH_CHECK_VALUE(!need_groups || (opts.store && opts.factory), "rank ", rank, ": ",
-                    (T > 1   ? "a mesh with a tensor-parallel axis"
-                     : R > 1 ? "a 2-D (replicate x shard) mesh"
-                             : "process_group_policy=\"isolated\""),
-                    " builds dmuon's own process groups and needs MeshOptions::store and MeshOptions::factory (see "
-                    "dmuon::process_group_factory in bootstrap.h), or use process_group_policy=\"shared\" on a 1-D mesh"
-                    ", or pass the caller's groups of every axis to Mesh::from_groups.");
+  // The checks and the settings that decide which groups each rank builds, agreed by every rank first: a
+  // rank refusing alone (its environment's DMUON_PROCESS_GROUP_POLICY, its own options) would leave the
+  // others connecting groups it never builds until the timeout.
+  detail::AgreementText text;
+  text.fn = "Mesh::create";
+  text.given = "the mesh's options";
+  text.outcome = "no rank builds the mesh";
+  text.differs = [](const detail::Disagreement& d) {
+    return "the ranks' meshes differ in " + (d.entry ? d.entry->key + " (this rank's: " + d.entry->shown + ")"
+                                                       : std::string("their settings")) +
+           ": rank(s) " + detail::rank_list(d.ranks) +
+           " differ from rank 0. Every rank must create its mesh with the same MeshOptions (process_group_policy, "
+           "replicate_size, tp_size; DMUON_PROCESS_GROUP_POLICY where process_group_policy is not set).";
+  };
+  const auto check = [&] {
+    TORCH_CHECK_VALUE(policy == "isolated" || policy == "shared", "rank ", rank, ": unknown process_group_policy '",
+                      policy, "' (from ",
+                      opts.process_group_policy.empty() ? "DMUON_PROCESS_GROUP_POLICY" : "MeshOptions",
+                      "). Use \"isolated\" (dmuon's own groups, the default) or \"shared\" (the caller's group).");
+    TORCH_CHECK_VALUE(T >= 1 && n % T == 0, "rank ", rank, ": tp_size ", T, " does not divide the world size ", n,
+                      ". A mesh with tensor parallelism needs world = R x G x T; pick T among the divisors of ", n,
+                      ".");
+    TORCH_CHECK_VALUE(R >= 1 && (n / T) % R == 0, "rank ", rank, ": replicate size ", R,
+                      " does not divide the world size ", n, T > 1 ? " over the tp_size" : "",
+                      ". An HSDP mesh needs world = R x G", T > 1 ? " x T" : "", "; pick R among the divisors of ",
+                      n / T, ".");
+    TORCH_CHECK_VALUE(opts.timeout.count() > 0, "rank ", rank, ": MeshOptions::timeout is ", opts.timeout.count(),
+                      " ms; it must be > 0. Every collective waits at most this long, so a lost peer is an error "
+                      "instead of a hang; there is no \"no timeout\" (the default is ",
+                      kDefaultCollectiveTimeout.count(), " ms).");
+    TORCH_CHECK_VALUE(!need_groups || (opts.store && opts.factory), "rank ", rank, ": ",
+                      (T > 1   ? "a mesh with a tensor-parallel axis"
+                       : R > 1 ? "a 2-D (replicate x shard) mesh"
+                               : "process_group_policy=\"isolated\""),
+                      " builds dmuon's own process groups and needs MeshOptions::store and MeshOptions::factory (see "
+                      "dmuon::process_group_factory in bootstrap.h), or use process_group_policy=\"shared\" on a 1-D "
+                      "mesh, or pass the caller's groups of every axis to Mesh::from_groups.");
+  };
+  {
+    Communicator agreement(world, opts.tag + "/mesh-setup", iota_ranks(n, 0, 1),
+                           opts.timeout.count() > 0 ? opts.timeout : kDefaultCollectiveTimeout, nullptr, opts.device);
+    detail::agree(agreement, text, check, [&] {
+      return std::vector<detail::AgreedEntry>{
+          {"process_group_policy", fnv1a(policy), "\"" + policy + "\""},
+          {"replicate_size", static_cast<uint64_t>(R), std::to_string(R)},
+          {"tp_size", static_cast<uint64_t>(T), std::to_string(T)}};
+    });
+  }
+  const int G = n / R / T;
 
   auto mesh = std::shared_ptr<Mesh>(new Mesh());
   mesh->global_rank_ = rank;

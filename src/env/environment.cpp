@@ -28,6 +28,14 @@ bool parse_bool(const std::string& var, const std::string& value) {
   throw std::invalid_argument(var + "='" + value + "' is not a boolean; use 1/0, true/false, on/off or yes/no");
 }
 
+std::optional<int64_t> parse_count(const std::string& value, int64_t max) {
+  if (value.empty() || value.size() > 18 || value.find_first_not_of("0123456789") != std::string::npos)
+    return std::nullopt;
+  const int64_t v = std::stoll(value);  // (at most 18 digits: no overflow)
+  if (v < 1 || v > max) return std::nullopt;
+  return v;
+}
+
 std::string owner_strategy() { return get("DMUON_OWNER_STRATEGY"); }
 std::string owner_cost_model() { return get("DMUON_OWNER_COST_MODEL"); }
 std::string ns_profile() { return get("DMUON_NS_PROFILE"); }

@@ -80,10 +80,19 @@ json checked_sums(const SafetensorsFile& f, const std::string& where, bool allow
     for (const std::string& key : f.keys())
       TORCH_CHECK(sums.contains(key), where, " is damaged: tensor '", key, "' has no entry in its \"crc32c\" "
                   "metadata (dmuon records every tensor it writes), so it cannot be verified.");
-    for (auto it = sums.begin(); it != sums.end(); ++it)
+    // the metadata dmuon reads (hyperparameters, steps taken, the user's strings) is covered as the tensors are
+    for (const char* key : {"optimizer", "user"})
+      TORCH_CHECK(!meta.count(key) || sums.contains(key), where, " is damaged: its \"", key, "\" metadata has no "
+                  "entry in its \"crc32c\" metadata (dmuon records one whenever it writes it), so it cannot be "
+                  "verified. Resume from another checkpoint.");
+    for (auto it = sums.begin(); it != sums.end(); ++it) {
       TORCH_CHECK(it.key() == "optimizer" || it.key() == "user" || f.contains(it.key()), where, " is incomplete: its "
                   "\"crc32c\" metadata records tensor '", it.key(), "', which is not in the file (removed after it "
                   "was written?). Resume from another checkpoint.");
+      TORCH_CHECK(it->is_number_unsigned() && it->get<uint64_t>() <= 0xffffffffull, where, " is corrupt: its "
+                  "\"crc32c\" metadata records ", detail::json_brief(*it), " for '", it.key(), "', which is not a "
+                  "CRC32C checksum (an integer below 2^32).");
+    }
   } else {
     TORCH_CHECK(allow_unverified, where, " has no \"crc32c\" metadata, which every checkpoint dmuon writes has, so "
                 "its tensors cannot be verified. If another tool wrote it on purpose, load it with "

@@ -135,7 +135,11 @@ void write_atomically(const std::string& path, const std::string& who, const std
   try {
     {
       Fd f;
-      f.fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      // a new file of our own: never through a link someone put at the temporary's name (O_EXCL refuses
+      // whatever is there, O_NOFOLLOW a final symlink); a leftover is unlinked (not followed) and made anew
+      const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
+      f.fd = ::open(tmp.c_str(), flags, 0644);
+      if (f.fd < 0 && errno == EEXIST && ::unlink(tmp.c_str()) == 0) f.fd = ::open(tmp.c_str(), flags, 0644);
       if (f.fd < 0) throw std::runtime_error(std::string("cannot create it: ") + std::strerror(errno));
       body(f.fd);
       if (::fsync(f.fd) != 0) throw std::runtime_error("fsync failed (is the disk full?)");

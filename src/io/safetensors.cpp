@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -114,12 +115,17 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     TORCH_CHECK(known, bad, "has dtype ", en.dtype, ", which dmuon does not read (it reads BOOL, U8, I8, I16, I32, "
                 "I64, F16, BF16, F32, F64). Convert the file's tensor in Python first.");
     TORCH_CHECK(e["shape"].is_array(), bad, "has a shape that is not a list: ", detail::json_brief(e["shape"]));
-    uint64_t numel = 1;
+    // the byte count in 64 bits without wrapping: a shape whose product overflows is a damaged header, not a
+    // tensor whose "size" wrapped to the bytes given
+    uint64_t bytes = c10::elementSize(en.scalar_type);
+    bool overflow = false;
     for (const json& s : e["shape"]) {
       TORCH_CHECK(s.is_number_integer() && s.get<int64_t>() >= 0, bad, "has a bad shape ", detail::json_brief(e["shape"]));
       en.shape.push_back(s.get<int64_t>());
-      numel *= static_cast<uint64_t>(s.get<int64_t>());
+      overflow = __builtin_mul_overflow(bytes, static_cast<uint64_t>(s.get<int64_t>()), &bytes) || overflow;
     }
+    TORCH_CHECK(!overflow && bytes <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), bad, "has shape ",
+                detail::json_brief(e["shape"]), ", whose ", en.dtype, " size overflows 64 bits (the header is damaged).");
     const json& o = e["data_offsets"];
     TORCH_CHECK(o.is_array() && o.size() == 2 && o[0].is_number_unsigned() && o[1].is_number_unsigned(), bad,
                 "has data_offsets that are not two byte offsets: ", detail::json_brief(o));
@@ -127,7 +133,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     en.end = o[1].get<uint64_t>();
     TORCH_CHECK(en.begin <= en.end && en.end <= data_size, bad, "lies at bytes [", en.begin, ", ", en.end,
                 ") but the data section has ", data_size, " bytes (the file is truncated or its header damaged).");
-    const uint64_t want = numel * c10::elementSize(en.scalar_type);
+    const uint64_t want = bytes;
     TORCH_CHECK(en.end - en.begin == want, bad, "has ", en.end - en.begin, " bytes, but ", en.dtype, " of shape ",
                 detail::json_brief(e["shape"]), " needs ", want, " (the header is damaged).");
     order.emplace_back(en.begin, name);
@@ -263,7 +269,15 @@ std::map<std::string, std::string> safetensors_weight_map(const std::string& pat
   for (auto it = idx["weight_map"].begin(); it != idx["weight_map"].end(); ++it) {
     TORCH_CHECK(it->is_string(), "safetensors index '", path, "': weight_map entry '", it.key(),
                 "' is not a file name: ", detail::json_brief(*it));
-    map[it.key()] = (dir / it->get<std::string>()).string();
+    // a shard beside the index, as transformers writes them: an absolute path or one climbing out ("..") would
+    // read a file the index's directory does not hold
+    const fs::path shard(it->get<std::string>());
+    bool climbs = false;
+    for (const auto& part : shard) climbs = climbs || part == "..";
+    TORCH_CHECK(!shard.empty() && shard.is_relative() && !climbs, "safetensors index '", path, "': weight_map entry '",
+                it.key(), "' names '", shard.string(), "', not a shard file beside the index (transformers writes "
+                "bare file names such as model-00001-of-00002.safetensors).");
+    map[it.key()] = (dir / shard).string();
   }
   // every shard must hold what the index says it holds
   std::map<std::string, std::vector<std::string>> by_file;

@@ -21,12 +21,11 @@ bool ns_stacking_pays(c10::DeviceType device, int64_t small_side) {
 int64_t ns_batch_cap_bytes() {
   const std::string v = env::ns_batch_mb();
   if (v.empty()) return int64_t{256} << 20;
-  char* end = nullptr;
-  const long long mb = std::strtoll(v.c_str(), &end, 10);
-  TORCH_CHECK(end && *end == '\0' && mb >= 1, "DMUON_NS_BATCH_MB='", v,
-              "' is not a positive number of MiB: set it to the largest stacked Newton-Schulz call in MiB (e.g. "
-              "256, the default), or unset it.");
-  return static_cast<int64_t>(mb) << 20;
+  const std::optional<int64_t> mb = env::parse_count(v, int64_t{1} << 20);
+  TORCH_CHECK(mb, "DMUON_NS_BATCH_MB='", v,
+              "' is not a number of MiB from 1 to 1048576: set it to the largest stacked Newton-Schulz call in MiB "
+              "(e.g. 256, the default), or unset it.");
+  return *mb << 20;
 }
 
 void run_ns_batched(std::vector<NsJob>& jobs, const NsFn& ns, const NsBatchOptions& options,

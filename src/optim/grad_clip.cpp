@@ -86,10 +86,9 @@ int64_t resolve_chunk(std::optional<int64_t> chunk) {
     return *chunk;
   }
   if (const std::string v = env::fast_clip_chunk_size(); !v.empty()) {
-    char* end = nullptr;
-    const long long n = std::strtoll(v.c_str(), &end, 10);
-    TORCH_CHECK_VALUE(end && *end == '\0' && n > 0, "DMUON_FAST_CLIP_CHUNK_SIZE='", v, "' is not a positive element count.");
-    return n;
+    const std::optional<int64_t> n = env::parse_count(v, int64_t{1} << 40);
+    TORCH_CHECK_VALUE(n, "DMUON_FAST_CLIP_CHUNK_SIZE='", v, "' is not an element count from 1 to 2^40 (decimal digits).");
+    return *n;
   }
   return int64_t{1} << 24;
 }

@@ -465,14 +465,14 @@ std::tuple<int, int, int> list_key(const at::Tensor& t) {
 // `grouped`: Muon's index of its groups' parameters.
 void refuse_unrouted_gradients(const torch::nn::Module& model, const std::map<const c10::TensorImpl*, size_t>& grouped,
                                int rank) {
-  auto unrouted = [&](const at::Tensor& p) {
-    return p.requires_grad() && p.grad().defined() && !grouped.count(p.unsafeGetTensorImpl());
-  };
+  // requires_grad alone, not whether a gradient arrived: that depends on each rank's batch (a block only some
+  // ranks' data reach), and a rank refusing alone would leave the others in the step's collectives
+  auto unrouted = [&](const at::Tensor& p) { return p.requires_grad() && !grouped.count(p.unsafeGetTensorImpl()); };
   const auto params = model.parameters();
   if (std::none_of(params.begin(), params.end(), unrouted)) return;
   for (const auto& item : model.named_parameters())
     TORCH_CHECK_VALUE(!unrouted(item.value()), "rank ", rank, ": Muon::step: parameter '", item.key(),
-                      "' has a gradient, but it was frozen (requires_grad(false)) or not in the model when "
+                      "' requires a gradient, but it was frozen (requires_grad(false)) or not in the model when "
                       "dedicate_params ran, so it has no route and no optimizer state: no rank averages its gradient "
                       "and no step would update it. Unfreeze it before dedicate_params (a param group with lr 0 keeps "
                       "it still until it should train), or keep it frozen.");
@@ -756,7 +756,11 @@ Muon::Muon(const std::shared_ptr<RuntimeFace>& runtime, MuonOptions options, con
                         ") has no fused AdamW kernel for '", v.name, "' on ", v.param.device(),
                         " (LibTorch >= 2.0 has it on CUDA, >= 2.4 on the CPU). Leave `fused` unset (fused wherever "
                         "LibTorch has the kernel) or set it false.");
-  runtime->attach_optimizer();  // (last: a construction that failed above takes no gradient)
+  attachment_ = runtime->attach_optimizer();  // (last: a construction that failed above takes no gradient)
+}
+
+Muon::~Muon() {
+  if (const std::shared_ptr<RuntimeFace> state = runtime_.lock()) state->release_gradients(attachment_);
 }
 
 Mesh& Muon::mesh() const { return runtime("Muon")->mesh(); }
@@ -772,6 +776,20 @@ std::shared_ptr<RuntimeFace> Muon::runtime(const char* fn) const {
   auto state = runtime_.lock();
   TORCH_CHECK_VALUE(state, fn,
                     ": the dedicated model's runtime was destroyed (keep what dedicate_model_view returned).");
+  return state;
+}
+
+std::shared_ptr<RuntimeFace> Muon::stepping_runtime(const char* fn) const {
+  std::shared_ptr<RuntimeFace> state = runtime(fn);
+  // (every rank steps its optimizers in one order: every rank refuses alike, before any collective)
+  const uint64_t other = state->take_gradients(attachment_);
+  TORCH_CHECK_VALUE(other == 0, "rank ", state->mesh().global_rank(), ": ", fn, ": another Muon on this model (the #",
+                    other, " built on it; this is #", attachment_, ") took these gradients already -- since the last "
+                    "backward or zero_grad -- so this one would step the model a second time. One Muon steps a "
+                    "whole dedicated model (the parameters in none of its param_groups form a default group), so two "
+                    "Muons cannot split one: give one Muon every parameter set as its param_groups (each group keeps "
+                    "its own hyperparameters; an lr scheduler sets each group's lr). Replacing the optimizer is fine: "
+                    "the new one steps after the next backward.");
   return state;
 }
 
@@ -882,7 +900,7 @@ at::Tensor Muon::step(LossClosure closure) {
     at::AutoGradMode enable(true);
     loss = closure();
   }
-  const std::shared_ptr<RuntimeFace> state = runtime("Muon::step");
+  const std::shared_ptr<RuntimeFace> state = stepping_runtime("Muon::step");
   index_groups();
   if (const auto model = model_.lock()) refuse_unrouted_gradients(*model, group_of_, state->mesh().global_rank());
   // the groups' values may have changed since construction (a scheduler, the caller): a NaN lr or a
@@ -1010,7 +1028,7 @@ void Muon::load(torch::serialize::InputArchive& archive) {
 // ---- clipping (the norm itself: grad_clip.cpp) -----------------------------------------------------
 std::vector<ClipGrad> Muon::clip_grads(ClipScope scope) {
   at::NoGradGuard ng;
-  const std::shared_ptr<RuntimeFace> state = runtime("clip_grad_norm_");
+  const std::shared_ptr<RuntimeFace> state = stepping_runtime("clip_grad_norm_");
   state->require_reduced_grads("clip_grad_norm_");
   state->prepare_grads();  // collective: the reduces land (idempotent; step() calls it again)
   // taken once per set of gradients: a backward or a zero_grad (the model's too) since makes them stale

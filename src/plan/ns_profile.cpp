@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "dmuon/digest.h"
+#include "env/json_text.h"
 
 namespace dmuon {
 namespace {
@@ -115,10 +116,24 @@ NsProfile ns_profile_from_json(const std::string& text, const std::string& sourc
   if (!j.is_object() || !j.contains("timings") || !j["timings"].is_array())
     throw std::invalid_argument(source + ": an NS profile is a JSON object with a \"timings\" array "
                                 "(`dmuon plan --calibrate FILE` writes one)");
+  // a field of the wrong type, or a count that is not a whole number in range, names the file and the field
+  auto string_field = [&](const char* k, const std::string& fallback) {
+    if (!j.contains(k)) return fallback;
+    if (!j[k].is_string())
+      throw std::invalid_argument(source + ": the NS profile's \"" + k + "\" must be a string, got " +
+                                  detail::json_brief(j[k]));
+    return j[k].get<std::string>();
+  };
+  auto whole = [](const json& v, const std::string& where, const char* k, double max) {
+    if (!v.is_number() || v.get<double>() != std::floor(v.get<double>()) || v.get<double>() < 1 || v.get<double>() > max)
+      throw std::invalid_argument(where + ": \"" + k + "\" must be a whole number from 1 to " +
+                                  std::to_string(static_cast<int64_t>(max)) + ", got " + detail::json_brief(v));
+    return static_cast<int64_t>(v.get<double>());
+  };
   NsProfile p;
-  p.device = j.value("device", "cpu");
-  p.source = j.value("source", "file " + source);
-  p.ns_steps = j.value("ns_steps", 5);
+  p.device = string_field("device", "cpu");
+  p.source = string_field("source", "file " + source);
+  p.ns_steps = j.contains("ns_steps") ? static_cast<int>(whole(j["ns_steps"], source, "ns_steps", 1000)) : 5;
   for (size_t i = 0; i < j["timings"].size(); ++i) {
     const json& e = j["timings"][i];
     const std::string where = source + ": timings[" + std::to_string(i) + "]";
@@ -127,12 +142,16 @@ NsProfile ns_profile_from_json(const std::string& text, const std::string& sourc
         throw std::invalid_argument(where + " needs a number \"" + k + "\"");
       return e[k].get<double>();
     };
+    auto count = [&](const char* k, double max) {
+      num(k);
+      return whole(e[k], where, k, max);
+    };
     NsTiming t;
-    t.rows = static_cast<int64_t>(num("rows"));
-    t.cols = static_cast<int64_t>(num("cols"));
-    t.elem_bytes = e.contains("elem_bytes") ? static_cast<int64_t>(num("elem_bytes")) : 4;
+    t.rows = count("rows", 1e9);
+    t.cols = count("cols", 1e9);
+    t.elem_bytes = e.contains("elem_bytes") ? count("elem_bytes", 64) : 4;
     t.single_us = num("single_us");
-    t.batch = e.contains("batch") ? static_cast<int>(num("batch")) : 1;
+    t.batch = e.contains("batch") ? static_cast<int>(count("batch", 1e6)) : 1;
     t.batch_us = t.batch >= 2 ? num("batch_us") : 0.0;
     p.timings.push_back(t);
   }

@@ -200,11 +200,25 @@ void Runtime::end_root_forward(bool outer_grad_mode) {
   root_grad_mode_ = outer_grad_mode;  // (a root forward run inside another: the outer one's mode again)
 }
 
+void Runtime::drop_grads_if_cleared() {
+  // The model's gradients were cleared without the optimizer (LibTorch's Module::zero_grad(), which a GAN loop
+  // calls on the discriminator after the generator's backward went through it): no parameter holds the
+  // gradient the last backward left (none, or a new one this pass's accumulation made). What dmuon holds
+  // outside p.grad (the owners' reduced sums, sharded slices) goes too, as the optimizer's zero_grad drops it;
+  // else the next step would add that earlier backward's gradients. (Every rank's calls are the same, so is
+  // this decision. zero_grad(false) zeroes the same tensors: not seen here, the optimizer's zero_grad is needed.)
+  if (left_grads_.empty()) return;
+  for (const LeftGrad& l : left_grads_)
+    if (l.grad.lock().get() == l.param.grad().unsafeGetTensorImpl() && l.param.grad().defined()) return;
+  discard_grads(/*set_to_none=*/true);
+}
+
 void Runtime::pre_forward(int b) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   Boundary& B = boundaries_[static_cast<size_t>(b)];
   const bool in_backward = in_autograd_backward();
   if (!in_backward && backward_abandoned()) drop_abandoned_backward("the next forward", /*param_grads=*/true);
+  if (!in_backward) drop_grads_if_cleared();
   if (in_backward && (backward_live() || (B.ran_forward && !backward_since_forward_))) {
     // A forward inside this model's backward (its hooks ran, or the block ran forward in this pass and
     // no backward ended since): activation checkpointing (torch.utils.checkpoint, reentrant or not)
@@ -257,6 +271,7 @@ void Runtime::note_backward(bool engine_hook) {
   }
   // (retain_graph: a backward again without a forward; what it accumulated so far stays)
   if (backward_abandoned()) drop_abandoned_backward("the next backward", /*param_grads=*/false);
+  drop_grads_if_cleared();  // (a zero_grad between the forward and this backward)
   pass_mode_checked_ = false;
   if (engine_hook) refuse_graph_building_partial_backward();
   backward_open_ = true;
@@ -451,6 +466,11 @@ void Runtime::end_of_backward() {
   } else {
     for (Route* r : routes()) r->end_of_backward();  // HSDP: the last stage-2 reduces; replicated all-reduces
   }
+  left_grads_.clear();
+  for (const ModelView::Tensor& item : view_.params)
+    if (item.tensor.grad().defined())
+      left_grads_.push_back(LeftGrad{item.tensor, c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(
+                                                      item.tensor.grad().getIntrusivePtr())});
   backward_open_ = false;  // (last: a route that throws here leaves the backward abandoned, found as such)
 }
 
@@ -688,9 +708,23 @@ void Runtime::set_step_verdict(bool on) {
   step_verdict_ = on;
 }
 
-void Runtime::attach_optimizer() {
+uint64_t Runtime::attach_optimizer() {
   std::lock_guard<std::recursive_mutex> g(mu_);
   grads_taken_ = true;
+  return ++optimizers_;
+}
+
+uint64_t Runtime::take_gradients(uint64_t id) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  if (grads_taker_ != 0 && grads_taker_ != id && grads_taken_epoch_ == grads_epoch_) return grads_taker_;
+  grads_taker_ = id;
+  grads_taken_epoch_ = grads_epoch_;
+  return 0;
+}
+
+void Runtime::release_gradients(uint64_t id) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  if (grads_taker_ == id) grads_taker_ = 0;
 }
 
 void Runtime::set_separate_sharded_unshard(bool on) {
@@ -719,6 +753,7 @@ uint64_t Runtime::grads_epoch() const {
 void Runtime::discard_grads(bool set_to_none) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   ++grads_epoch_;
+  left_grads_.clear();
   local_grads_only_ = false;
   if (backward_abandoned())
     drop_abandoned_backward(nullptr, /*param_grads=*/false);  // (zero_grad's own work)

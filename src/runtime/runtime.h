@@ -109,6 +109,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   // note_backward's refusal of torch.autograd.grad(..., create_graph=True) through a model whose parameters a
   // backward frees (every rank, at the pass's first hook: before any collective)
   void refuse_graph_building_partial_backward();
+  void drop_grads_if_cleared();  // the model's gradients were cleared without the optimizer: drop dmuon's too
   void end_root_forward(bool outer_grad_mode);  // the root's scope was left (or its forward raised)
   void pre_forward(int b);
   void post_forward(int b);
@@ -140,7 +141,9 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void prefetch_next_forward(int groups, bool sharded_adamw) override;
   void set_separate_sharded_unshard(bool on) override;
   void set_step_verdict(bool on) override;
-  void attach_optimizer() override;
+  uint64_t attach_optimizer() override;
+  uint64_t take_gradients(uint64_t id) override;
+  void release_gradients(uint64_t id) override;
   std::vector<PlannedTraffic> planned_step_traffic() const override;
   void discard_grads(bool set_to_none) override;
   uint64_t grads_epoch() const override;
@@ -263,6 +266,9 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   bool backward_since_forward_ = true;
   bool step_verdict_ = false;  // set_step_verdict
   bool grads_taken_ = false;   // attach_optimizer or prepare_grads ran: something takes the held gradients
+  uint64_t optimizers_ = 0;    // attach_optimizer's count
+  uint64_t grads_taker_ = 0;   // the optimizer that took the gradients of grads_taken_epoch_ (0: none)
+  uint64_t grads_taken_epoch_ = 0;
   int synced_backwards_ = 0;   // (to 2: a second backward with nothing taking them warns, once)
   bool pass_begun_by_step_ = false;  // prefetch_next_forward began the next pass: its root forward does not begin one
   // the root forward running now (its scope entered, not left: none where a C++ model calls its blocks alone, nor
@@ -287,6 +293,15 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   bool backward_live() const { return backward_open_ && !backward_token_.expired(); }
   bool backward_abandoned() const;
   uint64_t grads_epoch_ = 0;
+  // The gradients the last backward left in p.grad (the replicated averages, local gradients), weakly (a
+  // gradient the caller drops is freed): when no parameter holds its own any more at the next forward or
+  // backward, the caller cleared the model's gradients (LibTorch's Module::zero_grad, `p.grad = None` for
+  // each), and dmuon drops what it holds outside p.grad as the optimizer's zero_grad would.
+  struct LeftGrad {
+    at::Tensor param;
+    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> grad;
+  };
+  std::vector<LeftGrad> left_grads_;
   size_t next_reduce_ = 0;                // position in reduce_order_
   std::vector<int> reduce_order_;         // reverse of the current forward order, fixed at the first backward hook
   bool reduce_order_fixed_ = false;

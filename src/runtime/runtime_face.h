@@ -91,8 +91,15 @@ class RuntimeFace {
   virtual void set_step_verdict(bool on) = 0;
   // A dmuon optimizer was built on this runtime: it takes the gradients dmuon holds (a dedicated matrix's
   // reduced sum outside p.grad). Without one (and no prepare_grads), a second backward warns once that no
-  // other optimizer sees them. Local.
-  virtual void attach_optimizer() = 0;
+  // other optimizer sees them. Returns the optimizer's number (1, 2, ... on this runtime). Local.
+  virtual uint64_t attach_optimizer() = 0;
+  // Optimizer `id` (attach_optimizer's number) takes the current gradients (its step or clipping): returns
+  // the number of another optimizer that took them already -- since the last backward or zero_grad --
+  // and changes nothing then; else records `id` and returns 0. Local (every rank steps its optimizers in
+  // one order).
+  virtual uint64_t take_gradients(uint64_t id) = 0;
+  // optimizer `id` is gone: whatever it took, no optimizer holds any more. Local.
+  virtual void release_gradients(uint64_t id) = 0;
   // TP: `apply` finishes the update of `name` when its slice has arrived -- before the holder's data
   // are read or sent again (local)
   virtual void defer_update(const std::string& name, std::function<void()> apply) = 0;

@@ -180,7 +180,10 @@ Precision resolve_precision(const ParamPolicy& pol, const DedicateOptions& opts,
                                                           : at::kFloat;
   pr.master = pol.master_dtype.value_or(def_master);
   pr.reduce = pol.grad_dtype ? *pol.grad_dtype : (muon && opts.compute_dtype) ? *opts.compute_dtype : pr.param;
-  pr.optim = pol.optim_dtype.value_or(pr.master);
+  // the optimizer state of a float16 master in float32 (unless set): float16's range (65504) is overrun by a
+  // Muon momentum (up to ~20x the gradient, its Nesterov input ~2x) or an Adam second moment (g^2: |g| > 256)
+  // of ordinary gradients, and the NaN that follows reached the weights silently
+  pr.optim = pol.optim_dtype.value_or(pr.master == at::kHalf ? at::kFloat : pr.master);
   TORCH_CHECK_VALUE(pr.master == pr.param || float_rank(pr.master) > float_rank(pr.param), "rank ", rank,
               ": dedicate_params: param_policy of '", name, "' has master_dtype ", pr.master, " and param_dtype ",
               pr.param, ": the master copy must be at least as precise as the parameter (every update would be "

@@ -170,10 +170,11 @@ int64_t cfg_int(const json& cfg, const std::string& key, const std::string& sour
   return v;
 }
 
-bool cfg_bool(const json& cfg, const std::string& key, bool fallback) {
+bool cfg_bool(const json& cfg, const std::string& key, const std::string& source, bool fallback) {
   auto it = cfg.find(key);
   if (it == cfg.end() || it->is_null()) return fallback;
-  if (!it->is_boolean()) return fallback;
+  if (!it->is_boolean())  // "true" / 1 would silently plan the other case
+    throw std::invalid_argument(source + ": field '" + key + "' must be true or false, got " + detail::json_brief(*it));
   return it->get<bool>();
 }
 
@@ -207,7 +208,7 @@ ModelSpec build_decoder(const json& cfg, const std::string& type, const std::str
   const int64_t H = cfg_int(cfg, "num_attention_heads", src);
   const int64_t KV = cfg_int(cfg, "num_key_value_heads", src, H);
   const int64_t V = cfg_int(cfg, "vocab_size", src);
-  const bool tie = cfg_bool(cfg, "tie_word_embeddings", false);
+  const bool tie = cfg_bool(cfg, "tie_word_embeddings", src, false);
 
   // ---- attention ----
   int64_t hd = 0, q_lora = 0, kv_lora = 0, nope = 0, rope = 0, vhd = 0;
@@ -221,11 +222,11 @@ ModelSpec build_decoder(const json& cfg, const std::string& type, const std::str
     check_attention_heads(H, KV, d, field(cfg, "head_dim") != nullptr, src);
     hd = cfg_int(cfg, "head_dim", src, d / H);
   }
-  const bool attn_bias = cfg_bool(cfg, "attention_bias", false);
+  const bool attn_bias = cfg_bool(cfg, "attention_bias", src, false);
   const bool qkv_bias = type == "qwen2" || type == "qwen2_moe" ||
                         ((type == "llama" || qwen3) && attn_bias);
   const bool o_bias = (type == "llama" || qwen3) && attn_bias;
-  const bool mlp_bias = type == "llama" && cfg_bool(cfg, "mlp_bias", false);
+  const bool mlp_bias = type == "llama" && cfg_bool(cfg, "mlp_bias", src, false);
 
   // ---- MLP / MoE: which layers are sparse, experts and their widths ----
   int64_t E = 0, moe_ffn = 0, shared_ffn = 0;
@@ -372,7 +373,7 @@ ModelSpec build_gpt2(const json& cfg, const std::string& name, int64_t eb, const
   if (d % H != 0)
     throw std::invalid_argument(src + ": n_embd " + std::to_string(d) +
                                 " is not divisible by n_head " + std::to_string(H));
-  const bool tie = cfg_bool(cfg, "tie_word_embeddings", true);
+  const bool tie = cfg_bool(cfg, "tie_word_embeddings", src, true);
   Builder b(name, eb, src);
   b.expect(L, 12, "reduce 'n_layer' (" + std::to_string(L) + ")");
   b.add("transformer.wte.weight", {V, d});

@@ -103,6 +103,23 @@ double need(const json& j, const char* key, const std::string& where) {
   return v;
 }
 
+// need() of a count: a whole number in [1, 1e6] (a cast of 1e10 or 2.7 to int would be undefined or silent)
+int need_count(const json& j, const char* key, const std::string& where, const std::string& what) {
+  const double c = need(j, key, where);
+  if (c != std::floor(c) || c > 1e6)
+    throw std::invalid_argument(where + ": \"" + key + "\" must be a whole number of " + what + " (1 to 1000000), got " +
+                                detail::json_brief(j[key]));
+  return static_cast<int>(c);
+}
+
+// an optional string field, or the default; another JSON type is an error naming the field
+std::string text_or(const json& j, const char* key, const std::string& fallback, const std::string& where) {
+  if (!j.contains(key)) return fallback;
+  if (!j[key].is_string())
+    throw std::invalid_argument(where + ": \"" + key + "\" must be a string, got " + detail::json_brief(j[key]));
+  return j[key].get<std::string>();
+}
+
 LinkSpec link_of(const json& j, const char* key, const std::string& where) {
   if (!j.contains(key) || !j[key].is_object())
     throw std::invalid_argument(where + ": hardware description needs an object \"" + key +
@@ -148,9 +165,9 @@ HardwareSpec hardware_from_json(const std::string& text, const std::string& sour
   }
   if (!j.is_object()) throw std::invalid_argument(source + ": hardware description must be a JSON object");
   HardwareSpec h;
-  h.name = j.value("name", source);
-  h.source = j.value("source", "file " + source);
-  h.devices_per_node = static_cast<int>(need(j, "devices_per_node", source));
+  h.name = text_or(j, "name", source, source);
+  h.source = text_or(j, "source", "file " + source, source);
+  h.devices_per_node = need_count(j, "devices_per_node", source, "devices (ranks) per node");
   h.matmul_tflops = need(j, "matmul_tflops", source);
   h.mfu = need(j, "mfu", source);
   h.ns_efficiency = need(j, "ns_efficiency", source);
@@ -158,13 +175,9 @@ HardwareSpec hardware_from_json(const std::string& text, const std::string& sour
   h.memory_GB = need(j, "memory_GB", source);
   h.intra_node = link_of(j, "intra_node", source);
   h.inter_node = link_of(j, "inter_node", source);
-  if (j.contains("cores_per_node")) {
-    const double c = need(j, "cores_per_node", source);
-    if (c != std::floor(c) || c > 1e6)
-      throw std::invalid_argument(source + ": \"cores_per_node\" must be a whole number of ranks the host runs at "
-                                  "once (its cores over each rank's threads), got " + detail::json_brief(j["cores_per_node"]));
-    h.cores_per_node = static_cast<int>(c);
-  }
+  if (j.contains("cores_per_node"))
+    h.cores_per_node = need_count(j, "cores_per_node", source,
+                                  "ranks the host runs at once (its cores over each rank's threads)");
   if (j.contains("ns_profile"))
     h.ns_profile = std::make_shared<const NsProfile>(ns_profile_from_json(j["ns_profile"].dump(), source + " ns_profile"));
   if (h.mfu > 1 || h.ns_efficiency > 1)

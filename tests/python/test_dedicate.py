@@ -2182,3 +2182,141 @@ def _input_gradients_through_a_checkpoint(rank, world):
 
 def test_input_gradients_through_a_checkpoint_are_torchs(tmp_path):
     run_ranks(tmp_path, 2, _input_gradients_through_a_checkpoint)
+
+
+def _group_count():
+    return len(torch.distributed.distributed_c10d._world.pg_map)
+
+
+def _sweep_groups(rank, world, hsdp, out_path):
+    """A sweep dedicating model after model in one process with process_group_policy="isolated" (the default)
+    makes dmuon's clones of the groups once and reuses them (each dedicate_params made new ones: +1 group on a
+    1-D mesh, +5 on HSDP, each with its threads and sockets, never freed); two models alive at once share them
+    and both train as torch does; after destroy_process_group and a new init the clones are made again."""
+    def mesh():
+        if hsdp:
+            return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        return torch.distributed.group.WORLD
+
+    def dedicate(model, m):
+        dmuon.dedicate_params(model, m, lambda n, p: p.dim() == 2,
+                              route_hint_fn=lambda n, p: "sharded_adamw" if n == "scale" else "")
+        dmuon.replicate(model)
+        opt, sched = make_optimizer(model, first_step_progress_log=False, sharded_adamw_unshard_separate_stream=True)
+        return model, opt, sched
+
+    m = mesh()
+    counts = []
+    for _ in range(3):
+        model, opt, sched = dedicate(make_net(), m)
+        train_steps(model, opt, sched, rank, world, range(STEPS))
+        counts.append(_group_count())
+        del model, opt, sched
+    assert counts[0] == counts[1] == counts[2], f"process groups after each model: {counts}"
+    # two models alive at once, stepped in turn (as a GAN's): the same clones, each trains as alone
+    a, b = dedicate(make_net(), m), dedicate(make_net(), m)
+    for step in range(STEPS):
+        for model, opt, sched in (a, b):
+            train_steps(model, opt, sched, rank, world, [step])
+    assert _group_count() == counts[0]
+    assert dmuon.get_comm_ctx(a[0]).shard_group is dmuon.get_comm_ctx(b[0]).shard_group
+    saved = [dmuon.get_model_state_dict(model, rank0_only=False) for model, _, _ in (a, b)]
+    del a, b
+    # a new default group: the old clones went with the old one; dedicate_params makes new ones
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    torch.distributed.init_process_group("gloo", init_method=f"file://{out_path}.store", rank=rank, world_size=world)
+    model, opt, sched = dedicate(make_net(), mesh())
+    assert _group_count() > 1
+    train_steps(model, opt, sched, rank, world, range(STEPS))
+    saved.append(dmuon.get_model_state_dict(model, rank0_only=False))
+    if rank == 0:
+        torch.save(saved, out_path)
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["1-D", "HSDP-2x2"])
+def test_a_sweep_of_dedicated_models_reuses_dmuons_process_groups(tmp_path, hsdp):
+    ref = reference_train()
+    for i, got in enumerate(train_on_ranks(tmp_path, 4 if hsdp else 2, _sweep_groups, hsdp)):
+        assert_matches(ref, got, f"model {i} of the sweep")
+
+
+class _GradProbe(nn.Module):
+    """A float16 matrix and vector whose loss gradient is exactly the buffers `gw`, `gb` (float32)."""
+
+    def __init__(self, rows, cols, gw, gb):
+        super().__init__()
+        self.weight = nn.Parameter((torch.rand(rows, cols) - 0.5).half())
+        self.bias = nn.Parameter((torch.rand(rows) - 0.5).half())
+        self.register_buffer("gw", gw)
+        self.register_buffer("gb", gb)
+
+    def forward(self, x):
+        return x + (self.weight.float() * self.gw).sum() + (self.bias.float() * self.gb).sum()
+
+
+class _Probes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        # |g| up to 2e4 (its 2-rank sum, reduced in float16, still finite): the momentum (Nesterov input 3.7 g by
+        # the third step) and the second moment (g^2) overran float16's range
+        self.layers = nn.ModuleList(_GradProbe(r, c, (torch.rand(r, c) - 0.5) * 4e4, (torch.rand(r) - 0.5) * 4e4)
+                                    for r, c in ((6, 10), (10, 4)))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _half_params(rank, world, layout):
+    """float16 parameters keep their optimizer state in float32 (unless param_policy says otherwise): a Muon
+    momentum (~20x the gradient at momentum 0.95) and its Nesterov input (~2x) overran float16's 65504 for
+    gradients of 2e4 by the third step, an Adam second moment for |g| > 256; the NaN reached the weights without
+    an error.
+    Each step matches the float64 update of the same float16 weights and gradients, to float16 rounding."""
+    model = _Probes()
+    plain = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    grads = {n: b.double() for n, b in model.named_buffers()}
+    grads = {n: grads[n.replace("weight", "gw").replace("bias", "gb")] for n in plain}
+    if layout == "ddp":
+        dmuon.dedicate_params_ddp(model, torch.distributed.group.WORLD, lambda n, p: p.dim() == 2)
+    else:
+        dmuon.dedicate_params(model, torch.distributed.group.WORLD, lambda n, p: p.dim() == 2,
+                              route_hint_fn=lambda n, p: "sharded_adamw" if layout == "sharded" and p.dim() == 1 else "")
+    dmuon.replicate(model)
+    opt = dmuon.Muon(model, lr=LR, adamw_lr=ADAMW_LR, weight_decay=0.0, adamw_weight_decay=0.0, momentum=MOMENTUM,
+                     first_step_progress_log=False)
+    buf, m1, m2 = {}, {}, {}
+    for step in range(4):
+        opt.zero_grad()
+        model(torch.zeros(1)).sum().backward()  # every rank the same loss: the average is `grads`
+        opt.step()
+        with torch.no_grad():
+            for n, w in plain.items():
+                g = grads[n]
+                if w.dim() == 2:
+                    buf[n] = buf.get(n, torch.zeros_like(g)) * MOMENTUM + g
+                    u = g + MOMENTUM * buf[n]
+                    w.sub_(reference_ns(u, dmuon.POLAR_EXPRESS_COEFFICIENTS) * (LR * 0.2 * max(w.shape) ** 0.5))
+                else:
+                    m1[n] = m1.get(n, torch.zeros_like(g)) * 0.9 + 0.1 * g
+                    m2[n] = m2.get(n, torch.zeros_like(g)) * 0.999 + 0.001 * g * g
+                    bc1, bc2 = 1 - 0.9 ** (step + 1), 1 - 0.999 ** (step + 1)
+                    w.sub_(ADAMW_LR / bc1 * m1[n] / ((m2[n] / bc2).sqrt() + 1e-8))
+                w.copy_(w.half().double())  # the parameter is float16
+    full = dmuon.get_model_state_dict(model, rank0_only=False)
+    for n, want in plain.items():
+        got = full[n].double()
+        assert torch.isfinite(got).all(), f"{layout}: {n} is not finite"
+        err = float((got - want).abs().max() / want.abs().max())
+        # float16 rounding of the weights: measured <= 1e-3 (one float16 ulp of the largest weight); bound 2e-2
+        assert err < 2e-2, f"{layout}: {n} differs from the float64 update by {err}"
+    states = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
+    assert states and all(v.dtype == torch.float32 for v in states), [v.dtype for v in states]
+
+
+@pytest.mark.parametrize("layout", ["z3", "sharded", "ddp"])
+def test_float16_parameters_keep_float32_optimizer_state_and_train_with_large_gradients(tmp_path, layout):
+    run_ranks(tmp_path, 2, _half_params, layout)

@@ -287,6 +287,31 @@ def _timeouts(rank, world):
             dmuon.dedicate_params(make_net(), dist.group.WORLD, lambda n, p: p.dim() == 2)
     finally:
         del os.environ["DMUON_COLLECTIVE_TIMEOUT"]
+    # a setting read from one rank's environment (a node's own env file) is refused on every rank at once, naming
+    # the rank and the variable (rank 0 waited in the mesh's setup gather for the timeout, with a bare Gloo error)
+    mine = r"rank 1: dedicate_params: " if rank == 1 else r"rank 0: dedicate_params: another rank refused the mesh's " \
+        r"setup, so no rank builds it: rank 1: dedicate_params: "
+    for var, value, text in (("DMUON_COLLECTIVE_TIMEOUT", "120s", "DMUON_COLLECTIVE_TIMEOUT='120s' is not a positive"),
+                             ("DMUON_PROCESS_GROUP_POLICY", "Isolated",
+                              "DMUON_PROCESS_GROUP_POLICY must be 'isolated' or 'shared', got 'Isolated'")):
+        if rank == 1:
+            os.environ[var] = value
+        try:
+            with pytest.raises(ValueError, match=mine + re.escape(text)):
+                dmuon.dedicate_params(make_net(), dist.group.WORLD, lambda n, p: p.dim() == 2)
+        finally:
+            os.environ.pop(var, None)
+    if rank == 1:  # valid, but not the other ranks'
+        os.environ["DMUON_PROCESS_GROUP_POLICY"] = "shared"
+    try:
+        with pytest.raises(ValueError, match=rf"rank {rank}: dedicate_params: the ranks disagree on the process-group "
+                                             r"policy \(rank: policy \{0: 'isolated', 1: 'shared'\}\)"):
+            dmuon.dedicate_params(make_net(), dist.group.WORLD, lambda n, p: p.dim() == 2)
+    finally:
+        os.environ.pop("DMUON_PROCESS_GROUP_POLICY", None)
+    model = make_net()  # and the next dedicate_params goes on as usual
+    dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2)
+    assert model._dmuon.mesh.timeout_s == 120
 
 
 def test_collective_timeout_follows_the_group(tmp_path):
@@ -755,3 +780,49 @@ def _disagreeing_ranks(rank, world):
 
 def test_ranks_that_construct_muon_with_different_options_get_an_error(tmp_path):
     run_ranks(tmp_path, 2, _disagreeing_ranks)
+
+
+def _two_muons(rank, world, layout, out_path):
+    """One Muon steps the whole model (parameters in no group form the default group), so two Muons splitting a
+    model by param_groups would each step everything: the second to step or clip the same gradients raises on
+    every rank before anything changes (FSDP2's shards included), naming both; the first trains as one Muon alone.
+    Replacing the optimizer works: a Muon built later steps after the next backward."""
+    from test_dedicate import make_optimizer
+
+    model = dedicated_net(init_device_mesh("cpu", (world,)), layout == "fsdp2")
+    early = [p for n, p in model.named_parameters() if n.startswith("layers.0.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("layers.0.")]
+    first, sched = make_optimizer(model, param_groups=[{"params": early}], first_step_progress_log=False)
+    second, _ = make_optimizer(model, param_groups=[{"params": rest}], first_step_progress_log=False)
+    per = 12 // world
+    for step in range(STEPS):
+        x, y = batch(step)
+        first.zero_grad()
+        ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
+        first.step()
+        sched.step()
+        if step == 0:
+            for call in (second.step, lambda: second.clip_grad_norm_(1.0)):
+                with pytest.raises(ValueError, match=rf"rank {rank}: .*another Muon on this model \(the #1 built on "
+                                                     r"it; this is #2\) took these gradients already"):
+                    call()
+    sd = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save(sd, out_path)
+    replaced, _ = make_optimizer(model, first_step_progress_log=False)
+    replaced.zero_grad()
+    x, y = batch(0)
+    ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
+    replaced.step()
+    with pytest.raises(ValueError, match=r"\(the #3 built on it; this is #1\)"):
+        first.step()
+
+
+@pytest.mark.parametrize("layout", ["replicate", "fsdp2"])
+def test_a_second_muon_stepping_the_same_gradients_is_refused(tmp_path, layout):
+    path = tmp_path / "two.pt"
+    run_ranks(tmp_path, 2, _two_muons, layout, str(path))
+    got = torch.load(path)
+    for name, value in reference_train().items():
+        err = float((got[name] - value).abs().max() / value.abs().max())
+        assert err < 1e-10, f"{layout}: {name} differs from the reference by {err}"

@@ -72,6 +72,9 @@ struct TrainConfig {
   bool discarded_backward = false;
   bool discarded_in_no_sync = false;
   bool zero_grad_to_none = true;
+  // the discarded backward's gradients cleared by the model's zero_grad (LibTorch's Module::zero_grad(true), as a
+  // GAN loop clears the discriminator) instead of the optimizer's
+  bool module_zero_grad = false;
   double clip = 0;  // > 0: clip the global gradient norm of all parameters to this before each step
   // no zero_grad between steps: each step's gradient is the sum of every backward so far, as in torch
   bool keep_grads = false;
