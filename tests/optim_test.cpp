@@ -496,6 +496,47 @@ TEST(MuonTest, DirectBackendMatchesDirectNewtonSchulz) {
 
 // MuonOptions::ns: a fully configured NewtonSchulz (backend, coefficients, restarts) is what the
 // optimizer runs; ns_backend is then ignored.
+// restart_iterations are checked against each Muon group's iteration count, where it is known: a NewtonSchulz
+// restarting before step 6 is valid for ns_steps 8 (it was refused against the default 5); for a group of 5 steps
+// it is an error at construction naming the group (it raised inside every step, after the momentum had moved),
+// and a group's ns_steps lowered since is an error at the step that changes nothing.
+TEST(MuonTest, RestartIterationsAreCheckedAgainstEachGroupsSteps) {
+  const StateDict init = random_like_model(17, -0.5, 0.5), g = random_like_model(18, -1.0, 1.0);
+  with_tiny(init, [&](Tiny& m, std::shared_ptr<Mesh>&) {
+    MuonOptions o = quiet();
+    o.ns = NewtonSchulz("gram", "auto", std::nullopt, std::vector<int>{6});
+    o.ns_steps = 5;
+    EXPECT_NE(error_of([&] { Muon opt(m.ptr(), o); })
+                  .find("Muon: param group 'default' runs 5 Newton-Schulz steps, but the NewtonSchulz backend restarts "
+                        "before step 6"),
+              std::string::npos);
+    o.ns_steps = 8;
+    Muon opt(m.ptr(), o);
+    set_grads(m, g);
+    opt.step();
+    for (const auto& n : kMatrices) {
+      NsOptions ns;
+      ns.steps = 8;
+      ns.restart_iterations = std::vector<int>{6};
+      const at::Tensor expected =
+          first_muon_step(init, g, n, [&](const at::Tensor& u) { return gram_newton_schulz(u, ns); });
+      EXPECT_LT(max_abs_diff(param(m, n), expected), kBound) << n;
+    }
+    static_cast<MuonGroupOptions&>(opt.param_groups()[0].options()).ns_steps(4);
+    const at::Tensor before = param(m, kMatrices[0]).clone();
+    const at::Tensor momentum = opt.state_of(param(m, kMatrices[0]))->momentum_buffer().clone();
+    opt.zero_grad();
+    set_grads(m, g);
+    EXPECT_NE(error_of([&] { opt.step(); }).find("as set since construction, runs 4 Newton-Schulz steps"),
+              std::string::npos);
+    EXPECT_TRUE(at::equal(param(m, kMatrices[0]), before));
+    EXPECT_TRUE(at::equal(opt.state_of(param(m, kMatrices[0]))->momentum_buffer(), momentum));
+  });
+  EXPECT_NE(error_of([] { NewtonSchulz("gram", "auto", YOU_COEFFICIENTS, std::vector<int>{6}); })
+                .find("restart iteration 6 is out of range for 5 steps"),
+            std::string::npos);  // explicit coefficients: their count is the iteration count
+}
+
 TEST(MuonTest, ConfiguredNewtonSchulzIsUsed) {
   const StateDict init = random_like_model(15, -0.5, 0.5);
   const StateDict g = random_like_model(16, -1.0, 1.0);

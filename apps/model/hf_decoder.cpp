@@ -130,7 +130,8 @@ HFDecoderConfig HFDecoderConfig::parse(const std::string& text, const std::strin
   if (const json* rs = field(j, "rope_scaling")) {
     TORCH_CHECK(rs->is_object(), src, ": rope_scaling must be an object, got ", rs->dump());
     const json* named = field(*rs, "rope_type") ? field(*rs, "rope_type") : field(*rs, "type");
-    TORCH_CHECK(!named || named->is_string(), src, ": rope_scaling's rope_type must be a string, got ", named->dump());
+    TORCH_CHECK(!named || named->is_string(), src, ": rope_scaling's rope_type must be a string, got a ",
+                named->type_name());
     std::string type = named ? named->get<std::string>() : std::string("default");
     TORCH_CHECK(type == "default" || type == "linear" || type == "llama3", src, ": rope_scaling type \"", type,
                 "\" is not supported (dmuon has default, linear and llama3).");

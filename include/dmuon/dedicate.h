@@ -84,6 +84,7 @@ struct ParamPolicy {
   std::optional<at::ScalarType> grad_dtype;    // gradient reduce dtype; unset: compute_dtype, else param_dtype
   std::optional<at::ScalarType> master_dtype;  // optimizer-updated copy; unset: the dtype at dedicate time
   std::optional<at::ScalarType> optim_dtype;   // optimizer state (momentum, AdamW moments); unset: master
+                                               // (float32 for a float16 master: its range is too small)
   // Boundary-level (all parameters of one hook boundary must agree): cast floating-point tensor
   // arguments of the boundary's forward to its param_dtype (unset: true when param_dtype narrows the
   // parameter), and cast its tensor output to output_dtype (unset: no cast).

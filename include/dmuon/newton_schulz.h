@@ -105,7 +105,10 @@ at::Tensor newton_schulz(const at::Tensor& G, const NsOptions& opts = {});
 // Gram NS split into its per-window left factors. The output of gram_newton_schulz(G) equals
 //   orient_back( Q_w ... Q_2 Q_1 X0 ) * 1   with X0 = orient(G) / normalizer (cast to compute dtype),
 // applied one segment at a time in order (segments[0] first). Reproduces gram_newton_schulz
-// bit for bit when applied in the same dtype with the same GEMMs (see apply_gram_factors).
+// bit for bit when applied in the same dtype with the same GEMMs (see apply_gram_factors) for
+// rectangular G, or square G with NsOptions::force_gram; a square G without it goes to the direct form
+// in gram_newton_schulz, which the factors (always the Gram form) equal only to the iteration's
+// rounding (fp64 ~1e-13, fp32 ~1e-4 relative).
 struct GramFactors {
   std::vector<at::Tensor> segments;  // each [..., m, m] in the compute dtype, m = min(rows, cols)
   bool transposed = false;           // true when rows > cols: the oriented matrix is G^T
@@ -113,7 +116,7 @@ struct GramFactors {
 };
 GramFactors gram_newton_schulz_factors(const at::Tensor& G, const NsOptions& opts = {});
 // Applies the factors to G (normalise, orient, multiply segment by segment, orient back, cast to
-// G's dtype). Equals gram_newton_schulz(G, opts) for the same opts.
+// G's dtype). Equals gram_newton_schulz(G, opts) for the same opts (square G: see above).
 at::Tensor apply_gram_factors(const at::Tensor& G, const GramFactors& f, const NsOptions& opts = {});
 
 // ---- column-sharded Gram NS (tensor-parallel shard owners) ---------------------------------

@@ -99,7 +99,9 @@ void bind_newton_schulz(py::module_& m) {
         return py::make_tuple(segments, f.transposed, f.normalizer);
       },
       "Gram Newton-Schulz split into its per-restart-window left factors: (factor_segments, transposed, "
-      "normalizer); applying the segments in order to the normalised, oriented G gives gram_newton_schulz(G).",
+      "normalizer); applying the segments in order to the normalised, oriented G gives gram_newton_schulz(G) "
+      "(a square G: gram_newton_schulz runs the direct form there, equal to the factors' Gram form only to "
+      "rounding, ~1e-4 relative in float32).",
       "G"_a, "steps"_a = kDefaultNsSteps, "eps"_a = kDefaultNsEps, "coefficients"_a = py::none(),
       "restart_iterations"_a = py::none(), "deterministic"_a = false);
   m.def(

@@ -60,6 +60,10 @@ std::optional<T> get_opt(const py::dict& d, const char* key) {
     } catch (const py::cast_error&) {
     }
   }
+  // an int too large for the option's C++ integer: out of range, not of the wrong type
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>)
+    TORCH_CHECK_VALUE(!(py::isinstance<py::int_>(v) && !py::isinstance<py::bool_>(v)), "dmuon: option '", key, "' is ",
+                      py::repr(v).cast<std::string>(), ", beyond what a ", sizeof(T) * 8, "-bit integer holds.");
   // (c10::TypeError: a TypeError in Python, and a caller mistake to the ranks' agreements)
   TORCH_CHECK_TYPE(false, "dmuon: option '", key, "' must be ", python_kind<T>(), ", got ",
                    py::repr(v).cast<std::string>(), " (", Py_TYPE(v.ptr())->tp_name, ").");

@@ -4,6 +4,7 @@ CUDA); C++ drives their backends through dmuon's Communicator (timeouts, byte co
 name the rank)."""
 
 import os
+import weakref
 from datetime import timedelta
 from typing import List, NamedTuple, Optional, Tuple
 
@@ -115,13 +116,19 @@ def _partition(gathered: List[_Setup]) -> Tuple[list, list, list, float]:
     return sorted(worlds), shards, replicas, _agreed_timeout(g.timeout_s for g in gathered)
 
 
-# dmuon's clones ("isolated"), kept for the default group they were made under and reused by every later
-# dedicate_params with the same key: a sweep dedicating model after model in one process makes its groups
-# (threads, sockets, NCCL communicators) once. Every rank decides hit or miss from values all ranks agree on
-# (the partitions and timeout gathered over the default group), so new_group's collective calls stay in
-# one order everywhere. Two dedicated models sharing a clone issue their collectives in program order on
-# it, as two models on one C++ mesh do; the user's own groups stay apart from them.
-_clones = {"default": None, "groups": {}}
+# dmuon's clones ("isolated"), kept for the default group they were made under and reused by a later
+# dedicate_params with the same key once no live model uses them: a sweep dedicating model after model in one
+# process makes its groups (threads, sockets, NCCL communicators) once, while two models alive at once keep
+# groups of their own (their collectives need no common order). Whether a model still lives depends on each
+# rank's garbage collection, so the ranks vote: a clone is reused when it is free on every rank of the vote
+# (one small gather over the group new_group is collective over), else every rank makes a new one.
+_clones = {"default": None, "groups": {}}  # key -> [[this rank's group or None, WeakSet of _Hold], ...]
+
+
+class _Hold:
+    """Kept by a dedicated model's MeshGroups: the clones it uses are busy while it lives."""
+
+    __slots__ = ("__weakref__",)
 
 
 def _clone_cache() -> dict:
@@ -140,27 +147,43 @@ def _registered(group) -> bool:
         return False
 
 
-def _new_groups(partition, backend, timeout_s, role, high_priority=False):
+def _free_everywhere(entries, vote_group=None) -> Optional[int]:
+    """The first cached entry that no live model holds on any rank of `vote_group` (None: the default
+    group), or None. The entries were made in one order everywhere, so their indices agree."""
+    free = [i for i, (g, holders) in enumerate(entries) if not len(holders) and (g is None or _registered(g))]
+    votes = [None] * dist.get_world_size(vote_group)
+    dist.all_gather_object(votes, free, group=vote_group)
+    common = set(free)
+    for v in votes:
+        common &= set(v)
+    return min(common) if common else None
+
+
+def _new_groups(partition, backend, timeout_s, role, hold, high_priority=False):
     """Every group of `partition` (lists of global ranks), created by every rank in one order (new_group is
     collective over the default group); returns this rank's own (None when it is in none). ``role`` names
     what the groups are for (two roles over one partition get two sets of groups); a partition made for the
-    same role, backend and timeout before, under the same default group, is reused. ``high_priority``: on
-    NCCL, the groups' collectives run on high-priority CUDA streams (the shard axis: the broadcasts and
-    reduces the next forward and the optimizer wait for, ahead of compute and of the replicate axis)."""
-    cache = _clone_cache()
-    key = (role, backend, tuple(tuple(r) for r in partition), float(timeout_s), bool(high_priority))
-    if key in cache and (cache[key] is None or _registered(cache[key])):
-        return cache[key]
-    me, out = dist.get_rank(), None
-    options = None
-    if high_priority and backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-    for ranks in partition:
-        g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timedelta(seconds=timeout_s), pg_options=options)
-        if me in ranks:
-            out = g
-    cache[key] = out
-    return out
+    same role, backend and timeout before, under the same default group, and that no live model holds on any
+    rank, is reused; ``hold`` holds it from now on. ``high_priority``: on NCCL, the groups' collectives run on
+    high-priority CUDA streams (the shard axis: the broadcasts and reduces the next forward and the optimizer
+    wait for, ahead of compute and of the replicate axis)."""
+    entries = _clone_cache().setdefault(
+        (role, backend, tuple(tuple(r) for r in partition), float(timeout_s), bool(high_priority)), [])
+    i = _free_everywhere(entries)
+    if i is None:
+        me, out = dist.get_rank(), None
+        options = None
+        if high_priority and backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+        for ranks in partition:
+            g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timedelta(seconds=timeout_s),
+                               pg_options=options)
+            if me in ranks:
+                out = g
+        entries.append([out, weakref.WeakSet()])
+        i = len(entries) - 1
+    entries[i][1].add(hold)
+    return entries[i][0]
 
 
 def _agreed_timeout(timeouts) -> float:
@@ -169,7 +192,7 @@ def _agreed_timeout(timeouts) -> float:
     return max(float(t) for t in timeouts)
 
 
-def _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device, gathered: List[_Setup]):
+def _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device, gathered: List[_Setup], hold):
     """The mesh with a tensor-parallel axis: this rank's shard, replicate (or None) and TP groups as given,
     the data-parallel group (the ranks at this rank's TP position) and the world built from the partitions
     of every rank's setup; "isolated" clones every axis."""
@@ -187,11 +210,11 @@ def _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device, gathered:
     dps = {dp_of(s, r) for s, r, _ in everyone}
     worlds = sorted({tuple(sorted({x for rank in dp for x in tp_of[rank]})) for dp in dps}, key=lambda g: (min(g), g))
     order = lambda groups: sorted(groups, key=lambda g: (min(g), g))  # noqa: E731
-    new = lambda partition, role: _new_groups(partition, backend, clone_timeout, role)  # noqa: E731
+    new = lambda partition, role: _new_groups(partition, backend, clone_timeout, role, hold)  # noqa: E731
 
     world = new(worlds, "tp-world")
     isolated = policy == "isolated"
-    shard_group = _new_groups(order({tuple(s) for s, _, _ in everyone}), backend, clone_timeout, "shard",
+    shard_group = _new_groups(order({tuple(s) for s, _, _ in everyone}), backend, clone_timeout, "shard", hold,
                               high_priority=True) if isolated else shard
     replicate_group = publish_group = None
     if replicate is not None:
@@ -213,7 +236,7 @@ def _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device, gathered:
         native.set_replicate_publish_group(publish_group, [index[g] for g in replicate_ranks])
     return native, world, dp_ranks, MeshGroups(world, shard_group, replicate_group, tp_group, dp_group,
                                                isolated and backend == "nccl", torch.device(device), shard_ranks,
-                                               [index[g] for g in shard_ranks], publish_group, clone_timeout)
+                                               [index[g] for g in shard_ranks], publish_group, clone_timeout, hold)
 
 
 class MeshGroups(NamedTuple):
@@ -229,23 +252,13 @@ class MeshGroups(NamedTuple):
     shard_in_world: List[int]               # the same as ranks of the world group (what the C++ mesh takes)
     replicate_publish: Optional[dist.ProcessGroup] = None  # HSDP, "isolated": the post-step publish's own group
     clone_timeout_s: float = 0.0            # the timeout dmuon's clones of this mesh were made with (agreed by all ranks)
+    hold: Optional[_Hold] = None            # keeps the clones this mesh uses from being given to another model
 
 
-def _gather_setup(mine: _Setup, shard, fn: str) -> List[_Setup]:
-    """Every rank's setup (one all_gather_object), refused on every rank when any rank refused its own or the
-    ranks disagree on the policy or on tensor parallelism: a rank raising alone would leave the others in the
-    next collective until the timeout. Over the default group, where the mesh's setup calls new_group (which
-    is collective over it) anyway; a "shared" 1-D mesh over part of the ranks gathers over its own group (the
-    other ranks may not dedicate at all)."""
+def _check_setup(gathered: List[_Setup], ranks: List[int], mine: _Setup, fn: str) -> None:
+    """Raises on every rank of the gather when any refused its setup or they disagree on the policy or on
+    tensor parallelism (a rank raising alone would leave the others in the next collective until the timeout)."""
     me = dist.get_rank()
-    world = dist.get_world_size()
-    group = None
-    if mine.policy == "shared" and not mine.replicate and not mine.tp and len(mine.shard) < world:
-        group = shard
-    gathered = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    ranks = _ordered_ranks(group) if group is not None else list(range(world))
-    gathered = [_Setup(*g) for g in gathered]
     refused = [g.refusal for g in gathered if g.refusal is not None]
     if refused:
         if mine.refusal is not None:
@@ -263,6 +276,26 @@ def _gather_setup(mine: _Setup, shard, fn: str) -> List[_Setup]:
             f"rank {me}: {fn}: ranks {with_tp} have tensor-parallel (DTensor) parameters and the others have none; "
             "every rank must dedicate the same model, with the same tensor-parallel plan."
         )
+
+
+def _gather_setup(mine: _Setup, shard, fn: str) -> List[_Setup]:
+    """Every rank's setup, checked (_check_setup). A shard group over part of the ranks first agrees within
+    itself (every member calls): a "shared" 1-D mesh needs nothing more (the other ranks may not dedicate at
+    all). Then one all_gather_object over the default group, where the mesh's setup calls new_group (which is
+    collective over it) anyway. (Ranks whose shard groups settle on different policies: those that go on to
+    the default group wait there until the timeout.)"""
+    world = dist.get_world_size()
+    if dist.get_world_size(shard) < world:
+        local = [None] * dist.get_world_size(shard)
+        dist.all_gather_object(local, mine, group=shard)
+        local = [_Setup(*g) for g in local]
+        _check_setup(local, _ordered_ranks(shard), mine, fn)
+        if mine.policy == "shared" and not mine.replicate and not mine.tp:
+            return local
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    gathered = [_Setup(*g) for g in gathered]
+    _check_setup(gathered, list(range(world)), mine, fn)
     return gathered
 
 
@@ -297,22 +330,23 @@ def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str
         text = str(e) if str(e).startswith(f"rank {me}:") else f"rank {me}: {fn}: {e}"
         mine = _Setup(text, policy, 0.0, shard_ranks, replicate_ranks, tp_ranks)
     gathered = _gather_setup(mine, shard, fn)
+    hold = _Hold()
     if tp_ranks:
-        return _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device, gathered)
+        return _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device, gathered, hold)
     publish_group, clone_timeout = None, timeout_s
     if policy == "shared" and replicate is None:
         world_ranks, world, shard_group, replicate_group = shard_ranks, shard, shard, None
     else:
         worlds, shards, replicas, clone_timeout = _partition(gathered)
-        new = lambda partition, role: _new_groups(partition, backend, clone_timeout, role)  # noqa: E731
+        new = lambda partition, role: _new_groups(partition, backend, clone_timeout, role, hold)  # noqa: E731
 
         world_ranks = next(list(w) for w in worlds if me in w)
         if replicate is None:  # 1-D isolated: one clone serves as world and shard group
-            world = shard_group = _new_groups(shards, backend, clone_timeout, "shard", high_priority=True)
+            world = shard_group = _new_groups(shards, backend, clone_timeout, "shard", hold, high_priority=True)
             replicate_group = None
         else:
             world = new(worlds, "world")
-            shard_group = _new_groups(shards, backend, clone_timeout, "shard", high_priority=True) \
+            shard_group = _new_groups(shards, backend, clone_timeout, "shard", hold, high_priority=True) \
                 if policy == "isolated" else shard
             replicate_group = new(replicas, "replicate") if policy == "isolated" else replicate
             # isolated: the post-step publish on its own group, apart from the replicate-axis reduces
@@ -326,7 +360,7 @@ def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str
         native.set_replicate_publish_group(publish_group, [index[g] for g in replicate_ranks])
     return native, world, None, MeshGroups(
         world, shard_group, replicate_group, None, world, policy == "isolated" and backend == "nccl", torch.device(device),
-        shard_ranks, [index[g] for g in shard_ranks], publish_group, clone_timeout)
+        shard_ranks, [index[g] for g in shard_ranks], publish_group, clone_timeout, hold)
 
 
 def add_sharded_unshard_group(native_mesh, groups: MeshGroups) -> None:
@@ -338,12 +372,16 @@ def add_sharded_unshard_group(native_mesh, groups: MeshGroups) -> None:
     if native_mesh.has_sharded_unshard_group:
         return
     backend = dist.get_backend(groups.shard)
-    timeout_s = groups.clone_timeout_s or native_mesh.timeout_s
-    cache = _clone_cache()
-    key = ("sharded-unshard", backend, tuple(groups.shard_ranks), float(timeout_s), False)
-    group = cache.get(key)
-    if group is None or not _registered(group):
+    # keyed by its ranks alone (a timeout need not agree under "shared"); voted over the shard group's ranks,
+    # the ones new_group with local synchronization is collective over
+    entries = _clone_cache().setdefault(("sharded-unshard", backend, tuple(groups.shard_ranks)), [])
+    i = _free_everywhere(entries, vote_group=groups.shard)
+    if i is None:
+        timeout_s = groups.clone_timeout_s or native_mesh.timeout_s
         group = dist.new_group(ranks=list(groups.shard_ranks), backend=backend, timeout=timedelta(seconds=timeout_s),
                                use_local_synchronization=True)
-        cache[key] = group
-    native_mesh.set_sharded_unshard_group(group, list(groups.shard_in_world))
+        entries.append([group, weakref.WeakSet()])
+        i = len(entries) - 1
+    if groups.hold is not None:
+        entries[i][1].add(groups.hold)
+    native_mesh.set_sharded_unshard_group(entries[i][0], list(groups.shard_in_world))

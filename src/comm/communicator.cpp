@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <exception>
+#include <mutex>
+#include <optional>
+#include <set>
 #include <sstream>
 
 #include "dmuon/digest.h"
@@ -650,9 +653,50 @@ std::shared_ptr<Communicator> adopt(const CommPtr& group, std::chrono::milliseco
 // oriented row count (the m x m Gram matrix every rank sums), the batch, the dtype, the orientation and the
 // iteration (its number of all-reduces). A shard of another shape was a size mismatch inside Gloo (an abort on
 // one rank) or a hang on NCCL; here it is an error on every rank naming the ranks and what differs.
-void agree_gram_shards(Communicator& comm, const at::Tensor& G_local, bool transposed, const NsOptions& opts,
-                       bool batched, const char* fn) {
+// The entries every rank's shard and options must agree on (the caller checked G_local's dimensions).
+std::vector<detail::AgreedEntry> gram_shard_entries(const at::Tensor& G_local, bool transposed, const NsOptions& opts,
+                                                    bool batched) {
+  const Coefficients coeffs = resolve_coefficients(opts);
+  const int64_t rows = transposed ? G_local.size(-1) : G_local.size(-2);
+  const int64_t batch = batched ? G_local.size(0) : 1;
+  Fnv1a iteration;
+  for (const auto& c : coeffs) iteration.f64(std::get<0>(c)).f64(std::get<1>(c)).f64(std::get<2>(c));
+  for (int i : opts.restart_iterations.value_or(std::vector<int>{})) iteration.u64(static_cast<uint64_t>(i));
+  const std::string dtype(c10::toString(G_local.scalar_type()));
+  const std::string compute = opts.compute_dtype ? c10::toString(*opts.compute_dtype) : "default";
+  return {{"rows of the oriented shard", static_cast<uint64_t>(rows), std::to_string(rows)},
+          {"batch", static_cast<uint64_t>(batch), std::to_string(batch)},
+          {"dtype", fnv1a(dtype), dtype},
+          {"transposed", transposed ? 1u : 0u, transposed ? "true" : "false"},
+          {"compute dtype", fnv1a(compute), compute},
+          {"coefficients and restarts", iteration.value(), std::to_string(coeffs.size()) + " steps"}};
+}
+
+// Before the first all-reduce, every rank's shard and options agree where the all-reduces need them to: the
+// oriented row count (the m x m Gram matrix every rank sums), the batch, the dtype, the orientation and the
+// iteration (its number of all-reduces). A shard of another shape was a size mismatch inside Gloo (an abort on
+// one rank) or a hang on NCCL; here it is an error on every rank naming the ranks and what differs. Agreed once
+// per group and description (one small all-gather and a host read the first time; a caller running it for the
+// same matrices every step pays it once).
+void agree_gram_shards(Communicator& comm, const void* group, const at::Tensor& G_local, bool transposed,
+                       const NsOptions& opts, bool batched, const char* fn) {
   if (comm.size() <= 1) return;
+  static std::mutex mu;
+  static std::set<std::pair<const void*, uint64_t>> agreed;
+  std::optional<uint64_t> digest;  // of this call's description, when it is well-formed
+  if (G_local.dim() == (batched ? 3 : 2)) {
+    try {
+      Fnv1a h;
+      for (const auto& e : gram_shard_entries(G_local, transposed, opts, batched)) h.u64(e.digest);
+      digest = h.value();
+    } catch (const std::exception&) {
+      // (refused inside the agreement below, on every rank)
+    }
+  }
+  if (digest) {
+    std::lock_guard<std::mutex> g(mu);
+    if (agreed.count({group, *digest})) return;
+  }
   detail::AgreementText text;
   text.fn = fn;
   text.given = "the shard";
@@ -665,38 +709,25 @@ void agree_gram_shards(Communicator& comm, const at::Tensor& G_local, bool trans
            "matrix: rows = the full matrix's smaller side), with the same dtype, `transposed` and options; the "
            "shards' other sides may differ.";
   };
-  Coefficients coeffs;
   detail::agree(
       comm, text,
       [&] {
         TORCH_CHECK_VALUE(G_local.dim() == (batched ? 3 : 2), "rank ", comm.rank(), ": ", fn, ": expected a ",
                           batched ? "3-D tensor [batch, rows, cols]" : "2-D tensor [rows, cols]", ", got shape ",
                           G_local.sizes(), ".");
-        coeffs = resolve_coefficients(opts);
+        (void)resolve_coefficients(opts);
       },
-      [&] {
-        const int64_t rows = transposed ? G_local.size(-1) : G_local.size(-2);
-        const int64_t batch = batched ? G_local.size(0) : 1;
-        Fnv1a iteration;
-        for (const auto& c : coeffs) iteration.f64(std::get<0>(c)).f64(std::get<1>(c)).f64(std::get<2>(c));
-        for (int i : opts.restart_iterations.value_or(std::vector<int>{})) iteration.u64(static_cast<uint64_t>(i));
-        const std::string dtype(c10::toString(G_local.scalar_type()));
-        const std::string compute = opts.compute_dtype ? c10::toString(*opts.compute_dtype) : "default";
-        return std::vector<detail::AgreedEntry>{
-            {"rows of the oriented shard", static_cast<uint64_t>(rows), std::to_string(rows)},
-            {"batch", static_cast<uint64_t>(batch), std::to_string(batch)},
-            {"dtype", fnv1a(dtype), dtype},
-            {"transposed", transposed ? 1u : 0u, transposed ? "true" : "false"},
-            {"compute dtype", fnv1a(compute), compute},
-            {"coefficients and restarts", iteration.value(), std::to_string(coeffs.size()) + " steps"}};
-      });
+      [&] { return gram_shard_entries(G_local, transposed, opts, batched); });
+  std::lock_guard<std::mutex> g(mu);
+  agreed.insert({group, *digest});
 }
 }  // namespace
 
 at::Tensor gram_newton_schulz_distributed_local(const at::Tensor& G_local, const CommPtr& group, bool transposed,
                                                 const NsOptions& opts, std::chrono::milliseconds timeout) {
   auto comm = adopt(group, timeout);
-  if (comm) agree_gram_shards(*comm, G_local, transposed, opts, false, "gram_newton_schulz_distributed_local");
+  if (comm)
+    agree_gram_shards(*comm, group.get(), G_local, transposed, opts, false, "gram_newton_schulz_distributed_local");
   const AllReduceSumFn sum = comm ? allreduce_sum_fn(*comm, "column-sharded Gram NS all-reduce") : AllReduceSumFn(
                                                                                                  [](at::Tensor&) {});
   return gram_newton_schulz_distributed_local(G_local, sum, transposed, opts);
@@ -706,7 +737,9 @@ at::Tensor gram_newton_schulz_distributed_local_batched(const at::Tensor& G_loca
                                                         bool transposed, const NsOptions& opts,
                                                         std::chrono::milliseconds timeout) {
   auto comm = adopt(group, timeout);
-  if (comm) agree_gram_shards(*comm, G_local, transposed, opts, true, "gram_newton_schulz_distributed_local_batched");
+  if (comm)
+    agree_gram_shards(*comm, group.get(), G_local, transposed, opts, true,
+                      "gram_newton_schulz_distributed_local_batched");
   const AllReduceSumFn sum = comm ? allreduce_sum_fn(*comm, "column-sharded Gram NS all-reduce (batched)")
                                   : AllReduceSumFn([](at::Tensor&) {});
   return gram_newton_schulz_distributed_local_batched(G_local, sum, transposed, opts);

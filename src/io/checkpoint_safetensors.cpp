@@ -81,10 +81,12 @@ json checked_sums(const SafetensorsFile& f, const std::string& where, bool allow
       TORCH_CHECK(sums.contains(key), where, " is damaged: tensor '", key, "' has no entry in its \"crc32c\" "
                   "metadata (dmuon records every tensor it writes), so it cannot be verified.");
     // the metadata dmuon reads (hyperparameters, steps taken, the user's strings) is covered as the tensors are
+    // (dmuon before 2026-12-03 recorded none for "user": such a file loads with allow_unverified)
     for (const char* key : {"optimizer", "user"})
-      TORCH_CHECK(!meta.count(key) || sums.contains(key), where, " is damaged: its \"", key, "\" metadata has no "
-                  "entry in its \"crc32c\" metadata (dmuon records one whenever it writes it), so it cannot be "
-                  "verified. Resume from another checkpoint.");
+      TORCH_CHECK(allow_unverified || !meta.count(key) || sums.contains(key), where, " is damaged: its \"", key,
+                  "\" metadata has no entry in its \"crc32c\" metadata (dmuon records one whenever it writes it), so "
+                  "it cannot be verified. Resume from another checkpoint, or load it with allow_unverified (dmuon "
+                  "train: --allow-unverified-checkpoint) if an earlier dmuon wrote it.");
     for (auto it = sums.begin(); it != sums.end(); ++it) {
       TORCH_CHECK(it.key() == "optimizer" || it.key() == "user" || f.contains(it.key()), where, " is incomplete: its "
                   "\"crc32c\" metadata records tensor '", it.key(), "', which is not in the file (removed after it "

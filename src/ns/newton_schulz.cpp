@@ -319,7 +319,9 @@ NewtonSchulz::NewtonSchulz(std::string backend, std::string kernel, std::optiona
   opts_.compute_dtype = compute_dtype;
   if (opts_.coefficients) resolve_coefficients(opts_);  // validate early
   if (opts_.restart_iterations && backend_ == "gram") {
-    detail::restart_mask(opts_, resolve_coefficients(opts_).size());
+    // against the coefficients' count when given; else against the most steps any caller may ask for (the
+    // count is the caller's: Muon checks each group's ns_steps)
+    detail::restart_mask(opts_, opts_.coefficients ? resolve_coefficients(opts_).size() : size_t{1000});
   }
 }
 

@@ -121,6 +121,20 @@ void check_group_options_lazily(const MuonGroupOptions& g, const Where& where) {
     check("eps", g.eps(), HparamRange::Positive);
   }
 }
+// A Muon group's Newton-Schulz iteration count (the explicit coefficients', else its ns_steps) against the
+// backend's restart_iterations (Gram only): a restart beyond the count raised inside every step -- after the
+// momentum had changed -- instead of once, where the group was given.
+template <class Where>
+void check_restarts(const NewtonSchulz& ns, const MuonGroupOptions& g, const Where& where) {
+  const NsOptions& o = ns.options();
+  if (!g.is_muon() || ns.backend() != "gram" || !o.restart_iterations) return;
+  const int64_t steps = o.coefficients ? static_cast<int64_t>(o.coefficients->size()) : g.ns_steps();
+  for (int r : *o.restart_iterations)
+    TORCH_CHECK_VALUE(r < steps, where(), " runs ", steps, " Newton-Schulz steps, but the NewtonSchulz backend restarts "
+                      "before step ", r, " (restart_iterations are 0-based steps in [0, ", steps - 1, "]). Give "
+                      "restart_iterations below ns_steps, or more ns_steps.");
+}
+
 }  // namespace
 
 void check_hyperparameter(const std::string& what, double v, HparamRange range) {
@@ -739,6 +753,11 @@ Muon::Muon(const std::shared_ptr<RuntimeFace>& runtime, MuonOptions options, con
       runtime_(runtime),
       options_(std::move(options)),
       ns_(options_.ns ? *options_.ns : NewtonSchulz(options_.ns_backend)) {
+  for (size_t i = 0; i < param_groups_.size(); ++i)
+    check_restarts(ns_, static_cast<const MuonGroupOptions&>(param_groups_[i].options()), [&] {
+      return "rank " + std::to_string(runtime->mesh().global_rank()) + ": Muon: param group '" +
+             static_cast<const MuonGroupOptions&>(param_groups_[i].options()).group_name() + "'";
+    });
   check_finite_ = ns_.options().check_finite;
   ns_.set_check_finite(false);  // checked for all matrices at once in step()
   runtime->set_step_verdict(check_finite_);
@@ -907,10 +926,12 @@ at::Tensor Muon::step(LossClosure closure) {
   // momentum of 1.5 is an error here, not weights silently ruined by this step
   for (size_t i = 0; i < param_groups_.size(); ++i) {
     const auto& g = static_cast<const MuonGroupOptions&>(param_groups_[i].options());
-    check_group_options_lazily(g, [&] {
+    const auto where = [&] {
       return "rank " + std::to_string(state->mesh().global_rank()) + ": Muon::step: param group #" + std::to_string(i) +
              " ('" + g.group_name() + "', " + (g.is_muon() ? "Muon" : "AdamW") + "), as set since construction,";
-    });
+    };
+    check_group_options_lazily(g, where);
+    check_restarts(ns_, g, where);
   }
   StepProfile prof;
   // CUDA events only when profiling a CUDA model; host clocks otherwise (cheap, always on)

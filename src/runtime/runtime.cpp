@@ -200,16 +200,29 @@ void Runtime::end_root_forward(bool outer_grad_mode) {
   root_grad_mode_ = outer_grad_mode;  // (a root forward run inside another: the outer one's mode again)
 }
 
-void Runtime::drop_grads_if_cleared() {
+void Runtime::drop_grads_if_cleared(bool in_backward) {
   // The model's gradients were cleared without the optimizer (LibTorch's Module::zero_grad(), which a GAN loop
-  // calls on the discriminator after the generator's backward went through it): no parameter holds the
-  // gradient the last backward left (none, or a new one this pass's accumulation made). What dmuon holds
-  // outside p.grad (the owners' reduced sums, sharded slices) goes too, as the optimizer's zero_grad drops it;
-  // else the next step would add that earlier backward's gradients. (Every rank's calls are the same, so is
-  // this decision. zero_grad(false) zeroes the same tensors: not seen here, the optimizer's zero_grad is needed.)
+  // calls on the discriminator after the generator's backward went through it): every gradient the last
+  // backward left in p.grad is gone. What dmuon holds outside p.grad (the owners' reduced sums, sharded
+  // slices) goes too, as the optimizer's zero_grad drops it; else the next step would add that earlier
+  // backward's gradients. At a forward every one must be gone (None); at a backward's first hook, this pass
+  // may have given some a new gradient already, so gone or new, and at least one gone (a caller who rewrote
+  // every gradient out of place, p.grad = p.grad / n, cleared nothing). (Every rank's calls are the same, so
+  // is this decision. zero_grad(false) zeroes the same tensors: not seen, the optimizer's zero_grad is needed.)
   if (left_grads_.empty()) return;
-  for (const LeftGrad& l : left_grads_)
-    if (l.grad.lock().get() == l.param.grad().unsafeGetTensorImpl() && l.param.grad().defined()) return;
+  bool gone = false;
+  for (const LeftGrad& l : left_grads_) {
+    const at::Tensor& g = l.param.grad();
+    if (!g.defined()) {
+      gone = true;
+      continue;
+    }
+    if (!in_backward || l.grad.lock().get() == g.unsafeGetTensorImpl()) return;  // still there (or replaced)
+  }
+  if (!gone) return;
+  TORCH_WARN_ONCE("dmuon: the model's gradients were cleared without the optimizer (Module::zero_grad, or p.grad = "
+                  "None for every parameter): the gradients dmuon holds outside p.grad (the Muon matrices' reduced "
+                  "sums, sharded_adamw slices) are dropped with them, as the optimizer's zero_grad drops them.");
   discard_grads(/*set_to_none=*/true);
 }
 
@@ -218,7 +231,7 @@ void Runtime::pre_forward(int b) {
   Boundary& B = boundaries_[static_cast<size_t>(b)];
   const bool in_backward = in_autograd_backward();
   if (!in_backward && backward_abandoned()) drop_abandoned_backward("the next forward", /*param_grads=*/true);
-  if (!in_backward) drop_grads_if_cleared();
+  if (!in_backward) drop_grads_if_cleared(/*in_backward=*/false);
   if (in_backward && (backward_live() || (B.ran_forward && !backward_since_forward_))) {
     // A forward inside this model's backward (its hooks ran, or the block ran forward in this pass and
     // no backward ended since): activation checkpointing (torch.utils.checkpoint, reentrant or not)
@@ -271,7 +284,7 @@ void Runtime::note_backward(bool engine_hook) {
   }
   // (retain_graph: a backward again without a forward; what it accumulated so far stays)
   if (backward_abandoned()) drop_abandoned_backward("the next backward", /*param_grads=*/false);
-  drop_grads_if_cleared();  // (a zero_grad between the forward and this backward)
+  drop_grads_if_cleared(/*in_backward=*/true);  // (a zero_grad between the forward and this backward)
   pass_mode_checked_ = false;
   if (engine_hook) refuse_graph_building_partial_backward();
   backward_open_ = true;

@@ -109,7 +109,8 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   // note_backward's refusal of torch.autograd.grad(..., create_graph=True) through a model whose parameters a
   // backward frees (every rank, at the pass's first hook: before any collective)
   void refuse_graph_building_partial_backward();
-  void drop_grads_if_cleared();  // the model's gradients were cleared without the optimizer: drop dmuon's too
+  // the model's gradients were cleared without the optimizer: drop dmuon's too
+  void drop_grads_if_cleared(bool in_backward);
   void end_root_forward(bool outer_grad_mode);  // the root's scope was left (or its forward raised)
   void pre_forward(int b);
   void post_forward(int b);

@@ -2190,9 +2190,12 @@ def _group_count():
 
 def _sweep_groups(rank, world, hsdp, out_path):
     """A sweep dedicating model after model in one process with process_group_policy="isolated" (the default)
-    makes dmuon's clones of the groups once and reuses them (each dedicate_params made new ones: +1 group on a
-    1-D mesh, +5 on HSDP, each with its threads and sockets, never freed); two models alive at once share them
-    and both train as torch does; after destroy_process_group and a new init the clones are made again."""
+    makes dmuon's clones of the groups once and reuses them once the model that used them is gone (each
+    dedicate_params made new ones: +2 groups on a 1-D mesh, +6 on HSDP, each with its threads and sockets, never
+    freed); two models alive at once get groups of their own (their collectives need no common order) and both
+    train as torch does; after destroy_process_group and a new init the clones are made again."""
+    import gc
+
     def mesh():
         if hsdp:
             return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
@@ -2212,16 +2215,22 @@ def _sweep_groups(rank, world, hsdp, out_path):
         train_steps(model, opt, sched, rank, world, range(STEPS))
         counts.append(_group_count())
         del model, opt, sched
+        gc.collect()  # (a real sweep's collector runs on its own; here its timing is pinned)
     assert counts[0] == counts[1] == counts[2], f"process groups after each model: {counts}"
-    # two models alive at once, stepped in turn (as a GAN's): the same clones, each trains as alone
+    # two models alive at once, stepped in turn (as a GAN's): groups of their own, each trains as alone
     a, b = dedicate(make_net(), m), dedicate(make_net(), m)
     for step in range(STEPS):
         for model, opt, sched in (a, b):
             train_steps(model, opt, sched, rank, world, [step])
-    assert _group_count() == counts[0]
-    assert dmuon.get_comm_ctx(a[0]).shard_group is dmuon.get_comm_ctx(b[0]).shard_group
+    assert dmuon.get_comm_ctx(a[0]).shard_group is not dmuon.get_comm_ctx(b[0]).shard_group
+    both = _group_count()
+    assert both > counts[0]
     saved = [dmuon.get_model_state_dict(model, rank0_only=False) for model, _, _ in (a, b)]
     del a, b
+    gc.collect()
+    reused = dedicate(make_net(), m)  # both gone: their clones serve again
+    assert _group_count() == both
+    del reused
     # a new default group: the old clones went with the old one; dedicate_params makes new ones
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

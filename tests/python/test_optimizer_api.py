@@ -258,6 +258,8 @@ def _buckets_and_profile(rank, world):
     dmuon.Muon(model, nesterov=numpy.True_, record_step_profile=1, first_step_progress_log=0).zero_grad()
     with pytest.raises(ValueError, match="may set name, lr"):
         dmuon.Muon(model, param_groups=[{"params": list(model.parameters())[:1], "betas": (0.8, 0.9)}])
+    with pytest.raises(ValueError, match=r"option 'ns_steps' is 2147483648, beyond what a 32-bit integer holds"):
+        dmuon.Muon(model, ns_steps=2 ** 31)
     with pytest.raises(ValueError, match="ns_steps=2.5; it must be an int"):
         dmuon.Muon(model, param_groups=[{"params": list(model.parameters())[:1], "ns_steps": 2.5}])
     with pytest.raises(ValueError, match="invalid adamw_betas.second of param group 'g'"):
@@ -316,6 +318,29 @@ def _timeouts(rank, world):
 
 def test_collective_timeout_follows_the_group(tmp_path):
     run_ranks(tmp_path, 2, _timeouts)
+
+
+def _pair_meshes(rank, world):
+    """Two pairs of ranks, each dedicating its own model on its own group with process_group_policy="shared"
+    (the other pair may not dedicate at all): each pair agrees within itself only, and a pair whose ranks
+    disagree on the policy is refused on both of its ranks at once while the other pair goes on."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    model = make_net()
+    dmuon.dedicate_params(model, mine, lambda n, p: p.dim() == 2, process_group_policy="shared")
+    dmuon.replicate(model)
+    assert model._dmuon.mesh.world_size == 2
+    policy = "isolated" if rank == 1 else "shared"
+    if rank < 2:
+        with pytest.raises(ValueError, match=rf"rank {rank}: dedicate_params: the ranks disagree on the process-group "
+                                             r"policy \(rank: policy \{0: 'shared', 1: 'isolated'\}\)"):
+            dmuon.dedicate_params(make_net(), mine, lambda n, p: p.dim() == 2, process_group_policy=policy)
+    else:
+        dmuon.dedicate_params(make_net(), mine, lambda n, p: p.dim() == 2, process_group_policy=policy)
+
+
+def test_meshes_over_part_of_the_ranks_agree_within_their_group(tmp_path):
+    run_ranks(tmp_path, 4, _pair_meshes)
 
 
 def _record(path, **fields):
