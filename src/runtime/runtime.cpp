@@ -220,10 +220,7 @@ void Runtime::drop_grads_if_cleared(bool in_backward) {
     if (!in_backward || l.grad.lock().get() == g.unsafeGetTensorImpl()) return;  // still there (or replaced)
   }
   if (!gone) return;
-  TORCH_WARN_ONCE("dmuon: the model's gradients were cleared without the optimizer (Module::zero_grad, or p.grad = "
-                  "None for every parameter): the gradients dmuon holds outside p.grad (the Muon matrices' reduced "
-                  "sums, sharded_adamw slices) are dropped with them, as the optimizer's zero_grad drops them.");
-  discard_grads(/*set_to_none=*/true);
+  discard_grads(/*set_to_none=*/true);  // (no warning: clearing p.grad by hand is a zero_grad, as in torch)
 }
 
 void Runtime::pre_forward(int b) {
