@@ -16,6 +16,7 @@
 #include <iomanip>
 #include <iostream>
 #include <numeric>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -823,6 +824,9 @@ void train_loop(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& ou
     const at::Tensor mine = batch.narrow(0, dp_rank * per, per);
     double loss_sum = 0, f_ms = 0, b_ms = 0;
     for (int m = 0; m < a.grad_accum; ++m) {
+      // every micro-batch but the last accumulates locally; the last backward reduces the sum once
+      std::optional<NoSync> accumulate;
+      if (m + 1 < a.grad_accum) accumulate.emplace(*model);
       const auto tf = std::chrono::steady_clock::now();
       at::Tensor loss;
       {

@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dmuon/env.h"
+#include "dmuon/files.h"
 #include "dmuon/tools/model_specs.h"
 #include "dmuon/owner_plan.h"
 #include "dmuon/plan_json.h"
@@ -193,7 +194,7 @@ int run_calibration(std::ostream& out, const std::vector<ParamSpec>& full, const
   }
   const json j = json::parse(hardware_to_json(h));
   hardware_from_json(j.dump(), a.calibrate);  // what is written reads back: checked before it replaces anything
-  write_output_atomically("--calibrate", a.calibrate, j.dump(2) + "\n");
+  write_file_atomically(a.calibrate, j.dump(2) + "\n", "--calibrate");
   out << "calibration: " << r.describe << ", NS efficiency " << fixed(eff, 3) << "\n"
       << "  " << pad("shape", 16) << pad("elem", 6) << pad("single us", 12) << pad("batch", 7) << pad("batch us", 12)
       << pad("fixed us", 10) << "per-matrix us\n";

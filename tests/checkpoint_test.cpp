@@ -408,6 +408,29 @@ TEST(CheckpointTest, IncompleteOrOutOfRangeOptimizerStateIsRefusedNamingIt) {
     sd = good;  // one parameter's AdamW moments removed
     for (const char* f : {".exp_avg", ".exp_avg_sq", ".step"}) sd.adamw.erase(std::string("final_norm.weight") + f);
     refused(sd, "holds no optimizer state for 1 trained parameter(s): 'final_norm.weight (AdamW");
+    // listed as without state (frozen or without a gradient when the dict was taken): it loads with none
+    expect(good.without_state.empty(), "every parameter was stepped, yet some are without state");
+    sd.without_state = {"final_norm.weight"};
+    set_optimizer_state_dict(*m, opt, sd);
+    expect(opt.state_of(m->named_parameters(true)["final_norm.weight"]) == nullptr ||
+               !opt.state_of(m->named_parameters(true)["final_norm.weight"])->exp_avg().defined(),
+           "a parameter without state in the dict has state after the load");
+    const OptimizerStateDict listed = get_optimizer_state_dict(*m, opt, all);
+    expect(listed.without_state == std::vector<std::string>{"final_norm.weight"},
+           "the parameter without state is not listed as such");
+    {  // a checkpoint file keeps the list
+      const std::string dir = testing::fresh_temp_dir("dmuon-ckpt-without-state");
+      save_checkpoint(dir + "/ck.safetensors", {}, &listed);
+      expect(load_checkpoint(dir + "/ck.safetensors").optim->without_state == listed.without_state,
+             "the checkpoint file lost without_state");
+      std::filesystem::remove_all(dir);
+    }
+    sd = good;  // listed and present: the dict contradicts itself; a name of no parameter: another model's
+    sd.without_state = {"final_norm.weight"};
+    refused(sd, "'final_norm.weight' is listed as without state (without_state) but the AdamW section holds its state");
+    sd.without_state = {"no.such.weight"};
+    refused(sd, "without_state names 'no.such.weight', which is no parameter of this model");
+    set_optimizer_state_dict(*m, opt, good);
     sd = good;  // one momentum buffer removed: its '.step' is left, the buffer is what is missing
     sd.muon.erase("layers.0.q_proj.weight.momentum_buffer");
     refused(sd, "the Muon state of 'layers.0.q_proj.weight' is incomplete: 'layers.0.q_proj.weight.momentum_buffer' missing");

@@ -438,12 +438,32 @@ TEST(GradScalerTest, MistakesAreClearErrorsAndDisabledPassesThrough) {
     const std::string again = error_of([&] { scaler.step(*run.opt); });
     expect(again.find("GradScaler::step: already called since the last update()") != std::string::npos, again);
     scaler.update();
+    // a backward that raised (a hook's error, an OOM) makes unscale_ refuse; the caller's retry after zero_grad
+    // unscales (the refusal marked the scaler unscaled, and the retry then stepped with scaled gradients)
+    at::Tensor norm_w = run.model->named_parameters(true)["final_norm.weight"];
+    run.opt->zero_grad();
+    run.model->loss(tokens.narrow(0, 2 * ctx.rank, 2)).backward();
+    const at::Tensor unscaled = norm_w.grad().clone();
+    run.opt->zero_grad();
+    const unsigned hook = norm_w.register_hook([](const at::Tensor&) -> at::Tensor { throw std::runtime_error("boom"); });
+    expect(!error_of([&] { scaler.scale(run.model->loss(tokens.narrow(0, 2 * ctx.rank, 2))).backward(); }).empty(),
+           "the hook's error");
+    norm_w.remove_hook(hook);
+    const std::string refused = error_of([&] { scaler.unscale_(*run.opt); });
+    expect(!refused.empty(), "unscale_ after a backward that raised");
+    run.opt->zero_grad();
+    scaler.scale(run.model->loss(tokens.narrow(0, 2 * ctx.rank, 2))).backward();
+    expect(!scaler.unscale_(*run.opt), "the retry unscales");
+    expect(norm_w.grad().equal(unscaled), "the retry's gradients are unscaled (the scale is a power of two)");
+    expect(scaler.step(*run.opt), "the retry steps");
+    scaler.update();
     GradScaler off(GradScalerOptions{1024, 2.0, 0.5, 2000, false});
     const at::Tensor loss = run.model->loss(tokens.narrow(0, 2 * ctx.rank, 2));
     expect(off.scale(loss).equal(loss), "disabled: the loss as it is");
     loss.backward();
+    expect(!off.unscale_(*run.opt) && !off.unscale_(*run.opt), "disabled: unscale_ does nothing, twice too");
     expect(off.step(*run.opt), "disabled: steps");
     off.update();
-    expect(off.get_scale() == 1024 && run.opt->steps_taken() == 2, "disabled: nothing else");
+    expect(off.get_scale() == 1024 && run.opt->steps_taken() == 3, "disabled: nothing else");
   });
 }

@@ -655,6 +655,43 @@ TEST(NewtonSchulzTest, NonFiniteInputIsAnErrorUnlessCheckDisabled) {
   EXPECT_TRUE(at::isnan(newton_schulz(G, o)).all().item<bool>());
 }
 
+// A finite float32 matrix whose squares overflow float32 (|g| ~ 1.5e20 > 1.8e19): Newton-Schulz is scale
+// invariant, so it is as accurate as for the matrix scaled down (its sums are taken in float64), with the check
+// on or off, in every form; before, the normaliser was Inf and the result silently all zeros (or "NaN or Inf").
+// float32: within the documented 1e-4 of the float64 result (measured <= 3e-5, as for the unscaled matrix);
+// bfloat16: within one bfloat16 ulp (2^-8) of the unscaled matrix's output (measured <= 3e-4: the normalised
+// inputs differ in the last float32 bit, which flips a few roundings of the output).
+TEST(NewtonSchulzTest, Float32InputsWhoseSquaresOverflowAreNormalisedInFloat64) {
+  at::manual_seed(61);
+  const double huge = std::ldexp(1.0, 67);  // a power of two: big is G scaled exactly
+  for (const auto& shape : std::vector<std::vector<int64_t>>{{24, 40}, {40, 24}, {32, 32}, {3, 16, 48}}) {
+    const at::Tensor G = at::randn(shape);
+    const at::Tensor big = G * huge;
+    ASSERT_TRUE(at::isfinite(big).all().item<bool>());
+    for (bool check : {true, false}) {
+      NsOptions o;
+      o.check_finite = check;
+      const std::string what = c10::str(at::IntArrayRef(shape), check ? " checked" : " unchecked");
+      const at::Tensor ref = newton_schulz(G.to(at::kDouble), o);
+      const at::Tensor ref_direct = direct_newton_schulz(G.to(at::kDouble), o);
+      EXPECT_LE(rel(newton_schulz(big, o), ref), 1e-4) << what;
+      EXPECT_LE(rel(direct_newton_schulz(big, o), ref_direct), 1e-4) << what;
+      EXPECT_LE(rel(newton_schulz(big.to(at::kBFloat16), o), newton_schulz(G.to(at::kBFloat16), o)), std::ldexp(1.0, -8))
+          << what;
+      if (shape.size() == 2 && shape[0] != shape[1]) {
+        const GramFactors f = gram_newton_schulz_factors(big, o);
+        EXPECT_LE(rel(apply_gram_factors(big, f, o), ref), 1e-4) << what;
+        EXPECT_EQ(f.normalizer.scalar_type(), at::kFloat);  // as for any float32 input
+        EXPECT_NEAR(f.normalizer.item<double>() / (G.to(at::kDouble).norm().item<double>() * huge), 1.0, 1e-6);
+      }
+    }
+  }
+  // a real NaN or Inf is still one
+  at::Tensor bad = at::randn({8, 12}) * huge;
+  bad[1][2] = INFINITY;
+  EXPECT_NE(error_of([&] { newton_schulz(bad); }).find("NaN or Inf"), std::string::npos);
+}
+
 // ---- column-sharded Gram NS on Gloo ranks -------------------------------------------------------
 // Shards the oriented global matrix by columns across `world` ranks (uneven split allowed) and
 // checks every rank's output shard against the unsharded Gram result.

@@ -464,6 +464,33 @@ TEST(MuonTest, OneStepClosedFormForOneMatrixAndOneVector) {
   });
 }
 
+// A finite float32 gradient whose squares overflow float32 (|g| ~ 1e20): the step is the one its scaled-down
+// copy gives (Muon's update is scale invariant: momentum = g on the first step, NS normalises), not the silent
+// zero update Newton-Schulz's Inf normaliser gave. Bound 1e-6: float32 weights of size ~0.5, measured <= 3e-8.
+TEST(MuonTest, AFloat32GradientWhoseSquaresOverflowStillUpdatesTheMatrix) {
+  const StateDict init = random_like_model(13, -0.5, 0.5);
+  const StateDict g = random_like_model(14, -1.0, 1.0);
+  std::map<std::string, at::Tensor> after[2];
+  for (int big = 0; big < 2; ++big)
+    testing::run_ranks(1, [&](testing::RankContext& ctx) {
+      Tiny m;
+      m->to(at::kFloat);
+      load_state(m, init);
+      auto mesh = shared_mesh(ctx);
+      dedicate_params(m.ptr(), mesh, is_matrix);
+      Muon opt(m.ptr(), quiet());
+      for (auto& p : m->named_parameters(true))
+        if (is_matrix(p.key(), p.value()))
+          p.value().mutable_grad() = (g.at(p.key()) * (big ? 1e20 : 1.0)).to(at::kFloat);
+      opt.step();
+      for (const auto& n : kMatrices) after[big][n] = param(m, n).detach().clone();
+    });
+  for (const auto& n : kMatrices) {
+    EXPECT_GT(max_abs_diff(after[0][n], init.at(n)), 1e-3) << n;  // the step moved it
+    EXPECT_LT(max_abs_diff(after[1][n], after[0][n]), 1e-6) << n;
+  }
+}
+
 // Matrix n after the first Muon step (lr 0.02, Nesterov with momentum 0.95: u = 1.95 g) from `init`
 // with gradient `g`, Newton-Schulz given by `ns`, in float64.
 template <typename Ns>

@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "dmuon/files.h"
 #include "dmuon/tools/model_specs.h"
 #include "dmuon/owner_plan.h"
 #include "dmuon/tools/step_simulator.h"
@@ -283,14 +284,14 @@ TEST_F(PlanToolTest, OutputFilesAreWrittenAtomicallyAndNeverThroughALink) {
   const std::string target = dir_ + "/cal.json", precious = write("precious.txt", "keep me");
   const std::string tmp = dir_ + "/.cal.json.tmp-" + std::to_string(::getpid());
   std::filesystem::create_symlink(precious, tmp);
-  cli::write_output_atomically("--calibrate", target, "{\"new\": 1}\n");
+  write_file_atomically(target, "{\"new\": 1}\n", "--calibrate");
   std::ifstream kept(precious), written(target);
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(kept), {}), "keep me");
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(written), {}), "{\"new\": 1}\n");
   EXPECT_FALSE(std::filesystem::is_symlink(target));
   EXPECT_FALSE(std::filesystem::exists(std::filesystem::symlink_status(tmp)));
   try {  // a directory that is not there: said, and nothing is left behind
-    cli::write_output_atomically("--calibrate", dir_ + "/no/such/dir/cal.json", "x");
+    write_file_atomically(dir_ + "/no/such/dir/cal.json", "x", "--calibrate");
     ADD_FAILURE() << "accepted";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("--calibrate: writing '" + dir_ + "/no/such/dir/cal.json' failed"),

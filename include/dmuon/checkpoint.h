@@ -59,6 +59,11 @@ struct OptimizerStateDict {
   TensorDict adamw;
   std::vector<OptimizerGroupState> param_groups;  // in the optimizer's lowered order
   int64_t steps_taken = 0;
+  // The model's parameters the optimizer held no state for (frozen, or no gradient in any step yet, as
+  // torch's optimizer creates state at a parameter's first update): set_optimizer_state_dict leaves them
+  // without state, whether they are trained now or not. After a step, a parameter trained now that is
+  // neither here nor in a section is refused: the dict is incomplete.
+  std::vector<std::string> without_state;
 };
 
 // collective: every rank, same order.

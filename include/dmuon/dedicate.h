@@ -235,13 +235,14 @@ void wait_all_post_step_broadcasts(torch::nn::Module& model);
 // local: issues no collective (it suspends them).
 class NoSync {
  public:
-  explicit NoSync(torch::nn::Module& model);  // throws when the model is not dedicated or already inside
+  explicit NoSync(torch::nn::Module& model);  // throws when the model is not dedicated; nests (as torch's DDP)
   ~NoSync();
   NoSync(const NoSync&) = delete;
   NoSync& operator=(const NoSync&) = delete;
 
  private:
   std::shared_ptr<Runtime> state_;
+  bool outer_ = false;  // inside another NoSync of the model: leaving this one stays in that one
 };
 
 // Replicated (DDP-style) training of every trainable parameter that is not dedicated: gradients are averaged

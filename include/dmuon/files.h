@@ -1,5 +1,6 @@
 // files.h -- dmuon's atomic file writes, for a caller's own outputs (metrics, reports), and the
-// clean-up of what interrupted writes leave behind.
+// clean-up of what interrupted writes leave behind. LibTorch-free (the env layer): checkpoints,
+// safetensors and `dmuon plan --calibrate` write through the same code.
 #pragma once
 
 #include <string>
@@ -7,8 +8,9 @@
 namespace dmuon {
 
 // Writes `content` to `path` atomically: a temporary file beside it (".NAME.tmp-PID"), flushed to
-// disk, renamed over `path`. A crash leaves the old file or the new one, never part of one. Errors
-// name `who`, the path and the reason.
+// disk, renamed over `path` (never written through a link put at the temporary's name). A crash leaves
+// the old file or the new one, never part of one. Throws std::runtime_error naming `who`, the path and
+// the reason; nothing is replaced then.
 void write_file_atomically(const std::string& path, const std::string& content,
                            const std::string& who = "write_file_atomically");
 

@@ -123,7 +123,7 @@ void runtime_wait_publishes(const std::shared_ptr<Runtime>& runtime);
 ForwardUnshardProfile runtime_forward_unshard_profile(const std::shared_ptr<Runtime>& runtime, bool clear = true,
                                                       bool synchronize = true);
 // Gradient accumulation: inside no_sync no reduce happens (dmuon::NoSync for a LibTorch model). Local.
-void runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on);
+bool runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on);  // returns the setting before
 // Drops every gradient the runtime holds outside p.grad (a matrix owner's reduced sum, sharded_adamw
 // slices; in-flight reduces are waited), as Muon::zero_grad does before clearing p.grad: the model's own
 // zero_grad() in Python. Local. set_to_none=false: the sharded_adamw slices that had a gradient keep a zero

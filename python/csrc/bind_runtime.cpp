@@ -304,7 +304,7 @@ void bind_runtime(py::module_& m) {
            },
            "values"_a, release)
       // (each takes the runtime's lock, which a collective's wait may hold: without the GIL, as every call that waits)
-      .def("set_no_sync", [](const RuntimeHandle& h, bool on) { runtime_set_no_sync(h.runtime, on); }, release)
+      .def("set_no_sync", [](const RuntimeHandle& h, bool on) { return runtime_set_no_sync(h.runtime, on); }, release)
       .def("discard_grads", [](const RuntimeHandle& h, bool set_to_none) { runtime_discard_grads(h.runtime, set_to_none); },
            "set_to_none"_a = true, release)
       .def("set_forward_prefetch_depth",
@@ -435,17 +435,18 @@ void bind_runtime(py::module_& m) {
                                       "betas"_a = py::make_tuple(g.beta1, g.beta2), "eps"_a = g.eps,
                                       "nesterov"_a = g.nesterov, "ns_steps"_a = g.ns_steps));
              return py::dict("muon"_a = sd.muon, "adamw"_a = sd.adamw, "param_groups"_a = groups,
-                             "steps_taken"_a = sd.steps_taken);
+                             "steps_taken"_a = sd.steps_taken, "without_state"_a = sd.without_state);
            },
            "runtime"_a, "cpu_offload"_a, "rank0_only"_a,
            "The optimizer state in full tensors (collective): Muon momentum from the owners, AdamW moments.")
       .def("load_state",
            [](Muon& opt, const RuntimeHandle& h, TensorDict muon, TensorDict adamw, const py::list& groups,
-              int64_t steps_taken) {
+              int64_t steps_taken, std::vector<std::string> without_state) {
              OptimizerStateDict sd;
              sd.muon = std::move(muon);
              sd.adamw = std::move(adamw);
              sd.steps_taken = steps_taken;
+             sd.without_state = std::move(without_state);
              for (const auto& item : groups) {
                const py::dict g = item.cast<py::dict>();
                const auto betas = g["betas"].cast<std::pair<double, double>>();
@@ -458,7 +459,7 @@ void bind_runtime(py::module_& m) {
              py::gil_scoped_release unlocked;
              set_optimizer_state_dict(runtime_face(h.runtime), opt, sd);
            },
-           "runtime"_a, "muon"_a, "adamw"_a, "param_groups"_a, "steps_taken"_a,
+           "runtime"_a, "muon"_a, "adamw"_a, "param_groups"_a, "steps_taken"_a, "without_state"_a,
            "Loads full-tensor optimizer state (collective): each rank keeps what it updates.")
       .def("clip",
            [](Muon& opt, std::optional<double> max_norm, double norm_type, bool error_if_nonfinite,

@@ -13,8 +13,10 @@ class GradScaler(torch.amp.GradScaler):
     every rank skips the same steps and backs the scale off alike. Other optimizers are handled as by
     ``torch.amp.GradScaler``; when one shares this scaler with a Muon, ``update`` also agrees their infs over
     the mesh, so the scale stays the same on every rank (dmuon's reduces add up the ranks' scaled
-    gradients). ``unscale_``, ``step`` on a Muon optimizer and ``update`` after one are collective: every rank
-    of the model's mesh.
+    gradients); one over a dedicated model's parameters (a torch optimizer after ``prepare_muon_grads``)
+    agrees its infs over the model's ranks when it unscales. ``unscale_`` and ``step`` on a Muon optimizer or
+    on one over a dedicated model's parameters, and ``update`` after one, are collective: every rank of the
+    model's mesh.
 
     ``torch.amp.GradScaler`` itself cannot drive :class:`dmuon.Muon`: its ``step`` raises, naming this class."""
 
@@ -24,10 +26,23 @@ class GradScaler(torch.amp.GradScaler):
         self._dmuon_ids = set()  # id() of the Muon optimizers checked since the last update()
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        from ._runtime import Muon
+        from ._runtime import Muon, _world_groups_of
 
         if not isinstance(optimizer, Muon):
-            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            # a torch optimizer over a dedicated model's parameters (after prepare_muon_grads): a dedicated
+            # matrix's gradient lives on its owner alone, so the ranks agree on the infs (collective over the
+            # model's ranks), or they would step and back off differently and the replicas drift apart
+            groups = _world_groups_of(p for g in optimizer.param_groups for p in g["params"])
+            if groups:
+                agreed = torch.stack([found_inf.to(torch.float32).reshape(())] + [
+                    t.to(found_inf.device, torch.float32).reshape(()) for t in found.values()]).amax()
+                for group in groups:
+                    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+                found = dict(found) or {found_inf.device: found_inf}
+                for t in found.values():
+                    t.copy_(agreed.to(t.device))
+            return found
         group = optimizer._model_state.world_group
         if group is not None and dist.get_world_size(group) > 1 and all(g is not group for g in self._dmuon_groups):
             self._dmuon_groups.append(group)

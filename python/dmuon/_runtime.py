@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _C
 from ._clip import MuonGradClipStats, python_strategy, registered_strategies, run_python_strategy
@@ -149,6 +150,22 @@ def _param_guard(params):
 
     check.forget = forget
     return check
+
+
+# Every parameter of a dedicated model -> its model's world group (weak keys: an entry goes with its parameter).
+# dmuon.GradScaler agrees a torch optimizer's inf check over it: after its reduce, a dedicated matrix's gradient
+# lives on its owner alone, and a sharded_adamw gradient is each rank's own slice.
+_WORLD_OF_PARAM = WeakIdKeyDictionary()
+
+
+def _world_groups_of(params) -> list:
+    """The world groups of the dedicated models (of more than one rank) some of `params` belong to."""
+    out = []
+    for p in params:
+        g = _WORLD_OF_PARAM.get(p) if isinstance(p, torch.Tensor) else None
+        if g is not None and all(g is not o for o in out):
+            out.append(g)
+    return out
 
 
 def _state_of(model: nn.Module, fn: str) -> _State:
@@ -433,6 +450,9 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
     guard = _param_guard(params)
     hooks = _install_hooks(model, runtime, guard) + install_dtensor_hooks(tp_params)
     model._dmuon = _State(runtime, native_mesh, world_group, hooks, dict(params), guard)
+    if world_group is not None and dist.get_world_size(world_group) > 1:
+        for _, p in params:
+            _WORLD_OF_PARAM[p] = world_group
     model._dmuon.tp_split = tp_split
     model._dmuon.tp_params = tp_params
     model._dmuon.dp_ranks = dp_ranks  # with TP: the global ranks at this rank's TP position
@@ -733,8 +753,11 @@ def _ddp_options(args: dict, fn: str) -> dict:
 def replicate(model: nn.Module, mesh=None) -> nn.Module:
     """Replicated (DDP-style) training of every trainable parameter that is not dedicated: whole on every
     rank, gradients averaged in bucketed all-reduces issued during backward (rank 0's values first). The
-    averages land in ``.grad`` when :func:`dmuon.prepare_muon_grads` or ``Muon.step`` waits for them (read
-    or clip them after ``prepare_muon_grads``, or with ``Muon.clip_grad_norm_(scope="all")``).
+    averages are in ``.grad`` when backward returns, as after torch's DDP: ``torch.nn.utils.clip_grad_norm_``
+    on these parameters clips them (the API reference's split: ``Muon.clip_grad_norm_`` for the matrices), or
+    ``Muon.clip_grad_norm_(scope="all")`` clips everything by one norm. Not torch's clip after
+    :func:`dmuon.prepare_muon_grads`: a matrix's gradient is then in its owner's ``.grad`` alone, so each
+    rank's norm would differ and the replicas drift apart.
     Call after dedicate_params, with its mesh (``mesh``: checked to span the dedicated model's ranks).
     Collective. Returns the model."""
     state = _state_of(model, "replicate")
@@ -823,15 +846,17 @@ def no_sync(model: nn.Module):
     blocks, else the ranks wait for each other until the collective timeout, an error naming the boundary."""
     state = _state_of(model, "no_sync")
     wrapped = fsdp_modules(model)
-    state.runtime.set_no_sync(True)
-    for m in wrapped:
-        m.set_requires_gradient_sync(False, recurse=False)
+    outer = state.runtime.set_no_sync(True)  # nested in another no_sync: leaving this one stays in that one
+    if not outer:
+        for m in wrapped:
+            m.set_requires_gradient_sync(False, recurse=False)
     try:
         yield
     finally:
-        state.runtime.set_no_sync(False)
-        for m in wrapped:
-            m.set_requires_gradient_sync(True, recurse=False)
+        state.runtime.set_no_sync(outer)
+        if not outer:
+            for m in wrapped:
+                m.set_requires_gradient_sync(True, recurse=False)
 
 
 def _full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -1884,19 +1909,22 @@ def get_optimizer_state_dict(model: nn.Module, optimizer, *, cpu_offload: bool =
     Muon matrix's ``momentum_buffer`` and ``step``, from its owner), ``"dedicated_adamw"`` (AdamW
     ``exp_avg``, ``exp_avg_sq``, ``step`` of the parameters on dmuon's routes), ``"fsdp"`` (the same for
     FSDP2's shards, gathered) and ``"param_groups"`` (every group's hyperparameters), plus
-    ``"steps_taken"``. ``cpu_offload``: tensors on the CPU; ``rank0_only``: only rank 0 gets a populated
+    ``"steps_taken"`` and ``"without_state"`` (the parameters the optimizer holds no state for: frozen, or no
+    gradient yet; a resume leaves them so, trained or not). ``cpu_offload``: tensors on the CPU; ``rank0_only``:
+    only rank 0 gets a populated
     dict, the others ``{"fsdp": {}, "dedicated": {}, "param_groups": []}``. Collective: every rank of the
     model's mesh."""
     state = _check_optimizer(model, optimizer, "get_optimizer_state_dict")
     optimizer._push_groups()  # a scheduler may have changed lr since the last step
     native = optimizer._native.state(state.runtime, cpu_offload, rank0_only)
     keep = not rank0_only or dist.get_rank() == 0
-    fsdp = {}
+    fsdp, without_state = {}, list(native["without_state"])
     if optimizer._external is not None:
         inner = optimizer._external
         for name, p in state.external.items():  # model order on every rank: the gathers line up
             st = inner.state.get(p, {})
             if not st:
+                without_state.append(name)
                 continue
             entry = {k: full_tensor(st[k].detach()) for k in ("exp_avg", "exp_avg_sq")}
             entry["step"] = st["step"].detach().clone()
@@ -1913,6 +1941,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer, *, cpu_offload: bool =
         "dedicated_adamw": _nest(native["adamw"], ("exp_avg_sq", "exp_avg", "step")),
         "param_groups": groups,
         "steps_taken": native["steps_taken"],
+        "without_state": without_state,
     }
 
 
@@ -1996,10 +2025,10 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
     state = _check_optimizer(model, optimizer, fn)
     external = _trained_external(state)
     state_dict = _in_this_layouts_sections(_with_every_section(state_dict), external)
-    groups, steps = [], 0
+    groups, steps, without = [], 0, []
 
     def check():  # every check before anything is loaded, agreed across the ranks
-        nonlocal groups, steps
+        nonlocal groups, steps, without
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"{fn}: the state dict is a {type(state_dict).__name__}, not a dict.")
         missing = [k for k in _SECTIONS + ("param_groups", "steps_taken") if k not in state_dict]
@@ -2069,9 +2098,22 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
                             f"set_optimizer_state_dict: '{key}'['{name}']" + (f"['{field}']" if field else "") +
                             f" is a {type(value).__name__}, not a " + ("tensor" if field else "dict of tensors") +
                             "; pass what dmuon.get_optimizer_state_dict returned.")
+        without = state_dict.get("without_state", [])
+        if isinstance(without, (str, bytes)) or not isinstance(without, (list, tuple)) or not all(
+                isinstance(n, str) for n in without):
+            raise TypeError(f"set_optimizer_state_dict: without_state is {type(without).__name__} "
+                            f"{str(without)[:80]!r}, not a list of parameter names; pass what "
+                            "dmuon.get_optimizer_state_dict returned.")
+        both = [n for n in without if n in state_dict["fsdp"]]
+        if both:
+            raise ValueError(f"set_optimizer_state_dict: {both[:5]} are listed as without state (without_state) but "
+                             "the 'fsdp' section holds their state; the state dict contradicts itself (damaged or "
+                             "edited).")
         unknown = [n for n in state_dict["fsdp"] if n not in external]
-        # (one frozen now may have been frozen before its first step: no state, in torch's optimizer either)
-        absent = [n for n, p in external.items() if n not in state_dict["fsdp"] and p.requires_grad] if steps > 0 else []
+        # (one frozen now may have been frozen before its first step: no state, in torch's optimizer either; one
+        # the dict lists as without state had none when it was taken)
+        absent = [n for n, p in external.items() if n not in state_dict["fsdp"] and p.requires_grad
+                  and n not in without] if steps > 0 else []
         if unknown or absent:
             raise ValueError(
                 f"set_optimizer_state_dict: the 'fsdp' section does not match the FSDP2 parameters of this model "
@@ -2087,7 +2129,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
                           _real_number(v) if k in ("lr", "momentum", "weight_decay", "eps") else v)
                       for k, v in g.items()} for g in groups[:n]]
     optimizer._native.load_state(state.runtime, _flat(state_dict["dedicated"]), _flat(state_dict["dedicated_adamw"]),
-                                 native_groups, steps)
+                                 native_groups, steps, [n for n in without if n not in state.external])
     for i, (g, saved) in enumerate(zip(optimizer.param_groups, groups)):
         for k, v in saved.items():
             if k != "params":  # (a torch-style dict's parameter indices: the groups are matched by position)

@@ -28,7 +28,7 @@ namespace {
 
 std::shared_ptr<RuntimeFace> drained_state(torch::nn::Module& model, const char* fn) {
   auto st = detail::require_face(model, fn);
-  st->drain();  // post-step publishes, all_gather-mode scatters, prefetches, pending reduces
+  st->drain(fn);  // post-step publishes, all_gather-mode scatters, prefetches, pending reduces
   return st;
 }
 
@@ -288,6 +288,9 @@ std::vector<io::LoadEntry> optimizer_summary(const OptimizerStateDict& sd) {
     out.emplace_back("param_groups[" + std::to_string(i) + "] ('" + g.name + "', " + (g.is_muon ? "Muon" : "AdamW") + ")", h.value());
   }
   out.emplace_back("steps_taken", static_cast<uint64_t>(sd.steps_taken));
+  Fnv1a stateless;
+  for (const std::string& n : sd.without_state) stateless.str(n);
+  out.emplace_back("without_state", stateless.value());
   for (const auto& [k, v] : sd.muon) out.emplace_back("Muon state '" + k + "'", io::tensor_digest(v));
   for (const auto& [k, v] : sd.adamw) out.emplace_back("AdamW state '" + k + "'", io::tensor_digest(v));
   return out;
@@ -303,7 +306,7 @@ OptimizerStateDict get_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& 
                                             const StateDictOptions& options) {
   TORCH_CHECK_VALUE(runtime, "get_optimizer_state_dict: the runtime is null (dedicate_model_view returns it).");
   const std::shared_ptr<RuntimeFace>& st = runtime;
-  st->drain();  // post-step publishes, all_gather-mode scatters, prefetches, pending reduces
+  st->drain("get_optimizer_state_dict");  // post-step publishes, all_gather-mode scatters, prefetches, pending reduces
   at::NoGradGuard ng;
   Mesh& mesh = st->mesh();
   OptimizerStateDict out;
@@ -319,12 +322,17 @@ OptimizerStateDict get_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& 
   out.steps_taken = optimizer.steps_taken();
   // Muon momentum from each matrix's owner, AdamW moments whole or gathered from the slices
   const MuonStateReader access(optimizer);
+  std::set<std::string> with_state;
   st->gather_state(access, [&](const std::string& name, bool is_muon, const ParamState& full) {
     const Sink& sink = is_muon ? muon : adamw;
     const std::vector<std::string>& fields = access.fields(is_muon);
     for (size_t k = 0; k < fields.size(); ++k) sink.put(name + "." + fields[k], full.tensors[k]);
     sink.put(name + ".step", step_tensor(full.step));
+    with_state.insert(name);
   });
+  if (keep)  // (frozen ones too: a parameter frozen now may be trained when this resumes)
+    for (const auto& [name, shape] : st->param_shapes())
+      if (!with_state.count(name)) out.without_state.push_back(name);
   if (!keep) out.steps_taken = 0;
   return out;
 }
@@ -337,7 +345,7 @@ void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon&
                               const OptimizerStateDict& full_sd) {
   TORCH_CHECK_VALUE(runtime, "set_optimizer_state_dict: the runtime is null (dedicate_model_view returns it).");
   const std::shared_ptr<RuntimeFace>& st = runtime;
-  st->drain();
+  st->drain("set_optimizer_state_dict");
   at::NoGradGuard ng;
   const int rank = st->mesh().global_rank();
   auto& groups = optimizer.param_groups();
@@ -394,9 +402,19 @@ void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon&
       return true;
     };
     slots = st->state_slots();
-    for (const StateSlot& slot : slots)
+    const std::set<std::string> stateless(sd.without_state.begin(), sd.without_state.end());
+    std::set<std::string> names;
+    for (const auto& [name, shape] : st->param_shapes()) names.insert(name);
+    for (const StateSlot& slot : slots) {
       has.push_back(slot.muon ? check_entries(sd.muon, used_muon, slot.name, true, slot.shape)
                               : check_entries(sd.adamw, used_adamw, slot.name, false, slot.shape));
+      TORCH_CHECK_VALUE(!(has.back() && stateless.count(slot.name)), "rank ", rank, ": set_optimizer_state_dict: '",
+                        slot.name, "' is listed as without state (without_state) but the ", slot.muon ? "Muon" : "AdamW",
+                        " section holds its state; the state dict contradicts itself (damaged or edited).");
+    }
+    for (const std::string& n : stateless)
+      TORCH_CHECK_VALUE(names.count(n), "rank ", rank, ": set_optimizer_state_dict: without_state names '", n,
+                        "', which is no parameter of this model (another model).", fix);
     for (const auto& [k, v] : sd.muon)
       TORCH_CHECK_VALUE(used_muon.count(k), "rank ", rank, ": set_optimizer_state_dict: Muon state '", k,
                   "' belongs to no Muon matrix of this model (a parameter now routed elsewhere, or another model).", fix);
@@ -409,7 +427,7 @@ void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon&
     if (sd.steps_taken > 0) {
       std::vector<std::string> missing;
       for (size_t i = 0; i < slots.size(); ++i)
-        if (!has[i] && slots[i].required) {
+        if (!has[i] && slots[i].required && !stateless.count(slots[i].name)) {
           std::string fields;
           for (const std::string& f : state_fields(slots[i].muon)) fields += (fields.empty() ? "" : ", ") + f;
           missing.push_back(slots[i].name + (slots[i].muon ? " (Muon " : " (AdamW ") + fields + ")");
@@ -420,8 +438,9 @@ void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon&
         if (missing.size() > 5) list += " and " + std::to_string(missing.size() - 5) + " more";
         TORCH_CHECK_VALUE(false, "rank ", rank, ": set_optimizer_state_dict: the state dict is at step ", sd.steps_taken,
                     " but holds no optimizer state for ", missing.size(), " trained parameter(s): ", list,
-                    ". Loading it would restart them from fresh state; the state dict is incomplete (damaged or "
-                    "written by another tool).");
+                    ", nor lists them as without state (without_state: frozen or without a gradient when it was "
+                    "taken). Loading it would restart them from fresh state; the state dict is incomplete (damaged "
+                    "or written by another tool).");
       }
     }
   };

@@ -29,7 +29,9 @@ json groups_json(const OptimizerStateDict& o) {
     groups.push_back({{"name", g.name}, {"is_muon", g.is_muon}, {"lr", g.lr}, {"momentum", g.momentum},
                       {"weight_decay", g.weight_decay}, {"beta1", g.beta1}, {"beta2", g.beta2}, {"eps", g.eps},
                       {"nesterov", g.nesterov}, {"ns_steps", g.ns_steps}});
-  return {{"steps_taken", o.steps_taken}, {"param_groups", groups}};
+  json out = {{"steps_taken", o.steps_taken}, {"param_groups", groups}};
+  if (!o.without_state.empty()) out["without_state"] = o.without_state;  // (absent in earlier files: none)
+  return out;
 }
 
 }  // namespace
@@ -174,10 +176,15 @@ Checkpoint load_checkpoint_safetensors(const std::string& path, bool include_mod
                                 g.at("momentum").get<double>(), g.at("weight_decay").get<double>(),
                                 g.at("beta1").get<double>(), g.at("beta2").get<double>(), g.at("eps").get<double>(),
                                 g.at("nesterov").get<bool>(), count(g.at("ns_steps"))});
+    if (j.contains("without_state")) {
+      if (!j.at("without_state").is_array()) throw std::invalid_argument("without_state is not a list of names");
+      for (const json& n : j.at("without_state")) o.without_state.push_back(n.get<std::string>());
+    }
   } catch (const std::exception& e) {
     TORCH_CHECK(false, where, ": its \"optimizer\" metadata is not the layout dmuon writes (", e.what(), "); it "
                 "needs {\"steps_taken\": N, \"param_groups\": [{\"name\", \"is_muon\", \"lr\", \"momentum\", "
-                "\"weight_decay\", \"beta1\", \"beta2\", \"eps\", \"nesterov\", \"ns_steps\"}, ...]}.");
+                "\"weight_decay\", \"beta1\", \"beta2\", \"eps\", \"nesterov\", \"ns_steps\"}, ...], optionally "
+                "\"without_state\": [names]}.");
   }
   check_optimizer_state_dict(o, where);
   ck.optim = std::move(o);

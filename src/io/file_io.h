@@ -8,6 +8,8 @@
 #include <functional>
 #include <string>
 
+#include "env/atomic_write.h"
+
 namespace dmuon::io {
 
 struct Fd {
@@ -31,14 +33,13 @@ inline constexpr uint64_t kMaxSafetensorsHeader = uint64_t{100} << 20;
 bool looks_like_safetensors(const std::string& path);
 
 // 0, or the errno of the failed write.
-int write_all(int fd, const void* data, size_t n, uint64_t offset);
+using detail::write_all;
 // The bytes read (fewer than n only at the end of the file or on an error).
 size_t read_at(int fd, void* data, size_t n, uint64_t offset);
 
-// Writes `path` atomically: `body(fd)` fills a temporary file beside it (throwing std::exception
-// with the reason on failure), which is flushed to disk and renamed over `path`. On any failure the
-// temporary file is removed, nothing is replaced, and the error names `who`, the path and the reason.
-// Temporary files of earlier writes of `path` whose process died mid-write are removed first.
+// Writes `path` atomically (detail::write_atomically: a temporary beside it, filled by `body(fd)`,
+// which throws std::exception with the reason on failure; fsync'ed and renamed over `path`). On any
+// failure nothing is replaced and a c10::Error names `who`, the path and the reason.
 void write_atomically(const std::string& path, const std::string& who, const std::function<void(int fd)>& body);
 
 }  // namespace dmuon::io

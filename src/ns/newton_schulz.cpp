@@ -8,8 +8,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -107,23 +109,50 @@ Prepared prepare(const at::Tensor& G, const NsOptions& opts, bool gram, const ch
   const auto norm_dtype = G.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor X = G.reshape({-1, rows, cols}).to(norm_dtype);
   if (p.transposed) X = X.transpose(-2, -1);
-  at::Tensor sq = X.square().sum({-2, -1}, /*keepdim=*/true);
-  if (norm_allreduce) (*norm_allreduce)(sq);
+  const auto sum_squares = [&](const at::Tensor& x) {
+    at::Tensor sq = x.square().sum({-2, -1}, /*keepdim=*/true);
+    if (norm_allreduce) (*norm_allreduce)(sq);  // (every rank sees the same sums: they branch alike below)
+    return sq;
+  };
+  at::Tensor sq = sum_squares(X);
+  // One host read (where one is made): the sums are finite, and no normaliser is 0 (a zero matrix with
+  // eps = 0 would give 0/0). A CPU tensor is read in place (no sync, no op).
+  const auto verdict = [&](const at::Tensor& s) -> std::array<bool, 2> {
+    if (s.is_cpu() && s.is_contiguous()) {
+      bool finite = true, positive = true;
+      const auto n = s.numel();
+      for (int64_t i = 0; i < n; ++i) {
+        const double v = s.scalar_type() == at::kDouble ? s.data_ptr<double>()[i] : s.data_ptr<float>()[i];
+        finite = finite && std::isfinite(v);
+        positive = positive && std::sqrt(v) + opts.eps > 0;
+      }
+      return {finite, positive};
+    }
+    const at::Tensor ok = detail::read_to_host(at::stack({at::isfinite(s).all(), s.sqrt().add_(opts.eps).gt(0).all()}));
+    return {ok[0].item<bool>(), ok[1].item<bool>()};
+  };
+  std::optional<std::array<bool, 2>> checked;
+  if (opts.check_finite || sq.is_cpu()) checked = verdict(sq);
+  // A finite matrix whose float32 squares overflow (|g| > ~1.8e19): Newton-Schulz is scale invariant, so
+  // it is normalised with its sums in float64 (rare: decided by the read above, never an extra sync).
+  if (checked && !(*checked)[0] && norm_dtype == at::kFloat) {
+    X = X.to(at::kDouble);
+    sq = sum_squares(X);
+    checked = verdict(sq);
+  }
   p.normalizer = sq.sqrt().add_(opts.eps);
-  if (opts.check_finite) {  // one host read: finite, and not 0 (a zero matrix with eps = 0 would give 0/0)
-    const at::Tensor ok = detail::read_to_host(
-        at::stack({at::isfinite(p.normalizer).all(), p.normalizer.gt(0).all()}));
-    TORCH_CHECK(ok[0].item<bool>(), fn, ": the input contains NaN or Inf (shape ", G.sizes(),
+  if (opts.check_finite) {
+    TORCH_CHECK((*checked)[0], fn, ": the input contains NaN or Inf (shape ", G.sizes(),
                 "). A non-finite gradient usually means the loss diverged: lower the learning rate or clip "
                 "gradients. In C++ NsOptions::check_finite=false lets NaN propagate instead.");
-    TORCH_CHECK_VALUE(ok[1].item<bool>(), fn, ": a matrix of the input (shape ", G.sizes(),
+    TORCH_CHECK_VALUE((*checked)[1], fn, ": a matrix of the input (shape ", G.sizes(),
                       ") is all zeros and eps is 0, so normalising it would divide 0 by 0 (NaN). Pass eps > 0 "
                       "(the default is ", kDefaultNsEps, ").");
   }
   X = (X / p.normalizer).to(p.compute_dtype).contiguous();
   if (X.size(0) == 1) X = X.squeeze(0);  // single matrix: 2-D GEMMs
   p.X = X;
-  p.normalizer = p.normalizer.reshape(at::IntArrayRef(p.orig_sizes).slice(0, p.orig_sizes.size() - 2));
+  p.normalizer = p.normalizer.to(norm_dtype).reshape(at::IntArrayRef(p.orig_sizes).slice(0, p.orig_sizes.size() - 2));
   return p;
 }
 

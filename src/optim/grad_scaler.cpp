@@ -35,13 +35,11 @@ at::Tensor GradScaler::scale(const at::Tensor& loss) const {
 }
 
 bool GradScaler::unscale_(Muon& optimizer) {
+  if (!options_.enabled) return false;  // (torch's disabled scaler: nothing, and no stage to keep)
   TORCH_CHECK(stage_ != Stage::Unscaled, "rank ", optimizer.mesh().global_rank(),
               ": GradScaler::unscale_: already called since the last update(); call it once per step.");
   TORCH_CHECK(stage_ != Stage::Stepped, "rank ", optimizer.mesh().global_rank(),
               ": GradScaler::unscale_: called after step(); call update() first (once per step).");
-  stage_ = Stage::Unscaled;
-  found_inf_ = false;
-  if (!options_.enabled) return false;
   at::NoGradGuard ng;
   // every gradient the step will use, in place (collective: waits the reduces), each rank its own copies
   std::vector<at::Tensor> grads;
@@ -49,7 +47,11 @@ bool GradScaler::unscale_(Muon& optimizer) {
   Mesh& mesh = optimizer.mesh();
   // clipping's local arithmetic (foreach kernels on CUDA): the scaling, then the max |g|, inf or NaN where one is
   const int64_t chunk = detail::resolve_chunk(std::nullopt);
+  found_inf_ = false;
   detail::scale_all(grads, 1.0 / scale_, std::nullopt, chunk);
+  // unscaled from here on (not before: a refusal above -- a backward that raised -- leaves the gradients
+  // scaled, and the caller's retry after zero_grad must unscale them)
+  stage_ = Stage::Unscaled;
   bool fused = false;
   const at::Tensor peak = detail::local_partial(grads, INFINITY, std::nullopt, chunk, mesh.device(), fused);
   const at::Tensor bad = at::logical_not(at::isfinite(peak)).to(at::kDouble).reshape({1});
@@ -61,15 +63,18 @@ bool GradScaler::unscale_(Muon& optimizer) {
 }
 
 bool GradScaler::step(Muon& optimizer) {
+  if (!options_.enabled) {  // (torch's disabled scaler: the optimizer's step, nothing else)
+    optimizer.step();
+    return true;
+  }
   TORCH_CHECK(stage_ != Stage::Stepped, "rank ", optimizer.mesh().global_rank(),
               ": GradScaler::step: already called since the last update(); call update() once per step.");
   if (stage_ == Stage::Ready) unscale_(optimizer);
-  stage_ = Stage::Stepped;
   // the overflowed gradients: nothing is updated, every rank alike; the gradients stay (as torch.amp.GradScaler
   // leaves them) for the caller's zero_grad
-  if (found_inf_) return false;
-  optimizer.step();
-  return true;
+  if (!found_inf_) optimizer.step();
+  stage_ = Stage::Stepped;  // (after the step: one that raised may be retried)
+  return !found_inf_;
 }
 
 void GradScaler::update() {

@@ -354,8 +354,9 @@ void require_replicated(const RuntimeFace& state) {
 // every rank, naming it (one host read for all of them). One reduction per gradient: its sum (accumulated in
 // fp32, fp64 for fp64) is not finite whenever an element is NaN or Inf (they propagate; +Inf with -Inf gives
 // NaN). A finite gradient whose sum overflows is reported too: its Frobenius norm overflows as well (|sum|^2 /
-// numel <= |G|_F^2), so Newton-Schulz could not normalise it. (isfinite(g).all() costs ~5 element-wise passes
-// per matrix: a visible share of the step for many small matrices.)
+// numel <= |G|_F^2). On the CPU Newton-Schulz normalises a finite matrix whose float32 squares overflow in
+// float64. (isfinite(g).all() costs ~5 element-wise passes per matrix: a visible share of the step for many
+// small matrices.)
 std::string nonfinite_grad_text(const ReadyGrad& r, int rank) {
   std::ostringstream o;
   o << "rank " << rank << ": Muon::step: the averaged gradient of '" << r.name << "' (shape " << r.grad.sizes()
@@ -399,7 +400,10 @@ std::vector<char> finite_grads(const std::vector<ReadyGrad>& ready, std::optiona
     }
     const at::ScalarType acc = t == at::kDouble ? at::kDouble : at::kFloat;
     where.push_back({&r, false, acc, values[acc].size()});
-    values[acc].push_back(r.grad.sum(acc));
+    // on the CPU Newton-Schulz normalises a finite gradient whose float32 squares overflow (it reads its
+    // sums there for free); on a GPU it cannot without a sync, so there the test is the norm's (same cost)
+    values[acc].push_back(r.grad.is_cpu() ? r.grad.sum(acc)
+                                          : at::linalg_vector_norm(r.grad, 2, at::IntArrayRef{}, false, acc));
   }
   for (auto& [t, grads] : norm_grads) {
     const std::vector<at::Tensor> norms = at::_foreach_norm(grads);

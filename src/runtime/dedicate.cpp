@@ -210,7 +210,7 @@ void runtime_replicate(const std::shared_ptr<Runtime>& runtime, double bucket_mb
 
 std::vector<std::pair<std::string, at::Tensor>> runtime_full_params(const std::shared_ptr<Runtime>& runtime) {
   TORCH_CHECK_VALUE(runtime, "full params: the runtime is null (dedicate_model_view returns it).");
-  runtime->drain();  // in-flight publishes land first
+  runtime->drain("get_model_state_dict");  // in-flight publishes land first
   std::map<std::string, at::Tensor> full;
   runtime->gather_params([&](const std::string& name, const at::Tensor& t) { full[name] = t; });
   std::vector<std::pair<std::string, at::Tensor>> out;
@@ -225,7 +225,7 @@ std::vector<std::pair<std::string, at::Tensor>> runtime_full_params(const std::s
 
 void runtime_assign_params(const std::shared_ptr<Runtime>& runtime, std::map<std::string, at::Tensor> values) {
   TORCH_CHECK_VALUE(runtime, "set_model_state_dict: the runtime is null (dedicate_model_view returns it).");
-  runtime->drain();
+  runtime->drain("set_model_state_dict");
   auto source = tensor_dict_source(std::move(values));
   try {
     source->check(runtime->param_shapes());
@@ -235,9 +235,9 @@ void runtime_assign_params(const std::shared_ptr<Runtime>& runtime, std::map<std
   runtime->assign_params(*source, {}, "set_model_state_dict");
 }
 
-void runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on) {
+bool runtime_set_no_sync(const std::shared_ptr<Runtime>& runtime, bool on) {
   TORCH_CHECK_VALUE(runtime, "no_sync: the runtime is null (dedicate_model_view returns it).");
-  runtime->set_no_sync(on);
+  return runtime->set_no_sync(on);
 }
 
 void runtime_discard_grads(const std::shared_ptr<Runtime>& runtime, bool set_to_none) {

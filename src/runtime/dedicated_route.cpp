@@ -206,11 +206,11 @@ void DedicatedRoute::issue_unshard(int b, const char* phase) {
   }
 }
 
-void DedicatedRoute::check_params(int b) const {
+void DedicatedRoute::check_params(int b, const std::string& during) const {
   for (const auto& buf : buffers_[static_cast<size_t>(b)])
     for (int p : buf.params) {
       const DedicatedEntry& e = entries_[static_cast<size_t>(p)];
-      ctx_.require_given_storage(b, e.name, e.param, {&buf.flat, &e.placeholder});
+      ctx_.require_given_storage(b, e.name, e.param, {&buf.flat, &e.placeholder}, during);
     }
 }
 
@@ -310,6 +310,7 @@ void DedicatedRoute::issue_reduce(int b) {
     const int64_t np = static_cast<int64_t>(buf.params.size());
     buf.grad_payload = pack_grads(params_of(buf), buf.offsets, buf.numel + np, buf.numel,
                                   buf.flat.options().dtype(buf.prec.reduce));
+    predivide(buf.grad_payload.narrow(0, 0, buf.numel), static_cast<double>(mesh.data_parallel_size()));
     buf.reduce = comm.reduce(buf.grad_payload, buf.root, Reduction::Sum,
                              comm.local_only() ? std::string() : what("gradient reduce", b, buf));
     buf.reduce_issued = true;

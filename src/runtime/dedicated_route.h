@@ -119,7 +119,7 @@ class DedicatedRoute final : public Route {
   void issue_reduce(int b) override;
   void end_of_backward() override;
   void reset_pass() override;
-  void check_params(int b) const override;
+  void check_params(int b, const std::string& during) const override;
   void finish_reduces() override;
   void collect_flags(std::vector<at::Tensor>& out) override;
   void install_grads(const float*& flag) override;

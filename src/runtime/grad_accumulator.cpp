@@ -85,6 +85,14 @@ at::Tensor pack_grads(const std::vector<at::Tensor>& params, const std::vector<i
   return payload;
 }
 
+namespace {
+bool predivided(at::ScalarType reduce) { return reduce == at::kHalf; }
+}  // namespace
+
+void predivide(const at::Tensor& grads, double divisor) {
+  if (predivided(grads.scalar_type()) && divisor != 1.0) at::Tensor(grads).div_(divisor);
+}
+
 void upcast_local_grad(const at::Tensor& param, const Precision& prec) {
   at::NoGradGuard ng;
   const at::Tensor& g = param.grad();
@@ -96,7 +104,7 @@ void GradAccumulator::fold(const at::Tensor& payload, int64_t numel, int64_t nfl
                            double divisor) {
   at::NoGradGuard ng;
   at::Tensor avg = payload.narrow(0, 0, numel).to(master);
-  if (divisor != 1.0) avg = avg.div(divisor);
+  if (divisor != 1.0 && !predivided(payload.scalar_type())) avg = avg.div(divisor);
   // a copy of the few flags: a view would keep the whole payload alive beside a sum that was copied
   const at::Tensor flags = payload.narrow(0, numel, nflags).to(master, /*non_blocking=*/false, /*copy=*/true);
   if (!sum_.defined()) {  // the first backward pass defines the sum, later ones add to it

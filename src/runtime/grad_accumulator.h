@@ -23,14 +23,19 @@ namespace dmuon {
 at::Tensor pack_grads(const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets, int64_t total,
                       int64_t flags_at, const at::TensorOptions& options);
 
+// A float16 sum over ranks overflows at 65504 where their average does not, so float16 gradients are
+// divided by the data-parallel size before their reduce (as torch's DDP does) and fold divides them no
+// more; wider dtypes are summed first (one rounding fewer). `grads`: the gradient part of a payload.
+void predivide(const at::Tensor& grads, double divisor);
+
 // NoSync: local gradients stay on the rank for several backward passes and autograd accumulates
 // into p.grad() in place, so a master-dtype gradient makes that accumulation master-precision.
 void upcast_local_grad(const at::Tensor& param, const Precision& prec);
 
 class GradAccumulator {
  public:
-  // Adds payload[0, numel) / divisor (in `master`) to the sum and payload[numel, numel + nflags) to
-  // the flags.
+  // Adds payload[0, numel) / divisor (in `master`; float16 payloads came predivided) to the sum and
+  // payload[numel, numel + nflags) to the flags.
   void fold(const at::Tensor& payload, int64_t numel, int64_t nflags, at::ScalarType master, double divisor);
   // One rank, nothing to reduce: the local gradients are the sum over ranks. Adds params[k]'s
   // gradient (rounded through `reduce` where it differs, as the payload would) at [offsets[k],

@@ -178,6 +178,7 @@ void ReplicatedRoute::end_of_backward() {
     const int64_t np = static_cast<int64_t>(ps.size());
     b.payload = pack_grads(ps, b.offsets, b.numel + np, b.numel,
                            ps.front().options().requires_grad(false).dtype(b.prec.reduce));
+    predivide(b.payload.narrow(0, 0, b.numel), static_cast<double>(ctx_.mesh().data_parallel_size()));
     b.pending = comm.allreduce(b.payload, Reduction::Sum,
                                "replicated gradient bucket " + std::to_string(bi) + " (" + std::to_string(np) + " params)");
   }

@@ -152,7 +152,8 @@ class Route {
   virtual void reset_pass() {}                                      // a backward pass ended: clear per-pass bits
   // local, before boundary b's forward: its parameters still hold the storage the route gave them (one it
   // updates and sends), else an error naming the parameter (torch::load, set_data, model->to(dtype) since)
-  virtual void check_params(int /*b*/) const {}
+  // `during`: what the check is for in the error ("" : the forward of boundary b)
+  virtual void check_params(int /*b*/, const std::string& /*during*/) const {}
 
   // ---- optimizer ----
   virtual void finish_reduces() {}                               // wait, fold into the accumulators

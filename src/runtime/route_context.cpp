@@ -29,7 +29,8 @@ at::Tensor RouteContext::master_of(const at::Tensor& p) const {
 }
 
 void RouteContext::require_given_storage(int b, const std::string& name, const at::Tensor& param,
-                                         std::initializer_list<const at::Tensor*> given) const {
+                                         std::initializer_list<const at::Tensor*> given,
+                                         const std::string& during) const {
   const at::Tensor& first = **given.begin();
   bool held = param.scalar_type() == first.scalar_type() && param.device() == first.device();
   if (held) {
@@ -39,8 +40,12 @@ void RouteContext::require_given_storage(int b, const std::string& name, const a
   }
   if (held) return;
   std::ostringstream o;
-  o << "rank " << mesh_->global_rank() << ": the forward of boundary '" << boundary_name(b) << "': parameter '"
-    << name << "' " << kReplacedParamText << " at dedicate_params (it is now " << param.scalar_type() << " "
+  o << "rank " << mesh_->global_rank() << ": ";
+  if (during.empty())
+    o << "the forward of boundary '" << boundary_name(b) << "'";
+  else
+    o << during;
+  o << ": parameter '" << name << "' " << kReplacedParamText << " at dedicate_params (it is now " << param.scalar_type() << " "
     << param.sizes() << " on " << param.device() << "; dmuon's is " << first.scalar_type() << " on " << first.device()
     << "). Something replaced it since: a load into the model (torch::load(model, ...), load_state_dict), "
        "p.set_data(...) / p.data = ..., or model->to(dtype or device). dmuon keeps this parameter in a buffer that "

@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
@@ -16,6 +17,7 @@
 #include <chrono>
 #include <set>
 
+#include "comm/agreement.h"
 #include "dmuon/env.h"
 #include "dmuon/host_sync.h"
 #include "dmuon/model_view.h"
@@ -184,6 +186,11 @@ void Runtime::begin_forward_pass() {
 bool Runtime::begin_root_forward() {
   std::lock_guard<std::recursive_mutex> g(mu_);
   const bool outer = root_grad_mode_;
+  // Autocast keeps each leaf parameter's low-precision cast for the whole autocast region: a second forward
+  // in the region (micro-batches of gradient accumulation) would reuse the first's cast node, which autograd
+  // runs last (its sequence number is the oldest), after the boundary's reduce went out, and dmuon would drop
+  // what it brings. Each forward of the model casts afresh, as one autocast region per forward does.
+  if (root_open_ == 0) at::autocast::clear_cache();
   ++root_open_;
   root_grad_mode_ = at::GradMode::is_enabled();
   if (pass_begun_by_step_) {  // step() began this pass and prefetched into it
@@ -245,7 +252,7 @@ void Runtime::pre_forward(int b) {
     }
     return;
   }
-  for (Route* r : routes()) r->check_params(b);  // (before anything of this forward: an error changes nothing)
+  for (Route* r : routes()) r->check_params(b, "");  // (before anything of this forward: an error changes nothing)
   pass_begun_by_step_ = false;
   if (backward_since_forward_ || B.ran_forward) begin_forward_pass();
   B.ran_forward = true;
@@ -411,8 +418,10 @@ bool Runtime::after_reduce(int b) {
     TORCH_WARN("rank ", mesh().global_rank(), ": a gradient of a parameter of boundary '", B.name,
                "' arrived after the boundary's reduce went out this backward and is dropped: a use of the parameter "
                "outside its boundary", detail::renumbers_worker_nodes() ? "" : ", or the block's ops run on another thread",
-               ". Run every use of the parameter inside its boundary",
-               detail::renumbers_worker_nodes() ? "." : ", on the thread that calls it (LibTorch 2.x renumbers a worker's ops).");
+               ", or a reentrant activation checkpoint (use_reentrant=True, checkpoint_wrapper's REENTRANT) around a "
+               "block that runs more than once per forward. Run every use of the parameter inside its boundary",
+               detail::renumbers_worker_nodes() ? "" : ", on the thread that calls it (LibTorch 2.x renumbers a worker's ops)",
+               "; checkpoint such a block non-reentrantly (use_reentrant=False).");
   }
   return true;
 }
@@ -802,8 +811,25 @@ void Runtime::wait_publishes() {
 }
 
 // ---- checkpoints ---------------------------------------------------------------------------------
-void Runtime::drain() {
+void Runtime::drain(const std::string& fn) {
   std::lock_guard<std::recursive_mutex> g(mu_);
+  // Every dedicated and sharded_adamw parameter still holds dmuon's storage: one replaced since (model->to(dtype),
+  // p.data = ..., model.float() in Python) would send its own bytes into the receivers' buffers of dmuon's dtype --
+  // garbage on the other ranks, without an error. Agreed before any collective of the call: a refusal on one
+  // rank raises on every rank.
+  detail::AgreementText text;
+  text.fn = fn;
+  text.refused = [](const std::vector<int>& ranks, const std::string& reason) {
+    return "a parameter was replaced since dedicate_params on rank(s) " + detail::rank_list(ranks) +
+           ", so no rank takes part: " + reason;
+  };
+  detail::agree(
+      mesh().world(), text,
+      [&] {
+        for (const auto& B : boundaries_)
+          for (Route* r : routes()) r->check_params(B.index, fn);
+      },
+      [] { return std::vector<detail::AgreedEntry>{}; });
   wait_publishes();  // post-step publishes and all_gather-mode scatters
   drain_all();       // forward prefetches, pending reduces
 }
@@ -866,11 +892,11 @@ void Runtime::assign_state(OptimizerStateAccess& opt, const StateSource& get) {
   for (Route* r : routes()) r->assign_state(opt, get);
 }
 
-void Runtime::set_no_sync(bool on) {
+bool Runtime::set_no_sync(bool on) {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  TORCH_CHECK(!on || !no_sync_, "rank ", mesh().global_rank(), ": no_sync is already active on this model. "
-              "Nested no_sync scopes are a mistake: keep one scope around every micro-batch but the last.");
+  const bool before = no_sync_;
   no_sync_ = on;
+  return before;
 }
 
 void Runtime::set_forward_prefetch_depth(int depth) {
@@ -971,9 +997,9 @@ std::vector<std::string> runtime_post_forward_order(const std::shared_ptr<Runtim
 NoSync::NoSync(torch::nn::Module& model) : state_(detail::state_of_model(&model)) {
   TORCH_CHECK(state_, "no_sync: this model was not dedicated; call dmuon::dedicate_params (and dmuon::replicate) "
               "first. Without dmuon nothing is reduced, so there is nothing to suspend.");
-  state_->set_no_sync(true);
+  outer_ = state_->set_no_sync(true);
 }
 
-NoSync::~NoSync() { state_->set_no_sync(false); }
+NoSync::~NoSync() { state_->set_no_sync(outer_); }  // (nested in another: still inside that one)
 
 }  // namespace dmuon

@@ -149,7 +149,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void discard_grads(bool set_to_none) override;
   uint64_t grads_epoch() const override;
   // ---- RuntimeFace: checkpoints ----
-  void drain() override;
+  void drain(const std::string& fn) override;
   void gather_params(const TensorSink& put) override;
   std::vector<std::pair<std::string, std::vector<int64_t>>> param_shapes() const override;
   void assign_params(ParamSource& source, const std::vector<std::pair<std::string, at::Tensor>>& extra,
@@ -169,7 +169,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   void publish(bool async);                    // after the update
   void wait_publishes();                       // local: waits every in-flight publish / unshard
   void drain_all();                            // waits every in-flight collective of this model
-  void set_no_sync(bool on);
+  bool set_no_sync(bool on);  // returns the setting before (nested scopes restore it)
   void set_forward_prefetch_depth(int depth);  // >= 0: boundaries broadcast ahead in forward
 
   // ---- queries (RuntimeFace and the runtime's own files) ----

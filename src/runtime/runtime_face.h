@@ -113,7 +113,9 @@ class RuntimeFace {
 
   // ---- checkpoints (collective) ----
   // waits every post-step publish, prefetch and pending reduce
-  virtual void drain() = 0;
+  // (collective: first agrees that no rank's model had a dedicated or sharded_adamw parameter replaced since
+  // dedicate_params -- its bytes would reach the other ranks' buffers -- refusing on every rank, naming `fn`)
+  virtual void drain(const std::string& fn) = 0;
   // every parameter's full value (master precision; TP: this TP rank's slice) to `put`
   virtual void gather_params(const TensorSink& put) = 0;
   // every parameter's full shape (TP: the full tensor's), model order

@@ -100,11 +100,11 @@ void ShardedRoute::issue_unshard(int b, const char* phase) {
   }
 }
 
-void ShardedRoute::check_params(int b) const {
+void ShardedRoute::check_params(int b, const std::string& during) const {
   if (static_cast<size_t>(b) >= by_boundary_.size()) return;
   for (int i : by_boundary_[static_cast<size_t>(b)]) {
     const ShardedEntry& e = entries_[static_cast<size_t>(i)];
-    ctx_.require_given_storage(b, e.name, e.param, {&e.full, &e.placeholder});
+    ctx_.require_given_storage(b, e.name, e.param, {&e.full, &e.placeholder}, during);
   }
 }
 
@@ -152,6 +152,7 @@ void ShardedRoute::issue_reduce(int b) {
       flat.narrow(0, 0, e.numel).copy_(gr.reshape(-1));
       e.rs_in.narrow(1, 0, L).copy_(flat.view({G, L}));
       e.rs_in.select(1, L).fill_(1);
+      predivide(e.rs_in.narrow(1, 0, L), static_cast<double>(ctx_.mesh().data_parallel_size()));
     }
     e.param.mutable_grad() = at::Tensor();
     e.rs_out = at::empty({L + 1}, e.rs_in.options());

@@ -70,7 +70,7 @@ class ShardedRoute final : public Route {
   void release(int b) override;
   void issue_reduce(int b) override;
   void reset_pass() override;
-  void check_params(int b) const override;
+  void check_params(int b, const std::string& during) const override;
   void finish_reduces() override;
   void collect_flags(std::vector<at::Tensor>& out) override;
   void install_grads(const float*& flag) override;

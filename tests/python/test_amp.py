@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
 from dmuon_testing import run_ranks
-from test_dedicate import BATCH, CLIP, STEPS, batch, dedicated_net, make_net, make_optimizer, reference_train
+from test_dedicate import BATCH, CLIP, STEPS, batch, dedicated_net, layout_net, make_net, make_optimizer, reference_train
 
 INIT = 2.0 ** 10
 
@@ -166,3 +166,81 @@ def test_a_second_optimizer_under_the_same_scaler_keeps_the_scale_equal_on_every
 
 def test_torch_grad_scaler_is_refused_with_the_remedy(tmp_path):
     run_ranks(tmp_path, 2, _torch_scaler_refused)
+
+
+def _micro_batches_in_one_autocast_region(rank, world, layout, micro):
+    """`micro` micro-batches (all but the last under no_sync) inside ONE torch.autocast region: autocast keeps the
+    bfloat16 cast of each parameter for the whole region, and the later forwards reused the first one's cast
+    node, which autograd ran after the boundary's reduce went out: dmuon dropped what it brought (50-100% off,
+    with a warning blaming a use outside the boundary). The gradients dmuon hands the step are plain torch's
+    under the same autocast region, averaged over the ranks."""
+    plain = make_net().float()
+    model = layout_net(init_device_mesh("cpu", (world,)), layout, make_net().float())
+    per = BATCH // world
+    size = per // micro
+    x, y = (t.float() for t in batch(0))
+
+    def accumulate(net, ranks, scale):
+        for r in ranks:
+            for k in range(micro):
+                lo = r * per + k * size
+                loss = ((net(x[lo:lo + size]) - y[lo:lo + size]) ** 2).float().mean() * scale
+                if net is model and k < micro - 1:
+                    with dmuon.no_sync(model):
+                        loss.backward()
+                else:
+                    loss.backward()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        accumulate(model, [rank], 1.0 / micro)
+    dmuon.prepare_muon_grads(model)
+    mine = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None and p.numel()}
+    every = [None] * world
+    torch.distributed.all_gather_object(every, mine)
+    got = {n: g for d in every for n, g in d.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        accumulate(plain, range(world), 1.0 / micro / world)
+    assert all(name in got for name, p in plain.named_parameters() if p.dim() == 2), sorted(got)
+    for name, p in plain.named_parameters():
+        if name not in got:  # (a sharded_adamw gradient is each rank's slice, outside .grad)
+            continue
+        err = float((got[name] - p.grad).abs().max() / p.grad.abs().max())
+        # the same bfloat16 products; float32 sums in another order: measured <= 2e-7
+        assert err < 1e-5, f"{layout}: {name}'s gradient is {err:.3g} off torch's under the same autocast region"
+
+
+@pytest.mark.parametrize("layout", ["z3", "ddp", "sharded"])
+def test_micro_batches_in_one_autocast_region_give_torchs_gradients(tmp_path, layout):
+    run_ranks(tmp_path, 2, _micro_batches_in_one_autocast_region, layout, 2)
+
+
+def _torch_optimizer_under_the_scaler(rank, world):
+    """dmuon.GradScaler driving a torch optimizer over a dedicated model (after prepare_muon_grads, as dmuon's
+    warning suggests): an inf that after the reduce only the matrix's owner holds. Every rank skips the step and
+    backs off alike, as DDP with torch.amp.GradScaler does (the owner alone skipped and halved its scale: the
+    replicas drifted apart, and later reduces added gradients scaled differently)."""
+    model = layout_net(init_device_mesh("cpu", (world,)), "z3", make_net())
+    sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    scaler = dmuon.GradScaler("cpu", init_scale=INIT)
+    target = dmuon.get_dedicated_params(model)[0]
+    hook = target.param.register_hook(lambda g: g * float("inf")) if rank != target.global_rank else None
+    before = model.scale.detach().clone()
+    scaler.scale(_loss(model, 0, rank, world)).backward()
+    if hook is not None:
+        hook.remove()
+    dmuon.prepare_muon_grads(model)
+    scaler.step(sgd)
+    scaler.update()
+    assert scaler.get_scale() == INIT / 2, f"rank {rank}: scale {scaler.get_scale()}"
+    assert torch.equal(model.scale.detach(), before), f"rank {rank} stepped a replicated parameter"
+    # a clean step then steps on every rank
+    sgd.zero_grad()
+    scaler.scale(_loss(model, 1, rank, world)).backward()
+    dmuon.prepare_muon_grads(model)
+    scaler.step(sgd)
+    scaler.update()
+    assert scaler.get_scale() == INIT / 2 and not torch.equal(model.scale.detach(), before), rank
+
+
+def test_a_torch_optimizer_over_a_dedicated_model_skips_overflows_on_every_rank(tmp_path):
+    run_ranks(tmp_path, 2, _torch_optimizer_under_the_scaler)

@@ -512,7 +512,22 @@ def _frozen_for_a_while(rank, world, layout, set_to_none, out_path):
         train_steps(early, early_opt, early_sched, rank, world, range(1))
         early_sd = dmuon.get_optimizer_state_dict(early, early_opt, rank0_only=False)
         assert "layers.0.proj.bias" not in early_sd["fsdp" if layout == "fsdp2" else "dedicated_adamw"]
+        assert {"layers.0.proj.bias", "layers.0.gate.weight"} <= set(early_sd["without_state"])
         dmuon.set_optimizer_state_dict(early, early_opt, early_sd)
+        # ... and resumes where that layer trains again, as the run that goes on does (it was refused as an
+        # incomplete dict: its trained layers.0 has no state)
+        early_model_sd = dmuon.get_model_state_dict(early, rank0_only=False)
+        resumed, resumed_opt, resumed_sched = build()
+        dmuon.set_model_state_dict(resumed, early_model_sd)
+        dmuon.set_optimizer_state_dict(resumed, resumed_opt, early_sd)
+        resumed_sched.load_state_dict(early_sched.state_dict())
+        early.layers[0].requires_grad_(True)
+        for m, o, sc in ((early, early_opt, early_sched), (resumed, resumed_opt, resumed_sched)):
+            train_steps(m, o, sc, rank, world, range(1, 3))
+        went_on, back = (dmuon.get_model_state_dict(m, rank0_only=False) for m in (early, resumed))
+        for name, value in went_on.items():
+            assert (back[name] - value).abs().max() <= 1e-12, name  # (float64: the same operations)
+        assert not torch.equal(went_on["layers.0.gate.weight"], early_model_sd["layers.0.gate.weight"])
     else:
         train(model, opt, sched, range(STEPS))
     sd = dmuon.get_model_state_dict(model)
@@ -2058,15 +2073,26 @@ def _replaced_after_dedicate(rank, world, how):
     if how == "round trip":
         model.float()
         model.double()
+    elif how == "cast":
+        model.float()
     else:
         model.layers[1].gate.weight.data = torch.ones(DIM, DIM, dtype=torch.float64)
-    named = "layers.0.proj.weight" if how == "round trip" else "layers.1.gate.weight"
-    with pytest.raises(ValueError, match=rf"rank {rank}: the forward of boundary .*parameter '{re.escape(named)}' no "
-                                         r"longer holds the data dmuon gave it.*set_model_state_dict"):
-        model(x)
+    named = "layers.1.gate.weight" if how == "data" else "layers.0.proj.weight"
+    if how != "cast":  # (a cast replicated parameter is the forward's first refusal there)
+        with pytest.raises(ValueError, match=rf"rank {rank}: the forward of boundary .*parameter '{re.escape(named)}' "
+                                             r"no longer holds the data dmuon gave it.*set_model_state_dict"):
+            model(x)
+    # a state dict too, on every rank, before anything is sent (after model.float() the owners sent float32 bytes
+    # into the others' float64 buffers: half of every matrix was garbage, without an error)
+    for call in (lambda: dmuon.get_model_state_dict(model, rank0_only=False),
+                 lambda: dmuon.get_optimizer_state_dict(model, opt, rank0_only=False),
+                 lambda: opt.state_dict()):
+        with pytest.raises(ValueError, match=rf"rank {rank}: .*get_(model|optimizer)_state_dict: parameter "
+                                             rf"'{re.escape(named)}' no longer holds the data dmuon gave it"):
+            call()
 
 
-@pytest.mark.parametrize("how", ["round trip", "data"])
+@pytest.mark.parametrize("how", ["round trip", "data", "cast"])
 def test_a_parameter_replaced_after_dedicate_params_is_an_error_at_the_next_forward(tmp_path, how):
     run_ranks(tmp_path, 2, _replaced_after_dedicate, how)
 
@@ -2268,9 +2294,10 @@ class _Probes(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(3)
-        # |g| up to 2e4 (its 2-rank sum, reduced in float16, still finite): the momentum (Nesterov input 3.7 g by
-        # the third step) and the second moment (g^2) overran float16's range
-        self.layers = nn.ModuleList(_GradProbe(r, c, (torch.rand(r, c) - 0.5) * 4e4, (torch.rand(r) - 0.5) * 4e4)
+        # |g| up to 5e4: the momentum (Nesterov input 3.7 g by the third step) and the second moment (g^2)
+        # overran float16's range, and so did the 2-rank sum of the float16 gradients (now averaged before the
+        # reduce, as torch's DDP does)
+        self.layers = nn.ModuleList(_GradProbe(r, c, (torch.rand(r, c) - 0.5) * 1e5, (torch.rand(r) - 0.5) * 1e5)
                                     for r, c in ((6, 10), (10, 4)))
 
     def forward(self, x):
@@ -2283,7 +2310,7 @@ def _half_params(rank, world, layout):
     """float16 parameters keep their optimizer state in float32 (unless param_policy says otherwise): a Muon
     momentum (~20x the gradient at momentum 0.95) and its Nesterov input (~2x) overran float16's 65504 for
     gradients of 2e4 by the third step, an Adam second moment for |g| > 256; the NaN reached the weights without
-    an error.
+    an error. The ranks' float16 gradients are averaged before their reduce: their sum overran 65504 too.
     Each step matches the float64 update of the same float16 weights and gradients, to float16 rounding."""
     model = _Probes()
     plain = {n: p.detach().double().clone() for n, p in model.named_parameters()}
