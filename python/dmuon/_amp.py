@@ -29,19 +29,34 @@ class GradScaler(torch.amp.GradScaler):
         from ._runtime import Muon, _world_groups_of
 
         if not isinstance(optimizer, Muon):
-            found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
             # a torch optimizer over a dedicated model's parameters (after prepare_muon_grads): a dedicated
             # matrix's gradient lives on its owner alone, so the ranks agree on the infs (collective over the
-            # model's ranks), or they would step and back off differently and the replicas drift apart
+            # model's ranks), or they would step and back off differently and the replicas drift apart; and on
+            # torch's refusal (an fp16 gradient, on its owner only), which then raises on every rank
             groups = _world_groups_of(p for g in optimizer.param_groups for p in g["params"])
-            if groups:
-                agreed = torch.stack([found_inf.to(torch.float32).reshape(())] + [
-                    t.to(found_inf.device, torch.float32).reshape(()) for t in found.values()]).amax()
-                for group in groups:
-                    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-                found = dict(found) or {found_inf.device: found_inf}
-                for t in found.values():
-                    t.copy_(agreed.to(t.device))
+            if not groups:
+                return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            found, error = {}, None
+            try:
+                found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            except Exception as e:  # (reported to the other ranks first: none may be left in the all-reduce)
+                error = e
+            inf = torch.stack([found_inf.to(torch.float32).reshape(())] + [
+                t.to(found_inf.device, torch.float32).reshape(()) for t in found.values()]).amax()
+            agreed = torch.stack([inf, torch.tensor(float(error is not None), device=found_inf.device)])
+            for group in groups:
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+            if error is not None:
+                raise error
+            if float(agreed[1]) > 0:
+                raise ValueError(f"rank {dist.get_rank()}: GradScaler.unscale_: another rank of the model refused "
+                                 "to unscale its gradients (torch's \"Attempting to unscale FP16 gradients.\": a "
+                                 "float16 parameter's gradient, which after prepare_muon_grads only its owner holds). "
+                                 "Keep float32 master weights (param_policy's param_dtype for float16 compute) or "
+                                 "use dmuon.Muon.")
+            found = dict(found) or {found_inf.device: found_inf}
+            for t in found.values():
+                t.copy_(agreed[0].to(t.device))
             return found
         group = optimizer._model_state.world_group
         if group is not None and dist.get_world_size(group) > 1 and all(g is not group for g in self._dmuon_groups):

@@ -1083,7 +1083,12 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
         name = first_name.get(id(value))
         if name is not None:
             (fsdp2 if name in external else params)[name] = state_dict[key]
-    state.runtime.assign_params(params)
+    try:
+        state.runtime.assign_params(params)  # (agreed first: a refusal raises on every rank before any write)
+    except BaseException:
+        for key in written:
+            extra[key].set_extra_state(before[key])
+        raise
     for name, p in external.items():
         assign_full(p, fsdp2[name], name)
     with torch.no_grad():

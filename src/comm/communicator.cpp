@@ -669,6 +669,8 @@ std::vector<detail::AgreedEntry> gram_shard_entries(const at::Tensor& G_local, b
           {"dtype", fnv1a(dtype), dtype},
           {"transposed", transposed ? 1u : 0u, transposed ? "true" : "false"},
           {"compute dtype", fnv1a(compute), compute},
+          // (with it, an overflowing sum of squares is summed again in float64: one more all-reduce)
+          {"check_finite", opts.check_finite ? 1u : 0u, opts.check_finite ? "true" : "false"},
           {"coefficients and restarts", iteration.value(), std::to_string(coeffs.size()) + " steps"}};
 }
 

@@ -367,8 +367,8 @@ std::string nonfinite_grad_text(const ReadyGrad& r, int rank) {
 
 // `foreach` (MuonOptions::foreach, by default on CUDA): the norms of every fp32/fp64/bf16 gradient in
 // one multi-tensor call per dtype instead of one sum per gradient (a norm is not finite exactly when
-// the sum test above fails or the norm overflows); fp16 keeps the fp32 sums (its norm would overflow
-// at 65504).
+// the sum test above fails or the norm overflows); fp16 keeps the per-gradient reductions (a foreach norm
+// would overflow at 65504; each is taken in fp32 there).
 std::vector<char> finite_grads(const std::vector<ReadyGrad>& ready, std::optional<bool> foreach) {
   // device reductions by their dtype, each list stacked into one flag vector, all read at once
   std::map<at::ScalarType, std::vector<at::Tensor>> values;

@@ -244,3 +244,32 @@ def _torch_optimizer_under_the_scaler(rank, world):
 
 def test_a_torch_optimizer_over_a_dedicated_model_skips_overflows_on_every_rank(tmp_path):
     run_ranks(tmp_path, 2, _torch_optimizer_under_the_scaler)
+
+
+class _HalfMatrix(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(4, 6).half())  # float16: Muon's, on its owner after the reduce
+        self.scale = torch.nn.Parameter(torch.ones(3))  # float32, replicated
+
+    def forward(self, x):
+        return (self.weight.float().sum() + self.scale.sum()) * x
+
+
+def _torch_optimizer_refusing_fp16(rank, world):
+    """torch's GradScaler refuses to unscale float16 gradients; after prepare_muon_grads a float16 matrix's
+    gradient is on its owner alone, so only the owner refused and the other ranks waited in the inf agreement until
+    the timeout. The refusal now raises on every rank at once."""
+    model = _HalfMatrix()
+    dmuon.dedicate_params(model, torch.distributed.group.WORLD, lambda n, p: p.dim() == 2)
+    dmuon.replicate(model)
+    sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    scaler = dmuon.GradScaler("cpu", init_scale=INIT)
+    scaler.scale(model(torch.ones(1)).sum()).backward()
+    dmuon.prepare_muon_grads(model)
+    with pytest.raises(ValueError, match="unscale FP16 gradients"):
+        scaler.step(sgd)
+
+
+def test_a_torch_optimizers_fp16_refusal_raises_on_every_rank(tmp_path):
+    run_ranks(tmp_path, 2, _torch_optimizer_refusing_fp16)

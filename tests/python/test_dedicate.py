@@ -1961,6 +1961,15 @@ def _buffers_as_ddp(rank, world, fsdp2):
             dmuon.set_model_state_dict(model, bad)
     after = dmuon.get_model_state_dict(model, rank0_only=False)
     assert all(torch.equal(after[k], v) for k, v in sd.items() if isinstance(v, torch.Tensor)), "a refused load wrote"
+    # a dedicated matrix replaced since dedicate_params is refused when the parameters load, after the extra states
+    # were set: they are put back too
+    if not fsdp2:
+        kept = model.layers[0].weight.data
+        model.layers[0].weight.data = kept.clone()
+        with pytest.raises(ValueError, match="no longer holds the data dmuon gave it"):
+            dmuon.set_model_state_dict(model, moved)
+        assert model.note.get_extra_state() == {"version": 3}
+        model.layers[0].weight.data = kept
     model.eval()
     out = model(batch(0)[0]).detach()
     outs = [torch.empty_like(out) for _ in range(world)]
