@@ -211,7 +211,7 @@ class Variant {
       bytes = static_cast<double>(l.z3 ? comm.per_rank_bytes_z3[static_cast<size_t>(rank)]
                                        : comm.per_rank_bytes_z2[static_cast<size_t>(rank)]);
       if (l.replicate > 1) bytes += static_cast<double>(comm.per_rank_replicate_bytes[static_cast<size_t>(rank)]);
-      const double verdict = 3.0 * 8.0 * (world - 1);  // Muon::step's non-finite verdict: three int64 from every other rank
+      const double verdict = static_cast<double>(kStepVerdictRowBytes) * (world - 1);  // Muon::step's verdict: a row from every other rank
       bytes += l.shard_base ? e->bytes_per_rank - static_cast<double>(l.z3 ? comm.max_z3() : comm.max_z2()) - verdict
                             : ring * (base + flag * n_base);
       // flags: every matrix this rank reduces to another shard's owner, and (HSDP) to another replicate's

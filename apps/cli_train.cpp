@@ -143,7 +143,8 @@ void add_options(CLI::App& app, TrainArgs& a) {
                  "initial weights: a .safetensors file or a sharded model.safetensors.index.json (Hugging Face "
                  "names for --hf-config models; a file from --export-safetensors for either model)");
   app.add_option("--export-safetensors", a.export_safetensors,
-                 "after the last step, write the full model (single-process shapes and names, float32 masters) "
+                 "after the last step, write the full model (single-process shapes and names, float32 masters; "
+                 "float64 with --param-dtype fp64) "
                  "to this .safetensors file");
   app.add_option("--eval-every", a.eval_every,
                  "validation loss on the held-out text every N steps and after the last (0: never)")

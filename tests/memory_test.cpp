@@ -329,6 +329,46 @@ TEST(DeferredInit, SameWeightsOnAnyLayoutAndTrainsLikeOneProcess) {
   }
 }
 
+TEST(DeferredInit, ATiedParameterGetsItsFirstNamesValueInTheReferenceAsInTheDedicatedModel) {
+  // one tensor registered under two names (tied embeddings): dedicate_params asks the source for it under its
+  // first name; initialize_parameters (the single-process reference) asked under every name, the last won
+  struct TiedNet : torch::nn::Module {
+    at::Tensor w;
+    TiedNet() {
+      auto a = register_module("a", std::make_shared<torch::nn::Module>());
+      auto b = register_module("b", std::make_shared<torch::nn::Module>());
+      w = a->register_parameter("weight", at::zeros({3, 4}, at::kDouble));
+      b->register_parameter("weight", w);
+    }
+  };
+  std::vector<std::string> asked;
+  const auto source = [&asked] {
+    return seeded_init(7, [&asked](const std::string& name, at::Tensor& full, at::Generator& g) {
+      asked.push_back(name);
+      full.normal_(0.0, 1.0, g);
+    });
+  };
+  at::Tensor first = at::empty({3, 4}, at::kDouble), second = at::empty({3, 4}, at::kDouble);
+  source()->fill("a.weight", TensorRegion::whole(first.sizes()), first);
+  source()->fill("b.weight", TensorRegion::whole(second.sizes()), second);
+  ASSERT_FALSE(at::equal(first, second));  // (seeded by name)
+  asked.clear();
+  auto eager = std::make_shared<TiedNet>();
+  initialize_parameters(*eager, *source());
+  EXPECT_TRUE(at::equal(eager->w, first));
+  EXPECT_EQ(asked, std::vector<std::string>{"a.weight"});
+  at::Tensor dedicated;
+  testing::run_ranks(1, [&](testing::RankContext& ctx) {
+    auto net = std::make_shared<TiedNet>();
+    defer_parameters(*net, at::kDouble, at::kCPU);
+    DedicateOptions o;
+    o.param_source = source();
+    dedicate_params(net, testing::make_mesh(ctx), [](const std::string&, const at::Tensor&) { return false; }, o);
+    dedicated = net->w.detach().clone();
+  });
+  EXPECT_TRUE(at::equal(dedicated, first));
+}
+
 
 // ---- owner-local loading -----------------------------------------------------------------------
 // A checkpoint in safetensors form loads through checkpoint_model_source: each rank reads only the

@@ -1248,7 +1248,7 @@ TEST(MuonTest, StepProfileCountsOwnedUpdates) {
 
 // Each matrix has one owner; only the owner updates it (with the hand-computed value) and holds its
 // state; AdamW vectors are updated identically on both ranks; the step issues one collective: the world's
-// verdict on non-finite gradients (an all-gather of three int64 per rank).
+// verdict on non-finite gradients (an all-gather of a row of four int64 per rank).
 TEST(MuonTest, TwoRanksOnlyOwnersUpdateTheirMatrices) {
   const StateDict init = random_like_model(71, -0.5, 0.5);
   const StateDict g = random_like_model(72, -1.0, 1.0);
@@ -1275,7 +1275,7 @@ TEST(MuonTest, TwoRanksOnlyOwnersUpdateTheirMatrices) {
     set_grads(m, g);  // owners get the full gradient; placeholders (0 elements) are skipped
     mesh->counters().reset();
     opt.step();
-    EXPECT_EQ(mesh->counters().total_bytes(), 3 * 8);  // (the other rank's row)
+    EXPECT_EQ(mesh->counters().total_bytes(), kStepVerdictRowBytes);  // (the other rank's row)
     for (int op = 0; op < static_cast<int>(CommOp::kCount); ++op)
       EXPECT_EQ(mesh->counters().calls(static_cast<CommOp>(op)), op == static_cast<int>(CommOp::AllGather) ? 1 : 0);
     int mine = 0;

@@ -516,12 +516,12 @@ TEST(StepSimulator, TermsHaveTheirClosedForms) {
   EXPECT_DOUBLE_EQ(d.ns_s, ns_flops({64, 256}, 5) / (1e12 * 0.25));
   // AdamW on the replicated embedding: 32 bytes per parameter at 100 GB/s
   EXPECT_DOUBLE_EQ(d.adamw_s, 6400 * 32 / 100e9);
-  // the step's non-finite verdict: an all-gather of 24 bytes per rank, 1 hop + (G-1)/G 2 x 24 / B
-  EXPECT_DOUBLE_EQ(d.verdict_s, 1e-6 + 0.5 * 48 / 10e9);
+  // the step's non-finite verdict: an all-gather of 32 bytes per rank, 1 hop + (G-1)/G 2 x 32 / B
+  EXPECT_DOUBLE_EQ(d.verdict_s, 1e-6 + 0.5 * 64 / 10e9);
   EXPECT_NEAR(d.step_s, d.compute_s + d.exposed_comm_s + d.ns_s + d.adamw_s + d.verdict_s, 1e-15);
   // bytes: Z3 moves 3 x (the other rank's matrix) over the shard axis, plus the base all-reduce and the verdict's
-  // 24 bytes from the other rank
-  EXPECT_DOUBLE_EQ(d.bytes_per_rank, 3 * S + 2.0 * 1 / 2 * 6400 * 2 + 24);
+  // 32 bytes from the other rank
+  EXPECT_DOUBLE_EQ(d.bytes_per_rank, 3 * S + 2.0 * 1 / 2 * 6400 * 2 + 32);
   // naive DP Muon: every rank runs NS on both matrices
   EXPECT_DOUBLE_EQ(sim.designs[2].ns_s, 2 * ns_flops({64, 256}, 5) / (1e12 * 0.25));
   // Z2: no backward broadcast

@@ -1614,9 +1614,9 @@ TEST(RuntimeTest, AllGatherModeKeepsShardsAndCountsItsBytes) {
       //    the other replicate groups
       //  * publish: the owner's group scatters S/G into each non-holder; HSDP: each shard crosses the
       //    replicate axis (S/G into every rank of the other groups); DDP: then all-gather (G-1)/G*S
-      //  * the step's non-finite verdict: an all-gather of three int64 from every other rank of the world
+      //  * the step's non-finite verdict: an all-gather of a row (kStepVerdictRowBytes) from every other rank of the world
       const int64_t G = mesh->shard_size();
-      int64_t gather = 3 * 8 * (mesh->world_size() - 1), reduce = 0, scatter = 0, bcast = 0;
+      int64_t gather = kStepVerdictRowBytes * (mesh->world_size() - 1), reduce = 0, scatter = 0, bcast = 0;
       for (const auto& buf : inspect::packed_units(*m)) {
         const auto& d = get_dedicated_params(*m);
         const auto it = std::find_if(d.begin(), d.end(), [&](const DedicatedParam& p) { return p.name == buf.params[0]; });

@@ -274,6 +274,10 @@ struct BoundaryComm {
   int64_t bwd_broadcast_bytes_z3 = 0;
   int64_t bwd_reduce_bytes = 0;
 };
+// Muon::step's verdict on non-finite gradients (and its agreement of the groups' values): one all-gather of a
+// row of four int64 per rank -- refused, entries, their digest, the call (comm/agreement.h) -- read on the host.
+inline constexpr int64_t kStepVerdictRowBytes = 4 * 8;
+
 struct CommPlan {
   std::vector<BoundaryComm> boundaries;     // in model order of first appearance
   int64_t muon_bytes = 0;                   // P_M

@@ -83,6 +83,29 @@ ParamPolicy param_policy(const py::dict& d) {
   return p;
 }
 
+// A user's (name, param) -> str callable (route_hint_fn, assignment_group_key_fn) whose result is checked: a
+// wrong type is a TypeError naming the option and the parameter (pybind's cast said "Unable to cast ... '?'").
+// `keyed`: any hashable is a key (a str as itself, others by type and repr: 3 and "3" stay apart); else None is "".
+using NameParamFn = std::function<std::string(const std::string&, const at::Tensor&)>;
+NameParamFn checked_str_callable(const py::dict& d, const char* key, bool keyed) {
+  using Callable = std::function<py::object(const std::string&, const at::Tensor&)>;
+  auto fn = get_opt<Callable>(d, key);
+  if (!fn) return {};
+  return caller_mistakes_kept(NameParamFn([fn = *fn, key, keyed](const std::string& name, const at::Tensor& p) {
+    py::gil_scoped_acquire gil;
+    const py::object r = fn(name, p);
+    if (py::isinstance<py::str>(r)) return r.cast<std::string>();
+    if (!keyed && r.is_none()) return std::string();
+    if (keyed && py::hash(r) != -1)  // (py::hash raises TypeError for an unhashable value)
+      return std::string(Py_TYPE(r.ptr())->tp_name) + ":" + py::repr(r).cast<std::string>();
+    TORCH_CHECK_TYPE(false, "dmuon: option '", key, "' returned ", py::repr(r).cast<std::string>(), " (",
+                     Py_TYPE(r.ptr())->tp_name, ") for parameter '", name, "'; it must return ",
+                     keyed ? "a str (or another hashable key)" : "a route name: \"muon\", \"adamw\", "
+                     "\"sharded_adamw\", or \"\" / None for no hint", ".");
+    return std::string();
+  }));
+}
+
 DedicateOptions dedicate_options(const py::dict& d) {
   static const char* const known[] = {"compute_dtype", "reshard_after_forward", "hook_boundary_strict",
                                       "hook_boundary_resolver", "assignment_group_key_fn", "route_hint_fn",
@@ -103,9 +126,8 @@ DedicateOptions dedicate_options(const py::dict& d) {
   if (auto v = get_opt<bool>(d, "hook_boundary_strict")) o.hook_boundary_strict = *v;
   // the user's callables: a ValueError / TypeError they raise is a caller mistake on every rank
   if (auto v = get_opt<HookBoundaryResolver>(d, "hook_boundary_resolver")) o.hook_boundary_resolver = caller_mistakes_kept(*v);
-  if (auto v = get_opt<AssignmentGroupKeyFn>(d, "assignment_group_key_fn"))
-    o.assignment_group_key_fn = caller_mistakes_kept(*v);
-  if (auto v = get_opt<RouteHintFn>(d, "route_hint_fn")) o.route_hint_fn = caller_mistakes_kept(*v);
+  o.assignment_group_key_fn = checked_str_callable(d, "assignment_group_key_fn", /*keyed=*/true);
+  o.route_hint_fn = checked_str_callable(d, "route_hint_fn", /*keyed=*/false);
   o.plan.max_owners_per_group = get_opt<int>(d, "max_owners_per_group");
   o.plan.owner_strategy = get_opt<std::string>(d, "owner_strategy");
   o.plan.owner_cost_model = get_opt<std::string>(d, "owner_cost_model");

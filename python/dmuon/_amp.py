@@ -33,9 +33,20 @@ class GradScaler(torch.amp.GradScaler):
             # matrix's gradient lives on its owner alone, so the ranks agree on the infs (collective over the
             # model's ranks), or they would step and back off differently and the replicas drift apart; and on
             # torch's refusal (an fp16 gradient, on its owner only), which then raises on every rank
-            groups = _world_groups_of(p for g in optimizer.param_groups for p in g["params"])
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            groups = _world_groups_of(params)
             if not groups:
                 return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            half = [p for p in params if p.dtype == torch.float16 and p.requires_grad]
+            if half and not allow_fp16:
+                # torch's refusal, decided from what every rank knows (the parameters' dtypes) before any gradient
+                # is unscaled: a float16 matrix's gradient is on its owner alone, and the others would unscale
+                # theirs before hearing of the owner's refusal
+                raise ValueError(f"rank {dist.get_rank()}: GradScaler.unscale_: Attempting to unscale FP16 gradients "
+                                 f"(torch's refusal): {len(half)} float16 parameter(s) of a dedicated model in this "
+                                 "optimizer (after prepare_muon_grads a float16 matrix's gradient is on its owner only). "
+                                 "Keep float32 master weights (param_policy's param_dtype for float16 compute) or use "
+                                 "dmuon.Muon.")
             found, error = {}, None
             try:
                 found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)

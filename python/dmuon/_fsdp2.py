@@ -17,19 +17,20 @@ import torch
 from torch import nn
 
 _ORIGINAL = None  # FSDP2's own _get_managed_states while the patch is installed
-# id(param) -> (weak reference to it, its runtime, its model's parameter guard, its name): parameters dmuon
+# id(param) -> (weak reference to it, weak reference to its model's dmuon state, its name): parameters dmuon
 # does not dedicate that param_policy's param_dtype cast at dedicate_params (dmuon keeps their full-precision
-# masters), until fully_shard takes one
+# masters), until fully_shard takes one. Weak both ways: the runtime holds the parameter, so an entry holding
+# the runtime kept a dropped model's parameters and runtime alive for good.
 _CAST = {}
 
 
-def register_cast(runtime, guard, params) -> None:
+def register_cast(state, params) -> None:
     """Records `params` ((name, parameter) pairs dmuon does not dedicate, cast by param_policy and kept with a
-    master by `runtime`; `guard`: the model's check of its parameters' dtypes): fully_shard may take them back
-    in their master precision (restore_masters)."""
+    master by `state` (the model's _State: its runtime, and its guard, the check of its parameters' dtypes)):
+    fully_shard may take them back in their master precision (restore_masters)."""
     for name, p in params:
         key = id(p)
-        _CAST[key] = (weakref.ref(p, lambda _, key=key: _CAST.pop(key, None)), runtime, guard, name)
+        _CAST[key] = (weakref.ref(p, lambda _, key=key: _CAST.pop(key, None)), weakref.ref(state), name)
 
 
 def _user_stacklevel() -> int:
@@ -71,9 +72,10 @@ def restore_masters(modules, ignored=()) -> None:
             if p is None or id(p) in ignored:
                 continue
             entry = _CAST.pop(id(p), None)
-            if entry is None or entry[0]() is not p:
+            state = entry[1]() if entry is not None and entry[0]() is p else None
+            if state is None:
                 continue
-            _, runtime, guard, name = entry
+            runtime, guard, name = state.runtime, state.guard, entry[2]
             master = runtime.master_of(name)
             if master is None:
                 continue

@@ -391,6 +391,15 @@ def _check_dedicate_arguments(model, predicate, options, hook_boundary_predicate
     if not callable(predicate):
         raise TypeError(f"{fn}: predicate must be a callable (name, param) -> bool selecting the Muon matrices, "
                         f"got {type(predicate).__name__}.")
+    lazy = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if isinstance(t, nn.parameter.UninitializedTensorMixin)]
+    if lazy:
+        raise ValueError(
+            f"rank {_rank()}: {fn}: {len(lazy)} parameter(s) or buffer(s) of lazy modules (nn.LazyLinear, ...) are not "
+            f"initialised yet, e.g. '{lazy[0]}' (its shape comes from the first forward); dmuon plans each parameter "
+            "by its shape. Run one forward of the model (a dummy batch) before calling it, as torch's DDP and FSDP "
+            "require."
+        )
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     if meta:
         raise ValueError(
@@ -449,6 +458,13 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
     release_dtensors(tp_params)
     guard = _param_guard(params)
     hooks = _install_hooks(model, runtime, guard) + install_dtensor_hooks(tp_params)
+    if sys.modules.get("torch._dynamo") is not None:
+        # Code Dynamo compiled from this model before now (torch.compile(model) run before dedicate_params) has
+        # neither dmuon's hooks nor its placeholders, and torch does not guard on module hooks
+        # (skip_nnmodule_hook_guards): it would run on (gradients dropped, or inductor's shape assertions on a
+        # placeholder). Dropped, so the next compiled forward traces the dedicated model (other compiled code
+        # recompiles once too).
+        torch.compiler.reset()
     model._dmuon = _State(runtime, native_mesh, world_group, hooks, dict(params), guard)
     if world_group is not None and dist.get_world_size(world_group) > 1:
         for _, p in params:
@@ -464,7 +480,7 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
         owners[d["param"]] = coord
     register_undedicated(tp_params)  # what fully_shard may take later: as DTensors (hand_to_fsdp2)
     # what fully_shard may take later after param_policy cast it: in its master precision (restore_masters)
-    register_cast(runtime, guard, [(n, p) for n, p in params if p.dtype != dtypes[n] and p not in owners])
+    register_cast(model._dmuon, [(n, p) for n, p in params if p.dtype != dtypes[n] and p not in owners])
     model._dmuon.hooks += _install_state_dict_guards(model, model._dmuon, dtypes)
     _install_zero_grad(model, runtime)
     # (after the core's setup agreement: a rank refused there never reaches this collective)
@@ -1072,11 +1088,14 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
             module.set_extra_state(state_dict[key])
             written.append(key)
 
+    def restore_extra_states():  # this rank's modules as they were (a refusal here or on another rank)
+        for key in written:
+            extra[key].set_extra_state(before[key])
+
     try:
         _load_agreed(state.world_group, fn, set_extra_states, {})
     except BaseException:
-        for key in written:  # this rank's modules as they were (a refusal here or on another rank)
-            extra[key].set_extra_state(before[key])
+        restore_extra_states()
         raise
     params, fsdp2 = {}, {}
     for key, value in expected.items():  # a tied parameter: its last key's value, as load_state_dict leaves it
@@ -1086,8 +1105,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
     try:
         state.runtime.assign_params(params)  # (agreed first: a refusal raises on every rank before any write)
     except BaseException:
-        for key in written:
-            extra[key].set_extra_state(before[key])
+        restore_extra_states()
         raise
     for name, p in external.items():
         assign_full(p, fsdp2[name], name)

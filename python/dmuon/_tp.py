@@ -41,17 +41,18 @@ class TpParam:
 
 
 # The local slices of TP parameters that dedicate_params did not dedicate, until fully_shard takes one
-# (hand_to_fsdp2): id(slice Parameter) -> (a weak reference to it, its record); an entry whose slice was
-# freed goes with it (tensors compare element-wise, so they cannot be the keys of a WeakKeyDictionary).
-_UNDEDICATED: Dict[int, Tuple["weakref.ref", TpParam]] = {}
+# (hand_to_fsdp2): id(slice Parameter) -> (a weak reference to it, a weak reference to its record, which the
+# model's dmuon state holds); an entry whose slice was freed goes with it (tensors compare element-wise, so
+# they cannot be the keys of a WeakKeyDictionary). Weak both ways: the record holds the modules that hold the
+# slice, so holding it here kept a dropped model's slices alive for good.
+_UNDEDICATED: Dict[int, Tuple["weakref.ref", "weakref.ref"]] = {}
 
 
 def _take_undedicated(p) -> Optional[TpParam]:
-    entry = _UNDEDICATED.get(id(p))
+    entry = _UNDEDICATED.pop(id(p), None)
     if entry is None or entry[0]() is not p:
         return None
-    del _UNDEDICATED[id(p)]
-    return entry[1]
+    return entry[1]()
 
 
 def _dp_names(mesh, replicate_mesh) -> set:
@@ -168,7 +169,7 @@ def register_undedicated(params: List[TpParam]) -> None:
     for tp in params:
         if not hasattr(tp.local, "_dedicated_owner_rank"):
             key = id(tp.local)
-            _UNDEDICATED[key] = (weakref.ref(tp.local, lambda _, key=key: _UNDEDICATED.pop(key, None)), tp)
+            _UNDEDICATED[key] = (weakref.ref(tp.local, lambda _, key=key: _UNDEDICATED.pop(key, None)), weakref.ref(tp))
 
 
 def hand_to_fsdp2(modules) -> None:

@@ -46,23 +46,37 @@ void agree(Communicator& world, const AgreementText& text, const std::function<v
   const std::vector<int>& ranks = world.global_ranks();
   Fnv1a all;
   for (const AgreedEntry& e : entries) all.u64(entry_digest(e));
-  // one row per rank: [refused, entries, digest of them all]
-  at::Tensor mine = at::empty({3}, at::kLong);
-  int64_t* m3 = mine.data_ptr<int64_t>();
-  m3[0] = error ? refusal : 0;
-  m3[1] = static_cast<int64_t>(entries.size());
-  m3[2] = static_cast<int64_t>(all.value());
-  at::Tensor rows = at::empty({3 * n}, world.options(at::kLong));
+  // one row per rank: [refused, entries, digest of them all, the call]
+  constexpr int kRow = kAgreementRowWords;
+  at::Tensor mine = at::empty({kRow}, at::kLong);
+  int64_t* m4 = mine.data_ptr<int64_t>();
+  m4[0] = error ? refusal : 0;
+  m4[1] = static_cast<int64_t>(entries.size());
+  m4[2] = static_cast<int64_t>(all.value());
+  m4[3] = static_cast<int64_t>(Fnv1a().str(text.fn).value());
+  at::Tensor rows = at::empty({kRow * n}, world.options(at::kLong));
   world.allgather_flat(rows, mine.to(world.device()), text.fn + ": agreement across ranks").wait_host();
   const at::Tensor host = read_to_host(rows);
   const int64_t* row = host.data_ptr<int64_t>();
 
+  // ranks in another call's agreement (one skipped or added a collective call): said on every rank, each naming
+  // its own call, before anything of the rows is read as this call's
+  std::vector<int> elsewhere;
+  for (int r = 0; r < n; ++r)
+    if (row[kRow * r + 3] != m4[3]) elsewhere.push_back(ranks[static_cast<size_t>(r)]);
+  TORCH_CHECK_VALUE(elsewhere.empty(), "rank ", me, ": ", text.fn, ": rank(s) ", rank_list(elsewhere),
+                    " made another collective call of dmuon at this point (not ", text.fn, "): every rank of the "
+                    "model's mesh makes dmuon's collective calls (the optimizer's step and clipping, the state-dict "
+                    "and checkpoint functions, ...) in the same order. One rank skipped a call or made an extra one "
+                    "(e.g. under `if rank == 0`, or after catching an error the others did not get); each rank's "
+                    "error names the call it was in.", error ? " This rank's own call had failed: " + reason : "");
+
   std::vector<int> refused;
   bool mistakes_only = true;  // every refusal was a caller mistake: the others raise one too
   for (int r = 0; r < n; ++r)
-    if (row[3 * r] != 0) {
+    if (row[kRow * r] != 0) {
       refused.push_back(r);
-      mistakes_only = mistakes_only && row[3 * r] == 1;
+      mistakes_only = mistakes_only && row[kRow * r] == 1;
     }
   if (!refused.empty()) {  // every rank learns the first refusal's reason
     at::Tensor msg = at::zeros({kMessageBytes}, at::kByte);
@@ -85,17 +99,23 @@ void agree(Communicator& world, const AgreementText& text, const std::function<v
     TORCH_CHECK(false, "rank ", me, ": ", text.fn, ": ", what);
   }
 
+  const auto differs = [&text](const Disagreement& d) {
+    if (text.differs) return text.differs(d);
+    return "the ranks were given different inputs: rank(s) " + rank_list(d.ranks) + " differ from rank 0 in " +
+           (d.entry ? "'" + d.entry->key + "'" : "the number of entries (" + std::to_string(d.count0) + " vs " +
+                                                   std::to_string(d.count) + ")") + ".";
+  };
   Disagreement d;
   d.count0 = row[1];
   for (int r = n - 1; r >= 1; --r)
-    if (row[3 * r + 1] != row[1]) {
+    if (row[kRow * r + 1] != row[1]) {
       d.ranks.insert(d.ranks.begin(), ranks[static_cast<size_t>(r)]);
-      d.count = row[3 * r + 1];
+      d.count = row[kRow * r + 1];
     }
   // different numbers of entries: nothing to compare one by one
-  if (!d.ranks.empty()) TORCH_CHECK_VALUE(false, "rank ", me, ": ", text.fn, ": ", text.differs(d));
+  if (!d.ranks.empty()) TORCH_CHECK_VALUE(false, "rank ", me, ": ", text.fn, ": ", differs(d));
   bool same = true;
-  for (int r = 1; r < n; ++r) same = same && row[3 * r + 2] == row[2];
+  for (int r = 1; r < n; ++r) same = same && row[kRow * r + 2] == row[2];
   if (same) return;
   // as many entries everywhere: find the first that differs and the ranks it differs on
   const int64_t m = row[1];
@@ -113,7 +133,7 @@ void agree(Communicator& world, const AgreementText& text, const std::function<v
         d.index = i;
         d.ranks.push_back(ranks[static_cast<size_t>(r)]);
       }
-  if (d.entry) TORCH_CHECK_VALUE(false, "rank ", me, ": ", text.fn, ": ", text.differs(d));
+  if (d.entry) TORCH_CHECK_VALUE(false, "rank ", me, ": ", text.fn, ": ", differs(d));
   // (the totals differ but no entry does: cannot happen with one digest per entry; said, never silent)
   TORCH_CHECK_VALUE(false, "rank ", me, ": ", text.fn, ": the ranks' summaries differ from rank ", ranks.front(),
                     "'s, but no entry does (a dmuon bug: please report it).");

@@ -6,7 +6,9 @@
 // between ranks (each replica trains or loads its own and they drift apart, never to be noticed; or they
 // issue other collectives: a hang). agree() runs this rank's check, then one small all-gather over the
 // world: a refusal anywhere raises on every rank with the first refusing rank's reason; a summary that
-// differs from global rank 0's raises on every rank, naming the first entry that differs.
+// differs from global rank 0's raises on every rank, naming the first entry that differs. The exchange also
+// carries the call (text.fn): ranks in different calls' agreements (one skipped or added a collective call)
+// raise on every rank, each naming its own call, instead of reading another call's rows as this one's.
 #pragma once
 
 #include <cstdint>
@@ -44,7 +46,7 @@ struct AgreementText {
   // the whole error for a refusal on other ranks (after "rank R: fn: "), from the refusing global ranks and the
   // first one's reason ("rank 1: ..."); empty: "rank(s) 1 refused <given> they were given, so <outcome> (reason)"
   std::function<std::string(const std::vector<int>& ranks, const std::string& reason)> refused;
-  // the whole error for a disagreement (after "rank R: fn: ")
+  // the whole error for a disagreement (after "rank R: fn: "); empty: the differing ranks and entry's key
   std::function<std::string(const Disagreement&)> differs;
 };
 
@@ -54,6 +56,10 @@ struct AgreementText {
 // one naming the first refusing rank and its reason, a ValueError where every refusal was a caller mistake, else
 // a RuntimeError) or when the summaries differ from global rank 0's (a ValueError with text.differs). A world of
 // one exchanges nothing (check still runs).
+// The int64 words of a rank's row in the agreement's all-gather (refused, entries, digest, call): Muon::step's
+// verdict is one, which the planners count (kStepVerdictRowBytes, owner_plan.h).
+inline constexpr int kAgreementRowWords = 4;
+
 void agree(Communicator& world, const AgreementText& text, const std::function<void()>& check,
            const std::function<std::vector<AgreedEntry>()>& summary);
 

@@ -31,14 +31,11 @@ int write_all(int fd, const void* data, size_t n, uint64_t offset) {
   return 0;
 }
 
+Fd::~Fd() {
+  if (fd >= 0) ::close(fd);
+}
+
 namespace {
-// a descriptor closed when it goes out of scope
-struct Fd {
-  int fd = -1;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
 void fsync_dir(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
   if (fd < 0) return;  // a directory that cannot be opened: the rename is still atomic
@@ -136,10 +133,10 @@ void write_atomically(const std::string& path, const std::function<void(int fd)>
     }
     fs::rename(tmp, target);  // atomic within one file system
     fsync_dir(dir.string());
-  } catch (const std::exception& e) {
+  } catch (const std::exception&) {
     std::error_code ec;
     fs::remove(tmp, ec);
-    throw std::runtime_error(e.what());
+    throw;
   }
 }
 

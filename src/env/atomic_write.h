@@ -9,6 +9,16 @@
 
 namespace dmuon::detail {
 
+// A file descriptor closed when it goes out of scope (movable, not copyable).
+struct Fd {
+  int fd = -1;
+  Fd() = default;
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  Fd(Fd&& o) noexcept : fd(o.fd) { o.fd = -1; }
+  ~Fd();
+};
+
 // 0, or the errno of the failed write: `n` bytes of `data` at `offset` of `fd`, retried until written.
 int write_all(int fd, const void* data, size_t n, uint64_t offset);
 
@@ -17,8 +27,8 @@ int write_all(int fd, const void* data, size_t n, uint64_t offset);
 // its name), which is fsync'ed, renamed over `path`, and the directory fsync'ed. Temporaries of earlier
 // writes of `path` whose process died mid-write are removed first; SIGINT/SIGTERM during the write remove
 // the temporary before the signal takes its course. On any failure (body throws std::exception with the
-// reason, or a system call fails) the temporary is removed, nothing is replaced, and std::runtime_error
-// gives the reason alone (the caller names what it was writing).
+// reason, or a system call fails) the temporary is removed, nothing is replaced, and the exception
+// (a std::exception giving the reason alone; the caller names what it was writing) propagates.
 void write_atomically(const std::string& path, const std::function<void(int fd)>& body);
 
 }  // namespace dmuon::detail

@@ -9,10 +9,6 @@
 
 namespace dmuon::io {
 
-Fd::~Fd() {
-  if (fd >= 0) ::close(fd);
-}
-
 size_t read_at(int fd, void* data, size_t n, uint64_t offset) {
   char* p = static_cast<char*>(data);
   size_t done = 0;

@@ -12,14 +12,8 @@
 
 namespace dmuon::io {
 
-struct Fd {
-  int fd = -1;
-  Fd() = default;
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  Fd(Fd&& o) noexcept : fd(o.fd) { o.fd = -1; }
-  ~Fd();
-};
+// A descriptor closed when it goes out of scope.
+using detail::Fd;
 
 // Little-endian integers as the file formats store them.
 inline uint64_t load_le(const unsigned char* p, int bytes) {

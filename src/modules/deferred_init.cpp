@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include <set>
 #include <sstream>
 
 #include "dmuon/digest.h"
@@ -203,23 +204,26 @@ void initialize_parameters(torch::nn::Module& model, ParamSource& source, const 
   const int tp_rank = tp_mesh ? tp_mesh->tp_rank() : 0;
   TORCH_CHECK(split.empty() || tp_mesh, "initialize_parameters: the model has tensor-parallel parameters (e.g. '",
               split.empty() ? std::string() : split.begin()->first, "'); pass the mesh they were built on.");
-  std::vector<std::pair<std::string, TensorRegion>> regions;
+  // a tied parameter (one tensor under several names) once, under its first name, as dedicate_params asks
+  // the source for it: the same value on both
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& item : model.named_parameters(/*recurse=*/true))
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) params.emplace_back(item.key(), item.value());
+  std::vector<TensorRegion> regions;
   std::vector<std::pair<std::string, std::vector<int64_t>>> wanted;
-  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
-    auto it = split.find(item.key());
-    regions.emplace_back(item.key(), detail::tp_region(item.value().sizes(), it == split.end() ? -1 : it->second,
-                                                       tp_rank, tp));
-    wanted.emplace_back(item.key(), regions.back().second.full_shape);
+  for (const auto& [name, p] : params) {
+    auto it = split.find(name);
+    regions.push_back(detail::tp_region(p.sizes(), it == split.end() ? -1 : it->second, tp_rank, tp));
+    wanted.emplace_back(name, regions.back().full_shape);
   }
   source.check(wanted);
   at::NoGradGuard ng;
-  size_t i = 0;
-  for (auto& item : model.named_parameters(/*recurse=*/true)) {
-    at::Tensor p = item.value();
-    const TensorRegion& r = regions[i++].second;
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor p = params[i].second;
     if (is_deferred(p)) p.set_data(at::empty(p.sizes(), p.options().requires_grad(false)));
     at::Tensor out = p.detach();
-    source.fill(item.key(), r, out);
+    source.fill(params[i].first, regions[i], out);
   }
 }
 

@@ -110,10 +110,10 @@ class RouteContext {
   at::Tensor master_of(const at::Tensor& p) const;    // undefined when p has no master on this rank
   // Route::check_params for one parameter: `param` (boundary b's `name`) still holds the storage of one of
   // `given` (what the route set it to: its buffer, its placeholder) and the dtype of the first; else an
-  // error saying what replaced it and how to load values instead (local); `during` names the call ("": the
+  // error saying what replaced it and how to load values instead (local); `during` names the call (empty: the
   // forward of boundary b)
   void require_given_storage(int b, const std::string& name, const at::Tensor& param,
-                             std::initializer_list<const at::Tensor*> given, const std::string& during = "") const;
+                             std::initializer_list<const at::Tensor*> given, const std::string& during) const;
   void set_master(const at::Tensor& p, at::Tensor master) { masters_[p.unsafeGetTensorImpl()] = std::move(master); }
   bool has_masters() const { return !masters_.empty(); }
   // p's gradient for the optimizer: the update targets p's master when it has one here, else p.

@@ -35,6 +35,8 @@ bool partial_backward() {
   const auto* info = torch::autograd::get_current_graph_task_exec_info();
   return info != nullptr && !info->empty();
 }
+// the identity of this thread's graph task (its exec_info map lives as long as it does; LibTorch 1.13 has no id)
+const void* current_graph_task() { return torch::autograd::get_current_graph_task_exec_info(); }
 }  // namespace
 
 bool Runtime::routed(const std::string& name) const {
@@ -292,6 +294,7 @@ void Runtime::note_backward(bool engine_hook) {
   pass_mode_checked_ = false;
   if (engine_hook) refuse_graph_building_partial_backward();
   backward_open_ = true;
+  pass_task_ = current_graph_task();
   // a backward through a retained graph (no use counted since the last backward): the uses of that graph (a
   // boundary used by two forwards gets two gradients again; expecting fewer would reduce before the second)
   for (auto& B : boundaries_)
@@ -429,7 +432,11 @@ bool Runtime::after_reduce(int b) {
 void Runtime::note_accumulated(bool& accumulated, int b) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   note_backward();
-  if (accumulated) return;
+  // A reentrant activation checkpoint whose block is the boundary (checkpoint_wrapper applied before
+  // dedicate_params) runs one nested backward per use it recomputes: a block used twice accumulates its
+  // parameters once per use, the first before the other use's gradient exists. Readiness then comes from
+  // the post-backward hooks (which count the uses) or the end of backward.
+  if (accumulated || current_graph_task() != pass_task_) return;
   accumulated = true;
   Boundary& B = boundaries_[static_cast<size_t>(b)];
   if (++B.accumulated == B.num_params && done_with_uses(B)) B.grads_ready = true;
@@ -711,13 +718,16 @@ void Runtime::prefetch_next_forward(int groups, bool sharded_adamw) {
   }
 }
 
+static_assert(detail::kAgreementRowWords * sizeof(int64_t) == kStepVerdictRowBytes,
+              "the planners count the step verdict's row (owner_plan.h)");
+
 std::vector<PlannedTraffic> Runtime::planned_step_traffic() const {
   std::lock_guard<std::recursive_mutex> g(mu_);
   std::vector<PlannedTraffic> out;
   for (const Route* r : routes()) r->plan_step_traffic(out);
-  if (step_verdict_) {  // (the optimizer's: comm/agreement.h's all-gather of [refused, count, digest])
+  if (step_verdict_) {  // (the optimizer's: comm/agreement.h's all-gather of [refused, count, digest, call])
     Communicator& world = mesh().world();
-    add_planned(out, "muon", world, CommOp::AllGather, 3 * int64_t{sizeof(int64_t)} * world.size());
+    add_planned(out, "muon", world, CommOp::AllGather, kStepVerdictRowBytes * world.size());
   }
   return out;
 }

@@ -291,6 +291,10 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
   // token tells: a device thread may hold a failed graph task a little longer.)
   bool backward_open_ = false;
   std::weak_ptr<void> backward_token_;
+  // the graph task the open backward began in (its identity only): a parameter accumulated in another one
+  // is inside a nested backward -- a reentrant activation checkpoint's, which accumulates the gradient of
+  // the uses it recomputes only -- so it does not say the parameter's gradient is whole
+  const void* pass_task_ = nullptr;
   bool backward_live() const { return backward_open_ && !backward_token_.expired(); }
   bool backward_abandoned() const;
   uint64_t grads_epoch_ = 0;

@@ -86,8 +86,8 @@ class RuntimeFace {
   // Mesh::set_sharded_unshard_group) or on the shard group with the dedicated broadcasts. Local; every
   // rank the same, before the next forward.
   virtual void set_separate_sharded_unshard(bool on) = 0;
-  // The optimizer ends each step with the world's verdict on non-finite gradients (one all-gather of three
-  // int64 per rank, Muon::step): counted in planned_step_traffic. Local.
+  // The optimizer ends each step with the world's verdict on non-finite gradients (one all-gather of
+  // kStepVerdictRowBytes per rank, Muon::step): counted in planned_step_traffic. Local.
   virtual void set_step_verdict(bool on) = 0;
   // A dmuon optimizer was built on this runtime: it takes the gradients dmuon holds (a dedicated matrix's
   // reduced sum outside p.grad). Without one (and no prepare_grads), a second backward warns once that no

@@ -399,8 +399,8 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
                         (l.shard_base ? 3.0 * (G - 1) / G * PB_bytes / T + 2.0 * (R - 1) / R * PB_bytes / (G * T)
                                       : 2.0 * (DP - 1) / DP * PB_bytes / T);
     if (G * T > hw.devices_per_node) dm.inter_node_bytes_per_rank += dm.bytes_per_rank;
-    // Muon::step's verdict on non-finite gradients: three int64 from every rank of the world, read on the host
-    const double verdict_bytes = 24.0 * N;
+    // Muon::step's verdict on non-finite gradients: a row from every rank of the world, read on the host
+    const double verdict_bytes = static_cast<double>(kStepVerdictRowBytes) * N;
     dm.verdict_s = ring_time(verdict_bytes, N, N <= hw.devices_per_node ? hw.intra_node : hw.inter_node);
     dm.bytes_per_rank += verdict_bytes * (N - 1) / N;
     if (N > hw.devices_per_node) dm.inter_node_bytes_per_rank += verdict_bytes * (N - 1) / N;

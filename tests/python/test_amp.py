@@ -259,7 +259,8 @@ class _HalfMatrix(torch.nn.Module):
 def _torch_optimizer_refusing_fp16(rank, world):
     """torch's GradScaler refuses to unscale float16 gradients; after prepare_muon_grads a float16 matrix's
     gradient is on its owner alone, so only the owner refused and the other ranks waited in the inf agreement until
-    the timeout. The refusal now raises on every rank at once."""
+    the timeout. The refusal now raises on every rank at once, before any rank unscaled a gradient (as torch's
+    refusal leaves them: the caller who catches it finds the gradients still scaled)."""
     model = _HalfMatrix()
     dmuon.dedicate_params(model, torch.distributed.group.WORLD, lambda n, p: p.dim() == 2)
     dmuon.replicate(model)
@@ -267,8 +268,11 @@ def _torch_optimizer_refusing_fp16(rank, world):
     scaler = dmuon.GradScaler("cpu", init_scale=INIT)
     scaler.scale(model(torch.ones(1)).sum()).backward()
     dmuon.prepare_muon_grads(model)
-    with pytest.raises(ValueError, match="unscale FP16 gradients"):
+    scaled = model.scale.grad.clone()
+    assert float(scaled.abs().max()) == INIT  # (INIT times the gradient, 1)
+    with pytest.raises(ValueError, match=rf"rank {rank}: GradScaler.unscale_: Attempting to unscale FP16 gradients"):
         scaler.step(sgd)
+    assert torch.equal(model.scale.grad, scaled), rank
 
 
 def test_a_torch_optimizers_fp16_refusal_raises_on_every_rank(tmp_path):

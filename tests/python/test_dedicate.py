@@ -1051,12 +1051,19 @@ class SharedNet(Net):
         return x * self.scale
 
 
-def _shared_checkpointed(rank, world, layout, reentrant):
+def _shared_checkpointed(rank, world, layout, reentrant, wrapped=False):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
     torch.manual_seed(7)
     plain = SharedNet()
     torch.manual_seed(7)
     model = SharedNet()
-    model.checkpointed, model.reentrant = True, reentrant
+    if wrapped:  # the wrapper is the block dmuon hooks: its recomputes each run a backward of their own
+        impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+        for i in range(len(model.layers)):
+            model.layers[i] = checkpoint_wrapper(model.layers[i], checkpoint_impl=impl)
+    else:
+        model.checkpointed, model.reentrant = True, reentrant
     dedicated_net(init_device_mesh("cpu", (world,)), False, model, reshard_after_forward=layout == "z3")
     opt, _ = make_optimizer(model, first_step_progress_log=False)
     mine = {d.name: d for d in dmuon.get_dedicated_params(model)}
@@ -1073,13 +1080,17 @@ def _shared_checkpointed(rank, world, layout, reentrant):
         assert checked == BLOCKS + 1 + sum(d.is_owner for d in mine.values())
 
 
-@pytest.mark.parametrize("layout,reentrant", [("z3", True), ("z2", True), ("z3", False)])
-def test_a_shared_block_checkpointed_at_each_use_reduces_after_its_last_recompute(tmp_path, layout, reentrant):
+@pytest.mark.parametrize("layout,reentrant,wrapped", [("z3", True, False), ("z2", True, False), ("z3", False, False),
+                                                      ("z3", True, True), ("z2", True, True), ("z3", False, True)])
+def test_a_shared_block_checkpointed_at_each_use_reduces_after_its_last_recompute(tmp_path, layout, reentrant, wrapped):
     """One block used twice per forward, each use under activation checkpointing: reentrant checkpointing
     recomputes the uses one at a time inside backward, so the block's reduce waits for the last recompute's
-    gradients (it went out after the first before, and the other use's gradients came too late). Every
-    gradient equals the plain model's at 1e-12 (float64, 2 ranks, Z3 and Z2)."""
-    run_ranks(tmp_path, 2, _shared_checkpointed, layout, reentrant)
+    gradients (it went out after the first before, and the other use's gradients came too late). `wrapped`:
+    checkpoint_wrapper around each block before dedicate_params, so the wrapper is the boundary and each
+    recompute's own backward accumulates the parameters (the first one's accumulation made the block ready
+    before: 8e-2 off, the other use's gradient dropped). Every gradient equals the plain model's at 1e-12
+    (float64, 2 ranks, Z3 and Z2)."""
+    run_ranks(tmp_path, 2, _shared_checkpointed, layout, reentrant, wrapped)
 
 
 class BranchNet(Net):
@@ -2113,22 +2124,30 @@ def _freed_after_a_sweep(rank, world):
     import gc
     import weakref
 
-    gone = []
-    for _ in range(3):
+    from dmuon import _fsdp2, _tp
+
+    gone, params = [], []
+    for i in range(4):
         model = make_net()
+        # i odd: param_policy casts the replicated parameters (dmuon keeps their masters): a module-level record of
+        # them (for a later fully_shard) held the runtime, which holds the parameters -- they were never freed
+        cast = {"param_policy": {"defaults": {"param_dtype": "bf16"}}} if i % 2 else {}
         dmuon.dedicate_params(model, torch.distributed.group.WORLD, lambda n, p: p.dim() == 2,
                               hook_boundary_predicate=lambda m: isinstance(m, Block),
                               route_hint_fn=lambda n, p, m=model: "" if m is not None else "adamw",
-                              process_group_policy="shared")
+                              process_group_policy="shared", **cast)
         dmuon.replicate(model)
         opt = dmuon.Muon(model, lr=LR, first_step_progress_log=False)
         x, y = batch(0)
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
         gone.append(weakref.ref(model))
+        params += [weakref.ref(p) for p in model.parameters()]
         del model, opt
         gc.collect()
-    assert all(r() is None for r in gone), f"{sum(r() is not None for r in gone)} of 3 models still alive"
+    assert all(r() is None for r in gone), f"{sum(r() is not None for r in gone)} of 4 models still alive"
+    assert all(r() is None for r in params), f"{sum(r() is not None for r in params)} parameters still alive"
+    assert not _fsdp2._CAST and not _tp._UNDEDICATED
 
 
 def test_a_model_dedicated_with_setup_callables_is_freed_when_dropped(tmp_path):

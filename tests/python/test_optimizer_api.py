@@ -320,6 +320,54 @@ def test_collective_timeout_follows_the_group(tmp_path):
     run_ranks(tmp_path, 2, _timeouts)
 
 
+def _rank_divergent_calls(rank, world):
+    """A collective call made by some ranks only, or with arguments one rank refuses or that differ, raises on every
+    rank, each naming its call. Before: a clip on one rank against the other's step paired their exchanges of
+    different sizes (Gloo aborted the process, SIGABRT), and a state dict against a step gave an internal
+    bad_function_call there and a wrong "different values" error here."""
+    def trained():  # (each case on a model of its own: its own cloned groups)
+        model = dedicated_net(dist.group.WORLD, False)
+        opt = dmuon.Muon(model, lr=LR, first_step_progress_log=False)
+        x, y = batch(0)
+        ((model(x) - y) ** 2).mean().backward()
+        return model, opt
+
+    elsewhere = r"rank\(s\) {} made another collective call of dmuon at this point \(not {}\)"
+    model, opt = trained()
+    if rank == 0:
+        with pytest.raises(ValueError, match=rf"rank 0: clip_grad_norm_: " + elsewhere.format(1, "clip_grad_norm_")):
+            opt.clip_grad_norm_(1.0)
+    else:
+        with pytest.raises(ValueError, match=rf"rank 1: Muon::step: " + elsewhere.format(0, "Muon::step")):
+            opt.step()
+    model, opt = trained()
+    if rank == 0:
+        with pytest.raises(ValueError, match=rf"get_model_state_dict: " + elsewhere.format(1, "get_model_state_dict")):
+            dmuon.get_model_state_dict(model)
+    else:
+        with pytest.raises(ValueError, match=rf"Muon::step: " + elsewhere.format(0, "Muon::step")):
+            opt.step()
+    # an argument one rank refuses, then arguments that differ: no rank clips, every rank says why
+    model, opt = trained()
+    with pytest.raises(ValueError, match=r"max_norm must be >= 0" if rank == 1 else
+                       r"rank 0: clip_grad_norm_: rank\(s\) 1 refused the arguments they were given, so no rank "
+                       r"clips \(rank 1: clip_grad_norm_: max_norm must be >= 0"):
+        opt.clip_grad_norm_(float("nan") if rank == 1 else 1.0)
+    with pytest.raises(ValueError, match=rf"rank {rank}: clip_grad_norm_: the ranks clip with different arguments: "
+                                         r"max_norm is [12] here and differs on rank\(s\) 1"):
+        opt.clip_grad_norm_(1.0 + rank)
+    before = dmuon.get_model_state_dict(model, rank0_only=False)
+    stats = opt.clip_grad_norm_(1e-3)  # (and the same call on every rank goes on as usual)
+    assert stats.clipped and stats.max_norm == 1e-3
+    opt.step()
+    after = dmuon.get_model_state_dict(model, rank0_only=False)
+    assert all(not torch.equal(before[k], after[k]) for k in before if k.endswith("weight"))
+
+
+def test_a_collective_call_on_some_ranks_only_raises_on_every_rank(tmp_path):
+    run_ranks(tmp_path, 2, _rank_divergent_calls)
+
+
 def _pair_meshes(rank, world):
     """Two pairs of ranks, each dedicating its own model on its own group with process_group_policy="shared"
     (the other pair may not dedicate at all): each pair agrees within itself only, and a pair whose ranks
@@ -553,6 +601,26 @@ def _hostile_edits(rank, world):
         on_meta = make_net()
     with pytest.raises(ValueError, match=r"parameter\(s\) are on the meta device .* e.g. 'scale'"):
         dmuon.dedicate_params(on_meta, dist.group.WORLD, lambda n, p: p.dim() == 2)
+    # a lazy module not yet run: its parameters have no shape (replicated, the first backward failed in autograd)
+    lazy = torch.nn.Sequential(torch.nn.LazyLinear(4, dtype=torch.float64), torch.nn.Tanh())
+    for fn in (dmuon.dedicate_params, dmuon.dedicate_params_ddp):
+        with pytest.raises(ValueError, match=r"rank 0: dedicate_params(_ddp)?: 2 parameter\(s\) or buffer\(s\) of lazy "
+                                             r"modules .* e.g. '0.weight' .* Run one forward"):
+            fn(lazy, dist.group.WORLD, lambda n, p: n.endswith("weight"))
+    lazy(torch.ones(2, 3, dtype=torch.float64))  # (initialised: dedicated as any model)
+    dmuon.dedicate_params(lazy, dist.group.WORLD, lambda n, p: n.endswith("weight"))
+    assert [d.name for d in dmuon.get_dedicated_params(lazy)] == ["0.weight"]
+    # the setup callables' results are checked (pybind's cast said "Unable to cast ... to C++ type '?'")
+    with pytest.raises(TypeError, match=r"option 'route_hint_fn' returned 5 \(int\) for parameter '[^']+'; it must "
+                                        r"return a route name"):
+        dmuon.dedicate_params(make_net(), dist.group.WORLD, lambda n, p: p.dim() == 2, route_hint_fn=lambda n, p: 5)
+    with pytest.raises(TypeError, match="unhashable type: 'list'"):
+        dmuon.dedicate_params(make_net(), dist.group.WORLD, lambda n, p: p.dim() == 2,
+                              assignment_group_key_fn=lambda n, p: [n])
+    keyed = make_net()  # any hashable key, None no hint
+    dmuon.dedicate_params(keyed, dist.group.WORLD, lambda n, p: p.dim() == 2, route_hint_fn=lambda n, p: None,
+                          assignment_group_key_fn=lambda n, p: (len(n), 3))
+    assert len(dmuon.get_dedicated_params(keyed)) == BLOCKS * 2
     with pytest.raises(TypeError, match="predicate must be a callable"):
         dmuon.dedicate_params(make_net(), dist.group.WORLD, "proj")
     # a predicate's result counts by its truthiness, as filter() takes it (re.search gives a Match or None)

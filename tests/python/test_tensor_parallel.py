@@ -276,3 +276,38 @@ def _frozen_tp(rank, world):
 
 def test_frozen_tp_weights_predicates_and_attributes(tmp_path):
     run_ranks(tmp_path, 2, _frozen_tp)
+
+
+def _tp_models_freed(rank, world):
+    """TP models dropped one after another in one process (a sweep) are freed with their slices: the record of
+    the TP parameters dmuon does not dedicate (the biases, which a later fully_shard may take as DTensors) held
+    their modules, so each dropped model's slices stayed alive for good."""
+    import gc
+    import weakref
+
+    from torch import nn
+
+    from dmuon import _tp
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("shard", "tp"))
+    gone = []
+    for ddp in (True, False, True):
+        model = nn.Sequential(nn.Sequential(nn.Linear(8, 16, dtype=torch.float64), nn.Tanh(),
+                                            nn.Linear(16, 8, dtype=torch.float64)))
+        parallelize_module(model, mesh["tp"], {"0.0": ColwiseParallel(), "0.2": RowwiseParallel()})
+        dedicate = dmuon.dedicate_params_ddp_tp if ddp else dmuon.dedicate_params
+        dedicate(model, mesh["shard"], lambda n, p: p.dim() == 2, hook_boundary_resolver=lambda n, p: "0")
+        assert _tp._UNDEDICATED  # (the column-split bias)
+        dmuon.replicate_tp(model)
+        opt = dmuon.Muon(model, lr=LR, first_step_progress_log=False)
+        model(torch.ones(2, 8, dtype=torch.float64)).pow(2).mean().backward()
+        opt.step()
+        gone += [weakref.ref(model)] + [weakref.ref(p) for p in model.parameters()]
+        del model, opt
+        gc.collect()
+    assert all(r() is None for r in gone), f"{sum(r() is not None for r in gone)} models or parameters still alive"
+    assert not _tp._UNDEDICATED
+
+
+def test_tp_models_dropped_in_a_sweep_are_freed(tmp_path):
+    run_ranks(tmp_path, 2, _tp_models_freed)

@@ -106,7 +106,7 @@ struct StepEstimate {
   double ns_s = 0;             // Newton-Schulz on the critical path
   double adamw_s = 0;
   double replicate_s = 0;      // exposed replicate-axis (HSDP) or post-NS all-gather time
-  double verdict_s = 0;        // DMuon: Muon::step's non-finite-gradient verdict, one all-gather of 24 bytes
+  double verdict_s = 0;        // DMuon: Muon::step's non-finite-gradient verdict, one all-gather of 32 bytes
                                // per rank over the world at the end of the step (exposed: the host reads it)
   double bytes_per_rank = 0;   // sent + received per step: the shard/data-parallel groups (+ DMuon's verdict
                                // over the world)
