@@ -746,6 +746,12 @@ TEST(NewtonSchulzTest, ColumnShardedGramRefusesShardsOfDifferentMatricesOnEveryR
                     err);
     // and shards of one matrix run (their other sides may differ: 8 x 5 and 8 x 3)
     EXPECT_EQ(run(at::randn({8, ctx.rank == 0 ? 5 : 3}, at::kDouble), false), "");
+    // a call that repeats an agreed one on rank 0 while rank 1's differs is refused too (an agreement cached per
+    // rank let rank 0 skip the all-gather rank 1 made: rank 1's agreement met rank 0's Gram all-reduce)
+    err = run(at::randn({ctx.rank == 0 ? 8 : 6, ctx.rank == 0 ? 5 : 3}, at::kDouble), false);
+    testing::expect(err.find("the ranks' shards differ in rows of the oriented shard (this rank's: " +
+                             std::string(ctx.rank == 0 ? "8" : "6")) != std::string::npos,
+                    err);
   });
 }
 

@@ -2961,19 +2961,38 @@ TEST(RuntimeTest, StepTrafficPlanEqualsTheMeasuredBytesOfEveryGroup) {
       }
       const ModelCommPlan plan = get_comm_plan(*m);
       testing::expect(!plan.step_traffic.empty(), "a plan");
-      std::map<std::pair<std::string, int>, int64_t> planned, measured;
-      for (const PlannedTraffic& t : plan.step_traffic) planned[{t.group, static_cast<int>(t.op)}] += t.bytes;
+      std::map<std::pair<std::string, int>, int64_t> planned, measured, planned_calls, measured_calls;
+      int64_t sharded_calls = 0;  // sharded_adamw's collectives other than its all-gathers
+      for (const PlannedTraffic& t : plan.step_traffic) {
+        planned[{t.group, static_cast<int>(t.op)}] += t.bytes;
+        planned_calls[{t.group, static_cast<int>(t.op)}] += t.calls;
+        if (t.route == "sharded_adamw" && t.op != CommOp::AllGather) sharded_calls += t.calls;
+      }
       for (auto& [name, g] : groups) {
         const auto now = g->own_counters().snapshot();
         for (int op = 0; op < static_cast<int>(CommOp::kCount); ++op)
-          if (const int64_t n = now.bytes[static_cast<size_t>(op)] - before[name].bytes[static_cast<size_t>(op)])
+          if (const int64_t n = now.bytes[static_cast<size_t>(op)] - before[name].bytes[static_cast<size_t>(op)]) {
             measured[{name, op}] = n;
+            measured_calls[{name, op}] = now.calls[static_cast<size_t>(op)] - before[name].calls[static_cast<size_t>(op)];
+          }
       }
       for (const auto& [key, n] : measured)
-        testing::expect(planned.count(key) && planned.at(key) == n,
+        testing::expect(planned.count(key) && planned.at(key) == n && planned_calls.at(key) == measured_calls.at(key),
                         "rank " + std::to_string(ctx.rank) + ": " + comm_op_name(static_cast<CommOp>(key.second)) +
-                            " on " + key.first + ": measured " + std::to_string(n) + ", planned " +
-                            std::to_string(planned.count(key) ? planned.at(key) : -1));
+                            " on " + key.first + ": measured " + std::to_string(n) + " bytes in " +
+                            std::to_string(measured_calls.at(key)) + " calls, planned " +
+                            std::to_string(planned.count(key) ? planned.at(key) : -1) + " in " +
+                            std::to_string(planned_calls.count(key) ? planned_calls.at(key) : -1));
+      if (l.sharded) {  // one reduce-scatter (and on HSDP one all-reduce) per boundary, not one per parameter
+        int64_t params = 0;
+        for (const auto& p : m->named_parameters())
+          params += models::is_muon_matrix(p.key(), p.value()) ? 0 : 1;
+        const int64_t per_boundary = l.replicate > 1 ? 2 : 1;
+        // (1-D: 5 reduce-scatters for the 14 parameters of 5 boundaries; one per parameter before)
+        testing::expect(sharded_calls > 0 && sharded_calls * 2 <= per_boundary * params,
+                        "sharded_adamw's reduces per step: " + std::to_string(sharded_calls) + " for " +
+                            std::to_string(params) + " parameters");
+      }
       for (const auto& [key, n] : planned)
         testing::expect(n == 0 || measured.count(key), "planned but not measured: " +
                                                           std::string(comm_op_name(static_cast<CommOp>(key.second))) +

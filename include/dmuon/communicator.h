@@ -237,7 +237,9 @@ void agree_outcome(Communicator& comm, const std::string& what, bool here, const
 // An in-place sum over `comm`, waited with its timeout and counted like every dmuon collective.
 AllReduceSumFn allreduce_sum_fn(Communicator& comm, std::string what);
 // gram_newton_schulz_distributed_local over a c10d group (nullptr = a group of one); every all-reduce
-// waits at most `timeout`. collective: all ranks of `group`, same order.
+// waits at most `timeout`. collective: all ranks of `group`, same order. Each call first agrees the ranks'
+// shards (rows, batch, dtype, `transposed`, options) in one small all-gather: a mismatch is an error on every
+// rank, not a size mismatch inside the backend.
 at::Tensor gram_newton_schulz_distributed_local(const at::Tensor& G_local, const CommPtr& group, bool transposed,
                                                 const NsOptions& opts = {},
                                                 std::chrono::milliseconds timeout = kDefaultCollectiveTimeout);

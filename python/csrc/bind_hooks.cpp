@@ -240,9 +240,13 @@ class ForwardHooks {
   std::vector<std::unique_ptr<detail::BoundaryScope>> scopes_;
 };
 
+// Held by each module that holds a parameter whose tensor on this rank is not its whole, current value (a
+// placeholder, a slice, a narrowed copy): copying or pickling that module (or a block above it) reaches it.
+struct Uncopyable {};
+
 std::string uncopyable() {
-  return "a dedicated model (dmuon.dedicate_params) cannot be copied or pickled (copy.deepcopy, torch.save(model)): "
-         "its parameters live in dmuon's runtime (each Muon matrix whole on its owner rank, 0-element placeholders "
+  return "a dedicated model (dmuon.dedicate_params), or a module of it holding parameters dmuon trains, cannot be "
+         "copied or pickled (copy.deepcopy, torch.save(model)): its parameters live in dmuon's runtime (each Muon matrix whole on its owner rank, 0-element placeholders "
          "elsewhere) and its forward hooks call into it, so a copy would hold neither. Copy the model before "
          "dedicate_params (an EMA copy, say), and save its weights with dmuon.get_model_state_dict(model) (collective: "
          "every rank; full tensors, keyed as in the one-process model).";
@@ -260,6 +264,12 @@ void bind_hooks(py::module_& m) {
       // dedicated model cannot be copied instead of pickle's "cannot pickle 'dmuon._C._ForwardHooks' object"
       .def("__deepcopy__", [](const ForwardHooks&, py::object) { throw py::type_error(uncopyable()); })
       .def("__reduce_ex__", [](const ForwardHooks&, py::object) { throw py::type_error(uncopyable()); });
+  py::class_<Uncopyable>(m, "_Uncopyable",
+                         "Held by the modules of a dedicated model whose parameters are not whole and current on "
+                         "this rank: copy.deepcopy and pickling of them raise, saying why.")
+      .def(py::init<>())
+      .def("__deepcopy__", [](const Uncopyable&, py::object) { throw py::type_error(uncopyable()); })
+      .def("__reduce_ex__", [](const Uncopyable&, py::object) { throw py::type_error(uncopyable()); });
 }
 
 }  // namespace dmuon::python

@@ -381,9 +381,11 @@ def _check_dedicate_arguments(model, predicate, options, hook_boundary_predicate
                              "holds it; dedicate the whole model once instead, with one predicate for all its "
                              "matrices.")
     for name, m in model.named_modules():
+        if not (isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse):
+            continue  # (`weight` is read of these only: on a parametrized module reading it runs the parametrization,
+            # and spectral_norm's power iteration updates its buffers in training mode)
         weight = getattr(m, "weight", None)
-        if (isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and isinstance(weight, torch.Tensor)
-                and weight.requires_grad):
+        if isinstance(weight, torch.Tensor) and weight.requires_grad:
             where = f"'{name}'" if name else "the model"
             raise ValueError(f"rank {_rank()}: {fn}: {where} is an {type(m).__name__} with sparse=True, so '{name + '.' if name else ''}weight' gets "
                              "sparse gradients; dmuon reduces and updates dense ones (as torch's AdamW refuses "
@@ -594,16 +596,28 @@ def _install_state_dict_guards(model: nn.Module, state: _State, dtypes: Dict[str
                 "full_state_dict) (collective: every rank passes the whole dict)."
             )
 
-    hooked = set()
+    hooked, guarded = set(), set()
     for name, m in model.named_modules(remove_duplicate=False):
-        if any(name_of.get(id(p)) in trained for p in m._parameters.values() if p is not None):
-            parts = name.split(".") if name else []
+        own = [name_of.get(id(p)) for p in m._parameters.values() if p is not None]
+        parts = name.split(".") if name else []
+        if any(n in trained for n in own):
             hooked.update(".".join(parts[:i]) for i in range(len(parts) + 1))  # it and its ancestors
+        if any(n in partial for n in own):
+            guarded.update(".".join(parts[:i]) for i in range(len(parts) + 1))
     handles = []
     for name, m in model.named_modules():
         if name in hooked:
             handles.append(m.register_state_dict_pre_hook(saving))
             handles.append(m.register_load_state_dict_pre_hook(loading))
+        # copy.deepcopy / torch.save of a module holding such a parameter, or of a block above one (a layer, for
+        # an EMA or an export), gave the placeholder (a (0,) weight, no error) on the ranks that do not own it:
+        # refused, as the model's copies are
+        if name in guarded:
+            # first in the module's __dict__: pickling reaches it before the state-dict hooks above (local
+            # functions: pickle's "Can't pickle local object" otherwise)
+            attrs = {"_dmuon_uncopyable": _C._Uncopyable(), **m.__dict__}
+            m.__dict__.clear()
+            m.__dict__.update(attrs)
     return handles
 
 
@@ -1196,6 +1210,10 @@ def _user_groups(param_groups, state: _State) -> List[dict]:
                 "Other options (the NS backend, the TP and overlap settings) are per optimizer: pass them to Muon(...)."
             )
         params = g["params"]
+        if isinstance(params, (set, frozenset)):  # (torch.optim's refusal: a set's order is its ids' hashes)
+            raise TypeError(f"Muon: param_groups[{i}]['params'] is a {type(params).__name__}; parameters must be in an "
+                            "ordered collection (a set's order changes between runs and between ranks, which then "
+                            "disagree on the groups). Use a list, e.g. [p for n, p in model.named_parameters() if ...].")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         # torch.optim's named groups: (name, parameter) pairs, e.g. from model.named_parameters()
         params = [p[1] if isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], torch.Tensor) else p for p in params]

@@ -99,9 +99,10 @@ void agree(Communicator& world, const AgreementText& text, const std::function<v
     TORCH_CHECK(false, "rank ", me, ": ", text.fn, ": ", what);
   }
 
-  const auto differs = [&text](const Disagreement& d) {
+  const auto differs = [&text, &ranks](const Disagreement& d) {
     if (text.differs) return text.differs(d);
-    return "the ranks were given different inputs: rank(s) " + rank_list(d.ranks) + " differ from rank 0 in " +
+    return "the ranks were given different inputs: rank(s) " + rank_list(d.ranks) + " differ from rank " +
+           std::to_string(ranks.front()) + " in " +
            (d.entry ? "'" + d.entry->key + "'" : "the number of entries (" + std::to_string(d.count0) + " vs " +
                                                    std::to_string(d.count) + ")") + ".";
   };

@@ -6,9 +6,10 @@
 // between ranks (each replica trains or loads its own and they drift apart, never to be noticed; or they
 // issue other collectives: a hang). agree() runs this rank's check, then one small all-gather over the
 // world: a refusal anywhere raises on every rank with the first refusing rank's reason; a summary that
-// differs from global rank 0's raises on every rank, naming the first entry that differs. The exchange also
-// carries the call (text.fn): ranks in different calls' agreements (one skipped or added a collective call)
-// raise on every rank, each naming its own call, instead of reading another call's rows as this one's.
+// differs from the group's first rank's raises on every rank, naming the first entry that differs. The
+// exchange also carries the call (text.fn): ranks in different calls' agreements (one skipped or added a
+// collective call) raise on every rank, each naming its own call, instead of reading another call's rows as
+// this one's.
 #pragma once
 
 #include <cstdint>
@@ -31,7 +32,7 @@ struct AgreedEntry {
 
 // Where the ranks' summaries differ, for the caller's message: `entry` is the first entry that differs (null
 // when the ranks hold different numbers of entries), `ranks` the global ranks whose entry (or count) differs
-// from global rank 0's; `count0` rank 0's number of entries, `count` the first differing rank's.
+// from the group's first rank's; `count0` that rank's number of entries, `count` the first differing rank's.
 struct Disagreement {
   const AgreedEntry* entry = nullptr;
   int64_t index = -1;  // entry's position in the summary
@@ -50,15 +51,16 @@ struct AgreementText {
   std::function<std::string(const Disagreement&)> differs;
 };
 
+// The int64 words of a rank's row in the agreement's all-gather (refused, entries, digest, call): Muon::step's
+// verdict is one, which the planners count (kStepVerdictRowBytes, owner_plan.h).
+inline constexpr int kAgreementRowWords = 4;
+
 // collective over `world`, every rank, whatever `check` throws: `check` validates this rank's input
 // (throwing what the caller reports), `summary` lists what must agree (called only when `check` passed).
 // Throws on every rank when any rank's check threw (this rank's own exception where it is this rank's; elsewhere
 // one naming the first refusing rank and its reason, a ValueError where every refusal was a caller mistake, else
-// a RuntimeError) or when the summaries differ from global rank 0's (a ValueError with text.differs). A world of
-// one exchanges nothing (check still runs).
-// The int64 words of a rank's row in the agreement's all-gather (refused, entries, digest, call): Muon::step's
-// verdict is one, which the planners count (kStepVerdictRowBytes, owner_plan.h).
-inline constexpr int kAgreementRowWords = 4;
+// a RuntimeError) or when the summaries differ from the group's first rank's (a ValueError with
+// text.differs). A world of one exchanges nothing (check still runs).
 
 void agree(Communicator& world, const AgreementText& text, const std::function<void()>& check,
            const std::function<std::vector<AgreedEntry>()>& summary);

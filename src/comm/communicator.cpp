@@ -9,7 +9,6 @@
 #include <exception>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <sstream>
 
 #include "dmuon/digest.h"
@@ -649,10 +648,6 @@ std::shared_ptr<Communicator> adopt(const CommPtr& group, std::chrono::milliseco
   return std::make_shared<Communicator>(group, "gram-ns", ranks, timeout, std::make_shared<CommCounters>());
 }
 
-// Before the first all-reduce, every rank's shard and options agree where the all-reduces need them to: the
-// oriented row count (the m x m Gram matrix every rank sums), the batch, the dtype, the orientation and the
-// iteration (its number of all-reduces). A shard of another shape was a size mismatch inside Gloo (an abort on
-// one rank) or a hang on NCCL; here it is an error on every rank naming the ranks and what differs.
 // The entries every rank's shard and options must agree on (the caller checked G_local's dimensions).
 std::vector<detail::AgreedEntry> gram_shard_entries(const at::Tensor& G_local, bool transposed, const NsOptions& opts,
                                                     bool batched) {
@@ -677,28 +672,13 @@ std::vector<detail::AgreedEntry> gram_shard_entries(const at::Tensor& G_local, b
 // Before the first all-reduce, every rank's shard and options agree where the all-reduces need them to: the
 // oriented row count (the m x m Gram matrix every rank sums), the batch, the dtype, the orientation and the
 // iteration (its number of all-reduces). A shard of another shape was a size mismatch inside Gloo (an abort on
-// one rank) or a hang on NCCL; here it is an error on every rank naming the ranks and what differs. Agreed once
-// per group and description (one small all-gather and a host read the first time; a caller running it for the
-// same matrices every step pays it once).
-void agree_gram_shards(Communicator& comm, const void* group, const at::Tensor& G_local, bool transposed,
-                       const NsOptions& opts, bool batched, const char* fn) {
+// one rank) or a hang on NCCL; here it is an error on every rank naming the ranks and what differs. Agreed on
+// every call (one small all-gather and a host read): a cache of what agreed before, kept by each rank, would
+// let a rank whose call matches an earlier one skip the all-gather while a rank whose call differs makes it --
+// the mismatch this is here to catch.
+void agree_gram_shards(Communicator& comm, const at::Tensor& G_local, bool transposed, const NsOptions& opts,
+                       bool batched, const char* fn) {
   if (comm.size() <= 1) return;
-  static std::mutex mu;
-  static std::set<std::pair<const void*, uint64_t>> agreed;
-  std::optional<uint64_t> digest;  // of this call's description, when it is well-formed
-  if (G_local.dim() == (batched ? 3 : 2)) {
-    try {
-      Fnv1a h;
-      for (const auto& e : gram_shard_entries(G_local, transposed, opts, batched)) h.u64(e.digest);
-      digest = h.value();
-    } catch (const std::exception&) {
-      // (refused inside the agreement below, on every rank)
-    }
-  }
-  if (digest) {
-    std::lock_guard<std::mutex> g(mu);
-    if (agreed.count({group, *digest})) return;
-  }
   detail::AgreementText text;
   text.fn = fn;
   text.given = "the shard";
@@ -720,8 +700,6 @@ void agree_gram_shards(Communicator& comm, const void* group, const at::Tensor& 
         (void)resolve_coefficients(opts);
       },
       [&] { return gram_shard_entries(G_local, transposed, opts, batched); });
-  std::lock_guard<std::mutex> g(mu);
-  agreed.insert({group, *digest});
 }
 }  // namespace
 
@@ -729,7 +707,7 @@ at::Tensor gram_newton_schulz_distributed_local(const at::Tensor& G_local, const
                                                 const NsOptions& opts, std::chrono::milliseconds timeout) {
   auto comm = adopt(group, timeout);
   if (comm)
-    agree_gram_shards(*comm, group.get(), G_local, transposed, opts, false, "gram_newton_schulz_distributed_local");
+    agree_gram_shards(*comm, G_local, transposed, opts, false, "gram_newton_schulz_distributed_local");
   const AllReduceSumFn sum = comm ? allreduce_sum_fn(*comm, "column-sharded Gram NS all-reduce") : AllReduceSumFn(
                                                                                                  [](at::Tensor&) {});
   return gram_newton_schulz_distributed_local(G_local, sum, transposed, opts);
@@ -740,8 +718,7 @@ at::Tensor gram_newton_schulz_distributed_local_batched(const at::Tensor& G_loca
                                                         std::chrono::milliseconds timeout) {
   auto comm = adopt(group, timeout);
   if (comm)
-    agree_gram_shards(*comm, group.get(), G_local, transposed, opts, true,
-                      "gram_newton_schulz_distributed_local_batched");
+    agree_gram_shards(*comm, G_local, transposed, opts, true, "gram_newton_schulz_distributed_local_batched");
   const AllReduceSumFn sum = comm ? allreduce_sum_fn(*comm, "column-sharded Gram NS all-reduce (batched)")
                                   : AllReduceSumFn([](at::Tensor&) {});
   return gram_newton_schulz_distributed_local_batched(G_local, sum, transposed, opts);

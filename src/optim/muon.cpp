@@ -1077,44 +1077,7 @@ MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const Gr
   // The arguments agreed first, on every rank (one small all-gather; the norm's own exchange reads the host
   // anyway): an argument one rank refuses raises on every rank, and so do arguments that differ (each replica
   // would clip by its own) and a rank in another collective call (a clip on some ranks only).
-  const RuntimeFace& rt = *runtime("clip_grad_norm_");
-  detail::AgreementText text;
-  text.fn = "clip_grad_norm_";
-  text.given = "the arguments";
-  text.outcome = "no rank clips";
-  text.differs = [](const detail::Disagreement& d) {
-    return d.entry ? "the ranks clip with different arguments: " + d.entry->key + " is " + d.entry->shown +
-                         " here and differs on rank(s) " + detail::rank_list(d.ranks) + " (each would clip by its own)."
-                   : std::string("the ranks clip with different arguments.");
-  };
-  const auto number = [](double v) {
-    std::ostringstream o;
-    o.precision(17);
-    o << v;
-    return o.str();
-  };
-  const auto bits = [](double v) {
-    uint64_t u = 0;
-    std::memcpy(&u, &v, sizeof u);
-    return u;
-  };
-  detail::agree(
-      rt.mesh().world(), text,
-      [&] {
-        TORCH_CHECK_VALUE(opts.norm_type > 0, "rank ", rt.mesh().global_rank(), ": clip_grad_norm_: norm_type must be "
-                          "> 0 (or INFINITY), got ", opts.norm_type);
-        TORCH_CHECK_VALUE(!max_norm || *max_norm >= 0, "rank ", rt.mesh().global_rank(), ": clip_grad_norm_: max_norm "
-                          "must be >= 0 (None / nullopt only measures), got ", *max_norm);
-      },
-      [&] {
-        return std::vector<detail::AgreedEntry>{
-            {"max_norm", max_norm ? bits(*max_norm) : 1, max_norm ? number(*max_norm) : "none"},
-            {"norm_type", bits(opts.norm_type), number(opts.norm_type)},
-            {"scope", opts.scope == ClipScope::AllParams ? 1u : 0u,
-             opts.scope == ClipScope::AllParams ? "all" : "muon"},
-            {"strategy", Fnv1a().str(opts.strategy).value(), "'" + opts.strategy + "'"},
-            {"error_if_nonfinite", opts.error_if_nonfinite ? 1u : 0u, opts.error_if_nonfinite ? "true" : "false"}};
-      });
+  detail::agree_clip_arguments(*runtime("clip_grad_norm_"), max_norm, opts);
   std::vector<ClipGrad> scope = clip_grads(opts.scope);
   scope.insert(scope.end(), opts.extra.begin(), opts.extra.end());
   last_clip_ = detail::clip_norm(scope, max_norm, opts, runtime("clip_grad_norm_")->mesh());

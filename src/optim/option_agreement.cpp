@@ -151,4 +151,38 @@ void agree_options(const RuntimeFace& runtime, const MuonOptions& o, const std::
   });
 }
 
+void agree_clip_arguments(const RuntimeFace& runtime, std::optional<double> max_norm, const GradClipOptions& opts) {
+  const int rank = runtime.mesh().global_rank();
+  AgreementText text;
+  text.fn = "clip_grad_norm_";
+  text.given = "the arguments";
+  text.outcome = "no rank clips";
+  text.differs = [](const Disagreement& d) {
+    return d.entry ? "the ranks clip with different arguments: " + d.entry->key + " is " + d.entry->shown +
+                         " here and differs on rank(s) " + rank_list(d.ranks) + " (each would clip by its own)."
+                   : std::string("the ranks clip with different arguments.");
+  };
+  agree(
+      runtime.mesh().world(), text,
+      [&] {
+        TORCH_CHECK_VALUE(opts.norm_type > 0, "rank ", rank, ": clip_grad_norm_: norm_type must be > 0 (or INFINITY), "
+                          "got ", opts.norm_type);
+        TORCH_CHECK_VALUE(!max_norm || *max_norm >= 0, "rank ", rank, ": clip_grad_norm_: max_norm must be >= 0 "
+                          "(None / nullopt only measures), got ", *max_norm);
+      },
+      [&] {
+        std::vector<AgreedEntry> out;
+        const auto add = [&](std::string key, std::string shown) {
+          const uint64_t digest = fnv1a(shown);
+          out.push_back({std::move(key), digest, std::move(shown)});
+        };
+        add("max_norm", max_norm ? num(*max_norm) : "none");
+        add("norm_type", num(opts.norm_type));
+        add("scope", opts.scope == ClipScope::AllParams ? "all" : "muon");
+        add("strategy", "'" + opts.strategy + "'");
+        add("error_if_nonfinite", flag(opts.error_if_nonfinite));
+        return out;
+      });
+}
+
 }  // namespace dmuon::detail

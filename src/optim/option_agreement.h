@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "comm/agreement.h"
+#include "dmuon/grad_clip.h"
 #include "dmuon/muon.h"
 #include "runtime/runtime_face.h"
 
@@ -34,5 +35,11 @@ void agree_options(const RuntimeFace& runtime, const MuonOptions& o, const std::
 // drift apart in silence. step_values_differ: the error for a disagreement (after "rank R: Muon::step: ").
 std::vector<AgreedEntry> step_group_values(const std::vector<torch::optim::OptimizerParamGroup>& groups);
 std::string step_values_differ(const Disagreement& d);
+
+// clip_grad_norm_'s arguments (max_norm, norm_type, scope, strategy, error_if_nonfinite), checked and agreed
+// over runtime.mesh().world() before any rank clips (collective, every rank): an argument one rank refuses
+// raises on every rank, and so do arguments that differ (each replica would clip by its own) and a rank in
+// another collective call (a clip on some ranks only).
+void agree_clip_arguments(const RuntimeFace& runtime, std::optional<double> max_norm, const GradClipOptions& opts);
 
 }  // namespace dmuon::detail

@@ -77,7 +77,7 @@ void Planner::build_units() {
     gi.col_cap = ceil_div(gi.units, std::min(G_, gi.cap));
   }
   unit_slot_.assign(units_.size(), -1);
-  gslots_.assign(groups_.size(), {});
+  gslots_.assign(groups_.size(), GroupSlots{G_, {}, {}, {}});
   slot_units_.assign(S_, {});
   load_.assign(S_, 0.0);
   bytes_.assign(S_, 0);

@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -26,21 +27,33 @@ namespace dmuon::detail {
 
 constexpr int kMaxSlots = 1 << 24;
 
-// Slots used by one group: (slot, count) pairs, few per group.
+// Slots used by one group: (slot, count) pairs in order of first use (iterated by the checks and the
+// messages), with each slot's and each shard column's count at hand (the refinement asks them per candidate
+// move: a scan of `used` made it O(slots) on large meshes). The maps are looked up, never iterated.
 struct GroupSlots {
+  int G = 1;  // shard columns: a slot's column is slot % G
   std::vector<std::pair<int, int>> used;
+  std::unordered_map<int, int> per_slot, per_column;
   int count(int slot) const {
-    for (const auto& [s, c] : used)
-      if (s == slot) return c;
-    return 0;
+    const auto it = per_slot.find(slot);
+    return it == per_slot.end() ? 0 : it->second;
+  }
+  int column_count(int column) const {
+    const auto it = per_column.find(column);
+    return it == per_column.end() ? 0 : it->second;
   }
   int distinct() const { return static_cast<int>(used.size()); }
   void add(int slot) {
-    for (auto& [s, c] : used)
-      if (s == slot) { ++c; return; }
+    ++per_column[slot % G];
+    if (++per_slot[slot] > 1) {
+      for (auto& [s, c] : used)
+        if (s == slot) { ++c; return; }
+    }
     used.emplace_back(slot, 1);
   }
   void remove(int slot) {
+    if (--per_column[slot % G] == 0) per_column.erase(slot % G);
+    if (--per_slot[slot] == 0) per_slot.erase(slot);
     for (size_t i = 0; i < used.size(); ++i)
       if (used[i].first == slot && --used[i].second == 0) {
         used.erase(used.begin() + static_cast<std::ptrdiff_t>(i));

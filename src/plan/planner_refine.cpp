@@ -41,14 +41,11 @@ bool Planner::moves_feasible(const std::vector<Move>& moves) const {
     if (nd > od && nd > gi.cap) return false;
     if (column_mode()) {
       for (const auto& [slot, unused] : delta) {
-        int dc = 0, cc = 0;  // change and current count of the group in this slot's column
+        int dc = 0;  // the group's change in this slot's column (its current count: column_count)
         const int col = slot % G_;
         for (const auto& [s2, d2] : delta)
           if (s2 % G_ == col) dc += d2;
-        if (dc <= 0) continue;
-        for (const auto& [s2, c2] : gs.used)
-          if (s2 % G_ == col) cc += c2;
-        if (cc + dc > gi.col_cap) return false;
+        if (dc > 0 && gs.column_count(col) + dc > gi.col_cap) return false;
       }
     }
   }

@@ -111,11 +111,14 @@ void Runtime::build(const ParamPredicate& predicate, const std::function<void()>
       precisions.push_back(r.prec);
       unshard.push_back(static_cast<int>(r.unshard));
     }
+    // read once (a value that is not a boolean is this rank's setup failure, shared at the agreement)
+    isolated_pg_barrier_ = env::isolated_pg_barrier();
   } catch (...) {
     setup_failure = std::current_exception();
   }
   // every rank agrees on the plan, or all throw
-  check_plan_agreement(mesh, plan_, specs_, precisions, unshard, routing.base_digest, opts, setup_failure);
+  check_plan_agreement(mesh, plan_, specs_, precisions, unshard, routing.base_digest, opts, isolated_pg_barrier_,
+                       setup_failure);
 
   // 3. boundaries in model order of first appearance
   std::map<std::string, int> bindex;

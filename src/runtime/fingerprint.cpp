@@ -30,7 +30,8 @@ constexpr const char* kSame =
 
 void check_plan_agreement(Mesh& mesh, const OwnerPlan& plan, const std::vector<ParamSpec>& specs,
                           const std::vector<Precision>& precisions, const std::vector<int>& unshard,
-                          uint64_t base_digest, const DedicateOptions& options, const std::exception_ptr& failure) {
+                          uint64_t base_digest, const DedicateOptions& options, bool isolated_pg_barrier,
+                          const std::exception_ptr& failure) {
   const PlanOptions& po = options.plan;
   // the options that shape the collectives, each an entry (its value shown where it differs)
   std::ostringstream bucket;
@@ -39,7 +40,9 @@ void check_plan_agreement(Mesh& mesh, const OwnerPlan& plan, const std::vector<P
       {"reshard_after_forward", options.reshard_after_forward ? "true" : "false"},
       {"muon_forward_unshard", options.muon_forward_unshard},
       {"replicate_broadcast_bucket_mb", bucket.str()},
-      {"delay_stage2_to_optimizer", options.delay_stage2_to_optimizer ? "true" : "false"}};
+      {"delay_stage2_to_optimizer", options.delay_stage2_to_optimizer ? "true" : "false"},
+      // (as the runtime read it: it keeps that value)
+      {"DMUON_ISOLATED_PG_BARRIER", isolated_pg_barrier ? "1" : "0"}};
   using detail::AgreedEntry;
   detail::AgreementText text;
   text.fn = "dedicate_params";
@@ -74,6 +77,10 @@ void check_plan_agreement(Mesh& mesh, const OwnerPlan& plan, const std::vector<P
       o << "the mixed-precision policy (dtypes of the non-dedicated parameters, the boundaries' "
            "cast_forward_inputs/output_dtype), the boundaries, the deferred parameters or their param_source (its "
            "seed, its file's tensors) differ between ranks";
+    else if (key.rfind("DMUON_", 0) == 0)
+      o << "the environment variable " << key << " differs between rank " << first << " and " << others
+        << " (this rank's: " << key << "=" << d.entry->shown << "; a setting that decides which collectives run: the ranks would wait in different ones; "
+           "set it alike on every rank, e.g. in the launcher's environment)";
     else
       o << "dedicate_params was given " << key << " = " << d.entry->shown << " here and another value on " << others
         << " (an option that decides which collectives run: the ranks would wait in different ones)";

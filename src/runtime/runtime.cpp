@@ -802,7 +802,7 @@ void Runtime::drain_all() {
 void Runtime::publish(bool async) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   for (Route* r : routes()) r->publish(async);
-  if (env::isolated_pg_barrier()) {
+  if (isolated_pg_barrier_) {
     // strict post-step fence on dmuon's own groups (diagnosis of process-group ordering issues)
     Mesh& m = mesh();
     const bool hsdp = m.replicate() != nullptr;

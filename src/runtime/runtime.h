@@ -263,6 +263,7 @@ class Runtime final : public RuntimeFace, public GradEvents, public std::enable_
 
   mutable std::recursive_mutex mu_;
   bool no_sync_ = false;
+  bool isolated_pg_barrier_ = false;  // DMUON_ISOLATED_PG_BARRIER as read (and agreed) at dedicate
   bool local_grads_only_ = false;  // the last backward ran inside no_sync: its gradients were never reduced
   bool backward_since_forward_ = true;
   bool step_verdict_ = false;  // set_step_verdict

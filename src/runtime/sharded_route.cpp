@@ -16,6 +16,35 @@ const ShardedEntry* ShardedRoute::find(const std::string& name) const {
   return it == index_.end() ? nullptr : &entries_[static_cast<size_t>(it->second)];
 }
 
+template <typename DtypeOf>
+std::vector<std::vector<int>> ShardedRoute::packs(const std::vector<int>& ids, DtypeOf dtype) const {
+  std::vector<std::vector<int>> out;
+  std::vector<at::ScalarType> types;
+  for (int i : ids) {
+    const at::ScalarType t = dtype(entries_[static_cast<size_t>(i)]);
+    const auto it = std::find(types.begin(), types.end(), t);
+    if (it == types.end()) {
+      types.push_back(t);
+      out.push_back({i});
+    } else {
+      out[static_cast<size_t>(it - types.begin())].push_back(i);
+    }
+  }
+  return out;
+}
+
+std::string ShardedRoute::pack_name(const std::vector<int>& pack) const {
+  const ShardedEntry& first = entries_[static_cast<size_t>(pack.front())];
+  if (pack.size() == 1) return "'" + first.name + "'";
+  return std::to_string(pack.size()) + " parameters of boundary '" + ctx_.boundary_name(first.boundary) + "' ('" +
+         first.name + "', ...)";
+}
+
+namespace {
+at::ScalarType param_dtype(const ShardedEntry& e) { return e.full.scalar_type(); }
+at::ScalarType reduce_dtype(const ShardedEntry& e) { return e.prec.reduce; }
+}  // namespace
+
 void ShardedRoute::check(const std::string& name, const at::Tensor& p, const RoutingContext& ctx) {
   TORCH_CHECK_VALUE(!ctx.ddp, "rank ", ctx.rank, ": dedicate_params_ddp: parameter '", name, "' is routed to sharded_adamw, "
               "but dedicate_params_ddp keeps every parameter whole on every rank. Use dedicate_params for sharding, "
@@ -87,16 +116,45 @@ void ShardedRoute::install() {
 void ShardedRoute::issue_unshard(int b, const char* phase) {
   if (static_cast<size_t>(b) >= by_boundary_.size()) return;
   Communicator& comm = ctx_.sharded_unshard_group();  // the shard group, or its twin apart from the broadcasts
-  for (int i : by_boundary_[static_cast<size_t>(b)]) {  // all-gather the full tensor from the shards
+  std::vector<int> todo;
+  for (int i : by_boundary_[static_cast<size_t>(b)]) {  // all-gather the full tensors from the shards
     ShardedEntry& e = entries_[i];
     if (e.state != ShardedEntry::State::Released && e.ready_pass == ctx_.pass()) continue;
     if (e.state == ShardedEntry::State::Pending) e.gather.wait();  // an unused one from an earlier pass
+    e.gather_pack.reset();
     if (e.state == ShardedEntry::State::Released) detail::restore_storage(e.full);
-    // the shard is the master (master dtype): the all-gather carries its param-dtype rounding
-    e.gather_src = e.shard.scalar_type() == e.full.scalar_type() ? e.shard : e.shard.to(e.full.scalar_type());
-    e.gather = comm.allgather_flat(e.full, e.gather_src, std::string(phase) + " all-gather of '" + e.name + "'");
-    e.state = ShardedEntry::State::Pending;
-    e.ready_pass = ctx_.pass();
+    todo.push_back(i);
+  }
+  // the shard is the master (master dtype): the all-gather carries its param-dtype rounding
+  for (const std::vector<int>& pack : packs(todo, param_dtype)) {
+    const std::string what = std::string(phase) + " all-gather of " + pack_name(pack);
+    if (pack.size() == 1) {  // straight into the parameter's buffer (no copy out)
+      ShardedEntry& e = entries_[static_cast<size_t>(pack.front())];
+      e.gather_src = e.shard.scalar_type() == e.full.scalar_type() ? e.shard : e.shard.to(e.full.scalar_type());
+      e.gather = comm.allgather_flat(e.full, e.gather_src, what);
+    } else {  // [shard of each] on every rank -> [G, S]: copied out into each full tensor by wait_unshard
+      auto p = std::make_shared<ShardedPack>();
+      for (int i : pack) p->width += entries_[static_cast<size_t>(i)].shard_len;
+      const ShardedEntry& first = entries_[static_cast<size_t>(pack.front())];
+      p->src = at::empty({p->width}, first.full.options());
+      int64_t at = 0;
+      for (int i : pack) {
+        ShardedEntry& e = entries_[static_cast<size_t>(i)];
+        p->src.narrow(0, at, e.shard_len).copy_(e.shard);
+        e.gather_at = at;
+        at += e.shard_len;
+      }
+      p->buf = at::empty({p->width * comm.size()}, p->src.options());
+      const Pending g = comm.allgather_flat(p->buf, p->src, what);
+      for (int i : pack) {
+        entries_[static_cast<size_t>(i)].gather = g;
+        entries_[static_cast<size_t>(i)].gather_pack = p;
+      }
+    }
+    for (int i : pack) {
+      entries_[static_cast<size_t>(i)].state = ShardedEntry::State::Pending;
+      entries_[static_cast<size_t>(i)].ready_pass = ctx_.pass();
+    }
   }
 }
 
@@ -115,6 +173,12 @@ void ShardedRoute::wait_unshard(int b) {
     ShardedEntry& e = entries_[i];
     if (e.state != ShardedEntry::State::Pending) continue;
     e.gather.wait();
+    if (e.gather_pack) {  // this entry's columns of the packed [G, S]
+      const ShardedPack& p = *e.gather_pack;
+      const int64_t G = p.buf.numel() / p.width;
+      e.full.view({G, e.shard_len}).copy_(p.buf.view({G, p.width}).narrow(1, e.gather_at, e.shard_len));
+      e.gather_pack.reset();
+    }
     e.gather = Pending();
     e.gather_src = at::Tensor();
     e.param.set_data(e.view);
@@ -130,6 +194,7 @@ void ShardedRoute::release(int b) {
     if (e.state == ShardedEntry::State::Pending) e.gather.wait();
     e.gather = Pending();
     e.gather_src = at::Tensor();
+    e.gather_pack.reset();
     if (e.state == ShardedEntry::State::Released) continue;
     e.param.set_data(e.placeholder);
     detail::resize_storage_bytes(e.full, 0);
@@ -141,24 +206,43 @@ void ShardedRoute::issue_reduce(int b) {
   if (static_cast<size_t>(b) >= by_boundary_.size()) return;
   Communicator& comm = ctx_.mesh().shard();
   at::NoGradGuard ng;
-  for (int i : by_boundary_[static_cast<size_t>(b)]) {  // reduce-scatter G chunks of [L grads, has-grad flag]
-    ShardedEntry& e = entries_[i];
-    if (e.rs_issued) finish(e);  // an earlier backward pass (gradient accumulation)
-    const int64_t G = comm.size(), L = e.shard_len;
-    e.rs_in = at::zeros({G, L + 1}, e.param.options().requires_grad(false).dtype(e.prec.reduce));
-    const at::Tensor& gr = e.param.grad();
-    if (gr.defined()) {
-      at::Tensor flat = at::zeros({G * L}, e.rs_in.options());
-      flat.narrow(0, 0, e.numel).copy_(gr.reshape(-1));
-      e.rs_in.narrow(1, 0, L).copy_(flat.view({G, L}));
-      e.rs_in.select(1, L).fill_(1);
-      predivide(e.rs_in.narrow(1, 0, L), static_cast<double>(ctx_.mesh().data_parallel_size()));
+  const std::vector<int>& ids = by_boundary_[static_cast<size_t>(b)];
+  for (int i : ids)
+    if (entries_[static_cast<size_t>(i)].rs_issued) finish(entries_[static_cast<size_t>(i)]);  // an earlier pass
+  // one reduce-scatter per reduce dtype: row r of the [G, W] payload is what rank r receives, each entry's
+  // [L grads (its chunk r), has-grad flag] back to back
+  const int64_t G = comm.size();
+  for (const std::vector<int>& pack : packs(ids, reduce_dtype)) {
+    auto p = std::make_shared<ShardedPack>();
+    for (int i : pack) p->width += entries_[static_cast<size_t>(i)].shard_len + 1;
+    const ShardedEntry& first = entries_[static_cast<size_t>(pack.front())];
+    p->src = at::zeros({G, p->width}, first.param.options().requires_grad(false).dtype(first.prec.reduce));
+    p->buf = at::empty({p->width}, p->src.options());
+    p->name = pack_name(pack);
+    int64_t at = 0;
+    for (int i : pack) {
+      ShardedEntry& e = entries_[static_cast<size_t>(i)];
+      const int64_t L = e.shard_len;
+      const at::Tensor& gr = e.param.grad();
+      if (gr.defined()) {
+        at::Tensor flat = at::zeros({G * L}, p->src.options());
+        flat.narrow(0, 0, e.numel).copy_(gr.reshape(-1));
+        const at::Tensor grads = p->src.narrow(1, at, L);
+        grads.copy_(flat.view({G, L}));
+        p->src.select(1, at + L).fill_(1);
+        predivide(grads, static_cast<double>(ctx_.mesh().data_parallel_size()));
+      }
+      e.param.mutable_grad() = at::Tensor();
+      e.rs_out = p->buf.narrow(0, at, L + 1);
+      e.rs_pack = p;
+      at += L + 1;
     }
-    e.param.mutable_grad() = at::Tensor();
-    e.rs_out = at::empty({L + 1}, e.rs_in.options());
-    e.rs = comm.reduce_scatter_flat(e.rs_out, e.rs_in.view(-1), Reduction::Sum,
-                                    "gradient reduce-scatter of '" + e.name + "'");
-    e.rs_issued = true;
+    const Pending rs = comm.reduce_scatter_flat(p->buf, p->src.view(-1), Reduction::Sum,
+                                                "gradient reduce-scatter of " + p->name);
+    for (int i : pack) {
+      entries_[static_cast<size_t>(i)].rs = rs;
+      entries_[static_cast<size_t>(i)].rs_issued = true;
+    }
   }
 }
 
@@ -168,11 +252,16 @@ void ShardedRoute::finish(ShardedEntry& e) {
   e.rs = Pending();
   e.rs_issued = false;
   Mesh& mesh = ctx_.mesh();
-  if (Communicator* rep = mesh.replicate())  // HSDP: replicated over the replicate axis
-    rep->allreduce(e.rs_out, Reduction::Sum, "replicate all-reduce of the shard of '" + e.name + "'").wait();
+  ShardedPack& p = *e.rs_pack;
+  p.src = at::Tensor();  // (the payload: every entry of the pack waited the same reduce-scatter)
+  if (Communicator* rep = mesh.replicate(); rep && !p.replicated) {  // HSDP: replicated over the replicate axis
+    // (once per pack, at the first of its entries to finish: every rank finishes them in the same order)
+    rep->allreduce(p.buf, Reduction::Sum, "replicate all-reduce of the gradient shards of " + p.name).wait();
+    p.replicated = true;
+  }
   e.acc.fold(e.rs_out, e.shard_len, 1, e.shard.scalar_type(), static_cast<double>(mesh.data_parallel_size()));
-  e.rs_in = at::Tensor();
   e.rs_out = at::Tensor();
+  e.rs_pack.reset();
 }
 
 void ShardedRoute::reset_pass() {
@@ -224,16 +313,24 @@ void ShardedRoute::stepped() {
 void ShardedRoute::plan_step_traffic(std::vector<PlannedTraffic>& out) const {
   Mesh& mesh = ctx_.mesh();
   const int64_t G = mesh.shard_size();
-  for (const ShardedEntry& e : entries_) {
-    const int64_t param_bytes = static_cast<int64_t>(c10::elementSize(e.full.scalar_type()));
-    const int64_t reduce_bytes = static_cast<int64_t>(c10::elementSize(e.prec.reduce));
-    // forward all-gather (Z3: again in backward), the reduce-scatter of [L grads, flag] per rank, and
-    // on HSDP the all-reduce of this rank's [L + 1] over the replicate group
-    add_planned(out, "sharded_adamw", ctx_.sharded_unshard_group(), CommOp::AllGather, G * e.shard_len * param_bytes,
-                ctx_.z3() ? 2 : 1);
-    add_planned(out, "sharded_adamw", mesh.shard(), CommOp::ReduceScatter, G * (e.shard_len + 1) * reduce_bytes);
-    if (Communicator* rep = mesh.replicate())
-      add_planned(out, "sharded_adamw", *rep, CommOp::AllReduce, (e.shard_len + 1) * reduce_bytes);
+  // per boundary, as issue_unshard / issue_reduce pack them: the forward all-gather (Z3: again in backward)
+  // per param dtype, the reduce-scatter of [L grads, flag] per entry per reduce dtype, and on HSDP the
+  // all-reduce of this rank's part of it over the replicate group
+  for (const std::vector<int>& ids : by_boundary_) {
+    for (const std::vector<int>& pack : packs(ids, param_dtype)) {
+      int64_t S = 0;
+      for (int i : pack) S += entries_[static_cast<size_t>(i)].shard_len;
+      const auto bytes = static_cast<int64_t>(c10::elementSize(param_dtype(entries_[static_cast<size_t>(pack[0])])));
+      add_planned(out, "sharded_adamw", ctx_.sharded_unshard_group(), CommOp::AllGather, G * S * bytes,
+                  ctx_.z3() ? 2 : 1);
+    }
+    for (const std::vector<int>& pack : packs(ids, reduce_dtype)) {
+      int64_t W = 0;
+      for (int i : pack) W += entries_[static_cast<size_t>(i)].shard_len + 1;
+      const auto bytes = static_cast<int64_t>(c10::elementSize(reduce_dtype(entries_[static_cast<size_t>(pack[0])])));
+      add_planned(out, "sharded_adamw", mesh.shard(), CommOp::ReduceScatter, G * W * bytes);
+      if (Communicator* rep = mesh.replicate()) add_planned(out, "sharded_adamw", *rep, CommOp::AllReduce, W * bytes);
+    }
   }
 }
 
@@ -248,7 +345,8 @@ void ShardedRoute::discard_grads() {
     if (e.rs_issued) e.rs.wait();
     e.rs = Pending();
     e.rs_issued = false;
-    e.rs_in = e.rs_out = at::Tensor();
+    e.rs_out = at::Tensor();
+    e.rs_pack.reset();
     e.acc.clear();
     e.grad = at::Tensor();
   }

@@ -21,6 +21,17 @@ namespace dmuon {
 
 class RouteContext;
 
+// One collective that the entries of a boundary with one dtype share: one all-gather (forward/backward)
+// and one reduce-scatter (backward) per boundary and dtype, not one per parameter (a model's norms and biases
+// are hundreds of small tensors: each collective's fixed cost dominated their step).
+struct ShardedPack {
+  at::Tensor src;           // all-gather: the shards back to back (param dtype); reduce-scatter: [G, W] payload
+  at::Tensor buf;           // all-gather: [G * S] gathered; reduce-scatter: this rank's [W] output
+  int64_t width = 0;        // S = sum of L (all-gather) or W = sum of (L + 1) (reduce-scatter)
+  bool replicated = false;  // reduce-scatter on HSDP: `buf` was all-reduced over the replicate group
+  std::string name;         // what it carries, for the collectives' names
+};
+
 struct ShardedEntry {
   enum class State { Released, Pending, Ready };
   std::string name;
@@ -38,7 +49,10 @@ struct ShardedEntry {
   State state = State::Released;
   int64_t ready_pass = -1;
   Pending gather;
-  at::Tensor rs_in, rs_out;         // reduce-scatter payload: G chunks of [L grads, 1 flag]
+  std::shared_ptr<ShardedPack> gather_pack;  // the boundary's packed all-gather in flight (null: its own)
+  int64_t gather_at = 0;            // this entry's offset in each rank's packed shards
+  at::Tensor rs_out;                // this rank's [L grads, 1 flag] of the reduce-scatter (a view of rs_pack's)
+  std::shared_ptr<ShardedPack> rs_pack;  // the boundary's packed reduce-scatter in flight
   Pending rs;
   bool rs_issued = false;
   GradAccumulator acc;              // averaged shard gradient over backward passes, has-grad flag
@@ -101,6 +115,10 @@ class ShardedRoute final : public Route {
 
  private:
   void finish(ShardedEntry& e);
+  // `ids` (entries of one boundary) split by `dtype` of each, in order of first appearance: one collective each
+  template <typename DtypeOf>
+  std::vector<std::vector<int>> packs(const std::vector<int>& ids, DtypeOf dtype) const;
+  std::string pack_name(const std::vector<int>& pack) const;
   RouteContext& ctx_;
   std::vector<ShardedEntry> entries_;
   std::map<std::string, int> index_;                 // name -> entry

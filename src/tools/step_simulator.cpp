@@ -305,11 +305,9 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
     return us * 1e-6 * l.ns_steps / hw.ns_profile->ns_steps;  // measured at the profile's step count
   };
 
-  // the step's NS: each data-parallel rank's matrices (`per_rank[r]`, rank r = replicate * G + shard),
-  // the slowest rank's time, or on shared cores each node's ranks' work shared by its cores
-  auto ns_critical = [&](const std::vector<std::vector<size_t>>& per_rank) {
-    std::vector<double> t;
-    for (const auto& on : per_rank) t.push_back(ns_time(on));
+  // the step's NS from each data-parallel rank's NS time (`t[r]`, rank r = replicate * G + shard): the
+  // slowest rank's, or on shared cores each node's ranks' work shared by its cores
+  auto ns_critical_of = [&](const std::vector<double>& t) {
     if (!shared) return t.empty() ? 0.0 : *std::max_element(t.begin(), t.end());
     std::vector<double> device;  // the T TP ranks of a data-parallel rank each run its share
     for (double x : t) device.insert(device.end(), static_cast<size_t>(T), x);
@@ -320,6 +318,12 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
       worst = std::max(worst, shared_cores_makespan(std::vector<double>(first, last), hw.cores_per_node));
     }
     return worst;
+  };
+  // ... from each data-parallel rank's matrices (`per_rank[r]`)
+  auto ns_critical = [&](const std::vector<std::vector<size_t>>& per_rank) {
+    std::vector<double> t;
+    for (const auto& on : per_rank) t.push_back(ns_time(on));
+    return ns_critical_of(t);
   };
 
   // boundaries in model order: Muon bytes (this TP rank's slices) and their roots
@@ -447,9 +451,9 @@ Simulation simulate_step(const ModelSpec& model, const std::vector<ParamSpec>& m
   nv.design = "naive DP Muon";
   ddp_base(nv);
   {
-    std::vector<size_t> all(muon.size());
+    std::vector<size_t> all(muon.size());  // every rank runs every matrix: one time, DP times
     for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-    nv.ns_s = ns_critical(std::vector<std::vector<size_t>>(static_cast<size_t>(DP), all));
+    nv.ns_s = ns_critical_of(std::vector<double>(static_cast<size_t>(DP), ns_time(all)));
   }
   nv.memory_bytes_per_rank = P_bytes / T * (2.0 + 4.0 / e) + PM_bytes_full / T * 4.0 / e + PB_bytes / T * 8.0 / e;
   nv.step_s = compute + nv.exposed_comm_s + nv.ns_s + nv.adamw_s;

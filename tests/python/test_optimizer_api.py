@@ -266,6 +266,9 @@ def _buckets_and_profile(rank, world):
         dmuon.Muon(model, param_groups=[{"params": list(model.parameters())[:1], "name": "g", "adamw_betas": (0.9, 1.0)}])
     with pytest.raises(ValueError, match="not a parameter of the dedicated model"):
         dmuon.Muon(model, param_groups=[{"params": [torch.zeros(3)]}])
+    # a set, as torch.optim: its order is the tensors' ids' hashes, another on each rank (they disagreed at random)
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\] is a set; parameters must be in an ordered"):
+        dmuon.Muon(model, param_groups=[{"params": set(model.parameters())}])
     with pytest.raises(ValueError, match="'layers.0.proj.weight' is in param_groups\\[0\\] and param_groups\\[1\\]"):
         w = model.layers[0].proj.weight
         dmuon.Muon(model, param_groups=[{"params": [w]}, {"params": [w]}])
@@ -311,6 +314,24 @@ def _timeouts(rank, world):
             dmuon.dedicate_params(make_net(), dist.group.WORLD, lambda n, p: p.dim() == 2)
     finally:
         os.environ.pop("DMUON_PROCESS_GROUP_POLICY", None)
+    # a per-step fence set in one rank's environment: rank 1 alone waited in a barrier after its first step (a
+    # timeout blaming the barrier there, "Connection closed" in the next step's agreement here)
+    if rank == 1:
+        os.environ["DMUON_ISOLATED_PG_BARRIER"] = "1"
+    try:
+        with pytest.raises(ValueError, match=rf"rank {rank}: dedicate_params: the owner plan differs between ranks: "
+                                             r"the environment variable DMUON_ISOLATED_PG_BARRIER differs between "
+                                             rf"rank 0 and rank 1 \(this rank's: DMUON_ISOLATED_PG_BARRIER={rank};"):
+            dmuon.dedicate_params(make_net(), dist.group.WORLD, lambda n, p: p.dim() == 2)
+    finally:
+        os.environ.pop("DMUON_ISOLATED_PG_BARRIER", None)
+    if rank == 1:  # and a value that is no boolean, on one rank: refused on every rank (rank 0 waited to the timeout)
+        os.environ["DMUON_ISOLATED_PG_BARRIER"] = "ture"
+    try:
+        with pytest.raises(ValueError, match=r"DMUON_ISOLATED_PG_BARRIER='ture' is not a boolean"):
+            dmuon.dedicate_params(make_net(), dist.group.WORLD, lambda n, p: p.dim() == 2)
+    finally:
+        os.environ.pop("DMUON_ISOLATED_PG_BARRIER", None)
     model = make_net()  # and the next dedicate_params goes on as usual
     dmuon.dedicate_params(model, dist.group.WORLD, lambda n, p: p.dim() == 2)
     assert model._dmuon.mesh.timeout_s == 120
