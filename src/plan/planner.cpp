@@ -128,7 +128,6 @@ void Planner::assign_lpt() {
   std::set<Key> col_order;                       // columns by (cost, bytes, index)
   std::vector<double> col_load(G_, 0.0);
   std::vector<int64_t> col_bytes(G_, 0);
-  std::vector<int> col_cnt(G_, 0);
   auto slot_key = [&](int s) { return Key{load_[s], bytes_[s], s}; };
   for (int s = 0; s < S_; ++s) {
     if (cols) col_slots[s % G_].insert(slot_key(s));
@@ -143,7 +142,6 @@ void Planner::assign_lpt() {
     const bool capped = gs.distinct() >= groups_[g].cap;  // only the group's own slots remain
     int chosen = -1;
     if (cols) {
-      for (const auto& [sl, c] : gs.used) col_cnt[sl % G_] += c;
       auto better_col = [&](int pref_a, int a, int pref_b, int b) {
         if (b < 0) return true;
         if (pref_a != pref_b) return pref_a < pref_b;
@@ -153,9 +151,9 @@ void Planner::assign_lpt() {
       };
       int best_col = -1, best_pref = 0;
       if (capped) {
-        for (const auto& [sl, c] : gs.used) {
+        for (int sl : gs.used) {
           if (!eligible(g, sl, -1)) continue;
-          const int col = sl % G_, pref = col_cnt[col] < groups_[g].col_cap ? 0 : 1;
+          const int col = sl % G_, pref = gs.column_count(col) < groups_[g].col_cap ? 0 : 1;
           if (best_col == col ? slot_less(sl, chosen) : better_col(pref, col, best_pref, best_col)) {
             best_col = col;
             best_pref = pref;
@@ -165,7 +163,7 @@ void Planner::assign_lpt() {
       } else {
         for (const Key& ck : col_order) {
           const int col = std::get<2>(ck);
-          const int pref = col_cnt[col] < groups_[g].col_cap ? 0 : 1;
+          const int pref = gs.column_count(col) < groups_[g].col_cap ? 0 : 1;
           if (best_col >= 0 && pref >= best_pref) continue;  // a fallback is already held
           int in_col = -1;
           for (const Key& sk : col_slots[col])
@@ -180,9 +178,8 @@ void Planner::assign_lpt() {
           if (pref == 0) break;
         }
       }
-      for (const auto& [sl, c] : gs.used) col_cnt[sl % G_] = 0;
     } else if (capped) {
-      for (const auto& [sl, c] : gs.used)
+      for (int sl : gs.used)
         if (eligible(g, sl, -1) && slot_less(sl, chosen)) chosen = sl;
     } else {
       for (const Key& k : slot_order)

@@ -27,12 +27,13 @@ namespace dmuon::detail {
 
 constexpr int kMaxSlots = 1 << 24;
 
-// Slots used by one group: (slot, count) pairs in order of first use (iterated by the checks and the
-// messages), with each slot's and each shard column's count at hand (the refinement asks them per candidate
-// move: a scan of `used` made it O(slots) on large meshes). The maps are looked up, never iterated.
+// Slots used by one group: its distinct slots in order of first use (iterated by the checks and the
+// messages), and each slot's and each shard column's count of its units (the refinement asks them per
+// candidate move: a scan of the slots made it O(slots) on large meshes). The maps are looked up, never
+// iterated.
 struct GroupSlots {
   int G = 1;  // shard columns: a slot's column is slot % G
-  std::vector<std::pair<int, int>> used;
+  std::vector<int> used;
   std::unordered_map<int, int> per_slot, per_column;
   int count(int slot) const {
     const auto it = per_slot.find(slot);
@@ -45,20 +46,14 @@ struct GroupSlots {
   int distinct() const { return static_cast<int>(used.size()); }
   void add(int slot) {
     ++per_column[slot % G];
-    if (++per_slot[slot] > 1) {
-      for (auto& [s, c] : used)
-        if (s == slot) { ++c; return; }
-    }
-    used.emplace_back(slot, 1);
+    if (++per_slot[slot] == 1) used.push_back(slot);
   }
   void remove(int slot) {
     if (--per_column[slot % G] == 0) per_column.erase(slot % G);
-    if (--per_slot[slot] == 0) per_slot.erase(slot);
-    for (size_t i = 0; i < used.size(); ++i)
-      if (used[i].first == slot && --used[i].second == 0) {
-        used.erase(used.begin() + static_cast<std::ptrdiff_t>(i));
-        return;
-      }
+    if (--per_slot[slot] == 0) {
+      per_slot.erase(slot);
+      used.erase(std::find(used.begin(), used.end(), slot));
+    }
   }
 };
 

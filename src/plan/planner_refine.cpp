@@ -240,7 +240,6 @@ std::vector<std::string> Planner::find_violations() const {
     std::string text;
   };
   Example slot_conc, col_conc, cap;
-  std::vector<int> slot_cnt(S_, 0), col_cnt(G_, 0);
   auto coord = [&](int slot) {  // (built by append: GCC 12 warns falsely on "(" + std::to_string(...))
     std::string c(1, '(');
     c.append(std::to_string(slot % G_)).append(1, ',').append(std::to_string(slot / G_)).append(1, ')');
@@ -250,27 +249,26 @@ std::vector<std::string> Planner::find_violations() const {
     const GroupInfo& gi = groups_[g];
     const GroupSlots& gs = gslots_[g];
     int worst_slot = -1, worst_col = -1;
-    for (const auto& [s, c] : gs.used) {
-      slot_cnt[s] = c;
-      col_cnt[s % G_] += c;
-      if (worst_slot < 0 || c > slot_cnt[worst_slot] || (c == slot_cnt[worst_slot] && s < worst_slot))
+    for (int s : gs.used) {
+      const int c = gs.count(s);
+      if (worst_slot < 0 || c > gs.count(worst_slot) || (c == gs.count(worst_slot) && s < worst_slot))
         worst_slot = s;
     }
-    for (const auto& [s, c] : gs.used) {
+    for (int s : gs.used) {
       const int col = s % G_;
-      if (worst_col < 0 || col_cnt[col] > col_cnt[worst_col] ||
-          (col_cnt[col] == col_cnt[worst_col] && col < worst_col))
+      if (worst_col < 0 || gs.column_count(col) > gs.column_count(worst_col) ||
+          (gs.column_count(col) == gs.column_count(worst_col) && col < worst_col))
         worst_col = col;
     }
-    if (worst_slot >= 0 && slot_cnt[worst_slot] > gi.slot_cap) {
+    if (worst_slot >= 0 && gs.count(worst_slot) > gi.slot_cap) {
       if (slot_conc.count++ == 0)
-        slot_conc.text = "'" + gi.name + "' has " + std::to_string(slot_cnt[worst_slot]) +
+        slot_conc.text = "'" + gi.name + "' has " + std::to_string(gs.count(worst_slot)) +
                          " of its " + std::to_string(gi.units) + " units on slot " +
                          coord(worst_slot) + ", allowed " + std::to_string(gi.slot_cap);
     }
-    if (column_mode() && worst_col >= 0 && col_cnt[worst_col] > gi.col_cap) {
+    if (column_mode() && worst_col >= 0 && gs.column_count(worst_col) > gi.col_cap) {
       if (col_conc.count++ == 0)
-        col_conc.text = "'" + gi.name + "' has " + std::to_string(col_cnt[worst_col]) +
+        col_conc.text = "'" + gi.name + "' has " + std::to_string(gs.column_count(worst_col)) +
                         " of its " + std::to_string(gi.units) + " units in shard column " +
                         std::to_string(worst_col) + ", allowed " + std::to_string(gi.col_cap);
     }
@@ -278,10 +276,6 @@ std::vector<std::string> Planner::find_violations() const {
       if (cap.count++ == 0)
         cap.text = "'" + gi.name + "' uses " + std::to_string(gs.distinct()) +
                    " distinct slots, cap " + std::to_string(gi.cap);
-    }
-    for (const auto& [s, c] : gs.used) {
-      slot_cnt[s] = 0;
-      col_cnt[s % G_] = 0;
     }
   }
   const std::string n_groups = std::to_string(groups_.size());
