@@ -211,6 +211,14 @@ MuonGroupOptions& group_options(Muon& opt, size_t i) {
   return static_cast<MuonGroupOptions&>(opt.param_groups()[i].options());
 }
 
+// One counter of the mesh's collectives (bytes or calls) by operation name.
+py::dict per_op(Mesh& mesh, int64_t (CommCounters::*read)(CommOp) const) {
+  py::dict out;
+  for (int op = 0; op < static_cast<int>(CommOp::kCount); ++op)
+    out[comm_op_name(static_cast<CommOp>(op))] = (mesh.counters().*read)(static_cast<CommOp>(op));
+  return out;
+}
+
 }  // namespace
 
 void bind_runtime(py::module_& m) {
@@ -240,12 +248,10 @@ void bind_runtime(py::module_& m) {
       .def_property_readonly("has_replicate_publish_group", &Mesh::has_replicate_publish_group)
       .def("set_replicate_publish_group", set_twin(&Mesh::set_replicate_publish_group, "set_replicate_publish_group"),
            "group"_a, "ranks"_a)
-      .def("bytes", [](Mesh& mesh) {
-        py::dict out;
-        for (int op = 0; op < static_cast<int>(CommOp::kCount); ++op)
-          out[comm_op_name(static_cast<CommOp>(op))] = mesh.counters().bytes(static_cast<CommOp>(op));
-        return out;
-      }, "Bytes this rank's collectives moved so far, by operation (communicator.h's convention).");
+      .def("bytes", [](Mesh& mesh) { return per_op(mesh, &CommCounters::bytes); },
+           "Bytes this rank's collectives moved so far, by operation (communicator.h's convention).")
+      .def("calls", [](Mesh& mesh) { return per_op(mesh, &CommCounters::calls); },
+           "Collectives this rank issued so far, by operation.");
   m.def("_install_counting_allocator", &memory::install_counting_allocator,
         "Wrap LibTorch's CPU allocator with dmuon's counter (idempotent): CPU tensor bytes allocated from now on "
         "are counted (live and peak, per phase).");

@@ -170,6 +170,12 @@ def comm_bytes(model: nn.Module) -> Dict[str, int]:
     return dict(_state_of(model, "comm_bytes").mesh.bytes())
 
 
+def comm_calls(model: nn.Module) -> Dict[str, int]:
+    """Collectives this rank's dmuon issued since :func:`dmuon.dedicate_params`, by operation (the keys of
+    :func:`comm_bytes`), as its communication layer counted them. Local; take differences for a window."""
+    return dict(_state_of(model, "comm_calls").mesh.calls())
+
+
 def install_counting_allocator() -> None:
     """Count CPU tensor memory from now on: wraps LibTorch's CPU allocator with dmuon's counter (the one
     ``dmuon train`` reports). Idempotent. Tensors allocated before the call are not counted, nor are their

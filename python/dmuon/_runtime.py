@@ -538,6 +538,30 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+class _InertHook:
+    """What a copy of a module (copy.deepcopy, torch.save then torch.load) keeps of dmuon's state-dict hooks: its
+    parameters are plain tensors dmuon does not train, so nothing to check."""
+
+    def __call__(self, *args, **kwargs):
+        return None
+
+
+class _StateDictGuard:
+    """One of dmuon's state-dict hooks (a local function: pickle refused it, so torch.save of a module holding
+    only replicated parameters failed with "Can't pickle local object"). Copied or pickled, it becomes inert."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self):
+        return (_InertHook, ())
+
+
 def _install_state_dict_guards(model: nn.Module, state: _State, dtypes: Dict[str, torch.dtype]) -> list:
     """model.state_dict() and load_state_dict() where they would silently save or load the wrong thing, on every
     module holding a parameter dmuon trains and their ancestors. state_dict() (keep_vars=False) raises where it
@@ -607,14 +631,13 @@ def _install_state_dict_guards(model: nn.Module, state: _State, dtypes: Dict[str
     handles = []
     for name, m in model.named_modules():
         if name in hooked:
-            handles.append(m.register_state_dict_pre_hook(saving))
-            handles.append(m.register_load_state_dict_pre_hook(loading))
+            handles.append(m.register_state_dict_pre_hook(_StateDictGuard(saving)))
+            handles.append(m.register_load_state_dict_pre_hook(_StateDictGuard(loading)))
         # copy.deepcopy / torch.save of a module holding such a parameter, or of a block above one (a layer, for
         # an EMA or an export), gave the placeholder (a (0,) weight, no error) on the ranks that do not own it:
         # refused, as the model's copies are
         if name in guarded:
-            # first in the module's __dict__: pickling reaches it before the state-dict hooks above (local
-            # functions: pickle's "Can't pickle local object" otherwise)
+            # first in the module's __dict__: pickling reaches it (and refuses) before anything else
             attrs = {"_dmuon_uncopyable": _C._Uncopyable(), **m.__dict__}
             m.__dict__.clear()
             m.__dict__.update(attrs)

@@ -4,7 +4,10 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <functional>
+#include <limits>
 
+#include "runtime/packing.h"
 #include "runtime/route_context.h"
 #include "runtime/storage.h"
 
@@ -18,18 +21,11 @@ const ShardedEntry* ShardedRoute::find(const std::string& name) const {
 
 template <typename DtypeOf>
 std::vector<std::vector<int>> ShardedRoute::packs(const std::vector<int>& ids, DtypeOf dtype) const {
-  std::vector<std::vector<int>> out;
-  std::vector<at::ScalarType> types;
-  for (int i : ids) {
-    const at::ScalarType t = dtype(entries_[static_cast<size_t>(i)]);
-    const auto it = std::find(types.begin(), types.end(), t);
-    if (it == types.end()) {
-      types.push_back(t);
-      out.push_back({i});
-    } else {
-      out[static_cast<size_t>(it - types.begin())].push_back(i);
-    }
-  }
+  std::vector<std::vector<int>> out;  // one per dtype, uncapped
+  detail::for_each_pack(
+      std::vector<size_t>(ids.begin(), ids.end()), [&](size_t i) { return dtype(entries_[i]); },
+      [](size_t) { return int64_t{0}; }, std::numeric_limits<int64_t>::max(),
+      [&](const std::vector<size_t>& p) { out.emplace_back(p.begin(), p.end()); });
   return out;
 }
 
@@ -56,7 +52,45 @@ void ShardedRoute::check(const std::string& name, const at::Tensor& p, const Rou
 std::unique_ptr<Route> ShardedRoute::make(RouteContext& ctx, std::vector<BoundParam> params) {
   auto route = std::make_unique<ShardedRoute>(ctx);
   for (const BoundParam& p : params) route->add(p);
+  route->take_initial_slices();
   return route;
+}
+
+// Every rank's slices of rank 0's initial values (deferred parameters were filled by add): one broadcast
+// per dtype and pack of at most kCheckpointPackBytes -- one per parameter took ~1 s for 1400 norms and
+// biases at dedicate_params.
+void ShardedRoute::take_initial_slices() {
+  Mesh& mesh = ctx_.mesh();
+  at::NoGradGuard ng;
+  std::vector<size_t> items;
+  for (size_t i = 0; i < entries_.size(); ++i)
+    if (!is_deferred(entries_[i].param)) items.push_back(i);
+  auto send = [&](const std::vector<size_t>& pack) {
+    int64_t total = 0;
+    for (size_t i : pack) total += entries_[i].numel;
+    const ShardedEntry& first = entries_[pack.front()];
+    at::Tensor flat = at::empty({total}, first.param.options().requires_grad(false));
+    int64_t off = 0;
+    for (size_t i : pack) {
+      flat.narrow(0, off, entries_[i].numel).copy_(entries_[i].param.detach().reshape(-1));
+      off += entries_[i].numel;
+    }
+    std::string what = "initial value of sharded parameter '" + first.name + "'";
+    if (pack.size() > 1) what += " and " + std::to_string(pack.size() - 1) + " more";
+    mesh.dp().broadcast(flat, 0, what + " from rank 0").wait();
+    off = 0;
+    for (size_t i : pack) {
+      ShardedEntry& e = entries_[i];
+      const int64_t begin = static_cast<int64_t>(mesh.shard_rank()) * e.shard_len;
+      const int64_t len = std::max<int64_t>(0, std::min(e.numel - begin, e.shard_len));
+      if (len > 0) e.shard.narrow(0, 0, len).copy_(flat.narrow(0, off + begin, len));
+      off += e.numel;
+    }
+  };
+  detail::for_each_pack(
+      items, [&](size_t i) { return entries_[i].param.scalar_type(); },
+      [&](size_t i) { return entries_[i].numel * static_cast<int64_t>(entries_[i].param.element_size()); },
+      detail::kCheckpointPackBytes, send);
 }
 
 void ShardedRoute::add(const BoundParam& bp) {
@@ -76,15 +110,11 @@ void ShardedRoute::add(const BoundParam& bp) {
   e.boundary = boundary;
   e.prec = prec;
   const auto o = param.options().requires_grad(false);
-  const int64_t begin = static_cast<int64_t>(mesh.shard_rank()) * e.shard_len;
   if (is_deferred(param)) {  // this rank reads its slice alone (every rank's source gives the same values)
     e.shard = at::empty({e.shard_len}, o.dtype(prec.master));
     fill_shard(e, *ctx_.deferred_source());
-  } else {
-    at::Tensor full = at::zeros({e.shard_len * G}, o);  // the value before any cast
-    full.narrow(0, 0, e.numel).copy_(param.detach().reshape(-1));
-    mesh.dp().broadcast(full, 0, "initial value of sharded parameter '" + name + "' from rank 0").wait();
-    e.shard = full.narrow(0, begin, e.shard_len).to(prec.master, /*non_blocking=*/false, /*copy=*/true);
+  } else {  // rank 0's value: take_initial_slices
+    e.shard = at::zeros({e.shard_len}, o.dtype(prec.master));
   }
   e.full = at::empty({e.shard_len * G}, o.dtype(prec.param));
   e.view = e.full.narrow(0, 0, e.numel).view(param.sizes());
@@ -365,11 +395,47 @@ void ShardedRoute::upcast_local_grads() {
   for (auto& e : entries_) upcast_local_grad(e.param, e.prec);
 }
 
-at::Tensor ShardedRoute::gather(const ShardedEntry& e, const at::Tensor& slice, const std::string& what) const {
+// Full tensors from their slices for a checkpoint: one all-gather per dtype and pack of at most
+// kCheckpointPackBytes (one per tensor made a model's hundreds of norms and biases cost as many blocking
+// collectives). Item i is entries_[entry] with this rank's slice `slices[i]`; `got(i, full)` receives it
+// viewed as the parameter (a copy of the pack: kept as long as the caller keeps it).
+void ShardedRoute::gather_packed(const std::vector<std::pair<size_t, at::Tensor>>& items, const std::string& what,
+                                 const std::function<void(size_t, const at::Tensor&)>& got) const {
   Communicator& comm = ctx_.mesh().shard();
-  at::Tensor full = at::empty({slice.numel() * comm.size()}, slice.options());
-  comm.allgather_flat(full, slice.contiguous(), what).wait();
-  return full.narrow(0, 0, e.numel).view(e.shape);
+  const int64_t G = comm.size();
+  std::vector<size_t> all(items.size());
+  for (size_t i = 0; i < items.size(); ++i) all[i] = i;
+  auto len = [&](size_t i) { return entries_[items[i].first].shard_len; };
+  auto gather_pack = [&](const std::vector<size_t>& pack) {
+    int64_t width = 0;
+    for (size_t i : pack) width += len(i);
+    const at::TensorOptions o = items[pack.front()].second.options();
+    at::Tensor src = pack.size() == 1 ? items[pack.front()].second.contiguous() : at::empty({width}, o);
+    if (pack.size() > 1) {
+      int64_t off = 0;
+      for (size_t i : pack) {
+        src.narrow(0, off, len(i)).copy_(items[i].second);
+        off += len(i);
+      }
+    }
+    const ShardedEntry& first = entries_[items[pack.front()].first];
+    std::string text = what + "'" + first.name + "'";
+    if (pack.size() > 1) text += " and " + std::to_string(pack.size() - 1) + " more";
+    at::Tensor out = at::empty({G * width}, o);
+    comm.allgather_flat(out, src, text).wait();
+    const at::Tensor rows = out.view({G, width});
+    int64_t off = 0;
+    for (size_t i : pack) {
+      const ShardedEntry& e = entries_[items[i].first];
+      at::Tensor full = pack.size() == 1 ? out : rows.narrow(1, off, len(i)).reshape(-1);
+      got(i, full.narrow(0, 0, e.numel).view(e.shape));
+      off += len(i);
+    }
+  };
+  detail::for_each_pack(
+      all, [&](size_t i) { return items[i].second.scalar_type(); },
+      [&](size_t i) { return G * len(i) * static_cast<int64_t>(items[i].second.element_size()); },
+      detail::kCheckpointPackBytes, gather_pack);
 }
 
 at::Tensor ShardedRoute::slice_of(const ShardedEntry& e, const at::Tensor& full, const at::TensorOptions& o) const {
@@ -380,7 +446,10 @@ at::Tensor ShardedRoute::slice_of(const ShardedEntry& e, const at::Tensor& full,
 }
 
 void ShardedRoute::gather_full(const TensorSink& put) {
-  for (auto& e : entries_) put(e.name, gather(e, e.shard, kCheckpointWhat + "slices of '" + e.name + "'"));
+  std::vector<std::pair<size_t, at::Tensor>> items;
+  for (size_t i = 0; i < entries_.size(); ++i) items.emplace_back(i, entries_[i].shard);
+  gather_packed(items, kCheckpointWhat + "slices of ",
+                [&](size_t i, const at::Tensor& full) { put(entries_[items[i].first].name, full); });
 }
 
 void ShardedRoute::fill_shard(ShardedEntry& e, ParamSource& source) const {
@@ -433,14 +502,25 @@ void ShardedRoute::state_slots(std::vector<StateSlot>& out) const {
 }
 
 void ShardedRoute::gather_state(const OptimizerStateReader& opt, const StateSink& put) {
-  for (const auto& e : entries_) {
-    ParamState s = opt.get(e.param);  // defined on every rank or none: all step together
-    if (!s.defined()) continue;
-    const std::vector<std::string>& fields = opt.fields(false);
-    for (size_t k = 0; k < s.tensors.size(); ++k)
-      s.tensors[k] = gather(e, s.tensors[k], kCheckpointWhat + fields[k] + " slices of '" + e.name + "'");
-    put(e.name, false, s);
+  std::vector<ParamState> states(entries_.size());
+  std::vector<std::pair<size_t, at::Tensor>> items;
+  std::vector<size_t> field_of;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    states[i] = opt.get(entries_[i].param);  // defined on every rank or none: all step together
+    if (!states[i].defined()) continue;
+    if (states[i].tensors.empty()) put(entries_[i].name, false, states[i]);
+    for (size_t k = 0; k < states[i].tensors.size(); ++k) {
+      items.emplace_back(i, states[i].tensors[k]);
+      field_of.push_back(k);
+    }
   }
+  gather_packed(items, kCheckpointWhat + "optimizer state slices of ", [&](size_t it, const at::Tensor& full) {
+    const size_t i = items[it].first, k = field_of[it];
+    states[i].tensors[k] = full;
+    if (k + 1 < states[i].tensors.size()) return;  // an entry's fields are consecutive items, in order
+    put(entries_[i].name, false, states[i]);
+    states[i] = ParamState{};
+  });
 }
 
 void ShardedRoute::assign_state(OptimizerStateAccess& opt, const StateSource& get) {

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -72,9 +73,10 @@ class ShardedRoute final : public Route {
   // non-contiguous tensors.
   static void check(const std::string& name, const at::Tensor& p, const RoutingContext& ctx);
   // The route over `params`, one entry per parameter: this rank's slice of rank 0's value
-  // (collective: a broadcast over the world per parameter, in order).
+  // (collective: broadcasts over the world, packed per dtype, in order).
   static std::unique_ptr<Route> make(RouteContext& ctx, std::vector<BoundParam> params);
   void add(const BoundParam& p);
+  void take_initial_slices();
   // After the parameters took their forward dtype: hooks, and the parameters become placeholders.
   void install() override;
 
@@ -107,7 +109,8 @@ class ShardedRoute final : public Route {
   const std::vector<ShardedEntry>& entries() const { return entries_; }
   const ShardedEntry* find(const std::string& name) const;
   // the full tensor from every shard rank's `slice` of entry `e` (collective over the shard group)
-  at::Tensor gather(const ShardedEntry& e, const at::Tensor& slice, const std::string& what) const;
+  void gather_packed(const std::vector<std::pair<size_t, at::Tensor>>& items, const std::string& what,
+                     const std::function<void(size_t, const at::Tensor&)>& got) const;
   // this rank's zero-padded slice of a full tensor of entry `e`
   at::Tensor slice_of(const ShardedEntry& e, const at::Tensor& full, const at::TensorOptions& options) const;
   // Writes this rank's slice of e's value, read from `source`, into e.shard (zero padding after).

@@ -1512,6 +1512,13 @@ def _inspect(rank, world):
     measured = sum(after[op] - before[op] for op in ("broadcast", "reduce"))
     flags = 8 * sum(not p.is_owner for p in params)
     assert measured - flags == plan["this_rank"]["z3"], (measured, flags, plan["this_rank"])
+    # a full state dict: each owner's matrices in one broadcast (one per matrix before)
+    owners = {p.owner_rank for p in params}
+    before = dmuon.comm_calls(model)
+    assert set(before) == set(after)
+    full = dmuon.get_model_state_dict(model, rank0_only=False)
+    assert dmuon.comm_calls(model)["broadcast"] - before["broadcast"] == len(owners) < len(params)
+    assert all(torch.equal(full[p.name], p.param) for p in params if p.is_owner)
     profile = dmuon.collect_forward_unshard_profile(model)
     json.dumps(profile)
     assert profile["enabled"] and len(profile["boundaries"]) == BLOCKS, profile
@@ -1928,6 +1935,52 @@ def test_torch_state_dicts_copies_and_checkpoint_functions_are_refused_where_the
     state-dict functions on a dedicated model: errors naming dmuon's functions where the result would silently
     be wrong (0-element placeholders, a skipped owner), nothing changed; opt.state is torch.optim's view."""
     run_ranks(tmp_path, world, _torch_state_paths, fsdp2)
+
+
+class _NormedNet(nn.Module):
+    """Net with a LayerNorm between blocks: a submodule whose parameters are all replicated (whole on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = make_net()
+        self.norm = nn.LayerNorm(DIM, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.norm(self.body(x))
+
+
+def _copies_of_replicated_modules(rank, world):
+    import copy
+    import io
+    torch.manual_seed(3)
+    model = _NormedNet()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+    dmuon.dedicate_params(model, torch.distributed.group.WORLD, lambda n, p: p.dim() == 2)
+    dmuon.replicate(model)
+    opt = dmuon.Muon(model, lr=LR, adamw_lr=ADAMW_LR)
+    x = torch.randn(BATCH, DIM, dtype=torch.float64)
+    model(x).square().sum().backward()
+    opt.step()
+    full = dmuon.get_model_state_dict(model, rank0_only=False)
+    # a module holding only replicated parameters is whole on every rank: copied and pickled as torch's are
+    # (pickling failed on dmuon's state-dict hooks, local functions); the copy is a plain module
+    buf = io.BytesIO()
+    torch.save(model.norm, buf)
+    buf.seek(0)
+    for dup in (torch.load(buf, weights_only=False), copy.deepcopy(model.norm)):
+        assert all(torch.equal(v, full["norm." + k]) for k, v in dup.state_dict().items())
+        dup.load_state_dict({k: v + 1 for k, v in dup.state_dict().items()})  # its own tensors
+        assert torch.equal(dup.weight, full["norm.weight"] + 1)
+    assert torch.equal(model.norm.weight, full["norm.weight"])
+    # the original's guards stay: loading into the module dmuon trains is refused
+    with pytest.raises(RuntimeError, match=rf"rank {rank}: LayerNorm\.load_state_dict\(\) on a dedicated model"):
+        model.norm.load_state_dict({k: v + 1 for k, v in model.norm.state_dict().items()})
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_modules_holding_only_replicated_parameters_can_be_copied_and_pickled(tmp_path, world):
+    run_ranks(tmp_path, world, _copies_of_replicated_modules)
 
 
 class _ExtraState(nn.Module):
