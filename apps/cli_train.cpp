@@ -603,7 +603,7 @@ std::string earlier_metrics(const TrainArgs& a, int first_step) {
   if (!in) return "";
   std::string header, line, kept;
   std::getline(in, header);  // checked by check_paths
-  while (std::getline(in, line)) {
+  while (std::getline(in, line) && !in.eof()) {  // (a last line without its newline: an append cut short)
     const long step = std::strtol(line.c_str(), nullptr, 10);
     if (step >= 1 && step < first_step) kept += line + "\n";
   }
@@ -781,9 +781,16 @@ void export_model(const TrainArgs& a, TrainRun& r, std::ostream& out) {
 }
 
 // rank 0: metrics.csv always, loss.svg at the end and every 50 logged steps
-void write_outputs(const TrainArgs& a, const TrainRun& r, const TrainLog& log, bool final_write) {
+void write_outputs(const TrainArgs& a, const TrainRun& r, TrainLog& log, bool final_write) {
   if (!r.lead) return;
-  write_file_atomic(a.out + "/metrics.csv", log.csv.str());
+  // the first write makes the file (header, earlier rows); later ones append the new rows only
+  const std::string path = a.out + "/metrics.csv";
+  if (log.csv_begun)
+    append_file_durably(path, log.csv.str(), "writing " + path);
+  else
+    write_file_atomic(path, log.csv.str());
+  log.csv_begun = true;
+  log.csv.str("");
   if (final_write || log.steps_logged.size() % 50 == 0)
     write_file_atomic(a.out + "/loss.svg",
                       curves_svg({{"train", log.steps_logged, log.losses, "#1f5fbf", false},

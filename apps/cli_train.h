@@ -100,7 +100,8 @@ struct TrainLog {
   int clipped_steps = 0;
   int skipped_steps = 0;     // loss scaling: steps skipped for an inf / NaN gradient
   double loss_scale = 0;     // loss scaling: the final scale (0: off)
-  std::ostringstream csv;
+  std::ostringstream csv;   // metrics.csv's rows not yet written (write_outputs empties it)
+  bool csv_begun = false;   // metrics.csv was written (header and earlier rows): later rows are appended
   std::chrono::steady_clock::time_point t_start;
   double total_s = 0;
 };
@@ -108,7 +109,7 @@ struct TrainLog {
 std::string fmt_secs(double s);
 double mean(const std::vector<double>& v);
 // rank 0: metrics.csv always, loss.svg at the end and every 50 logged steps
-void write_outputs(const TrainArgs& a, const TrainRun& r, const TrainLog& log, bool final_write);
+void write_outputs(const TrainArgs& a, const TrainRun& r, TrainLog& log, bool final_write);
 // collective: the per-rank figures are gathered; rank 0 writes summary.json and prints the summary.
 int report(const TrainArgs& a, TrainRun& r, TrainLog& log, std::ostream& out);
 

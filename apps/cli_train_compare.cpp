@@ -52,7 +52,7 @@ Metrics read_metrics(const std::string& path) {
   };
   const size_t cs = col("step"), cl = col("loss"), cv = col("val_loss");
   Metrics m;
-  while (std::getline(in, line)) {
+  while (std::getline(in, line) && !in.eof()) {  // (a last line without its newline: an append cut short)
     const std::vector<std::string> c = split(line);
     if (c.size() <= std::max({cs, cl, cv})) continue;
     m.steps.push_back(std::stoll(c[cs]));

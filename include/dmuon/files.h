@@ -14,6 +14,13 @@ namespace dmuon {
 void write_file_atomically(const std::string& path, const std::string& content,
                            const std::string& who = "write_file_atomically");
 
+// Appends `content` to the existing file `path` (never through a symlink) and flushes it to disk: the
+// rows of a log that write_file_atomically began, without rewriting what is there (a whole rewrite per
+// log made a long run's logging quadratic). A crash may cut the last row: readers take only lines that
+// end in a newline. Throws std::runtime_error naming `who`, the path and the reason.
+void append_file_durably(const std::string& path, const std::string& content,
+                         const std::string& who = "append_file_durably");
+
 // Removes the temporary files that interrupted atomic writes of `path` left beside it (those whose
 // process is gone; a live writer's are kept). Every atomic write of `path` does this first; a
 // launcher that stopped its writers (SIGINT, SIGTERM, a failed rank) calls it for their outputs.

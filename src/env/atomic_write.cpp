@@ -155,6 +155,20 @@ void write_file_atomically(const std::string& path, const std::string& content, 
   }
 }
 
+void append_file_durably(const std::string& path, const std::string& content, const std::string& who) {
+  auto fail = [&](const std::string& why) {
+    return std::runtime_error(who + ": appending to '" + path + "' failed: " + why + ".");
+  };
+  detail::Fd f;
+  f.fd = ::open(path.c_str(), O_WRONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (f.fd < 0) throw fail(std::string("cannot open it: ") + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(f.fd, &st) != 0) throw fail(std::string("cannot read its size: ") + std::strerror(errno));
+  if (const int e = detail::write_all(f.fd, content.data(), content.size(), static_cast<uint64_t>(st.st_size)); e != 0)
+    throw fail(std::strerror(e));
+  if (::fsync(f.fd) != 0) throw fail("fsync failed (is the disk full?)");
+}
+
 void remove_stale_temporaries(const std::string& path) {
   const std::filesystem::path target(path);
   const std::filesystem::path dir = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
