@@ -260,6 +260,11 @@ class Muon : public torch::optim::Optimizer {
   StepProfile consume_last_step_profile();
   // Gradient-norm clipping between backward and step (grad_clip.h; collective).
   MuonGradClipStats clip_grad_norm_(std::optional<double> max_norm, const GradClipOptions& opts = {});
+  // The argument agreement clip_grad_norm_ begins with, alone (collective, every rank): for a front end whose
+  // own strategy clips after it, or whose own checks refused this rank's arguments -- `refusal`, the reason,
+  // then raises on every rank (not only here, leaving the others in the next collective until the timeout).
+  void agree_clip_arguments(std::optional<double> max_norm, const GradClipOptions& opts,
+                            const std::string& refusal = "") const;
   const std::optional<MuonGradClipStats>& last_muon_grad_clip_stats() const { return last_clip_; }
   // collective (waits the gradient reduces, as step() would): the live gradients in `scope` that
   // the next step() uses -- scale or read them in place -- each with whether this rank counts it

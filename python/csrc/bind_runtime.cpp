@@ -511,6 +511,20 @@ void bind_runtime(py::module_& m) {
            },
            "max_norm"_a, "norm_type"_a, "error_if_nonfinite"_a, "foreach"_a, "strategy"_a, "all_params"_a,
            "extra"_a = std::vector<std::tuple<std::string, at::Tensor, bool, bool>>{})
+      .def("agree_clip",
+           [](const Muon& opt, std::optional<double> max_norm, double norm_type, bool error_if_nonfinite,
+              const std::string& strategy, bool all_params, const std::string& refusal) {
+             GradClipOptions o;
+             o.norm_type = norm_type;
+             o.error_if_nonfinite = error_if_nonfinite;
+             o.strategy = strategy;
+             o.scope = all_params ? ClipScope::AllParams : ClipScope::Muon;
+             py::gil_scoped_release unlocked;
+             opt.agree_clip_arguments(max_norm, o, refusal);
+           },
+           "max_norm"_a, "norm_type"_a, "error_if_nonfinite"_a, "strategy"_a, "all_params"_a, "refusal"_a,
+           "clip_grad_norm_'s argument agreement alone (collective): a Python strategy clips after it; a refusal "
+           "of this rank's arguments raises on every rank.")
       .def("summary",
            [](const Muon& opt, const RuntimeHandle& h, int max_rows) {
              return summarize_param_groups(runtime_face(h.runtime), opt, max_rows).dump();

@@ -15,6 +15,7 @@ from typing import List, Optional, Set
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 _ORIGINAL = None  # FSDP2's own _get_managed_states while the patch is installed
 # id(param) -> (weak reference to it, weak reference to its model's dmuon state, its name): parameters dmuon
@@ -33,6 +34,18 @@ def register_cast(state, params) -> None:
         _CAST[key] = (weakref.ref(p, lambda _, key=key: _CAST.pop(key, None)), weakref.ref(state), name)
 
 
+# Every parameter of a dedicated model -> the sorted global ranks dmuon averages its gradients over (the
+# data-parallel ranks: shard x replicate, at this rank's TP position). fully_shard's mesh must span the same.
+_DP_RANKS = WeakIdKeyDictionary()
+
+
+def register_dp_ranks(params, ranks) -> None:
+    """Records the data-parallel ranks of a dedicated model's parameters (dedicate_params)."""
+    ranks = tuple(sorted(int(r) for r in ranks))
+    for p in params:
+        _DP_RANKS[p] = ranks
+
+
 def _user_stacklevel() -> int:
     """warnings.warn's stacklevel of the first caller outside torch and dmuon (the user's fully_shard call)."""
     frame, level = sys._getframe(1), 1
@@ -41,18 +54,76 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _fully_shard_mp_policy():
-    """The mp_policy argument of the fully_shard call running now (read from its frame: _get_managed_states is
-    called by it), or None where it cannot be found."""
+def _fully_shard_local(name: str, attr: str):
+    """The local `name` (an object with `attr`) of the fully_shard call running now -- its mp_policy or mesh
+    argument, read from its frame (_get_managed_states is called by it) -- or None where it cannot be found."""
     frame = sys._getframe(1)
     for _ in range(8):
         frame = frame.f_back
         if frame is None:
             return None
-        policy = frame.f_locals.get("mp_policy")
-        if policy is not None and hasattr(policy, "param_dtype"):
-            return policy
+        value = frame.f_locals.get(name)
+        if value is not None and hasattr(value, attr):
+            return value
     return None
+
+
+def _fully_shard_mp_policy():
+    return _fully_shard_local("mp_policy", "param_dtype")
+
+
+def _named_params(modules):
+    """(name under the fully_shard call's module, module, parameter) of each parameter `modules` hold directly."""
+    children = {id(c) for m in modules for c in m.children()}
+    prefix = {}
+    for root in (m for m in modules if id(m) not in children):  # the modules fully_shard was given
+        prefix.update((id(m), n) for n, m in root.named_modules())
+    for module in modules:
+        at = prefix.get(id(module), "")
+        for name, p in module.named_parameters(recurse=False):
+            yield (f"{at}.{name}" if at else name), module, p
+
+
+def _check_mesh(modules) -> None:
+    """fully_shard's mesh spans the ranks dmuon averages the model's gradients over: FSDP2 on the 2-D (replicate,
+    shard) mesh while dedicate_params was given its shard axis alone (no replicate_mesh), or the reverse, averaged
+    the FSDP2 parameters over other ranks than the Muon matrices, and the replicas drifted apart without a word."""
+    mesh = _fully_shard_local("mesh", "mesh_dim_names")
+    if mesh is None:
+        return
+    for name, _, p in _named_params(modules):
+        dp = _DP_RANKS.get(p)
+        if dp is None:
+            continue
+        spans = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+        if spans == dp:
+            return
+        from ._runtime import _rank
+
+        raise ValueError(
+            f"rank {_rank()}: fully_shard: its mesh spans global ranks {list(spans)}, but dmuon averages the "
+            f"gradients of this model ('{name}', ...) over {list(dp)} (dedicate_params' mesh, with replicate_mesh on "
+            "HSDP), so the parameters FSDP2 trains and the Muon matrices would be averaged over different ranks and "
+            "the replicas would drift apart. HSDP: dedicate_params(model, mesh['shard'], predicate, "
+            "replicate_mesh=mesh['replicate']) and fully_shard(..., mesh=mesh) on the 2-D mesh; 1-D: one mesh for both.")
+
+
+def _warn_compute_dtypes(modules, policy) -> None:
+    """fully_shard computes its parameters in mp_policy's param_dtype; dmuon's dedicated matrices in these modules
+    keep theirs (param_policy's param_dtype; compute_dtype is the communication dtype only). Their first forward
+    then failed with torch's bare "must have the same dtype" error: warned here, naming the fix (once per call)."""
+    if policy is None or policy.param_dtype is None:
+        return
+    for name, _, p in _named_params(modules):
+        if hasattr(p, "_dedicated_owner_rank") and p.dtype != policy.param_dtype:
+            warnings.warn(
+                f"dmuon: fully_shard computes its parameters in {policy.param_dtype} "
+                f"(mp_policy=MixedPrecisionPolicy(param_dtype=...)), but dmuon's dedicated matrix '{name}' stays "
+                f"{p.dtype}: a forward mixing them fails with torch's dtype error (unless it runs under autocast). "
+                f"Give dedicate_params param_policy={{'defaults': {{'param_dtype': {policy.param_dtype}}}}} (dmuon "
+                f"then keeps the {p.dtype} masters).",
+                stacklevel=_user_stacklevel())
+            return
 
 
 def restore_masters(modules, ignored=()) -> None:
@@ -118,6 +189,8 @@ def _call_get_managed_states(original, modules, ignored_params):
     from ._tp import hand_to_fsdp2
 
     hand_to_fsdp2(modules)  # TP slices dmuon does not train: FSDP2 gets their DTensors, not the slices
+    _check_mesh(modules)
+    _warn_compute_dtypes(modules, _fully_shard_mp_policy())
     restore_masters(modules, ignored_params or ())  # parameters param_policy cast: FSDP2 gets their masters
     dedicated = _dedicated_in(modules)
     if len(inspect.signature(original).parameters) >= 2:

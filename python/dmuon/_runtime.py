@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _C
 from ._clip import MuonGradClipStats, python_strategy, registered_strategies, run_python_strategy
-from ._fsdp2 import assign_full, fsdp_modules, full_tensor, is_dtensor, register_cast, shard_of
+from ._fsdp2 import assign_full, fsdp_modules, full_tensor, is_dtensor, register_cast, register_dp_ranks, shard_of
 from ._mesh import add_sharded_unshard_group, make_mesh
 from ._tp import (find_tp_params, install_dtensor_hooks, is_tp_slice, register_undedicated, release_dtensors,
                   restore_dtensors, show_dtensors, swap_in_local_slices)
@@ -474,6 +474,9 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
     model._dmuon.tp_split = tp_split
     model._dmuon.tp_params = tp_params
     model._dmuon.dp_ranks = dp_ranks  # with TP: the global ranks at this rank's TP position
+    if world_group is not None:  # fully_shard's mesh must span them (the FSDP2 patch checks)
+        register_dp_ranks([p for _, p in params], dp_ranks if dp_ranks is not None else
+                          dist.get_process_group_ranks(world_group))
     model._dmuon.groups = groups  # the mesh's torch groups (get_comm_ctx)
     model._dmuon.comm_options = {k: options.get(k) for k in ("tp_buffer_reuse", "replicate_broadcast_bucket_mb")}
     owners = {}
@@ -1164,6 +1167,15 @@ def clip_grad_norm_(optimizer, max_norm: Optional[float], *, norm_type: float = 
                                      foreach=foreach, strategy=strategy)
 
 
+def _clip_number(key: str, value) -> float:
+    """clip_grad_norm_'s max_norm or norm_type as a float, as torch's clip_grad_norm_ converts them (float(): a
+    number, a one-element tensor, a string such as "inf"); a ValueError naming the argument otherwise."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{key} must be a number, got {value!r}") from None
+
+
 _GROUP_KEYS = ("params", "name", "lr", "momentum", "weight_decay", "nesterov", "ns_steps", "adamw_lr", "adamw_betas",
                "adamw_weight_decay", "adamw_eps")
 
@@ -1834,20 +1846,35 @@ class Muon(torch.optim.Optimizer):
         ``foreach`` (fused kernels; None: on CUDA float32/float64), ``strategy`` ("global_norm", a registered
         name, or a callable; see :func:`dmuon.register_muon_grad_clip_strategy`). Collective: every rank of
         the model's mesh."""
-        if scope not in ("muon", "all"):
-            raise ValueError(f"clip_grad_norm_: scope must be 'muon' or 'all', got {scope!r}")
-        extra = _external_clip_grads(self._model_state) if scope == "all" else []
-        norm_type = 2.0 if norm_type is None else float(norm_type)
+        # this rank's own checks: a refusal is agreed (it raises on every rank, not here alone while the others
+        # wait in the clip's collectives until the timeout)
+        refusal = None
+        try:
+            if scope not in ("muon", "all"):
+                raise ValueError(f"scope must be 'muon' or 'all', got {scope!r}")
+            norm_type = 2.0 if norm_type is None else _clip_number("norm_type", norm_type)
+            max_norm = None if max_norm is None else _clip_number("max_norm", max_norm)
+            strategy = "global_norm" if strategy is None else strategy
+            custom = python_strategy(strategy)
+            if custom is None and not isinstance(strategy, str):
+                raise ValueError(f"strategy must be a name or a callable, got {type(strategy).__name__}")
+        except (TypeError, ValueError) as e:
+            refusal = e
+        if refusal is not None:
+            try:
+                self._native.agree_clip(None, 2.0, False, "", False,
+                                        f"rank {_rank()}: clip_grad_norm_: {refusal}")
+            except ValueError:
+                pass
+            raise ValueError(f"rank {_rank()}: clip_grad_norm_: {refusal}") from None
         error_if_nonfinite = bool(error_if_nonfinite)
-        strategy = "global_norm" if strategy is None else strategy
-        max_norm = None if max_norm is None else float(max_norm)
-        custom = python_strategy(strategy)
+        extra = _external_clip_grads(self._model_state) if scope == "all" else []
         if custom is not None:
             name = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "custom")
+            # agreed as the core's strategies are (a Python strategy's own collectives follow)
+            self._native.agree_clip(max_norm, norm_type, error_if_nonfinite, name, scope == "all", "")
             stats = run_python_strategy(self._native, custom, name, max_norm, norm_type, error_if_nonfinite, foreach,
                                         scope == "all", self._model_state.world_group, extra)
-        elif not isinstance(strategy, str):
-            raise ValueError(f"clip_grad_norm_: strategy must be a name or a callable, got {type(strategy).__name__}")
         else:
             try:
                 stats = MuonGradClipStats(**self._native.clip(max_norm, norm_type, error_if_nonfinite, foreach,
@@ -2153,6 +2180,17 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
         if steps is None or steps < 0 or steps >= 2 ** 63:
             raise ValueError(f"set_optimizer_state_dict: steps_taken is {state_dict['steps_taken']!r}; a step count is "
                              "an integer in [0, 2**63).")
+        held = [k for k in ("fsdp", "dedicated", "dedicated_adamw") if state_dict[k]]
+        listed = state_dict.get("without_state", [])
+        if steps > 0 and not held and isinstance(listed, (list, tuple)) and any(
+                p.requires_grad and n not in listed for n, p in state.params.items()):
+            raise ValueError(
+                f"set_optimizer_state_dict: the state dict says {steps} step(s) were taken but holds no parameter's "
+                "state (every section is empty) and does not list them as without state. A "
+                "torch.distributed.checkpoint load into a new dmuon.Muon gives this: it fills only the keys of its "
+                "template (opt.state_dict()), and an optimizer that has not stepped holds no state to list. Read the "
+                "checkpoint whole instead -- torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dir, path), "
+                "then torch.load(path) -- and pass its optimizer dict.")
         for key in ("dedicated", "dedicated_adamw"):  # what the core takes: tensors (a step may be a number)
             for name, entry in state_dict[key].items():
                 fields = entry.items() if isinstance(entry, Mapping) else [("", entry)]

@@ -1073,6 +1073,11 @@ std::vector<ClipGrad> Muon::clip_grads(ClipScope scope) {
   return out;
 }
 
+void Muon::agree_clip_arguments(std::optional<double> max_norm, const GradClipOptions& opts,
+                                const std::string& refusal) const {
+  detail::agree_clip_arguments(*runtime("clip_grad_norm_"), max_norm, opts, refusal);
+}
+
 MuonGradClipStats Muon::clip_grad_norm_(std::optional<double> max_norm, const GradClipOptions& opts) {
   // The arguments agreed first, on every rank (one small all-gather; the norm's own exchange reads the host
   // anyway): an argument one rank refuses raises on every rank, and so do arguments that differ (each replica

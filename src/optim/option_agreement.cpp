@@ -151,7 +151,8 @@ void agree_options(const RuntimeFace& runtime, const MuonOptions& o, const std::
   });
 }
 
-void agree_clip_arguments(const RuntimeFace& runtime, std::optional<double> max_norm, const GradClipOptions& opts) {
+void agree_clip_arguments(const RuntimeFace& runtime, std::optional<double> max_norm, const GradClipOptions& opts,
+                          const std::string& refusal) {
   const int rank = runtime.mesh().global_rank();
   AgreementText text;
   text.fn = "clip_grad_norm_";
@@ -165,6 +166,7 @@ void agree_clip_arguments(const RuntimeFace& runtime, std::optional<double> max_
   agree(
       runtime.mesh().world(), text,
       [&] {
+        TORCH_CHECK_VALUE(refusal.empty(), refusal);
         TORCH_CHECK_VALUE(opts.norm_type > 0, "rank ", rank, ": clip_grad_norm_: norm_type must be > 0 (or INFINITY), "
                           "got ", opts.norm_type);
         TORCH_CHECK_VALUE(!max_norm || *max_norm >= 0, "rank ", rank, ": clip_grad_norm_: max_norm must be >= 0 "

@@ -39,7 +39,9 @@ std::string step_values_differ(const Disagreement& d);
 // clip_grad_norm_'s arguments (max_norm, norm_type, scope, strategy, error_if_nonfinite), checked and agreed
 // over runtime.mesh().world() before any rank clips (collective, every rank): an argument one rank refuses
 // raises on every rank, and so do arguments that differ (each replica would clip by its own) and a rank in
-// another collective call (a clip on some ranks only).
-void agree_clip_arguments(const RuntimeFace& runtime, std::optional<double> max_norm, const GradClipOptions& opts);
+// another collective call (a clip on some ranks only). `refusal` (non-empty): a caller's own check refused this
+// rank's arguments for that reason (a ValueError on this rank, naming it everywhere else).
+void agree_clip_arguments(const RuntimeFace& runtime, std::optional<double> max_norm, const GradClipOptions& opts,
+                          const std::string& refusal = "");
 
 }  // namespace dmuon::detail

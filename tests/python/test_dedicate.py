@@ -772,6 +772,26 @@ def _mesh_mistakes(rank, world):
     # the axes swapped: dmuon's layout (rank = replicate_rank x G + shard_rank) does not hold
     with pytest.raises(ValueError, match="replicate-major"):
         dmuon.dedicate_params(make_net(), mesh["replicate"], two_d, replicate_mesh=mesh["shard"])
+    # FSDP2 and dmuon averaging over different ranks (the replicas drifted apart): refused at fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = make_net()
+    dmuon.dedicate_params(model, mesh["shard"], two_d)  # (no replicate_mesh)
+    with pytest.raises(ValueError, match=rf"rank {rank}: fully_shard: its mesh spans global ranks \[0, 1, 2, 3\], but "
+                                         rf"dmuon averages the gradients of this model \('proj.weight', ...\) over "
+                                         rf"\[{2 * (rank // 2)}, {2 * (rank // 2) + 1}\] .*replicate_mesh=mesh\['replicate'\]"):
+        fully_shard(model.layers[0], mesh=mesh)
+    model = make_net()
+    dmuon.dedicate_params(model, mesh["shard"], two_d, replicate_mesh=mesh["replicate"])
+    with pytest.raises(ValueError, match=r"its mesh spans global ranks \[\d, \d\], but dmuon averages .* over \[0, 1, 2, 3\]"):
+        fully_shard(model.layers[0], mesh=mesh["shard"])
+    # FSDP2 computing in bf16 beside dmuon's float32 matrices: a warning naming param_policy (the forward fails)
+    model = make_net().float()
+    dmuon.dedicate_params(model, mesh["shard"], two_d, replicate_mesh=mesh["replicate"])
+    with pytest.warns(UserWarning, match=r"fully_shard computes its parameters in torch.bfloat16 .*dedicated matrix "
+                                         r"'proj.weight' stays torch.float32.*param_policy=\{'defaults': \{'param_dtype': "
+                                         r"torch.bfloat16\}\}"):
+        fully_shard(model.layers[0], mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     # the DDP path takes a 1-D mesh: a 2-D one is refused, even one whose replicate axis is trivial
     for shape in ((2, 2), (1, 4)):
         with pytest.raises(ValueError, match=r"dedicate_params_ddp: mesh is a 2-D DeviceMesh .*takes a 1-D mesh"):
@@ -1981,6 +2001,40 @@ def _copies_of_replicated_modules(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_modules_holding_only_replicated_parameters_can_be_copied_and_pickled(tmp_path, world):
     run_ranks(tmp_path, world, _copies_of_replicated_modules)
+
+
+def _dcp_into_a_new_optimizer(rank, world, out_dir):
+    """torch.distributed.checkpoint's save of a dmuon.Muon, loaded into a new one: its template (opt.state_dict() of
+    an optimizer that has not stepped) lists no state, so DCP fills only the counts and groups -- an error saying
+    so and how to read the checkpoint whole (before: "the 'fsdp' section does not match ... missing: [...]",
+    blaming the model). The remedy it names restores the state exactly."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    model = dedicated_net(init_device_mesh("cpu", (world,)), True)
+    opt, sched = make_optimizer(model)
+    train_steps(model, opt, sched, rank, world, range(2))
+    saved = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+    dcp.save({"optim": opt}, checkpoint_id=out_dir)
+    fresh = dedicated_net(init_device_mesh("cpu", (world,)), True)
+    fresh_opt, _ = make_optimizer(fresh)
+    with pytest.raises(Exception, match=r"says 2 step\(s\) were taken but holds no parameter's state.*"
+                                        r"dcp_to_torch_save"):
+        dcp.load({"optim": fresh_opt}, checkpoint_id=out_dir)
+    if rank == 0:
+        dcp_to_torch_save(out_dir, out_dir + "/whole.pt")
+    torch.distributed.barrier()
+    dmuon.set_optimizer_state_dict(fresh, fresh_opt, torch.load(out_dir + "/whole.pt", weights_only=False)["optim"])
+    back = dmuon.get_optimizer_state_dict(fresh, fresh_opt, rank0_only=False)
+    assert back["steps_taken"] == 2
+    for key in ("fsdp", "dedicated", "dedicated_adamw"):
+        assert back[key].keys() == saved[key].keys() and (back[key] or key == "dedicated_adamw"), key
+        for name, entry in saved[key].items():
+            assert all(torch.equal(torch.as_tensor(back[key][name][f]), torch.as_tensor(v)) for f, v in entry.items())
+
+
+def test_a_dcp_checkpoint_loaded_into_a_new_optimizer_says_how_to_read_it(tmp_path):
+    run_ranks(tmp_path, 2, _dcp_into_a_new_optimizer, str(tmp_path / "dcp"))
 
 
 class _ExtraState(nn.Module):
