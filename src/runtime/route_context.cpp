@@ -12,7 +12,12 @@
 namespace dmuon {
 
 std::vector<int> RouteContext::publish_order() const {
-  std::vector<int> order = schedule.recorded_order.empty() ? schedule.current_order : schedule.recorded_order;
+  // The DDP path: ranks may run different blocks (one skipped a layer, an expert got no tokens), so their
+  // recorded orders differ and the owners' broadcasts would pair across blocks (same-sized ones silently):
+  // model order, the same on every rank. Elsewhere every rank runs the same blocks in the same order.
+  std::vector<int> order = ddp_                              ? std::vector<int>{}
+                           : schedule.recorded_order.empty() ? schedule.current_order
+                                                             : schedule.recorded_order;
   for (int b = 0; b < num_boundaries(); ++b)
     if (std::find(order.begin(), order.end(), b) == order.end()) order.push_back(b);
   return order;

@@ -101,7 +101,8 @@ class RouteContext {
   ScheduleState schedule;
   int64_t pass() const { return schedule.pass; }
   bool boundaries_seen() const { return schedule.boundaries_seen; }
-  // the recorded forward order, then every other boundary in model order (post-step publishes)
+  // the recorded forward order, then every other boundary in model order (post-step publishes); the DDP
+  // path: model order (its ranks may run different blocks)
   std::vector<int> publish_order() const;
 
   // ---- mixed precision ----

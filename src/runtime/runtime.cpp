@@ -594,7 +594,7 @@ namespace {
 // stage-1 reduces are waited and its HSDP stage-2 reduce issued before group i's is waited, so it
 // travels while group i is being updated. `done(b, group)` gets each group's ready gradients;
 // `timing` (optional) sees the preparing as Phase::Prepare. Collective in the same order on every
-// rank (the recorded forward order is the same everywhere).
+// rank (the recorded forward order is the same everywhere; the DDP path publishes in model order).
 void prepare_groups_ahead(DedicatedRoute& d, const std::vector<int>& order,
                           const std::function<void(int b, const std::vector<ReadyGrad>& group)>& done,
                           StepVisitor* timing) {

@@ -1168,6 +1168,31 @@ def make_branch_net():
     return BranchNet(odd_ranks_and_rank0_on_odd_steps)
 
 
+class LayerDropNet(Net):
+    """Net whose ranks skip blocks (LayerDrop; a block-sized expert that got no tokens): `drops(rank, step)` is the
+    block that rank skips at that step (None: none) -- an early one, so the ranks' forward orders differ."""
+
+    def __init__(self, drops):
+        super().__init__()
+        self.drops, self.rank, self.step = drops, 0, 0
+
+    def forward(self, x):
+        skip = self.drops(self.rank, self.step)
+        for i, layer in enumerate(self.layers):
+            if i != skip:
+                x = layer(x)
+        return x * self.scale
+
+
+def rank1_skips_block0_and_rank0_block1_on_odd_steps(rank, step):
+    return 0 if rank == 1 else 1 if rank == 0 and step % 2 == 1 else None
+
+
+def make_layerdrop_net():
+    torch.manual_seed(7)
+    return LayerDropNet(rank1_skips_block0_and_rank0_block1_on_odd_steps)
+
+
 def ranks_loss(model, step, world, micro_batches=1):
     """The one-process loss whose gradient is what `world` ranks average: each rank's loss on its rows (summed
     over its micro-batches, each one backward), over the ranks' count. model.rank and model.step say which rank
@@ -1184,8 +1209,8 @@ def ranks_loss(model, step, world, micro_batches=1):
     return total
 
 
-def _branch(rank, world, out_path):
-    model = make_branch_net()
+def _branch(rank, world, make, out_path):
+    model = make()
     dmuon.dedicate_params_ddp(model, init_device_mesh("cpu", (world,)), lambda n, p: p.dim() == 2)
     dmuon.replicate(model)
     opt, sched = make_optimizer(model, first_step_progress_log=False)
@@ -1197,18 +1222,24 @@ def _branch(rank, world, out_path):
         ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
         opt.step()
         sched.step()
-    sd = dmuon.get_model_state_dict(model)
+    sd = dmuon.get_model_state_dict(model, rank0_only=False)
+    # every rank's live copy is the owners' value (the publish paired each owner's broadcast with its block)
+    assert all(torch.equal(p.detach(), sd[n]) for n, p in model.named_parameters())
     if rank == 0:
         torch.save(sd, out_path)
 
 
-def test_ddp_path_trains_blocks_that_only_some_ranks_run_as_torch_ddp(tmp_path):
+@pytest.mark.parametrize("make", [make_branch_net, make_layerdrop_net])
+def test_ddp_path_trains_blocks_that_only_some_ranks_run_as_torch_ddp(tmp_path, make):
     # torch's DDP with find_unused_parameters: the gradient is the average over the ranks of each rank's
-    # gradient, zero where a rank did not run the block
+    # gradient, zero where a rank did not run the block. An early block skipped (LayerDrop) gave the ranks other
+    # forward orders, and the post-step publish followed each rank's own: same-sized broadcasts of different
+    # blocks paired silently (every parameter 1e-1 off) or the ranks hung.
     for world in (2, 3):
-        ref = reference_train(model=make_branch_net(), loss_of=lambda m, step: ranks_loss(m, step, world))
-        got = train_on_ranks(tmp_path, world, _branch)
-        assert float((got["extra.proj.weight"] - make_branch_net().extra.proj.weight.detach()).abs().max()) > 1e-3
+        ref = reference_train(model=make(), loss_of=lambda m, step: ranks_loss(m, step, world))
+        got = train_on_ranks(tmp_path, world, _branch, make)
+        if make is make_branch_net:
+            assert float((got["extra.proj.weight"] - make().extra.proj.weight.detach()).abs().max()) > 1e-3
         assert_matches(ref, got, f"{world} ranks")
 
 
