@@ -783,13 +783,17 @@ void export_model(const TrainArgs& a, TrainRun& r, std::ostream& out) {
 // rank 0: metrics.csv always, loss.svg at the end and every 50 logged steps
 void write_outputs(const TrainArgs& a, const TrainRun& r, TrainLog& log, bool final_write) {
   if (!r.lead) return;
-  // the first write makes the file (header, earlier rows); later ones append the new rows only
-  const std::string path = a.out + "/metrics.csv";
-  if (log.csv_begun)
-    append_file_durably(path, log.csv.str(), "writing " + path);
-  else
-    write_file_atomic(path, log.csv.str());
-  log.csv_begun = true;
+  // the first write makes the file (header, earlier rows); later ones append the new rows only -- but where the
+  // file is gone or was replaced since (a link is never followed), it is made anew from what it held
+  const std::string path = a.out + "/metrics.csv", rows = log.csv.str();
+  bool appended = false;
+  if (!log.csv_written.empty()) try {
+      append_file_durably(path, rows, "writing " + path);
+      appended = true;
+    } catch (const std::exception&) {
+    }
+  log.csv_written += rows;
+  if (!appended) write_file_atomic(path, log.csv_written);
   log.csv.str("");
   if (final_write || log.steps_logged.size() % 50 == 0)
     write_file_atomic(a.out + "/loss.svg",

@@ -101,7 +101,7 @@ struct TrainLog {
   int skipped_steps = 0;     // loss scaling: steps skipped for an inf / NaN gradient
   double loss_scale = 0;     // loss scaling: the final scale (0: off)
   std::ostringstream csv;   // metrics.csv's rows not yet written (write_outputs empties it)
-  bool csv_begun = false;   // metrics.csv was written (header and earlier rows): later rows are appended
+  std::string csv_written;  // what metrics.csv holds (header, earlier rows, the rows written): later rows are appended
   std::chrono::steady_clock::time_point t_start;
   double total_s = 0;
 };

@@ -11,6 +11,7 @@
 
 #include <filesystem>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <fstream>
@@ -22,6 +23,7 @@
 
 #include "dmuon/checkpoint.h"
 #include "dmuon/dedicate.h"
+#include "dmuon/files.h"
 #include "dmuon/muon.h"
 #include "dmuon/safetensors.h"
 #include "io/file_io.h"  // white-box: a save interrupted by a signal
@@ -900,6 +902,28 @@ TEST(CheckpointTest, FilesWithOutOfRangeHyperparametersAreRefusedAndMetadataRoun
 }
 
 // issue 34 item 10: a save removes the temporary files of earlier saves whose process died mid-write
+// A log's later rows are appended to the file write_file_atomically made (not rewritten whole); a missing file
+// or a link put at its name is an error naming the writer and the path, nothing written through the link.
+TEST(CheckpointTest, AppendFileDurablyAddsToTheEndAndNeverFollowsALink) {
+  namespace fs = std::filesystem;
+  const std::string dir = testing::fresh_temp_dir("dmuon-append"), path = dir + "/metrics.csv";
+  write_file_atomically(path, "step,loss\n1,2.5\n");
+  append_file_durably(path, "2,2.25\n", "the log");
+  append_file_durably(path, "", "the log");
+  append_file_durably(path, "3,2\n", "the log");
+  std::ifstream in(path);
+  const std::string content((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(content, "step,loss\n1,2.5\n2,2.25\n3,2\n");
+  const std::string missing = error_of([&] { append_file_durably(dir + "/gone.csv", "x\n", "the log"); });
+  EXPECT_NE(missing.find("the log: appending to '" + dir + "/gone.csv' failed: cannot open it"), std::string::npos)
+      << missing;
+  fs::create_symlink(path, dir + "/link.csv");
+  const std::string linked = error_of([&] { append_file_durably(dir + "/link.csv", "x\n", "the log"); });
+  EXPECT_NE(linked.find("cannot open it"), std::string::npos) << linked;
+  EXPECT_EQ(fs::file_size(path), content.size()) << "nothing was written through the link";
+  fs::remove_all(dir);
+}
+
 TEST(CheckpointTest, ASaveRemovesStaleTemporaryFilesOfDeadWriters) {
   const std::string dir = testing::fresh_temp_dir("dmuon-ckpt-tmp");
   const pid_t child = ::fork();

@@ -557,7 +557,8 @@ TEST(CliTest, ResumeKeepsEarlierMetricsAndRefusesAChangedRun) {
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("--checkpoint " + ck + " is also --resume: the run would overwrite its own input"),
             std::string::npos) << r.output;
-  {  // rows are appended as they are logged: a crash can cut the last one ("1" of a row "13,...")
+  {  // rows are appended as they are logged (what is there is not rewritten): a crash can cut the last one
+     // ("1" of a row "13,...")
     std::ofstream cut(d + "/metrics.csv", std::ios::app);
     cut << "1";
   }

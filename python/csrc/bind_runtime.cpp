@@ -211,6 +211,20 @@ MuonGroupOptions& group_options(Muon& opt, size_t i) {
   return static_cast<MuonGroupOptions&>(opt.param_groups()[i].options());
 }
 
+// Runs `fn` without the GIL; the core's TORCH_WARN inside it become Python UserWarnings (warnings.warn) when it
+// returns (an exception wins over them).
+template <typename F>
+void with_py_warnings(F&& fn) {
+  torch::PyWarningHandler warnings;
+  try {
+    py::gil_scoped_release nogil;
+    fn();
+  } catch (...) {
+    warnings.set_in_exception();
+    throw;
+  }
+}
+
 // One counter of the mesh's collectives (bytes or calls) by operation name.
 py::dict per_op(Mesh& mesh, int64_t (CommCounters::*read)(CommOp) const) {
   py::dict out;
@@ -351,8 +365,9 @@ void bind_runtime(py::module_& m) {
       .def("post_forward_order", [](const RuntimeHandle& h) { return runtime_post_forward_order(h.runtime); }, release)
       .def("reset_post_forward_order", [](const RuntimeHandle& h) { runtime_reset_post_forward_order(h.runtime); },
            release)
-      .def("prepare_grads", [](const RuntimeHandle& h, bool coalesce) { runtime_prepare_grads(h.runtime, coalesce); },
-           "coalesce_wait"_a = true, release)
+      .def("prepare_grads",
+           [](const RuntimeHandle& h, bool coalesce) { with_py_warnings([&] { runtime_prepare_grads(h.runtime, coalesce); }); },
+           "coalesce_wait"_a = true)
       .def("publish", [](const RuntimeHandle& h, bool async) { runtime_publish(h.runtime, async); }, "async_"_a, release)
       .def("wait_publishes", [](const RuntimeHandle& h) { runtime_wait_publishes(h.runtime); }, release)
       .def("unshard_profile",
@@ -423,7 +438,7 @@ void bind_runtime(py::module_& m) {
              }
            }),
            "runtime"_a, "options"_a)
-      .def("step", [](Muon& opt) { opt.step(); }, release)
+      .def("step", [](Muon& opt) { with_py_warnings([&] { opt.step(); }); })
       .def("consume_profile", [](Muon& opt) { return to_json(opt.consume_last_step_profile()).dump(); }, release)
       .def("zero_grad", &Muon::zero_grad, "set_to_none"_a = true, release)
       .def_property_readonly("steps_taken", &Muon::steps_taken)

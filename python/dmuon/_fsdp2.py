@@ -188,8 +188,8 @@ def _call_get_managed_states(original, modules, ignored_params):
     torch 2.6 takes modules only (the dedicated parameters are then filtered from its result)."""
     from ._tp import hand_to_fsdp2
 
+    _check_mesh(modules)  # (before anything changes)
     hand_to_fsdp2(modules)  # TP slices dmuon does not train: FSDP2 gets their DTensors, not the slices
-    _check_mesh(modules)
     _warn_compute_dtypes(modules, _fully_shard_mp_policy())
     restore_masters(modules, ignored_params or ())  # parameters param_policy cast: FSDP2 gets their masters
     dedicated = _dedicated_in(modules)

@@ -1858,6 +1858,8 @@ class Muon(torch.optim.Optimizer):
             custom = python_strategy(strategy)
             if custom is None and not isinstance(strategy, str):
                 raise ValueError(f"strategy must be a name or a callable, got {type(strategy).__name__}")
+            if foreach is not None and not isinstance(foreach, bool):
+                raise ValueError(f"foreach must be None or a bool, got {foreach!r}")
         except (TypeError, ValueError) as e:
             refusal = e
         if refusal is not None:
@@ -1871,8 +1873,9 @@ class Muon(torch.optim.Optimizer):
         extra = _external_clip_grads(self._model_state) if scope == "all" else []
         if custom is not None:
             name = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "custom")
-            # agreed as the core's strategies are (a Python strategy's own collectives follow)
-            self._native.agree_clip(max_norm, norm_type, error_if_nonfinite, name, scope == "all", "")
+            # agreed as the core's strategies are (a Python strategy's own collectives follow), marked as Python's:
+            # a name registered on some ranks only differs from the others' (the core's, unknown there)
+            self._native.agree_clip(max_norm, norm_type, error_if_nonfinite, f"{name} (Python)", scope == "all", "")
             stats = run_python_strategy(self._native, custom, name, max_norm, norm_type, error_if_nonfinite, foreach,
                                         scope == "all", self._model_state.world_group, extra)
         else:

@@ -432,7 +432,23 @@ void DedicatedRoute::install_buffer(PackedBuffer& buf, const float*& flag) {
   for (size_t k = 0; k < buf.params.size(); ++k) {
     auto& e = entries_[buf.params[k]];
     at::Tensor& g = e.param.mutable_grad();
-    if (*flag++ > 0) {
+    const bool has_sum = *flag++ > 0;
+    if (g.defined() && !e.grad_installed) {
+      // the caller set p.grad after the reduce took the gradients (torch.autograd.grad then p.grad = g, a
+      // replaced gradient): the owner steps with it, as torch's optimizers step with what p.grad holds
+      if (!warned_user_grad_) {
+        warned_user_grad_ = true;
+        TORCH_WARN("rank ", ctx_.mesh().global_rank(), ": the gradient of the dedicated matrix '", e.name,
+                   "' was set by the caller after its reduce (p.grad = ... after backward): its owner steps with that "
+                   "tensor, not with the average over the ranks of their backward's gradients. To edit the averaged "
+                   "gradients, call dmuon.prepare_muon_grads(model) (prepare_grads in C++) first: the owners' p.grad "
+                   "then holds them.");
+      }
+      e.carried_grad = at::Tensor();
+      e.grad_installed = true;
+      continue;
+    }
+    if (has_sum) {
       g = sum.narrow(0, buf.offsets[k], e.param.numel()).view(e.param.sizes());
       if (e.carried_grad.defined()) g.add_(e.carried_grad.to(g.dtype()));
     } else {
@@ -504,6 +520,14 @@ void DedicatedRoute::discard_grads() {
     e.carried_grad = at::Tensor();
     e.grad_installed = false;
   }
+}
+
+// zero_grad(set_to_none=False) leaves the owners' installed gradients as zeros: still dmuon's (carried into the
+// next average, or dropped when no gradient comes), not a gradient the caller set (install_buffer)
+void DedicatedRoute::after_zero_grad(bool set_to_none) {
+  if (set_to_none) return;
+  for (auto& e : entries_)
+    if (e.param.grad().defined()) e.grad_installed = true;
 }
 
 void DedicatedRoute::upcast_local_grads() {

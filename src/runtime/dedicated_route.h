@@ -125,6 +125,7 @@ class DedicatedRoute final : public Route {
   void install_grads(const float*& flag) override;
   void ready_grads(std::vector<ReadyGrad>& out) override;
   void discard_grads() override;
+  void after_zero_grad(bool set_to_none) override;
   void upcast_local_grads() override;
   void publish(bool async) override;
   void wait_publishes() override;
@@ -199,6 +200,7 @@ class DedicatedRoute final : public Route {
   // group issues its collectives in the same order.
   static constexpr size_t kStage2Lag = 1;
   std::deque<int> stage2_due_;
+  bool warned_user_grad_ = false;  // a gradient the caller set after the reduce was used (said once)
   void issue_due_stage2(size_t keep);
   std::vector<bool> published_;                      // per boundary: published in this step already
 };

@@ -514,10 +514,11 @@ void ShardedRoute::gather_state(const OptimizerStateReader& opt, const StateSink
       field_of.push_back(k);
     }
   }
+  std::vector<size_t> arrived(entries_.size(), 0);  // (packs are per dtype: an entry's fields may come apart)
   gather_packed(items, kCheckpointWhat + "optimizer state slices of ", [&](size_t it, const at::Tensor& full) {
     const size_t i = items[it].first, k = field_of[it];
     states[i].tensors[k] = full;
-    if (k + 1 < states[i].tensors.size()) return;  // an entry's fields are consecutive items, in order
+    if (++arrived[i] < states[i].tensors.size()) return;
     put(entries_[i].name, false, states[i]);
     states[i] = ParamState{};
   });

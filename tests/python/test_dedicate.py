@@ -2068,6 +2068,52 @@ def test_a_dcp_checkpoint_loaded_into_a_new_optimizer_says_how_to_read_it(tmp_pa
     run_ranks(tmp_path, 2, _dcp_into_a_new_optimizer, str(tmp_path / "dcp"))
 
 
+def _grad_set_after_backward(rank, world, layout):
+    """p.grad of a dedicated matrix set by the caller after backward (torch.autograd.grad then p.grad = g, a
+    replaced gradient): the owner steps with that tensor, as torch's optimizers do, and says so once (before:
+    ignored in silence -- the matrix stepped with the reduced average)."""
+    import warnings
+
+    model = layout_net(init_device_mesh("cpu", (world,)), layout, make_net())
+    opt, _ = make_optimizer(model, first_step_progress_log=False, nesterov=False)
+    per = BATCH // world
+    x, y = batch(0)
+    ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
+    opt.step()
+    target = next(d for d in dmuon.get_dedicated_params(model) if d.name == "layers.1.proj.weight")
+    before = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)["dedicated"][target.name]["momentum_buffer"]
+    opt.zero_grad()
+    x, y = batch(1)
+    ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
+    g = torch.linspace(-1, 1, DIM * DIM, dtype=torch.float64).reshape(DIM, DIM)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if target.is_owner or layout == "ddp":  # (elsewhere the non-owner's parameter is a 0-element placeholder)
+            target.param.grad = g.clone()
+        opt.step()
+    said = [str(w.message) for w in caught if "was set by the caller after its reduce" in str(w.message)]
+    assert len(said) == (1 if target.is_owner else 0), said
+    after = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)["dedicated"][target.name]["momentum_buffer"]
+    assert torch.allclose(after, MOMENTUM * before + g, rtol=0, atol=1e-15), float((after - MOMENTUM * before - g).abs().max())
+    # zero_grad(set_to_none=False)'s zeros are not the caller's: no warning; the matrix, given no new gradient,
+    # steps with zeros as torch's optimizers do (its momentum decays)
+    opt.zero_grad(set_to_none=False)
+    x, y = batch(2)
+    loss = ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean()
+    loss.backward(inputs=[p for p in model.parameters() if p is not target.param])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    assert not [w for w in caught if "set by the caller" in str(w.message)]
+    last = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)["dedicated"][target.name]["momentum_buffer"]
+    assert torch.allclose(last, MOMENTUM * after, rtol=0, atol=1e-15), float((last - MOMENTUM * after).abs().max())
+
+
+@pytest.mark.parametrize("layout", ["ddp", "z3"])
+def test_a_gradient_set_after_backward_is_what_the_owner_steps_with(tmp_path, layout):
+    run_ranks(tmp_path, 2, _grad_set_after_backward, layout)
+
+
 class _ExtraState(nn.Module):
     refuse = False  # set_extra_state raises on this rank (a version the module cannot read)
     state = {"version": 3}

@@ -381,7 +381,8 @@ def _rank_divergent_calls(rank, world):
     # take): every rank raises at once (before: that rank alone; the other waited in the clip until the timeout)
     for bad, why in (({"scope": "mun"}, "scope must be 'muon' or 'all', got 'mun'"),
                      ({"strategy": 42}, "strategy must be a name or a callable, got int"),
-                     ({"norm_type": "two"}, "norm_type must be a number, got 'two'")):
+                     ({"norm_type": "two"}, "norm_type must be a number, got 'two'"),
+                     ({"foreach": "yes"}, "foreach must be None or a bool, got 'yes'")):
         with pytest.raises(ValueError, match=re.escape(f"rank 1: clip_grad_norm_: {why}") if rank == 1 else
                            r"rank 0: clip_grad_norm_: rank\(s\) 1 refused the arguments they were given, so no rank "
                            r"clips \(rank 1: clip_grad_norm_: " + re.escape(why)):
@@ -390,7 +391,8 @@ def _rank_divergent_calls(rank, world):
     dmuon.register_muon_grad_clip_strategy("py_global", lambda grads, max_norm, **kw: dmuon.MuonGradClipStats(
         0.0, max_norm, 2.0, 1.0, False, 0, False, "py_global"))
     with pytest.raises(ValueError, match=rf"rank {rank}: clip_grad_norm_: the ranks clip with different arguments: "
-                                         r"strategy is '(py_global|global_norm)' here and differs on rank\(s\) 1"):
+                                         r"strategy is '(py_global \(Python\)|global_norm)' here and differs on "
+                                         r"rank\(s\) 1"):
         opt.clip_grad_norm_(1.0, strategy="py_global" if rank == 0 else None)
     before = dmuon.get_model_state_dict(model, rank0_only=False)
     stats = opt.clip_grad_norm_(1e-3)  # (and the same call on every rank goes on as usual)
