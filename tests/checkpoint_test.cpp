@@ -389,6 +389,79 @@ TEST(CheckpointTest, FullStateDictsSendEachOwnersMatricesPacked) {
   });
 }
 
+// An optimizer that has not stepped lists each trainable parameter's state as its first step starts it
+// (zeros at step 0, in the state's dtype, full shapes) rather than as without state: its state dict is a
+// template holding every key, which a loader that fills only the keys it is given
+// (torch.distributed.checkpoint into a new optimizer) fills whole. Loading such entries gives fresh state:
+// the run goes exactly as a never-loaded one (float64, bit for bit: the same ops on the same ranks).
+TEST(CheckpointTest, AnOptimizerThatHasNotSteppedListsFreshStateAsATemplate) {
+  const GPTConfig cfg = testing::small_config(2);
+  const auto init = testing::init_state(cfg, 5);
+  const auto batches = testing::make_batches(2, 8, 9, cfg.vocab_size, 4);
+  for (const bool sharded : {false, true}) {
+    testing::run_ranks(2, [&](testing::RankContext& ctx) {
+      auto mesh = make_mesh(ctx);
+      DedicateOptions o;
+      ParamPolicy state32;  // the state in float32 beside float64 parameters: the template's dtype is the state's
+      state32.optim_dtype = at::kFloat;
+      o.param_policy.push_back({"", state32});
+      const Layout layout{"N2", 2, 1, true, false, sharded};
+      GPT loaded = testing::make_gpt(cfg), plain = testing::make_gpt(cfg);
+      testing::load_state(loaded, init);
+      testing::load_state(plain, init);
+      dedicate(loaded, mesh, layout, o);
+      dedicate(plain, mesh, layout, o);
+      Muon opt(loaded.ptr(), testing::muon_options({})), plain_opt(plain.ptr(), testing::muon_options({}));
+      const OptimizerStateDict t = get_optimizer_state_dict(*loaded, opt, on_every_rank());
+      EXPECT_TRUE(t.without_state.empty()) << "every parameter is trainable";
+      EXPECT_EQ(t.steps_taken, 0);
+      size_t matrices = 0, others = 0;
+      for (const auto& item : loaded->named_parameters(true)) {
+        const std::string& name = item.key();
+        const bool muon = t.muon.count(name + ".momentum_buffer") > 0;
+        (muon ? matrices : others) += 1;
+        const std::vector<std::string> fields =
+            muon ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{"exp_avg", "exp_avg_sq"};
+        const TensorDict& d = muon ? t.muon : t.adamw;
+        for (const std::string& f : fields) {
+          const at::Tensor& v = d.at(name + "." + f);
+          EXPECT_EQ(v.sizes(), init.at(name).sizes()) << name << "." << f << ": the full shape";
+          EXPECT_EQ(v.scalar_type(), at::kFloat) << name << "." << f << ": the state's dtype";
+          EXPECT_EQ(v.count_nonzero().item<int64_t>(), 0) << name << "." << f;
+        }
+        EXPECT_EQ(d.at(name + ".step").item<int64_t>(), 0) << name;
+      }
+      EXPECT_EQ(t.muon.size(), 2 * matrices);
+      EXPECT_EQ(t.adamw.size(), 3 * others);
+      EXPECT_EQ(matrices, get_dedicated_params(*loaded).size());
+      set_optimizer_state_dict(*loaded, opt, t);
+      for (const auto& item : loaded->named_parameters(true)) {
+        const MuonParamState* s = opt.state_of(item.value());
+        EXPECT_TRUE(!s || (!s->momentum_buffer().defined() && !s->exp_avg().defined() && s->step() == 0))
+            << item.key() << ": a template's entry is fresh state";
+      }
+      testing::train_slices(loaded, opt, batches, ctx.rank, 4);
+      testing::train_slices(plain, plain_opt, batches, ctx.rank, 4);
+      const TensorDict a = get_model_state_dict(*loaded, on_every_rank()), b = get_model_state_dict(*plain, on_every_rank());
+      for (const auto& [k, v] : b) {
+        EXPECT_TRUE(a.at(k).equal(v)) << k << (sharded ? " (sharded_adamw)" : "");
+      }
+      // once stepped, the dict holds the real state (none at step 0 any more)
+      const OptimizerStateDict after = get_optimizer_state_dict(*loaded, opt, on_every_rank());
+      for (const auto& [k, v] : after.adamw) {
+        if (k.ends_with(".step")) {
+          EXPECT_EQ(v.item<int64_t>(), 2) << k;
+        }
+      }
+      // a zero entry at step 0 is fresh even where without_state lists the parameter (a partial DCP load)
+      OptimizerStateDict partial = t;
+      partial.without_state.push_back(get_dedicated_params(*loaded)[0].name);
+      set_optimizer_state_dict(*loaded, opt, partial);
+      expect(opt.steps_taken() == 0, "the template's step count");
+    });
+  }
+}
+
 TEST(CheckpointTest, LearningRatesAndGroupsAreRestored) {
   with_small_gpt_on_2_ranks([&](testing::RankContext& ctx, GPT& m, const std::shared_ptr<Mesh>& mesh, Muon& opt) {
     const GPTConfig cfg = testing::small_config(2);

@@ -1982,6 +1982,15 @@ def _step_count(value) -> Optional[int]:
     return int(value) if math.isfinite(value) and value == int(value) and 0 <= value < 2 ** 63 else None
 
 
+def _fresh_entry(entry) -> bool:
+    """An 'fsdp' entry that is fresh state: step 0 and zero moments (get_optimizer_state_dict's template entry of
+    an optimizer that has not stepped; torch's AdamW starts a parameter from the same)."""
+    if not isinstance(entry, Mapping) or _step_count(entry.get("step")) != 0:
+        return False
+    moments = [entry.get(k) for k in ("exp_avg", "exp_avg_sq")]
+    return all(isinstance(v, torch.Tensor) and not v.is_meta and int(torch.count_nonzero(v)) == 0 for v in moments)
+
+
 def _flat(nested: Dict[str, Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
     """{"<param>": {"<field>": t}} -> {"<param>.<field>": t}; a step given as a number becomes a tensor."""
     return {f"{name}.{field}": value if isinstance(value, torch.Tensor) else torch.tensor(_step_count(value))
@@ -2006,8 +2015,10 @@ def get_optimizer_state_dict(model: nn.Module, optimizer, *, cpu_offload: bool =
     ``"steps_taken"`` and ``"without_state"`` (the parameters the optimizer holds no state for: frozen, or no
     gradient yet; a resume leaves them so, trained or not). ``cpu_offload``: tensors on the CPU; ``rank0_only``:
     only rank 0 gets a populated
-    dict, the others ``{"fsdp": {}, "dedicated": {}, "param_groups": []}``. Collective: every rank of the
-    model's mesh."""
+    dict, the others ``{"fsdp": {}, "dedicated": {}, "param_groups": []}``. An optimizer that has not stepped
+    lists every trainable parameter's state as its first step starts it (zeros, step 0), so that its dict is a
+    template holding every key (``dcp.load({"optim": opt}, ...)`` into a new optimizer fills it; loading such an
+    entry gives fresh state). Collective: every rank of the model's mesh."""
     state = _check_optimizer(model, optimizer, "get_optimizer_state_dict")
     optimizer._push_groups()  # a scheduler may have changed lr since the last step
     native = optimizer._native.state(state.runtime, cpu_offload, rank0_only)
@@ -2015,8 +2026,16 @@ def get_optimizer_state_dict(model: nn.Module, optimizer, *, cpu_offload: bool =
     fsdp, without_state = {}, list(native["without_state"])
     if optimizer._external is not None:
         inner = optimizer._external
+        fresh = optimizer.steps_taken == 0  # a template: every trainable parameter's state as its first step starts it
         for name, p in state.external.items():  # model order on every rank: the gathers line up
             st = inner.state.get(p, {})
+            if not st and fresh and p.requires_grad:
+                if keep:
+                    device = "cpu" if cpu_offload else p.device
+                    fsdp[name] = {"exp_avg": torch.zeros(p.shape, dtype=p.dtype, device=device),
+                                  "exp_avg_sq": torch.zeros(p.shape, dtype=p.dtype, device=device),
+                                  "step": torch.tensor(0.0)}
+                continue
             if not st:
                 without_state.append(name)
                 continue
@@ -2189,11 +2208,12 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
                 p.requires_grad and n not in listed for n, p in state.params.items()):
             raise ValueError(
                 f"set_optimizer_state_dict: the state dict says {steps} step(s) were taken but holds no parameter's "
-                "state (every section is empty) and does not list them as without state. A "
-                "torch.distributed.checkpoint load into a new dmuon.Muon gives this: it fills only the keys of its "
-                "template (opt.state_dict()), and an optimizer that has not stepped holds no state to list. Read the "
-                "checkpoint whole instead -- torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dir, path), "
-                "then torch.load(path) -- and pass its optimizer dict.")
+                "state (every section is empty) and does not list them as without state: loading it would restart "
+                "every parameter from fresh state. A loader that fills only the keys of its template "
+                "(torch.distributed.checkpoint) gives this when its template listed no state: take the template from "
+                "the new optimizer's opt.state_dict() before its first step (it lists every parameter's state), or "
+                "read the checkpoint whole -- "
+                "torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dir, path), then torch.load(path).")
         for key in ("dedicated", "dedicated_adamw"):  # what the core takes: tensors (a step may be a number)
             for name, entry in state_dict[key].items():
                 fields = entry.items() if isinstance(entry, Mapping) else [("", entry)]
@@ -2209,7 +2229,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
             raise TypeError(f"set_optimizer_state_dict: without_state is {type(without).__name__} "
                             f"{str(without)[:80]!r}, not a list of parameter names; pass what "
                             "dmuon.get_optimizer_state_dict returned.")
-        both = [n for n in without if n in state_dict["fsdp"]]
+        both = [n for n in without if n in state_dict["fsdp"] and not _fresh_entry(state_dict["fsdp"][n])]
         if both:
             raise ValueError(f"set_optimizer_state_dict: {both[:5]} are listed as without state (without_state) but "
                              "the 'fsdp' section holds their state; the state dict contradicts itself (damaged or "
@@ -2245,7 +2265,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
         inner = optimizer._external
         for name, p in external.items():
             saved = state_dict["fsdp"].get(name)
-            if saved is None:
+            if saved is None or _fresh_entry(saved):  # (zeros at step 0: a template's entry, fresh state)
                 inner.state.pop(p, None)
                 continue
             entry = {"step": saved["step"].detach().clone().to(torch.float32)}

@@ -330,12 +330,39 @@ OptimizerStateDict get_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& 
     sink.put(name + ".step", step_tensor(full.step));
     with_state.insert(name);
   });
+  // An optimizer that has not stepped lists each trainable parameter's state as its first step starts it
+  // (zeros, step 0) rather than as without state: a template holding every key, for a loader that fills only
+  // the keys it is given (torch.distributed.checkpoint's load into a new optimizer); set_optimizer_state_dict
+  // takes such an entry as fresh state.
+  if (keep && optimizer.steps_taken() == 0) {
+    std::map<std::string, std::vector<int64_t>> shapes;  // full (TP: not this rank's slice)
+    for (auto& [name, shape] : st->param_shapes()) shapes.emplace(name, std::move(shape));
+    for (const StateSlot& slot : st->state_slots()) {
+      if (!slot.required || !with_state.insert(slot.name).second) continue;
+      const at::TensorOptions o =
+          at::TensorOptions().dtype(slot.dtype).device(options.cpu_offload ? at::Device(at::kCPU) : slot.device);
+      TensorDict& d = slot.muon ? out.muon : out.adamw;
+      for (const std::string& f : access.fields(slot.muon)) d[slot.name + "." + f] = at::zeros(shapes.at(slot.name), o);
+      d[slot.name + ".step"] = step_tensor(0);
+    }
+  }
   if (keep)  // (frozen ones too: a parameter frozen now may be trained when this resumes)
     for (const auto& [name, shape] : st->param_shapes())
       if (!with_state.count(name)) out.without_state.push_back(name);
   if (!keep) out.steps_taken = 0;
   return out;
 }
+
+namespace {
+// A parameter's entry that is fresh state: step 0 and every field zero (what get_optimizer_state_dict lists
+// for an optimizer that has not stepped). Read from the full tensors, so every TP rank decides alike.
+bool fresh_entry(const TensorDict& d, const std::string& name, bool muon) {
+  if (d.at(name + ".step").item<int64_t>() != 0) return false;
+  for (const std::string& f : state_fields(muon))
+    if (d.at(name + "." + f).count_nonzero().item<int64_t>() != 0) return false;
+  return true;
+}
+}  // namespace
 
 void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const OptimizerStateDict& full_sd) {
   set_optimizer_state_dict(detail::require_face(model, "set_optimizer_state_dict"), optimizer, full_sd);
@@ -408,6 +435,8 @@ void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon&
     for (const StateSlot& slot : slots) {
       has.push_back(slot.muon ? check_entries(sd.muon, used_muon, slot.name, true, slot.shape)
                               : check_entries(sd.adamw, used_adamw, slot.name, false, slot.shape));
+      if (has.back() && fresh_entry(slot.muon ? full_sd.muon : full_sd.adamw, slot.name, slot.muon))
+        has.back() = false;  // zeros at step 0: the state the first step starts from (a template's entry)
       TORCH_CHECK_VALUE(!(has.back() && stateless.count(slot.name)), "rank ", rank, ": set_optimizer_state_dict: '",
                         slot.name, "' is listed as without state (without_state) but the ", slot.muon ? "Muon" : "AdamW",
                         " section holds its state; the state dict contradicts itself (damaged or edited).");

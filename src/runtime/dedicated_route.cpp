@@ -842,7 +842,7 @@ bool DedicatedRoute::describe(const std::string& name, ParamView& v) const {
 }
 
 void DedicatedRoute::state_slots(std::vector<StateSlot>& out) const {
-  for (const auto& e : entries_) out.push_back({e.name, e.shape, true, e.param.requires_grad()});
+  for (const auto& e : entries_) out.push_back({e.name, e.shape, true, e.param.requires_grad(), e.prec.optim, e.param.device()});
 }
 
 // Each matrix's state from its owner: per owner, one header of [has, step] pairs for its matrices, then

@@ -124,6 +124,8 @@ struct StateSlot {
   // its state must be in a state dict of a trained model: false for a parameter frozen now (it may have been
   // frozen before its first step, as torch's optimizer then holds no state for it either)
   bool required = true;
+  at::ScalarType dtype = at::kFloat;  // the optimizer state's (the precision policy's optim dtype)
+  at::Device device = at::kCPU;       // the parameter's
 };
 // the full state of `name` (this TP rank's slice), from whichever ranks hold it
 using StateSink = std::function<void(const std::string& name, bool muon, const ParamState& full)>;

@@ -498,7 +498,7 @@ bool ShardedRoute::describe(const std::string& name, ParamView& v) const {
 }
 
 void ShardedRoute::state_slots(std::vector<StateSlot>& out) const {
-  for (const auto& e : entries_) out.push_back({e.name, e.shape, false, e.param.requires_grad()});
+  for (const auto& e : entries_) out.push_back({e.name, e.shape, false, e.param.requires_grad(), e.prec.optim, e.param.device()});
 }
 
 void ShardedRoute::gather_state(const OptimizerStateReader& opt, const StateSink& put) {

@@ -55,7 +55,9 @@ void WholeParams::full_shapes(std::map<std::string, std::vector<int64_t>>& out) 
 
 void WholeParams::state_slots(std::vector<StateSlot>& out) const {
   for (const auto& w : params_)
-    if (w.trainable()) out.push_back({w.name, w.param.sizes().vec(), false, w.param.requires_grad()});
+    if (w.trainable())
+      out.push_back({w.name, w.param.sizes().vec(), false, w.param.requires_grad(), ctx_.precision_of(w.param).optim,
+                     w.param.device()});
 }
 
 void WholeParams::gather_state(const OptimizerStateReader& opt, const StateSink& put) const {

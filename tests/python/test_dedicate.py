@@ -2034,38 +2034,99 @@ def test_modules_holding_only_replicated_parameters_can_be_copied_and_pickled(tm
     run_ranks(tmp_path, world, _copies_of_replicated_modules)
 
 
-def _dcp_into_a_new_optimizer(rank, world, out_dir):
-    """torch.distributed.checkpoint's save of a dmuon.Muon, loaded into a new one: its template (opt.state_dict() of
-    an optimizer that has not stepped) lists no state, so DCP fills only the counts and groups -- an error saying
-    so and how to read the checkpoint whole (before: "the 'fsdp' section does not match ... missing: [...]",
-    blaming the model). The remedy it names restores the state exactly."""
+def _dcp_into_a_new_optimizer(rank, world, out_dir, fsdp2):
+    """torch.distributed.checkpoint's save of a dmuon.Muon, loaded into a new one as DCP loads any optimizer: its
+    template (opt.state_dict() of an optimizer that has not stepped) lists every trainable parameter's state as
+    the first step starts it (zeros, step 0), so DCP fills every key and the training goes on as if never
+    stopped. Before, the template listed no state, DCP filled only the counts and groups and the load refused.
+    The template loaded as it is (zeros, step 0) is fresh state: the same steps as a new optimizer's."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    model = dedicated_net(init_device_mesh("cpu", (world,)), True)
+    mesh = init_device_mesh("cpu", (world,))
+    model = dedicated_net(mesh, fsdp2)
     opt, sched = make_optimizer(model)
+    template = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert template["steps_taken"] == 0 and template["without_state"] == []
+    held = {**template["dedicated"], **template["dedicated_adamw"], **template["fsdp"]}
+    assert held.keys() == trainable
+    shapes = {k: v.shape for k, v in dmuon.get_model_state_dict(model, rank0_only=False).items()}
+    for name in trainable:  # full shapes (a matrix is empty off its owner)
+        entry = held[name]
+        assert int(entry["step"]) == 0 and all(
+            v.shape == shapes[name] and v.dtype == torch.float64 and int(v.count_nonzero()) == 0
+            for k, v in entry.items() if k != "step"), name
+    opt.load_state_dict(opt.state_dict())  # fresh state: the steps below are a new optimizer's (checked below)
     train_steps(model, opt, sched, rank, world, range(2))
     saved = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+    assert saved["without_state"] == [] and saved["steps_taken"] == 2
     dcp.save({"optim": opt}, checkpoint_id=out_dir)
-    fresh = dedicated_net(init_device_mesh("cpu", (world,)), True)
-    fresh_opt, _ = make_optimizer(fresh)
-    with pytest.raises(Exception, match=r"says 2 step\(s\) were taken but holds no parameter's state.*"
-                                        r"dcp_to_torch_save"):
-        dcp.load({"optim": fresh_opt}, checkpoint_id=out_dir)
-    if rank == 0:
+    dcp.save({"optim": saved}, checkpoint_id=out_dir + "-dict")
+
+    reference = dedicated_net(init_device_mesh("cpu", (world,)), fsdp2)  # never loaded: the same two steps
+    reference_opt, reference_sched = make_optimizer(reference)
+    train_steps(reference, reference_opt, reference_sched, rank, world, range(2))
+    ref = dmuon.get_model_state_dict(reference, rank0_only=False)
+    trained = dmuon.get_model_state_dict(model, rank0_only=False)
+    assert all(torch.equal(trained[k], ref[k]) for k in ref)
+
+    for how in ("stateful", "dict"):
+        fresh = dedicated_net(init_device_mesh("cpu", (world,)), fsdp2)
+        dmuon.set_model_state_dict(fresh, trained)
+        fresh_opt, fresh_sched = make_optimizer(fresh)
+        if how == "stateful":  # DCP calls opt.state_dict() for the template, then opt.load_state_dict()
+            dcp.load({"optim": fresh_opt}, checkpoint_id=out_dir)
+        else:  # the API reference's functions, the template from a new optimizer
+            sd = {"optim": dmuon.get_optimizer_state_dict(fresh, fresh_opt, rank0_only=False)}
+            dcp.load(sd, checkpoint_id=out_dir + "-dict")
+            dmuon.set_optimizer_state_dict(fresh, fresh_opt, sd["optim"])
+        back = dmuon.get_optimizer_state_dict(fresh, fresh_opt, rank0_only=False)
+        assert back["steps_taken"] == 2 and back["without_state"] == []
+        for key in ("fsdp", "dedicated", "dedicated_adamw"):
+            assert back[key].keys() == saved[key].keys(), key
+            for name, entry in saved[key].items():
+                assert all(torch.equal(torch.as_tensor(back[key][name][f]), torch.as_tensor(v))
+                           for f, v in entry.items()), (how, key, name)
+        # one more step on both: the same parameters (float64; the same ranks and data)
+        for _ in range(2):
+            fresh_sched.step()
+        train_steps(fresh, fresh_opt, fresh_sched, rank, world, range(2, 3))
+        if how == "stateful":
+            train_steps(model, opt, sched, rank, world, range(2, 3))
+            after = dmuon.get_model_state_dict(model, rank0_only=False)
+        got = dmuon.get_model_state_dict(fresh, rank0_only=False)
+        worst = max(float((got[k] - after[k]).abs().max()) for k in after)
+        assert worst <= 1e-12, (how, worst)
+    if rank == 0:  # the whole checkpoint, read without a template, holds the same
+        torch.save(saved, out_dir + "-saved.pt")
         dcp_to_torch_save(out_dir, out_dir + "/whole.pt")
     torch.distributed.barrier()
-    dmuon.set_optimizer_state_dict(fresh, fresh_opt, torch.load(out_dir + "/whole.pt", weights_only=False)["optim"])
-    back = dmuon.get_optimizer_state_dict(fresh, fresh_opt, rank0_only=False)
+    whole = torch.load(out_dir + "/whole.pt", weights_only=False)["optim"]
+    assert whole["steps_taken"] == 2 and whole["dedicated"].keys() == saved["dedicated"].keys()
+
+
+def _dcp_onto_another_world(rank, world, out_dir, fsdp2):
+    """The 2-rank run's DCP checkpoint loaded into a new optimizer on `world` ranks: the same state."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = torch.load(out_dir + "-saved.pt", weights_only=False)
+    model = dedicated_net(init_device_mesh("cpu", (world,)), fsdp2)
+    opt, _ = make_optimizer(model)
+    dcp.load({"optim": opt}, checkpoint_id=out_dir)
+    back = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
     assert back["steps_taken"] == 2
     for key in ("fsdp", "dedicated", "dedicated_adamw"):
-        assert back[key].keys() == saved[key].keys() and (back[key] or key == "dedicated_adamw"), key
+        assert back[key].keys() == saved[key].keys(), key
         for name, entry in saved[key].items():
             assert all(torch.equal(torch.as_tensor(back[key][name][f]), torch.as_tensor(v)) for f, v in entry.items())
 
 
-def test_a_dcp_checkpoint_loaded_into_a_new_optimizer_says_how_to_read_it(tmp_path):
-    run_ranks(tmp_path, 2, _dcp_into_a_new_optimizer, str(tmp_path / "dcp"))
+@pytest.mark.parametrize("fsdp2", [False, True])
+def test_a_dcp_checkpoint_loads_into_a_new_optimizer(tmp_path, fsdp2):
+    run_ranks(tmp_path, 2, _dcp_into_a_new_optimizer, str(tmp_path / "dcp"), fsdp2)
+    run_ranks(tmp_path, 3, _dcp_onto_another_world, str(tmp_path / "dcp"), fsdp2)
+
 
 
 def _grad_set_after_backward(rank, world, layout):
