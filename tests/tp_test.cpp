@@ -672,9 +672,18 @@ TEST(TpCheckpoint, FullTensorsThatResumeWithAndWithoutTp) {
     const std::string path = dir + "/ckpt_tp" + std::to_string(save_tp) + ".pt";
     run_ranks(2 * save_tp, [&](RankContext& ctx) {
       CkptRank r(ctx, save_tp, init, tc);
-      r.train(batches, 0, 3);
       StateDictOptions all_ranks;
       all_ranks.rank0_only = false;  // every rank checks its full copy
+      {  // before the first step: a template of fresh state in full shapes (TP: not the slices), loadable
+        const OptimizerStateDict t = get_optimizer_state_dict(*r.model, *r.opt, all_ranks);
+        expect(t.muon.size() == 2 * ref3.momentum.size() && t.without_state.empty(), "the template lists every matrix");
+        for (const auto& [k, v] : ref3.momentum) {
+          const at::Tensor& m = t.muon.at(k + ".momentum_buffer");
+          expect(m.sizes() == v.sizes() && m.count_nonzero().item<int64_t>() == 0, "the template's momentum of " + k);
+        }
+        set_optimizer_state_dict(*r.model, *r.opt, t);  // fresh state: the steps below match the reference
+      }
+      r.train(batches, 0, 3);
       const TensorDict msd = get_model_state_dict(*r.model, all_ranks);
       const OptimizerStateDict osd = get_optimizer_state_dict(*r.model, *r.opt, all_ranks);
       for (const auto& [k, v] : ref3.params) {  // full tensors, equal to the reference after 3 steps
