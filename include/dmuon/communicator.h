@@ -233,6 +233,17 @@ class Communicator {
 // one on every rank where every failure was one.
 void agree_outcome(Communicator& comm, const std::string& what, bool here, const std::function<void()>& work);
 
+// ---- a refusal every rank learns, for a call whose checks run outside the core ----
+// collective over `comm`, every rank: the agreement each of dmuon's collective calls opens with, tagged `what`,
+// for one whose checks run elsewhere (the Python side's). `refusal`: this rank refused its input ({whether it
+// was a caller mistake, why}). Where any rank refused, raises on every rank: here `refusal`'s reason (an
+// std::invalid_argument for a caller mistake, else an std::runtime_error), elsewhere "rank R: <what>: rank(s) F
+// refused <given> they were given, so <outcome> (rank F: <reason>)". Ranks in another dmuon call's agreement
+// (one skipped or added a collective call) raise on every rank, each naming its own call; a lost peer is an
+// error after the group's timeout, naming `what`.
+void agree_call(Communicator& comm, const std::string& what, const std::string& given, const std::string& outcome,
+                const std::optional<std::pair<bool, std::string>>& refusal);
+
 // ---- the column-sharded Gram NS over a group (newton_schulz.h takes an all-reduce function) ----
 // An in-place sum over `comm`, waited with its timeout and counted like every dmuon collective.
 AllReduceSumFn allreduce_sum_fn(Communicator& comm, std::string what);

@@ -74,6 +74,18 @@ void bind_clip(py::module_& m) {
       },
       "buckets"_a, "max_norm"_a, "group"_a, "global_ranks"_a, "device"_a, "chunk_size"_a, "foreach"_a);
 
+  m.def(
+      "_agree_call",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::vector<int> global_ranks, const std::string& device,
+         const std::string& fn, const std::string& given, const std::string& outcome,
+         const std::optional<std::pair<bool, std::string>>& refusal) {
+        const auto comm = communicator_of(group, std::move(global_ranks), at::Device(device), fn);
+        py::gil_scoped_release nogil;
+        agree_call(*comm, fn, given, outcome, refusal);
+      },
+      "The agreement a collective call checked in Python opens with (dmuon::agree_call): every rank learns of a "
+      "refusal and of ranks in another dmuon call.",
+      "group"_a, "global_ranks"_a, "device"_a, "fn"_a, "given"_a, "outcome"_a, "refusal"_a);
   m.def("_fast_clip_enabled", &fast_clip_enabled, "DMUON_FAST_CLIP is unset or not 0.");
   m.def(
       "_fast_clip_agreed",

@@ -35,6 +35,16 @@ def _axes(mesh, replicate_mesh, fn: str) -> Tuple[dist.ProcessGroup, Optional[di
     DeviceMesh = _device_mesh_type()
     shard = replicate = None
     device_type = None
+    outside = "; dmuon's collective calls on the model are made by the mesh's ranks alone: on this rank build " \
+              "no dedicated model of that mesh (a model of its own on a group it is in, or none)"
+    for given, what in ((mesh, "mesh"), (replicate_mesh, "replicate_mesh")):
+        if given is dist.GroupMember.NON_GROUP_MEMBER or (isinstance(given, int) and given == -100):
+            raise ValueError(f"rank {dist.get_rank()}: {fn}: this rank is not a member of the group passed as {what} "
+                             "(torch.distributed.new_group returns GroupMember.NON_GROUP_MEMBER to the ranks "
+                             f"outside it){outside}.")
+        if isinstance(given, DeviceMesh) and given.get_coordinate() is None:
+            raise ValueError(f"rank {dist.get_rank()}: {fn}: this rank is not in the DeviceMesh passed as {what} "
+                             f"(its ranks: {given.mesh.flatten().tolist()}){outside}.")
     if isinstance(mesh, dist.ProcessGroup):
         shard = mesh
     elif isinstance(mesh, DeviceMesh):
@@ -236,7 +246,8 @@ def _tp_mesh(shard, replicate, tp, policy, backend, timeout_s, device, gathered:
         native.set_replicate_publish_group(publish_group, [index[g] for g in replicate_ranks])
     return native, world, dp_ranks, MeshGroups(world, shard_group, replicate_group, tp_group, dp_group,
                                                isolated and backend == "nccl", torch.device(device), shard_ranks,
-                                               [index[g] for g in shard_ranks], publish_group, clone_timeout, hold)
+                                               [index[g] for g in shard_ranks], publish_group, clone_timeout, hold,
+                                               world_ranks)
 
 
 class MeshGroups(NamedTuple):
@@ -253,6 +264,7 @@ class MeshGroups(NamedTuple):
     replicate_publish: Optional[dist.ProcessGroup] = None  # HSDP, "isolated": the post-step publish's own group
     clone_timeout_s: float = 0.0            # the timeout dmuon's clones of this mesh were made with (agreed by all ranks)
     hold: Optional[_Hold] = None            # keeps the clones this mesh uses from being given to another model
+    world_ranks: Optional[List[int]] = None  # the global rank of each rank of the C++ mesh's world (its ranks are these indices)
 
 
 def _check_setup(gathered: List[_Setup], ranks: List[int], mine: _Setup, fn: str) -> None:
@@ -293,7 +305,19 @@ def _gather_setup(mine: _Setup, shard, fn: str) -> List[_Setup]:
         if mine.policy == "shared" and not mine.replicate and not mine.tp:
             return local
     gathered = [None] * world
-    dist.all_gather_object(gathered, mine)
+    try:
+        dist.all_gather_object(gathered, mine)
+    except RuntimeError as e:  # (Gloo: a timeout, or a peer gone; NCCL: its own)
+        if dist.get_world_size(shard) == world:
+            raise
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: {fn}: the mesh's group has {dist.get_world_size(shard)} of the {world} ranks, "
+            f"and with process_group_policy='{mine.policy}' dedicate_params is collective over every rank (it makes "
+            "dmuon's own groups with torch.distributed.new_group, which every rank of the default group calls): "
+            "the ranks outside the group did not call it in time. Call dedicate_params on every rank (those outside "
+            "this group on their own group's model), or pass process_group_policy='shared' to use the group as "
+            f"it is. ({e})"
+        ) from e
     gathered = [_Setup(*g) for g in gathered]
     _check_setup(gathered, list(range(world)), mine, fn)
     return gathered
@@ -360,7 +384,7 @@ def make_mesh(mesh, replicate_mesh, process_group_policy: Optional[str], fn: str
         native.set_replicate_publish_group(publish_group, [index[g] for g in replicate_ranks])
     return native, world, None, MeshGroups(
         world, shard_group, replicate_group, None, world, policy == "isolated" and backend == "nccl", torch.device(device),
-        shard_ranks, [index[g] for g in shard_ranks], publish_group, clone_timeout, hold)
+        shard_ranks, [index[g] for g in shard_ranks], publish_group, clone_timeout, hold, list(world_ranks))
 
 
 def add_sharded_unshard_group(native_mesh, groups: MeshGroups) -> None:

@@ -22,7 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _C
 from ._clip import MuonGradClipStats, python_strategy, registered_strategies, run_python_strategy
 from ._fsdp2 import assign_full, fsdp_modules, full_tensor, is_dtensor, register_cast, register_dp_ranks, shard_of
-from ._mesh import add_sharded_unshard_group, make_mesh
+from ._mesh import _registered, add_sharded_unshard_group, make_mesh
 from ._tp import (find_tp_params, install_dtensor_hooks, is_tp_slice, register_undedicated, release_dtensors,
                   restore_dtensors, show_dtensors, swap_in_local_slices)
 
@@ -33,6 +33,7 @@ class _State:
     def __init__(self, runtime, mesh, world_group, hooks, params, guard):
         self.runtime = runtime
         self.world_group = world_group  # the torch group of the mesh's ranks (dmuon's clone under "isolated")
+        self.rank = _rank()   # this process's global rank (for messages after its group is gone)
         self.guard = guard    # raises when a parameter changed dtype or device after dedicate_params
         self.mesh = mesh
         self.hooks = hooks
@@ -109,16 +110,19 @@ def _compiled_autograd_on() -> bool:
     return bool(dynamo.config.compiled_autograd) or bool(ca is not None and ca.compiled_autograd_enabled)
 
 
-def _param_guard(params):
+def _param_guard(params, world_group=None):
     """A check, run at every forward and step, that no parameter dmuon holds changed dtype or device after
     dedicate_params: model.to / .half() / .cuda() replace its data and its gradient accumulator, so
     dmuon's gradient hooks would be gone and it would silently stop training. Also refuses compiled
     autograd, which would run backward without those hooks. And a parameter frozen at dedicate_params (no
-    route, no optimizer state) that requires a gradient now: nothing would ever update it."""
+    route, no optimizer state) that requires a gradient now: nothing would ever update it. And the model's
+    process group destroyed (destroy_process_group) since: dmuon would go on over a group torch has let go."""
     kept = [(n, p, p.dtype, p.device) for n, p in params]
     frozen = [(n, p) for n, p in params if not p.requires_grad]
+    me = _rank()
 
     def check():
+        _require_live_group(world_group, me)
         if _compiled_autograd_on():
             raise RuntimeError(
                 "dmuon: torch's compiled autograd is on (torch._dynamo.config.compiled_autograd or its context), "
@@ -174,7 +178,18 @@ def _state_of(model: nn.Module, fn: str) -> _State:
         raise ValueError(
             f"{fn}: this model was not dedicated. Call dmuon.dedicate_params(model, mesh, predicate) first, on every rank."
         )
+    _require_live_group(state.world_group, state.rank)
     return state
+
+
+def _require_live_group(world_group, rank: int) -> None:
+    """Raises where the model's process group was destroyed since dedicate_params (``rank``: this rank's, then)."""
+    if world_group is not None and not _registered(world_group):
+        raise RuntimeError(
+            f"rank {rank}: dmuon: this model's process group was destroyed (torch.distributed."
+            "destroy_process_group) after dedicate_params, and a dedicated model lives on its mesh's groups: "
+            "build the model again (or load it from a checkpoint) and dedicate it on the new process group."
+        )
 
 
 def _tied_names(model: nn.Module) -> Dict[str, List[str]]:
@@ -458,7 +473,7 @@ def _dedicate(model, mesh, replicate_mesh, predicate, options, hook_boundary_pre
         restore_dtensors(tp_params)  # the model is the caller's again, DTensors and all
         raise
     release_dtensors(tp_params)
-    guard = _param_guard(params)
+    guard = _param_guard(params, world_group)
     hooks = _install_hooks(model, runtime, guard) + install_dtensor_hooks(tp_params)
     if sys.modules.get("torch._dynamo") is not None:
         # Code Dynamo compiled from this model before now (torch.compile(model) run before dedicate_params) has
@@ -651,8 +666,24 @@ def _owner_coords(state: "_State") -> list:
     """Each dedicated matrix (the runtime's record) with its owner's coordinate: the owner's rank, or
     (shard, replicate) on an HSDP mesh."""
     hsdp = state.mesh.replicate_size > 1
-    return [(d, (d["owner_shard"], d["owner_replicate"]) if hsdp else d["owner_rank"])
-            for d in state.runtime.dedicated()]
+    out = []
+    for d in state.runtime.dedicated():
+        d["owner_rank"] = _global_rank(state, d["owner_rank"])  # (the core's: a rank of the mesh's world)
+        out.append((d, (d["owner_shard"], d["owner_replicate"]) if hsdp else d["owner_rank"]))
+    return out
+
+
+def _global_rank(state: "_State", mesh_rank: int) -> int:
+    """The global rank of a rank of the model's mesh (the core numbers the mesh's ranks 0..n-1: on a group of
+    part of the ranks, or in another order, they are not the global ranks)."""
+    ranks = getattr(getattr(state, "groups", None), "world_ranks", None)
+    return ranks[mesh_rank] if ranks else mesh_rank
+
+
+def _first_of_mesh(state: "_State") -> bool:
+    """This rank is the model's mesh's first rank: the one a rank0_only state dict is returned on (global rank 0
+    where the mesh spans every rank in order; on a subgroup its first member)."""
+    return state.mesh.global_rank == 0
 
 
 def dedicate_params(
@@ -942,7 +973,8 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True, rank0_on
     parameters under each of their names), order, shapes and dtypes, every parameter whole (from its
     owner, or gathered from shards) and the buffers. Loadable by ``load_state_dict`` of a plain model,
     ``torch.save`` / ``torch.load`` and transformers' ``from_pretrained`` (through safetensors).
-    ``cpu_offload``: tensors on the CPU; ``rank0_only``: only rank 0 gets the dict, the others ``{}``.
+    ``cpu_offload``: tensors on the CPU; ``rank0_only``: only rank 0 gets the dict, the others ``{}`` (on a mesh over part of the ranks, or
+    in another order: its first rank).
     Collective: every rank of the model's mesh."""
     # first: FSDP2's state-dict pre-hook puts a module a no-grad forward left unsharded back on its DTensor
     # shards, and named_parameters() (_first_names) must list the same objects as this dict
@@ -957,7 +989,7 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True, rank0_on
         state = model._dmuon  # (_full_params checked it is dedicated)
         kept.update(zip(buffers, _broadcast_from_first(list(buffers.values()), state.world_group, state.groups.device,
                                                        "get_model_state_dict")))
-    elif dist.get_rank() != 0:
+    elif not _first_of_mesh(model._dmuon):
         return {}
     out = {}
     for key, value in local.items():
@@ -1013,24 +1045,29 @@ def _summary(value, path: str, out: dict) -> None:
 
 
 def _gathered_with_refusals(group, fn: str, given: str, outcome: str, failure, payload) -> list:
-    """One all_gather_object over ``group`` of this rank's refusal (``failure``, or None) and ``payload``; every
-    rank learns of every refusal before any raises (none leaves the others in the gather). A refusal anywhere
+    """The core's agreement over ``group`` (dmuon::agree_call) of this rank's refusal (``failure``, or None), then
+    one all_gather_object of ``payload``; every rank learns of every refusal before any raises (none leaves the
+    others in the gather), and of ranks in another of dmuon's collective calls. A refusal anywhere
     raises on every rank: this rank's own ``failure`` here, elsewhere "rank(s) R refused <given> they were
     given, so <outcome>" with the first refusing rank's reason (a ValueError where every refusal was a caller
     mistake, ValueError or TypeError, else a RuntimeError). Returns every rank's payload, in group order."""
-    everyone = [None] * dist.get_world_size(group)
+    from ._clip import _group_args
+
     mine = None if failure is None else (isinstance(failure, (ValueError, TypeError)),
                                          f"{type(failure).__name__}: {failure}")
-    dist.all_gather_object(everyone, (mine, payload), group=group)
-    if failure is not None:
-        raise failure
-    refused = [(r, theirs) for r, (theirs, _) in zip(dist.get_process_group_ranks(group), everyone)
-               if theirs is not None]
-    if refused:
-        kind = ValueError if all(mistake for _, (mistake, _) in refused) else RuntimeError
-        raise kind(f"rank {dist.get_rank()}: {fn}: rank(s) {', '.join(str(r) for r, _ in refused)} refused {given} "
-                   f"they were given, so {outcome} (rank {refused[0][0]}: {refused[0][1][1]})")
-    return [p for _, p in everyone]
+    # first the core's agreement, as every collective call of dmuon opens: ranks in another call (one skipped or
+    # added a call, dmuon's own in C++ too) raise on every rank naming their calls, where an object gather of
+    # one call paired with another's collectives aborted the process (Gloo: "data size doesn't match"), and a
+    # lost peer is an error naming the call after the group's timeout
+    try:
+        _C._agree_call(*_group_args(group, fn), fn, given, outcome, mine)
+    except (ValueError, RuntimeError) as e:
+        if failure is not None and str(e) == mine[1]:  # this rank's own refusal: as it was raised
+            raise failure from None
+        raise
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, payload, group=group)
+    return everyone
 
 
 def _load_agreed(group, fn: str, check: Callable[[], None], given) -> None:
@@ -2014,7 +2051,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer, *, cpu_offload: bool =
     FSDP2's shards, gathered) and ``"param_groups"`` (every group's hyperparameters), plus
     ``"steps_taken"`` and ``"without_state"`` (the parameters the optimizer holds no state for: frozen, or no
     gradient yet; a resume leaves them so, trained or not). ``cpu_offload``: tensors on the CPU; ``rank0_only``:
-    only rank 0 gets a populated
+    only rank 0 (the mesh's first rank) gets a populated
     dict, the others ``{"fsdp": {}, "dedicated": {}, "param_groups": []}``. An optimizer that has not stepped
     lists every trainable parameter's state as its first step starts it (zeros, step 0), so that its dict is a
     template holding every key (``dcp.load({"optim": opt}, ...)`` into a new optimizer fills it; loading such an
@@ -2022,7 +2059,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer, *, cpu_offload: bool =
     state = _check_optimizer(model, optimizer, "get_optimizer_state_dict")
     optimizer._push_groups()  # a scheduler may have changed lr since the last step
     native = optimizer._native.state(state.runtime, cpu_offload, rank0_only)
-    keep = not rank0_only or dist.get_rank() == 0
+    keep = not rank0_only or _first_of_mesh(state)
     fsdp, without_state = {}, list(native["without_state"])
     if optimizer._external is not None:
         inner = optimizer._external

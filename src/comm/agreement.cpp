@@ -174,4 +174,17 @@ void agree_outcome(Communicator& comm, const std::string& what, bool here, const
   }
 }
 
+void agree_call(Communicator& comm, const std::string& what, const std::string& given, const std::string& outcome,
+                const std::optional<std::pair<bool, std::string>>& refusal) {
+  detail::AgreementText text;
+  text.fn = what;
+  text.given = given;
+  text.outcome = outcome;
+  detail::agree(comm, text, [&] {
+    if (!refusal) return;
+    if (refusal->first) throw std::invalid_argument(refusal->second);
+    throw std::runtime_error(refusal->second);
+  }, [] { return std::vector<detail::AgreedEntry>{}; });
+}
+
 }  // namespace dmuon

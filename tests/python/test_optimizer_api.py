@@ -368,6 +368,22 @@ def _rank_divergent_calls(rank, world):
     else:
         with pytest.raises(ValueError, match=rf"Muon::step: " + elsewhere.format(0, "Muon::step")):
             opt.step()
+    # calls whose agreement is written in Python (Muon(), set_model_state_dict) against the core's or each other:
+    # the same (before: Gloo aborted the process -- "data size doesn't match" -- or each rank blamed the other's
+    # inputs: "different state dicts", "different lr")
+    for mine in (("set_model_state_dict", "get_model_state_dict"), ("Muon", "clip_grad_norm_"),
+                 ("set_model_state_dict", "Muon")):
+        model, opt = trained()
+        call = mine[rank]
+        with pytest.raises(ValueError, match=rf"rank {rank}: {call}: " + elsewhere.format(1 - rank, call)):
+            if call == "set_model_state_dict":
+                dmuon.set_model_state_dict(model, make_net().state_dict())
+            elif call == "get_model_state_dict":
+                dmuon.get_model_state_dict(model)
+            elif call == "Muon":
+                dmuon.Muon(model, lr=LR)
+            else:
+                opt.clip_grad_norm_(1.0)
     # an argument one rank refuses, then arguments that differ: no rank clips, every rank says why
     model, opt = trained()
     with pytest.raises(ValueError, match=r"max_norm must be >= 0" if rank == 1 else
@@ -427,6 +443,77 @@ def _pair_meshes(rank, world):
 
 def test_meshes_over_part_of_the_ranks_agree_within_their_group(tmp_path):
     run_ranks(tmp_path, 4, _pair_meshes)
+
+
+def _subgroup_mesh(rank, world, store):
+    """A model on ranks [1, 2] of 3 (process_group_policy="shared"; rank 0 takes no part): rank0_only dicts go to
+    the mesh's first rank, global rank 1 (before: global rank 0 was looked for, and every rank got an empty dict,
+    a checkpoint of nothing), and DedicatedParam.global_rank / owner_rank are global ranks (they were the mesh's
+    0 and 1); rank 0 passing the group is told it is not a member. Then the process group is destroyed: the model
+    is refused at its next forward and dmuon call (before: it went on over the destroyed groups, or a bare
+    KeyError)."""
+    import torch.nn as nn
+
+    group = dist.new_group([1, 2])
+    if rank == 0:  # not a member: said (before: "mesh must be a DeviceMesh or ProcessGroup, got int")
+        with pytest.raises(ValueError, match=r"rank 0: dedicate_params: this rank is not a member of the group passed "
+                                             r"as mesh \(torch.distributed.new_group returns "
+                                             r"GroupMember.NON_GROUP_MEMBER"):
+            dmuon.dedicate_params(make_net(), group, lambda n, p: p.dim() == 2, process_group_policy="shared")
+    else:
+        model = make_net()
+        dmuon.dedicate_params(model, group, lambda n, p: p.dim() == 2, process_group_policy="shared")
+        dmuon.replicate(model)
+        opt = dmuon.Muon(model, lr=LR, first_step_progress_log=False)
+        x, y = batch(0)
+        per = len(x) // 2
+        lo = (rank - 1) * per
+        ((model(x[lo:lo + per]) - y[lo:lo + per]) ** 2).mean().backward()
+        opt.step()
+        params = dmuon.get_dedicated_params(model)
+        assert {p.global_rank for p in params} == {1, 2}
+        assert all(p.owner_rank == p.global_rank and p.is_owner == (p.global_rank == rank) for p in params)
+        msd = dmuon.get_model_state_dict(model)
+        osd = dmuon.get_optimizer_state_dict(model, opt)
+        if rank == 1:
+            assert msd.keys() == dict(model.named_parameters()).keys()
+            assert len(osd["dedicated"]) == 2 * BLOCKS and osd["steps_taken"] == 1
+        else:
+            assert msd == {} and osd == {"fsdp": {}, "dedicated": {}, "param_groups": []}
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank != 0:
+        gone = rf"rank {rank}: dmuon: this model's process group was destroyed \(torch.distributed.destroy_process_group\)"
+        with pytest.raises(RuntimeError, match=gone):
+            model(x)
+        with pytest.raises(RuntimeError, match=gone):
+            dmuon.get_model_state_dict(model)
+        with pytest.raises(RuntimeError, match=gone):
+            dmuon.Muon(model)
+        assert isinstance(model, nn.Module)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+
+
+def test_a_mesh_over_part_of_the_ranks_names_global_ranks_and_outlives_no_group(tmp_path):
+    run_ranks(tmp_path, 3, _subgroup_mesh, str(tmp_path / "second-store"))
+
+
+def _isolated_subgroup_alone(rank, world):
+    """process_group_policy="isolated" (the default) on a group of ranks [1, 2] of 3 while rank 0 never calls
+    dedicate_params: new_group is collective over every rank, so the members cannot go on; each says so and how
+    to fix it within the timeout (before: a bare Gloo timeout naming nothing)."""
+    if rank == 0:
+        time.sleep(12)
+        return
+    group = dist.new_group([1, 2], use_local_synchronization=True)
+    with pytest.raises(RuntimeError, match=rf"rank {rank}: dedicate_params: the mesh's group has 2 of the 3 ranks, "
+                                           r"and with process_group_policy='isolated' dedicate_params is collective "
+                                           r"over every rank.*process_group_policy='shared'"):
+        dmuon.dedicate_params(make_net(), group, lambda n, p: p.dim() == 2)
+
+
+def test_an_isolated_mesh_over_part_of_the_ranks_says_every_rank_must_call(tmp_path):
+    assert run_faulty_ranks(tmp_path, 3, _isolated_subgroup_alone, timeout_s=4, deadline_s=60) == [0, 0, 0]
 
 
 def _record(path, **fields):
