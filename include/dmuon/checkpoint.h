@@ -59,10 +59,13 @@ struct OptimizerStateDict {
   TensorDict adamw;
   std::vector<OptimizerGroupState> param_groups;  // in the optimizer's lowered order
   int64_t steps_taken = 0;
-  // The model's parameters the optimizer held no state for (frozen, or no gradient in any step yet, as
-  // torch's optimizer creates state at a parameter's first update): set_optimizer_state_dict leaves them
-  // without state, whether they are trained now or not. After a step, a parameter trained now that is
-  // neither here nor in a section is refused: the dict is incomplete.
+  // The model's parameters the optimizer holds no state for (frozen, or no gradient in any step yet, as
+  // torch's optimizer creates state at a parameter's first update). One the optimizer keeps is in its section
+  // too, as its first step starts it -- zeros at step 0 -- so that every dict of a model holds the same keys (a
+  // loader that fills only its template's keys, torch.distributed.checkpoint, finds them all).
+  // set_optimizer_state_dict leaves them without state, whether they are trained now or not. After a step, a
+  // parameter trained now that is neither here nor in a section is refused (the dict is incomplete), and so is
+  // one with zeros at step 0 that is not named here (an entry never filled in).
   std::vector<std::string> without_state;
 };
 
@@ -92,7 +95,7 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, const Muon
 // collective. Restores momentum buffers (on the new owners), AdamW moments (sliced for
 // sharded_adamw), step counts and the groups' hyperparameters (learning rates included). After a
 // step (steps_taken > 0) the state dict must hold the state of every parameter the optimizer
-// trains; a missing one is an error naming it (a fresh optimizer's empty state loads). Agreed across
+// trains; a missing one is an error naming it (an entry of zeros at step 0 is fresh state). Agreed across
 // the ranks as set_model_state_dict's (hyperparameters, step counts and every state tensor).
 void set_optimizer_state_dict(torch::nn::Module& model, Muon& optimizer, const OptimizerStateDict& state_dict);
 // The same for a model given as data (model_view.h): `runtime` is runtime_face(dedicate_model_view(...)).

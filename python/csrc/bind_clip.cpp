@@ -3,6 +3,7 @@
 // (dmuon/_clip.py) wraps these in the API reference's functions and dataclasses (the optimizer's
 // three-bucket clip is written there over these two, so DTensor shards are counted once per mesh).
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -79,6 +80,13 @@ void bind_clip(py::module_& m) {
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::vector<int> global_ranks, const std::string& device,
          const std::string& fn, const std::string& given, const std::string& outcome,
          const std::optional<std::pair<bool, std::string>>& refusal) {
+        if (!group) {  // one process, no torch.distributed: only this rank's own refusal
+          if (refusal) {
+            if (refusal->first) throw std::invalid_argument(refusal->second);
+            throw std::runtime_error(refusal->second);
+          }
+          return;
+        }
         const auto comm = communicator_of(group, std::move(global_ranks), at::Device(device), fn);
         py::gil_scoped_release nogil;
         agree_call(*comm, fn, given, outcome, refusal);

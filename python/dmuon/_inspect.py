@@ -52,7 +52,7 @@ class ReplicatedGroup:
 
 def get_dedicated_params(model: nn.Module) -> List[DedicatedParam]:
     """Every dedicated matrix of ``model`` (model order), as this rank sees it. Local."""
-    state = _state_of(model, "get_dedicated_params")
+    state = _state_of(model, "get_dedicated_params", local=True)
     out = []
     for d, coord in _owner_coords(state):
         out.append(DedicatedParam(d["name"], d["param"], tuple(d["shape"]), coord, d["owner_shard"],
@@ -63,8 +63,9 @@ def get_dedicated_params(model: nn.Module) -> List[DedicatedParam]:
 
 
 def get_owned_params(model: nn.Module, rank: OwnerRankLike) -> List[DedicatedParam]:
-    """The dedicated matrices owned by ``rank``: an int is matched against the owner's shard index (on a
-    1-D mesh its rank), a ``(shard, replicate)`` tuple against the full HSDP coordinate. Local."""
+    """The dedicated matrices owned by ``rank``: an int is matched against the owner's shard index (its rank
+    in the shard group: on a 1-D mesh over every rank in order, its global rank), a ``(shard, replicate)``
+    tuple against the full HSDP coordinate. Local."""
     params = get_dedicated_params(model)
     if isinstance(rank, (tuple, list)):
         if len(rank) != 2:
@@ -126,7 +127,7 @@ def summarize_param_groups(model: nn.Module, optimizer: Any, *, max_rows: int = 
     """How :class:`dmuon.Muon` routed this rank's trainable parameters: per group its kind, hyperparameters,
     parameter count and elements; per dedicated matrix its owner and boundary (up to ``max_rows`` rows);
     totals; and ``"fsdp2"``, the parameters trained as FSDP2 shards. Local."""
-    state = _state_of(model, "summarize_param_groups")
+    state = _state_of(model, "summarize_param_groups", local=True)
     if not isinstance(optimizer, Muon) or optimizer._model is not model:
         raise ValueError("summarize_param_groups: optimizer must be the dmuon.Muon built on this model.")
     out = json.loads(optimizer._native.summary(state.runtime, max_rows))
@@ -143,7 +144,7 @@ def summarize_param_groups(model: nn.Module, optimizer: Any, *, max_rows: int = 
 def summarize_comm_plan(model: nn.Module, *, max_groups: int = 64, max_params_per_group: int = 128) -> Dict[str, Any]:
     """dmuon's planned communication for ``model``: mesh, owners, per-boundary roots and payloads, the
     per-rank bytes of each axis and the closed-form totals (planned sizes, not measurements). Local."""
-    state = _state_of(model, "summarize_comm_plan")
+    state = _state_of(model, "summarize_comm_plan", local=True)
     return json.loads(state.runtime.comm_plan(max_groups, max_params_per_group))
 
 
@@ -151,7 +152,7 @@ def collect_forward_unshard_profile(model: nn.Module, *, clear: bool = True, syn
     """The forward-unshard counters per boundary (bytes, collectives, waits), recorded when
     ``DMUON_RECORD_FORWARD_PROFILE=1`` was set before :func:`dmuon.dedicate_params`. ``clear`` resets
     them; ``synchronize`` waits for the GPU first (diagnostic boundaries only). Local."""
-    state = _state_of(model, "collect_forward_unshard_profile")
+    state = _state_of(model, "collect_forward_unshard_profile", local=True)
     if synchronize and torch.cuda.is_available():
         torch.cuda.synchronize()
     return json.loads(state.runtime.unshard_profile(clear))
@@ -167,13 +168,13 @@ def comm_bytes(model: nn.Module) -> Dict[str, int]:
     (``"broadcast"``, ``"reduce"``, ``"all_reduce"``, ...): counted by dmuon's communication layer as the
     payload each collective sends or receives on this rank, not planned. FSDP2's own collectives (the
     parameters dmuon does not own) are not in it. Local; take differences between two calls for a window."""
-    return dict(_state_of(model, "comm_bytes").mesh.bytes())
+    return dict(_state_of(model, "comm_bytes", local=True).mesh.bytes())
 
 
 def comm_calls(model: nn.Module) -> Dict[str, int]:
     """Collectives this rank's dmuon issued since :func:`dmuon.dedicate_params`, by operation (the keys of
     :func:`comm_bytes`), as its communication layer counted them. Local; take differences for a window."""
-    return dict(_state_of(model, "comm_calls").mesh.calls())
+    return dict(_state_of(model, "comm_calls", local=True).mesh.calls())
 
 
 def install_counting_allocator() -> None:

@@ -172,13 +172,16 @@ def _world_groups_of(params) -> list:
     return out
 
 
-def _state_of(model: nn.Module, fn: str) -> _State:
+def _state_of(model: nn.Module, fn: str, local: bool = False) -> _State:
+    """The model's dmuon state; ``local``: for a call that needs no process group (inspection), which goes on
+    after the group was destroyed."""
     state = getattr(model, "_dmuon", None)
     if state is None:
         raise ValueError(
             f"{fn}: this model was not dedicated. Call dmuon.dedicate_params(model, mesh, predicate) first, on every rank."
         )
-    _require_live_group(state.world_group, state.rank)
+    if not local:
+        _require_live_group(state.world_group, state.rank)
     return state
 
 
@@ -1044,7 +1047,7 @@ def _summary(value, path: str, out: dict) -> None:
         out[path] = type(value).__name__
 
 
-def _gathered_with_refusals(group, fn: str, given: str, outcome: str, failure, payload) -> list:
+def _gathered_with_refusals(group, fn: str, given: str, outcome: str, failure, payload, device=None) -> list:
     """The core's agreement over ``group`` (dmuon::agree_call) of this rank's refusal (``failure``, or None), then
     one all_gather_object of ``payload``; every rank learns of every refusal before any raises (none leaves the
     others in the gather), and of ranks in another of dmuon's collective calls. A refusal anywhere
@@ -1053,15 +1056,18 @@ def _gathered_with_refusals(group, fn: str, given: str, outcome: str, failure, p
     mistake, ValueError or TypeError, else a RuntimeError). Returns every rank's payload, in group order."""
     from ._clip import _group_args
 
+    # (text any rank can take: a lone surrogate, say from a file name, would fail here alone, the others waiting)
     mine = None if failure is None else (isinstance(failure, (ValueError, TypeError)),
-                                         f"{type(failure).__name__}: {failure}")
+                                         f"{type(failure).__name__}: {failure}".encode(
+                                             "utf-8", "backslashreplace").decode("utf-8"))
+    group_arg, ranks, guessed = _group_args(group, fn)
     # first the core's agreement, as every collective call of dmuon opens: ranks in another call (one skipped or
     # added a call, dmuon's own in C++ too) raise on every rank naming their calls, where an object gather of
     # one call paired with another's collectives aborted the process (Gloo: "data size doesn't match"), and a
     # lost peer is an error naming the call after the group's timeout
-    try:
-        _C._agree_call(*_group_args(group, fn), fn, given, outcome, mine)
-    except (ValueError, RuntimeError) as e:
+    try:  # (on the model's device: a group of both backends has NCCL beside the Gloo a CPU model uses)
+        _C._agree_call(group_arg, ranks, str(device) if device is not None else guessed, fn, given, outcome, mine)
+    except Exception as e:
         if failure is not None and str(e) == mine[1]:  # this rank's own refusal: as it was raised
             raise failure from None
         raise
@@ -1070,7 +1076,7 @@ def _gathered_with_refusals(group, fn: str, given: str, outcome: str, failure, p
     return everyone
 
 
-def _load_agreed(group, fn: str, check: Callable[[], None], given) -> None:
+def _load_agreed(group, fn: str, check: Callable[[], None], given, device=None) -> None:
     """The agreement before a load writes anything (collective over the model's ranks, reached on every
     rank whatever `check` raises): `check` (this rank's validation of `given`) raising on any rank raises on
     every rank, naming it, and dicts that differ between ranks are an error too (each rank would load its
@@ -1085,7 +1091,7 @@ def _load_agreed(group, fn: str, check: Callable[[], None], given) -> None:
         if error is not None:
             raise error
         return
-    everyone = _gathered_with_refusals(group, fn, "the state dict", "no rank loads anything", error, summary)
+    everyone = _gathered_with_refusals(group, fn, "the state dict", "no rank loads anything", error, summary, device)
     ranks = dist.get_process_group_ranks(group)
     me = dist.get_rank()
     first = everyone[0]
@@ -1154,7 +1160,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
                     f"{tuple(given.shape)} {given.dtype} tensor under it and a {tuple(state_dict[first].shape)} "
                     f"{state_dict[first].dtype} one under '{first}'. Pass a state dict of this architecture.")
 
-    _load_agreed(state.world_group, fn, check, state_dict)
+    _load_agreed(state.world_group, fn, check, state_dict, getattr(state.groups, "device", None))
     # the modules' extra states first (their set_extra_state may still refuse a value: agreed, so a refusal on any
     # rank raises on every rank before any parameter or buffer is written)
     before = {key: module.get_extra_state() for key, module in extra.items()}
@@ -1170,7 +1176,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) 
             extra[key].set_extra_state(before[key])
 
     try:
-        _load_agreed(state.world_group, fn, set_extra_states, {})
+        _load_agreed(state.world_group, fn, set_extra_states, {}, getattr(state.groups, "device", None))
     except BaseException:
         restore_extra_states()
         raise
@@ -1372,7 +1378,7 @@ def _canonical(value) -> str:
     return repr(value)
 
 
-def _agree_across_ranks(group, options: dict, failure: Optional[BaseException] = None) -> None:
+def _agree_across_ranks(group, options: dict, failure: Optional[BaseException] = None, device=None) -> None:
     """Every rank constructs Muon with the same options (collective over the model's mesh, once): a
     ValueError on every rank naming the first option that differs and each rank's value. ``failure``: this
     rank refused its arguments; every rank raises, this one ``failure``, the others naming it (a ValueError
@@ -1382,7 +1388,7 @@ def _agree_across_ranks(group, options: dict, failure: Optional[BaseException] =
             raise failure
         return
     mine = {key: (_canonical(value), repr(value)) for key, value in options.items()} if failure is None else {}
-    everyone = _gathered_with_refusals(group, "Muon", "the options", "no rank builds Muon", failure, mine)
+    everyone = _gathered_with_refusals(group, "Muon", "the options", "no rank builds Muon", failure, mine, device)
     ranks = dist.get_process_group_ranks(group)
     for key in options:
         values = [theirs.get(key, ("", "unset")) for theirs in everyone]
@@ -1623,7 +1629,7 @@ class Muon(torch.optim.Optimizer):
             post_step_prefetch_groups=post_step_prefetch_groups,
             post_step_prefetch_sharded_adamw=post_step_prefetch_sharded_adamw,
             sharded_adamw_unshard_separate_stream=sharded_adamw_unshard_separate_stream,
-            forward_prefetch_depth=forward_prefetch_depth), failure=failure)
+            forward_prefetch_depth=forward_prefetch_depth), failure=failure, device=getattr(state.groups, "device", None))
         native_user = [dict(g, params=[state.params[n] for n in g["params"] if n not in external]) for g in user]
         options = dict(
             lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps, adamw_lr=adamw_lr,
@@ -2050,12 +2056,12 @@ def get_optimizer_state_dict(model: nn.Module, optimizer, *, cpu_offload: bool =
     ``exp_avg``, ``exp_avg_sq``, ``step`` of the parameters on dmuon's routes), ``"fsdp"`` (the same for
     FSDP2's shards, gathered) and ``"param_groups"`` (every group's hyperparameters), plus
     ``"steps_taken"`` and ``"without_state"`` (the parameters the optimizer holds no state for: frozen, or no
-    gradient yet; a resume leaves them so, trained or not). ``cpu_offload``: tensors on the CPU; ``rank0_only``:
-    only rank 0 (the mesh's first rank) gets a populated
-    dict, the others ``{"fsdp": {}, "dedicated": {}, "param_groups": []}``. An optimizer that has not stepped
-    lists every trainable parameter's state as its first step starts it (zeros, step 0), so that its dict is a
-    template holding every key (``dcp.load({"optim": opt}, ...)`` into a new optimizer fills it; loading such an
-    entry gives fresh state). Collective: every rank of the model's mesh."""
+    gradient yet; a resume leaves them so, trained or not). Those it keeps are in their section too, as their
+    first step starts them (zeros at step 0, loaded as fresh state): the dict holds the same keys whatever the
+    training did, and that of an optimizer that has not stepped is a template holding every key
+    (``dcp.load({"optim": opt}, ...)`` into a new optimizer fills it). ``cpu_offload``: tensors on the
+    CPU; ``rank0_only``: only rank 0 (the mesh's first rank) gets a populated dict, the others
+    ``{"fsdp": {}, "dedicated": {}, "param_groups": []}``. Collective: every rank of the model's mesh."""
     state = _check_optimizer(model, optimizer, "get_optimizer_state_dict")
     optimizer._push_groups()  # a scheduler may have changed lr since the last step
     native = optimizer._native.state(state.runtime, cpu_offload, rank0_only)
@@ -2063,18 +2069,16 @@ def get_optimizer_state_dict(model: nn.Module, optimizer, *, cpu_offload: bool =
     fsdp, without_state = {}, list(native["without_state"])
     if optimizer._external is not None:
         inner = optimizer._external
-        fresh = optimizer.steps_taken == 0  # a template: every trainable parameter's state as its first step starts it
+        trained = _trained_external(state)
         for name, p in state.external.items():  # model order on every rank: the gathers line up
             st = inner.state.get(p, {})
-            if not st and fresh and p.requires_grad:
-                if keep:
+            if not st:  # no state yet: named, and as its first step starts it (every key in the dict, as the core's)
+                without_state.append(name)
+                if keep and name in trained:  # (not one frozen at dedicate_params: the optimizer does not keep it)
                     device = "cpu" if cpu_offload else p.device
                     fsdp[name] = {"exp_avg": torch.zeros(p.shape, dtype=p.dtype, device=device),
                                   "exp_avg_sq": torch.zeros(p.shape, dtype=p.dtype, device=device),
                                   "step": torch.tensor(0.0)}
-                continue
-            if not st:
-                without_state.append(name)
                 continue
             entry = {k: full_tensor(st[k].detach()) for k in ("exp_avg", "exp_avg_sq")}
             entry["step"] = st["step"].detach().clone()
@@ -2271,6 +2275,17 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
             raise ValueError(f"set_optimizer_state_dict: {both[:5]} are listed as without state (without_state) but "
                              "the 'fsdp' section holds their state; the state dict contradicts itself (damaged or "
                              "edited).")
+        unfilled = [n for n, e in state_dict["fsdp"].items() if steps > 0 and n in external and
+                    external[n].requires_grad and n not in without and _fresh_entry(e)]
+        if unfilled:
+            raise ValueError(
+                f"set_optimizer_state_dict: {unfilled[:5]} hold zeros at step 0 (no state) in a state dict at step "
+                f"{steps}, and without_state does not name them: the dict says they had state, and their entries were "
+                "never filled in -- a loader that fills only its template's keys (torch.distributed.checkpoint with "
+                "allow_partial_load=True) given a checkpoint of another layout (FSDP2's fully_shard on one side, "
+                "dmuon's replicate or sharded_adamw on the other) or of another model. Read such a checkpoint whole "
+                "(torch.distributed.checkpoint.format_utils.dcp_to_torch_save, then torch.load) and load its "
+                "optimizer dict.")
         unknown = [n for n in state_dict["fsdp"] if n not in external]
         # (one frozen now may have been frozen before its first step: no state, in torch's optimizer either; one
         # the dict lists as without state had none when it was taken)
@@ -2284,7 +2299,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer, state_dict: dict) -> N
         for name, saved in state_dict["fsdp"].items():  # the core's checks of its own sections, before anything loads
             _check_fsdp_state(name, saved, tuple(external[name].shape))
 
-    _load_agreed(state.world_group, fn, check, state_dict)
+    _load_agreed(state.world_group, fn, check, state_dict, getattr(state.groups, "device", None))
     n = optimizer._native_groups
     # (a tensor or numpy lr, as torch allows, reaches the core as a float; the groups keep what was saved)
     native_groups = [{k: (tuple(_real_number(b) for b in v) if k == "betas" else

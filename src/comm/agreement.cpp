@@ -15,7 +15,16 @@
 namespace dmuon::detail {
 
 namespace {
-constexpr int64_t kMessageBytes = 1024;  // of a refusing rank's error, sent to the others
+constexpr int64_t kMessageBytes = 4096;  // of a refusing rank's error, sent to the others
+
+// The first bytes of `s` that fit `cap`, cut before a UTF-8 character that would not fit whole (a text cut inside
+// one is not UTF-8: Python could not decode the error).
+size_t utf8_prefix(const std::string& s, size_t cap) {
+  if (s.size() <= cap) return s.size();
+  size_t n = cap;
+  while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;  // s[n]: the first byte left out
+  return n;
+}
 
 uint64_t entry_digest(const AgreedEntry& e) { return Fnv1a().str(e.key).u64(e.digest).value(); }
 }  // namespace
@@ -80,7 +89,7 @@ void agree(Communicator& world, const AgreementText& text, const std::function<v
     }
   if (!refused.empty()) {  // every rank learns the first refusal's reason
     at::Tensor msg = at::zeros({kMessageBytes}, at::kByte);
-    std::memcpy(msg.data_ptr(), reason.data(), std::min<size_t>(reason.size(), kMessageBytes - 1));
+    std::memcpy(msg.data_ptr(), reason.data(), utf8_prefix(reason, kMessageBytes - 1));
     at::Tensor msgs = at::empty({kMessageBytes * n}, world.options(at::kByte));
     world.allgather_flat(msgs, msg.to(world.device()), text.fn + ": the refusing ranks' errors").wait_host();
     if (error) std::rethrow_exception(error);

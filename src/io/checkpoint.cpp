@@ -330,15 +330,16 @@ OptimizerStateDict get_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& 
     sink.put(name + ".step", step_tensor(full.step));
     with_state.insert(name);
   });
-  // An optimizer that has not stepped lists each trainable parameter's state as its first step starts it
-  // (zeros, step 0) rather than as without state: a template holding every key, for a loader that fills only
-  // the keys it is given (torch.distributed.checkpoint's load into a new optimizer); set_optimizer_state_dict
-  // takes such an entry as fresh state.
-  if (keep && optimizer.steps_taken() == 0) {
+  // A parameter the optimizer keeps that has no state yet (no step so far, frozen, no gradient yet) is in its
+  // section too, as its first step would start it (zeros, step 0), beside its without_state entry: the dict holds
+  // every key whatever the training did, so a loader that fills only the keys of its template
+  // (torch.distributed.checkpoint, into a new optimizer whose dict is all such entries) finds each of them;
+  // set_optimizer_state_dict takes such an entry as fresh state.
+  if (keep) {
     std::map<std::string, std::vector<int64_t>> shapes;  // full (TP: not this rank's slice)
     for (auto& [name, shape] : st->param_shapes()) shapes.emplace(name, std::move(shape));
     for (const StateSlot& slot : st->state_slots()) {
-      if (!slot.required || !with_state.insert(slot.name).second) continue;
+      if (with_state.count(slot.name)) continue;
       const at::TensorOptions o =
           at::TensorOptions().dtype(slot.dtype).device(options.cpu_offload ? at::Device(at::kCPU) : slot.device);
       TensorDict& d = slot.muon ? out.muon : out.adamw;
@@ -429,17 +430,33 @@ void set_optimizer_state_dict(const std::shared_ptr<RuntimeFace>& runtime, Muon&
       return true;
     };
     slots = st->state_slots();
-    const std::set<std::string> stateless(sd.without_state.begin(), sd.without_state.end());
+    std::set<std::string> stateless(sd.without_state.begin(), sd.without_state.end());
     std::set<std::string> names;
     for (const auto& [name, shape] : st->param_shapes()) names.insert(name);
     for (const StateSlot& slot : slots) {
       has.push_back(slot.muon ? check_entries(sd.muon, used_muon, slot.name, true, slot.shape)
                               : check_entries(sd.adamw, used_adamw, slot.name, false, slot.shape));
-      if (has.back() && fresh_entry(slot.muon ? full_sd.muon : full_sd.adamw, slot.name, slot.muon))
-        has.back() = false;  // zeros at step 0: the state the first step starts from (a template's entry)
-      TORCH_CHECK_VALUE(!(has.back() && stateless.count(slot.name)), "rank ", rank, ": set_optimizer_state_dict: '",
-                        slot.name, "' is listed as without state (without_state) but the ", slot.muon ? "Muon" : "AdamW",
-                        " section holds its state; the state dict contradicts itself (damaged or edited).");
+      TORCH_CHECK_VALUE(!(has.back() && stateless.count(slot.name)) || fresh_entry(slot.muon ? full_sd.muon : full_sd.adamw,
+                                                                                    slot.name, slot.muon),
+                        "rank ", rank, ": set_optimizer_state_dict: '", slot.name, "' is listed as without state "
+                        "(without_state) but the ", slot.muon ? "Muon" : "AdamW", " section holds its state; the state "
+                        "dict contradicts itself (damaged or edited).");
+    }
+    // zeros at step 0: the state a first step starts from (the entry of a parameter without state, beside its
+    // without_state entry; every entry of a new optimizer's dict). After a step, one that without_state does not
+    // name was never filled in: the dict says the parameter had state.
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (!has[i] || !fresh_entry(slots[i].muon ? full_sd.muon : full_sd.adamw, slots[i].name, slots[i].muon)) continue;
+      has[i] = false;
+      TORCH_CHECK_VALUE(sd.steps_taken == 0 || !slots[i].required || stateless.count(slots[i].name), "rank ", rank,
+                        ": set_optimizer_state_dict: '", slots[i].name, "' holds zeros at step 0 (no state) in a state "
+                        "dict at step ", sd.steps_taken, ", and without_state does not name it: the dict says it had "
+                        "state, and its entry was never filled in -- a loader that fills only its template's keys "
+                        "(torch.distributed.checkpoint with allow_partial_load=True) given a checkpoint of another "
+                        "layout (FSDP2's fully_shard on one side, dmuon's replicate or sharded_adamw on the other) or "
+                        "of another model. Read such a checkpoint whole (torch.distributed.checkpoint.format_utils."
+                        "dcp_to_torch_save, then torch.load) and load its optimizer dict.");
+      stateless.insert(slots[i].name);
     }
     for (const std::string& n : stateless)
       TORCH_CHECK_VALUE(names.count(n), "rank ", rank, ": set_optimizer_state_dict: without_state names '", n,

@@ -58,14 +58,21 @@ std::vector<ParamView> Runtime::describe() const {
   std::vector<ParamView> out;
   for (const ModelView::Tensor& item : view_.params) {
     const at::Tensor& p = item.tensor;
-    if (!p.requires_grad()) continue;
     ParamView v;
     v.name = item.name;
     v.param = p;
     v.shape = p.sizes().vec();
     v.prec = precision_of(p);
+    bool routed = false;
     for (const Route* r : routes_)
-      if (r->describe(v.name, v)) break;
+      if (r->describe(v.name, v)) {
+        routed = true;
+        break;
+      }
+    // one a data-parallel route trains (or any, on one rank) stays trainable while frozen, as torch's optimizer
+    // keeps model.parameters() whatever their requires_grad: an optimizer built while it is frozen trains it once
+    // it is unfrozen (a frozen one on no data-parallel route stays out: each rank would step it alone)
+    if (!p.requires_grad() && !(routed && (v.distributed() || mesh().world_size() == 1))) continue;
     out.push_back(std::move(v));
   }
   return out;

@@ -540,8 +540,12 @@ def _frozen_for_a_while(rank, world, layout, set_to_none, out_path):
         early.layers[0].requires_grad_(False)
         train_steps(early, early_opt, early_sched, rank, world, range(1))
         early_sd = dmuon.get_optimizer_state_dict(early, early_opt, rank0_only=False)
-        assert "layers.0.proj.bias" not in early_sd["fsdp" if layout == "fsdp2" else "dedicated_adamw"]
         assert {"layers.0.proj.bias", "layers.0.gate.weight"} <= set(early_sd["without_state"])
+        # (and in their sections as their first step starts them: zeros at step 0, the keys of any dict of this model)
+        for key, name in (("fsdp" if layout == "fsdp2" else "dedicated_adamw", "layers.0.proj.bias"),
+                          ("dedicated", "layers.0.gate.weight")):
+            entry = early_sd[key][name]
+            assert int(entry["step"]) == 0 and all(int(v.count_nonzero()) == 0 for k, v in entry.items() if k != "step")
         dmuon.set_optimizer_state_dict(early, early_opt, early_sd)
         # ... and resumes where that layer trains again, as the run that goes on does (it was refused as an
         # incomplete dict: its trained layers.0 has no state)
@@ -1011,6 +1015,7 @@ def _frozen(rank, world, layout, out_path):
     train_steps(model, opt, sched, rank, world, range(2))
     osd = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
     assert "layers.0.proj.bias" not in osd["fsdp"] and "layers.0.proj.bias" not in osd["dedicated_adamw"]
+    assert "layers.0.proj.bias" in osd["without_state"]
     dmuon.set_optimizer_state_dict(model, opt, osd)  # the frozen ones have no state, and need none
     # the model state dict holds and loads them too (on FSDP2: their shards)
     sd = dmuon.get_model_state_dict(model, rank0_only=False)
@@ -2039,7 +2044,9 @@ def _dcp_into_a_new_optimizer(rank, world, out_dir, fsdp2):
     template (opt.state_dict() of an optimizer that has not stepped) lists every trainable parameter's state as
     the first step starts it (zeros, step 0), so DCP fills every key and the training goes on as if never
     stopped. Before, the template listed no state, DCP filled only the counts and groups and the load refused.
-    The template loaded as it is (zeros, step 0) is fresh state: the same steps as a new optimizer's."""
+    The template loaded as it is (zeros, step 0) is fresh state: the same steps as a new optimizer's. A layer
+    without a gradient before the save is in the checkpoint as fresh state (it was only named in without_state,
+    a key the template has and the checkpoint had not: DCP refused the load), and trains after the resume."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -2048,7 +2055,7 @@ def _dcp_into_a_new_optimizer(rank, world, out_dir, fsdp2):
     opt, sched = make_optimizer(model)
     template = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert template["steps_taken"] == 0 and template["without_state"] == []
+    assert template["steps_taken"] == 0 and set(template["without_state"]) == trainable
     held = {**template["dedicated"], **template["dedicated_adamw"], **template["fsdp"]}
     assert held.keys() == trainable
     shapes = {k: v.shape for k, v in dmuon.get_model_state_dict(model, rank0_only=False).items()}
@@ -2058,14 +2065,31 @@ def _dcp_into_a_new_optimizer(rank, world, out_dir, fsdp2):
             v.shape == shapes[name] and v.dtype == torch.float64 and int(v.count_nonzero()) == 0
             for k, v in entry.items() if k != "step"), name
     opt.load_state_dict(opt.state_dict())  # fresh state: the steps below are a new optimizer's (checked below)
+    model.layers[2].requires_grad_(False)  # no gradient before the save: no state (listed as fresh), then trained
     train_steps(model, opt, sched, rank, world, range(2))
     saved = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
-    assert saved["without_state"] == [] and saved["steps_taken"] == 2
+    frozen = {n for n, _ in model.layers[2].named_parameters(prefix="layers.2")}
+    assert set(saved["without_state"]) == frozen and saved["steps_taken"] == 2
+    assert int(saved["fsdp" if fsdp2 else "dedicated_adamw"]["layers.2.proj.bias"]["step"]) == 0
+    assert int(saved["dedicated"]["layers.2.gate.weight"]["step"]) == 0
+    assert int(saved["dedicated"]["layers.1.gate.weight"]["step"]) == 2
     dcp.save({"optim": opt}, checkpoint_id=out_dir)
     dcp.save({"optim": saved}, checkpoint_id=out_dir + "-dict")
+    # zeros at step 0 after a step for a parameter without_state does not name: an entry a partial load never
+    # filled (a checkpoint of another layout): refused, not taken as fresh state
+    import copy
+    unfilled = copy.deepcopy(saved)
+    entry = unfilled["fsdp" if fsdp2 else "dedicated_adamw"]["scale"]
+    for k in entry:
+        entry[k] = torch.zeros_like(entry[k])
+    with pytest.raises(ValueError, match=r"scale'?\]? holds? zeros at step 0 \(no state\) in a state dict at step 2, "
+                                         r"and without_state does not name (it|them)"):
+        dmuon.set_optimizer_state_dict(model, opt, unfilled)
+    model.layers[2].requires_grad_(True)
 
     reference = dedicated_net(init_device_mesh("cpu", (world,)), fsdp2)  # never loaded: the same two steps
     reference_opt, reference_sched = make_optimizer(reference)
+    reference.layers[2].requires_grad_(False)
     train_steps(reference, reference_opt, reference_sched, rank, world, range(2))
     ref = dmuon.get_model_state_dict(reference, rank0_only=False)
     trained = dmuon.get_model_state_dict(model, rank0_only=False)
@@ -2082,7 +2106,7 @@ def _dcp_into_a_new_optimizer(rank, world, out_dir, fsdp2):
             dcp.load(sd, checkpoint_id=out_dir + "-dict")
             dmuon.set_optimizer_state_dict(fresh, fresh_opt, sd["optim"])
         back = dmuon.get_optimizer_state_dict(fresh, fresh_opt, rank0_only=False)
-        assert back["steps_taken"] == 2 and back["without_state"] == []
+        assert back["steps_taken"] == 2 and set(back["without_state"]) == frozen
         for key in ("fsdp", "dedicated", "dedicated_adamw"):
             assert back[key].keys() == saved[key].keys(), key
             for name, entry in saved[key].items():
@@ -2664,3 +2688,29 @@ def _half_params(rank, world, layout):
 @pytest.mark.parametrize("layout", ["z3", "sharded", "ddp"])
 def test_float16_parameters_keep_float32_optimizer_state_and_train_with_large_gradients(tmp_path, layout):
     run_ranks(tmp_path, 2, _half_params, layout)
+
+
+def _frozen_when_muon_is_built(rank, world, fsdp2):
+    """Staged unfreezing as with torch's optimizers: a layer frozen when dmuon.Muon is built (after
+    dedicate_params), unfrozen before training, trains as if never frozen (float64, 1e-12 against a run without
+    the freeze; replicated and FSDP2). Before, Muon left it out of its groups: it took gradients and was never
+    updated, silently."""
+    runs = []
+    for staged in (True, False):
+        model = dedicated_net(init_device_mesh("cpu", (world,)), fsdp2)
+        if staged:
+            model.layers[1].requires_grad_(False)
+        opt, sched = make_optimizer(model)
+        model.layers[1].requires_grad_(True)
+        train_steps(model, opt, sched, rank, world, range(2))
+        runs.append(dmuon.get_model_state_dict(model, rank0_only=False))
+    staged, plain = runs
+    for name, value in plain.items():
+        assert (staged[name] - value).abs().max() <= 1e-12, name
+    first = make_net().state_dict()
+    assert all(not torch.equal(staged[n], first[n]) for n in first if n.startswith("layers.1."))
+
+
+@pytest.mark.parametrize("fsdp2", [False, True])
+def test_a_layer_frozen_when_muon_is_built_trains_once_unfrozen(tmp_path, fsdp2):
+    run_ranks(tmp_path, 2, _frozen_when_muon_is_built, fsdp2)
